@@ -1,0 +1,39 @@
+# The README's two commands are `make run` and `make test`; each installs what it needs.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install run test lint typecheck pytest bench clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Main job on embedded defaults: replay the shipped synthetic week through the example config
+# and print the policy comparison table.
+run: $(STAMP)
+	$(BIN)/residency replay --config configs/home.yaml --trace bench/traces/home-week-seed1.jsonl
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+pytest: $(STAMP)
+	$(BIN)/pytest -q
+
+test: lint typecheck pytest
+
+bench: $(STAMP)
+	$(BIN)/python bench/replay_quality.py
+	$(BIN)/python bench/replay_speed.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Residency manager: config, pure decision engine, replay and tuning."""

@@ -1,0 +1,383 @@
+"""The decision engine: admission, room-making and tier moves, as data (pure Python).
+
+Order of use (the replay simulator and the live manager drive it the same way):
+  1. `start(now)`            - pinned models (and whatever the policy preloads) are loaded.
+  2. `observe(m, now)`       - a request for `m` arrived: statistics first.
+  3. `admit(m, rank, now)`   - hit, load (with the evictions that make room), wait, or reject.
+  4. `finish(m, start, busy)`- the request holds the model until start + busy.
+  5. `tick(now)`             - keep-alive expiry, elastic leases, policy prewarm; at the times
+                               the engine asked for through `wakeups`.
+Every state change is returned as an `Action` and appended to `actions` (when logging is on).
+
+Admission rules (for every policy): a request never evicts a pinned model, a busy or loading one,
+or one of a higher class; a class with `may_evict: false` only takes free room and room held by
+models whose keep-alive has expired; class reservations and device reserves are never given away;
+elastic leases shrink before any weights are evicted; a model that can never fit is rejected.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+from manager.policy.state import NEVER, ClusterState, DeviceState, ModelState
+from manager.policy.types import Action, ActionKind, Tier
+
+if TYPE_CHECKING:
+    from manager.config import Config
+    from manager.policy.base import Policy
+
+LoadTimeFn = Callable[[ModelState, str], float]
+
+
+class Admission(NamedTuple):
+    """Outcome of `Engine.admit`: status is "hit", "load" (ready at `ready_at`), "wait" or "reject"."""
+
+    status: str
+    ready_at: float
+    reason: str = ""
+
+
+class Counters:
+    __slots__ = (
+        "budget_violations",
+        "evictions",
+        "expiries",
+        "lease_grows",
+        "lease_shrinks",
+        "loads",
+        "loads_by_source",
+        "prewarm_loads",
+        "thrash",
+        "wasted_loads",
+    )
+
+    def __init__(self) -> None:
+        self.evictions = 0
+        self.expiries = 0
+        self.thrash = 0
+        self.prewarm_loads = 0
+        self.wasted_loads = 0
+        self.budget_violations = 0
+        self.lease_shrinks = 0
+        self.lease_grows = 0
+        self.loads = 0
+        self.loads_by_source = {"disk": 0, "cached": 0, "host": 0}
+
+
+class Engine:
+    """Owns the cluster state and applies the policy's choices within the admission rules."""
+
+    def __init__(self, config: Config, policy: Policy, load_time: LoadTimeFn | None = None) -> None:
+        self.config = config
+        self.state = ClusterState(config)
+        self.models = self.state.models
+        self.host = self.state.host
+        self.thrash_window = config.policy.thrash_window
+        self.min_residency = config.policy.min_residency
+        self.load_time: LoadTimeFn = load_time or (lambda m, src: m.cost.get(src))
+        self.counters = Counters()
+        self.wakeups: list[float] = []
+        self.actions: list[tuple[float, Action]] | None = None
+        self.gpu_time: dict[str, float] = dict.fromkeys(self.models, 0.0)
+        self._on_gpu_at: dict[str, float] = {}
+        self.policy = policy
+        policy.bind(self)
+        self.never_fits = {m.name: self._never_fits_reason(m) for m in self.models.values()}
+
+    # ---- requests ---------------------------------------------------------------------------
+    def start(self, now: float) -> None:
+        """Load the pinned models, then let the policy preload."""
+        for m in self.models.values():
+            if m.pinned and self.make_room(m, m.rank, now, may_evict=False, prewarm=True):
+                self.load(m, now, prewarm=False, reason="pinned")
+        self.policy.start(now)
+
+    def observe(self, m: ModelState, now: float) -> None:
+        m.hist.observe(now)
+        self.policy.on_request(m, now)
+        m.last_arrival = now
+
+    def admit(self, m: ModelState, rank: int, now: float) -> Admission:
+        if m.tier == Tier.GPU:
+            if m.prewarmed:
+                m.prewarmed = False
+            return Admission("hit" if m.ready_at <= now else "load", m.ready_at)
+        reason = self.never_fits[m.name]
+        if reason:
+            return Admission("reject", math.inf, reason)
+        if self.make_room(m, rank, now, may_evict=self.state.class_may_evict[rank]):
+            self.load(m, now, prewarm=False, reason="request")
+            return Admission("load", m.ready_at)
+        return Admission("wait", math.inf, "no room yet")
+
+    def finish(self, m: ModelState, start: float, busy_s: float) -> None:
+        end = start + busy_s
+        if end > m.busy_until:
+            m.busy_until = end
+        m.last_end = m.busy_until
+        m.expire_version += 1
+        exp = self.policy.expiry(m, start)
+        if self.policy.is_eager(m) and exp < math.inf:
+            self.wakeups.append(max(exp, m.busy_until))
+        if m.elastic or self.policy.wants_wakeup_after(m):
+            self.wakeups.append(m.busy_until)
+
+    # ---- periodic -----------------------------------------------------------------------------
+    def tick(self, now: float) -> None:
+        """Keep-alive expiry (eager policies), elastic leases, then the policy's prewarm."""
+        pol = self.policy
+        for m in self.models.values():
+            if m.tier != Tier.GPU or m.ready_at > now:
+                continue
+            if not m.pinned and pol.is_eager(m) and m.idle(now) and pol.expiry(m, now) <= now:
+                self.evict(m, now, "keep-alive expired", expiry=True)
+            elif m.elastic:
+                self._refresh_lease(m, now)
+        for m in pol.prewarm(now):
+            self.prewarm(m, now)
+
+    def after_request(self, m: ModelState, now: float) -> None:
+        """Prewarm what the policy expects right after `m` (e.g. the rest of a voice chain)."""
+        for s in self.policy.after_request(m, now):
+            self.prewarm(s, now)
+
+    def prewarm(self, m: ModelState, now: float) -> bool:
+        """Load `m` before a predicted request, displacing only what the policy values less."""
+        if m.tier == Tier.GPU or self.never_fits[m.name]:
+            return False
+        if not self.make_room(m, m.rank, now, may_evict=True, prewarm=True):
+            return False
+        self.load(m, now, prewarm=True, reason="prewarm")
+        return True
+
+    # ---- room -----------------------------------------------------------------------------
+    def _never_fits_reason(self, m: ModelState) -> str:
+        dev = self.state.devices[m.device]
+        higher = sum(dev.reserves[: m.rank])
+        pinned = sum(o.weights + o.lease_min for o in dev.models if o.pinned and o is not m)
+        cap = dev.usable - higher - pinned
+        need = m.weights + m.lease_min
+        if need > cap:
+            return (
+                f"model '{m.name}' needs {need} bytes but device '{dev.name}' can never give it more than "
+                f"{cap} (usable {dev.usable}, higher-class reservations {higher}, pinned models {pinned})"
+            )
+        return ""
+
+    def _eligible(self, c: ModelState, m: ModelState, rank: int, now: float, may_evict: bool, prewarm: bool) -> bool:
+        if c is m or c.tier != Tier.GPU or c.pinned or c.ready_at > now or not c.idle(now):
+            return False
+        if c.rank < rank:
+            return False  # never evict a higher class
+        if prewarm:
+            young = now - c.gpu_since < self.min_residency and self.policy.prewarm_min_residency
+            return not young and self.policy.may_displace(c, m, now)
+        if c.rank == rank and now - c.gpu_since < self.min_residency and c.last_end < c.gpu_since:
+            return False  # loaded for a request (or a prediction) it has not served yet
+        return may_evict or self.policy.expired(c, now)
+
+    @staticmethod
+    def _room_after(dev: DeviceState, rank: int, removed: list[ModelState]) -> int:
+        used = dev.used
+        cu = list(dev.class_used)
+        for c in removed:
+            b = c.gpu_bytes
+            used -= b
+            cu[c.rank] -= b
+        held = 0
+        for i in range(rank):
+            r = dev.reserves[i] - cu[i]
+            if r > 0:
+                held += r
+        return dev.usable - used - held
+
+    def make_room(self, m: ModelState, rank: int, now: float, *, may_evict: bool, prewarm: bool = False) -> bool:
+        """Make room on `m`'s device for `m` (a request of class `rank`), or change nothing."""
+        dev = self.state.devices[m.device]
+        need = m.weights + m.lease_min
+        cap = self.policy.max_loaded
+        over_count = cap is not None and sum(1 for c in dev.models if c.tier == Tier.GPU) >= cap
+        if not over_count and dev.room(m.rank) >= need:
+            return True
+        if may_evict and not prewarm and not over_count:
+            self._shrink_leases(dev, m, rank, need, now)
+            if dev.room(m.rank) >= need:
+                return True
+        cands = [c for c in dev.models if self._eligible(c, m, rank, now, may_evict, prewarm)]
+        if not cands:
+            return False
+
+        def enough(victims: list[ModelState]) -> bool:
+            if over_count and not victims:
+                return False
+            return self._room_after(dev, m.rank, victims) >= need
+
+        victims = self.policy.choose_victims(m, cands, enough, now)
+        if victims is None or not enough(victims):
+            return False
+        for c in victims:
+            self.evict(c, now, f"room for '{m.name}'", expiry=not may_evict)
+        return True
+
+    def _shrink_leases(self, dev: DeviceState, m: ModelState, rank: int, need: int, now: float) -> None:
+        for t in dev.models:
+            if t is m or t.tier != Tier.GPU or not t.elastic or t.rank < rank or t.lease <= t.lease_min:
+                continue
+            short = need - dev.room(m.rank)
+            if short <= 0:
+                return
+            give = min(t.lease - t.lease_min, short)
+            self._set_lease(t, t.lease - give, now, reason=f"room for '{m.name}'")
+            # WorldPager spills the KV pages to host RAM at PCIe speed before the bytes are free.
+            spill_s = give / max(1.0, t.weights / max(1e-6, t.cost.get("host")))
+            dev.loader_free_at = max(dev.loader_free_at, now) + spill_s
+
+    def _refresh_lease(self, m: ModelState, now: float) -> None:
+        dev = self.state.devices[m.device]
+        if m.busy_until > now:  # in session: grow into free room, up to the maximum
+            room = dev.room(m.rank)
+            if m.lease < m.lease_max and room > 0:
+                self._set_lease(m, min(m.lease_max, m.lease + room), now, reason="session wants KV")
+        elif m.lease > m.lease_min:
+            self._set_lease(m, m.lease_min, now, reason="session ended")
+
+    def _set_lease(self, m: ModelState, new: int, now: float, reason: str) -> None:
+        dev = self.state.devices[m.device]
+        delta = new - m.lease
+        dev.add(m, delta)
+        m.lease = new
+        kind = ActionKind.GROW_LEASE if delta > 0 else ActionKind.SHRINK_LEASE
+        if delta > 0:
+            self.counters.lease_grows += 1
+        else:
+            self.counters.lease_shrinks += 1
+        self._check_budget(dev)
+        self._log(now, Action(kind, m.name, m.device, new, reason))
+
+    # ---- tier moves -------------------------------------------------------------------------
+    def load(self, m: ModelState, now: float, *, prewarm: bool, reason: str) -> None:
+        dev = self.state.devices[m.device]
+        host = self.host
+        if m.tier == Tier.HOST:
+            source, kind = "host", ActionKind.PROMOTE
+            host.used -= m.weights
+        else:
+            source = "cached" if m.name in host.cache else "disk"
+            kind = ActionKind.LOAD
+        dur = self.load_time(m, source)
+        start = max(now, dev.loader_free_at, m.ready_at if source == "host" else now)
+        m.ready_at = m.gpu_since = start + dur
+        dev.loader_free_at = m.ready_at
+        m.tier = Tier.GPU
+        m.lease = m.lease_min
+        dev.add(m, m.gpu_bytes)
+        if source != "host":
+            host.cache_touch(m.name, m.weights)
+        m.cost.measure(source, dur)
+        c = self.counters
+        c.loads += 1
+        c.loads_by_source[source] += 1
+        if now - m.left_gpu_at <= self.thrash_window:
+            c.thrash += 1
+        if prewarm:
+            c.prewarm_loads += 1
+            m.prewarmed = True
+        self._on_gpu_at[m.name] = now
+        self._check_budget(dev)
+        self._log(now, Action(kind, m.name, m.device, m.gpu_bytes, reason, prewarm))
+
+    def load_host(self, m: ModelState, now: float, reason: str) -> bool:
+        """Read `m`'s checkpoint into the host tier (disk -> host), if host RAM has room."""
+        host = self.host
+        if m.tier != Tier.DISK or host.usable - host.used < m.weights:
+            return False
+        source = "cached" if m.name in host.cache else "disk"
+        # A disk -> host read costs what a disk -> GPU load costs less the host -> GPU copy.
+        dur = max(0.0, self.load_time(m, source) - self.load_time(m, "host"))
+        m.tier = Tier.HOST
+        m.ready_at = now + dur
+        host.used += m.weights
+        host.cache_shrink()
+        self._check_budget(self.state.devices[m.device])
+        self._log(now, Action(ActionKind.LOAD_HOST, m.name, "host", m.weights, reason, prewarm=True))
+        return True
+
+    def evict(self, c: ModelState, now: float, reason: str, *, expiry: bool = False) -> None:
+        """Take `c` off the GPU: demote to the host tier when the policy wants it and it fits
+        (dropping host residents the policy values less), else drop to disk."""
+        dev = self.state.devices[c.device]
+        dev.add(c, -c.gpu_bytes)
+        nbytes = c.gpu_bytes
+        c.lease = 0
+        c.left_gpu_at = now
+        self.gpu_time[c.name] += now - self._on_gpu_at.pop(c.name, now)
+        cnt = self.counters
+        cnt.evictions += 1
+        if expiry:
+            cnt.expiries += 1
+        if c.prewarmed:
+            cnt.wasted_loads += 1
+            c.prewarmed = False
+        to_host = self.policy.uses_host_tier and self._host_make_room(c, now)
+        if to_host:
+            c.tier = Tier.HOST
+            self.host.used += c.weights
+            self.host.cache_shrink()
+            self._check_budget(dev)
+            self._log(now, Action(ActionKind.DEMOTE, c.name, c.device, nbytes, reason))
+        else:
+            c.tier = Tier.DISK
+            self._log(now, Action(ActionKind.DROP, c.name, c.device, nbytes, reason))
+
+    def _host_make_room(self, c: ModelState, now: float) -> bool:
+        host = self.host
+        if c.weights > host.usable:
+            return False
+        while host.usable - host.used < c.weights:
+            v = self.policy.host_victim(c, now)
+            if v is None:
+                return False
+            self.drop_host(v, now, f"host room for '{c.name}'")
+        return True
+
+    def drop_host(self, v: ModelState, now: float, reason: str) -> None:
+        self.host.used -= v.weights
+        v.tier = Tier.DISK
+        self._log(now, Action(ActionKind.DROP, v.name, "host", v.weights, reason))
+
+    # ---- accounting -------------------------------------------------------------------------
+    def _check_budget(self, dev: DeviceState) -> None:
+        if dev.used > dev.usable or self.host.used > self.host.usable or min(dev.class_used) < 0:
+            self.counters.budget_violations += 1
+
+    def _log(self, now: float, a: Action) -> None:
+        if self.actions is not None:
+            self.actions.append((now, a))
+
+    def close(self, now: float) -> None:
+        """End of replay: account GPU time of what is still resident."""
+        for name, since in self._on_gpu_at.items():
+            self.gpu_time[name] += now - since
+        self._on_gpu_at = {k: now for k in self._on_gpu_at}
+
+    def idle_since(self, m: ModelState) -> float:
+        """When `m` last became idle on the GPU (its last request's end, or its load)."""
+        return m.last_end if m.last_end > m.gpu_since else m.gpu_since
+
+    def next_change(self, now: float) -> float:
+        """Earliest future time at which room could appear (a busy model ends, a load completes,
+        an expiry passes): when waiting requests should be retried."""
+        t = math.inf
+        pol = self.policy
+        for m in self.models.values():
+            if m.tier != Tier.GPU:
+                continue
+            for x in (m.busy_until, m.ready_at, pol.expiry(m, now), m.gpu_since + self.min_residency):
+                if now < x < t:
+                    t = x
+        return t
+
+
+__all__ = ["NEVER", "Admission", "Engine"]

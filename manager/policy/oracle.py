@@ -1,0 +1,147 @@
+"""`oracle`: an offline reference that sees the whole trace (it cannot run live).
+
+It may use every action: host tier, eviction and prewarm.
+- **Eviction**: cost-aware farthest-next-use. A victim whose next request is further away than
+  its reload time (plus slack) costs nothing - it will be prewarmed back in time - so those go
+  first, the farthest first; otherwise the set with the least unavoidable wait (class-weighted).
+- **Prewarm**: just in time - a model not on the GPU is loaded `reload + slack` seconds before
+  its next request, displacing only models whose own next request comes later.
+- **Host tier**: evicted models are demoted when host RAM has room, else the host resident whose
+  next request is farthest is dropped (if further than the incoming one's).
+- **Expiry**: a model is "expired" (free for classes that may not evict) while its next request is
+  further than its reload time.
+It is a strong heuristic, not a proven optimum (with sizes, tiers and a shared loader the exact
+problem is NP-hard); tests check that no online policy beats it on the shipped traces.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from manager.policy.base import Enough, Policy, host_models
+from manager.policy.state import ModelState
+from manager.policy.types import Request, Tier
+
+SLACK_S = 2.0
+WAKE_EARLY_S = 1.0
+FILL_AHEAD_S = 1800.0
+"""Free room is filled with models needed within this long (when the loader is idle)."""
+MAX_SUBSET = 10
+
+
+class OraclePolicy(Policy):
+    name = "oracle"
+    uses_host_tier = True
+    prewarm_min_residency = False
+
+    def __init__(self, requests: Sequence[Request], slack_s: float = SLACK_S, class_weighted: bool = True) -> None:
+        self.slack_s = slack_s
+        self.class_weighted = class_weighted
+        self._times: dict[str, list[float]] = {}
+        for r in requests:
+            self._times.setdefault(r.model, []).append(r.t)
+        self._ptr: dict[str, int] = {}
+        self._weights: list[float] = []
+
+    def bind(self, engine: object) -> None:  # type: ignore[override]
+        super().bind(engine)  # type: ignore[arg-type]
+        n = len(self.engine.state.class_names)
+        self._weights = [3.0 ** (n - 1 - r) if self.class_weighted else 1.0 for r in range(n)]
+        self._ptr = dict.fromkeys(self.engine.models, 0)
+
+    def next_use(self, m: ModelState) -> float:
+        ts = self._times.get(m.name)
+        i = self._ptr[m.name]
+        return ts[i] if ts is not None and i < len(ts) else math.inf
+
+    def reload_s(self, m: ModelState) -> float:
+        host = self.engine.host
+        if m.tier == Tier.HOST or m.weights <= host.usable - host.used:
+            return m.cost.get("host")
+        return m.cost.get("cached" if m.name in host.cache else "disk")
+
+    def source_s(self, m: ModelState) -> float:
+        """Seconds to bring `m` to the GPU from where it is now."""
+        if m.tier == Tier.HOST:
+            return m.cost.get("host")
+        return m.cost.get("cached" if m.name in self.engine.host.cache else "disk")
+
+    def lead(self, m: ModelState) -> float:
+        """How long before its next request a prewarm of `m` must start."""
+        return (self.reload_s(m) if m.tier == Tier.GPU else self.source_s(m)) + self.slack_s
+
+    def penalty(self, c: ModelState, now: float) -> float:
+        return self._weights[c.rank] * max(0.0, self.lead(c) - (self.next_use(c) - now))
+
+    def _wake_for(self, m: ModelState, now: float) -> None:
+        nu = self.next_use(m)
+        if nu < math.inf:
+            self.engine.wakeups.append(max(now, nu - self.lead(m) - WAKE_EARLY_S))
+
+    # ---- hooks ----------------------------------------------------------------------------------
+    def keep_alive(self, m: ModelState, now: float) -> float:
+        return math.inf
+
+    def expiry(self, m: ModelState, now: float) -> float:
+        return now if self.expired(m, now) else math.inf
+
+    def expired(self, m: ModelState, now: float) -> bool:
+        return not m.pinned and self.next_use(m) - now > self.lead(m)
+
+    def start(self, now: float) -> None:
+        for m in sorted(self.engine.models.values(), key=self.next_use):
+            if m.tier != Tier.GPU and self.next_use(m) < math.inf:
+                self.engine.prewarm(m, now)
+            self._wake_for(m, now)
+
+    def on_request(self, m: ModelState, now: float) -> None:
+        self._ptr[m.name] += 1
+        self._wake_for(m, now)
+
+    def choose_victims(
+        self, m: ModelState, cands: list[ModelState], enough: Enough, now: float
+    ) -> list[ModelState] | None:
+        if len(cands) > MAX_SUBSET:
+            cands = sorted(cands, key=lambda c: -(self.next_use(c) - now))[:MAX_SUBSET]
+        pens = [self.penalty(c, now) for c in cands]
+        near = [1.0 / (1.0 + max(0.0, self.next_use(c) - now)) for c in cands]
+        best: tuple[float, float, int] | None = None
+        best_set: list[ModelState] | None = None
+        for mask in range(1, 1 << len(cands)):
+            idx = [i for i in range(len(cands)) if mask >> i & 1]
+            subset = [cands[i] for i in idx]
+            key = (sum(pens[i] for i in idx), sum(near[i] for i in idx), sum(c.gpu_bytes for c in subset))
+            if (best is None or key < best) and enough(subset):
+                best, best_set = key, subset
+        for c in best_set or []:
+            self._wake_for(c, now)
+        return best_set
+
+    def host_victim(self, incoming: ModelState, now: float) -> ModelState | None:
+        hosted = host_models(self.engine)
+        if not hosted:
+            return None
+        v = max(hosted, key=self.next_use)
+        return v if self.next_use(v) > self.next_use(incoming) else None
+
+    def may_displace(self, c: ModelState, m: ModelState, now: float) -> bool:
+        # A JIT prewarm is a demand load moved earlier: displacing what is needed later than `m`
+        # costs no more than the demand eviction would at `m`'s request.
+        return self.next_use(c) > self.next_use(m)
+
+    def prewarm(self, now: float) -> list[ModelState]:
+        """Just-in-time loads, then (loader idle) fill free room with the next-needed models."""
+        out = []
+        for m in self.engine.models.values():
+            if m.tier == Tier.GPU:
+                continue
+            dev = self.engine.state.devices[m.device]
+            backlog = max(0.0, dev.loader_free_at - now)
+            ahead = self.next_use(m) - now
+            if ahead <= self.lead(m) + WAKE_EARLY_S + backlog:
+                out.append(m)
+            elif ahead <= FILL_AHEAD_S and backlog == 0.0 and dev.room(m.rank) >= m.weights + m.lease_min:
+                out.append(m)
+        out.sort(key=self.next_use)
+        return out

@@ -1,0 +1,167 @@
+"""`residency`: our policy - cost-aware, class-weighted, histogram keep-alive and prewarm.
+
+What it decides, and from what:
+- **Value** of keeping a model on the GPU = class weight x reload cost (from the tier it would
+  go to) x P(requested within the horizon). P blends the reuse-interval hazard (given how long the
+  model has been idle) with the arrival rate at this hour of week (hour of day in the first week).
+- **Victims**: the set of eligible models with the least total value that frees enough bytes
+  (all subsets are tried: a home has a handful of models), fewer bytes on ties.
+- **Tiers**: an evicted model is demoted to host RAM when the host tier can take it, dropping
+  host residents worth less; otherwise it is dropped (the OS page cache may still hold its file).
+- **Keep-alive**: an explicit `keep_alive` in the config is the user's word and is honoured
+  eagerly (demote to host when it expires). `auto` (unset) is lazy: the model stays while nobody
+  needs its room, and after the histogram's tail (95th percentile of its reuse intervals) it
+  becomes available to classes that may not evict (background batches).
+- **Prewarm**: (1) at start, models are preloaded into free room by class; (2) after a request
+  for A, models that usually follow A within a minute (learned co-occurrence: voice -> LLM ->
+  TTS chains) are loaded at once; (3) when a model that displaced others goes idle, the most
+  valuable host residents are promoted back into the free room.
+"""
+
+from __future__ import annotations
+
+import math
+
+from manager.policy.base import Enough, Policy, host_models
+from manager.policy.state import ModelState
+from manager.policy.stats import WEEK_S
+from manager.policy.types import Tier
+
+HORIZON_S = 1800.0
+"""How far ahead the value looks."""
+CHAIN_WINDOW_S = 60.0
+"""B 'follows' A when B arrives within this long after A."""
+CHAIN_MIN_P = 0.4
+"""Prewarm B after A when P(B follows A) is at least this."""
+FILL_MIN_P = 0.9
+"""Promote a host resident into free GPU room when P(request within horizon) is at least this."""
+DISPLACE_MARGIN = 4.0
+"""A prewarm displaces a model only when the prewarmed one is worth this many times more."""
+MAX_SUBSET = 10
+
+
+class ResidencyPolicy(Policy):
+    name = "residency"
+    uses_host_tier = True
+
+    def __init__(self) -> None:
+        self.t0 = math.nan
+        self._follow: dict[str, dict[str, int]] = {}
+        self._counted: dict[tuple[str, str], float] = {}
+        self._weights: list[float] = []
+        self._wake_on_idle: set[str] = set()
+
+    def bind(self, engine: object) -> None:  # type: ignore[override]
+        super().bind(engine)  # type: ignore[arg-type]
+        n = len(self.engine.state.class_names)
+        self._weights = [3.0 ** (n - 1 - r) for r in range(n)]
+        self._order = list(self.engine.models.values())
+
+    # ---- prediction ---------------------------------------------------------------------------
+    def p_request(self, m: ModelState, now: float) -> float:
+        """P(a request for `m` within HORIZON_S of `now`)."""
+        h = m.hist
+        if h.count == 0:
+            return 0.05
+        idle = now - m.last_arrival if m.last_arrival > -math.inf else 0.0
+        p_hist = h.p_reuse_within(max(0.0, idle), HORIZON_S)
+        weeks = max(1.0 / 7.0, (now - self.t0) / WEEK_S) if self.t0 == self.t0 else 1.0 / 7.0
+        rate = h.rate_per_hour(now, weeks)
+        p_rate = 1.0 - math.exp(-rate * HORIZON_S / 3600.0)
+        return 0.5 * (p_hist + p_rate)
+
+    def reload_s(self, m: ModelState) -> float:
+        host = self.engine.host
+        if m.weights <= host.usable - host.used or m.tier == Tier.HOST:
+            return m.cost.get("host")
+        return m.cost.get("cached" if m.name in host.cache else "disk")
+
+    def value(self, m: ModelState, now: float) -> float:
+        return self._weights[m.rank] * self.reload_s(m) * self.p_request(m, now)
+
+    # ---- hooks ----------------------------------------------------------------------------------
+    def is_eager(self, m: ModelState) -> bool:
+        return m.keep_alive_cfg is not None and not m.pinned
+
+    def keep_alive(self, m: ModelState, now: float) -> float:
+        if m.pinned:
+            return math.inf
+        if m.keep_alive_cfg is not None:
+            return m.keep_alive_cfg
+        if m.hist.intervals < 5:
+            return self.default_keep_alive
+        return max(self.engine.min_residency, m.hist.quantile(0.95))
+
+    def start(self, now: float) -> None:
+        self.t0 = now
+        for m in sorted(self._order, key=lambda m: m.rank):
+            if m.prewarm_ok and m.tier != Tier.GPU:
+                self.engine.prewarm(m, now)
+        for m in sorted(self._order, key=lambda m: m.rank):
+            if m.prewarm_ok and m.tier == Tier.DISK:
+                self.engine.load_host(m, now, "boot: warm in host RAM")
+
+    def on_request(self, m: ModelState, now: float) -> None:
+        if self.t0 != self.t0:
+            self.t0 = now
+        # Learn "m follows a": count each (a arrival, m) pair once.
+        for a in self._order:
+            if a is m or now - a.last_arrival > CHAIN_WINDOW_S:
+                continue
+            key = (a.name, m.name)
+            if self._counted.get(key) != a.last_arrival:
+                self._counted[key] = a.last_arrival
+                f = self._follow.setdefault(a.name, {})
+                f[m.name] = f.get(m.name, 0) + 1
+
+    def after_request(self, m: ModelState, now: float) -> list[ModelState]:
+        f = self._follow.get(m.name)
+        if not f:
+            return []
+        n = m.hist.count
+        out = []
+        for name, k in f.items():
+            s = self.engine.models[name]
+            if s.tier != Tier.GPU and s.prewarm_ok and k / n >= CHAIN_MIN_P:
+                out.append(s)
+        return out
+
+    def choose_victims(
+        self, m: ModelState, cands: list[ModelState], enough: Enough, now: float
+    ) -> list[ModelState] | None:
+        if len(cands) > MAX_SUBSET:
+            return super().choose_victims(m, cands, enough, now)
+        vals = [self.value(c, now) for c in cands]
+        best: tuple[float, int] | None = None
+        best_set: list[ModelState] | None = None
+        for mask in range(1, 1 << len(cands)):
+            subset = [c for i, c in enumerate(cands) if mask >> i & 1]
+            key = (sum(v for i, v in enumerate(vals) if mask >> i & 1), sum(c.gpu_bytes for c in subset))
+            if (best is None or key < best) and enough(subset):
+                best, best_set = key, subset
+        if best_set is not None:
+            self._wake_on_idle.add(m.name)
+        return best_set
+
+    def host_victim(self, incoming: ModelState, now: float) -> ModelState | None:
+        hosted = host_models(self.engine)
+        if not hosted:
+            return None
+        v = min(hosted, key=lambda h: self.value(h, now))
+        return v if self.value(v, now) < self.value(incoming, now) else None
+
+    def may_displace(self, c: ModelState, m: ModelState, now: float) -> bool:
+        return self.value(c, now) * DISPLACE_MARGIN < self.value(m, now)
+
+    def prewarm(self, now: float) -> list[ModelState]:
+        """Promote valuable host residents back when a displacing model went idle."""
+        if not self._wake_on_idle:
+            return []
+        busy = [n for n in self._wake_on_idle if self.engine.models[n].busy_until > now]
+        self._wake_on_idle = set(busy)
+        hosted = [h for h in host_models(self.engine) if h.prewarm_ok]
+        scored = sorted(((self.value(h, now), h) for h in hosted), key=lambda x: -x[0])
+        return [h for v, h in scored if self.p_request(h, now) >= FILL_MIN_P]
+
+    def wants_wakeup_after(self, m: ModelState) -> bool:
+        return m.name in self._wake_on_idle

@@ -1,0 +1,167 @@
+"""Mutable bookkeeping of what is where (pure Python): models, devices, host RAM, page cache.
+
+The engine (`engine.py`) owns one `ClusterState` and is the only writer. Sizes are bytes, times
+are seconds on the injected clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+from manager.policy.stats import LoadCost, ReuseHistogram
+from manager.policy.types import Tier
+
+if TYPE_CHECKING:
+    from manager.config import Config, ModelConfig
+
+NEVER = -math.inf
+
+
+class ModelState:
+    """One model: its tier, bytes, busy/ready times and statistics."""
+
+    __slots__ = (
+        "cfg",
+        "cost",
+        "device",
+        "expire_version",
+        "gpu_since",
+        "hist",
+        "keep_alive_cfg",
+        "last_arrival",
+        "last_end",
+        "lease",
+        "lease_max",
+        "lease_min",
+        "left_gpu_at",
+        "name",
+        "pinned",
+        "prewarm_ok",
+        "prewarmed",
+        "rank",
+        "ready_at",
+        "busy_until",
+        "tier",
+        "weights",
+        "waiting",
+    )
+
+    def __init__(self, cfg: ModelConfig, rank: int) -> None:
+        self.cfg = cfg
+        self.name = cfg.name
+        self.device = cfg.device
+        self.rank = rank
+        self.pinned = cfg.pin
+        self.weights = cfg.memory
+        self.lease_min = cfg.elastic.min if cfg.elastic else 0
+        self.lease_max = cfg.elastic.max if cfg.elastic else 0
+        self.lease = 0
+        self.keep_alive_cfg = cfg.keep_alive
+        self.prewarm_ok = cfg.prewarm
+        self.tier = Tier.DISK
+        self.ready_at = NEVER
+        self.gpu_since = NEVER
+        self.busy_until = NEVER
+        self.last_end = NEVER
+        self.last_arrival = NEVER
+        self.left_gpu_at = NEVER
+        self.prewarmed = False
+        self.expire_version = 0
+        self.waiting = 0
+        ls = cfg.load_seconds
+        self.cost = LoadCost(ls.disk, ls.cached_s, ls.host)
+        self.hist = ReuseHistogram()
+
+    @property
+    def gpu_bytes(self) -> int:
+        """Bytes this model holds on its device while on the GPU tier (weights + KV lease)."""
+        return self.weights + self.lease
+
+    @property
+    def elastic(self) -> bool:
+        return self.lease_max > 0
+
+    def idle(self, now: float) -> bool:
+        return self.busy_until <= now and self.waiting == 0
+
+    def __repr__(self) -> str:
+        return f"ModelState({self.name}, tier={self.tier.name}, lease={self.lease})"
+
+
+class DeviceState:
+    """One accelerator: usable bytes (memory minus emergency reserve) and class reservations."""
+
+    __slots__ = ("class_used", "loader_free_at", "models", "name", "reserves", "usable", "used")
+
+    def __init__(self, name: str, usable: int, reserves: list[int]) -> None:
+        self.name = name
+        self.usable = usable
+        self.used = 0
+        self.reserves = reserves
+        self.class_used = [0] * len(reserves)
+        self.loader_free_at = NEVER
+        self.models: list[ModelState] = []
+
+    def room(self, rank: int) -> int:
+        """Bytes a model of class `rank` may still take: free bytes minus the unused
+        reservations of the classes above it."""
+        held = 0
+        for i in range(rank):
+            r = self.reserves[i] - self.class_used[i]
+            if r > 0:
+                held += r
+        return self.usable - self.used - held
+
+    def add(self, m: ModelState, nbytes: int) -> None:
+        self.used += nbytes
+        self.class_used[m.rank] += nbytes
+
+    def resident(self) -> list[ModelState]:
+        return [m for m in self.models if m.tier == Tier.GPU]
+
+
+class HostState:
+    """Host RAM: the host tier (weights kept warm) and, in what it leaves free, the OS page cache
+    (an LRU over recently read checkpoint files)."""
+
+    __slots__ = ("cache", "cache_used", "usable", "used")
+
+    def __init__(self, usable: int) -> None:
+        self.usable = usable
+        self.used = 0
+        self.cache: OrderedDict[str, int] = OrderedDict()
+        self.cache_used = 0
+
+    def cache_touch(self, name: str, nbytes: int) -> None:
+        """A checkpoint file was read: it is now the most recent entry of the page cache."""
+        if name in self.cache:
+            self.cache.move_to_end(name)
+        else:
+            self.cache[name] = nbytes
+            self.cache_used += nbytes
+        self.cache_shrink()
+
+    def cache_shrink(self) -> None:
+        cap = self.usable - self.used
+        while self.cache_used > cap and self.cache:
+            _, b = self.cache.popitem(last=False)
+            self.cache_used -= b
+
+
+class ClusterState:
+    """All of it, built from a validated config."""
+
+    def __init__(self, config: Config) -> None:
+        reserves = [c.reserve for c in config.classes]
+        self.devices = {d.name: DeviceState(d.name, d.usable, list(reserves)) for d in config.devices}
+        self.host = HostState(config.host.usable)
+        self.class_names = [c.name for c in config.classes]
+        self.class_may_evict = [c.may_evict for c in config.classes]
+        self.class_max_wait = [c.max_wait if c.max_wait is not None else math.inf for c in config.classes]
+        self.models: dict[str, ModelState] = {}
+        for mc in config.models:
+            m = ModelState(mc, self.class_names.index(mc.class_))
+            self.models[m.name] = m
+            self.devices[m.device].models.append(m)

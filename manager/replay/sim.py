@@ -1,0 +1,281 @@
+"""Discrete-event replay of a request trace through a policy on a simulated home server.
+
+The simulated hardware is the config: device and host budgets with their reserves, load times per
+source (`load_seconds.disk`, `.cached` from the OS page cache, `.host` from host RAM), one load at
+a time per device (loads queue behind each other), and each model serving one request at a time
+(requests queue behind loads and behind busy models). Host RAM not used by the host tier is the
+page cache (LRU over checkpoint files), for every policy alike. Demoting (gpu -> host) and
+dropping are not charged time; shrinking an elastic lease is (its KV spills at PCIe speed).
+
+Time advances from request to request; between them the engine ticks at the times it asked for
+(keep-alive expiries, prewarms, session ends, retries of waiting requests).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from manager.config import Config
+from manager.policy.engine import Engine
+from manager.policy.factory import create_policy
+from manager.policy.state import ModelState
+from manager.policy.types import Action, Request
+
+WARMUP_S = 600.0
+"""The service starts this long before the first request (pinned models are loaded by then)."""
+
+
+@dataclass
+class ModelFigures:
+    requests: int = 0
+    cold_starts: int = 0
+    load_wait_s: float = 0.0
+    resident_fraction: float = 0.0
+
+
+@dataclass
+class ReplayResult:
+    """The ▶ replay JSON fields, plus a few extra figures under their own names."""
+
+    policy: str
+    requests: int = 0
+    served: int = 0
+    rejected: int = 0
+    cold_starts: int = 0
+    load_wait_s: float = 0.0
+    wait_p99_s: dict[str, float] = field(default_factory=dict)
+    evictions: int = 0
+    thrash: int = 0
+    budget_violations: int = 0
+    prewarm_loads: int = 0
+    wasted_loads: int = 0
+    models: dict[str, ModelFigures] = field(default_factory=dict)
+    expiries: int = 0
+    lease_shrinks: int = 0
+    loads_by_source: dict[str, int] = field(default_factory=dict)
+    reject_reasons: dict[str, int] = field(default_factory=dict)
+    bad_lines: int = 0
+    actions: list[tuple[float, Action]] | None = None
+    served_log: list[tuple[float, str, bool, float]] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "requests": self.requests,
+            "served": self.served,
+            "rejected": self.rejected,
+            "cold_starts": self.cold_starts,
+            "load_wait_s": round(self.load_wait_s, 3),
+            "wait_p99_s": {k: round(v, 3) for k, v in self.wait_p99_s.items()},
+            "evictions": self.evictions,
+            "thrash": self.thrash,
+            "budget_violations": self.budget_violations,
+            "prewarm_loads": self.prewarm_loads,
+            "wasted_loads": self.wasted_loads,
+            "models": {
+                k: {
+                    "requests": v.requests,
+                    "cold_starts": v.cold_starts,
+                    "load_wait_s": round(v.load_wait_s, 3),
+                    "resident_fraction": round(v.resident_fraction, 4),
+                }
+                for k, v in self.models.items()
+            },
+            "expiries": self.expiries,
+            "lease_shrinks": self.lease_shrinks,
+            "loads_by_source": self.loads_by_source,
+            "reject_reasons": self.reject_reasons,
+            "bad_lines": self.bad_lines,
+        }
+
+
+def p99(values: list[float]) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    return s[max(0, math.ceil(0.99 * len(s)) - 1)]
+
+
+class _Waiting:
+    __slots__ = ("arrival", "m", "rank", "req")
+
+    def __init__(self, req: Request, m: ModelState, rank: int, arrival: float) -> None:
+        self.req, self.m, self.rank, self.arrival = req, m, rank, arrival
+
+
+class Simulator:
+    """One replay: `Simulator(config, requests, policy).run()`."""
+
+    def __init__(
+        self,
+        config: Config,
+        requests: Sequence[Request],
+        policy: str,
+        *,
+        record: bool = False,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.requests = requests
+        truth = {m.name: (m.load_seconds.disk, m.load_seconds.cached_s, m.load_seconds.host) for m in config.models}
+        idx = {"disk": 0, "cached": 1, "host": 2}
+        self.engine = Engine(config, create_policy(policy, requests), lambda m, src: truth[m.name][idx[src]])
+        if record:
+            self.engine.actions = []
+        self.res = ReplayResult(policy=policy)
+        self.res.served_log = [] if record else None
+        self.progress = progress
+        self.class_names = self.engine.state.class_names
+        self.class_rank = {c: i for i, c in enumerate(self.class_names)}
+        self.waits: dict[str, list[float]] = {c: [] for c in self.class_names}
+        self.figs = {name: ModelFigures() for name in self.engine.models}
+        self.waiting: deque[_Waiting] = deque()
+        self.heap: list[float] = []
+        self._retry_at = math.nan
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def run(self) -> ReplayResult:
+        reqs = self.requests
+        eng = self.engine
+        t_start = (reqs[0].t if reqs else 0.0) - WARMUP_S
+        eng.start(t_start)
+        self._push_wakeups()
+        models = eng.models
+        n = len(reqs)
+        for i, r in enumerate(reqs):
+            now = r.t
+            if self.heap and self.heap[0] <= now:
+                self._drain(now)
+            self.res.requests += 1
+            m = models.get(r.model)
+            rank = m.rank if m is not None and r.cls is None else self.class_rank.get(r.cls or "", -1)
+            if m is None or rank < 0:
+                what = f"unknown model '{r.model}'" if m is None else f"unknown class '{r.cls}'"
+                self._reject(what)
+                continue
+            eng.observe(m, now)
+            if m.waiting:
+                self._wait(_Waiting(r, m, rank, now), now)
+            else:
+                self._handle(_Waiting(r, m, rank, now), now)
+            if eng.wakeups:
+                self._push_wakeups()
+            if self.progress is not None and i % 2000 == 0:
+                self.progress(i, n)
+        t_end = max(reqs[-1].t if reqs else t_start, t_start + 1.0)
+        while self.heap or self.waiting:
+            if not self.heap:
+                for w in self.waiting:
+                    self._reject("no room became free before the end of the trace")
+                self.waiting.clear()
+                break
+            t = self.heap[0]
+            self._drain(t)
+            t_end = max(t_end, t)
+        eng.close(t_end)
+        return self._finish(t_start, t_end)
+
+    def _drain(self, upto: float) -> None:
+        heap = self.heap
+        while heap and heap[0] <= upto:
+            t = heapq.heappop(heap)
+            while heap and heap[0] <= t:
+                heapq.heappop(heap)
+            self.engine.tick(t)
+            if self.waiting:
+                self._retry(t)
+            self._push_wakeups()
+
+    def _push_wakeups(self) -> None:
+        for t in self.engine.wakeups:
+            heapq.heappush(self.heap, t)
+        self.engine.wakeups.clear()
+
+    # ---- one request ------------------------------------------------------------------------------
+    def _handle(self, w: _Waiting, now: float) -> bool:
+        eng, m = self.engine, w.m
+        adm = eng.admit(m, w.rank, now)
+        if adm.status == "reject":
+            self._reject(adm.reason)
+            return True
+        if adm.status == "wait":
+            self._wait(w, now)
+            return False
+        ready = adm.ready_at
+        start = max(now, ready, m.busy_until)
+        cold = ready > w.arrival
+        lw = ready - w.arrival if cold else 0.0
+        res, fig = self.res, self.figs[m.name]
+        res.served += 1
+        fig.requests += 1
+        if cold:
+            res.cold_starts += 1
+            res.load_wait_s += lw
+            fig.cold_starts += 1
+            fig.load_wait_s += lw
+        self.waits[self.class_names[w.rank]].append(start - w.arrival)
+        if res.served_log is not None:
+            res.served_log.append((w.arrival, m.name, cold, lw))
+        eng.finish(m, start, w.req.busy_s)
+        eng.after_request(m, now)
+        return True
+
+    def _wait(self, w: _Waiting, now: float) -> None:
+        if now - w.arrival > self.engine.state.class_max_wait[w.rank]:
+            self._reject(f"waited longer than class '{self.class_names[w.rank]}' max_wait for room")
+            return
+        self.waiting.append(w)
+        w.m.waiting += 1
+        self._schedule_retry(now)
+
+    def _schedule_retry(self, now: float) -> None:
+        t = self.engine.next_change(now)
+        if t < math.inf and t != self._retry_at:
+            self._retry_at = t
+            heapq.heappush(self.heap, t)
+
+    def _retry(self, now: float) -> None:
+        pending, self.waiting = self.waiting, deque()
+        blocked: set[str] = set()
+        for w in pending:
+            w.m.waiting -= 1
+            if w.m.name in blocked:
+                self._wait(w, now)
+            elif not self._handle(w, now):
+                blocked.add(w.m.name)
+
+    def _reject(self, reason: str) -> None:
+        self.res.rejected += 1
+        self.res.reject_reasons[reason] = self.res.reject_reasons.get(reason, 0) + 1
+
+    def _finish(self, t_start: float, t_end: float) -> ReplayResult:
+        res, c = self.res, self.engine.counters
+        span = t_end - t_start
+        for name, fig in self.figs.items():
+            fig.resident_fraction = min(1.0, self.engine.gpu_time[name] / span)
+        res.models = self.figs
+        res.wait_p99_s = {k: p99(v) for k, v in self.waits.items()}
+        res.evictions, res.thrash, res.expiries = c.evictions, c.thrash, c.expiries
+        res.budget_violations, res.prewarm_loads, res.wasted_loads = c.budget_violations, c.prewarm_loads, c.wasted_loads
+        # A prewarmed model never used before the end of the trace was a wasted load too.
+        res.wasted_loads += sum(1 for m in self.engine.models.values() if m.prewarmed)
+        res.lease_shrinks, res.loads_by_source = c.lease_shrinks, dict(c.loads_by_source)
+        res.actions = self.engine.actions
+        return res
+
+
+def replay(
+    config: Config,
+    requests: Sequence[Request],
+    policy: str,
+    *,
+    record: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> ReplayResult:
+    """Replay `requests` through `policy` on the server described by `config`."""
+    return Simulator(config, requests, policy, record=record, progress=progress).run()

@@ -1,0 +1,218 @@
+"""Request traces as JSON Lines (the ▶ request-trace contract in docs/ARCHITECTURE.md).
+
+One request per line, in time order::
+
+    {"t":1793577600.0,"model":"voice","busy_s":0.4}
+    {"t":1793577601.2,"model":"world","busy_s":5400.0,"kind":"session","client":"world-app"}
+
+Primitives, in the order a trace meets them:
+  parse_line      - one line -> Request, or ValueError with a reason a person can act on.
+  read_trace      - a file -> TraceReadResult (good requests plus the bad lines, numbered);
+                    strict=True raises TraceError on the first bad line instead.
+  request_to_json - Request -> one compact line (t and busy_s rounded to milliseconds).
+  write_trace     - Requests -> a file.
+
+Notes:
+  Line numbers are 1-based and count blank lines (which are skipped silently), so they match what an
+  editor shows. A line whose `t` is earlier than the previous good line's is bad: replay needs time
+  order, and silently re-sorting would hide a broken exporter.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from manager.policy.types import Request
+
+__all__ = [
+    "ALLOWED_FIELDS",
+    "KINDS",
+    "TraceError",
+    "TraceReadResult",
+    "parse_line",
+    "read_trace",
+    "request_to_json",
+    "write_trace",
+]
+
+ALLOWED_FIELDS: tuple[str, ...] = ("t", "model", "busy_s", "class", "kind", "client")
+KINDS: frozenset[str] = frozenset({"infer", "session"})
+_ALLOWED_SET = frozenset(ALLOWED_FIELDS)
+
+
+class TraceError(Exception):
+    """A trace that cannot be used: `path`, 1-based `line` (0 for the file as a whole), `reason`."""
+
+    def __init__(self, path: str, line: int, reason: str) -> None:
+        super().__init__(f"{path}:{line}: {reason}")
+        self.path = path
+        self.line = line
+        self.reason = reason
+
+
+@dataclass
+class TraceReadResult:
+    """What `read_trace` found: the good `requests` in file order and the `bad_lines` it skipped."""
+
+    requests: list[Request]
+    bad_lines: list[tuple[int, str]] = field(default_factory=list)
+    path: str = ""
+
+
+def _show(v: object) -> str:
+    """repr, cut short: a reason is one line even when the value is a 5 kB string."""
+    s = repr(v)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+def _is_number(v: object) -> bool:
+    # bool is an int subclass; `true` is not a time.
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _number(obj: dict[str, Any], key: str) -> float:
+    if key not in obj:
+        raise ValueError(f"missing field {key!r}")
+    v = obj[key]
+    if _is_number(v):
+        try:
+            f = float(v)
+        except OverflowError:  # a huge JSON integer
+            f = math.inf
+        if math.isfinite(f) and f >= 0:
+            return f
+    raise ValueError(f"{key!r} must be a finite number ≥ 0, got {_show(v)}")
+
+
+def _optional_str(obj: dict[str, Any], key: str) -> str | None:
+    v = obj.get(key)
+    if v is None or isinstance(v, str):
+        return v
+    raise ValueError(f"{key!r} must be a string, got {_show(v)}")
+
+
+def _known(what: str, value: str, known: Collection[str]) -> None:
+    if value not in known:
+        raise ValueError(f"unknown {what} {_show(value)} (known: {', '.join(sorted(known))})")
+
+
+def parse_line(
+    text: str,
+    line_no: int,
+    known_models: Collection[str] | None = None,
+    known_classes: Collection[str] | None = None,
+) -> Request:
+    """Parse one trace line into a `Request`.
+
+    Args:
+        text: the line (surrounding whitespace is fine).
+        line_no: its 1-based number. Reasons do not repeat it (callers prefix "path:line:"), so
+            equal problems on different lines read the same and can be grouped.
+        known_models / known_classes: when given, names outside them are rejected.
+
+    Raises:
+        ValueError: with a one-line reason naming the field and the offending value.
+    """
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"not a JSON object (got {type(obj).__name__})")
+    extra = obj.keys() - _ALLOWED_SET
+    if extra:
+        names = ", ".join(_show(k) for k in sorted(extra))
+        raise ValueError(f"unknown field {names} (allowed: {', '.join(ALLOWED_FIELDS)})")
+    t = _number(obj, "t")
+    if "model" not in obj:
+        raise ValueError("missing field 'model'")
+    model = obj["model"]
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"'model' must be a non-empty string, got {_show(model)}")
+    busy_s = _number(obj, "busy_s")
+    kind = obj.get("kind", "infer")
+    if not isinstance(kind, str) or kind not in KINDS:
+        raise ValueError(f"'kind' must be one of 'infer', 'session', got {_show(kind)}")
+    cls = _optional_str(obj, "class")
+    client = _optional_str(obj, "client")
+    if known_models is not None:
+        _known("model", model, known_models)
+    if known_classes is not None and cls is not None:
+        _known("class", cls, known_classes)
+    return Request(t=t, model=model, busy_s=busy_s, cls=cls, kind=kind, client=client)
+
+
+def read_trace(
+    path: str | os.PathLike[str],
+    *,
+    strict: bool = False,
+    known_models: Collection[str] | None = None,
+    known_classes: Collection[str] | None = None,
+) -> TraceReadResult:
+    """Read a JSONL trace.
+
+    Returns:
+        The good requests (in file order, which is time order) and the bad lines as
+        (line number, reason).
+
+    Raises:
+        TraceError: the file cannot be read (line 0), or `strict` and a line is bad.
+    """
+    p = str(path)
+    models = frozenset(known_models) if known_models is not None else None
+    classes = frozenset(known_classes) if known_classes is not None else None
+    result = TraceReadResult(requests=[], bad_lines=[], path=p)
+    last_t = -math.inf
+    try:
+        f = open(p, encoding="utf-8", errors="replace")  # noqa: SIM115 - closed by the with below
+    except FileNotFoundError:
+        raise TraceError(p, 0, "no such file") from None
+    except OSError as e:
+        raise TraceError(p, 0, e.strerror or str(e)) from None
+    with f:
+        for line_no, text in enumerate(f, start=1):
+            if not text.strip():
+                continue
+            try:
+                r = parse_line(text, line_no, models, classes)
+                if r.t < last_t:
+                    raise ValueError(f"out of time order: t={r.t} after t={last_t}")
+            except ValueError as e:
+                if strict:
+                    raise TraceError(p, line_no, str(e)) from None
+                result.bad_lines.append((line_no, str(e)))
+                continue
+            last_t = r.t
+            result.requests.append(r)
+    return result
+
+
+def request_to_json(r: Request) -> str:
+    """One compact line: t, model, busy_s, then class/kind/client only where not the default."""
+    obj: dict[str, object] = {"t": round(r.t, 3), "model": r.model, "busy_s": round(r.busy_s, 3)}
+    if r.cls is not None:
+        obj["class"] = r.cls
+    if r.kind != "infer":
+        obj["kind"] = r.kind
+    if r.client is not None:
+        obj["client"] = r.client
+    return json.dumps(obj, separators=(",", ":"))
+
+
+def write_trace(path: str | os.PathLike[str], requests: Iterable[Request]) -> int:
+    """Write requests as JSONL (parent folders are created). Returns how many were written."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    n = 0
+    with out.open("w", encoding="utf-8") as f:
+        for r in requests:
+            f.write(request_to_json(r))
+            f.write("\n")
+            n += 1
+    return n

@@ -1,0 +1,160 @@
+"""Sizes and durations as people write them in configs: `24GiB`, `512MiB`, `30m`, `1h30m`.
+
+Pure and stdlib-only. Parsing is exact (decimal arithmetic), so `1.5GiB` is exactly 1610612736 bytes
+and `1m30.1s` is 90.1 seconds; formatting picks the shortest exact spelling when there is one.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from decimal import Decimal, InvalidOperation
+
+__all__ = ["format_duration", "format_size", "parse_duration", "parse_size"]
+
+_SIZE_EXPECTED = "expected a size like '24GiB', '512MiB' or a number of bytes"
+_DURATION_EXPECTED = "expected a duration like '30m', '2h', '45s' or seconds"
+
+# Binary (IEC) and decimal (SI) units, lower-cased. Bare "k/m/g/t" are rejected as ambiguous.
+_SIZE_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+    "pib": 1 << 50,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "pb": 10**15,
+}
+# What format_size tries, in order: binary units largest first, then decimal ones.
+_FORMAT_SIZE_UNITS: tuple[tuple[str, int], ...] = (
+    ("PiB", 1 << 50),
+    ("TiB", 1 << 40),
+    ("GiB", 1 << 30),
+    ("MiB", 1 << 20),
+    ("KiB", 1 << 10),
+    ("PB", 10**15),
+    ("TB", 10**12),
+    ("GB", 10**9),
+    ("MB", 10**6),
+    ("kB", 10**3),
+)
+
+_DURATION_UNITS: dict[str, Decimal] = {
+    "ms": Decimal("0.001"),
+    "s": Decimal(1),
+    "m": Decimal(60),
+    "h": Decimal(3600),
+    "d": Decimal(86400),
+    "w": Decimal(604800),
+}
+_FORMAT_DURATION_UNITS: tuple[tuple[str, int], ...] = (("d", 86400), ("h", 3600), ("m", 60))
+
+_NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)"
+_SIZE_RE = re.compile(rf"^\s*({_NUMBER})\s*([A-Za-z]*)\s*$")
+_DURATION_PART_RE = re.compile(rf"\s*({_NUMBER})\s*(ms|s|m|h|d|w)\s*", re.IGNORECASE)
+_PLAIN_NUMBER_RE = re.compile(rf"^\s*{_NUMBER}\s*$")
+
+
+def _number(v: int | float, expected: str) -> Decimal:
+    """A non-negative finite number given as int/float (bool is not a number here)."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise ValueError(f"{expected}, got {v!r}")
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ValueError(f"{expected}, got {v!r}")
+    if v < 0:
+        raise ValueError(f"{expected}; it must not be negative, got {v!r}")
+    return Decimal(v) if isinstance(v, int) else Decimal(repr(v))
+
+
+def parse_size(v: int | float | str) -> int:
+    """Bytes from `24GiB`, `512MiB`, `1.5GiB`, `10GB` (decimal), `123`, `123B` or a number.
+
+    Units are case-insensitive; a space between number and unit is allowed. Fractions of a byte are
+    rounded to the nearest byte. Raises ValueError saying what was expected.
+    """
+    if isinstance(v, str):
+        m = _SIZE_RE.match(v)
+        unit = _SIZE_UNITS.get(m.group(2).lower()) if m else None
+        if m is None or unit is None:
+            raise ValueError(f"{_SIZE_EXPECTED}, got {v!r}")
+        try:
+            value = Decimal(m.group(1)) * unit
+        except InvalidOperation as exc:  # pragma: no cover - the regex admits only valid numbers
+            raise ValueError(f"{_SIZE_EXPECTED}, got {v!r}") from exc
+    else:
+        value = _number(v, _SIZE_EXPECTED)
+    return int(value.to_integral_value())
+
+
+def parse_duration(v: int | float | str) -> float:
+    """Seconds from `45s`, `30m`, `2h`, `1d`, `1w`, `500ms`, `1h30m`, `1.5h`, `90` or a number.
+
+    Units are case-insensitive. Raises ValueError saying what was expected (negative, infinite or
+    NaN values are errors; `forever` is the keep-alive's business, not a duration).
+    """
+    if not isinstance(v, str):
+        return float(_number(v, _DURATION_EXPECTED))
+    if _PLAIN_NUMBER_RE.match(v):
+        return float(Decimal(v.strip()))
+    total = Decimal(0)
+    pos = 0
+    for m in _DURATION_PART_RE.finditer(v):
+        if m.start() != pos:
+            break
+        total += Decimal(m.group(1)) * _DURATION_UNITS[m.group(2).lower()]
+        pos = m.end()
+    if pos == 0 or pos != len(v):
+        raise ValueError(f"{_DURATION_EXPECTED}, got {v!r}")
+    return float(total)
+
+
+def _decimal_str(d: Decimal) -> str:
+    """`d` in plain positional notation without trailing zeros: 1.50 -> '1.5', 2E+1 -> '20'."""
+    text = format(d, "f")
+    if "." in text:
+        text = text.rstrip("0").rstrip(".")
+    return text
+
+
+def format_size(n: int) -> str:
+    """Human spelling of `n` bytes that parse_size reads back: 24GiB, 1.5GiB, 1200MiB, 10GB, 0B.
+
+    Exact whenever a unit spells `n` with at most two decimals and fewer than five digits before
+    the point (always for whole multiples of a unit below 10000); binary units are preferred.
+    Otherwise the largest binary unit, rounded to two decimals (1000001 -> '976.56KiB').
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"expected a non-negative number of bytes, got {n!r}")
+    for name, unit in _FORMAT_SIZE_UNITS:
+        if unit <= n < unit * 10000 and (n * 100) % unit == 0:
+            return f"{_decimal_str(Decimal(n * 100 // unit) / 100)}{name}"
+    if n < 10000:
+        return f"{n}B"
+    name, unit = next((name, unit) for name, unit in _FORMAT_SIZE_UNITS if n >= unit)
+    return f"{_decimal_str(round(Decimal(n) / unit, 2))}{name}"
+
+
+def format_duration(s: float) -> str:
+    """Human spelling of `s` seconds that parse_duration reads back: 30m, 2h, 1h30m, 45s, 0.5s.
+
+    Infinity is "forever" (a keep-alive that never expires). Exact: the parts add up to `s`.
+    """
+    if isinstance(s, bool) or not isinstance(s, int | float) or math.isnan(s) or s < 0:
+        raise ValueError(f"expected a non-negative number of seconds, got {s!r}")
+    if math.isinf(s):
+        return "forever"
+    rest = Decimal(s) if isinstance(s, int) else Decimal(repr(s))
+    parts: list[str] = []
+    for name, unit in _FORMAT_DURATION_UNITS:
+        count = int(rest // unit)
+        if count:
+            parts.append(f"{count}{name}")
+            rest -= count * unit
+    if rest or not parts:
+        parts.append(f"{_decimal_str(rest)}s")
+    return "".join(parts)
