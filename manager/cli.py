@@ -1,0 +1,228 @@
+"""`residency` command line: replay, tune, trace synth, config schema/check.
+
+Errors in what the user gave (a config, a trace, a flag) are printed without a traceback and exit
+with status 2. `serve`, `ps` and `trace export` belong to the service and arrive with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from manager.config import Config, ConfigError, config_json_schema, load_config, write_config_with_updates
+from manager.policy.factory import POLICY_NAMES
+from manager.policy.types import Request
+from manager.replay.sim import ReplayResult, replay
+from manager.replay.synth import PROFILES, synth
+from manager.replay.trace import TraceError, read_trace, write_trace
+
+err = Console(stderr=True)
+MAX_BAD_LINES_SHOWN = 10
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed, exit 2."""
+
+
+def _load_trace(path: str, config: Config, strict: bool) -> tuple[list[Request], int]:
+    res = read_trace(
+        path,
+        strict=strict,
+        known_models=config.model_names(),
+        known_classes=[c.name for c in config.classes],
+    )
+    for line, reason in res.bad_lines[:MAX_BAD_LINES_SHOWN]:
+        err.print(f"[yellow]skipped[/] {path}:{line}: {reason}", highlight=False)
+    if len(res.bad_lines) > MAX_BAD_LINES_SHOWN:
+        err.print(f"[yellow]skipped[/] {len(res.bad_lines) - MAX_BAD_LINES_SHOWN} more bad lines", highlight=False)
+    if res.bad_lines:
+        err.print(f"{path}: {len(res.bad_lines)} bad line(s) skipped (--strict makes them fatal)", highlight=False)
+    return res.requests, len(res.bad_lines)
+
+
+def _replay_all(config: Config, reqs: list[Request], policies: Sequence[str], bad: int) -> list[ReplayResult]:
+    out = []
+    show = len(reqs) * len(policies) > 20_000 and err.is_terminal
+    with Progress(console=err, transient=True, disable=not show) as prog:
+        for p in policies:
+            task = prog.add_task(f"replay {p}", total=len(reqs))
+            r = replay(config, reqs, p, progress=lambda i, n, t=task: prog.update(t, completed=i))
+            r.bad_lines = bad
+            out.append(r)
+    return out
+
+
+def _table(results: list[ReplayResult], title: str) -> Table:
+    classes = list(results[0].wait_p99_s) if results else []
+    t = Table(title=title)
+    t.add_column("figure")
+    for r in results:
+        t.add_column(r.policy, justify="right")
+    rows: list[tuple[str, list[Any]]] = [
+        ("requests", [r.requests for r in results]),
+        ("served", [r.served for r in results]),
+        ("rejected", [r.rejected for r in results]),
+        ("cold starts", [r.cold_starts for r in results]),
+        ("load wait s", [f"{r.load_wait_s:.1f}" for r in results]),
+        *[(f"p99 {c} s", [f"{r.wait_p99_s.get(c, 0.0):.2f}" for r in results]) for c in classes],
+        ("evictions", [r.evictions for r in results]),
+        ("thrash", [r.thrash for r in results]),
+        ("budget violations", [r.budget_violations for r in results]),
+        ("prewarm loads", [r.prewarm_loads for r in results]),
+        ("wasted loads", [r.wasted_loads for r in results]),
+    ]
+    for name, vals in rows:
+        t.add_row(name, *[str(v) for v in vals])
+    return t
+
+
+def cmd_replay(a: argparse.Namespace) -> int:
+    config = load_config(a.config)
+    reqs, bad = _load_trace(a.trace, config, a.strict)
+    if a.json:
+        r = _replay_all(config, reqs, [a.policy or config.policy.name], bad)[0]
+        print(json.dumps(r.to_json()))
+        return 0
+    policies = [a.policy] if a.policy else list(POLICY_NAMES)
+    results = _replay_all(config, reqs, policies, bad)
+    Console().print(_table(results, f"{a.trace} through {a.config}"))
+    return 0
+
+
+def cmd_synth(a: argparse.Namespace) -> int:
+    try:
+        reqs = synth(a.profile, a.days, a.seed)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    n = write_trace(a.out, reqs)
+    err.print(f"wrote {n} requests ({a.days} days, profile {a.profile}, seed {a.seed}) to {a.out}", highlight=False)
+    return 0
+
+
+def cmd_schema(a: argparse.Namespace) -> int:
+    print(json.dumps(config_json_schema(), indent=2))
+    return 0
+
+
+def cmd_check(a: argparse.Namespace) -> int:
+    c = load_config(a.config)
+    err.print(f"{a.config}: ok ({len(c.devices)} devices, {len(c.classes)} classes, {len(c.models)} models)")
+    return 0
+
+
+def cmd_tune(a: argparse.Namespace) -> int:
+    from manager.replay.tune import split_holdout, tune
+
+    config = load_config(a.config)
+    reqs, _ = _load_trace(a.trace, config, a.strict)
+    if a.holdout:
+        search, holdout = reqs, _load_trace(a.holdout, config, a.strict)[0]
+    else:
+        search, holdout = split_holdout(reqs)
+    with Progress(console=err, transient=True, disable=not err.is_terminal) as prog:
+        task = prog.add_task("tuning", total=None)
+        res = tune(config, search, holdout, policy=a.policy, progress=lambda s: prog.update(task, description=s))
+    header = (
+        f"Tuned by `residency tune` from {a.config} on {a.trace} ({len(search)} requests); "
+        f"{len(res.changes)} change(s): {'; '.join(res.changes) or 'none'}"
+    )
+    write_config_with_updates(Path(a.config), Path(a.out), res.model_updates, res.class_updates, header)
+    fig: dict[str, Any] = {
+        "out": a.out,
+        "evaluations": res.evaluations,
+        "changes": res.changes,
+        "search": {"before": res.search_before.to_json(), "after": res.search_after.to_json()},
+    }
+    if res.holdout_before is not None and res.holdout_after is not None:
+        fig["holdout"] = {"before": res.holdout_before.to_json(), "after": res.holdout_after.to_json()}
+    if a.report:
+        _report(a, config, res, holdout or search)
+        fig["report"] = str(Path(a.report) / "index.html")
+    if a.json:
+        print(json.dumps(fig))
+    else:
+        which = "holdout" if "holdout" in fig else "search"
+        before = res.holdout_before if res.holdout_before else res.search_before
+        after = res.holdout_after if res.holdout_after else res.search_after
+        before.policy, after.policy = "before", "after"
+        Console().print(_table([before, after], f"{which} trace, policy {a.policy}: before vs after tuning"))
+        err.print(f"wrote {a.out}; changes: {'; '.join(res.changes) or 'none'}", highlight=False)
+    return 0
+
+
+def _report(a: argparse.Namespace, config: Config, res: Any, reqs: list[Request]) -> None:
+    from manager.replay.report import write_report
+
+    before = replay(config, reqs, a.policy, record=True)
+    after = replay(res.config, reqs, a.policy, record=True)
+    weights = {m.name: m.memory for m in config.models}
+    t0, t1 = (reqs[0].t, reqs[-1].t) if reqs else (0.0, 1.0)
+    notes = [f"change: {c}" for c in res.changes] or ["no change beat the running config"]
+    write_report(Path(a.report), before=before, after=after, t_start=t0, t_end=t1, model_weights=weights, notes=notes)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="residency", description="Decides which models stay resident.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    r = sub.add_parser("replay", help="replay a request trace through the policies")
+    r.add_argument("--config", required=True)
+    r.add_argument("--trace", required=True)
+    r.add_argument("--policy", choices=POLICY_NAMES, help="one policy (default: all side by side)")
+    r.add_argument("--json", action="store_true", help="one JSON object (the config's policy unless --policy)")
+    r.add_argument("--strict", action="store_true", help="a bad trace line is fatal")
+    r.set_defaults(fn=cmd_replay)
+
+    t = sub.add_parser("tune", help="tune keep-alives, prewarm and class reservations by replay")
+    t.add_argument("--config", required=True)
+    t.add_argument("--trace", required=True)
+    t.add_argument("--out", required=True)
+    t.add_argument("--holdout", help="trace to judge the result on (default: the last 2 days of --trace)")
+    t.add_argument("--report", help="directory for an HTML report with plots")
+    t.add_argument("--policy", choices=POLICY_NAMES, default="residency")
+    t.add_argument("--json", action="store_true")
+    t.add_argument("--strict", action="store_true")
+    t.set_defaults(fn=cmd_tune)
+
+    tr = sub.add_parser("trace", help="request traces").add_subparsers(dest="trace_cmd", required=True)
+    s = tr.add_parser("synth", help="a synthetic home week")
+    s.add_argument("--profile", default="home", help=f"one of: {', '.join(PROFILES)}")
+    s.add_argument("--days", type=int, default=7)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--out", required=True)
+    s.set_defaults(fn=cmd_synth)
+
+    c = sub.add_parser("config", help="config files").add_subparsers(dest="config_cmd", required=True)
+    c.add_parser("schema", help="print the JSON Schema of config files").set_defaults(fn=cmd_schema)
+    ck = c.add_parser("check", help="validate a config file")
+    ck.add_argument("config")
+    ck.set_defaults(fn=cmd_check)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        rc: int = args.fn(args)
+        return rc
+    except ConfigError as e:
+        err.print(str(e), highlight=False, markup=False)
+    except TraceError as e:
+        err.print(f"{e} (the trace is invalid; without --strict bad lines are skipped)", highlight=False, markup=False)
+    except UsageError as e:
+        err.print(f"residency: {e}", highlight=False, markup=False)
+    except OSError as e:
+        err.print(f"residency: {e}", highlight=False, markup=False)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

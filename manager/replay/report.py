@@ -1,0 +1,292 @@
+"""The `residency tune --report DIR` page: plots of two replays (before / after tuning) and a table.
+
+Pure plotting and HTML (matplotlib with the Agg backend); the page is self-contained: inline CSS,
+no scripts, no external URLs, PNGs next to `index.html`.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+from matplotlib.patches import Patch
+
+from manager.policy.stats import hour_of_week
+from manager.policy.types import Action, ActionKind
+from manager.replay.sim import ReplayResult
+
+DAY = 86400.0
+GIB = float(1 << 30)
+TIER_COLORS = {"gpu": "#2ca02c", "host": "#ff7f0e", "disk": "#d9d9d9"}
+DAY_NAMES = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
+SUMMARY_KEYS = ("requests", "served", "rejected", "cold_starts", "load_wait_s")
+SUMMARY_KEYS_2 = ("evictions", "thrash", "budget_violations", "prewarm_loads", "wasted_loads")
+Actions = Sequence[tuple[float, Action]]
+
+
+def _tier_after(a: Action, tier: str) -> str:
+    """The tier of `a.model` after `a`, given its tier `tier` before."""
+    if a.kind in (ActionKind.LOAD, ActionKind.PROMOTE):
+        return "gpu"
+    if a.kind in (ActionKind.DEMOTE, ActionKind.LOAD_HOST):
+        return "host"
+    if a.kind is ActionKind.DROP:
+        return "disk"
+    return tier  # lease actions don't move the model
+
+
+def tier_spans(
+    actions: Actions, models: Sequence[str], t_start: float, t_end: float
+) -> dict[str, list[tuple[float, float, str]]]:
+    """Per model, the spans `(t0, t1, tier)` covering [t_start, t_end], tier one of gpu/host/disk.
+
+    Every model starts on disk; actions before `t_start` set the tier at `t_start`, actions after
+    `t_end` are ignored, and so are models not in `models`. Adjacent spans have different tiers.
+    """
+    tier = {m: "disk" for m in models}
+    since = {m: t_start for m in models}
+    spans: dict[str, list[tuple[float, float, str]]] = {m: [] for m in models}
+    for t, a in sorted(actions, key=lambda ta: ta[0]):
+        if a.model not in tier or t > t_end:
+            continue
+        new = _tier_after(a, tier[a.model])
+        if new == tier[a.model]:
+            continue
+        tc = max(t, t_start)
+        if tc > since[a.model]:
+            spans[a.model].append((since[a.model], tc, tier[a.model]))
+            since[a.model] = tc
+        tier[a.model] = new
+    for m in models:
+        if t_end > since[m]:
+            spans[m].append((since[m], t_end, tier[m]))
+    return spans
+
+
+def gpu_bytes(
+    actions: Actions, models: Sequence[str], model_weights: dict[str, int], t_start: float, t_end: float
+) -> tuple[list[float], dict[str, list[int]]]:
+    """GPU bytes per model as a step function: `(times, {model: values})`, value i holding on
+    [times[i], times[i+1]); times run from `t_start` to `t_end` (the last value repeats there).
+
+    LOAD/PROMOTE set a model's bytes to `a.bytes`; lease actions to its weights + the new lease;
+    DEMOTE and DROP from the GPU (device != "host") set them to 0.
+    """
+    cur = dict.fromkeys(models, 0)
+    times: list[float] = [t_start]
+    values: dict[str, list[int]] = {m: [0] for m in models}
+    for t, a in sorted(actions, key=lambda ta: ta[0]):
+        if a.model not in cur or t > t_end:
+            continue
+        if a.kind in (ActionKind.LOAD, ActionKind.PROMOTE):
+            cur[a.model] = a.bytes
+        elif a.kind in (ActionKind.SHRINK_LEASE, ActionKind.GROW_LEASE):
+            cur[a.model] = model_weights.get(a.model, 0) + a.bytes
+        elif a.kind in (ActionKind.DEMOTE, ActionKind.DROP) and a.device != "host":
+            cur[a.model] = 0
+        else:
+            continue
+        tc = max(t, t_start)
+        if tc > times[-1]:
+            times.append(tc)
+            for m in models:
+                values[m].append(values[m][-1])
+        values[a.model][-1] = cur[a.model]
+    times.append(t_end)
+    for m in models:
+        values[m].append(values[m][-1])
+    return times, values
+
+
+def cold_by_hour(served_log: Sequence[tuple[float, str, bool, float]]) -> list[int]:
+    """Count of cold requests per hour of week (168 entries, 0 = Monday 00:00)."""
+    counts = [0] * 168
+    for t, _model, cold, _wait in served_log:
+        if cold:
+            counts[hour_of_week(t)] += 1
+    return counts
+
+
+def _day_axis(ax: Any, t_start: float, t_end: float) -> None:
+    """x axis in days since t_start: gridlines at midnights (UTC), day names at noons."""
+    first = math.ceil(t_start / DAY) * DAY
+    ax.set_xticks([(m - t_start) / DAY for m in _range(first, t_end, DAY)])
+    ax.set_xticklabels([])
+    noons = list(_range(math.floor(t_start / DAY) * DAY + DAY / 2, t_end, DAY))
+    noons = [n for n in noons if n >= t_start]
+    ax.set_xticks([(n - t_start) / DAY for n in noons], minor=True)
+    ax.set_xticklabels([datetime.fromtimestamp(n, tz=UTC).strftime("%a") for n in noons], minor=True)
+    ax.tick_params(axis="x", which="minor", length=0)
+    ax.grid(axis="x", which="major", color="#999999", linewidth=0.6)
+    ax.set_xlim(0.0, (t_end - t_start) / DAY)
+
+
+def _range(start: float, stop: float, step: float) -> list[float]:
+    n = max(0, math.floor((stop - start) / step) + 1)
+    return [start + i * step for i in range(n)]
+
+
+def _plot_timeline(
+    path: Path, runs: list[tuple[str, ReplayResult]], models: list[str], t0: float, t1: float
+) -> None:
+    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 1.2 + 0.9 * len(models) * len(runs)), squeeze=False)
+    for ax, (label, res) in zip(axes[:, 0], runs, strict=True):
+        spans = tier_spans(res.actions or [], models, t0, t1)
+        for i, m in enumerate(models):
+            for tier, color in TIER_COLORS.items():
+                xr = [((a - t0) / DAY, (b - a) / DAY) for a, b, k in spans[m] if k == tier]
+                if xr:
+                    ax.broken_barh(xr, (i - 0.4, 0.8), facecolors=color)
+        ax.set_yticks(range(len(models)), models)
+        ax.set_ylim(len(models) - 0.5, -0.5)
+        ax.set_title(f"Residency per model — {label}")
+        _day_axis(ax, t0, t1)
+    handles = [Patch(facecolor=c, label=k) for k, c in TIER_COLORS.items()]
+    fig.legend(handles=handles, loc="upper right", ncols=3)
+    fig.supxlabel("days since start (UTC)")
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _plot_memory(
+    path: Path,
+    runs: list[tuple[str, ReplayResult]],
+    models: list[str],
+    weights: dict[str, int],
+    t0: float,
+    t1: float,
+) -> None:
+    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 3.6 * len(runs)), squeeze=False, sharey=True)
+    colors = [plt.get_cmap("tab10")(i % 10) for i in range(len(models))]
+    for ax, (label, res) in zip(axes[:, 0], runs, strict=True):
+        times, values = gpu_bytes(res.actions or [], models, weights, t0, t1)
+        x = [(t - t0) / DAY for t in times]
+        ys = [[v / GIB for v in values[m]] for m in models]
+        ax.stackplot(x, *ys, labels=models, colors=colors, step="post")
+        ax.set_ylabel("GPU GiB")
+        ax.set_title(f"GPU memory per model — {label}")
+        _day_axis(ax, t0, t1)
+    axes[0, 0].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    fig.supxlabel("days since start (UTC)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _plot_cold(path: Path, runs: list[tuple[str, ReplayResult]]) -> None:
+    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 2.8 * len(runs)), squeeze=False, sharey=True)
+    for ax, (label, res), color in zip(axes[:, 0], runs, ("#d62728", "#1f77b4"), strict=False):
+        counts = cold_by_hour(res.served_log or [])
+        ax.bar(range(168), counts, width=0.9, color=color)
+        ax.set_title(f"Cold starts by hour of week — {label} (total {sum(counts)})")
+        ax.set_xticks([24 * d for d in range(8)], [""] * 8)
+        ax.set_xticks([24 * d + 12 for d in range(7)], DAY_NAMES, minor=True)
+        ax.tick_params(axis="x", which="minor", length=0)
+        ax.grid(axis="x", which="major", color="#999999", linewidth=0.6)
+        ax.set_xlim(-0.5, 167.5)
+        ax.set_ylabel("cold requests")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3f}".rstrip("0").rstrip(".")
+    return "—" if v is None else str(v)
+
+
+def _summary_rows(b: dict[str, Any], a: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    rows: list[tuple[str, Any, Any]] = [(k, b.get(k), a.get(k)) for k in SUMMARY_KEYS]
+    bw, aw = b.get("wait_p99_s", {}), a.get("wait_p99_s", {})
+    for c in list(bw) + [c for c in aw if c not in bw]:
+        rows.append((f"wait_p99_s [{c}]", bw.get(c), aw.get(c)))
+    rows += [(k, b.get(k), a.get(k)) for k in SUMMARY_KEYS_2]
+    return rows
+
+
+def _table(before: ReplayResult, after: ReplayResult) -> str:
+    out = ["<table>", "<tr><th>figure</th><th>before</th><th>after</th><th>change</th></tr>"]
+    for name, bv, av in _summary_rows(before.to_json(), after.to_json()):
+        delta = "" if bv is None or av is None else _fmt(round(av - bv, 3))
+        if delta and not delta.startswith("-") and delta != "0":
+            delta = "+" + delta
+        cells = (name, _fmt(bv), _fmt(av), delta)
+        out.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    out.append("</table>")
+    return "\n".join(out)
+
+
+CSS = """body{font-family:sans-serif;max-width:1250px;margin:1em auto;padding:0 1em;color:#222}
+table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 10px}
+td:not(:first-child){text-align:right;font-variant-numeric:tabular-nums}th{background:#f0f0f0}
+img{max-width:100%;display:block;margin:1em 0}"""
+
+
+def write_report(
+    out_dir: Path,
+    *,
+    before: ReplayResult,
+    after: ReplayResult,
+    t_start: float,
+    t_end: float,
+    model_weights: dict[str, int],
+    title: str = "Residency tuning report",
+    notes: list[str] | None = None,
+) -> Path:
+    """Write `index.html` and its PNGs (timeline, memory, cold starts) into `out_dir`; return the page.
+
+    Both results must come from `replay(..., record=True)` (their actions and served logs).
+
+    Raises:
+        ValueError: a result without recorded actions or served log, or t_end <= t_start.
+    """
+    for res in (before, after):
+        if res.actions is None or res.served_log is None:
+            raise ValueError(f"replay of {res.policy!r} was not recorded (use record=True)")
+    if t_end <= t_start:
+        raise ValueError(f"empty report period: t_start={t_start}, t_end={t_end}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    models = list(model_weights)
+    for res in (before, after):
+        for _t, a in res.actions or []:
+            if a.model not in models:
+                models.append(a.model)
+    runs = [(f"before ({before.policy})", before), (f"after ({after.policy})", after)]
+    images = [
+        ("timeline.png", "Residency timeline: tier (GPU, host RAM, disk) of each model over the period"),
+        ("memory.png", "GPU memory stacked per model over the period, in GiB"),
+        ("cold_starts.png", "Cold starts per hour of week, before and after"),
+    ]
+    _plot_timeline(out_dir / images[0][0], runs, models, t_start, t_end)
+    _plot_memory(out_dir / images[1][0], runs, models, model_weights, t_start, t_end)
+    _plot_cold(out_dir / images[2][0], runs)
+    span = " – ".join(
+        datetime.fromtimestamp(t, tz=UTC).strftime("%a %Y-%m-%d %H:%M") for t in (t_start, t_end)
+    )
+    parts = [
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>',
+        f"<style>{CSS}</style></head><body>",
+        f"<h1>{html.escape(title)}</h1>",
+        f"<p>Replay period {html.escape(span)} (UTC wall clock).</p>",
+        "<h2>Summary</h2>",
+        _table(before, after),
+    ]
+    if notes:
+        parts.append("<h2>Notes</h2>\n<ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul>")
+    parts.append("<h2>Plots</h2>")
+    for name, alt in images:
+        parts.append(f'<img src="{html.escape(name)}" alt="{html.escape(alt)}">')
+    parts.append("</body></html>\n")
+    index = out_dir / "index.html"
+    index.write_text("\n".join(parts), encoding="utf-8")
+    return index

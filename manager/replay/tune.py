@@ -1,0 +1,137 @@
+"""Weekly tuning: search keep-alive windows, prewarm switches and class reservations by replay.
+
+Coordinate descent over per-model settings (two passes), then class reservations, each candidate
+scored by replaying the search trace through the policy; a change is kept only when it lowers the
+objective by more than `MIN_GAIN`. The chosen config is then measured on the held-out days, which
+the search never saw. Pure Python (it only runs the simulator).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from manager.config import Config
+from manager.policy.types import Request
+from manager.replay.sim import ReplayResult, replay
+from manager.units import format_duration, format_size
+
+KEEP_ALIVE_CHOICES: tuple[float | None, ...] = (None, 120.0, 600.0, 1800.0, 3600.0, 4 * 3600.0)
+"""Candidate keep-alives: None is `auto` (learned from the reuse-interval histogram)."""
+RESERVE_CHOICES_GIB = (0.0, 1.0, 2.0, 3.0, 4.0)
+MIN_GAIN = 0.005
+HOLDOUT_DAYS = 2.0
+
+
+def objective(r: ReplayResult) -> float:
+    """What tuning minimises: load wait, plus the realtime tail and rejections at a high price."""
+    return r.load_wait_s + 10.0 * r.wait_p99_s.get("realtime", 0.0) + 60.0 * r.rejected + r.thrash
+
+
+@dataclass
+class TuneResult:
+    config: Config
+    model_updates: dict[str, dict[str, Any]]
+    class_updates: dict[str, dict[str, Any]]
+    search_before: ReplayResult
+    search_after: ReplayResult
+    holdout_before: ReplayResult | None
+    holdout_after: ReplayResult | None
+    evaluations: int
+    changes: list[str] = field(default_factory=list)
+
+
+def split_holdout(reqs: Sequence[Request], days: float = HOLDOUT_DAYS) -> tuple[list[Request], list[Request]]:
+    """The last `days` of the trace are held out (the last 30 % if the trace is shorter than 2x that)."""
+    if not reqs:
+        return [], []
+    span = reqs[-1].t - reqs[0].t
+    cut = reqs[-1].t - days * 86400.0 if span >= 2 * days * 86400.0 else reqs[0].t + 0.7 * span
+    return [r for r in reqs if r.t < cut], [r for r in reqs if r.t >= cut]
+
+
+def with_settings(base: Config, models: dict[str, dict[str, Any]], classes: dict[str, dict[str, Any]]) -> Config:
+    """`base` with per-model and per-class fields replaced (validated; raises ValidationError)."""
+    data = base.model_dump(by_alias=True)
+    for m in data["models"]:
+        m.update(models.get(m["name"], {}))
+    for c in data["classes"]:
+        c.update(classes.get(c["name"], {}))
+    return Config.model_validate(data)
+
+
+def yaml_value(field_name: str, v: Any) -> Any:
+    """A setting as the YAML scalar a person would write."""
+    if field_name == "keep_alive":
+        return "auto" if v is None else ("forever" if v == math.inf else format_duration(float(v)))
+    if field_name == "reserve":
+        return format_size(int(v))
+    return v
+
+
+def tune(
+    config: Config,
+    search: Sequence[Request],
+    holdout: Sequence[Request] | None,
+    *,
+    policy: str = "residency",
+    progress: Callable[[str], None] | None = None,
+) -> TuneResult:
+    models: dict[str, dict[str, Any]] = {}
+    classes: dict[str, dict[str, Any]] = {}
+    evals = 0
+
+    def score(ms: dict[str, dict[str, Any]], cs: dict[str, dict[str, Any]]) -> tuple[float, ReplayResult] | None:
+        nonlocal evals
+        try:
+            cfg = with_settings(config, ms, cs)
+        except ValidationError:
+            return None
+        evals += 1
+        r = replay(cfg, search, policy)
+        return objective(r), r
+
+    first = score(models, classes)
+    assert first is not None, "the starting config is valid"
+    best, before = first
+    best_r = before
+    changes: list[str] = []
+    tunable = [m for m in config.models if not m.pin]
+    for _ in range(2):
+        for m in tunable:
+            cands: list[dict[str, Any]] = [{"keep_alive": k} for k in KEEP_ALIVE_CHOICES]
+            cands += [{"prewarm": not models.get(m.name, {}).get("prewarm", m.prewarm)}]
+            for cand in cands:
+                trial = {**models, m.name: {**models.get(m.name, {}), **cand}}
+                s = score(trial, classes)
+                if s is not None and s[0] < best * (1.0 - MIN_GAIN):
+                    best, best_r, models = s[0], s[1], trial
+                    changes.append(f"{m.name}: {cand}")
+            if progress is not None:
+                progress(f"{m.name}: objective {best:.1f}")
+    for c in config.classes:
+        for gib in RESERVE_CHOICES_GIB:
+            trial_c = {**classes, c.name: {"reserve": int(gib * 2**30)}}
+            s = score(models, trial_c)
+            if s is not None and s[0] < best * (1.0 - MIN_GAIN):
+                best, best_r, classes = s[0], s[1], trial_c
+                changes.append(f"class {c.name}: reserve {gib}GiB")
+    tuned = with_settings(config, models, classes)
+    hb = ha = None
+    if holdout:
+        hb, ha = replay(config, holdout, policy), replay(tuned, holdout, policy)
+    return TuneResult(
+        config=tuned,
+        model_updates={k: {f: yaml_value(f, v) for f, v in d.items()} for k, d in models.items()},
+        class_updates={k: {f: yaml_value(f, v) for f, v in d.items()} for k, d in classes.items()},
+        search_before=before,
+        search_after=best_r,
+        holdout_before=hb,
+        holdout_after=ha,
+        evaluations=evals,
+        changes=changes,
+    )
