@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import Progress
+from rich.progress import Progress, TaskID
 from rich.table import Table
 
 from manager.config import Config, ConfigError, config_json_schema, load_config, write_config_with_updates
@@ -42,9 +42,13 @@ def _load_trace(path: str, config: Config, strict: bool) -> tuple[list[Request],
     for line, reason in res.bad_lines[:MAX_BAD_LINES_SHOWN]:
         err.print(f"[yellow]skipped[/] {path}:{line}: {reason}", highlight=False)
     if len(res.bad_lines) > MAX_BAD_LINES_SHOWN:
-        err.print(f"[yellow]skipped[/] {len(res.bad_lines) - MAX_BAD_LINES_SHOWN} more bad lines", highlight=False)
+        err.print(
+            f"[yellow]skipped[/] {len(res.bad_lines) - MAX_BAD_LINES_SHOWN} more bad lines", highlight=False
+        )
     if res.bad_lines:
-        err.print(f"{path}: {len(res.bad_lines)} bad line(s) skipped (--strict makes them fatal)", highlight=False)
+        err.print(
+            f"{path}: {len(res.bad_lines)} bad line(s) skipped (--strict makes them fatal)", highlight=False
+        )
     return res.requests, len(res.bad_lines)
 
 
@@ -54,7 +58,11 @@ def _replay_all(config: Config, reqs: list[Request], policies: Sequence[str], ba
     with Progress(console=err, transient=True, disable=not show) as prog:
         for p in policies:
             task = prog.add_task(f"replay {p}", total=len(reqs))
-            r = replay(config, reqs, p, progress=lambda i, n, t=task: prog.update(t, completed=i))
+
+            def tick(i: int, n: int, task: TaskID = task) -> None:
+                prog.update(task, completed=i)
+
+            r = replay(config, reqs, p, progress=tick)
             r.bad_lines = bad
             out.append(r)
     return out
@@ -103,7 +111,9 @@ def cmd_synth(a: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     n = write_trace(a.out, reqs)
-    err.print(f"wrote {n} requests ({a.days} days, profile {a.profile}, seed {a.seed}) to {a.out}", highlight=False)
+    err.print(
+        f"wrote {n} requests ({a.days} days, profile {a.profile}, seed {a.seed}) to {a.out}", highlight=False
+    )
     return 0
 
 
@@ -129,7 +139,9 @@ def cmd_tune(a: argparse.Namespace) -> int:
         search, holdout = split_holdout(reqs)
     with Progress(console=err, transient=True, disable=not err.is_terminal) as prog:
         task = prog.add_task("tuning", total=None)
-        res = tune(config, search, holdout, policy=a.policy, progress=lambda s: prog.update(task, description=s))
+        res = tune(
+            config, search, holdout, policy=a.policy, progress=lambda s: prog.update(task, description=s)
+        )
     header = (
         f"Tuned by `residency tune` from {a.config} on {a.trace} ({len(search)} requests); "
         f"{len(res.changes)} change(s): {'; '.join(res.changes) or 'none'}"
@@ -166,7 +178,9 @@ def _report(a: argparse.Namespace, config: Config, res: Any, reqs: list[Request]
     weights = {m.name: m.memory for m in config.models}
     t0, t1 = (reqs[0].t, reqs[-1].t) if reqs else (0.0, 1.0)
     notes = [f"change: {c}" for c in res.changes] or ["no change beat the running config"]
-    write_report(Path(a.report), before=before, after=after, t_start=t0, t_end=t1, model_weights=weights, notes=notes)
+    write_report(
+        Path(a.report), before=before, after=after, t_start=t0, t_end=t1, model_weights=weights, notes=notes
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -177,7 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--config", required=True)
     r.add_argument("--trace", required=True)
     r.add_argument("--policy", choices=POLICY_NAMES, help="one policy (default: all side by side)")
-    r.add_argument("--json", action="store_true", help="one JSON object (the config's policy unless --policy)")
+    r.add_argument(
+        "--json", action="store_true", help="one JSON object (the config's policy unless --policy)"
+    )
     r.add_argument("--strict", action="store_true", help="a bad trace line is fatal")
     r.set_defaults(fn=cmd_replay)
 
@@ -216,7 +232,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         err.print(str(e), highlight=False, markup=False)
     except TraceError as e:
-        err.print(f"{e} (the trace is invalid; without --strict bad lines are skipped)", highlight=False, markup=False)
+        err.print(
+            f"{e} (the trace is invalid; without --strict bad lines are skipped)",
+            highlight=False,
+            markup=False,
+        )
     except UsageError as e:
         err.print(f"residency: {e}", highlight=False, markup=False)
     except OSError as e:

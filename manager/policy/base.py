@@ -77,7 +77,9 @@ class Policy:
     def victim_key(self, c: ModelState, now: float) -> tuple[float, str]:
         return (self.engine.idle_since(c), c.name)
 
-    def choose_victims(self, m: ModelState, cands: list[ModelState], enough: Enough, now: float) -> list[ModelState] | None:
+    def choose_victims(
+        self, m: ModelState, cands: list[ModelState], enough: Enough, now: float
+    ) -> list[ModelState] | None:
         """Victims to evict so that `m` fits, in eviction order; None if no set is enough."""
         chosen: list[ModelState] = []
         for c in sorted(cands, key=lambda c: self.victim_key(c, now)):

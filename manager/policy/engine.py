@@ -166,7 +166,9 @@ class Engine:
             )
         return ""
 
-    def _eligible(self, c: ModelState, m: ModelState, rank: int, now: float, may_evict: bool, prewarm: bool) -> bool:
+    def _eligible(
+        self, c: ModelState, m: ModelState, rank: int, now: float, may_evict: bool, prewarm: bool
+    ) -> bool:
         if c is m or c.tier != Tier.GPU or c.pinned or c.ready_at > now or not c.idle(now):
             return False
         if c.rank < rank:
@@ -193,7 +195,9 @@ class Engine:
                 held += r
         return dev.usable - used - held
 
-    def make_room(self, m: ModelState, rank: int, now: float, *, may_evict: bool, prewarm: bool = False) -> bool:
+    def make_room(
+        self, m: ModelState, rank: int, now: float, *, may_evict: bool, prewarm: bool = False
+    ) -> bool:
         """Make room on `m`'s device for `m` (a request of class `rank`), or change nothing."""
         dev = self.state.devices[m.device]
         need = m.weights + m.lease_min

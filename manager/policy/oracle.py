@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from manager.policy.base import Enough, Policy, host_models
 from manager.policy.state import ModelState
 from manager.policy.types import Request, Tier
+
+if TYPE_CHECKING:
+    from manager.policy.engine import Engine
 
 SLACK_S = 2.0
 WAKE_EARLY_S = 1.0
@@ -35,7 +39,9 @@ class OraclePolicy(Policy):
     uses_host_tier = True
     prewarm_min_residency = False
 
-    def __init__(self, requests: Sequence[Request], slack_s: float = SLACK_S, class_weighted: bool = True) -> None:
+    def __init__(
+        self, requests: Sequence[Request], slack_s: float = SLACK_S, class_weighted: bool = True
+    ) -> None:
         self.slack_s = slack_s
         self.class_weighted = class_weighted
         self._times: dict[str, list[float]] = {}
@@ -44,8 +50,8 @@ class OraclePolicy(Policy):
         self._ptr: dict[str, int] = {}
         self._weights: list[float] = []
 
-    def bind(self, engine: object) -> None:  # type: ignore[override]
-        super().bind(engine)  # type: ignore[arg-type]
+    def bind(self, engine: Engine) -> None:
+        super().bind(engine)
         n = len(self.engine.state.class_names)
         self._weights = [3.0 ** (n - 1 - r) if self.class_weighted else 1.0 for r in range(n)]
         self._ptr = dict.fromkeys(self.engine.models, 0)
@@ -139,9 +145,9 @@ class OraclePolicy(Policy):
             dev = self.engine.state.devices[m.device]
             backlog = max(0.0, dev.loader_free_at - now)
             ahead = self.next_use(m) - now
-            if ahead <= self.lead(m) + WAKE_EARLY_S + backlog:
-                out.append(m)
-            elif ahead <= FILL_AHEAD_S and backlog == 0.0 and dev.room(m.rank) >= m.weights + m.lease_min:
+            just_in_time = ahead <= self.lead(m) + WAKE_EARLY_S + backlog
+            fits = dev.room(m.rank) >= m.weights + m.lease_min
+            if just_in_time or (ahead <= FILL_AHEAD_S and backlog == 0.0 and fits):
                 out.append(m)
         out.sort(key=self.next_use)
         return out

@@ -21,11 +21,15 @@ What it decides, and from what:
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from manager.policy.base import Enough, Policy, host_models
 from manager.policy.state import ModelState
 from manager.policy.stats import WEEK_S
 from manager.policy.types import Tier
+
+if TYPE_CHECKING:
+    from manager.policy.engine import Engine
 
 HORIZON_S = 1800.0
 """How far ahead the value looks."""
@@ -51,8 +55,8 @@ class ResidencyPolicy(Policy):
         self._weights: list[float] = []
         self._wake_on_idle: set[str] = set()
 
-    def bind(self, engine: object) -> None:  # type: ignore[override]
-        super().bind(engine)  # type: ignore[arg-type]
+    def bind(self, engine: Engine) -> None:
+        super().bind(engine)
         n = len(self.engine.state.class_names)
         self._weights = [3.0 ** (n - 1 - r) for r in range(n)]
         self._order = list(self.engine.models.values())

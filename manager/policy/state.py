@@ -23,6 +23,7 @@ class ModelState:
     """One model: its tier, bytes, busy/ready times and statistics."""
 
     __slots__ = (
+        "busy_until",
         "cfg",
         "cost",
         "device",
@@ -42,10 +43,9 @@ class ModelState:
         "prewarmed",
         "rank",
         "ready_at",
-        "busy_until",
         "tier",
-        "weights",
         "waiting",
+        "weights",
     )
 
     def __init__(self, cfg: ModelConfig, rank: int) -> None:

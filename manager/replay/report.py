@@ -26,10 +26,11 @@ from manager.replay.sim import ReplayResult
 DAY = 86400.0
 GIB = float(1 << 30)
 TIER_COLORS = {"gpu": "#2ca02c", "host": "#ff7f0e", "disk": "#d9d9d9"}
-DAY_NAMES = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
-SUMMARY_KEYS = ("requests", "served", "rejected", "cold_starts", "load_wait_s")
-SUMMARY_KEYS_2 = ("evictions", "thrash", "budget_violations", "prewarm_loads", "wasted_loads")
+DAY_NAMES = ["Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun"]
+SUMMARY_HEAD = ("requests", "served", "rejected", "cold_starts", "load_wait_s")
+SUMMARY_TAIL = ("evictions", "thrash", "budget_violations", "prewarm_loads", "wasted_loads")
 Actions = Sequence[tuple[float, Action]]
+Runs = list[tuple[str, ReplayResult]]
 
 
 def _tier_after(a: Action, tier: str) -> str:
@@ -115,29 +116,37 @@ def cold_by_hour(served_log: Sequence[tuple[float, str, bool, float]]) -> list[i
     return counts
 
 
+def _mark_days(
+    ax: Any, edges: list[float], mids: list[float], labels: list[str], xlim: tuple[float, float]
+) -> None:
+    """Gridlines at day edges, day names (unticked) at day middles, x over `xlim`."""
+    ax.set_xticks(edges, [""] * len(edges))
+    ax.set_xticks(mids, labels, minor=True)
+    ax.tick_params(axis="x", which="minor", length=0)
+    ax.grid(axis="x", which="major", color="#999999", linewidth=0.6)
+    ax.set_xlim(*xlim)
+
+
 def _day_axis(ax: Any, t_start: float, t_end: float) -> None:
     """x axis in days since t_start: gridlines at midnights (UTC), day names at noons."""
     first = math.ceil(t_start / DAY) * DAY
-    ax.set_xticks([(m - t_start) / DAY for m in _range(first, t_end, DAY)])
-    ax.set_xticklabels([])
-    noons = list(_range(math.floor(t_start / DAY) * DAY + DAY / 2, t_end, DAY))
-    noons = [n for n in noons if n >= t_start]
-    ax.set_xticks([(n - t_start) / DAY for n in noons], minor=True)
-    ax.set_xticklabels([datetime.fromtimestamp(n, tz=UTC).strftime("%a") for n in noons], minor=True)
-    ax.tick_params(axis="x", which="minor", length=0)
-    ax.grid(axis="x", which="major", color="#999999", linewidth=0.6)
-    ax.set_xlim(0.0, (t_end - t_start) / DAY)
+    edges = [(first + i * DAY - t_start) / DAY for i in range(max(0, int((t_end - first) // DAY) + 1))]
+    noon0 = math.floor(t_start / DAY) * DAY + DAY / 2
+    noons = [n for n in (noon0 + i * DAY for i in range(int((t_end - noon0) // DAY) + 1)) if n >= t_start]
+    labels = [datetime.fromtimestamp(n, tz=UTC).strftime("%a") for n in noons]
+    _mark_days(ax, edges, [(n - t_start) / DAY for n in noons], labels, (0.0, (t_end - t_start) / DAY))
 
 
-def _range(start: float, stop: float, step: float) -> list[float]:
-    n = max(0, math.floor((stop - start) / step) + 1)
-    return [start + i * step for i in range(n)]
+def _save(fig: Any, path: Path, xlabel: str | None = None) -> None:
+    if xlabel:
+        fig.supxlabel(xlabel)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
-def _plot_timeline(
-    path: Path, runs: list[tuple[str, ReplayResult]], models: list[str], t0: float, t1: float
-) -> None:
-    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 1.2 + 0.9 * len(models) * len(runs)), squeeze=False)
+def _plot_timeline(path: Path, runs: Runs, models: list[str], t0: float, t1: float) -> None:
+    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 1.5 + 0.5 * len(models) * len(runs)), squeeze=False)
     for ax, (label, res) in zip(axes[:, 0], runs, strict=True):
         spans = tier_spans(res.actions or [], models, t0, t1)
         for i, m in enumerate(models):
@@ -150,20 +159,12 @@ def _plot_timeline(
         ax.set_title(f"Residency per model — {label}")
         _day_axis(ax, t0, t1)
     handles = [Patch(facecolor=c, label=k) for k, c in TIER_COLORS.items()]
-    fig.legend(handles=handles, loc="upper right", ncols=3)
-    fig.supxlabel("days since start (UTC)")
-    fig.tight_layout(rect=(0, 0, 1, 0.96))
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    axes[0, 0].legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    _save(fig, path, "days since start (UTC)")
 
 
 def _plot_memory(
-    path: Path,
-    runs: list[tuple[str, ReplayResult]],
-    models: list[str],
-    weights: dict[str, int],
-    t0: float,
-    t1: float,
+    path: Path, runs: Runs, models: list[str], weights: dict[str, int], t0: float, t1: float
 ) -> None:
     fig, axes = plt.subplots(len(runs), 1, figsize=(12, 3.6 * len(runs)), squeeze=False, sharey=True)
     colors = [plt.get_cmap("tab10")(i % 10) for i in range(len(models))]
@@ -176,27 +177,19 @@ def _plot_memory(
         ax.set_title(f"GPU memory per model — {label}")
         _day_axis(ax, t0, t1)
     axes[0, 0].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
-    fig.supxlabel("days since start (UTC)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path, "days since start (UTC)")
 
 
-def _plot_cold(path: Path, runs: list[tuple[str, ReplayResult]]) -> None:
+def _plot_cold(path: Path, runs: Runs) -> None:
     fig, axes = plt.subplots(len(runs), 1, figsize=(12, 2.8 * len(runs)), squeeze=False, sharey=True)
     for ax, (label, res), color in zip(axes[:, 0], runs, ("#d62728", "#1f77b4"), strict=False):
         counts = cold_by_hour(res.served_log or [])
         ax.bar(range(168), counts, width=0.9, color=color)
         ax.set_title(f"Cold starts by hour of week — {label} (total {sum(counts)})")
-        ax.set_xticks([24 * d for d in range(8)], [""] * 8)
-        ax.set_xticks([24 * d + 12 for d in range(7)], DAY_NAMES, minor=True)
-        ax.tick_params(axis="x", which="minor", length=0)
-        ax.grid(axis="x", which="major", color="#999999", linewidth=0.6)
-        ax.set_xlim(-0.5, 167.5)
         ax.set_ylabel("cold requests")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+        hours = [24.0 * d for d in range(8)]
+        _mark_days(ax, [h - 0.5 for h in hours], [h + 11.5 for h in hours[:7]], DAY_NAMES, (-0.5, 167.5))
+    _save(fig, path, "hour of week (UTC wall clock)")
 
 
 def _fmt(v: Any) -> str:
@@ -206,11 +199,11 @@ def _fmt(v: Any) -> str:
 
 
 def _summary_rows(b: dict[str, Any], a: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    rows: list[tuple[str, Any, Any]] = [(k, b.get(k), a.get(k)) for k in SUMMARY_KEYS]
+    rows: list[tuple[str, Any, Any]] = [(k, b.get(k), a.get(k)) for k in SUMMARY_HEAD]
     bw, aw = b.get("wait_p99_s", {}), a.get("wait_p99_s", {})
     for c in list(bw) + [c for c in aw if c not in bw]:
         rows.append((f"wait_p99_s [{c}]", bw.get(c), aw.get(c)))
-    rows += [(k, b.get(k), a.get(k)) for k in SUMMARY_KEYS_2]
+    rows += [(k, b.get(k), a.get(k)) for k in SUMMARY_TAIL]
     return rows
 
 
@@ -256,11 +249,8 @@ def write_report(
     if t_end <= t_start:
         raise ValueError(f"empty report period: t_start={t_start}, t_end={t_end}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    models = list(model_weights)
-    for res in (before, after):
-        for _t, a in res.actions or []:
-            if a.model not in models:
-                models.append(a.model)
+    acted = (a.model for res in (before, after) for _t, a in res.actions or [])
+    models = list(dict.fromkeys([*model_weights, *acted]))
     runs = [(f"before ({before.policy})", before), (f"after ({after.policy})", after)]
     images = [
         ("timeline.png", "Residency timeline: tier (GPU, host RAM, disk) of each model over the period"),
@@ -270,9 +260,8 @@ def write_report(
     _plot_timeline(out_dir / images[0][0], runs, models, t_start, t_end)
     _plot_memory(out_dir / images[1][0], runs, models, model_weights, t_start, t_end)
     _plot_cold(out_dir / images[2][0], runs)
-    span = " – ".join(
-        datetime.fromtimestamp(t, tz=UTC).strftime("%a %Y-%m-%d %H:%M") for t in (t_start, t_end)
-    )
+    fmt = "%a %Y-%m-%d %H:%M"
+    span = " – ".join(datetime.fromtimestamp(t, tz=UTC).strftime(fmt) for t in (t_start, t_end))
     parts = [
         f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>',
         f"<style>{CSS}</style></head><body>",

@@ -122,7 +122,9 @@ class Simulator:
     ) -> None:
         self.config = config
         self.requests = requests
-        truth = {m.name: (m.load_seconds.disk, m.load_seconds.cached_s, m.load_seconds.host) for m in config.models}
+        truth = {
+            m.name: (m.load_seconds.disk, m.load_seconds.cached_s, m.load_seconds.host) for m in config.models
+        }
         idx = {"disk": 0, "cached": 1, "host": 2}
         self.engine = Engine(config, create_policy(policy, requests), lambda m, src: truth[m.name][idx[src]])
         if record:
@@ -170,7 +172,7 @@ class Simulator:
         t_end = max(reqs[-1].t if reqs else t_start, t_start + 1.0)
         while self.heap or self.waiting:
             if not self.heap:
-                for w in self.waiting:
+                for _ in self.waiting:
                     self._reject("no room became free before the end of the trace")
                 self.waiting.clear()
                 break
@@ -261,7 +263,11 @@ class Simulator:
         res.models = self.figs
         res.wait_p99_s = {k: p99(v) for k, v in self.waits.items()}
         res.evictions, res.thrash, res.expiries = c.evictions, c.thrash, c.expiries
-        res.budget_violations, res.prewarm_loads, res.wasted_loads = c.budget_violations, c.prewarm_loads, c.wasted_loads
+        res.budget_violations, res.prewarm_loads, res.wasted_loads = (
+            c.budget_violations,
+            c.prewarm_loads,
+            c.wasted_loads,
+        )
         # A prewarmed model never used before the end of the trace was a wasted load too.
         res.wasted_loads += sum(1 for m in self.engine.models.values() if m.prewarmed)
         res.lease_shrinks, res.loads_by_source = c.lease_shrinks, dict(c.loads_by_source)

@@ -54,7 +54,9 @@ def split_holdout(reqs: Sequence[Request], days: float = HOLDOUT_DAYS) -> tuple[
     return [r for r in reqs if r.t < cut], [r for r in reqs if r.t >= cut]
 
 
-def with_settings(base: Config, models: dict[str, dict[str, Any]], classes: dict[str, dict[str, Any]]) -> Config:
+def with_settings(
+    base: Config, models: dict[str, dict[str, Any]], classes: dict[str, dict[str, Any]]
+) -> Config:
     """`base` with per-model and per-class fields replaced (validated; raises ValidationError)."""
     data = base.model_dump(by_alias=True)
     for m in data["models"]:
@@ -85,7 +87,9 @@ def tune(
     classes: dict[str, dict[str, Any]] = {}
     evals = 0
 
-    def score(ms: dict[str, dict[str, Any]], cs: dict[str, dict[str, Any]]) -> tuple[float, ReplayResult] | None:
+    def score(
+        ms: dict[str, dict[str, Any]], cs: dict[str, dict[str, Any]]
+    ) -> tuple[float, ReplayResult] | None:
         nonlocal evals
         try:
             cfg = with_settings(config, ms, cs)

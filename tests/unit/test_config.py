@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -98,7 +99,7 @@ def test_home_yaml_model_details() -> None:
     assert voice.load_seconds == LoadSeconds(disk=3.0, cached=1.2, host=0.4)
     assert cfg.model("tts").source == {"path": "models/tts.pt"}
     llm = cfg.model("llm")
-    assert (llm.memory, llm.keep_alive, llm.adapter) == (9 * GiB, 600.0, "safetensors-module")
+    assert (llm.memory, llm.keep_alive, llm.adapter) == (9 * GiB, None, "safetensors-module")
     assert llm.source == {"factory": "models.llm:build", "path": "models/llm.safetensors"}
     world = cfg.model("world")
     assert world.elastic == ElasticConfig(min=GiB, max=8 * GiB)
@@ -423,7 +424,7 @@ def test_write_config_with_updates_keeps_comments_and_validates(tmp_path: Path) 
     )
     text = dst.read_text(encoding="utf-8")
     assert text.startswith("# tuned by residency tune\n# on trace week-1\n# Residency: a home AI server")
-    assert "keep_alive: 45m              # conversations pause for minutes" in text
+    assert re.search(r"keep_alive: 45m +# conversations pause for minutes", text)
     assert "address: null" in text
     assert cfg.model("llm").keep_alive == 2700.0 and cfg.model("llm").prewarm is False
     assert cfg.model("image").load_seconds.disk == 6.0
