@@ -24,7 +24,7 @@ from manager.replay.sim import ReplayResult, replay
 from manager.replay.synth import PROFILES, synth
 from manager.replay.trace import TraceError, read_trace, write_trace
 
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)
 MAX_BAD_LINES_SHOWN = 10
 
 
@@ -68,12 +68,12 @@ def _replay_all(config: Config, reqs: list[Request], policies: Sequence[str], ba
     return out
 
 
-def _table(results: list[ReplayResult], title: str) -> Table:
+def _table(results: list[ReplayResult], title: str, names: list[str] | None = None) -> Table:
     classes = list(results[0].wait_p99_s) if results else []
     t = Table(title=title)
     t.add_column("figure")
-    for r in results:
-        t.add_column(r.policy, justify="right")
+    for name in names or [r.policy for r in results]:
+        t.add_column(name, justify="right")
     rows: list[tuple[str, list[Any]]] = [
         ("requests", [r.requests for r in results]),
         ("served", [r.served for r in results]),
@@ -137,6 +137,8 @@ def cmd_tune(a: argparse.Namespace) -> int:
         search, holdout = reqs, _load_trace(a.holdout, config, a.strict)[0]
     else:
         search, holdout = split_holdout(reqs)
+    if not search:
+        raise UsageError(f"{a.trace}: no valid requests to tune on")
     with Progress(console=err, transient=True, disable=not err.is_terminal) as prog:
         task = prog.add_task("tuning", total=None)
         res = tune(
@@ -164,8 +166,8 @@ def cmd_tune(a: argparse.Namespace) -> int:
         which = "holdout" if "holdout" in fig else "search"
         before = res.holdout_before if res.holdout_before else res.search_before
         after = res.holdout_after if res.holdout_after else res.search_after
-        before.policy, after.policy = "before", "after"
-        Console().print(_table([before, after], f"{which} trace, policy {a.policy}: before vs after tuning"))
+        title = f"{which} trace, policy {a.policy}: before vs after tuning"
+        Console().print(_table([before, after], title, names=["before", "after"]))
         err.print(f"wrote {a.out}; changes: {'; '.join(res.changes) or 'none'}", highlight=False)
     return 0
 
@@ -232,8 +234,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         err.print(str(e), highlight=False, markup=False)
     except TraceError as e:
+        hint = " (--strict makes a bad line fatal; without it bad lines are skipped)" if e.line else ""
         err.print(
-            f"{e} (the trace is invalid; without --strict bad lines are skipped)",
+            f"{e}{hint}",
             highlight=False,
             markup=False,
         )

@@ -114,7 +114,7 @@ def tune(
                 s = score(trial, classes)
                 if s is not None and s[0] < best * (1.0 - MIN_GAIN):
                     best, best_r, models = s[0], s[1], trial
-                    changes.append(f"{m.name}: {cand}")
+                    changes.append(", ".join(f"{m.name}.{k} = {yaml_value(k, v)}" for k, v in cand.items()))
             if progress is not None:
                 progress(f"{m.name}: objective {best:.1f}")
     for c in config.classes:
@@ -123,7 +123,7 @@ def tune(
             s = score(models, trial_c)
             if s is not None and s[0] < best * (1.0 - MIN_GAIN):
                 best, best_r, classes = s[0], s[1], trial_c
-                changes.append(f"class {c.name}: reserve {gib}GiB")
+                changes.append(f"{c.name}.reserve = {yaml_value('reserve', gib * 2**30)}")
     tuned = with_settings(config, models, classes)
     hb = ha = None
     if holdout:
