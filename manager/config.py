@@ -1,44 +1,61 @@
-"""The configuration (▶ Contract: configuration): pydantic models, YAML loading, error reporting.
+"""The configuration (▶ Contract: configuration): YAML loading, error reporting, tuned copies.
 
-Sizes are `int` bytes (`24GiB`, `512MiB` or integers); durations are `float` seconds (`30m`, `2h`,
-`45s` or numbers). Unknown fields are errors. `load_config` reports every problem as
-`file:line: field.path: what was expected` through `ConfigError`.
+The models live in `manager.config_schema` and are re-exported here. `load_config` reports every
+problem as `file:line: field.path: what was expected` through `ConfigError`.
 """
 
 from __future__ import annotations
 
 import difflib
 import io
-import math
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Any, get_args
 
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    PlainSerializer,
-    ValidationError,
-    WithJsonSchema,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ValidationError
 from ruamel.yaml import YAML
 from ruamel.yaml.error import MarkedYAMLError, YAMLError
 from ruamel.yaml.representer import RoundTripRepresenter
 
-from manager.units import format_size, parse_duration, parse_size
+from manager.config_schema import (
+    ByteSize,
+    ClassConfig,
+    Config,
+    DeviceConfig,
+    Duration,
+    ElasticConfig,
+    HostConfig,
+    KeepAlive,
+    LoadSeconds,
+    Loc,
+    ModelConfig,
+    PolicyConfig,
+    RayConfig,
+    ServerConfig,
+    StoreConfig,
+    _FieldErrors,
+    _fmt_loc,
+)
 
-Loc = tuple[str | int, ...]
-
-
-def _fmt_loc(loc: Loc) -> str:
-    """('models', 2, 'memory') -> 'models[2].memory'."""
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
-    return out
+__all__ = [
+    "ByteSize",
+    "ClassConfig",
+    "Config",
+    "ConfigError",
+    "DeviceConfig",
+    "Duration",
+    "ElasticConfig",
+    "HostConfig",
+    "KeepAlive",
+    "LoadSeconds",
+    "ModelConfig",
+    "PolicyConfig",
+    "RayConfig",
+    "ServerConfig",
+    "StoreConfig",
+    "config_json_schema",
+    "load_config",
+    "write_config_with_updates",
+]
 
 
 class ConfigError(Exception):
@@ -56,365 +73,6 @@ class ConfigError(Exception):
             where = f"{self.file}:{line}" if line else self.file
             out.append(f"{where}: {path}: {msg}" if path else f"{where}: {msg}")
         return "\n".join(out)
-
-
-class _FieldErrors(ValueError):
-    """Raised by model validators: one (field path relative to the model, message) per problem."""
-
-    def __init__(self, errors: list[tuple[Loc, str]]):
-        self.errors = errors
-        super().__init__("; ".join(f"{_fmt_loc(loc)}: {msg}" for loc, msg in errors))
-
-
-_SIZE_SCHEMA: dict[str, Any] = {
-    "anyOf": [
-        {"type": "string", "pattern": r"^\s*[0-9.]+\s*[A-Za-z]*\s*$"},
-        {"type": "integer", "minimum": 0},
-    ],
-    "examples": ["24GiB", "512MiB", 1073741824],
-}
-_DURATION_SCHEMA: dict[str, Any] = {
-    "anyOf": [{"type": "string"}, {"type": "number", "minimum": 0}],
-    "examples": ["30m", "2h", "45s", "1h30m", 90],
-}
-
-ByteSize = Annotated[int, BeforeValidator(parse_size), WithJsonSchema(_SIZE_SCHEMA)]
-"""Bytes; accepts `24GiB`, `512MiB`, `10GB` or an integer."""
-Duration = Annotated[float, BeforeValidator(parse_duration), WithJsonSchema(_DURATION_SCHEMA)]
-"""Seconds; accepts `30m`, `2h`, `45s`, `1h30m` or a number."""
-
-
-def _parse_keep_alive(v: Any) -> float | None:
-    if v is None or (isinstance(v, str) and v.strip().lower() == "auto"):
-        return None
-    if isinstance(v, str) and v.strip().lower() == "forever":
-        return math.inf
-    if isinstance(v, float) and math.isinf(v) and v > 0:
-        return math.inf
-    try:
-        return parse_duration(v)
-    except ValueError:
-        raise ValueError(
-            f"expected 'auto', 'forever', a duration like '30m', '2h', '45s' or seconds, got {v!r}"
-        ) from None
-
-
-def _dump_keep_alive(v: float | None) -> float | str | None:
-    return "forever" if v is not None and math.isinf(v) else v
-
-
-KeepAlive = Annotated[
-    float | None,
-    BeforeValidator(_parse_keep_alive),
-    PlainSerializer(_dump_keep_alive, when_used="json"),
-    WithJsonSchema(
-        {
-            "anyOf": [{"type": "string"}, {"type": "number", "minimum": 0}, {"type": "null"}],
-            "examples": ["auto", "forever", "30m", 600],
-        }
-    ),
-]
-"""Seconds; None ("auto") lets the policy decide from reuse intervals; inf is "forever"."""
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
-
-
-class ServerConfig(_Model):
-    listen: str = "127.0.0.1:50051"
-    """Address the gRPC service listens on, as host:port."""
-    auth_token_env: str | None = None
-    """Name of the environment variable holding the bearer token (optional on loopback)."""
-
-    @field_validator("listen")
-    @classmethod
-    def _host_port(cls, v: str) -> str:
-        host, sep, port = v.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-            raise ValueError(f"expected host:port with a port 0-65535, like '127.0.0.1:50051', got {v!r}")
-        return v
-
-
-class StoreConfig(_Model):
-    url: str = "sqlite:///.residency/state.db"
-    """Where state, events and the request log are kept: sqlite:///PATH or redis(s)://HOST:PORT/DB."""
-
-    @field_validator("url")
-    @classmethod
-    def _scheme(cls, v: str) -> str:
-        if not v.startswith(("sqlite:///", "redis://", "rediss://")):
-            raise ValueError(
-                f"expected a URL starting with sqlite:///, redis:// or rediss://, like "
-                f"'sqlite:///.residency/state.db', got {v!r}"
-            )
-        return v
-
-
-class RayConfig(_Model):
-    address: str | None = None
-    """Null starts a local Ray; "auto", "ray://HOST:PORT" or "HOST:PORT" joins a cluster."""
-
-    @field_validator("address")
-    @classmethod
-    def _address(cls, v: str | None) -> str | None:
-        if v is None or v == "auto" or (v.startswith("ray://") and len(v) > 6):
-            return v
-        host, sep, port = v.rpartition(":")
-        if sep and host and port.isdigit():
-            return v
-        raise ValueError(f"expected null, 'auto', 'ray://HOST:PORT' or 'HOST:PORT', got {v!r}")
-
-
-def _check_reserve(memory: int, reserve: int) -> None:
-    if reserve >= memory:
-        msg = f"reserve ({format_size(reserve)}) must be less than memory ({format_size(memory)})"
-        raise _FieldErrors([(("reserve",), msg)])
-
-
-class DeviceConfig(_Model):
-    name: str = Field(min_length=1)
-    """Name models refer to, e.g. gpu0."""
-    kind: Literal["cuda", "cpu"]
-    """cuda (a GPU) or cpu (models run on the host's CPU)."""
-    index: int = Field(default=0, ge=0)
-    """Device index (CUDA ordinal) on its node."""
-    memory: ByteSize = Field(gt=0)
-    """Total memory of the device."""
-    reserve: ByteSize = 0
-    """Emergency reserve no model is ever given (driver, CUDA context, fragmentation)."""
-    node: str | None = None
-    """Ray node the device is on; null for the local node."""
-
-    @model_validator(mode="after")
-    def _reserve_below_memory(self) -> DeviceConfig:
-        _check_reserve(self.memory, self.reserve)
-        return self
-
-    @property
-    def usable(self) -> int:
-        """Bytes models may use: memory - reserve."""
-        return self.memory - self.reserve
-
-
-class HostConfig(_Model):
-    memory: ByteSize = Field(gt=0)
-    """Host RAM."""
-    reserve: ByteSize = 0
-    """RAM kept for the OS and other programs; never used for parked models."""
-
-    @model_validator(mode="after")
-    def _reserve_below_memory(self) -> HostConfig:
-        _check_reserve(self.memory, self.reserve)
-        return self
-
-    @property
-    def usable(self) -> int:
-        """Bytes of host RAM for models parked off the GPU: memory - reserve."""
-        return self.memory - self.reserve
-
-
-class ClassConfig(_Model):
-    name: str = Field(min_length=1)
-    """Class name models and requests refer to."""
-    reserve: ByteSize = 0
-    """Bytes on each GPU (cuda) device that lower classes may not use."""
-    may_evict: bool = True
-    """False: requests of this class never cause an eviction; they wait or run where room exists."""
-    max_wait: Duration | None = None
-    """A request of this class that waits longer than this for room is rejected; null: wait."""
-
-
-class LoadSeconds(_Model):
-    disk: float = Field(gt=0)
-    """Seconds to load from disk into the GPU (cold file)."""
-    cached: float | None = Field(default=None, gt=0)
-    """Seconds to load from the OS page cache into the GPU; null: halfway between host and disk."""
-    host: float = Field(gt=0)
-    """Seconds to move from host RAM to the GPU."""
-
-    @model_validator(mode="after")
-    def _ordered(self) -> LoadSeconds:
-        if self.host > self.disk:
-            msg = f"host ({self.host}s) must not be slower than disk ({self.disk}s): RAM beats disk"
-            raise _FieldErrors([(("host",), msg)])
-        if self.cached is not None and not self.host <= self.cached <= self.disk:
-            msg = f"cached ({self.cached}s) must be between host ({self.host}s) and disk ({self.disk}s)"
-            raise _FieldErrors([(("cached",), msg)])
-        return self
-
-    @property
-    def cached_s(self) -> float:
-        """Seconds from the page cache: `cached`, or halfway between host and disk."""
-        return self.cached if self.cached is not None else (self.disk + self.host) / 2
-
-
-class ElasticConfig(_Model):
-    min: ByteSize
-    """Smallest lease of the elastic tenant's working set (always granted while resident)."""
-    max: ByteSize = Field(gt=0)
-    """Largest lease it may grow to when memory is free."""
-
-    @model_validator(mode="after")
-    def _ordered(self) -> ElasticConfig:
-        if self.min > self.max:
-            msg = f"min ({format_size(self.min)}) must not be larger than max ({format_size(self.max)})"
-            raise _FieldErrors([(("min",), msg)])
-        return self
-
-
-class ModelConfig(_Model):
-    model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
-
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-    """Model name used by requests: letters, digits, '_', '.', '-'."""
-    class_: str = Field(alias="class")
-    """Priority class of its requests (one of `classes`)."""
-    adapter: str = Field(min_length=1)
-    """Worker adapter that loads it; adapter-specific keys go in `source`."""
-    device: str
-    """Device it runs on (one of `devices`)."""
-    memory: ByteSize = Field(gt=0)
-    """Estimated weights footprint; replaced by the measured footprint after a load."""
-    load_seconds: LoadSeconds
-    """Estimated load times; replaced by measured times."""
-    pin: bool = False
-    """Always resident on its device; never evicted."""
-    keep_alive: KeepAlive = None
-    """Idle time before it may be evicted: 'auto' (policy decides), 'forever', or a duration."""
-    prewarm: bool = True
-    """The policy may load it before a predicted request."""
-    elastic: ElasticConfig | None = None
-    """KV lease range of an elastic tenant (e.g. a world model), on top of `memory`."""
-    source: dict[str, Any] = Field(default_factory=dict)
-    """Adapter-specific keys (paths, factories, package names)."""
-
-    @property
-    def footprint_min(self) -> int:
-        """Least bytes it needs on its device while resident: memory + elastic.min."""
-        return self.memory + (self.elastic.min if self.elastic else 0)
-
-
-class PolicyConfig(_Model):
-    name: Literal["residency", "lru-keepalive", "histogram", "gdsf", "oracle"] = "residency"
-    """The eviction/prewarm policy."""
-    thrash_window: Duration = 600
-    """A model reloaded within this time of its eviction counts as thrash."""
-    min_residency: Duration = 60
-    """A model just loaded is not evicted for a request of the same or lower class within this time."""
-    default_keep_alive: Duration = 300
-    """Keep-alive used by `lru-keepalive` and where nothing else decides."""
-
-
-class Config(_Model):
-    server: ServerConfig = ServerConfig()
-    """The gRPC service."""
-    store: StoreConfig = StoreConfig()
-    """State store."""
-    ray: RayConfig = RayConfig()
-    """Ray cluster to run workers on."""
-    devices: list[DeviceConfig] = Field(min_length=1)
-    """Accelerators (and CPU devices) models run on."""
-    host: HostConfig
-    """Host RAM used to park models off the GPU."""
-    classes: list[ClassConfig] = Field(min_length=1)
-    """Priority classes, highest priority first."""
-    models: list[ModelConfig]
-    """The models Residency manages."""
-    policy: PolicyConfig = PolicyConfig()
-    """Policy and its knobs."""
-
-    def device(self, name: str) -> DeviceConfig:
-        """The device called `name` (KeyError if none)."""
-        return {d.name: d for d in self.devices}[name]
-
-    def model(self, name: str) -> ModelConfig:
-        """The model called `name` (KeyError if none)."""
-        return {m.name: m for m in self.models}[name]
-
-    def class_rank(self, name: str) -> int:
-        """Rank of class `name`: 0 is the highest priority (KeyError if none)."""
-        return {c.name: i for i, c in reversed(list(enumerate(self.classes)))}[name]
-
-    def model_names(self) -> list[str]:
-        """Model names in config order."""
-        return [m.name for m in self.models]
-
-    @model_validator(mode="after")
-    def _cross_checks(self) -> Config:
-        errors = _names_and_refs(self) or _budgets(self)
-        if errors:
-            raise _FieldErrors(errors)
-        return self
-
-
-def _names_and_refs(cfg: Config) -> list[tuple[Loc, str]]:
-    """Names are unique; every model names a known device and class."""
-    errors: list[tuple[Loc, str]] = []
-    devices, classes = [d.name for d in cfg.devices], [c.name for c in cfg.classes]
-    for field, names in (("devices", devices), ("classes", classes), ("models", cfg.model_names())):
-        first: dict[str, int] = {}
-        for i, name in enumerate(names):
-            if name in first:
-                errors.append(((field, i, "name"), f"duplicate name {name!r} (also {field}[{first[name]}])"))
-            first.setdefault(name, i)
-    for i, m in enumerate(cfg.models):
-        if m.device not in devices:
-            msg = f"unknown device {m.device!r}; known devices: {', '.join(devices)}"
-            errors.append((("models", i, "device"), msg))
-        if m.class_ not in classes:
-            msg = f"unknown class {m.class_!r}; known classes: {', '.join(classes)}"
-            errors.append((("models", i, "class"), msg))
-    return errors
-
-
-def _budgets(cfg: Config) -> list[tuple[Loc, str]]:
-    """Class reserves plus pinned models fit each device; every model fits below higher reserves."""
-    errors: list[tuple[Loc, str]] = []
-    for di, d in enumerate(cfg.devices):
-        parts: list[str] = []
-        total = 0
-        for c in cfg.classes:
-            pinned = [m for m in cfg.models if m.pin and m.device == d.name and m.class_ == c.name]
-            reserve = c.reserve if d.kind == "cuda" else 0
-            need = max(reserve, sum(m.footprint_min for m in pinned))
-            total += need
-            if need:
-                pins = ", ".join(f"{m.name} {format_size(m.footprint_min)}" for m in pinned)
-                parts.append(f"{c.name} {format_size(need)}" + (f" [pinned {pins}]" if pins else ""))
-        if total > d.usable:
-            errors.append(
-                (
-                    ("devices", di),
-                    f"device {d.name!r}: class reserves and pinned models need {format_size(total)} "
-                    f"({'; '.join(parts)}) but only {format_size(d.usable)} is usable "
-                    f"(memory {format_size(d.memory)} - reserve {format_size(d.reserve)})",
-                )
-            )
-    for i, m in enumerate(cfg.models):
-        d = cfg.device(m.device)
-        rank = cfg.class_rank(m.class_)
-        higher = [c for c in cfg.classes[:rank] if c.reserve] if d.kind == "cuda" else []
-        room = d.usable - sum(c.reserve for c in higher)
-        if m.footprint_min > room:
-            el = (
-                f" (= {format_size(m.memory)} + elastic.min {format_size(m.elastic.min)})"
-                if m.elastic
-                else ""
-            )
-            held = "".join(f" - {c.name} reserve {format_size(c.reserve)}" for c in higher)
-            errors.append(
-                (
-                    ("models", i, "memory"),
-                    f"model {m.name!r} needs at least {format_size(m.footprint_min)}{el} and can never "
-                    f"fit on {d.name!r}: usable {format_size(d.usable)}{held} = {format_size(max(room, 0))}",
-                )
-            )
-    return errors
-
-
-# ---------------------------------------------------------------------------------------------------
-# YAML loading and writing
 
 
 class _Representer(RoundTripRepresenter):
