@@ -297,9 +297,10 @@ class Engine:
         host = self.host
         if m.tier != Tier.DISK or host.usable - host.used < m.weights:
             return False
-        source = "cached" if m.name in host.cache else "disk"
         # A disk -> host read costs what a disk -> GPU load costs less the host -> GPU copy.
-        dur = max(0.0, self.load_time(m, source) - self.load_time(m, "host"))
+        src = "cached" if m.name in host.cache else "disk"
+        dur = max(0.0, self.load_time(m, src) - self.load_time(m, "host"))
+        m.cost.measure("disk_host", dur)
         m.tier = Tier.HOST
         m.ready_at = now + dur
         host.used += m.weights
@@ -350,6 +351,19 @@ class Engine:
         self.host.used -= v.weights
         v.tier = Tier.DISK
         self._log(now, Action(ActionKind.DROP, v.name, "host", v.weights, reason))
+
+    def measured_footprint(self, m: ModelState, nbytes: int, now: float) -> None:
+        """A worker measured `m`'s real footprint: it replaces the estimate (and the accounting)."""
+        delta = nbytes - m.weights
+        if m.tier == Tier.GPU:
+            dev = self.state.devices[m.device]
+            dev.add(m, delta)
+            self._check_budget(dev)
+        elif m.tier == Tier.HOST:
+            self.host.used += delta
+            self.host.cache_shrink()
+        m.weights = nbytes
+        self.never_fits[m.name] = self._never_fits_reason(m)
 
     # ---- accounting -------------------------------------------------------------------------
     def _check_budget(self, dev: DeviceState) -> None:

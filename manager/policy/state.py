@@ -114,6 +114,11 @@ class DeviceState:
                 held += r
         return self.usable - self.used - held
 
+    @property
+    def free(self) -> int:
+        """Usable bytes not held by any model (class reservations not subtracted)."""
+        return self.usable - self.used
+
     def add(self, m: ModelState, nbytes: int) -> None:
         self.used += nbytes
         self.class_used[m.rank] += nbytes

@@ -105,7 +105,8 @@ class ReuseHistogram:
 
 
 class LoadCost:
-    """Load seconds per source ("disk", "cached", "host"): median of the recent measurements.
+    """Load seconds per transition: "disk" (disk -> gpu), "cached" (page cache -> gpu), "host"
+    (host -> gpu) and "disk_host" (disk -> host RAM): median of the recent measurements.
 
     Seeded with the configured estimate, which counts as one measurement until three real ones
     exist; outliers (a single slow load while the disk was busy) move the median little.
@@ -114,7 +115,7 @@ class LoadCost:
     __slots__ = ("_est", "_samples", "_seed")
 
     def __init__(self, disk: float, cached: float, host: float) -> None:
-        self._seed = {"disk": disk, "cached": cached, "host": host}
+        self._seed = {"disk": disk, "cached": cached, "host": host, "disk_host": max(0.0, disk - host)}
         self._samples: dict[str, deque[float]] = {k: deque(maxlen=9) for k in self._seed}
         self._est = dict(self._seed)
 
