@@ -43,7 +43,7 @@ class Scenario:
     """An engine plus the simulator's per-request steps, on a float clock.
 
     `plan` is the future the oracle is told (the other policies ignore it); every request the test
-    sends must be in it, so the oracle is never lied to.
+    sends must then be in it (unless marked `surprise`), so the oracle is not misled by accident.
     """
 
     def __init__(self, config: Config, policy: str, plan: Sequence[Request] = ()) -> None:
@@ -90,9 +90,13 @@ class Scenario:
     def start(self, now: float = -600.0) -> None:
         self.engine.start(now)
 
-    def request(self, name: str, t: float, busy: float = 1.0, cls: str | None = None) -> Admission:
-        """One request, as the simulator handles it; returns the admission."""
-        assert not self.plan or (name, t) in self.plan, f"({name}, {t}) is not in the oracle's plan"
+    def request(
+        self, name: str, t: float, busy: float = 1.0, cls: str | None = None, *, surprise: bool = False
+    ) -> Admission:
+        """One request, as the simulator handles it; returns the admission. `surprise`: a request
+        deliberately left out of the plan."""
+        if self.plan and not surprise:
+            assert (name, t) in self.plan, f"({name}, {t}) is not in the oracle's plan"
         eng, m = self.engine, self.engine.models[name]
         rank = m.rank if cls is None else self.class_rank[cls]
         eng.observe(m, t)

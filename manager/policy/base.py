@@ -36,7 +36,8 @@ class Policy:
     """Does `min_residency` protect models from this policy's prewarms? (The oracle's prewarms are
     demand loads moved earlier, not predictions, so it is exempt.)"""
     max_loaded: int | None = None
-    """A cap on models per device (Ollama's OLLAMA_MAX_LOADED_MODELS); None: memory decides."""
+    """A cap on models per device (Ollama's OLLAMA_MAX_LOADED_MODELS), pinned models not counted
+    (a pin always wins); None: memory decides."""
 
     engine: Engine
 

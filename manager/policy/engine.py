@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from manager.policy.state import NEVER, ClusterState, DeviceState, ModelState
 from manager.policy.types import Action, ActionKind, Tier
+from manager.units import format_size as fmt_bytes
 
 if TYPE_CHECKING:
     from manager.config import Config
@@ -144,8 +145,9 @@ class Engine:
             self.prewarm(s, now)
 
     def prewarm(self, m: ModelState, now: float) -> bool:
-        """Load `m` before a predicted request, displacing only what the policy values less."""
-        if m.tier == Tier.GPU or self.never_fits[m.name]:
+        """Load `m` before a predicted request, displacing only what the policy values less.
+        A model with `prewarm: false` is never loaded ahead of its request, by any policy."""
+        if m.tier == Tier.GPU or self.never_fits[m.name] or not m.prewarm_ok:
             return False
         if not self.make_room(m, m.rank, now, may_evict=True, prewarm=True):
             return False
@@ -154,15 +156,23 @@ class Engine:
 
     # ---- room -----------------------------------------------------------------------------
     def _never_fits_reason(self, m: ModelState) -> str:
+        """Why `m` can never be loaded (empty if it can): with every other unpinned model gone,
+        the room left is the usable bytes less the pinned models and the higher classes'
+        reservations (a pinned model inside its class's reservation counts once)."""
         dev = self.state.devices[m.device]
-        higher = sum(dev.reserves[: m.rank])
-        pinned = sum(o.weights + o.lease_min for o in dev.models if o.pinned and o is not m)
-        cap = dev.usable - higher - pinned
+        pinned_by_class = [0] * len(dev.reserves)
+        for o in dev.models:
+            if o.pinned and o is not m:
+                pinned_by_class[o.rank] += o.weights + o.lease_min
+        held = sum(max(r, p) for r, p in zip(dev.reserves[: m.rank], pinned_by_class[: m.rank], strict=True))
+        held += sum(pinned_by_class[m.rank :])
+        cap = dev.usable - held
         need = m.weights + m.lease_min
         if need > cap:
             return (
-                f"model '{m.name}' needs {need} bytes but device '{dev.name}' can never give it more than "
-                f"{cap} (usable {dev.usable}, higher-class reservations {higher}, pinned models {pinned})"
+                f"model '{m.name}' needs {fmt_bytes(need)} but device '{dev.name}' can never give it "
+                f"more than {fmt_bytes(cap)} (usable {fmt_bytes(dev.usable)}, less pinned models and "
+                f"higher classes' reservations {fmt_bytes(held)})"
             )
         return ""
 
@@ -181,13 +191,18 @@ class Engine:
         return may_evict or self.policy.expired(c, now)
 
     @staticmethod
-    def _room_after(dev: DeviceState, rank: int, removed: list[ModelState]) -> int:
+    def _room_after(dev: DeviceState, rank: int, removed: list[ModelState], shrunk: list[ModelState]) -> int:
+        """`dev.room(rank)` once `removed` are evicted and `shrunk` leases are at their minimum."""
         used = dev.used
         cu = list(dev.class_used)
         for c in removed:
             b = c.gpu_bytes
             used -= b
             cu[c.rank] -= b
+        for t in shrunk:
+            b = t.lease - t.lease_min
+            used -= b
+            cu[t.rank] -= b
         held = 0
         for i in range(rank):
             r = dev.reserves[i] - cu[i]
@@ -198,16 +213,31 @@ class Engine:
     def make_room(
         self, m: ModelState, rank: int, now: float, *, may_evict: bool, prewarm: bool = False
     ) -> bool:
-        """Make room on `m`'s device for `m` (a request of class `rank`), or change nothing."""
+        """Make room on `m`'s device for `m` (a request of class `rank`), or change nothing.
+
+        Elastic leases shrink first; weights are evicted only when shrinking every lease to its
+        minimum is not enough (and then leases shrink only by what is still missing)."""
         dev = self.state.devices[m.device]
         need = m.weights + m.lease_min
         cap = self.policy.max_loaded
-        over_count = cap is not None and sum(1 for c in dev.models if c.tier == Tier.GPU) >= cap
+        over_count = (
+            cap is not None and sum(1 for c in dev.models if c.tier == Tier.GPU and not c.pinned) >= cap
+        )
         if not over_count and dev.room(m.rank) >= need:
             return True
+        tenants = []
         if may_evict and not prewarm and not over_count:
-            self._shrink_leases(dev, m, rank, need, now)
-            if dev.room(m.rank) >= need:
+            tenants = [
+                t
+                for t in dev.models
+                if t is not m
+                and t.tier == Tier.GPU
+                and t.elastic
+                and t.rank >= rank
+                and t.lease > t.lease_min
+            ]
+            if self._room_after(dev, m.rank, [], tenants) >= need:
+                self._shrink_leases(dev, m, tenants, need, now)
                 return True
         cands = [c for c in dev.models if self._eligible(c, m, rank, now, may_evict, prewarm)]
         if not cands:
@@ -216,19 +246,20 @@ class Engine:
         def enough(victims: list[ModelState]) -> bool:
             if over_count and not victims:
                 return False
-            return self._room_after(dev, m.rank, victims) >= need
+            return self._room_after(dev, m.rank, victims, [t for t in tenants if t not in victims]) >= need
 
         victims = self.policy.choose_victims(m, cands, enough, now)
         if victims is None or not enough(victims):
             return False
         for c in victims:
             self.evict(c, now, f"room for '{m.name}'", expiry=not may_evict)
+        self._shrink_leases(dev, m, [t for t in tenants if t not in victims], need, now)
         return True
 
-    def _shrink_leases(self, dev: DeviceState, m: ModelState, rank: int, need: int, now: float) -> None:
-        for t in dev.models:
-            if t is m or t.tier != Tier.GPU or not t.elastic or t.rank < rank or t.lease <= t.lease_min:
-                continue
+    def _shrink_leases(
+        self, dev: DeviceState, m: ModelState, tenants: list[ModelState], need: int, now: float
+    ) -> None:
+        for t in tenants:
             short = need - dev.room(m.rank)
             if short <= 0:
                 return

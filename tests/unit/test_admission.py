@@ -12,8 +12,9 @@ weights are evicted; a model that can never fit is rejected. Each scenario below
 so an interactive or background model sees at most 7 GiB while realtime has not used its reserve.
 Time is a plain float; the service starts at t = -600 (like the simulator's warm-up).
 
-The oracle is told each scenario's requests (`plan`); it may prewarm them at start, so set-up
-steps accept "hit" as well as "load", and the assertions are about the rule under test.
+Models are `prewarm: false` (no policy preloads on a guess), but the oracle is told each
+scenario's requests (`plan`) and loads what it knows is coming at start, so set-up steps accept
+"hit" as well as "load"; the assertions are about the rule under test.
 """
 
 from __future__ import annotations
@@ -34,7 +35,11 @@ ADMITTED = ("hit", "load")
 HOME = "configs/home.yaml"
 
 
-def model(name: str, cls: str, memory: str, *, disk: float = 4.0, host: float = 1.0, **extra: Any) -> dict[str, Any]:
+def model(
+    name: str, cls: str, memory: str, *, disk: float = 4.0, host: float = 1.0, **extra: Any
+) -> dict[str, Any]:
+    """A model entry; `prewarm: false` unless given, so no policy preloads it on its own guess."""
+    extra.setdefault("prewarm", False)
     return {
         "name": name,
         "class": cls,
@@ -112,3 +117,259 @@ class TestHigherClass:
         assert "embed" in sc.evicted()  # ... by evicting the background model
         assert not {"voice", "tts"} & set(sc.evicted())  # never a realtime one
         assert {"voice", "tts", "big"} <= sc.on_gpu()
+
+
+@policies
+class TestPinned:
+    """(b) A request never evicts a pinned model."""
+
+    def cfg(self) -> Config:
+        # `embed` is pinned and of the lowest class: without its pin it would be every policy's
+        # first victim (lowest class, never requested, least recently used).
+        return server(
+            model("embed", "background", "3GiB", pin=True),
+            model("chat", "interactive", "2GiB"),
+            model("img", "interactive", "4GiB"),
+        )
+
+    def test_pinned_model_is_passed_over(self, policy, drive):
+        sc = drive(self.cfg(), policy, plan(("chat", 0.0), ("img", 100.0)))
+        sc.start()  # embed (pinned) loads at start
+        assert sc.tier("embed") == Tier.GPU
+        assert sc.request("chat", 0.0).status in ADMITTED  # chat: 3 + 2 = 5 GiB used, 2 GiB left
+        assert sc.request("img", 100.0).status in ADMITTED  # img (4 GiB) needs room ...
+        assert sc.evicted() == ["chat"]  # ... which comes from chat, never from embed
+        assert sc.on_gpu() == {"embed", "img"}
+
+    def test_request_waits_when_only_the_pinned_model_could_make_room(self, policy, drive):
+        sc = drive(self.cfg(), policy, plan(("chat", 0.0), ("img", 100.0)))
+        sc.start()  # embed (pinned) loads at start
+        assert sc.request("chat", 0.0, busy=1000.0).status in ADMITTED  # chat busy until ~1000
+        sc.clear()
+        adm = sc.request("img", 100.0)  # evicting embed would make room; chat is busy
+        assert adm.status == "wait"  # so img waits
+        assert sc.evicted() == []  # and embed stays
+        assert sc.on_gpu() == {"embed", "chat"}
+
+
+@policies
+class TestBusy:
+    """(c) A request never evicts a busy model: it waits until the model is idle."""
+
+    def test_busy_model_is_kept_until_its_request_ends(self, policy, drive):
+        cfg = server(model("chat", "interactive", "5GiB"), model("img", "interactive", "5GiB"))
+        sc = drive(cfg, policy, plan(("chat", 0.0), ("img", 100.0)))
+        sc.start()
+        adm = sc.request("chat", 0.0, busy=1000.0)  # chat (5 of the 7 GiB) is busy for 1000 s
+        assert adm.status in ADMITTED
+        busy_until = sc.m("chat").busy_until
+        assert busy_until >= 1000.0
+        sc.clear()
+        assert sc.request("img", 100.0).status == "wait"  # img needs chat's room: wait
+        assert sc.tier("chat") == Tier.GPU  # chat keeps running
+        assert sc.retry("img", busy_until - 1.0).status == "wait"  # still busy a second before the end
+        assert sc.evicted() == []
+        assert sc.retry("img", busy_until).status == "load"  # idle now: chat makes way
+        assert sc.evicted() == ["chat"]
+
+
+@policies
+class TestMayNotEvict:
+    """(d) A class with `may_evict: false` never evicts a model whose keep-alive has not expired."""
+
+    def test_background_waits_for_an_unexpired_model(self, policy, drive):
+        # Two 4 GiB background models; background sees 7 GiB, so they cannot both be resident.
+        # photos is used again 3 s after embed arrives: unexpired for every policy (the oracle
+        # calls a model expired only when its next request is further away than its reload,
+        # 3 s + 2 s slack here).
+        cfg = server(
+            model("photos", "background", "4GiB", disk=6.0, host=3.0, keep_alive="10m"),
+            model("embed", "background", "4GiB", keep_alive="10m"),
+        )
+        sc = drive(cfg, policy, plan(("photos", 0.0), ("embed", 30.0), ("photos", 33.0), ("embed", 5000.0)))
+        sc.start()
+        assert sc.request("photos", 0.0).status in ADMITTED  # photos on the GPU, idle from ~t=7
+        sc.clear()
+        assert sc.request("embed", 30.0).status == "wait"  # no free room, photos unexpired: wait
+        assert sc.tier("photos") == Tier.GPU  # photos stays
+        assert sc.request("photos", 33.0).status == "hit"  # and serves its next request warm
+        assert sc.evicted() == []
+
+    def test_background_takes_the_room_of_an_expired_model(self, policy, drive):
+        cfg = server(
+            model("photos", "background", "4GiB", disk=6.0, host=3.0, keep_alive="10m"),
+            model("embed", "background", "4GiB", keep_alive="10m"),
+        )
+        sc = drive(cfg, policy, plan(("photos", 0.0), ("embed", 5000.0)))
+        sc.start()
+        assert sc.request("photos", 0.0).status in ADMITTED  # photos on the GPU
+        adm = sc.request("embed", 5000.0)  # over an hour later: photos' keep-alive (10 min) is over
+        assert adm.status == "load"  # embed may take photos' room
+        assert sc.evicted() == ["photos"]
+
+    def test_a_request_classed_background_may_not_evict_either(self, policy, drive):
+        # A request may carry its own class (Request.cls): img is interactive, but this batch
+        # request for it is classed background, so it may neither evict nor touch chat
+        # (interactive is a higher class than the request).
+        cfg = server(model("chat", "interactive", "5GiB"), model("img", "interactive", "5GiB"))
+        sc = drive(cfg, policy, plan(("chat", 0.0), ("img", 5000.0)))
+        sc.start()
+        assert sc.request("chat", 0.0).status in ADMITTED  # chat: 5 of the 7 GiB
+        sc.clear()
+        assert sc.request("img", 5000.0, cls="background").status == "wait"  # hours later: still waits
+        assert sc.evicted() == []  # chat stays
+        assert sc.retry("img", 5001.0).status == "load"  # as an interactive request it may evict
+        assert sc.evicted() == ["chat"]
+
+
+@policies
+class TestReservation:
+    """(e) Class reservations are never given away to lower classes."""
+
+    def test_interactive_cannot_take_the_realtime_reserve(self, policy, drive):
+        cfg = server(
+            model("chat", "interactive", "4GiB"),
+            model("img", "interactive", "3GiB"),
+            model("tiny", "interactive", "1GiB"),
+            model("tts", "realtime", "2GiB"),
+        )
+        # tts is not in the oracle's plan: told of it, the oracle would load it at start, and the
+        # point here is that its reserve stays free while nobody realtime uses it.
+        sc = drive(cfg, policy, plan(("chat", 0.0), ("img", 1.0), ("tiny", 10.0)))
+        sc.start()
+        assert sc.request("chat", 0.0, busy=1000.0).status in ADMITTED  # chat busy: 4 GiB
+        assert sc.request("img", 1.0, busy=1000.0).status in ADMITTED  # img busy: 7 GiB used
+        assert sc.dev.usable - sc.dev.used == 2 * GiB  # 2 GiB are free, all realtime's reserve
+        adm = sc.request("tiny", 10.0)  # tiny needs only 1 GiB ...
+        assert adm.status == "wait"  # ... but may not take the reserved bytes
+        assert sc.dev.usable - sc.dev.used == 2 * GiB  # the reserve is still free
+        sc.clear()
+        assert sc.request("tts", 20.0, surprise=True).status == "load"  # realtime gets it at once
+        assert sc.evicted() == []  # without evicting anything
+        assert sc.dev.used == sc.dev.usable  # the device is exactly full, never over
+
+
+@policies
+class TestNeverFits:
+    """(f) A model that can never fit is rejected, with a reason naming it."""
+
+    def test_rejected_with_a_reason_naming_the_model(self, policy, drive):
+        # chat is pinned (3 GiB) and realtime holds 2 GiB: an interactive model can never have
+        # more than 9 - 2 - 3 = 4 GiB, and img needs 5. (The config check only sees the reserve.)
+        cfg = server(model("chat", "interactive", "3GiB", pin=True), model("img", "interactive", "5GiB"))
+        sc = drive(cfg, policy, plan(("img", 0.0)))
+        sc.start()
+        sc.clear()
+        adm = sc.request("img", 0.0)
+        assert adm.status == "reject"  # rejected outright, not left waiting forever
+        assert "'img'" in adm.reason  # the reason names the model ...
+        assert "more than 4GiB" in adm.reason  # ... and the most it could ever get
+        assert sc.actions == []  # nothing moved
+        assert sc.tier("img") == Tier.DISK
+
+    def test_elastic_minimum_counts(self, policy, drive):
+        # world: 3 GiB of weights + a 2 GiB minimum lease = 5 GiB > 4 GiB.
+        cfg = server(
+            model("chat", "interactive", "3GiB", pin=True),
+            model("world", "interactive", "3GiB", elastic={"min": "2GiB", "max": "4GiB"}),
+        )
+        sc = drive(cfg, policy, plan(("world", 0.0)))
+        sc.start()
+        adm = sc.request("world", 0.0)
+        assert adm.status == "reject"
+        assert "'world'" in adm.reason
+
+    def test_pinned_bytes_inside_a_reservation_are_not_counted_twice(self, policy, drive):
+        # voice (1 GiB, pinned) sits inside realtime's 2 GiB reserve: with it loaded, an
+        # interactive model has 9 - 1 (voice) - 1 (the reserve's unused rest) = 7 GiB, so big
+        # (7 GiB) fits - the config check agrees - and must not be rejected as never fitting.
+        cfg = server(model("voice", "realtime", "1GiB", pin=True), model("big", "interactive", "7GiB"))
+        sc = drive(cfg, policy, plan(("big", 0.0)))
+        sc.start()  # voice loads
+        assert sc.dev.room(1) == 7 * GiB  # 7 GiB really are there for an interactive model
+        assert sc.request("big", 0.0).status in ADMITTED  # so big is admitted
+
+
+@policies
+class TestElasticLease:
+    """(g) An elastic tenant's lease shrinks before any weights are evicted."""
+
+    def test_lease_shrinks_and_nothing_is_evicted(self, policy, drive):
+        # world: 2 GiB weights + lease 1..6 GiB. chat (3 GiB) fills the room at first, so img is
+        # not loaded at start by anyone (the oracle included); then chat is unloaded and the busy
+        # world model's lease grows into all the free room.
+        cfg = server(
+            model("chat", "interactive", "3GiB"),
+            model("world", "interactive", "2GiB", elastic={"min": "1GiB", "max": "6GiB"}),
+            model("img", "interactive", "3GiB"),
+        )
+        sc = drive(cfg, policy, plan(("chat", 0.0), ("world", 10.0), ("img", 100.0)))
+        sc.start()
+        assert sc.request("chat", 0.0).status in ADMITTED  # chat: 3 GiB
+        assert sc.request("world", 10.0, busy=5000.0).status in ADMITTED  # world: 2 + 1 GiB, in session
+        assert sc.tier("img") != Tier.GPU  # 1 GiB left: img (3 GiB) is not on the GPU
+        sc.engine.evict(sc.m("chat"), 20.0, "unloaded by the user")  # 4 GiB free for interactive
+        sc.tick(30.0)  # the session wants KV: the lease grows into the free room
+        assert sc.m("world").lease == 5 * GiB
+        assert sc.dev.room(1) == 0  # nothing left for another interactive model
+        sc.clear()
+        adm = sc.request("img", 100.0)  # img needs 3 GiB
+        assert adm.status == "load"  # admitted ...
+        assert sc.kinds()[0] == ActionKind.SHRINK_LEASE  # ... after the lease shrank first
+        assert sc.actions[0][1].model == "world"
+        assert sc.m("world").lease == 2 * GiB  # by just the 3 GiB img needs
+        assert sc.evicted() == []  # and no weights were demoted or dropped
+        assert {"world", "img"} <= sc.on_gpu()
+
+    def test_a_request_that_must_wait_leaves_the_lease_alone(self, policy, drive):
+        # chat (2 GiB) and the world session are busy; world's lease grew to 3 GiB. img needs
+        # 4 GiB: shrinking the lease to its 1 GiB minimum frees only 2, and nothing can be evicted.
+        cfg = server(
+            model("chat", "interactive", "2GiB"),
+            model("world", "interactive", "2GiB", elastic={"min": "1GiB", "max": "6GiB"}),
+            model("img", "interactive", "4GiB"),
+        )
+        sc = drive(cfg, policy, plan(("chat", 0.0), ("world", 1.0), ("img", 100.0)))
+        sc.start()
+        assert sc.request("chat", 0.0, busy=5000.0).status in ADMITTED  # chat busy: 2 GiB
+        assert sc.request("world", 1.0, busy=5000.0).status in ADMITTED  # world busy: 2 + 1 GiB
+        sc.tick(20.0)  # the session's lease grows into the 2 GiB left
+        assert sc.m("world").lease == 3 * GiB
+        sc.clear()
+        assert sc.request("img", 100.0).status == "wait"  # img cannot be admitted ...
+        assert sc.m("world").lease == 3 * GiB  # ... so the session keeps its KV
+        assert sc.actions == []  # nothing changed
+
+
+@policies
+class TestThrash:
+    """(h) A model reloaded within `thrash_window` of its eviction counts as thrash."""
+
+    def test_reload_within_the_window_counts(self, policy, drive):
+        # chat and img (5 GiB each) cannot share the 7 GiB interactive room.
+        cfg = server(model("chat", "interactive", "5GiB"), model("img", "interactive", "5GiB"))
+        sc = drive(cfg, policy, plan(("chat", 0.0), ("img", 100.0), ("chat", 200.0), ("img", 1000.0)))
+        sc.start()
+        thrash = sc.engine.counters
+        assert sc.request("chat", 0.0).status in ADMITTED  # chat on the GPU
+        assert sc.request("img", 100.0).status == "load"  # img evicts chat at t=100
+        assert thrash.thrash == 0  # img was never evicted before
+        assert sc.request("chat", 200.0).status == "load"  # chat back 100 s after its eviction
+        assert thrash.thrash == 1  # within the 10 min window: thrash
+        assert sc.request("img", 1000.0).status == "load"  # img back 800 s after its eviction
+        assert thrash.thrash == 1  # outside the window: not thrash
+
+
+class TestDeterminism:
+    """(i) Decisions are a function of config and trace: two replays are identical."""
+
+    @policies
+    def test_two_replays_give_identical_results(self, policy):
+        cfg = load_config(HOME)
+        reqs = synth("home", 2, seed=7)
+        first = replay(cfg, reqs, policy, record=True)
+        second = replay(cfg, reqs, policy, record=True)
+        assert json.dumps(first.to_json(), sort_keys=True) == json.dumps(second.to_json(), sort_keys=True)
+        assert first.actions == second.actions  # every decision, in order
+        assert first.served_log == second.served_log
+        assert first.served > 0
