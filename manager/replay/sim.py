@@ -26,6 +26,8 @@ from manager.policy.factory import create_policy
 from manager.policy.state import ModelState
 from manager.policy.types import Action, Request
 
+DRAIN_S = 7 * 86400.0
+"""How long after the last request pending events are still played out."""
 WARMUP_S = 600.0
 """The service starts this long before the first request (pinned models are loaded by then)."""
 
@@ -170,8 +172,11 @@ class Simulator:
             if self.progress is not None and i % 2000 == 0:
                 self.progress(i, n)
         t_end = max(reqs[-1].t if reqs else t_start, t_start + 1.0)
+        # After the last request, pending events (expiries, retries of waiting requests) play out,
+        # for at most DRAIN_S: a policy that keeps asking for wake-ups cannot run forever.
+        horizon = t_end + DRAIN_S
         while self.heap or self.waiting:
-            if not self.heap:
+            if not self.heap or self.heap[0] > horizon:
                 for _ in self.waiting:
                     self._reject("no room became free before the end of the trace")
                 self.waiting.clear()

@@ -25,7 +25,7 @@ from manager.config import Config, load_config
 from manager.policy.baselines import MIN_SAMPLES
 from manager.policy.factory import POLICY_NAMES
 from manager.policy.types import ActionKind, Request, Tier
-from manager.replay.sim import replay
+from manager.replay.sim import Simulator, replay
 from manager.replay.synth import synth
 
 GiB = 1 << 30
@@ -247,3 +247,23 @@ class TestPrewarmFlag:
         assert res.actions is not None
         early = [(t, a) for t, a in res.actions if a.model == "nightly" and a.prewarm]
         assert early == []  # never loaded (to GPU or host) ahead of a request
+
+
+class TestReplayEnds:
+    """A policy that keeps asking for wake-ups cannot keep the replay running for ever."""
+
+    def test_endless_wakeups_stop_a_week_after_the_last_request(self):
+        from manager.policy.residency import ResidencyPolicy
+
+        class Restless(ResidencyPolicy):
+            def prewarm(self, now: float) -> list:  # type: ignore[override]
+                self.engine.wakeups.append(now + 60.0)  # every minute, for ever
+                return []
+
+        cfg = load_config("configs/home.yaml")
+        trace = synth("home", 1, 1)
+        sim = Simulator(cfg, trace, "residency")
+        sim.engine.policy = Restless()
+        sim.engine.policy.bind(sim.engine)
+        res = sim.run()  # returns instead of looping
+        assert res.served == len(trace)  # and every request was served
