@@ -12,7 +12,8 @@ Every state change is returned as an `Action` and appended to `actions` (when lo
 Admission rules (for every policy): a request never evicts a pinned model, a busy or loading one,
 or one of a higher class; a class with `may_evict: false` only takes free room and room held by
 models whose keep-alive has expired; class reservations and device reserves are never given away;
-elastic leases shrink before any weights are evicted; a model that can never fit is rejected.
+elastic leases shrink before any weights are evicted (a lease above its minimum is lent free room
+that any request may take back); a model that can never fit is rejected.
 """
 
 from __future__ import annotations
@@ -119,9 +120,10 @@ class Engine:
             m.busy_until = end
         m.last_end = m.busy_until
         m.expire_version += 1
-        exp = self.policy.expiry(m, start)
-        if self.policy.is_eager(m) and exp < math.inf:
-            self.wakeups.append(max(exp, m.busy_until))
+        if self.policy.is_eager(m):
+            exp = self.policy.expiry(m, start)
+            if exp < math.inf:
+                self.wakeups.append(max(exp, m.busy_until))
         if m.elastic or self.policy.wants_wakeup_after(m):
             self.wakeups.append(m.busy_until)
 
@@ -226,15 +228,13 @@ class Engine:
         if not over_count and dev.room(m.rank) >= need:
             return True
         tenants = []
-        if may_evict and not prewarm and not over_count:
+        if not prewarm and not over_count:
+            # A lease above its minimum is free room lent to the tenant: any request may take it
+            # back (nothing is evicted), a background one included.
             tenants = [
                 t
                 for t in dev.models
-                if t is not m
-                and t.tier == Tier.GPU
-                and t.elastic
-                and t.rank >= rank
-                and t.lease > t.lease_min
+                if t is not m and t.tier == Tier.GPU and t.elastic and t.lease > t.lease_min
             ]
             if self._room_after(dev, m.rank, [], tenants) >= need:
                 self._shrink_leases(dev, m, tenants, need, now)

@@ -54,6 +54,7 @@ class ResidencyPolicy(Policy):
         self._counted: dict[tuple[str, str], float] = {}
         self._weights: list[float] = []
         self._wake_on_idle: set[str] = set()
+        self._ka_cache: dict[str, tuple[int, float]] = {}
 
     def bind(self, engine: Engine) -> None:
         super().bind(engine)
@@ -92,9 +93,14 @@ class ResidencyPolicy(Policy):
             return math.inf
         if m.keep_alive_cfg is not None:
             return m.keep_alive_cfg
-        if m.hist.intervals < 5:
+        n = m.hist.intervals
+        if n < 5:
             return self.default_keep_alive
-        return max(self.engine.min_residency, m.hist.quantile(0.95))
+        cached = self._ka_cache.get(m.name)
+        if cached is None or n - cached[0] > cached[0] // 16:  # recompute as the histogram grows
+            cached = (n, max(self.engine.min_residency, m.hist.quantile(0.95)))
+            self._ka_cache[m.name] = cached
+        return cached[1]
 
     def start(self, now: float) -> None:
         self.t0 = now

@@ -321,6 +321,25 @@ class TestElasticLease:
         assert sc.evicted() == []  # and no weights were demoted or dropped
         assert {"world", "img"} <= sc.on_gpu()
 
+    def test_background_takes_back_lent_lease_room_but_evicts_nothing(self, policy, drive):
+        # The busy world session's lease grew into all free room; a background job (may not
+        # evict) still gets the room it needs, because lease bytes above the minimum are lent.
+        cfg = server(
+            model("world", "interactive", "2GiB", elastic={"min": "1GiB", "max": "6GiB"}),
+            model("batch", "background", "2GiB"),
+        )
+        sc = drive(cfg, policy, plan(("world", 0.0), ("batch", 100.0)))
+        sc.start()
+        assert sc.request("world", 0.0, busy=5000.0).status in ADMITTED  # world: 2 + 1 GiB, in session
+        sc.tick(30.0)  # the session wants KV: the lease grows into the free room
+        assert sc.m("world").lease == 5 * GiB
+        sc.clear()
+        adm = sc.request("batch", 100.0)  # batch needs 2 GiB
+        assert adm.status == "load"  # admitted at once ...
+        assert sc.kinds()[0] == ActionKind.SHRINK_LEASE  # ... the lease gave back 2 GiB
+        assert sc.m("world").lease == 3 * GiB
+        assert sc.evicted() == []  # and nothing was evicted
+
     def test_a_request_that_must_wait_leaves_the_lease_alone(self, policy, drive):
         # chat (2 GiB) and the world session are busy; world's lease grew to 3 GiB. img needs
         # 4 GiB: shrinking the lease to its 1 GiB minimum frees only 2, and nothing can be evicted.
