@@ -1,0 +1,58 @@
+"""Markdown tables for bench/RESULTS.md from the JSON in bench/results/ (no replay is run).
+
+usage: python bench/results_tables.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+HERE = Path(__file__).parent / "results"
+POLICIES = ["residency", "oracle", "lru-keepalive", "histogram", "gdsf"]
+
+
+def quality() -> None:
+    d = json.loads((HERE / "replay_quality.json").read_text())["traces"]
+    print("| trace | " + " | ".join(POLICIES) + " | residency / oracle | realtime p99 s (res / oracle) |")
+    print("|---|" + "---:|" * (len(POLICIES) + 2))
+    for name, t in d.items():
+        p, c = t["policies"], t["checks"]
+        ratio = "n/a (oracle 0)" if c["ratio_to_oracle"] is None else f"{c['ratio_to_oracle']:.2f}"
+        cells = " | ".join(f"{p[x]['load_wait_s']:.1f} ({p[x]['thrash']})" for x in POLICIES)
+        rt = f"{p['residency']['p99_realtime_s']:.2f} / {p['oracle']['p99_realtime_s']:.2f}"
+        print(f"| {name} | {cells} | {ratio} | {rt} |")
+    print()
+    keys = [k for k in next(iter(d.values()))["checks"] if k != "ratio_to_oracle"]
+    print("| check | traces where it holds |")
+    print("|---|---:|")
+    for k in keys:
+        print(f"| {k} | {sum(1 for t in d.values() if t['checks'][k])} of {len(d)} |")
+
+
+def speed() -> None:
+    d = json.loads((HERE / "replay_speed.json").read_text())
+    print(f"{d['requests']:,} requests ({d['weeks']} weeks)\n")
+    print("| policy | seconds | requests/s |")
+    print("|---|---:|---:|")
+    for p, v in d["policies"].items():
+        print(f"| {p} | {v['seconds']} | {v['requests_per_s']:,} |")
+
+
+def tune() -> None:
+    d = json.loads((HERE / "tune_gain.json").read_text())
+    print("| starting config | " + " | ".join(f"pair {i + 1}" for i in range(len(next(iter(d.values()))))) + " |")
+    print("|---|" + "---|" * len(next(iter(d.values()))))
+    for k, rows in d.items():
+        cells = " | ".join(
+            f"{r['week2_load_wait_before_s']} → {r['week2_load_wait_after_s']} s (−{100 * r['reduction']:.1f} %)"
+            for r in rows
+        )
+        print(f"| `{k}` | {cells} |")
+
+
+if __name__ == "__main__":
+    for f in (quality, speed, tune):
+        print(f"<!-- {f.__name__} -->")
+        f()
+        print()
