@@ -32,8 +32,10 @@ pytest: $(STAMP)
 test: lint typecheck pytest
 
 bench: $(STAMP)
-	$(BIN)/python bench/replay_quality.py
-	$(BIN)/python bench/replay_speed.py
+	$(BIN)/python bench/replay_quality.py > bench/results/replay_quality.json
+	$(BIN)/python bench/replay_speed.py > bench/results/replay_speed.json
+	$(BIN)/python bench/tune_gain.py > bench/results/tune_gain.json
+	$(BIN)/python bench/results_tables.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
