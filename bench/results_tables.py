@@ -41,11 +41,13 @@ def speed() -> None:
 
 def tune() -> None:
     d = json.loads((HERE / "tune_gain.json").read_text())
-    print("| starting config | " + " | ".join(f"pair {i + 1}" for i in range(len(next(iter(d.values()))))) + " |")
-    print("|---|" + "---|" * len(next(iter(d.values()))))
+    pairs = len(next(iter(d.values())))
+    print("| starting config | " + " | ".join(f"pair {i + 1}" for i in range(pairs)) + " |")
+    print("|---|" + "---|" * pairs)
     for k, rows in d.items():
         cells = " | ".join(
-            f"{r['week2_load_wait_before_s']} → {r['week2_load_wait_after_s']} s (−{100 * r['reduction']:.1f} %)"
+            f"{r['week2_load_wait_before_s']} → {r['week2_load_wait_after_s']} s "
+            f"(−{100 * r['reduction']:.1f} %)"
             for r in rows
         )
         print(f"| `{k}` | {cells} |")
