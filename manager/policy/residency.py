@@ -14,8 +14,9 @@ What it decides, and from what:
   becomes available to classes that may not evict (background batches).
 - **Prewarm**: (1) at start, models are preloaded into free room by class; (2) after a request
   for A, models that usually follow A within a minute (learned co-occurrence: voice -> LLM ->
-  TTS chains) are loaded at once; (3) when a model that displaced others goes idle, the most
-  valuable host residents are promoted back into the free room.
+  TTS chains) are loaded at once; (3) when a model that displaced others goes idle (its request
+  ended), host residents worth `DISPLACE_MARGIN` times more than what they would displace are
+  promoted back (e.g. after a world session, the image model it pushed to host RAM).
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ CHAIN_WINDOW_S = 60.0
 """B 'follows' A when B arrives within this long after A."""
 CHAIN_MIN_P = 0.4
 """Prewarm B after A when P(B follows A) is at least this."""
-FILL_MIN_P = 0.9
-"""Promote a host resident into free GPU room when P(request within horizon) is at least this."""
+FILL_MIN_P = 0.1
+"""Restore a displaced host resident only when P(request within the horizon) is at least this."""
 DISPLACE_MARGIN = 4.0
 """A prewarm displaces a model only when the prewarmed one is worth this many times more."""
 MAX_SUBSET = 10
