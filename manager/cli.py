@@ -63,6 +63,7 @@ def _replay_all(config: Config, reqs: list[Request], policies: Sequence[str], ba
                 prog.update(task, completed=i)
 
             r = replay(config, reqs, p, progress=tick)
+            prog.update(task, completed=len(reqs))
             r.bad_lines = bad
             out.append(r)
     return out
