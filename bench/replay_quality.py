@@ -61,12 +61,12 @@ def run(config_path: str, traces: dict[str, list[Request]]) -> dict[str, object]
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="configs/home.yaml")
-    ap.add_argument("--heldout", type=int, default=5, help="held-out weeks per profile (seeds 101..)")
+    ap.add_argument("--heldout", type=int, default=5, help="held-out weeks per profile (seeds 301..)")
     a = ap.parse_args()
     here = Path(__file__).parent / "traces"
     traces = {n: read_trace(here / f"{n}.jsonl", strict=True).requests for n in SHIPPED}
     for prof in ("home", "studio"):
-        for s in range(101, 101 + a.heldout):
+        for s in range(301, 301 + a.heldout):
             traces[f"heldout-{prof}-seed{s}"] = synth(prof, 7, s)
     json.dump({"config": a.config, "traces": run(a.config, traces)}, sys.stdout, indent=1)
     print()
