@@ -156,3 +156,21 @@ class TestStudioDiffersInShape:
             return sum(r.model == "image" for r in week(profile, 1))
 
         assert images("studio") > 4 * images("home")
+
+
+@pytest.mark.parametrize(
+    ("name", "profile", "seed"),
+    [
+        ("home-week-seed1", "home", 1),
+        ("home-week-seed2", "home", 2),
+        ("home-week-seed3", "home", 3),
+        ("studio-week-seed1", "studio", 1),
+    ],
+)
+def test_shipped_traces_are_what_synth_makes(name: str, profile: str, seed: int) -> None:
+    # The traces in bench/traces are the generator's output: if synth changes, they (and the
+    # figures in bench/RESULTS.md) must be regenerated together.
+    shipped = read_trace(
+        Path(__file__).resolve().parents[2] / "bench" / "traces" / f"{name}.jsonl", strict=True
+    )
+    assert shipped.requests == synth(profile, 7, seed)
