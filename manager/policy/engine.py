@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
+from manager.policy.outcomes import Admission, Counters
 from manager.policy.state import NEVER, ClusterState, DeviceState, ModelState
 from manager.policy.types import Action, ActionKind, Tier
 from manager.units import format_size as fmt_bytes
@@ -31,41 +32,6 @@ if TYPE_CHECKING:
     from manager.policy.base import Policy
 
 LoadTimeFn = Callable[[ModelState, str], float]
-
-
-class Admission(NamedTuple):
-    """Outcome of `Engine.admit`: status is "hit", "load" (ready at `ready_at`), "wait" or "reject"."""
-
-    status: str
-    ready_at: float
-    reason: str = ""
-
-
-class Counters:
-    __slots__ = (
-        "budget_violations",
-        "evictions",
-        "expiries",
-        "lease_grows",
-        "lease_shrinks",
-        "loads",
-        "loads_by_source",
-        "prewarm_loads",
-        "thrash",
-        "wasted_loads",
-    )
-
-    def __init__(self) -> None:
-        self.evictions = 0
-        self.expiries = 0
-        self.thrash = 0
-        self.prewarm_loads = 0
-        self.wasted_loads = 0
-        self.budget_violations = 0
-        self.lease_shrinks = 0
-        self.lease_grows = 0
-        self.loads = 0
-        self.loads_by_source = {"disk": 0, "cached": 0, "host": 0}
 
 
 class Engine:
