@@ -85,7 +85,6 @@ class Engine:
         if end > m.busy_until:
             m.busy_until = end
         m.last_end = m.busy_until
-        m.expire_version += 1
         if self.policy.is_eager(m):
             exp = self.policy.expiry(m, start)
             if exp < math.inf:

@@ -27,7 +27,6 @@ class ModelState:
         "cfg",
         "cost",
         "device",
-        "expire_version",
         "gpu_since",
         "hist",
         "keep_alive_cfg",
@@ -68,7 +67,6 @@ class ModelState:
         self.last_arrival = NEVER
         self.left_gpu_at = NEVER
         self.prewarmed = False
-        self.expire_version = 0
         self.waiting = 0
         ls = cfg.load_seconds
         self.cost = LoadCost(ls.disk, ls.cached_s, ls.host)

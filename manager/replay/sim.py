@@ -58,7 +58,9 @@ class ReplayResult:
     wasted_loads: int = 0
     models: dict[str, ModelFigures] = field(default_factory=dict)
     expiries: int = 0
+    loads: int = 0
     lease_shrinks: int = 0
+    lease_grows: int = 0
     loads_by_source: dict[str, int] = field(default_factory=dict)
     reject_reasons: dict[str, int] = field(default_factory=dict)
     bad_lines: int = 0
@@ -89,7 +91,9 @@ class ReplayResult:
                 for k, v in self.models.items()
             },
             "expiries": self.expiries,
+            "loads": self.loads,
             "lease_shrinks": self.lease_shrinks,
+            "lease_grows": self.lease_grows,
             "loads_by_source": self.loads_by_source,
             "reject_reasons": self.reject_reasons,
             "bad_lines": self.bad_lines,
@@ -275,7 +279,8 @@ class Simulator:
         )
         # A prewarmed model never used before the end of the trace was a wasted load too.
         res.wasted_loads += sum(1 for m in self.engine.models.values() if m.prewarmed)
-        res.lease_shrinks, res.loads_by_source = c.lease_shrinks, dict(c.loads_by_source)
+        res.loads, res.loads_by_source = c.loads, dict(c.loads_by_source)
+        res.lease_shrinks, res.lease_grows = c.lease_shrinks, c.lease_grows
         res.actions = self.engine.actions
         return res
 
