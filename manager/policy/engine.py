@@ -10,10 +10,12 @@ Order of use (the replay simulator and the live manager drive it the same way):
 Every state change is returned as an `Action` and appended to `actions` (when logging is on).
 
 Admission rules (for every policy): a request never evicts a pinned model, a busy or loading one,
-or one of a higher class; a class with `may_evict: false` only takes free room and room held by
-models whose keep-alive has expired; class reservations and device reserves are never given away;
-elastic leases shrink before any weights are evicted (a lease above its minimum is lent free room
-that any request may take back); a model that can never fit is rejected.
+or one of a higher class within its keep-alive (a model past its keep-alive has no claim on its
+room: eager policies unload it then, lazy ones when the room is wanted); a class with
+`may_evict: false` only takes free room and room held by models whose keep-alive has expired;
+class reservations and device reserves are never given away; elastic leases shrink before any
+weights are evicted (a lease above its minimum is lent free room that any request may take back);
+a model that can never fit is rejected.
 """
 
 from __future__ import annotations
@@ -148,14 +150,17 @@ class Engine:
     ) -> bool:
         if c is m or c.tier != Tier.GPU or c.pinned or c.ready_at > now or not c.idle(now):
             return False
-        if c.rank < rank:
-            return False  # never evict a higher class
         if prewarm:
             young = now - c.gpu_since < self.min_residency and self.policy.prewarm_min_residency
-            return not young and self.policy.may_displace(c, m, now)
+            return c.rank >= rank and not young and self.policy.may_displace(c, m, now)
+        expired = self.policy.expired(c, now)
+        if c.rank < rank:
+            # A higher class is never evicted; a model past its keep-alive holds no claim to its
+            # room any more (an eager policy would have unloaded it already), whoever needs it.
+            return expired
         if c.rank == rank and now - c.gpu_since < self.min_residency and c.last_end < c.gpu_since:
             return False  # loaded for a request (or a prediction) it has not served yet
-        return may_evict or self.policy.expired(c, now)
+        return may_evict or expired
 
     @staticmethod
     def _room_after(dev: DeviceState, rank: int, removed: list[ModelState], shrunk: list[ModelState]) -> int:
@@ -217,7 +222,10 @@ class Engine:
         if victims is None or not enough(victims):
             return False
         for c in victims:
-            self.evict(c, now, f"room for '{m.name}'", expiry=not may_evict)
+            if self.policy.expired(c, now):
+                self.evict(c, now, "keep-alive expired", expiry=True)
+            else:
+                self.evict(c, now, f"room for '{m.name}'")
         self._shrink_leases(dev, m, [t for t in tenants if t not in victims], need, now)
         return True
 

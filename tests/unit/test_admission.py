@@ -88,7 +88,15 @@ class TestHigherClass:
             model("big", "interactive", "7GiB"),
             model("embed", "background", "1GiB"),
         )
-        sc = drive(cfg, policy, plan(("voice", 0.0), ("tts", 1.0), ("embed", 2.0), ("big", 100.0)))
+        # voice and tts are used again right after: within their keep-alive for every policy (for
+        # the oracle, "expired" means not needed soon, so it is told they are).
+        sc = drive(
+            cfg,
+            policy,
+            plan(
+                ("voice", 0.0), ("tts", 1.0), ("embed", 2.0), ("big", 100.0), ("voice", 101.0), ("tts", 101.5)
+            ),
+        )
         sc.start()
         assert sc.request("voice", 0.0).status in ADMITTED  # voice on the GPU
         assert sc.request("tts", 1.0).status in ADMITTED  # tts on the GPU: realtime holds 3 GiB
@@ -107,7 +115,15 @@ class TestHigherClass:
             model("big", "interactive", "6GiB"),
             model("embed", "background", "1GiB"),
         )
-        sc = drive(cfg, policy, plan(("voice", 0.0), ("tts", 1.0), ("embed", 2.0), ("big", 100.0)))
+        # voice and tts are used again right after: within their keep-alive for every policy (for
+        # the oracle, "expired" means not needed soon, so it is told they are).
+        sc = drive(
+            cfg,
+            policy,
+            plan(
+                ("voice", 0.0), ("tts", 1.0), ("embed", 2.0), ("big", 100.0), ("voice", 101.0), ("tts", 101.5)
+            ),
+        )
         sc.start()
         assert sc.request("voice", 0.0).status in ADMITTED  # voice on the GPU
         assert sc.request("tts", 1.0).status in ADMITTED  # tts on the GPU
@@ -210,16 +226,30 @@ class TestMayNotEvict:
     def test_a_request_classed_background_may_not_evict_either(self, policy, drive):
         # A request may carry its own class (Request.cls): img is interactive, but this batch
         # request for it is classed background, so it may neither evict nor touch chat
-        # (interactive is a higher class than the request).
+        # (interactive is a higher class than the request) while chat is within its keep-alive
+        # (5 min by default; the oracle is told chat is needed again at 102.5).
         cfg = server(model("chat", "interactive", "5GiB"), model("img", "interactive", "5GiB"))
-        sc = drive(cfg, policy, plan(("chat", 0.0), ("img", 5000.0)))
+        sc = drive(cfg, policy, plan(("chat", 0.0), ("img", 100.0), ("chat", 102.5)))
         sc.start()
         assert sc.request("chat", 0.0).status in ADMITTED  # chat: 5 of the 7 GiB
         sc.clear()
-        assert sc.request("img", 5000.0, cls="background").status == "wait"  # hours later: still waits
+        assert sc.request("img", 100.0, cls="background").status == "wait"  # it waits
         assert sc.evicted() == []  # chat stays
-        assert sc.retry("img", 5001.0).status == "load"  # as an interactive request it may evict
+        assert sc.retry("img", 101.0).status == "load"  # as an interactive request it may evict
         assert sc.evicted() == ["chat"]
+
+    def test_past_its_keep_alive_a_higher_class_model_gives_up_its_room(self, policy, drive):
+        # Hours later chat is past its keep-alive (and, for the oracle, never needed again): it has
+        # no claim on its room, so even a background request gets it - as an expiry, not an
+        # eviction made "for" the request.
+        cfg = server(model("chat", "interactive", "5GiB"), model("img", "interactive", "5GiB"))
+        sc = drive(cfg, policy, plan(("chat", 0.0), ("img", 5000.0)))
+        sc.start()
+        assert sc.request("chat", 0.0).status in ADMITTED
+        sc.clear()
+        assert sc.request("img", 5000.0, cls="background").status in ADMITTED
+        assert sc.evicted() == ["chat"]
+        assert all(a.reason == "keep-alive expired" for _, a in sc.actions if a.model == "chat")
 
 
 @policies

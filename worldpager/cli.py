@@ -1,0 +1,183 @@
+"""`worldpager` command line.
+
+    worldpager sizing --model {mg2,tiny} --host-memory SIZE --codec {bf16,int8,int4}
+                      [--usable 0.85] [--fps F] [--json]
+
+Errors in what the user gave (a size, a fraction, a flag) print `worldpager: <message>` on stderr and
+return 2, without a traceback. Each subcommand registers itself in `build_parser` with a handler
+`(args) -> int`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+from collections.abc import Sequence
+from decimal import Decimal, InvalidOperation
+from typing import Any, NoReturn
+
+from worldpager.mg2 import CODEC_BITS, DEFAULT_USABLE, PRESETS, ModelDims, sizing
+
+_BINARY_UNITS = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_DECIMAL_UNITS = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS: dict[str, int] = {"": 1, "b": 1, **_BINARY_UNITS, **_DECIMAL_UNITS}
+_SIZE_RE = re.compile(r"\s*(?P<num>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[A-Za-z]*)\s*")
+_SIZE_HELP = "KiB/MiB/GiB/TiB (binary), kB/MB/GB/TB (decimal) or plain bytes, e.g. 32GiB, 1.5GiB, 30GB"
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed as `worldpager: <message>`, exit status 2."""
+
+
+def parse_size(text: str) -> int:
+    """Bytes in a size such as "32GiB", "512MiB", "1.5GiB", "30GB", "4096" or "4096B".
+
+    Binary units (KiB, MiB, GiB, TiB) are powers of 1024, decimal ones (kB, MB, GB, TB) powers of
+    1000; unit names are case-insensitive. A fractional size is rounded down to whole bytes. Raises
+    ValueError unless the result is at least one byte.
+    """
+    m = _SIZE_RE.fullmatch(text) if isinstance(text, str) else None
+    if m is None:
+        raise ValueError(f"bad size {text!r}: expected a number and a unit ({_SIZE_HELP})")
+    unit = m["unit"].lower()
+    if unit not in _UNITS:
+        raise ValueError(f"bad size {text!r}: unknown unit {m['unit']!r} (expected {_SIZE_HELP})")
+    try:
+        value = int(Decimal(m["num"]) * _UNITS[unit])
+    except InvalidOperation:  # pragma: no cover - the regex admits only plain decimals
+        raise ValueError(f"bad size {text!r}: expected a number and a unit ({_SIZE_HELP})") from None
+    if value < 1:
+        raise ValueError(f"bad size {text!r}: expected at least 1 byte")
+    return value
+
+
+def _float_arg(flag: str, text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: expected a number") from None
+
+
+# ---- sizing ---------------------------------------------------------------------------------------
+
+
+def _scaled(n: int, base: int, units: Sequence[str]) -> str:
+    value, i = float(n), 0
+    while value >= base and i < len(units) - 1:
+        value, i = value / base, i + 1
+    return f"{value:,.1f} {units[i]}"
+
+
+def _fmt_bytes(n: int) -> str:
+    if n < 1000:
+        return f"{n:,} B"
+    decimal = _scaled(n, 1000, ("B", "kB", "MB", "GB", "TB"))
+    binary = _scaled(n, 1024, ("B", "KiB", "MiB", "GiB", "TiB"))
+    return f"{n:,} B ({decimal}, {binary})"
+
+
+def _fmt_seconds(s: float) -> str:
+    return f"{s:,.2f} s ({s / 60:,.2f} min)"
+
+
+def _sizing_text(model: str, dims: ModelDims, host_bytes: int, r: dict[str, Any]) -> str:
+    seconds = f"{r['segment_seconds']:g} s at {r['fps']:g} fps"
+    shape = f"{dims.layers} layers, dim {dims.dim}, {dims.tokens_per_segment} tokens/segment"
+    rows = [
+        ("model", f"{model} ({shape})"),
+        ("codec", f"{r['codec']} ({r['bits_per_value']:g} bits/value)"),
+        ("segment", _fmt_bytes(r["segment_bytes"])),
+        ("segment video", f"{dims.video_frames_per_segment} frames = {seconds}"),
+        ("host memory", _fmt_bytes(host_bytes)),
+        ("host budget", f"{_fmt_bytes(r['host_budget_bytes'])} = {r['usable'] * 100:g} % usable"),
+        ("segments in host", f"{r['segments_in_host']:,}"),
+        ("memory", _fmt_seconds(r["memory_seconds"])),
+        ("positional horizon", _fmt_seconds(r["positional_horizon_s"])),
+        ("", f"(backbone RoPE table: {dims.rope_table_frames} latent frames)"),
+        ("action horizon", _fmt_seconds(r["action_positional_horizon_s"])),
+        ("", f"(action-module RoPE table: {dims.action_rope_table_frames} latent frames)"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def cmd_sizing(args: argparse.Namespace) -> int:
+    """`worldpager sizing`: how many segments (and seconds of video) a host budget holds."""
+    try:
+        host_bytes = parse_size(args.host_memory)
+    except ValueError as e:
+        raise UsageError(f"--host-memory: {e}") from None
+    usable = _float_arg("--usable", args.usable)
+    dims = PRESETS[args.model]
+    try:
+        if args.fps is not None:
+            dims = dataclasses.replace(dims, fps=_float_arg("--fps", args.fps))
+        result = sizing(dims, host_bytes, args.codec, usable)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(_sizing_text(args.model, dims, host_bytes, result))
+    return 0
+
+
+def _add_sizing(sub: argparse._SubParsersAction[_Parser]) -> None:
+    p = sub.add_parser(
+        "sizing",
+        help="segment size, host-memory capacity and positional horizons",
+        description="How many KV segments (and seconds of video) fit in a host-memory budget.",
+    )
+    p.add_argument("--model", choices=sorted(PRESETS), default="mg2", help="model dimensions (default mg2)")
+    p.add_argument("--host-memory", required=True, metavar="SIZE", help=f"host budget: {_SIZE_HELP}")
+    p.add_argument("--codec", required=True, choices=list(CODEC_BITS), help="how segment KV is stored")
+    p.add_argument(
+        "--usable",
+        default=str(DEFAULT_USABLE),
+        metavar="FRACTION",
+        help=f"share of the budget that holds segments, in (0, 1] (default {DEFAULT_USABLE})",
+    )
+    p.add_argument(
+        "--fps",
+        default=None,
+        metavar="F",
+        help="video frame rate (default: the model's, 16 = Wan's native rate; MG2's exporter uses 12)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(fn=cmd_sizing)
+
+
+# ---- parser ---------------------------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors raise UsageError instead of exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="worldpager", description="WorldPager: tiered KV memory for MG2 world-model sessions.")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", parser_class=_Parser)
+    _add_sizing(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        rc: int = args.fn(args)
+        return rc
+    except UsageError as e:
+        print(f"worldpager: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # --help
+        return e.code if isinstance(e.code, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
