@@ -89,3 +89,23 @@ def test_importing_loads_none_of_them(module):
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True
     )
     assert json.loads(out.stdout) == []
+
+
+# WorldPager is a library of its own (stdlib + torch): it never imports the manager, and its
+# bookkeeping (what is where, what to evict, what to fetch), the NVMe log, the retrieval rules and
+# the sizing math are torch-free too, so they run and are tested alone.
+WORLDPAGER_FILES = sorted((ROOT / "worldpager").glob("*.py"))
+WORLDPAGER_TORCH_FREE = ("pages.py", "segment_log.py", "retrieval.py", "mg2.py", "cli.py")
+
+
+@pytest.mark.parametrize("path", WORLDPAGER_FILES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_worldpager_never_imports_the_manager(path: Path):
+    bad = [(line, mod) for line, mod in imported_modules(path) if mod.split(".")[0] in ("manager", "workers")]
+    assert bad == [], f"{path.name} imports {bad}"
+
+
+@pytest.mark.parametrize("name", WORLDPAGER_TORCH_FREE)
+def test_worldpager_bookkeeping_is_torch_free(name: str):
+    path = ROOT / "worldpager" / name
+    bad = [(line, mod) for line, mod in imported_modules(path) if is_forbidden(mod)]
+    assert bad == [], f"{name} imports {bad}"

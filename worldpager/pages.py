@@ -1,0 +1,570 @@
+"""Page bookkeeping for WorldPager: where each segment's KV lives, and which transfers to run.
+
+Pure Python (no torch, no I/O, no clock, no randomness). A *segment* is one MG2 block; its KV is final
+after the block's clean context pass. Tiers: two GPU retrieval buffers (step ``n`` uses buffer
+``n % 2``, so step n+1's slots fill while step n computes), host DRAM with a byte budget, and an NVMe
+log. A transfer side runs the jobs handed out here (frozen dataclasses, unique ``job_id``).
+
+Protocol (per step ``n``, all calls from the runtime):
+
+1. ``add_segment(seg, nbytes)`` when a block's KV is final -> ``[WriteBack]`` (the segment is dirty
+   in host), or ``Backpressure`` (NOT added; see there).
+2. ``prepare_step(n + 1, wanted)`` at the start of step n -> ``StepPlan``: ``Read`` (NVMe->host) for
+   host misses, ``Upload`` (host->GPU slot) for host hits.
+3. The transfer side starts I/O jobs in ``io_queue()`` order (prefetch reads > spills > write-backs;
+   live: a write-back becomes a spill when its segment must leave host), uploads on its H2D stream,
+   and reports each job once with ``complete(job_id, ok, failure)``, which returns follow-up jobs
+   (the ``Upload`` of a segment whose ``Read`` landed; the retry of a ``TRANSIENT`` failure).
+4. ``buffer_ready(n + 1)`` before step n+1 attends to its slots; ``release_step(n)`` after step n.
+5. ``take_events()`` drains what happened. ``lookup`` and ``resize`` may come between any calls.
+
+Each job is handed out once and completed once, except write-backs cancelled by ``DiskFull`` (their
+completion is optional). ``Backpressure.spills`` and ``resize``'s result name write-backs that were
+already handed out (now at SPILL priority): wait for them, never start them twice.
+
+Thread safety: none. The runtime serialises every call; transfer threads report completions to it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import Enum, IntEnum
+from typing import TypeAlias
+
+SegId: TypeAlias = int
+
+
+class SegState(Enum):
+    HOST_CLEAN = "host_clean"  # in host and on NVMe: evictable at no cost
+    HOST_DIRTY = "host_dirty"  # only in host: write-back outstanding (none in host-only mode)
+    READING = "reading"  # NVMe -> host in flight; its host room is reserved
+    NVME = "nvme"  # only on NVMe
+    LOST = "lost"  # NVMe copy corrupt, no host copy (a Corrupt event said so)
+
+
+_IN_HOST = (SegState.HOST_CLEAN, SegState.HOST_DIRTY, SegState.READING)
+
+
+class IoPriority(IntEnum):
+    PREFETCH = 0  # a Read for an upcoming step: late means a stall
+    SPILL = 1  # write-back of a segment that must leave host (backpressure, lease shrink)
+    WRITE_BACK = 2  # ordinary write-behind
+
+
+class Failure(Enum):
+    """Why a job failed; ``ok=False`` without one means DISK_FULL for a WriteBack, CORRUPT for a Read."""
+
+    TRANSIENT = "transient"  # retried: a new job of the same kind is issued
+    DISK_FULL = "disk_full"
+    CORRUPT = "corrupt"
+
+
+class ProtocolError(RuntimeError):
+    """The caller broke the protocol: a bug, not an expected outcome."""
+
+
+@dataclass(frozen=True)
+class _SegJob:
+    job_id: int
+    seg_id: SegId
+    nbytes: int
+
+
+class WriteBack(_SegJob):
+    """host -> NVMe."""
+
+
+class Read(_SegJob):
+    """NVMe -> host (into room already reserved)."""
+
+
+@dataclass(frozen=True)
+class Upload:
+    """host -> GPU slot ``slot`` of ``buffer`` (= step % 2)."""
+
+    job_id: int
+    seg_id: SegId
+    step: int
+    buffer: int
+    slot: int
+
+
+Job: TypeAlias = WriteBack | Read | Upload
+IoJob: TypeAlias = WriteBack | Read
+
+
+@dataclass(frozen=True)
+class _SegEvent:
+    seg_id: SegId
+    nbytes: int
+
+
+class Evicted(_SegEvent):
+    """A clean segment left host (it stays on NVMe)."""
+
+
+class Spilled(_SegEvent):
+    """A segment marked to spill was written back, then left host."""
+
+
+class ReadBack(_SegEvent):
+    """An NVMe read landed in host."""
+
+
+class Corrupt(_SegEvent):
+    """The NVMe copy failed its check: the segment is lost and never uploaded."""
+
+
+@dataclass(frozen=True)
+class DiskFull:
+    """A write-back hit a full disk: host-only from now on, dirty segments stay in host."""
+
+    seg_id: SegId
+    cancelled: tuple[int, ...]  # the other outstanding write-backs, dropped
+
+
+@dataclass(frozen=True)
+class LeaseResized:
+    host_budget_bytes: int
+    slots_per_buffer: int
+    pending_bytes: int  # host bytes over the new budget, until spills complete / steps release
+
+
+Event: TypeAlias = Evicted | Spilled | ReadBack | Corrupt | DiskFull | LeaseResized
+
+
+@dataclass(frozen=True)
+class Backpressure:
+    """``add_segment`` did not add the segment: host is full of dirty, reading or protected bytes.
+
+    Host never exceeds its budget and a dirty segment is never dropped, so the caller keeps the bytes
+    (staging), waits for ``spills`` (their completion evicts them) or a ``release_step``, and retries.
+    ``spills`` is empty when write-backs cannot help (host-only mode): then the caller decides.
+    """
+
+    seg_id: SegId
+    nbytes: int
+    shortfall: int
+    spills: tuple[WriteBack, ...]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    step: int
+    buffer: int
+    slots: dict[SegId, int]  # placed segment -> slot index in `buffer`
+    jobs: tuple[Job, ...]
+    unknown: tuple[SegId, ...]  # never added
+    unavailable: tuple[SegId, ...]  # lost, or no host room for its read now
+    dropped: tuple[SegId, ...]  # beyond slots_per_buffer (wanted is taken in order)
+
+
+@dataclass(frozen=True)
+class GpuSlot:
+    step: int
+    buffer: int
+    slot: int
+    ready: bool
+
+
+@dataclass(frozen=True)
+class Location:
+    seg_id: SegId
+    state: SegState
+    nbytes: int
+    gpu: tuple[GpuSlot, ...]
+
+
+@dataclass
+class _Seg:
+    nbytes: int
+    state: SegState
+    job: int | None = None  # its outstanding Read or WriteBack
+    spill: bool = False  # leave host as soon as it is written back
+
+
+@dataclass
+class _Step:
+    buffer: int
+    slots: dict[SegId, int]
+    waiting: set[SegId]  # Read outstanding, Upload not issued yet
+    uploading: set[SegId]  # Upload issued, not completed
+
+
+def _check_fits(name: str, budget: int, need: int, what: str = "one segment") -> None:
+    if budget < need:
+        raise ValueError(f"{name}={budget} is smaller than {what} ({need} bytes); the tier cannot hold it")
+
+
+class PageManager:
+    """Segment residency across GPU buffers, host DRAM and NVMe (see the module docstring).
+
+    Host rule: host bytes (clean + dirty + reserved for reads) never exceed ``host_budget_bytes``,
+    except after ``resize`` shrinks it below what dirty/protected/reading segments hold: that excess
+    is ``pending_bytes`` until spills complete or steps release. Only clean segments are evicted,
+    least recently used first (uses: being wanted, a read or write-back landing), never one
+    *protected* (wanted by an unreleased step). ``gpu_slot_bytes``: one attention-ready slot.
+    """
+
+    def __init__(
+        self,
+        host_budget_bytes: int,
+        gpu_slot_bytes: int,
+        slots_per_buffer: int,
+        nvme_enabled: bool = True,
+        segment_bytes: int | None = None,
+    ) -> None:
+        if host_budget_bytes <= 0 or gpu_slot_bytes <= 0 or slots_per_buffer < 1:
+            raise ValueError("host_budget_bytes and gpu_slot_bytes must be > 0, slots_per_buffer >= 1")
+        _check_fits("host_budget_bytes", host_budget_bytes, segment_bytes or 0)
+        self.host_budget_bytes, self.gpu_slot_bytes = host_budget_bytes, gpu_slot_bytes
+        self.slots_per_buffer, self.nvme_enabled = slots_per_buffer, nvme_enabled
+        self.host_used_bytes = 0
+        self._largest = segment_bytes or 1  # a host budget must hold the largest segment
+        self._segs: dict[SegId, _Seg] = {}
+        self._clean: OrderedDict[SegId, None] = OrderedDict()  # LRU order, oldest first
+        self._dirty: OrderedDict[SegId, None] = OrderedDict()  # age order: spill candidates first
+        self._clean_bytes = 0
+        self._protect: dict[SegId, int] = {}  # wanted by how many unreleased steps
+        self._steps: dict[int, _Step] = {}
+        self._owner: list[int | None] = [None, None]  # the step holding each buffer
+        self._in_flight = [0, 0]  # uploads outstanding per buffer
+        self._jobs: dict[int, Job] = {}
+        self._cancelled: dict[int, WriteBack] = {}
+        self._events: list[Event] = []
+        self._next_job = 0
+        self._draining = False  # over budget after a shrink
+
+    # ---- queries ------------------------------------------------------------------------------
+    @property
+    def pending_bytes(self) -> int:
+        return max(0, self.host_used_bytes - self.host_budget_bytes)
+
+    def lookup(self, seg_id: SegId) -> Location | None:
+        """Where a segment is (None: never added)."""
+        seg = self._segs.get(seg_id)
+        if seg is None:
+            return None
+        gpu = tuple(
+            GpuSlot(n, st.buffer, st.slots[seg_id], seg_id not in (st.waiting | st.uploading))
+            for n, st in self._steps.items()
+            if seg_id in st.slots
+        )
+        return Location(seg_id, seg.state, seg.nbytes, gpu)
+
+    def buffer_ready(self, step: int) -> bool:
+        """Every segment placed for ``step`` is uploaded (False if not prepared)."""
+        st = self._steps.get(step)
+        return st is not None and not st.waiting and not st.uploading
+
+    def priority(self, job: IoJob) -> IoPriority:
+        if isinstance(job, Read):
+            return IoPriority.PREFETCH
+        return IoPriority.SPILL if self._segs[job.seg_id].spill else IoPriority.WRITE_BACK
+
+    def io_queue(self) -> list[IoJob]:
+        """Outstanding NVMe jobs, the one to start first first: by (priority, issue order)."""
+        io = [j for j in self._jobs.values() if not isinstance(j, Upload)]
+        return sorted(io, key=lambda j: (self.priority(j), j.job_id))
+
+    def take_events(self) -> list[Event]:
+        events, self._events = self._events, []
+        return events
+
+    # ---- phase 1: decisions -------------------------------------------------------------------
+    def add_segment(self, seg_id: SegId, nbytes: int) -> list[Job] | Backpressure:
+        """A finished segment enters host dirty, with a WriteBack (none in host-only mode).
+
+        Room comes from evicting clean unprotected LRU segments. When that cannot make room nothing
+        changes, except that the oldest dirty segments are marked to spill (``Backpressure``).
+        Raises ValueError for a duplicate id, or a size <= 0 or over the host budget.
+        """
+        if seg_id in self._segs or nbytes <= 0:
+            raise ValueError(f"add_segment({seg_id}, {nbytes}): duplicate id or nbytes <= 0")
+        _check_fits("host_budget_bytes", self.host_budget_bytes, nbytes)
+        protected_clean = sum(self._segs[s].nbytes for s in self._protect if s in self._clean)
+        room = self.host_budget_bytes - self.host_used_bytes + self._clean_bytes - protected_clean
+        if room < nbytes:
+            return Backpressure(seg_id, nbytes, nbytes - room, self._mark_spills(nbytes - room))
+        made = self._make_room(nbytes)
+        assert made, "room was counted above"
+        self._largest = max(self._largest, nbytes)
+        self._segs[seg_id] = _Seg(nbytes, SegState.HOST_DIRTY)
+        self._dirty[seg_id] = None
+        self.host_used_bytes += nbytes
+        return [self._issue_write_back(seg_id)] if self.nvme_enabled else []
+
+    def prepare_step(self, step: int, wanted: Iterable[SegId]) -> StepPlan:
+        """Plan buffer ``step % 2`` for ``step``'s retrieval set (in order, duplicates ignored).
+
+        Host hits get an Upload now; NVMe misses a Read (room from evicting clean LRU segments no
+        unreleased step wants), and their Upload when it lands. Placed segments stay protected until
+        ``release_step(step)``. ProtocolError if ``step`` is prepared, or its buffer is held by
+        another step or still has uploads in flight.
+        """
+        buffer = step % 2
+        if step in self._steps or self._owner[buffer] is not None or self._in_flight[buffer]:
+            raise ProtocolError(
+                f"prepare_step({step}): already prepared, or buffer {buffer} busy (held by step "
+                f"{self._owner[buffer]}, {self._in_flight[buffer]} uploads in flight)"
+            )
+        unknown: list[SegId] = []
+        unavailable: list[SegId] = []
+        dropped: list[SegId] = []
+        placed: list[SegId] = []
+        for sid in dict.fromkeys(wanted):
+            seg = self._segs.get(sid)
+            if seg is None:
+                unknown.append(sid)
+            elif seg.state is SegState.LOST:
+                unavailable.append(sid)
+            else:
+                (placed if len(placed) < self.slots_per_buffer else dropped).append(sid)
+        for sid in placed:  # protect them all first: a miss's room never evicts another wanted one
+            self._protect[sid] = self._protect.get(sid, 0) + 1
+        st = self._steps[step] = _Step(buffer, {}, set(), set())
+        self._owner[buffer] = step
+        jobs: list[Job] = []
+        for sid in placed:
+            seg = self._segs[sid]
+            if seg.state is SegState.NVME and not self._make_room(seg.nbytes):
+                unavailable.append(sid)
+                self._unprotect(sid)
+                continue
+            st.slots[sid] = len(st.slots)
+            job = self._load(step, st, sid)
+            if job is not None:
+                jobs.append(job)
+        return StepPlan(
+            step, buffer, dict(st.slots), tuple(jobs), tuple(unknown), tuple(unavailable), tuple(dropped)
+        )
+
+    def release_step(self, step: int) -> None:
+        """Step ``step`` is done: its segments lose protection, its buffer is free (for
+        ``prepare_step`` once the uploads still in flight to it complete)."""
+        st = self._steps.pop(step, None)
+        if st is None:
+            raise ProtocolError(f"release_step({step}): step is not prepared")
+        self._owner[st.buffer] = None
+        for sid in st.slots:
+            self._unprotect(sid)
+        self._drain()
+
+    def resize(self, host_budget_bytes: int | None = None, gpu_budget_bytes: int | None = None) -> list[Job]:
+        """The elastic lease; growing is immediate.
+
+        GPU (bytes for both buffers): ``slots_per_buffer = gpu_budget_bytes // (2 * gpu_slot_bytes)``
+        for steps prepared from now on. A smaller host budget evicts clean LRU segments; what is still
+        over is ``pending_bytes`` (no add or read is admitted meanwhile) and the oldest dirty segments
+        are marked to spill: their write-backs (already handed out) are returned. Host-only mode
+        cannot spill: pending bytes then last until steps release or the budget grows.
+        Raises ValueError for a budget smaller than one segment (or one slot per buffer).
+        """
+        if gpu_budget_bytes is not None:
+            _check_fits("gpu_budget_bytes", gpu_budget_bytes, 2 * self.gpu_slot_bytes, "one slot per buffer")
+            self.slots_per_buffer = gpu_budget_bytes // (2 * self.gpu_slot_bytes)
+        spills: tuple[WriteBack, ...] = ()
+        if host_budget_bytes is not None:
+            _check_fits("host_budget_bytes", host_budget_bytes, self._largest)
+            self.host_budget_bytes = host_budget_bytes
+            self._draining = True
+            self._drain()
+            spills = self._mark_spills(self.pending_bytes)
+        self._events.append(LeaseResized(self.host_budget_bytes, self.slots_per_buffer, self.pending_bytes))
+        return list(spills)
+
+    # ---- phase 2: completions -----------------------------------------------------------------
+    def complete(self, job_id: int, ok: bool = True, failure: Failure | None = None) -> list[Job]:
+        """The transfer side finished ``job_id``; returns the follow-up jobs.
+
+        Read ok: clean in host, Uploads for the steps waiting. Read failed: TRANSIENT -> re-read
+        if a step waits; else (CORRUPT) -> LOST, a Corrupt event, taken out of its steps (never
+        uploaded). WriteBack ok: clean (evicted at once if marked to spill and unprotected).
+        WriteBack failed: TRANSIENT -> retried; else (DISK_FULL) -> host-only mode, a DiskFull
+        event, the other write-backs cancelled; dirty segments stay in host. Upload failed: retried.
+        """
+        job = self._jobs.pop(job_id, None) or self._cancelled.pop(job_id, None)
+        if job is None:
+            raise ProtocolError(f"complete({job_id}): unknown or already completed job")
+        if isinstance(job, Read):
+            out = self._read_done(job, ok, failure)
+        elif isinstance(job, WriteBack):
+            out = self._write_done(job, ok, failure)
+        else:
+            out = self._upload_done(job, ok)
+        self._drain()
+        return out
+
+    def _read_done(self, job: Read, ok: bool, failure: Failure | None) -> list[Job]:
+        sid, seg = job.seg_id, self._segs[job.seg_id]
+        seg.job = None
+        waiters = [(n, st) for n, st in self._steps.items() if sid in st.waiting]
+        if ok:
+            self._to_clean(sid, seg)
+            self._events.append(ReadBack(sid, seg.nbytes))
+            for _, st in waiters:
+                st.waiting.discard(sid)
+            return [self._issue_upload(n, st, sid) for n, st in waiters]
+        if failure is Failure.TRANSIENT and waiters:
+            return [self._issue_read(sid)]  # its host room stays reserved
+        self.host_used_bytes -= seg.nbytes
+        seg.state = SegState.NVME if failure is Failure.TRANSIENT else SegState.LOST
+        if seg.state is SegState.LOST:
+            self._events.append(Corrupt(sid, seg.nbytes))
+        for _, st in waiters:
+            st.waiting.discard(sid)
+            del st.slots[sid]
+            self._unprotect(sid)
+        return []
+
+    def _write_done(self, job: WriteBack, ok: bool, failure: Failure | None) -> list[Job]:
+        sid, seg = job.seg_id, self._segs[job.seg_id]
+        if seg.job == job.job_id:
+            seg.job = None
+        if ok:  # (also for a cancelled write-back that made it to disk after all)
+            del self._dirty[sid]
+            self._to_clean(sid, seg)
+            if seg.spill and sid not in self._protect:
+                self._evict(sid, spilled=True)
+            seg.spill = False
+            return []
+        if not self.nvme_enabled:  # a cancelled write-back failing: nothing more to do
+            return []
+        if failure is Failure.TRANSIENT:
+            return [self._issue_write_back(sid)]
+        self.nvme_enabled = False
+        cancelled = [j for j in self._jobs.values() if isinstance(j, WriteBack)]
+        for wb in cancelled:
+            self._cancelled[wb.job_id] = self._jobs.pop(wb.job_id)  # type: ignore[assignment]
+            self._segs[wb.seg_id].job = None
+        for s in self._dirty:
+            self._segs[s].spill = False
+        self._events.append(DiskFull(sid, tuple(wb.job_id for wb in cancelled)))
+        return []
+
+    def _upload_done(self, job: Upload, ok: bool) -> list[Job]:
+        self._in_flight[job.buffer] -= 1
+        st = self._steps.get(job.step)
+        if st is None:  # released while in flight
+            return []
+        st.uploading.discard(job.seg_id)
+        return [] if ok else [self._issue_upload(job.step, st, job.seg_id)]
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _load(self, step: int, st: _Step, sid: SegId) -> Job | None:
+        """Fill ``sid``'s slot: an Upload for a host copy, a Read for an NVMe one (room made by the
+        caller), None when a Read is already in flight (its Upload follows on completion)."""
+        seg = self._segs[sid]
+        if seg.state in (SegState.NVME, SegState.READING):
+            st.waiting.add(sid)
+            if seg.state is SegState.READING:
+                return None
+            self.host_used_bytes += seg.nbytes
+            return self._issue_read(sid)
+        if sid in self._clean:
+            self._clean.move_to_end(sid)
+        return self._issue_upload(step, st, sid)
+
+    def _new_id(self) -> int:
+        self._next_job += 1
+        return self._next_job
+
+    def _issue_write_back(self, sid: SegId) -> WriteBack:
+        seg = self._segs[sid]
+        job = WriteBack(self._new_id(), sid, seg.nbytes)
+        self._jobs[job.job_id], seg.job = job, job.job_id
+        return job
+
+    def _issue_read(self, sid: SegId) -> Read:
+        seg = self._segs[sid]
+        job = Read(self._new_id(), sid, seg.nbytes)
+        self._jobs[job.job_id], seg.job, seg.state = job, job.job_id, SegState.READING
+        return job
+
+    def _issue_upload(self, step: int, st: _Step, sid: SegId) -> Upload:
+        job = Upload(self._new_id(), sid, step, st.buffer, st.slots[sid])
+        self._jobs[job.job_id] = job
+        st.uploading.add(sid)
+        self._in_flight[st.buffer] += 1
+        return job
+
+    def _unprotect(self, sid: SegId) -> None:
+        left = self._protect.pop(sid) - 1
+        if left:
+            self._protect[sid] = left
+
+    def _to_clean(self, sid: SegId, seg: _Seg) -> None:
+        seg.state = SegState.HOST_CLEAN
+        self._clean[sid] = None
+        self._clean_bytes += seg.nbytes
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Evict clean unprotected LRU segments until ``nbytes`` fit; False if they cannot."""
+        while self.host_budget_bytes - self.host_used_bytes < nbytes:
+            victim = next((s for s in self._clean if s not in self._protect), None)
+            if victim is None:
+                return False
+            self._evict(victim, spilled=False)
+        return True
+
+    def _evict(self, sid: SegId, spilled: bool) -> None:
+        seg = self._segs[sid]
+        del self._clean[sid]
+        seg.state = SegState.NVME
+        self.host_used_bytes -= seg.nbytes
+        self._clean_bytes -= seg.nbytes
+        self._events.append(Spilled(sid, seg.nbytes) if spilled else Evicted(sid, seg.nbytes))
+
+    def _drain(self) -> None:
+        """After a shrink: back under budget as far as clean unprotected segments allow."""
+        if self._draining:
+            self._make_room(0)
+            self._draining = self.pending_bytes > 0
+
+    def _mark_spills(self, shortfall: int) -> tuple[WriteBack, ...]:
+        """Mark the oldest dirty segments covering ``shortfall`` bytes to spill; their write-backs."""
+        spills: list[WriteBack] = []
+        for sid in self._dirty if self.nvme_enabled else ():
+            if shortfall <= 0:
+                break
+            seg = self._segs[sid]
+            seg.spill, shortfall = True, shortfall - seg.nbytes
+            job = self._jobs[seg.job or 0]
+            assert isinstance(job, WriteBack), f"dirty segment {sid} has no write-back"
+            spills.append(job)
+        return tuple(spills)
+
+    # ---- invariants (tests) -------------------------------------------------------------------
+    def check(self) -> None:
+        """Assert the invariants (O(segments), for tests)."""
+        by_state: dict[SegState, set[SegId]] = {s: set() for s in SegState}
+        for sid, seg in self._segs.items():
+            by_state[seg.state].add(sid)
+            job = self._jobs.get(seg.job or 0)
+            assert seg.state is not SegState.READING or isinstance(job, Read), f"{sid} reading, no Read"
+            if seg.state is SegState.HOST_DIRTY and self.nvme_enabled:
+                assert isinstance(job, WriteBack), f"dirty segment {sid} has no write-back"
+        assert self.host_used_bytes == sum(self._segs[s].nbytes for t in _IN_HOST for s in by_state[t])
+        assert set(self._clean) == by_state[SegState.HOST_CLEAN]
+        assert set(self._dirty) == by_state[SegState.HOST_DIRTY]
+        assert self._clean_bytes == sum(self._segs[s].nbytes for s in self._clean)
+        if self.host_used_bytes > self.host_budget_bytes:
+            assert self._draining, "over the host budget without a shrink"
+            assert all(s in self._protect for s in self._clean), "over budget with an evictable segment"
+        counts: dict[SegId, int] = {}
+        for n, st in self._steps.items():
+            assert st.buffer == n % 2 and self._owner[st.buffer] == n, f"step {n}: buffer mix-up"
+            assert len(set(st.slots.values())) == len(st.slots), f"step {n}: slot handed out twice"
+            assert (st.waiting | st.uploading) <= st.slots.keys() and not st.waiting & st.uploading
+            for sid in st.slots:
+                counts[sid] = counts.get(sid, 0) + 1
+                assert self._segs[sid].state in _IN_HOST, f"placed segment {sid} not in host"
+        assert counts == self._protect, "protection counts drifted"
+        in_flight = [0, 0]
+        for j in self._jobs.values():
+            if isinstance(j, Upload):
+                in_flight[j.buffer] += 1
+                assert self._owner[j.buffer] in (j.step, None), "buffer reused while uploading"
+        assert in_flight == self._in_flight

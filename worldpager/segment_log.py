@@ -1,0 +1,523 @@
+"""Append-only NVMe log of finished segments' KV payloads (reference §6 "Segment record on NVMe").
+
+One directory per session holds three files:
+
+* ``segments.wplog`` -- fixed-size slots; slot ``n`` starts at ``n * slot_size`` (4 KiB aligned, so
+  O_DIRECT is possible as in LMCache's disk backend). A slot is one 4 KiB header block followed by the
+  payload (layer-major pages). The header carries the magic ``WPSEG\\0\\1\\0``, the format version, the
+  slot number and slot size, the segment's metadata, per-page offsets and crc32s, the payload crc32 and,
+  in its last 4 bytes, a crc32 of the header block itself.
+* ``meta.json`` -- immutable settings (slot size, optional ``max_bytes`` budget), written at create().
+* ``index.json`` -- slot -> header, written atomically (tmp + fsync + rename + dir fsync) by flush(),
+  close() and open() after a recovery. open() trusts a flushed index (data was fsynced before it) once
+  the file is no shorter than it says and the last indexed header on disk matches; slots past the index
+  (appended after the last flush) are verified in full (header and payload). A missing or stale index
+  is rebuilt by scanning every slot. Corrupt or truncated slots are reported (corrupt_slots()), never
+  indexed; their slot numbers are not reused.
+
+Writes: append() does one ``os.pwritev`` of header + payload (a torn write fails the header or payload
+checksum), then extends the file to the slot boundary; no fsync per append (flush() does that). Reads
+verify the header against the on-disk block and the payload/page crc32s; corrupt bytes are never returned.
+
+Threads: one writer thread (append/flush/close) and any number of reader threads (read/read_page/
+header/slots/find) may share a log: I/O is pread/pwrite on one fd and the index sits behind a lock.
+close() only once every thread is done with the log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import math
+import os
+import struct
+import threading
+import zlib
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from itertools import pairwise
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+SLOT_ALIGN = 4096
+HEADER_SIZE = SLOT_ALIGN
+MAGIC = b"WPSEG\0\1\0"
+FORMAT_VERSION = 1
+MAX_POSE = 8
+MAX_NAME = 16
+LOG_NAME, INDEX_NAME, META_NAME = "segments.wplog", "index.json", "meta.json"
+# magic, version, n_pose, n_pages, flags, slot, slot_size, segment_id, frame_start, frame_end, position,
+# payload_len, payload crc32, codec, position_state; then pose (f64), page offsets (u64), page crc32s (u32).
+_FIXED = struct.Struct("<8sHHHHQQqqqqQI16s16s")
+_CRC = struct.Struct("<I")
+_BODY = HEADER_SIZE - _CRC.size
+MAX_PAGES = (_BODY - _FIXED.size - 8 * MAX_POSE) // 12
+_CHUNK = 16 << 20
+_INT_FIELDS = ("segment_id", "frame_start", "frame_end", "position", "payload_len", "checksum")
+
+
+def slot_size_for(payload_bytes: int) -> int:
+    """Slot size holding a payload of this many bytes: one header block + payload rounded up to 4 KiB."""
+    if payload_bytes < 0:
+        raise ValueError(f"payload_bytes must be >= 0, got {payload_bytes}")
+    return HEADER_SIZE + -(-payload_bytes // SLOT_ALIGN) * SLOT_ALIGN
+
+
+class SegmentLogError(Exception):
+    """Base of the segment log's own errors."""
+
+
+class CorruptSlotError(SegmentLogError):
+    """A slot failed verification (magic, header/payload/page checksum, truncation, beyond the end)."""
+
+    def __init__(self, slot: int, reason: str) -> None:
+        super().__init__(slot, reason)
+        self.slot, self.reason = slot, reason
+
+    def __str__(self) -> str:
+        return f"slot {self.slot}: {self.reason}"
+
+
+class LogFullError(SegmentLogError):
+    """The disk is full (ENOSPC/EDQUOT) or the append would exceed the max_bytes budget."""
+
+
+@dataclass(frozen=True)
+class SegmentHeader:
+    """What a slot says about its segment. Checksums are zlib.crc32 values."""
+
+    segment_id: int
+    frame_start: int  # true latent-frame range, end exclusive
+    frame_end: int
+    pose: tuple[float, ...]  # (x, y, z, pitch, yaw), at most MAX_POSE values
+    codec: str
+    position_state: str  # e.g. "post-rope", "pre-rope"
+    position: int  # latent frame the stored keys are rotated to
+    payload_len: int
+    page_offsets: tuple[int, ...]  # byte offset of each layer page in the payload
+    checksum: int
+    page_checksums: tuple[int, ...]
+
+    @property
+    def n_pages(self) -> int:
+        return len(self.page_offsets)
+
+    def page_range(self, layer: int) -> tuple[int, int]:
+        """[start, end) of page ``layer`` in the payload; a page ends where the next starts."""
+        if not 0 <= layer < len(self.page_offsets):
+            raise IndexError(f"page {layer} out of range (segment has {len(self.page_offsets)} pages)")
+        end = self.page_offsets[layer + 1] if layer + 1 < len(self.page_offsets) else self.payload_len
+        return self.page_offsets[layer], end
+
+
+def _name(value: str, what: str) -> bytes:
+    raw = value.encode("utf-8")
+    if len(raw) > MAX_NAME or b"\0" in raw:
+        raise ValueError(f"{what} must be at most {MAX_NAME} UTF-8 bytes without NUL, got {value!r}")
+    return raw
+
+
+def _check(h: SegmentHeader, slot_size: int) -> None:
+    if h.payload_len < 0 or h.payload_len > slot_size - HEADER_SIZE:
+        raise ValueError(f"payload of {h.payload_len} bytes does not fit a slot of {slot_size} bytes")
+    if len(h.pose) > MAX_POSE or not all(math.isfinite(p) for p in h.pose):
+        raise ValueError(f"pose must be at most {MAX_POSE} finite values, got {h.pose}")
+    if len(h.page_offsets) > MAX_PAGES or len(h.page_checksums) != len(h.page_offsets):
+        raise ValueError(f"{len(h.page_offsets)} pages / {len(h.page_checksums)} page checksums")
+    bounds = (0, *h.page_offsets, h.payload_len)
+    if any(a > b for a, b in pairwise(bounds)):
+        raise ValueError(f"page offsets {h.page_offsets} must be non-decreasing within the payload")
+    if h.frame_end < h.frame_start:
+        raise ValueError(f"frame range [{h.frame_start}, {h.frame_end}) is reversed")
+
+
+def _tail_format(n_pose: int, n_pages: int) -> str:
+    return f"<{n_pose}d{n_pages}Q{n_pages}I"
+
+
+def encode_header(h: SegmentHeader, slot: int, slot_size: int) -> bytes:
+    """The 4 KiB header block of ``h`` stored in ``slot``; ValueError if ``h`` does not fit."""
+    _check(h, slot_size)
+    n_pose, n_pages = len(h.pose), len(h.page_offsets)
+    names = (_name(h.codec, "codec"), _name(h.position_state, "position_state"))
+    try:
+        fields = (h.segment_id, h.frame_start, h.frame_end, h.position, h.payload_len, h.checksum)
+        body = _FIXED.pack(MAGIC, FORMAT_VERSION, n_pose, n_pages, 0, slot, slot_size, *fields, *names)
+        body += struct.pack(_tail_format(n_pose, n_pages), *h.pose, *h.page_offsets, *h.page_checksums)
+    except struct.error as e:
+        raise ValueError(f"header field out of range: {e}") from e
+    block = body.ljust(_BODY, b"\0")
+    return block + _CRC.pack(zlib.crc32(block))
+
+
+def decode_header(block: bytes, slot: int) -> tuple[SegmentHeader, int]:
+    """(header, slot_size) from a header block read at ``slot``; CorruptSlotError if it fails checks."""
+    if len(block) < HEADER_SIZE:
+        raise CorruptSlotError(slot, "truncated: header past end of file")
+    if block[: len(MAGIC)] != MAGIC:
+        raise CorruptSlotError(slot, "bad magic")
+    if zlib.crc32(block[:_BODY]) != _CRC.unpack_from(block, _BODY)[0]:
+        raise CorruptSlotError(slot, "header checksum mismatch")
+    f = _FIXED.unpack_from(block)
+    n_pose, n_pages = f[2], f[3]
+    if f[1] != FORMAT_VERSION:
+        raise CorruptSlotError(slot, f"unsupported format version {f[1]}")
+    if n_pose > MAX_POSE or n_pages > MAX_PAGES:
+        raise CorruptSlotError(slot, f"header counts out of range ({n_pose} pose, {n_pages} pages)")
+    if f[5] != slot:
+        raise CorruptSlotError(slot, f"header belongs to slot {f[5]}")
+    tail = struct.unpack_from(_tail_format(n_pose, n_pages), block, _FIXED.size)
+    try:
+        codec, state = (raw.rstrip(b"\0").decode("utf-8") for raw in f[13:15])
+    except UnicodeDecodeError as e:
+        raise CorruptSlotError(slot, f"undecodable name: {e}") from e
+    pose, offsets, crcs = tail[:n_pose], tail[n_pose : n_pose + n_pages], tail[n_pose + n_pages :]
+    h = SegmentHeader(f[7], f[8], f[9], pose, codec, state, f[10], f[11], offsets, f[12], crcs)
+    try:
+        _check(h, f[6])
+    except ValueError as e:
+        raise CorruptSlotError(slot, f"inconsistent header: {e}") from e
+    return h, f[6]
+
+
+def _header_from_json(e: dict[str, Any]) -> SegmentHeader:
+    ints: dict[str, Any] = {k: int(e[k]) for k in _INT_FIELDS}
+    names: dict[str, Any] = {k: str(e[k]) for k in ("codec", "position_state")}
+    pages: dict[str, Any] = {k: tuple(int(x) for x in e[k]) for k in ("page_offsets", "page_checksums")}
+    return SegmentHeader(**ints, **names, **pages, pose=tuple(float(p) for p in e["pose"]))
+
+
+def _fsync_dir(directory: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _atomic_write_json(path: Path, obj: object) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(json.dumps(obj, separators=(",", ":")).encode("utf-8"))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _pwrite_all(fd: int, parts: Iterable[bytes | memoryview], offset: int) -> None:
+    views = [memoryview(p) for p in parts if len(p)]
+    while views:
+        n = os.pwritev(fd, views, offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "pwritev wrote nothing")
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views.pop(0))
+        if views and n:
+            views[0] = views[0][n:]
+
+
+class SegmentLog:
+    """Append-only log of fixed-size segment slots in ``directory``; build with create() or open()."""
+
+    def __init__(self, directory: Path, fd: int, slot_size: int, max_bytes: int | None) -> None:
+        self.directory, self.slot_size, self.max_bytes = directory, slot_size, max_bytes
+        self.index_state = "new"  # open(): "loaded", "extended" (tail scanned) or "rebuilt" (full scan)
+        self._fd = fd
+        self._lock = threading.Lock()  # index, counters
+        self._write_lock = threading.Lock()  # appends, index writes
+        self._headers: dict[int, SegmentHeader] = {}
+        self._by_id: dict[int, int] = {}
+        self._corrupt: dict[int, str] = {}
+        self._n_slots = 0
+        self.bytes_written = 0  # header + payload bytes appended by this object
+        self.bytes_read = 0  # bytes read from the log file by this object, recovery scans included
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    @classmethod
+    def create(
+        cls, directory: str | os.PathLike[str], slot_size: int, *, max_bytes: int | None = None
+    ) -> SegmentLog:
+        """A new, empty log; FileExistsError if ``directory`` already holds one. ``max_bytes`` caps the
+        log file's size (appends past it raise LogFullError) and is kept in meta.json."""
+        if slot_size < HEADER_SIZE or slot_size % SLOT_ALIGN:
+            raise ValueError(f"slot_size must be a multiple of {SLOT_ALIGN} and >= {HEADER_SIZE}")
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        fd = os.open(d / LOG_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        log = cls(d, fd, slot_size, max_bytes)
+        try:
+            meta = {"format": "worldpager-segment-log", "version": FORMAT_VERSION, "slot_size": slot_size}
+            _atomic_write_json(d / META_NAME, {**meta, "max_bytes": max_bytes})
+            log._write_index()
+        except BaseException:
+            os.close(fd)
+            raise
+        log.index_state = "loaded"
+        return log
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike[str], *, max_bytes: int | None = None) -> SegmentLog:
+        """Reopen an existing log (after a restart), recovering the index as described in the module
+        docstring. ``max_bytes`` None keeps the budget given to create()."""
+        d = Path(directory)
+        fd = os.open(d / LOG_NAME, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            meta: dict[str, Any] = {}
+            with contextlib.suppress(OSError, ValueError):
+                meta = dict(json.loads((d / META_NAME).read_text(encoding="utf-8")))
+            slot_size = meta.get("slot_size")
+            if not isinstance(slot_size, int):
+                try:  # meta.json lost: every header names its slot size
+                    _, slot_size = decode_header(os.pread(fd, HEADER_SIZE, 0), 0)
+                except CorruptSlotError as e:
+                    raise SegmentLogError(f"{d}: meta.json unreadable and {e}") from e
+            budget = meta.get("max_bytes") if max_bytes is None else max_bytes
+            log = cls(d, fd, slot_size, budget if isinstance(budget, int) else None)
+            log._recover()
+        except BaseException:
+            os.close(fd)
+            raise
+        return log
+
+    def flush(self) -> None:
+        """fsync the log's data, then write index.json atomically."""
+        self._write_index()
+
+    def close(self) -> None:
+        """flush() and close the file; a second close does nothing."""
+        if self._fd < 0:
+            return
+        try:
+            self.flush()
+        finally:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+
+    def __enter__(self) -> SegmentLog:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # ---- writing ------------------------------------------------------------------------------
+    def append(
+        self,
+        *,
+        segment_id: int,
+        frame_start: int,
+        frame_end: int,
+        pose: Iterable[float],
+        codec: str,
+        position_state: str,
+        position: int,
+        payload: bytes | bytearray | memoryview,
+        page_offsets: Iterable[int] = (0,),
+    ) -> int:
+        """Write one segment into the next slot and return its number. ValueError for a payload larger
+        than the slot or an invalid header; LogFullError when the disk or the budget is full (the log
+        stays as it was)."""
+        view = memoryview(payload).cast("B")
+        n = len(view)
+        if n > self.slot_size - HEADER_SIZE:
+            raise ValueError(
+                f"payload of {n} bytes exceeds the slot capacity of {self.slot_size - HEADER_SIZE} bytes"
+            )
+        offsets = tuple(int(o) for o in page_offsets)
+        ends = (*offsets[1:], n)
+        crcs = tuple(zlib.crc32(view[a:b]) for a, b in zip(offsets, ends, strict=True))
+        fields = (segment_id, frame_start, frame_end, tuple(float(p) for p in pose), codec, position_state)
+        h = SegmentHeader(*fields, position, n, offsets, zlib.crc32(view), crcs)
+        with self._write_lock:
+            self._require_open()
+            slot = self._n_slots
+            offset, end = slot * self.slot_size, (slot + 1) * self.slot_size
+            block = encode_header(h, slot, self.slot_size)
+            if self.max_bytes is not None and end > self.max_bytes:
+                raise LogFullError(f"slot {slot} would end at {end} bytes, past max_bytes={self.max_bytes}")
+            old_size = os.fstat(self._fd).st_size
+            try:
+                _pwrite_all(self._fd, (block, view), offset)
+                os.ftruncate(self._fd, end)
+            except OSError as e:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self._fd, old_size)
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise LogFullError(f"disk full writing slot {slot}: {e}") from e
+                raise
+            with self._lock:
+                self._n_slots = slot + 1
+                self._install(slot, h)
+                self.bytes_written += HEADER_SIZE + n
+        return slot
+
+    # ---- reading ------------------------------------------------------------------------------
+    def header(self, slot: int) -> SegmentHeader:
+        """The indexed header of ``slot``; CorruptSlotError if it is corrupt or past the end."""
+        if slot < 0:
+            raise ValueError(f"slot must be >= 0, got {slot}")
+        with self._lock:
+            h = self._headers.get(slot)
+            if h is not None:
+                return h
+            reason = self._corrupt.get(slot) or (
+                "beyond end of log" if slot >= self._n_slots else "not indexed"
+            )
+        raise CorruptSlotError(slot, reason)
+
+    def read(self, slot: int) -> tuple[SegmentHeader, bytes]:
+        """Header and payload of ``slot``, both verified against the disk and their checksums."""
+        h = self.header(slot)
+        offset = slot * self.slot_size
+        disk, _ = decode_header(self._pread(HEADER_SIZE, offset), slot)
+        if disk != h:
+            raise CorruptSlotError(slot, "header on disk differs from the index")
+        payload = self._pread(h.payload_len, offset + HEADER_SIZE)
+        if len(payload) != h.payload_len:
+            raise CorruptSlotError(slot, "truncated: payload past end of file")
+        if zlib.crc32(payload) != h.checksum:
+            raise CorruptSlotError(slot, "payload checksum mismatch")
+        return h, payload
+
+    def read_page(self, slot: int, layer: int) -> bytes:
+        """Only page ``layer``'s bytes of ``slot`` (one pread), verified against its page checksum."""
+        h = self.header(slot)
+        start, end = h.page_range(layer)
+        data = self._pread(end - start, slot * self.slot_size + HEADER_SIZE + start)
+        if len(data) != end - start:
+            raise CorruptSlotError(slot, f"truncated: page {layer} past end of file")
+        if zlib.crc32(data) != h.page_checksums[layer]:
+            raise CorruptSlotError(slot, f"page {layer} checksum mismatch")
+        return data
+
+    def slots(self) -> list[int]:
+        """Readable (indexed) slot numbers, ascending."""
+        with self._lock:
+            return sorted(self._headers)
+
+    def find(self, segment_id: int) -> int | None:
+        """The latest slot holding ``segment_id``, or None."""
+        with self._lock:
+            return self._by_id.get(segment_id)
+
+    def corrupt_slots(self) -> dict[int, str]:
+        """Slots found corrupt or truncated when the index was recovered: slot -> reason."""
+        with self._lock:
+            return dict(self._corrupt)
+
+    @property
+    def n_slots(self) -> int:
+        """Slots used so far, corrupt ones included (the next append goes here)."""
+        return self._n_slots
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _require_open(self) -> None:
+        if self._fd < 0:
+            raise ValueError("segment log is closed")
+
+    def _pread(self, n: int, offset: int) -> bytes:
+        """Up to ``n`` bytes at ``offset`` (fewer only at end of file)."""
+        self._require_open()
+        data = os.pread(self._fd, n, offset)
+        if 0 < len(data) < n:
+            buf = bytearray(data)
+            while len(buf) < n and (more := os.pread(self._fd, n - len(buf), offset + len(buf))):
+                buf += more
+            data = bytes(buf)
+        with self._lock:
+            self.bytes_read += len(data)
+        return data
+
+    def _install(self, slot: int, h: SegmentHeader) -> None:
+        self._headers[slot] = h
+        if self._by_id.get(h.segment_id, -1) < slot:
+            self._by_id[h.segment_id] = slot
+
+    def _scan_slot(self, slot: int, size: int) -> None:
+        """Verify ``slot`` in full (header and payload) and index it, or record why it is corrupt."""
+        offset = slot * self.slot_size
+        try:
+            h, slot_size = decode_header(self._pread(HEADER_SIZE, offset), slot)
+            if slot_size != self.slot_size:
+                raise CorruptSlotError(slot, f"slot size {slot_size} != log's {self.slot_size}")
+            if offset + HEADER_SIZE + h.payload_len > size:
+                raise CorruptSlotError(slot, "truncated: payload past end of file")
+            crc, pos, left = 0, offset + HEADER_SIZE, h.payload_len
+            while left:
+                chunk = self._pread(min(left, _CHUNK), pos)
+                if not chunk:
+                    raise CorruptSlotError(slot, "truncated: payload past end of file")
+                crc, pos, left = zlib.crc32(chunk, crc), pos + len(chunk), left - len(chunk)
+            if crc != h.checksum:
+                raise CorruptSlotError(slot, "payload checksum mismatch")
+        except CorruptSlotError as e:
+            self._corrupt[slot] = e.reason
+            return
+        self._install(slot, h)
+
+    def _load_index(self, size: int) -> int | None:
+        """Install a trustworthy index.json and return how many slots it covers, or None if stale."""
+        try:
+            idx = json.loads((self.directory / INDEX_NAME).read_text(encoding="utf-8"))
+            if idx["version"] != FORMAT_VERSION or idx["slot_size"] != self.slot_size:
+                return None
+            n_idx, recorded = int(idx["n_slots"]), int(idx["file_size"])
+            headers = {int(e["slot"]): _header_from_json(e) for e in idx["entries"]}
+            corrupt = {int(k): str(v) for k, v in idx["corrupt"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+        if size < recorded or recorded > n_idx * self.slot_size:
+            return None
+        if set(headers) | set(corrupt) != set(range(n_idx)) or set(headers) & set(corrupt):
+            return None
+        if any(s * self.slot_size + HEADER_SIZE + h.payload_len > size for s, h in headers.items()):
+            return None  # an indexed slot no longer fits in the file
+        if headers:
+            last = max(headers)
+            try:
+                disk, _ = decode_header(self._pread(HEADER_SIZE, last * self.slot_size), last)
+            except CorruptSlotError:
+                return None
+            if disk != headers[last]:
+                return None
+        for slot in sorted(headers):
+            self._install(slot, headers[slot])
+        self._corrupt.update(corrupt)
+        return n_idx
+
+    def _recover(self) -> None:
+        size = os.fstat(self._fd).st_size
+        n = -(-size // self.slot_size)
+        trusted = self._load_index(size)
+        for slot in range(trusted or 0, n):
+            self._scan_slot(slot, size)
+        self._n_slots = max(n, trusted or 0)
+        if trusted is None:
+            self.index_state = "rebuilt"
+        else:
+            self.index_state = "loaded" if trusted >= n else "extended"
+        if self.index_state != "loaded":
+            self._write_index()
+
+    def _write_index(self) -> None:
+        with self._write_lock:
+            self._require_open()
+            os.fsync(self._fd)
+            with self._lock:
+                entries = [{"slot": s, **asdict(h)} for s, h in sorted(self._headers.items())]
+                corrupt = {str(s): r for s, r in sorted(self._corrupt.items())}
+                n_slots = self._n_slots
+            size = os.fstat(self._fd).st_size
+            index = {"version": FORMAT_VERSION, "slot_size": self.slot_size, "n_slots": n_slots}
+            _atomic_write_json(
+                self.directory / INDEX_NAME,
+                {**index, "file_size": size, "entries": entries, "corrupt": corrupt},
+            )
