@@ -7,7 +7,6 @@ Axes as in WorldMem: y up, yaw 0 looks north (+z), yaw 90 east (+x), yaw 45 nort
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -199,15 +198,13 @@ class TestPredictPose:
         assert wrap_degrees(angle) == pytest.approx(wrapped)
 
 
-def test_three_hundred_candidates_select_quickly() -> None:
+def test_three_hundred_candidates_select_a_bounded_answer() -> None:
+    # (Its speed - tens of milliseconds - is a benchmark figure, not asserted here.)
     rng = random.Random(11)
     candidates = [seg(i, random_pose(rng)) for i in range(300)]
     rule = FovOverlapRule()
-    start = time.perf_counter()
     picks = rule.select(candidates, Pose(1.0, 0.0, 2.0, 0.0, 90.0), now_frame=900, k=8)
-    elapsed = time.perf_counter() - start
-    assert 1 <= len(picks) <= 8
-    assert elapsed < 0.5, f"select over 300 candidates took {elapsed:.3f} s"
+    assert 1 <= len(picks) <= 8 and len(set(picks)) == len(picks)
 
 
 # ---- properties --------------------------------------------------------------------------------
