@@ -13,12 +13,18 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from manager.config import Config
 from manager.policy.engine import Admission, Engine
 from manager.policy.factory import create_policy
 from manager.policy.state import DeviceState, ModelState
 from manager.policy.types import Action, ActionKind, Request, Tier
+
+# Property tests assert behaviour, not speed: no per-example deadline (a loaded 2-core CI machine
+# must not turn a slow example into a failure).
+settings.register_profile("residency", deadline=None)
+settings.load_profile("residency")
 
 TESTS = Path(__file__).resolve().parent
 _DIR_MARKERS = {"unit": pytest.mark.unit, "integration": pytest.mark.integration, "gpu": pytest.mark.gpu}
