@@ -2,6 +2,10 @@
 
     worldpager sizing --model {mg2,tiny} --host-memory SIZE --codec {bf16,int8,int4}
                       [--usable 0.85] [--fps F] [--json]
+    worldpager bench-stall [--quick] [--compute-s S] [--steps N] [--segment-size SIZE] [--codec C]
+                           [--json] [--plot FILE.png]
+    worldpager session --preset tiny --segments N --host-memory SIZE [--host-segments K] [--codec C]
+                       [--mode {prefetch,on_demand}] [--log-dir DIR] [--json]
 
 Errors in what the user gave (a size, a fraction, a flag) print `worldpager: <message>` on stderr and
 return 2, without a traceback. Each subcommand registers itself in `build_parser` with a handler
@@ -17,6 +21,7 @@ import re
 import sys
 from collections.abc import Sequence
 from decimal import Decimal, InvalidOperation
+from pathlib import Path
 from typing import Any, NoReturn
 
 from worldpager.mg2 import CODEC_BITS, DEFAULT_USABLE, PRESETS, ModelDims, sizing
@@ -150,6 +155,156 @@ def _add_sizing(sub: argparse._SubParsersAction[_Parser]) -> None:
     p.set_defaults(fn=cmd_sizing)
 
 
+# ---- bench-stall ----------------------------------------------------------------------------------
+
+
+def _positive(flag: str, text: str, kind: type[int] | type[float]) -> float:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: expected a positive number") from None
+    if not value > 0:
+        raise UsageError(f"{flag} {text!r}: expected a positive number")
+    return value
+
+
+def cmd_bench_stall(args: argparse.Namespace) -> int:
+    """`worldpager bench-stall`: stall vs throttled NVMe bandwidth, prefetch vs on-demand."""
+    from worldpager import stall  # torch: imported only when needed
+
+    opts: dict[str, Any] = dict(stall.QUICK if args.quick else stall.DEFAULTS)
+    if args.compute_s is not None:
+        opts["compute_s"] = _positive("--compute-s", args.compute_s, float)
+    if args.steps is not None:
+        opts["steps"] = int(_positive("--steps", args.steps, int))
+    if args.segments is not None:
+        opts["segments"] = int(_positive("--segments", args.segments, int))
+    if args.segment_size is not None:
+        try:
+            opts["segment_bytes"] = parse_size(args.segment_size)
+        except ValueError as e:
+            raise UsageError(f"--segment-size: {e}") from None
+    if args.codec is not None:
+        opts["codec"] = args.codec
+    if args.k is not None:
+        opts["k"] = int(_positive("--k", args.k, int))
+    if args.multipliers is not None:
+        opts["multipliers"] = [_positive("--multipliers", m, float) for m in args.multipliers.split(",")]
+    try:
+        result = stall.run_bench(**opts)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.plot:
+        stall.plot(result, args.plot)
+        result["plot"] = str(args.plot)
+    print(json.dumps(result) if args.json else stall.text_table(result))
+    return 0
+
+
+def _add_bench_stall(sub: argparse._SubParsersAction[_Parser]) -> None:
+    p = sub.add_parser(
+        "bench-stall",
+        help="stall vs NVMe bandwidth: prefetch vs on-demand (real files, throttled reads)",
+        description="Every retrieved segment comes from NVMe through a bandwidth throttle; bandwidths "
+        "sweep around L = bytes fetched per step / compute time per step.",
+    )
+    p.add_argument("--quick", action="store_true", help="a few-second run (for tests)")
+    p.add_argument("--compute-s", default=None, metavar="S", help="calibrated compute per step (default 0.2)")
+    p.add_argument("--steps", default=None, metavar="N", help="measured steps per mode and bandwidth")
+    p.add_argument("--segments", default=None, metavar="N", help="segments in the log (>= 4k)")
+    p.add_argument("--segment-size", default=None, metavar="SIZE", help="payload per segment (default 1MiB)")
+    p.add_argument("--codec", default=None, choices=["bf16", "int8", "int4"], help="payload codec")
+    p.add_argument("--k", default=None, metavar="K", help="segments retrieved per step (default 2)")
+    p.add_argument("--multipliers", default=None, metavar="M,M,..", help="bandwidths as multiples of L")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="write a stall-vs-bandwidth plot")
+    p.set_defaults(fn=cmd_bench_stall)
+
+
+# ---- session --------------------------------------------------------------------------------------
+
+
+def cmd_session(args: argparse.Namespace) -> int:
+    """`worldpager session`: a real tiny-model session through GPU buffers, host and the NVMe log."""
+    import tempfile
+
+    from worldpager import runtime
+    from worldpager.model import TINY, TinyCausalWan
+
+    try:
+        host_memory = parse_size(args.host_memory)
+    except ValueError as e:
+        raise UsageError(f"--host-memory: {e}") from None
+    segments = int(_positive("--segments", args.segments, int))
+    cap = int(_positive("--host-segments", args.host_segments, int)) if args.host_segments != "0" else 0
+    throttle = None
+    if args.read_bandwidth is not None:
+        try:
+            throttle = float(parse_size(args.read_bandwidth))
+        except ValueError as e:
+            raise UsageError(f"--read-bandwidth: {e}") from None
+    cfg = TINY.on_the_fly()
+    seg_bytes = runtime.SegmentLayout.from_config(cfg, args.codec).payload_nbytes
+    if host_memory < seg_bytes:
+        raise UsageError(f"--host-memory {args.host_memory} is smaller than one segment ({seg_bytes} bytes)")
+    budget = min(host_memory, cap * seg_bytes) if cap else host_memory
+    model = TinyCausalWan(cfg)
+    with tempfile.TemporaryDirectory(prefix="wp-session-") as tmp:
+        log_dir = Path(args.log_dir) if args.log_dir else Path(tmp) / "log"
+        try:
+            session = runtime.Session(
+                model, codec=args.codec, host_budget_bytes=budget, log_dir=log_dir, mode=args.mode,
+                retrieval_k=args.retrieval_k, throttle_bps=throttle, seed=args.seed,
+            )  # fmt: skip
+        except (ValueError, FileExistsError) as e:
+            raise UsageError(str(e)) from None
+        try:
+            session.run(runtime.yaw_sweep_trajectory(segments, seed=args.seed))
+        finally:
+            session.close()
+        result = session.summary()
+    result["positional_table_frames"] = TINY.rope_table_frames  # what MG2's fixed table would allow
+    result["action_table_frames"] = TINY.action_rope_table_frames
+    result["positions"] = "on-the-fly"
+    result["host_memory_bytes"] = host_memory
+    result["host_segments_cap"] = cap
+    if args.json:
+        print(json.dumps(result))
+    else:
+        width = max(len(k) for k in result)
+        print("\n".join(f"{k:<{width}}  {v}" for k, v in result.items()))
+    return 0
+
+
+def _add_session(sub: argparse._SubParsersAction[_Parser]) -> None:
+    p = sub.add_parser(
+        "session",
+        help="run a tiny stand-in session through all tiers (GPU buffers, host, NVMe log)",
+        description="Generates N segments with the tiny MG2-shaped stand-in (on-the-fly positions) on a "
+        "yaw-sweep trajectory whose revisits read segments back from the NVMe log.",
+    )
+    p.add_argument("--preset", choices=["tiny"], default="tiny", help="model (only the tiny stand-in)")
+    p.add_argument("--segments", required=True, metavar="N", help="segments (blocks) to generate")
+    p.add_argument("--host-memory", required=True, metavar="SIZE", help=f"host budget: {_SIZE_HELP}")
+    p.add_argument(
+        "--host-segments",
+        default="8",
+        metavar="K",
+        help="cap the host tier at K segments (default 8, 0 = no cap): a tiny segment is ~36 KiB, so "
+        "without a cap any realistic budget holds the whole session and nothing is read back",
+    )
+    p.add_argument(
+        "--codec", default="bf16", choices=["bf16", "int8", "int4"], help="how segments are stored"
+    )
+    p.add_argument("--mode", default="prefetch", choices=["prefetch", "on_demand"], help="transfer mode")
+    p.add_argument("--retrieval-k", type=int, default=2, metavar="K", help="segments retrieved per step")
+    p.add_argument("--read-bandwidth", default=None, metavar="SIZE", help="throttle NVMe reads to SIZE/s")
+    p.add_argument("--log-dir", default=None, metavar="DIR", help="segment log directory (default: temp)")
+    p.add_argument("--seed", type=int, default=0, help="trajectory and input seed")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(fn=cmd_session)
+
+
 # ---- parser ---------------------------------------------------------------------------------------
 
 
@@ -164,6 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="worldpager", description="WorldPager: tiered KV memory for MG2 world-model sessions.")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", parser_class=_Parser)
     _add_sizing(sub)
+    _add_bench_stall(sub)
+    _add_session(sub)
     return p
 
 
