@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
 
 import pytest
@@ -18,9 +17,7 @@ from manager.config import (
     HostConfig,
     LoadSeconds,
     ModelConfig,
-    config_json_schema,
     load_config,
-    write_config_with_updates,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -391,59 +388,3 @@ def test_missing_file(tmp_path: Path) -> None:
 def test_top_level_must_be_a_mapping(tmp_path: Path, text: str, got: str) -> None:
     err = error_of(write(tmp_path, text))
     assert "expected a mapping at the top level" in str(err) and str(err).endswith(f"got {got}")
-
-
-def test_config_error_rendering() -> None:
-    err = ConfigError("x.yaml", [("models[0].memory", "bad"), ("", "worse")], [7])
-    assert str(err) == "x.yaml:7: models[0].memory: bad\nx.yaml: worse"
-    assert err.lines == [7, None]
-
-
-def test_json_schema() -> None:
-    schema = config_json_schema()
-    assert isinstance(schema, dict) and "$schema" in schema and schema["title"] == "Residency config"
-    assert {"models", "devices", "classes", "host", "policy"} <= set(schema["properties"])
-    model = schema["$defs"]["ModelConfig"]["properties"]
-    assert "class" in model and "class_" not in model
-    assert {"type": "string"} in [{"type": s.get("type")} for s in model["memory"]["anyOf"]]
-    assert model["memory"]["description"].startswith("Estimated weights footprint")
-    assert schema["$defs"]["ModelConfig"]["additionalProperties"] is False
-
-
-# --- rewriting ----------------------------------------------------------------------------------------
-
-
-def test_write_config_with_updates_keeps_comments_and_validates(tmp_path: Path) -> None:
-    dst = tmp_path / "tuned.yaml"
-    cfg = write_config_with_updates(
-        HOME,
-        dst,
-        {"llm": {"keep_alive": "45m", "prewarm": False}, "image": {"load_seconds.disk": 6.0}},
-        {"background": {"max_wait": "2h"}},
-        header_comment="tuned by residency tune\non trace week-1",
-    )
-    text = dst.read_text(encoding="utf-8")
-    assert text.startswith("# tuned by residency tune\n# on trace week-1\n# Residency: a home AI server")
-    assert re.search(r"keep_alive: 45m +# conversations pause for minutes", text)
-    assert "address: null" in text
-    assert cfg.model("llm").keep_alive == 2700.0 and cfg.model("llm").prewarm is False
-    assert cfg.model("image").load_seconds.disk == 6.0
-    assert cfg.classes[2].max_wait == 7200.0
-    assert load_config(dst) == cfg
-    assert cfg.model("tts") == load_config(HOME).model("tts")
-
-
-def test_write_config_without_updates_round_trips_exactly(tmp_path: Path) -> None:
-    dst = tmp_path / "same.yaml"
-    write_config_with_updates(HOME, dst, {})
-    assert dst.read_text(encoding="utf-8") == HOME.read_text(encoding="utf-8")
-
-
-def test_write_config_refuses_invalid_results(tmp_path: Path) -> None:
-    dst = tmp_path / "bad.yaml"
-    with pytest.raises(ConfigError) as info:
-        write_config_with_updates(HOME, dst, {"llm": {"keep_alive": "sometimes"}})
-    assert info.value.file == str(dst) and info.value.errors[0][0] == "models[2].keep_alive"
-    assert not dst.exists()
-    with pytest.raises(ValueError, match="no entry named 'nope' in models"):
-        write_config_with_updates(HOME, dst, {"nope": {"pin": True}})
