@@ -228,8 +228,10 @@ def cmd_session(args: argparse.Namespace) -> int:
     """`worldpager session`: a real tiny-model session through GPU buffers, host and the NVMe log."""
     import tempfile
 
-    from worldpager import runtime
+    from worldpager.layout import SegmentLayout
     from worldpager.model import TINY, TinyCausalWan
+    from worldpager.session import Session
+    from worldpager.trajectory import yaw_sweep_trajectory
 
     try:
         host_memory = parse_size(args.host_memory)
@@ -244,7 +246,7 @@ def cmd_session(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise UsageError(f"--read-bandwidth: {e}") from None
     cfg = TINY.on_the_fly()
-    seg_bytes = runtime.SegmentLayout.from_config(cfg, args.codec).payload_nbytes
+    seg_bytes = SegmentLayout.from_config(cfg, args.codec).payload_nbytes
     if host_memory < seg_bytes:
         raise UsageError(f"--host-memory {args.host_memory} is smaller than one segment ({seg_bytes} bytes)")
     budget = min(host_memory, cap * seg_bytes) if cap else host_memory
@@ -252,14 +254,14 @@ def cmd_session(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="wp-session-") as tmp:
         log_dir = Path(args.log_dir) if args.log_dir else Path(tmp) / "log"
         try:
-            session = runtime.Session(
+            session = Session(
                 model, codec=args.codec, host_budget_bytes=budget, log_dir=log_dir, mode=args.mode,
                 retrieval_k=args.retrieval_k, throttle_bps=throttle, seed=args.seed,
             )  # fmt: skip
         except (ValueError, FileExistsError) as e:
             raise UsageError(str(e)) from None
         try:
-            session.run(runtime.yaw_sweep_trajectory(segments, seed=args.seed))
+            session.run(yaw_sweep_trajectory(segments, seed=args.seed))
         finally:
             session.close()
         result = session.summary()

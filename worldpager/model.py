@@ -24,11 +24,9 @@ block's per-frame action embeddings (no mouse/keyboard split, no action KV cache
 
 from __future__ import annotations
 
-import importlib
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +34,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from worldpager import rope
+from worldpager.checkpoint import CheckpointMismatch, check_checkpoint_keys, load_mg2_checkpoint
+
+__all__ = [
+    "KV",
+    "TINY",
+    "CheckpointMismatch",
+    "KVCache",
+    "TinyCausalWan",
+    "TinyConfig",
+    "check_checkpoint_keys",
+    "denoising_timesteps",
+    "load_mg2_checkpoint",
+    "mg2_config",
+    "update_kv_cache",
+]
 
 KV = tuple[torch.Tensor, torch.Tensor]
 KVCache = dict[str, torch.Tensor]
@@ -376,54 +389,3 @@ class TinyCausalWan(nn.Module):
                     x = (1.0 - sigma) * pred + sigma * noise
             _, final_kv = self._forward(pred, actions, start_frame, True, memory, 0.0)
         return pred, final_kv
-
-
-class CheckpointMismatch(ValueError):
-    """A checkpoint's tensor names or shapes do not match the model's."""
-
-
-def _first(names: Iterable[str], n: int = 5) -> str:
-    items = sorted(names)
-    more = f", ... (+{len(items) - n})" if len(items) > n else ""
-    return ", ".join(items[:n]) + more
-
-
-def check_checkpoint_keys(expected: Iterable[str], found: Iterable[str], source: str = "checkpoint") -> None:
-    """Raise `CheckpointMismatch` listing missing/unexpected counts and the first few names of each."""
-    exp, got = set(expected), set(found)
-    missing, unexpected = exp - got, got - exp
-    if missing or unexpected:
-        raise CheckpointMismatch(
-            f"{source}: {len(missing)} missing keys [{_first(missing)}], "
-            f"{len(unexpected)} unexpected keys [{_first(unexpected)}]"
-        )
-
-
-def load_mg2_checkpoint(model: nn.Module, path: str | Path) -> None:
-    """Load a safetensors state dict into `model` (strict: names and shapes must all match).
-
-    Needs the optional `safetensors` package (not a project dependency): without it a `RuntimeError`
-    says so. A missing file raises `FileNotFoundError`; mismatched names or shapes `CheckpointMismatch`.
-    A real MG2 checkpoint holds parts the stand-in lacks (cross-attention, modulation, patch embedding,
-    mouse/keyboard modules) and is therefore reported as a mismatch.
-    """
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"MG2 checkpoint not found: {p}")
-    try:
-        st = importlib.import_module("safetensors.torch")
-    except ModuleNotFoundError as exc:
-        raise RuntimeError(
-            f"loading {p} needs the 'safetensors' package, which is not installed (pip install safetensors)"
-        ) from exc
-    state: dict[str, torch.Tensor] = st.load_file(str(p))
-    own = model.state_dict()
-    check_checkpoint_keys(own.keys(), state.keys(), str(p))
-    bad = [
-        f"{k} {tuple(state[k].shape)} != {tuple(v.shape)}"
-        for k, v in own.items()
-        if state[k].shape != v.shape
-    ]
-    if bad:
-        raise CheckpointMismatch(f"{p}: {len(bad)} shape mismatches: {'; '.join(bad[:5])}")
-    model.load_state_dict(state)

@@ -4,9 +4,10 @@ One directory per session holds three files:
 
 * ``segments.wplog`` -- fixed-size slots; slot ``n`` starts at ``n * slot_size`` (4 KiB aligned, so
   O_DIRECT is possible as in LMCache's disk backend). A slot is one 4 KiB header block followed by the
-  payload (layer-major pages). The header carries the magic ``WPSEG\\0\\1\\0``, the format version, the
-  slot number and slot size, the segment's metadata, per-page offsets and crc32s, the payload crc32 and,
-  in its last 4 bytes, a crc32 of the header block itself.
+  payload (layer-major pages). The header (`worldpager.segment_header`) carries the magic
+  ``WPSEG\\0\\1\\0``, the format version, the slot number and slot size, the segment's metadata,
+  per-page offsets and crc32s, the payload crc32 and, in its last 4 bytes, a crc32 of the header block
+  itself.
 * ``meta.json`` -- immutable settings (slot size, optional ``max_bytes`` budget), written at create().
 * ``index.json`` -- slot -> header, written atomically (tmp + fsync + rename + dir fsync) by flush(),
   close() and open() after a recovery. open() trusts a flushed index (data was fsynced before it) once
@@ -29,31 +30,52 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
-import math
 import os
-import struct
 import threading
 import zlib
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
-from itertools import pairwise
+from dataclasses import asdict
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-SLOT_ALIGN = 4096
-HEADER_SIZE = SLOT_ALIGN
-MAGIC = b"WPSEG\0\1\0"
-FORMAT_VERSION = 1
-MAX_POSE = 8
-MAX_NAME = 16
+from worldpager.segment_header import (
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    MAGIC,
+    MAX_NAME,
+    MAX_PAGES,
+    MAX_POSE,
+    SLOT_ALIGN,
+    CorruptSlotError,
+    SegmentHeader,
+    SegmentLogError,
+    decode_header,
+    encode_header,
+)
+
+__all__ = [
+    "FORMAT_VERSION",
+    "HEADER_SIZE",
+    "INDEX_NAME",
+    "LOG_NAME",
+    "MAGIC",
+    "MAX_NAME",
+    "MAX_PAGES",
+    "MAX_POSE",
+    "META_NAME",
+    "SLOT_ALIGN",
+    "CorruptSlotError",
+    "LogFullError",
+    "SegmentHeader",
+    "SegmentLog",
+    "SegmentLogError",
+    "decode_header",
+    "encode_header",
+    "slot_size_for",
+]
+
 LOG_NAME, INDEX_NAME, META_NAME = "segments.wplog", "index.json", "meta.json"
-# magic, version, n_pose, n_pages, flags, slot, slot_size, segment_id, frame_start, frame_end, position,
-# payload_len, payload crc32, codec, position_state; then pose (f64), page offsets (u64), page crc32s (u32).
-_FIXED = struct.Struct("<8sHHHHQQqqqqQI16s16s")
-_CRC = struct.Struct("<I")
-_BODY = HEADER_SIZE - _CRC.size
-MAX_PAGES = (_BODY - _FIXED.size - 8 * MAX_POSE) // 12
 _CHUNK = 16 << 20
 _INT_FIELDS = ("segment_id", "frame_start", "frame_end", "position", "payload_len", "checksum")
 
@@ -65,121 +87,8 @@ def slot_size_for(payload_bytes: int) -> int:
     return HEADER_SIZE + -(-payload_bytes // SLOT_ALIGN) * SLOT_ALIGN
 
 
-class SegmentLogError(Exception):
-    """Base of the segment log's own errors."""
-
-
-class CorruptSlotError(SegmentLogError):
-    """A slot failed verification (magic, header/payload/page checksum, truncation, beyond the end)."""
-
-    def __init__(self, slot: int, reason: str) -> None:
-        super().__init__(slot, reason)
-        self.slot, self.reason = slot, reason
-
-    def __str__(self) -> str:
-        return f"slot {self.slot}: {self.reason}"
-
-
 class LogFullError(SegmentLogError):
     """The disk is full (ENOSPC/EDQUOT) or the append would exceed the max_bytes budget."""
-
-
-@dataclass(frozen=True)
-class SegmentHeader:
-    """What a slot says about its segment. Checksums are zlib.crc32 values."""
-
-    segment_id: int
-    frame_start: int  # true latent-frame range, end exclusive
-    frame_end: int
-    pose: tuple[float, ...]  # (x, y, z, pitch, yaw), at most MAX_POSE values
-    codec: str
-    position_state: str  # e.g. "post-rope", "pre-rope"
-    position: int  # latent frame the stored keys are rotated to
-    payload_len: int
-    page_offsets: tuple[int, ...]  # byte offset of each layer page in the payload
-    checksum: int
-    page_checksums: tuple[int, ...]
-
-    @property
-    def n_pages(self) -> int:
-        return len(self.page_offsets)
-
-    def page_range(self, layer: int) -> tuple[int, int]:
-        """[start, end) of page ``layer`` in the payload; a page ends where the next starts."""
-        if not 0 <= layer < len(self.page_offsets):
-            raise IndexError(f"page {layer} out of range (segment has {len(self.page_offsets)} pages)")
-        end = self.page_offsets[layer + 1] if layer + 1 < len(self.page_offsets) else self.payload_len
-        return self.page_offsets[layer], end
-
-
-def _name(value: str, what: str) -> bytes:
-    raw = value.encode("utf-8")
-    if len(raw) > MAX_NAME or b"\0" in raw:
-        raise ValueError(f"{what} must be at most {MAX_NAME} UTF-8 bytes without NUL, got {value!r}")
-    return raw
-
-
-def _check(h: SegmentHeader, slot_size: int) -> None:
-    if h.payload_len < 0 or h.payload_len > slot_size - HEADER_SIZE:
-        raise ValueError(f"payload of {h.payload_len} bytes does not fit a slot of {slot_size} bytes")
-    if len(h.pose) > MAX_POSE or not all(math.isfinite(p) for p in h.pose):
-        raise ValueError(f"pose must be at most {MAX_POSE} finite values, got {h.pose}")
-    if len(h.page_offsets) > MAX_PAGES or len(h.page_checksums) != len(h.page_offsets):
-        raise ValueError(f"{len(h.page_offsets)} pages / {len(h.page_checksums)} page checksums")
-    bounds = (0, *h.page_offsets, h.payload_len)
-    if any(a > b for a, b in pairwise(bounds)):
-        raise ValueError(f"page offsets {h.page_offsets} must be non-decreasing within the payload")
-    if h.frame_end < h.frame_start:
-        raise ValueError(f"frame range [{h.frame_start}, {h.frame_end}) is reversed")
-
-
-def _tail_format(n_pose: int, n_pages: int) -> str:
-    return f"<{n_pose}d{n_pages}Q{n_pages}I"
-
-
-def encode_header(h: SegmentHeader, slot: int, slot_size: int) -> bytes:
-    """The 4 KiB header block of ``h`` stored in ``slot``; ValueError if ``h`` does not fit."""
-    _check(h, slot_size)
-    n_pose, n_pages = len(h.pose), len(h.page_offsets)
-    names = (_name(h.codec, "codec"), _name(h.position_state, "position_state"))
-    try:
-        fields = (h.segment_id, h.frame_start, h.frame_end, h.position, h.payload_len, h.checksum)
-        body = _FIXED.pack(MAGIC, FORMAT_VERSION, n_pose, n_pages, 0, slot, slot_size, *fields, *names)
-        body += struct.pack(_tail_format(n_pose, n_pages), *h.pose, *h.page_offsets, *h.page_checksums)
-    except struct.error as e:
-        raise ValueError(f"header field out of range: {e}") from e
-    block = body.ljust(_BODY, b"\0")
-    return block + _CRC.pack(zlib.crc32(block))
-
-
-def decode_header(block: bytes, slot: int) -> tuple[SegmentHeader, int]:
-    """(header, slot_size) from a header block read at ``slot``; CorruptSlotError if it fails checks."""
-    if len(block) < HEADER_SIZE:
-        raise CorruptSlotError(slot, "truncated: header past end of file")
-    if block[: len(MAGIC)] != MAGIC:
-        raise CorruptSlotError(slot, "bad magic")
-    if zlib.crc32(block[:_BODY]) != _CRC.unpack_from(block, _BODY)[0]:
-        raise CorruptSlotError(slot, "header checksum mismatch")
-    f = _FIXED.unpack_from(block)
-    n_pose, n_pages = f[2], f[3]
-    if f[1] != FORMAT_VERSION:
-        raise CorruptSlotError(slot, f"unsupported format version {f[1]}")
-    if n_pose > MAX_POSE or n_pages > MAX_PAGES:
-        raise CorruptSlotError(slot, f"header counts out of range ({n_pose} pose, {n_pages} pages)")
-    if f[5] != slot:
-        raise CorruptSlotError(slot, f"header belongs to slot {f[5]}")
-    tail = struct.unpack_from(_tail_format(n_pose, n_pages), block, _FIXED.size)
-    try:
-        codec, state = (raw.rstrip(b"\0").decode("utf-8") for raw in f[13:15])
-    except UnicodeDecodeError as e:
-        raise CorruptSlotError(slot, f"undecodable name: {e}") from e
-    pose, offsets, crcs = tail[:n_pose], tail[n_pose : n_pose + n_pages], tail[n_pose + n_pages :]
-    h = SegmentHeader(f[7], f[8], f[9], pose, codec, state, f[10], f[11], offsets, f[12], crcs)
-    try:
-        _check(h, f[6])
-    except ValueError as e:
-        raise CorruptSlotError(slot, f"inconsistent header: {e}") from e
-    return h, f[6]
 
 
 def _header_from_json(e: dict[str, Any]) -> SegmentHeader:

@@ -30,17 +30,13 @@ from typing import Any
 import torch
 
 from worldpager import codecs
-from worldpager.pages import PageManager, Upload
+from worldpager.layout import SegmentLayout
+from worldpager.page_types import Upload
+from worldpager.pages import PageManager
 from worldpager.retrieval import Pose, SegmentInfo
-from worldpager.runtime import (
-    MODES,
-    Mode,
-    SegmentLayout,
-    Throttle,
-    TransferHandler,
-    stall_stats,
-)
 from worldpager.segment_log import HEADER_SIZE, SegmentLog, slot_size_for
+from worldpager.session import MODES, Mode, stall_stats
+from worldpager.transfer import Throttle, TransferHandler
 
 DEFAULT_MULTIPLIERS: tuple[float, ...] = (0.5, 0.8, 1.05, 1.5, 3.0)
 DEFAULTS: dict[str, Any] = {

@@ -95,7 +95,15 @@ def test_importing_loads_none_of_them(module):
 # bookkeeping (what is where, what to evict, what to fetch), the NVMe log, the retrieval rules and
 # the sizing math are torch-free too, so they run and are tested alone.
 WORLDPAGER_FILES = sorted((ROOT / "worldpager").glob("*.py"))
-WORLDPAGER_TORCH_FREE = ("pages.py", "segment_log.py", "retrieval.py", "mg2.py", "cli.py")
+WORLDPAGER_TORCH_FREE = (
+    "pages.py",
+    "page_types.py",
+    "segment_log.py",
+    "segment_header.py",
+    "retrieval.py",
+    "mg2.py",
+    "cli.py",
+)
 
 
 @pytest.mark.parametrize("path", WORLDPAGER_FILES, ids=lambda p: p.relative_to(ROOT).as_posix())

@@ -13,18 +13,14 @@ import pytest
 import torch
 
 from worldpager.cli import main
+from worldpager.layout import SegmentLayout
 from worldpager.model import TINY, TinyCausalWan
 from worldpager.pages import Corrupt, DiskFull, Evicted
 from worldpager.retrieval import Pose, SegmentInfo
-from worldpager.runtime import (
-    SegmentLayout,
-    Session,
-    Throttle,
-    block_inputs,
-    stall_stats,
-    yaw_sweep_trajectory,
-)
 from worldpager.segment_log import HEADER_SIZE, SegmentLog
+from worldpager.session import Session, stall_stats
+from worldpager.trajectory import block_inputs, yaw_sweep_trajectory
+from worldpager.transfer import Throttle
 
 CFG = TINY.on_the_fly()
 SEG = SegmentLayout.from_config(CFG, "bf16").payload_nbytes

@@ -1,12 +1,8 @@
-"""WorldPager runtime: the execution side of the tiers (the `PageManager` is the bookkeeping side).
-
-Pieces, bottom up:
+"""Transfers: runs a `PageManager`'s jobs with real bytes (the PageManager is the bookkeeping side).
 
 * `Throttle` -- paces NVMe reads to a given bandwidth (a serial disk: each read of ``n`` bytes holds the
   disk for ``n / bytes_per_s`` seconds, starting when the previous read's time is up), so a benchmark
   can emulate a slow disk on any machine. The real read happens inside that time.
-* `SegmentLayout` -- one segment's KV as one payload: layer-major pages, each page ``K`` then ``V``
-  encoded with a codec (`worldpager.codecs`); `encode` / `decode` / page offsets.
 * `TransferHandler` -- runs a `PageManager`'s jobs with real bytes. An I/O worker thread takes jobs in
   the PageManager's `io_queue()` order (prefetch reads > spills > write-backs, re-read at every pick so
   a write-back that became a spill moves up): `SegmentLog` reads through the `Throttle` into host
@@ -16,8 +12,7 @@ Pieces, bottom up:
   before the rolling window (`rope.rerotate_time` / `rope.virtual_positions`), place the result in the
   step's retrieval buffer. Every PageManager call is made under one lock; completions go back through
   `PageManager.complete`, and a per-step `threading.Event` says the step's buffer is ready.
-* `Session` -- runs `TinyCausalWan` blocks one by one with retrieval (see its docstring).
-* `yaw_sweep_trajectory` -- a synthetic ``a_yaw``-like camera path (rotate in place, sweep back).
+* `Dropped` / `RuntimeEvent` -- what the handler records besides the PageManager's events.
 
 Failure handling: a corrupt slot (checksum) is reported as ``Failure.CORRUPT`` -> the PageManager takes
 the segment out of every step (a `Corrupt` event) and it is never uploaded, so never attended to; a
@@ -30,62 +25,37 @@ from __future__ import annotations
 
 import math
 import queue
-import random
-import statistics
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Literal, TypeVar
+from typing import TypeVar
 
-import psutil
 import torch
 
-from worldpager import codecs, rope
-from worldpager.model import KV, TinyCausalWan, TinyConfig
-from worldpager.pages import (
+from worldpager import rope
+from worldpager.layout import SegmentLayout
+from worldpager.model import KV
+from worldpager.page_types import (
     DiskFull,
     Event,
     Evicted,
     Failure,
     IoJob,
     Job,
-    PageManager,
     Read,
     Spilled,
     StepPlan,
     Upload,
     WriteBack,
 )
-from worldpager.retrieval import (
-    FovOverlapRule,
-    Pose,
-    RetrievalRule,
-    SegmentInfo,
-    outside_window,
-    predict_pose,
-    wrap_degrees,
-)
-from worldpager.segment_log import HEADER_SIZE, CorruptSlotError, LogFullError, SegmentLog, slot_size_for
+from worldpager.pages import PageManager
+from worldpager.retrieval import SegmentInfo
+from worldpager.segment_log import HEADER_SIZE, CorruptSlotError, LogFullError, SegmentLog
 
-__all__ = [
-    "Dropped",
-    "Mode",
-    "RuntimeEvent",
-    "SegmentLayout",
-    "Session",
-    "StepRecord",
-    "Throttle",
-    "TransferHandler",
-    "block_inputs",
-    "stall_stats",
-    "yaw_sweep_trajectory",
-]
+__all__ = ["Dropped", "RuntimeEvent", "Throttle", "TransferHandler", "sleep_until"]
 
 T = TypeVar("T")
-Mode = Literal["prefetch", "on_demand"]
-MODES: tuple[Mode, ...] = ("prefetch", "on_demand")
 
 
 # ---- throttle -------------------------------------------------------------------------------------
@@ -108,117 +78,16 @@ class Throttle:
         with self._lock:
             start = max(time.perf_counter(), self._busy_until)
             end = self._busy_until = start + nbytes / self.bytes_per_s
-        _sleep_until(start)
+        sleep_until(start)
         result = fn()
-        _sleep_until(end)
+        sleep_until(end)
         return result
 
 
-def _sleep_until(t: float) -> None:
+def sleep_until(t: float) -> None:
+    """Sleep until ``time.perf_counter()`` reaches ``t``."""
     while (left := t - time.perf_counter()) > 0:
         time.sleep(left)
-
-
-# ---- segment layout ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SegmentLayout:
-    """Shape of one segment's KV: ``layers`` x (K, V) of ``[1, frames*latent_h*latent_w, heads, head_dim]``,
-    stored as one payload of layer-major pages (page = K bytes then V bytes) under ``codec``."""
-
-    layers: int
-    heads: int
-    head_dim: int
-    frames: int
-    latent_h: int
-    latent_w: int
-    codec: str = "bf16"
-    dtype: torch.dtype = torch.float32
-    rope_theta: float = rope.DEFAULT_THETA
-
-    def __post_init__(self) -> None:
-        if self.codec not in codecs.CODECS:
-            raise ValueError(f"unknown codec {self.codec!r}: expected one of {', '.join(codecs.CODECS)}")
-        if min(self.layers, self.heads, self.frames, self.latent_h, self.latent_w) < 1:
-            raise ValueError("layers, heads, frames, latent_h and latent_w must be >= 1")
-        rope.rope_split(self.head_dim)
-
-    @classmethod
-    def from_config(cls, cfg: TinyConfig, codec: str, dtype: torch.dtype = torch.float32) -> SegmentLayout:
-        return cls(
-            cfg.layers, cfg.heads, cfg.head_dim, cfg.frames_per_block, cfg.latent_h, cfg.latent_w,
-            codec, dtype, cfg.rope_theta,
-        )  # fmt: skip
-
-    @property
-    def tokens(self) -> int:
-        return self.frames * self.latent_h * self.latent_w
-
-    @property
-    def kv_shape(self) -> tuple[int, int, int, int]:
-        return (1, self.tokens, self.heads, self.head_dim)
-
-    @property
-    def _tensor_nbytes(self) -> int:
-        return codecs.packed_nbytes(math.prod(self.kv_shape), self.codec)
-
-    @property
-    def page_nbytes(self) -> int:
-        return 2 * self._tensor_nbytes
-
-    @property
-    def payload_nbytes(self) -> int:
-        return self.layers * self.page_nbytes
-
-    @property
-    def page_offsets(self) -> tuple[int, ...]:
-        return tuple(i * self.page_nbytes for i in range(self.layers))
-
-    @property
-    def decoded_nbytes(self) -> int:
-        """Bytes of one segment ready for attention (all layers, K and V, in ``dtype``)."""
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        return self.layers * 2 * math.prod(self.kv_shape) * elem
-
-    def encode(self, kv: Sequence[KV]) -> bytes:
-        if len(kv) != self.layers:
-            raise ValueError(f"{len(kv)} layers of KV, the layout has {self.layers}")
-        parts: list[bytes] = []
-        for k, v in kv:
-            for t in (k, v):
-                if tuple(t.shape) != self.kv_shape:
-                    raise ValueError(f"KV shape {tuple(t.shape)} != {self.kv_shape}")
-                parts.append(codecs.to_bytes(codecs.encode(t.to(self.dtype), self.codec)))
-        return b"".join(parts)
-
-    def decode(self, payload: bytes | torch.Tensor, device: torch.device | str | None = None) -> list[KV]:
-        """Per-layer ``(K, V)`` from a payload (``bytes`` or a 1-D uint8 tensor on any device; the
-        codec runs where the tensor is, then the result moves to ``device``)."""
-        buf = (
-            payload
-            if isinstance(payload, torch.Tensor)
-            else torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        )
-        if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != self.payload_nbytes:
-            raise ValueError(f"payload of {buf.numel()} bytes, the layout needs {self.payload_nbytes}")
-        n, dtype = self._tensor_nbytes, str(self.dtype).removeprefix("torch.")
-        out: list[KV] = []
-        for off in self.page_offsets:
-            k, v = (
-                codecs.decode(codecs.Packed(self.codec, self.kv_shape, dtype, buf[a : a + n]), device)
-                for a in (off, off + n)
-            )
-            out.append((k, v))
-        return out
-
-    def rerotate(self, kv: Sequence[KV], from_frame: int, to_frame: int) -> list[KV]:
-        """Keys moved from start frame ``from_frame`` to ``to_frame`` (temporal dims only); V as is."""
-        h, w = self.latent_h, self.latent_w
-        return [
-            (rope.rerotate_time(k, self.frames, h, w, from_frame, to_frame, self.rope_theta), v)
-            for k, v in kv
-        ]
 
 
 # ---- transfer handler ---------------------------------------------------------------------------------
@@ -543,241 +412,3 @@ class TransferHandler:
             ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ev.record(self._stream)
         return kv, ev
-
-
-# ---- session ------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    step: int
-    stall_s: float
-    compute_s: float
-    hits: int  # retrieved segments found in host when the step was prepared
-    misses: int  # retrieved segments read from NVMe
-    retrieved: tuple[int, ...]  # segments attended to
-    bytes_read: int  # NVMe bytes read since the previous step
-    bytes_written: int  # NVMe bytes written since the previous step
-    host_bytes: int  # host copies held after the step
-    pm_host_used_bytes: int  # the PageManager's host accounting after the step
-    rss_bytes: int
-    max_position: int  # last latent frame generated
-
-
-def block_inputs(cfg: TinyConfig, step: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Deterministic block noise ``[frames, tokens, dim]`` and actions ``[frames, action_dim]``."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    latent = torch.randn((cfg.frames_per_block, cfg.tokens_per_frame, cfg.dim), generator=g)
-    actions = torch.randn((cfg.frames_per_block, cfg.action_dim), generator=g)
-    return latent, actions
-
-
-def yaw_sweep_trajectory(
-    n: int, *, seed: int = 0, step_deg: float = 30.0, sweep_deg: float = 360.0, jitter_deg: float = 2.0
-) -> list[Pose]:
-    """An ``a_yaw``-like path: rotate in place ``step_deg`` per segment, reverse after ``sweep_deg``, so
-    every view is revisited at growing distances. Deterministic by ``seed`` (a small yaw jitter)."""
-    rng = random.Random(seed)
-    poses: list[Pose] = []
-    yaw, direction, turned = 0.0, 1.0, 0.0
-    for _ in range(n):
-        poses.append(Pose(0.0, 0.0, 0.0, 0.0, wrap_degrees(yaw + rng.uniform(-jitter_deg, jitter_deg))))
-        yaw += direction * step_deg
-        turned += step_deg
-        if turned >= sweep_deg:
-            direction, turned = -direction, 0.0
-    return poses
-
-
-def stall_stats(values: Sequence[float]) -> dict[str, float]:
-    """``{"median_s", "p99_s", "max_s"}`` (p99: nearest rank); zeros for no values."""
-    if not values:
-        return {"median_s": 0.0, "p99_s": 0.0, "max_s": 0.0}
-    s = sorted(values)
-    p99 = s[max(0, math.ceil(0.99 * len(s)) - 1)]
-    return {"median_s": statistics.median(s), "p99_s": p99, "max_s": s[-1]}
-
-
-class Session:
-    """Runs `TinyCausalWan` blocks one by one with tiered retrieval memory.
-
-    Step ``n`` (block frames ``[3n, 3n+3)``): ``on_demand`` prepares step n's retrieval buffer now
-    (the paper's baseline); ``prefetch`` prepared it during step n-1. Then it waits for the buffer (the
-    measured **stall**), prepares step n+1 (``prefetch``: its reads/uploads overlap this step's compute),
-    runs `generate_block` with the memories (none when the buffer is empty), releases step n, encodes the
-    block's final KV into one payload and registers it (host copy + write-behind to the log).
-
-    Retrieval set of step m, the same in both modes: ``rule.select`` over stored segments that have left
-    the rolling window at step m, queried with `predict_pose` of the poses before m, ``retrieval_k``
-    segments (0 = retrieval off, the plain model). ``compute_s`` pads each step's compute to at least
-    that many seconds (a calibrated compute time). ``keep_outputs`` keeps each block's prediction in
-    ``outputs``. Not thread-safe; one session per model.
-    """
-
-    def __init__(
-        self,
-        model: TinyCausalWan,
-        *,
-        codec: str = "bf16",
-        host_budget_bytes: int,
-        gpu_slots: int = 2,
-        log_dir: str | Path,
-        rule: RetrievalRule | None = None,
-        mode: Mode = "prefetch",
-        throttle_bps: float | None = None,
-        retrieval_k: int = 2,
-        log_max_bytes: int | None = None,
-        compute_s: float | None = None,
-        seed: int = 0,
-        device: torch.device | str = "cpu",
-        keep_outputs: bool = False,
-    ) -> None:
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if retrieval_k < 0 or gpu_slots < 1:
-            raise ValueError("retrieval_k must be >= 0 and gpu_slots >= 1")
-        self.model, self.cfg, self.mode, self.k, self.seed = model, model.cfg, mode, retrieval_k, seed
-        self.compute_s = compute_s
-        self.layout = SegmentLayout.from_config(self.cfg, codec, model.head.weight.dtype)
-        self.segment_bytes = self.layout.payload_nbytes
-        self.pm = PageManager(
-            host_budget_bytes, self.layout.decoded_nbytes, gpu_slots, segment_bytes=self.segment_bytes
-        )
-        self.gpu_budget_bytes = 2 * gpu_slots * self.layout.decoded_nbytes
-        self.log = SegmentLog.create(log_dir, slot_size_for(self.segment_bytes), max_bytes=log_max_bytes)
-        self.handler = TransferHandler(
-            self.pm, self.log, self.layout, throttle=Throttle(throttle_bps), device=device
-        )
-        self.rule: RetrievalRule = rule if rule is not None else FovOverlapRule(k_points=500, seed=seed)
-        self.records: list[StepRecord] = []
-        self.outputs: list[torch.Tensor] | None = [] if keep_outputs else None  # denoised preds
-        self.poses: list[Pose] = []
-        self._infos: list[SegmentInfo] = []
-        self._plans: dict[int, StepPlan] = {}
-        self._proc = psutil.Process()
-        self.rss_start = self._proc.memory_info().rss
-        self.peak_rss = self.rss_start
-        self._last_read = self._last_written = 0
-        model.reset_cache()
-
-    @property
-    def step_index(self) -> int:
-        return len(self.records)
-
-    @property
-    def events(self) -> list[RuntimeEvent]:
-        return self.handler.events
-
-    def _window_start(self, step: int) -> int:
-        fpb = self.cfg.frames_per_block
-        return max(0, step * fpb - (self.cfg.window_frames - fpb))
-
-    def wanted(self, step: int) -> list[int]:
-        """Retrieval set for ``step`` (needs the poses of steps < step, known at the start of step-1)."""
-        if self.k == 0 or step < 1:
-            return []
-        fpb = self.cfg.frames_per_block
-        now = step * fpb
-        cands = outside_window(self._infos, now, self.cfg.window_frames - fpb)
-        if not cands:
-            return []
-        query = predict_pose(self.poses[max(0, step - 2) : step], 1)
-        return self.rule.select(cands, query, now, self.k)
-
-    def _prepare(self, step: int) -> None:
-        # placed oldest first, so virtual positions keep true-time order (segment id = time order)
-        self._plans[step] = self.handler.prepare(step, sorted(self.wanted(step)), self._window_start(step))
-
-    def step(self, pose: Pose) -> StepRecord:
-        n, fpb = self.step_index, self.cfg.frames_per_block
-        self.poses.append(pose)
-        t0 = time.perf_counter()
-        if self.mode == "on_demand" or n == 0:
-            self._prepare(n)
-        stall = self.handler.wait_ready(n)
-        if self.mode == "on_demand":
-            stall = time.perf_counter() - t0
-        if self.mode == "prefetch":
-            self._prepare(n + 1)  # its reads and uploads overlap this step's compute
-        memory, ids = self.handler.memory(n)
-        latent, actions = block_inputs(self.cfg, n, self.seed)
-        t1 = time.perf_counter()
-        pred, kv = self.model.generate_block(latent, actions, n * fpb, memory)
-        if self.outputs is not None:
-            self.outputs.append(pred)
-        if self.compute_s is not None:
-            _sleep_until(t1 + self.compute_s)
-        compute = time.perf_counter() - t1
-        self.handler.release(n)
-        plan = self._plans.pop(n)
-        misses = sum(isinstance(j, Read) for j in plan.jobs)
-        info = SegmentInfo(n, n * fpb, (n + 1) * fpb, pose)
-        self.handler.add_segment(info, self.layout.encode(kv))
-        self._infos.append(info)
-        rss = self._proc.memory_info().rss
-        self.peak_rss = max(self.peak_rss, rss)
-        read, written = self.handler.bytes_read, self.handler.bytes_written
-        rec = StepRecord(
-            n, stall, compute, len(plan.slots) - misses, misses, ids, read - self._last_read,
-            written - self._last_written, self.handler.host_bytes, self.pm.host_used_bytes, rss,
-            (n + 1) * fpb - 1,
-        )  # fmt: skip
-        self._last_read, self._last_written = read, written
-        self.records.append(rec)
-        return rec
-
-    def run(self, poses: Sequence[Pose]) -> list[StepRecord]:
-        return [self.step(p) for p in poses]
-
-    def close(self) -> None:
-        """Stop the transfer threads (after outstanding I/O), release a prefetched step, close the log."""
-        try:
-            nxt = self.step_index
-            if nxt in self._plans:
-                self.handler.wait_ready(nxt)
-                self.handler.release(nxt)
-                del self._plans[nxt]
-            self.handler.close()
-        finally:
-            self.log.close()
-
-    def __enter__(self) -> Session:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def summary(self) -> dict[str, object]:
-        """Totals over the steps run so far (the `worldpager session` JSON, less the CLI's keys)."""
-        fpb = self.cfg.frames_per_block
-        stalls = [r.stall_s for r in self.records]
-        return {
-            "segments": len(self.records),
-            "latent_frames": len(self.records) * fpb,
-            "peak_rss_bytes": self.peak_rss,
-            "rss_growth_bytes": (self.records[-1].rss_bytes if self.records else self.rss_start)
-            - self.rss_start,
-            "host_budget_bytes": self.pm.host_budget_bytes,
-            "gpu_budget_bytes": self.gpu_budget_bytes,
-            "nvme_bytes_written": self.handler.bytes_written,
-            "nvme_bytes_read": self.handler.bytes_read,
-            "positional_table_frames": self.cfg.rope_table_frames,
-            "max_position_reached": max((r.max_position for r in self.records), default=-1),
-            "stall": stall_stats(stalls),
-            "compute": stall_stats([r.compute_s for r in self.records]),
-            "segment_bytes": self.segment_bytes,
-            "codec": self.layout.codec,
-            "mode": self.mode,
-            "nvme_reads": self.handler.reads,
-            "host_hits": sum(r.hits for r in self.records),
-            "host_misses": sum(r.misses for r in self.records),
-            "peak_host_bytes": max((r.pm_host_used_bytes for r in self.records), default=0),
-            "events": _count_events(self.events),
-        }
-
-
-def _count_events(events: Sequence[RuntimeEvent]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for e in events:
-        counts[type(e).__name__] = counts.get(type(e).__name__, 0) + 1
-    return counts
