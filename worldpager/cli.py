@@ -4,8 +4,8 @@
                       [--usable 0.85] [--fps F] [--json]
     worldpager bench-stall [--quick] [--compute-s S] [--steps N] [--segment-size SIZE] [--codec C]
                            [--json] [--plot FILE.png]
-    worldpager session --preset tiny --segments N --host-memory SIZE [--host-segments K] [--codec C]
-                       [--mode {prefetch,on_demand}] [--log-dir DIR] [--json]
+    worldpager session [--preset {tiny,micro}] [--segments 150] [--host-memory 64MiB] [--codec C]
+                       [--mode {prefetch,on_demand}] [--log-dir DIR [--resume]] [--json]
 
 Errors in what the user gave (a size, a fraction, a flag) print `worldpager: <message>` on stderr and
 return 2, without a traceback. Each subcommand registers itself in `build_parser` with a handler
@@ -225,12 +225,13 @@ def _add_bench_stall(sub: argparse._SubParsersAction[_Parser]) -> None:
 
 
 def cmd_session(args: argparse.Namespace) -> int:
-    """`worldpager session`: a real tiny-model session through GPU buffers, host and the NVMe log."""
+    """`worldpager session`: a real stand-in session through GPU buffers, host and the NVMe log."""
     import tempfile
 
     from worldpager.layout import SegmentLayout
-    from worldpager.model import TINY, TinyCausalWan
-    from worldpager.session import Session
+    from worldpager.model import TinyCausalWan
+    from worldpager.segment_log import SegmentLogError
+    from worldpager.session import SESSION_FILE, SESSION_PRESETS, Session, read_saved_state
     from worldpager.trajectory import yaw_sweep_trajectory
 
     try:
@@ -239,37 +240,78 @@ def cmd_session(args: argparse.Namespace) -> int:
         raise UsageError(f"--host-memory: {e}") from None
     segments = int(_positive("--segments", args.segments, int))
     cap = int(_positive("--host-segments", args.host_segments, int)) if args.host_segments != "0" else 0
+    warmup = args.warmup_segments
+    if warmup is not None and warmup < 0:
+        raise UsageError(f"--warmup-segments {warmup}: expected a number >= 0")
     throttle = None
     if args.read_bandwidth is not None:
         try:
             throttle = float(parse_size(args.read_bandwidth))
         except ValueError as e:
             raise UsageError(f"--read-bandwidth: {e}") from None
-    cfg = TINY.on_the_fly()
-    seg_bytes = SegmentLayout.from_config(cfg, args.codec).payload_nbytes
-    if host_memory < seg_bytes:
-        raise UsageError(f"--host-memory {args.host_memory} is smaller than one segment ({seg_bytes} bytes)")
+    preset, codec = args.preset, args.codec
+    if args.resume:
+        if not args.log_dir:
+            raise UsageError("--resume needs --log-dir (the saved session's directory)")
+        saved = read_saved_state(args.log_dir)
+        if saved is None:
+            raise UsageError(f"--resume: no saved session in {args.log_dir} ({SESSION_FILE} missing)")
+        saved_preset = (saved.get("metadata") or {}).get("preset")
+        if preset is not None and saved_preset is not None and preset != saved_preset:
+            raise UsageError(f"--preset {preset}: the saved session ran --preset {saved_preset}")
+        preset, codec = preset or saved_preset or "tiny", codec or saved.get("codec")
+    preset, codec = preset or "tiny", codec or "bf16"
+    cfg = SESSION_PRESETS[preset].on_the_fly()
+    seg_bytes = SegmentLayout.from_config(cfg, codec).payload_nbytes
     budget = min(host_memory, cap * seg_bytes) if cap else host_memory
+    if budget < seg_bytes:
+        raise UsageError(f"--host-memory {args.host_memory} is smaller than one segment ({seg_bytes} bytes)")
     model = TinyCausalWan(cfg)
+    opts: dict[str, Any] = {
+        "host_budget_bytes": budget, "mode": args.mode, "retrieval_k": args.retrieval_k,
+        "throttle_bps": throttle, "warmup_segments": warmup, "codec": codec, "seed": args.seed,
+    }  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="wp-session-") as tmp:
         log_dir = Path(args.log_dir) if args.log_dir else Path(tmp) / "log"
         try:
-            session = Session(
-                model, codec=args.codec, host_budget_bytes=budget, log_dir=log_dir, mode=args.mode,
-                retrieval_k=args.retrieval_k, throttle_bps=throttle, seed=args.seed,
-            )  # fmt: skip
-        except (ValueError, FileExistsError) as e:
+            if args.resume:
+                session = Session.resume(log_dir, model, **opts)
+            else:
+                session = Session(model, log_dir=log_dir, metadata={"preset": preset}, **opts)
+        except (ValueError, OSError, SegmentLogError) as e:
             raise UsageError(str(e)) from None
+        first = session.step_index
         try:
-            session.run(yaw_sweep_trajectory(segments, seed=args.seed))
+            for pose in yaw_sweep_trajectory(first + segments, seed=session.seed)[first:]:
+                session.step(pose)  # (not run(): that would collect every step's record)
         finally:
             session.close()
         result = session.summary()
-    result["positional_table_frames"] = TINY.rope_table_frames  # what MG2's fixed table would allow
-    result["action_table_frames"] = TINY.action_rope_table_frames
+    table, action_table = (
+        SESSION_PRESETS[preset].rope_table_frames,
+        SESSION_PRESETS[preset].action_rope_table_frames,
+    )
+    frames = session.step_index * cfg.frames_per_block  # latent frames generated, restored ones included
+    result["preset"] = preset
+    result["positional_table_frames"] = table  # what MG2's fixed tables would allow; run on the fly
+    result["action_table_frames"] = action_table
     result["positions"] = "on-the-fly"
+    result["tables_passed_x"] = {
+        "self_attn": round(frames / table, 2) if table else None,
+        "action": round(frames / action_table, 2) if action_table else None,
+    }
     result["host_memory_bytes"] = host_memory
     result["host_segments_cap"] = cap
+    result["host_segments"] = budget // seg_bytes
+    result["total_segments"] = session.step_index
+    result["log_dir"] = str(log_dir) if args.log_dir else None
+    if not result["nvme_bytes_read"]:
+        fits = budget // seg_bytes >= session.step_index
+        why = "the host budget holds the whole session" if fits else "every revisit found its segment in host"
+        result["read_back"] = (
+            f"none: {why} ({budget // seg_bytes} segments of {seg_bytes} B); use a smaller --host-memory "
+            f"or a preset with larger segments (--preset tiny: 18 segments per 64 MiB)"
+        )
     if args.json:
         print(json.dumps(result))
     else:
@@ -281,28 +323,45 @@ def cmd_session(args: argparse.Namespace) -> int:
 def _add_session(sub: argparse._SubParsersAction[_Parser]) -> None:
     p = sub.add_parser(
         "session",
-        help="run a tiny stand-in session through all tiers (GPU buffers, host, NVMe log)",
-        description="Generates N segments with the tiny MG2-shaped stand-in (on-the-fly positions) on a "
-        "yaw-sweep trajectory whose revisits read segments back from the NVMe log.",
+        help="run a stand-in session through all tiers (GPU buffers, host, NVMe log); save / resume",
+        description="Generates N segments with an MG2-shaped stand-in (on-the-fly positions, far past "
+        "its 16/40-frame tables) on a yaw-sweep trajectory whose revisits read segments back from the "
+        "NVMe log. The host tier's budget is --host-memory. With --log-dir the session is kept there "
+        "(segment log, index, session.json, rolling window) and --resume continues it.",
     )
-    p.add_argument("--preset", choices=["tiny"], default="tiny", help="model (only the tiny stand-in)")
-    p.add_argument("--segments", required=True, metavar="N", help="segments (blocks) to generate")
-    p.add_argument("--host-memory", required=True, metavar="SIZE", help=f"host budget: {_SIZE_HELP}")
+    p.add_argument(
+        "--preset",
+        choices=["tiny", "micro"],
+        default=None,
+        help="stand-in size (default tiny: 3.4 MiB segments, 18 per 64 MiB; micro: 36 KiB segments, "
+        "the unit tests' model); --resume: the saved session's",
+    )
+    p.add_argument("--segments", default="150", metavar="N", help="segments (blocks) to generate (150)")
+    p.add_argument(
+        "--host-memory", default="64MiB", metavar="SIZE", help=f"host budget (64MiB): {_SIZE_HELP}"
+    )
     p.add_argument(
         "--host-segments",
-        default="8",
+        default="0",
         metavar="K",
-        help="cap the host tier at K segments (default 8, 0 = no cap): a tiny segment is ~36 KiB, so "
-        "without a cap any realistic budget holds the whole session and nothing is read back",
+        help="also cap the host tier at K segments (default 0 = no cap: the budget is --host-memory)",
     )
     p.add_argument(
-        "--codec", default="bf16", choices=["bf16", "int8", "int4"], help="how segments are stored"
+        "--codec", default=None, choices=["bf16", "int8", "int4"], help="how segments are stored (bf16)"
     )
     p.add_argument("--mode", default="prefetch", choices=["prefetch", "on_demand"], help="transfer mode")
     p.add_argument("--retrieval-k", type=int, default=2, metavar="K", help="segments retrieved per step")
     p.add_argument("--read-bandwidth", default=None, metavar="SIZE", help="throttle NVMe reads to SIZE/s")
-    p.add_argument("--log-dir", default=None, metavar="DIR", help="segment log directory (default: temp)")
-    p.add_argument("--seed", type=int, default=0, help="trajectory and input seed")
+    p.add_argument(
+        "--warmup-segments",
+        type=int,
+        default=None,
+        metavar="W",
+        help="steps before the RSS baseline (default: until the retrieval buffers first fill, >= 2)",
+    )
+    p.add_argument("--log-dir", default=None, metavar="DIR", help="keep the session in DIR (default: temp)")
+    p.add_argument("--resume", action="store_true", help="continue the session saved in --log-dir")
+    p.add_argument("--seed", type=int, default=None, help="trajectory and input seed (0; --resume: saved)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(fn=cmd_session)
 

@@ -163,6 +163,20 @@ class TransferHandler:
         with self._cond:
             return sum(len(p) for p in self._host.values())
 
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes uploaded into the retrieval buffers of prepared, unreleased steps (on ``device``)."""
+        with self._cond:
+            kvs = [kv for buf in self._steps.values() for kv in buf.kv.values()]
+        return sum(t.numel() * t.element_size() for kv in kvs for pair in kv for t in pair)
+
+    def take_events(self) -> list[RuntimeEvent]:
+        """Drain the events recorded so far (``events`` then starts empty), atomically with respect to
+        the transfer threads: a long-running owner keeps memory bounded by draining them."""
+        with self._cond:
+            events, self.events = self.events, []
+            return events
+
     def log_slot(self, seg_id: int) -> int | None:
         with self._cond:
             return self._slot_of.get(seg_id)
