@@ -403,6 +403,8 @@ class Session:
             self._prepare(n + 1)  # its reads and uploads overlap this step's compute
         memory, ids = self.handler.memory(n)
         latent, actions = block_inputs(self.cfg, n, self.seed)
+        p = next(self.model.parameters())  # the inputs go where the model is (CUDA when present)
+        latent, actions = latent.to(p.device, p.dtype), actions.to(p.device, p.dtype)
         t1 = time.perf_counter()
         pred, kv = self.model.generate_block(latent, actions, n * fpb, memory)
         del memory, latent, actions

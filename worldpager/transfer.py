@@ -425,4 +425,10 @@ class TransferHandler:
             kv = self.layout.rerotate(self.layout.decode(dev), from_frame, to_frame)
             ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ev.record(self._stream)
+        # The tensors were made on the side stream and are used on the compute stream: tell the
+        # caching allocator, so their memory is not reused before the compute stream is done.
+        main = torch.cuda.current_stream(self.device)
+        for k, v in kv:
+            k.record_stream(main)
+            v.record_stream(main)
         return kv, ev
