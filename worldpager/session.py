@@ -449,6 +449,11 @@ class Session:
             del self.records[: len(self.records) - self.max_records]
         return rec
 
+    def resize_lease(self, host_budget_bytes: int | None = None, gpu_budget_bytes: int | None = None) -> None:
+        """Change the host and/or GPU byte budgets while the session runs (the manager's elastic
+        lease): see `TransferHandler.resize`."""
+        self.handler.resize(host_budget_bytes, gpu_budget_bytes)
+
     def run(self, poses: Sequence[Pose]) -> list[StepRecord]:
         return [self.step(p) for p in poses]
 

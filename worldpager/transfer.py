@@ -205,6 +205,23 @@ class TransferHandler:
                     return False
                 self._wait_jobs({j.job_id for j in res.spills})
 
+    def resize(self, host_budget_bytes: int | None = None, gpu_budget_bytes: int | None = None) -> None:
+        """The elastic lease, at run time. Growing is immediate. Shrinking the host tier evicts clean
+        segments and spills dirty ones to NVMe first (their write-backs jump the queue); this waits
+        until the spills have landed, so no segment is lost and the new budget then holds. A GPU
+        shrink applies to steps prepared from now on. A budget below one segment: ValueError.
+        Size a host lease to hold the retrieval sets of the running and the next step plus the
+        incoming segment: with less, a new segment can find every host slot protected and is
+        dropped (a `Dropped` event) rather than let the budget be exceeded."""
+        with self._cond:
+            self._raise_error()
+            spills = {j.job_id for j in self.pm.resize(host_budget_bytes, gpu_budget_bytes)}
+            self._drain_events()
+            self._cond.notify_all()
+            while spills & self._outstanding and self.error is None:
+                self._wait_jobs(spills)
+            self._raise_error()
+
     def _wait_jobs(self, ids: set[int]) -> None:
         self._cond.wait_for(lambda: not ids & self._outstanding or self.error is not None, 5.0)
 

@@ -399,3 +399,27 @@ def test_cli_session_bad_input(args: list[str], capsys: pytest.CaptureFixture[st
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("worldpager: ") and "Traceback" not in err
+
+
+def test_the_lease_shrinks_and_grows_at_run_time_without_losing_a_segment(tmp_path: Path) -> None:
+    poses = yaw_sweep_trajectory(24)
+    with _session(tmp_path, host_budget_bytes=10 * SEG) as s:
+        for pose in poses[:12]:
+            s.step(pose)
+        s.resize_lease(host_budget_bytes=4 * SEG)  # the manager takes host RAM back mid-session
+        s.pm.check()
+        assert s.pm.host_budget_bytes == 4 * SEG
+        assert s.pm.host_used_bytes <= 4 * SEG  # spills landed before resize returned
+        for pose in poses[12:18]:  # generation goes on within the smaller lease
+            rec = s.step(pose)
+            assert rec.pm_host_used_bytes <= 4 * SEG
+        s.resize_lease(host_budget_bytes=10 * SEG)  # and gets it back later
+        for pose in poses[18:]:
+            s.step(pose)
+        s.handler.drain()
+        s.pm.check()
+        with pytest.raises(ValueError):
+            s.resize_lease(host_budget_bytes=SEG // 2)  # below one segment: refused, named
+    assert not any(isinstance(e, Corrupt) for e in s.events)
+    with SegmentLog.open(tmp_path / "log") as log:  # every segment is still there, readable
+        assert sorted(log.header(slot).segment_id for slot in log.slots()) == list(range(24))
