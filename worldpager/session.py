@@ -7,64 +7,30 @@
   that a 64 MiB host tier holds 18 of them, so revisits read back from NVMe; ``micro``: the unit tests'
   `TINY`, 36 KiB segments).
 * `StepRecord` -- what one step did (numbers only); `CorruptSlot` -- a log slot found corrupt when a
-  session was reopened; `stall_stats` -- median / p99 / max of a series of seconds.
+  session was reopened; `stall_stats` -- median / p99 / max of a series of seconds (all three defined
+  in `worldpager.session_records`, with the session's bounded event log).
 
-Bounded memory: a session keeps no per-step tensors (a block's KV becomes its payload, the prediction
-is dropped unless ``keep_outputs``), per-step records are small numbers and only the last
-``max_records`` are kept (the stall/compute series are arrays of floats), events are drained from the
-transfer handler every step into counts, the rare notable ones (`Corrupt`, `DiskFull`, `Dropped`,
-`LeaseResized`, `CorruptSlot`) and the last ``max_events`` routine ones. What grows with the session is
-the segment index (the log index, the PageManager, the retrieval candidates and the rule's cache:
-about 2.3 KB of RSS per segment measured over 1,500 ``micro`` steps). On glibc, ``trim_memory``
-returns the allocator's free memory to the OS after each step (``malloc_trim``), so RSS follows live
-bytes rather than the allocator's high-water mark.
-
-RSS: sampled right after each block's compute and at the end of each step (after the trim). The
-baseline is the RSS at the end of the warm-up (the first ``warmup_segments`` steps of this run; by
-default until the retrieval buffers can first be full, at least 2), so torch and allocator warm-up are
-excluded. ``rss_growth_bytes`` is the largest end-of-step RSS after the warm-up minus the baseline, both
-less the retrieval buffers held at that moment when the device is the CPU: those buffers are the device
-tier (``gpu_budget_bytes``), emulated in RAM on a CPU run and in device memory on a GPU run.
-``rss_growth_raw_bytes`` is the same without that correction; ``rss_step_peak_bytes`` is the largest
-RSS sampled after a block's compute (on the CPU it includes the emulated device tier's whole working
-set: both buffers, activations, the block's KV). `summary` also reports ``host_peak_bytes`` (the
-accounted host tier) and whether ``rss_growth_bytes <= 1.05 * host_budget_bytes`` (`RSS_SLACK`).
-
-Save / resume: the log directory holds the `SegmentLog` (segments, ``index.json``, ``meta.json``) and
-``session.json`` (seed, codec, model config, the next step, the last poses; written at creation and by
-``close()``); ``close()`` also writes ``window.bin``, the rolling window's K/V exactly as the model holds
-it. `Session.resume` reopens the log and its index, registers every stored segment with the PageManager
-(the newest that fit the host budget are read back into host, verified; the rest stay on NVMe),
-restores the rolling window (from ``window.bin`` when it matches the log, else rebuilt from the last
-segments in the log at codec precision: keys are stored post-RoPE at their true positions, as the cache
-holds them) and continues at the next frame. Slots found corrupt when the log is reopened are reported
-as `CorruptSlot` events and never indexed, so never attended to.
+Memory and RSS measurement: see `worldpager.memory` (`RssMeter`, `RSS_SLACK`). Save / resume
+(``session.json``, ``window.bin``, `read_saved_state`, `CorruptSlot`): see `worldpager.session_store`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
-import json
-import math
-import os
-import statistics
 import time
-import zlib
 from array import array
-from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-import psutil
 import torch
 
+from worldpager import session_store as store
 from worldpager.layout import SegmentLayout
-from worldpager.model import KV, TINY, TinyCausalWan, TinyConfig
-from worldpager.page_types import Corrupt, DiskFull, LeaseResized, Read, SegState, StepPlan
+from worldpager.memory import RSS_SLACK, RssMeter, malloc_trim
+from worldpager.model import TINY, TinyCausalWan, TinyConfig
+from worldpager.page_types import Read, StepPlan
 from worldpager.pages import PageManager
 from worldpager.retrieval import (
     FovOverlapRule,
@@ -74,9 +40,10 @@ from worldpager.retrieval import (
     outside_window,
     predict_pose,
 )
-from worldpager.segment_log import CorruptSlotError, SegmentHeader, SegmentLog, SegmentLogError, slot_size_for
+from worldpager.session_records import CorruptSlot, EventLog, SessionEvent, StepRecord, stall_stats
+from worldpager.session_store import SESSION_FILE, WINDOW_FILE, read_saved_state
 from worldpager.trajectory import block_inputs
-from worldpager.transfer import Dropped, RuntimeEvent, Throttle, TransferHandler, sleep_until
+from worldpager.transfer import Throttle, TransferHandler, sleep_until
 
 __all__ = [
     "MODES",
@@ -96,10 +63,6 @@ __all__ = [
 Mode = Literal["prefetch", "on_demand"]
 MODES: tuple[Mode, ...] = ("prefetch", "on_demand")
 
-SESSION_FILE, WINDOW_FILE = "session.json", "window.bin"
-_FORMAT, _VERSION = "worldpager-session", 1
-RSS_SLACK = 1.05  # the contract: RSS growth over a session <= host budget x 1.05
-
 SESSION_PRESETS: dict[str, TinyConfig] = {
     # TINY's structure, deeper and wider: 32 layers x 2 x 108 tokens x 256 dims in bf16 = 3.375 MiB per
     # segment, 18 per 64 MiB; about 0.3 s per block on 2 CPU cores. Tables stay 16 / 40 frames.
@@ -108,98 +71,6 @@ SESSION_PRESETS: dict[str, TinyConfig] = {
     ),
     "micro": TINY,  # the unit tests' stand-in: 36 KiB segments
 }
-
-
-# ---- records and events -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class StepRecord:
-    step: int
-    stall_s: float
-    compute_s: float
-    hits: int  # retrieved segments found in host when the step was prepared
-    misses: int  # retrieved segments read from NVMe
-    retrieved: tuple[int, ...]  # segments attended to
-    bytes_read: int  # NVMe bytes read since the previous step
-    bytes_written: int  # NVMe bytes written since the previous step
-    host_bytes: int  # host copies held after the step
-    pm_host_used_bytes: int  # the PageManager's host accounting after the step
-    rss_bytes: int
-    max_position: int  # last latent frame generated
-
-
-@dataclass(frozen=True)
-class CorruptSlot:
-    """A log slot found corrupt (or unreadable) when a saved session was reopened: never used."""
-
-    slot: int
-    reason: str
-
-
-SessionEvent = RuntimeEvent | CorruptSlot
-_NOTABLE = (Corrupt, DiskFull, Dropped, LeaseResized, CorruptSlot)
-
-
-def stall_stats(values: Sequence[float]) -> dict[str, float]:
-    """``{"median_s", "p99_s", "max_s"}`` (p99: nearest rank); zeros for no values."""
-    if not values:
-        return {"median_s": 0.0, "p99_s": 0.0, "max_s": 0.0}
-    s = sorted(values)
-    p99 = s[max(0, math.ceil(0.99 * len(s)) - 1)]
-    return {"median_s": statistics.median(s), "p99_s": p99, "max_s": s[-1]}
-
-
-def _malloc_trim() -> Callable[[], None] | None:
-    """glibc's ``malloc_trim(0)`` (free allocator memory back to the OS), or None elsewhere."""
-    try:
-        fn = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
-
-    def trim() -> None:
-        fn(0)
-
-    return trim
-
-
-# ---- saved state ----------------------------------------------------------------------------------------
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    with contextlib.suppress(OSError):
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def read_saved_state(log_dir: str | Path) -> dict[str, Any] | None:
-    """The ``session.json`` of a saved session, or None when it is missing or unreadable."""
-    try:
-        state = json.loads((Path(log_dir) / SESSION_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(state, dict) or state.get("format") != _FORMAT or state.get("version") != _VERSION:
-        return None
-    return state
-
-
-def _tensor_bytes(t: torch.Tensor) -> bytes:
-    t = t.detach().cpu().contiguous()
-    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()) if t.numel() else b""
-
-
-def _config_dict(cfg: TinyConfig) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
 
 
 # ---- session ------------------------------------------------------------------------------------------
@@ -220,7 +91,7 @@ class Session:
     that many seconds (a calibrated compute time). ``keep_outputs`` keeps each block's prediction in
     ``outputs``. ``codec`` defaults to bf16 and ``seed`` to 0 (a resumed session: the saved ones).
     ``resume``: reopen the saved session in ``log_dir`` instead of creating one (see `Session.resume`).
-    Memory and RSS measurement: see the module docstring. Not thread-safe; one session per model.
+    Memory and RSS measurement: see `worldpager.memory`. Not thread-safe; one session per model.
     """
 
     def __init__(
@@ -257,7 +128,7 @@ class Session:
         saved = read_saved_state(self.log_dir) if resume else None
         codec = self._resolved("codec", codec, saved, "bf16")
         seed = self._resolved("seed", seed, saved, 0)
-        if saved is not None and saved.get("config") != _config_dict(model.cfg):
+        if saved is not None and saved.get("config") != store.config_dict(model.cfg):
             raise ValueError(f"{self.log_dir}: the model's config differs from the saved session's")
         self.model, self.cfg, self.mode, self.k, self.seed = model, model.cfg, mode, retrieval_k, seed
         self.compute_s = compute_s
@@ -268,18 +139,7 @@ class Session:
             host_budget_bytes, self.layout.decoded_nbytes, gpu_slots, segment_bytes=self.segment_bytes
         )
         self.gpu_budget_bytes = 2 * gpu_slots * self.layout.decoded_nbytes
-        if resume:
-            self.log = SegmentLog.open(self.log_dir, max_bytes=log_max_bytes)
-            if self.log.slot_size != slot_size_for(self.segment_bytes):
-                self.log.close()
-                raise ValueError(
-                    f"{self.log_dir}: log slots of {self.log.slot_size} bytes do not match this "
-                    f"session's {self.segment_bytes}-byte segments"
-                )
-        else:
-            self.log = SegmentLog.create(
-                self.log_dir, slot_size_for(self.segment_bytes), max_bytes=log_max_bytes
-            )
+        self.log = store.open_log(self.log_dir, self.segment_bytes, log_max_bytes, resume=resume)
         self.handler = TransferHandler(
             self.pm, self.log, self.layout, throttle=Throttle(throttle_bps), device=device
         )
@@ -293,24 +153,14 @@ class Session:
         self._stalls, self._computes = array("d"), array("d")
         self._hits = self._misses = 0
         self._max_position = -1
-        self._event_counts: dict[str, int] = {}
-        self._notable: list[SessionEvent] = []
-        self._recent: deque[SessionEvent] = deque(maxlen=max_events)
-        self._trim = _malloc_trim() if trim_memory else None
+        self._events = EventLog(max_events)
+        self._trim = malloc_trim() if trim_memory else None
         self._closed = False
         lag = -(-(self.cfg.window_frames - self.cfg.frames_per_block) // self.cfg.frames_per_block)
         auto_warmup = max(2, min(retrieval_k, gpu_slots) + lag + 1)  # until the buffers first fill
-        self.warmup_segments = auto_warmup if warmup_segments is None else warmup_segments
-        self._proc = psutil.Process()
-        self.rss_start = self._rss()
-        self.peak_rss = self.rss_start
-        self.rss_baseline: int | None = self.rss_start if self.warmup_segments == 0 else None
-        self._baseline_buffers = 0
-        # after the warm-up, at step ends: max RSS less the RAM-held retrieval buffers, max RSS; and the
-        # max RSS sampled right after each block's compute
-        self._after = (0, 0, 0)
-        self._buffers_in_ram = torch.device(device).type == "cpu"  # the device tier, emulated in RAM
-        self.host_peak_bytes = 0
+        warmup = auto_warmup if warmup_segments is None else warmup_segments
+        # RSS bookkeeping; on a CPU run the device tier (the retrieval buffers) is emulated in RAM
+        self.meter = RssMeter(warmup, buffers_in_ram=torch.device(device).type == "cpu")
         self._last_read = self._last_written = 0
         self.window_source: str | None = None  # resumed: "checkpoint" (window.bin) or "log"
         model.reset_cache()
@@ -328,7 +178,7 @@ class Session:
 
     @classmethod
     def resume(cls, log_dir: str | Path, model: TinyCausalWan, **kwargs: Any) -> Session:
-        """Reopen the session saved in ``log_dir`` (see the module docstring) and continue it at the
+        """Reopen the session saved in ``log_dir`` (see `worldpager.session_store`) and continue it at the
         next frame; ``kwargs`` as for the constructor (``codec``/``seed`` default to the saved ones).
         ValueError if ``model`` or the log does not fit the saved session; FileNotFoundError if there
         is no log; `SegmentLogError` if the rolling window cannot be restored."""
@@ -354,14 +204,34 @@ class Session:
         return self._next - self._first
 
     @property
+    def warmup_segments(self) -> int:
+        return self.meter.warmup_segments
+
+    @property
+    def rss_start(self) -> int:
+        return self.meter.rss_start
+
+    @property
+    def peak_rss(self) -> int:
+        return self.meter.peak_rss
+
+    @property
+    def rss_baseline(self) -> int | None:
+        return self.meter.rss_baseline
+
+    @property
+    def host_peak_bytes(self) -> int:
+        return self.meter.host_peak_bytes
+
+    @property
     def events(self) -> list[SessionEvent]:
         """Notable events (all of them) and the last ``max_events`` routine ones."""
         self._drain_events()
-        return [*self._notable, *self._recent]
+        return self._events.events()
 
     def event_counts(self) -> dict[str, int]:
         self._drain_events()
-        return dict(self._event_counts)
+        return self._events.counts()
 
     # ---- retrieval ------------------------------------------------------------------------------
     def _window_start(self, step: int) -> int:
@@ -414,7 +284,7 @@ class Session:
         if self.compute_s is not None:
             sleep_until(t1 + self.compute_s)
         compute = time.perf_counter() - t1
-        rss_mid = self._rss()  # the step's working set is live here
+        rss_mid = self.meter.rss()  # the step's working set is live here
         self.handler.release(n)
         plan = self._plans.pop(n)
         misses = sum(isinstance(j, Read) for j in plan.jobs)
@@ -430,9 +300,10 @@ class Session:
         self._drain_events()
         if self._trim is not None:
             self._trim()
-        rss = self._rss()
+        rss = self.meter.rss()
         host, pm_host = self.handler.host_bytes, self.pm.host_used_bytes
-        self._account(rss_mid, rss, max(host, pm_host))
+        buffers = self.handler.buffer_bytes if self.meter.buffers_in_ram else 0
+        self.meter.account(self.steps_run, rss_mid, rss, max(host, pm_host), buffers)
         read, written = self.handler.bytes_read, self.handler.bytes_written
         rec = StepRecord(
             n, stall, compute, hits, misses, ids, read - self._last_read, written - self._last_written,
@@ -457,35 +328,8 @@ class Session:
     def run(self, poses: Sequence[Pose]) -> list[StepRecord]:
         return [self.step(p) for p in poses]
 
-    def _rss(self) -> int:
-        return int(self._proc.memory_info().rss)
-
-    def _account(self, rss_mid: int, rss_end: int, host: int) -> None:
-        """RSS bookkeeping at the end of a step (see the module docstring)."""
-        self.peak_rss = max(self.peak_rss, rss_mid, rss_end)
-        self.host_peak_bytes = max(self.host_peak_bytes, host)
-        buffers = self.handler.buffer_bytes if self._buffers_in_ram else 0
-        if self.steps_run <= self.warmup_segments:
-            if self.steps_run == self.warmup_segments:
-                self.rss_baseline, self._baseline_buffers = rss_end, buffers
-        else:
-            self._after = (
-                max(self._after[0], rss_end - buffers),
-                max(self._after[1], rss_end),
-                max(self._after[2], rss_mid),
-            )
-
-    def _record(self, e: SessionEvent) -> None:
-        name = type(e).__name__
-        self._event_counts[name] = self._event_counts.get(name, 0) + 1
-        if isinstance(e, _NOTABLE):
-            self._notable.append(e)
-        else:
-            self._recent.append(e)
-
     def _drain_events(self) -> None:
-        for e in self.handler.take_events():
-            self._record(e)
+        self._events.extend(self.handler.take_events())
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def close(self) -> None:
@@ -514,74 +358,33 @@ class Session:
 
     def _save_window(self) -> dict[str, Any]:
         """Write the rolling window's K/V (every layer, exactly as cached) to ``window.bin``."""
-        caches = self.model.kv_cache
-        tokens = int(caches[0]["local_end_index"].item()) if caches else 0
-        global_end = int(caches[0]["global_end_index"].item()) if caches else 0
-        crc, nbytes = 0, 0
-        tmp = self.log_dir / (WINDOW_FILE + ".tmp")
-        with open(tmp, "wb") as f:
-            for cache in caches:
-                for name in ("k", "v"):
-                    data = _tensor_bytes(cache[name][:, :tokens])
-                    crc, nbytes = zlib.crc32(data, crc), nbytes + len(data)
-                    f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.log_dir / WINDOW_FILE)
-        dtype = str(self.model.head.weight.dtype).removeprefix("torch.")
-        return {"tokens": tokens, "global_end": global_end, "dtype": dtype, "nbytes": nbytes, "crc32": crc}
+        return store.save_window(self.model, self.log_dir)
 
     def _save_state(self, window: dict[str, Any] | None) -> None:
-        state = {
-            "format": _FORMAT,
-            "version": _VERSION,
-            "seed": self.seed,
-            "codec": self.layout.codec,
-            "config": _config_dict(self.cfg),
-            "next_step": self._next,
-            "poses": {str(i): dataclasses.astuple(p) for i, p in sorted(self._poses.items())},
-            "window": window,
-            "metadata": self.metadata,
-        }
-        _atomic_write(self.log_dir / SESSION_FILE, json.dumps(state).encode("utf-8"))
+        store.save_state(
+            self.log_dir, seed=self.seed, codec=self.layout.codec, cfg=self.cfg, next_step=self._next,
+            poses=self._poses, window=window, metadata=self.metadata,
+        )  # fmt: skip
 
     # ---- resume ---------------------------------------------------------------------------------
-    def _stored_segments(self) -> dict[int, tuple[int, SegmentHeader]]:
-        """segment id -> (slot, header) of every readable stored segment (the latest copy of each)."""
-        fpb = self.cfg.frames_per_block
-        stored: dict[int, tuple[int, SegmentHeader]] = {}
-        for slot in self.log.slots():
-            h = self.log.header(slot)
-            if self.log.find(h.segment_id) != slot:
-                continue  # superseded by a later copy
-            if (
-                h.payload_len != self.segment_bytes
-                or h.codec != self.layout.codec
-                or h.position_state != "post-rope"
-                or (h.frame_start, h.frame_end) != (h.segment_id * fpb, (h.segment_id + 1) * fpb)
-                or len(h.pose) != 5
-            ):
-                raise ValueError(
-                    f"{self.log_dir}: slot {slot} (segment {h.segment_id}) does not fit this session"
-                )
-            stored[h.segment_id] = (slot, h)
-        return stored
-
     def _restore(self, saved: dict[str, Any] | None) -> None:
+        """Reopen the saved session: corrupt slots, stored segments, rolling window, last poses."""
         for slot, reason in sorted(self.log.corrupt_slots().items()):
-            self._record(CorruptSlot(slot, reason))
-        stored = self._stored_segments()
+            self._events.record(CorruptSlot(slot, reason))
+        stored = store.stored_segments(self.log, self.layout, self.cfg, self.log_dir)
         nxt = max(stored, default=-1) + 1
-        window = self._checkpoint_window(saved, nxt)
+        window = store.checkpoint_window(saved, nxt, self.model, self.log_dir)
         if window is not None:
             nxt = int(saved["next_step"]) if saved is not None else nxt
-        self._register(stored)
+        infos, corrupt = store.register_stored(stored, self.log, self.pm, self.handler, self.segment_bytes)
+        self._events.extend(corrupt)
+        self._infos.extend(infos)
         if window is None:
-            window = self._window_from_log(stored, nxt)
+            window = store.window_from_log(stored, nxt, self.log, self.layout, self.cfg, self.log_dir)
             self.window_source = "log"
         else:
             self.window_source = "checkpoint"
-        self._set_window(window, nxt * self.cfg.frames_per_block * self.cfg.tokens_per_frame)
+        store.set_window(self.model, window, nxt * self.cfg.frames_per_block * self.cfg.tokens_per_frame)
         saved_poses = (saved or {}).get("poses") or {}
         for i in range(max(0, nxt - 2), nxt):
             if self.window_source == "checkpoint" and str(i) in saved_poses:
@@ -591,133 +394,15 @@ class Session:
         self._first = self._next = nxt
         self._max_position = nxt * self.cfg.frames_per_block - 1
 
-    def _register(self, stored: dict[int, tuple[int, SegmentHeader]]) -> None:
-        """Tell the PageManager about every stored segment: the newest that fit the host budget with a
-        host copy read back (and verified), the others NVMe-only (registered oldest first through a
-        placeholder that the newer ones evict before anything can read it)."""
-        while True:  # the newest segments that fit the budget, each read back and verified
-            resident: dict[int, bytes] = {}
-            room, bad = self.pm.host_budget_bytes, None
-            for sid in sorted(stored, reverse=True):
-                if room < self.segment_bytes:
-                    break
-                try:
-                    _, resident[sid] = self.log.read(stored[sid][0])
-                except CorruptSlotError as e:
-                    bad = (sid, e)
-                    break
-                room -= self.segment_bytes
-            if bad is None:
-                break
-            self._record(CorruptSlot(bad[1].slot, bad[1].reason))  # never used: out of the index
-            del stored[bad[0]]
-        placeholder = bytes(self.segment_bytes) if len(resident) < len(stored) else b""
-        for sid in sorted(stored):
-            slot, h = stored[sid]
-            info = SegmentInfo(sid, h.frame_start, h.frame_end, Pose(*h.pose))
-            added = self.handler.add_segment(info, resident.get(sid, placeholder), on_disk_slot=slot)
-            assert added, f"segment {sid}: no host room with nothing protected"
-            self._infos.append(info)
-        for sid in stored.keys() - resident.keys():
-            loc = self.pm.lookup(sid)
-            assert loc is not None and loc.state is SegState.NVME, f"segment {sid} left in host"
-        self.handler.take_events()  # the registration's evictions are not the session's events
-
-    def _checkpoint_window(self, saved: dict[str, Any] | None, nxt: int) -> list[KV] | None:
-        """The rolling window from ``window.bin`` if it matches the log and the model, else None."""
-        w = (saved or {}).get("window")
-        if saved is None or not isinstance(w, dict) or int(saved.get("next_step", -1)) < nxt:
-            return None
-        cfg, p = self.cfg, self.model.head.weight
-        tokens = int(w.get("tokens", -1))
-        expect = int(saved["next_step"]) * cfg.frames_per_block * cfg.tokens_per_frame
-        if not 0 <= tokens <= cfg.window_tokens or int(w.get("global_end", -1)) != expect:
-            return None
-        if w.get("dtype") != str(p.dtype).removeprefix("torch."):
-            return None
-        per = tokens * cfg.heads * cfg.head_dim * p.element_size()
-        try:
-            data = (self.log_dir / WINDOW_FILE).read_bytes()
-        except OSError:
-            return None
-        if (
-            len(data) != 2 * cfg.layers * per
-            or len(data) != w.get("nbytes")
-            or zlib.crc32(data) != w.get("crc32")
-        ):
-            return None
-        flat = (
-            torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            if data
-            else torch.empty(0, dtype=torch.uint8)
-        )
-        shape = (1, tokens, cfg.heads, cfg.head_dim)
-        parts = [flat[i * per : (i + 1) * per].view(p.dtype).view(shape) for i in range(2 * cfg.layers)]
-        return [(parts[2 * i], parts[2 * i + 1]) for i in range(cfg.layers)]
-
-    def _window_from_log(self, stored: dict[int, tuple[int, SegmentHeader]], nxt: int) -> list[KV]:
-        """The rolling window rebuilt from the last segments in the log (codec precision)."""
-        cfg = self.cfg
-        tokens = min(cfg.window_tokens, nxt * cfg.frames_per_block * cfg.tokens_per_frame)
-        n_segs = -(-tokens // (cfg.frames_per_block * cfg.tokens_per_frame))
-        per_layer: list[list[KV]] = [[] for _ in range(cfg.layers)]
-        for sid in range(nxt - n_segs, nxt):
-            if sid not in stored:
-                raise SegmentLogError(
-                    f"{self.log_dir}: cannot rebuild the rolling window: segment {sid} is not in the log "
-                    f"and {WINDOW_FILE} does not match it"
-                )
-            slot = stored[sid][0]
-            try:
-                _, payload = self.log.read(slot)
-            except CorruptSlotError as e:
-                raise SegmentLogError(
-                    f"{self.log_dir}: cannot rebuild the rolling window: segment {sid} ({e})"
-                ) from e
-            for i, kv in enumerate(self.layout.decode(payload)):
-                per_layer[i].append(kv)
-        return [
-            (
-                torch.cat([k for k, _ in kvs], dim=1)[:, -tokens:],
-                torch.cat([v for _, v in kvs], dim=1)[:, -tokens:],
-            )
-            if tokens
-            else (torch.empty(0), torch.empty(0))
-            for kvs in per_layer
-        ]
-
-    def _set_window(self, window: Sequence[KV], global_end_tokens: int) -> None:
-        self.model.reset_cache()
-        for cache, (k, v) in zip(self.model.kv_cache, window, strict=True):
-            n = k.shape[1] if k.dim() == 4 else 0
-            if n:
-                cache["k"][:, :n] = k.to(cache["k"].device, cache["k"].dtype)
-                cache["v"][:, :n] = v.to(cache["v"].device, cache["v"].dtype)
-            cache["global_end_index"].fill_(global_end_tokens if n else 0)
-            cache["local_end_index"].fill_(n)
-
     # ---- summary --------------------------------------------------------------------------------
     def summary(self) -> dict[str, object]:
         """Totals over this run's steps (the `worldpager session` JSON, less the CLI's keys)."""
         fpb = self.cfg.frames_per_block
-        budget = self.pm.host_budget_bytes
-        base = self.rss_baseline if self.steps_run > self.warmup_segments else None
-        growth = 0 if base is None else self._after[0] - (base - self._baseline_buffers)
         return {
             "segments": self.steps_run,
             "latent_frames": self.steps_run * fpb,
             "first_segment": self._first,
-            "peak_rss_bytes": self.peak_rss,
-            "rss_baseline_bytes": self.rss_baseline,
-            "warmup_segments": self.warmup_segments,
-            "rss_growth_bytes": growth,
-            "rss_growth_raw_bytes": 0 if base is None else self._after[1] - base,
-            "rss_step_peak_bytes": self._after[2] if base is not None else None,
-            "device_buffers_in_ram": self._buffers_in_ram,
-            "host_budget_bytes": budget,
-            "host_peak_bytes": self.host_peak_bytes,
-            "rss_bound_bytes": int(RSS_SLACK * budget),
-            "rss_within_bound": None if base is None else growth <= RSS_SLACK * budget,
+            **self.meter.summary(self.steps_run, self.pm.host_budget_bytes),
             "gpu_budget_bytes": self.gpu_budget_bytes,
             "nvme_bytes_written": self.handler.bytes_written,
             "nvme_bytes_read": self.handler.bytes_read,

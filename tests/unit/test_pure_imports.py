@@ -103,6 +103,7 @@ WORLDPAGER_TORCH_FREE = (
     "retrieval.py",
     "mg2.py",
     "cli.py",
+    "memory.py",
 )
 
 

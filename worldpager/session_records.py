@@ -1,0 +1,84 @@
+"""What a `Session` reports: `StepRecord` (one step, numbers only), its events (`SessionEvent`,
+`CorruptSlot`, kept bounded by `EventLog`) and `stall_stats` (median / p99 / max of a series of seconds).
+
+Events are drained from the transfer handler every step into counts, the rare notable ones (`Corrupt`,
+`DiskFull`, `Dropped`, `LeaseResized`, `CorruptSlot`) and the last ``max_events`` routine ones.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from worldpager.page_types import Corrupt, DiskFull, LeaseResized
+from worldpager.transfer import Dropped, RuntimeEvent
+
+__all__ = ["CorruptSlot", "EventLog", "SessionEvent", "StepRecord", "stall_stats"]
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    step: int
+    stall_s: float
+    compute_s: float
+    hits: int  # retrieved segments found in host when the step was prepared
+    misses: int  # retrieved segments read from NVMe
+    retrieved: tuple[int, ...]  # segments attended to
+    bytes_read: int  # NVMe bytes read since the previous step
+    bytes_written: int  # NVMe bytes written since the previous step
+    host_bytes: int  # host copies held after the step
+    pm_host_used_bytes: int  # the PageManager's host accounting after the step
+    rss_bytes: int
+    max_position: int  # last latent frame generated
+
+
+@dataclass(frozen=True)
+class CorruptSlot:
+    """A log slot found corrupt (or unreadable) when a saved session was reopened: never used."""
+
+    slot: int
+    reason: str
+
+
+SessionEvent = RuntimeEvent | CorruptSlot
+_NOTABLE = (Corrupt, DiskFull, Dropped, LeaseResized, CorruptSlot)
+
+
+def stall_stats(values: Sequence[float]) -> dict[str, float]:
+    """``{"median_s", "p99_s", "max_s"}`` (p99: nearest rank); zeros for no values."""
+    if not values:
+        return {"median_s": 0.0, "p99_s": 0.0, "max_s": 0.0}
+    s = sorted(values)
+    p99 = s[max(0, math.ceil(0.99 * len(s)) - 1)]
+    return {"median_s": statistics.median(s), "p99_s": p99, "max_s": s[-1]}
+
+
+class EventLog:
+    """Counts of every event by type name, every notable event and the last ``max_events`` others."""
+
+    def __init__(self, max_events: int) -> None:
+        self._counts: dict[str, int] = {}
+        self._notable: list[SessionEvent] = []
+        self._recent: deque[SessionEvent] = deque(maxlen=max_events)
+
+    def record(self, e: SessionEvent) -> None:
+        name = type(e).__name__
+        self._counts[name] = self._counts.get(name, 0) + 1
+        if isinstance(e, _NOTABLE):
+            self._notable.append(e)
+        else:
+            self._recent.append(e)
+
+    def extend(self, events: Iterable[SessionEvent]) -> None:
+        for e in events:
+            self.record(e)
+
+    def events(self) -> list[SessionEvent]:
+        """Notable events (all of them) and the last ``max_events`` routine ones."""
+        return [*self._notable, *self._recent]
+
+    def counts(self) -> dict[str, int]:
+        return dict(self._counts)

@@ -1,0 +1,291 @@
+"""A `Session`'s saved state: ``session.json`` and ``window.bin`` written and read back on resume.
+
+Save / resume: the log directory holds the `SegmentLog` (segments, ``index.json``, ``meta.json``) and
+``session.json`` (seed, codec, model config, the next step, the last poses; written at creation and by
+``close()``); ``close()`` also writes ``window.bin``, the rolling window's K/V exactly as the model holds
+it. `Session.resume` reopens the log and its index, registers every stored segment with the PageManager
+(the newest that fit the host budget are read back into host, verified; the rest stay on NVMe),
+restores the rolling window (from ``window.bin`` when it matches the log, else rebuilt from the last
+segments in the log at codec precision: keys are stored post-RoPE at their true positions, as the cache
+holds them) and continues at the next frame. Slots found corrupt when the log is reopened are reported
+as `CorruptSlot` events and never indexed, so never attended to.
+
+This module does not import `worldpager.session` (the session calls into it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import json
+import os
+import zlib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from worldpager.layout import SegmentLayout
+from worldpager.model import KV, TinyCausalWan, TinyConfig
+from worldpager.page_types import SegState
+from worldpager.pages import PageManager
+from worldpager.retrieval import Pose, SegmentInfo
+from worldpager.segment_log import CorruptSlotError, SegmentHeader, SegmentLog, SegmentLogError, slot_size_for
+from worldpager.session_records import CorruptSlot
+from worldpager.transfer import TransferHandler
+
+__all__ = [
+    "SESSION_FILE",
+    "WINDOW_FILE",
+    "checkpoint_window",
+    "config_dict",
+    "open_log",
+    "read_saved_state",
+    "register_stored",
+    "save_state",
+    "save_window",
+    "set_window",
+    "stored_segments",
+    "window_from_log",
+]
+
+SESSION_FILE, WINDOW_FILE = "session.json", "window.bin"
+_FORMAT, _VERSION = "worldpager-session", 1
+
+Stored = dict[int, tuple[int, SegmentHeader]]  # segment id -> (slot, header)
+
+
+# ---- saving -----------------------------------------------------------------------------------------
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    with contextlib.suppress(OSError):
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def read_saved_state(log_dir: str | Path) -> dict[str, Any] | None:
+    """The ``session.json`` of a saved session, or None when it is missing or unreadable."""
+    try:
+        state = json.loads((Path(log_dir) / SESSION_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(state, dict) or state.get("format") != _FORMAT or state.get("version") != _VERSION:
+        return None
+    return state
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().cpu().contiguous()
+    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()) if t.numel() else b""
+
+
+def config_dict(cfg: TinyConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def save_window(model: TinyCausalWan, log_dir: Path) -> dict[str, Any]:
+    """Write the rolling window's K/V (every layer, exactly as cached) to ``window.bin``."""
+    caches = model.kv_cache
+    tokens = int(caches[0]["local_end_index"].item()) if caches else 0
+    global_end = int(caches[0]["global_end_index"].item()) if caches else 0
+    crc, nbytes = 0, 0
+    tmp = log_dir / (WINDOW_FILE + ".tmp")
+    with open(tmp, "wb") as f:
+        for cache in caches:
+            for name in ("k", "v"):
+                data = _tensor_bytes(cache[name][:, :tokens])
+                crc, nbytes = zlib.crc32(data, crc), nbytes + len(data)
+                f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, log_dir / WINDOW_FILE)
+    dtype = str(model.head.weight.dtype).removeprefix("torch.")
+    return {"tokens": tokens, "global_end": global_end, "dtype": dtype, "nbytes": nbytes, "crc32": crc}
+
+
+def save_state(
+    log_dir: Path,
+    *,
+    seed: int,
+    codec: str,
+    cfg: TinyConfig,
+    next_step: int,
+    poses: Mapping[int, Pose],
+    window: dict[str, Any] | None,
+    metadata: dict[str, Any],
+) -> None:
+    """Write ``session.json`` (atomically)."""
+    state = {
+        "format": _FORMAT,
+        "version": _VERSION,
+        "seed": seed,
+        "codec": codec,
+        "config": config_dict(cfg),
+        "next_step": next_step,
+        "poses": {str(i): dataclasses.astuple(p) for i, p in sorted(poses.items())},
+        "window": window,
+        "metadata": metadata,
+    }
+    _atomic_write(log_dir / SESSION_FILE, json.dumps(state).encode("utf-8"))
+
+
+# ---- resume -------------------------------------------------------------------------------------------
+
+
+def open_log(log_dir: Path, segment_bytes: int, max_bytes: int | None, *, resume: bool) -> SegmentLog:
+    """The session's `SegmentLog`: created, or reopened (``resume``; its slots must fit the segments)."""
+    if not resume:
+        return SegmentLog.create(log_dir, slot_size_for(segment_bytes), max_bytes=max_bytes)
+    log = SegmentLog.open(log_dir, max_bytes=max_bytes)
+    if log.slot_size != slot_size_for(segment_bytes):
+        log.close()
+        raise ValueError(
+            f"{log_dir}: log slots of {log.slot_size} bytes do not match this "
+            f"session's {segment_bytes}-byte segments"
+        )
+    return log
+
+
+def stored_segments(log: SegmentLog, layout: SegmentLayout, cfg: TinyConfig, log_dir: Path) -> Stored:
+    """segment id -> (slot, header) of every readable stored segment (the latest copy of each)."""
+    fpb = cfg.frames_per_block
+    stored: Stored = {}
+    for slot in log.slots():
+        h = log.header(slot)
+        if log.find(h.segment_id) != slot:
+            continue  # superseded by a later copy
+        if (
+            h.payload_len != layout.payload_nbytes
+            or h.codec != layout.codec
+            or h.position_state != "post-rope"
+            or (h.frame_start, h.frame_end) != (h.segment_id * fpb, (h.segment_id + 1) * fpb)
+            or len(h.pose) != 5
+        ):
+            raise ValueError(f"{log_dir}: slot {slot} (segment {h.segment_id}) does not fit this session")
+        stored[h.segment_id] = (slot, h)
+    return stored
+
+
+def register_stored(
+    stored: Stored, log: SegmentLog, pm: PageManager, handler: TransferHandler, segment_bytes: int
+) -> tuple[list[SegmentInfo], list[CorruptSlot]]:
+    """Tell the PageManager about every stored segment: the newest that fit the host budget with a
+    host copy read back (and verified), the others NVMe-only (registered oldest first through a
+    placeholder that the newer ones evict before anything can read it). Returns the registered
+    segments (id order) and the slots found corrupt on read-back (dropped from ``stored``)."""
+    corrupt: list[CorruptSlot] = []
+    while True:  # the newest segments that fit the budget, each read back and verified
+        resident: dict[int, bytes] = {}
+        room, bad = pm.host_budget_bytes, None
+        for sid in sorted(stored, reverse=True):
+            if room < segment_bytes:
+                break
+            try:
+                _, resident[sid] = log.read(stored[sid][0])
+            except CorruptSlotError as e:
+                bad = (sid, e)
+                break
+            room -= segment_bytes
+        if bad is None:
+            break
+        corrupt.append(CorruptSlot(bad[1].slot, bad[1].reason))  # never used: out of the index
+        del stored[bad[0]]
+    placeholder = bytes(segment_bytes) if len(resident) < len(stored) else b""
+    infos: list[SegmentInfo] = []
+    for sid in sorted(stored):
+        slot, h = stored[sid]
+        info = SegmentInfo(sid, h.frame_start, h.frame_end, Pose(*h.pose))
+        added = handler.add_segment(info, resident.get(sid, placeholder), on_disk_slot=slot)
+        assert added, f"segment {sid}: no host room with nothing protected"
+        infos.append(info)
+    for sid in stored.keys() - resident.keys():
+        loc = pm.lookup(sid)
+        assert loc is not None and loc.state is SegState.NVME, f"segment {sid} left in host"
+    handler.take_events()  # the registration's evictions are not the session's events
+    return infos, corrupt
+
+
+def checkpoint_window(
+    saved: dict[str, Any] | None, nxt: int, model: TinyCausalWan, log_dir: Path
+) -> list[KV] | None:
+    """The rolling window from ``window.bin`` if it matches the log and the model, else None."""
+    w = (saved or {}).get("window")
+    if saved is None or not isinstance(w, dict) or int(saved.get("next_step", -1)) < nxt:
+        return None
+    cfg, p = model.cfg, model.head.weight
+    tokens = int(w.get("tokens", -1))
+    expect = int(saved["next_step"]) * cfg.frames_per_block * cfg.tokens_per_frame
+    if not 0 <= tokens <= cfg.window_tokens or int(w.get("global_end", -1)) != expect:
+        return None
+    if w.get("dtype") != str(p.dtype).removeprefix("torch."):
+        return None
+    per = tokens * cfg.heads * cfg.head_dim * p.element_size()
+    try:
+        data = (log_dir / WINDOW_FILE).read_bytes()
+    except OSError:
+        return None
+    if (
+        len(data) != 2 * cfg.layers * per
+        or len(data) != w.get("nbytes")
+        or zlib.crc32(data) != w.get("crc32")
+    ):
+        return None
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    shape = (1, tokens, cfg.heads, cfg.head_dim)
+    parts = [flat[i * per : (i + 1) * per].view(p.dtype).view(shape) for i in range(2 * cfg.layers)]
+    return [(parts[2 * i], parts[2 * i + 1]) for i in range(cfg.layers)]
+
+
+def window_from_log(
+    stored: Stored, nxt: int, log: SegmentLog, layout: SegmentLayout, cfg: TinyConfig, log_dir: Path
+) -> list[KV]:
+    """The rolling window rebuilt from the last segments in the log (codec precision)."""
+    tokens = min(cfg.window_tokens, nxt * cfg.frames_per_block * cfg.tokens_per_frame)
+    n_segs = -(-tokens // (cfg.frames_per_block * cfg.tokens_per_frame))
+    per_layer: list[list[KV]] = [[] for _ in range(cfg.layers)]
+    for sid in range(nxt - n_segs, nxt):
+        if sid not in stored:
+            raise SegmentLogError(
+                f"{log_dir}: cannot rebuild the rolling window: segment {sid} is not in the log "
+                f"and {WINDOW_FILE} does not match it"
+            )
+        slot = stored[sid][0]
+        try:
+            _, payload = log.read(slot)
+        except CorruptSlotError as e:
+            raise SegmentLogError(f"{log_dir}: cannot rebuild the rolling window: segment {sid} ({e})") from e
+        for i, kv in enumerate(layout.decode(payload)):
+            per_layer[i].append(kv)
+    return [
+        (
+            torch.cat([k for k, _ in kvs], dim=1)[:, -tokens:],
+            torch.cat([v for _, v in kvs], dim=1)[:, -tokens:],
+        )
+        if tokens
+        else (torch.empty(0), torch.empty(0))
+        for kvs in per_layer
+    ]
+
+
+def set_window(model: TinyCausalWan, window: Sequence[KV], global_end_tokens: int) -> None:
+    """Load ``window`` into the model's rolling KV cache (after a reset)."""
+    model.reset_cache()
+    for cache, (k, v) in zip(model.kv_cache, window, strict=True):
+        n = k.shape[1] if k.dim() == 4 else 0
+        if n:
+            cache["k"][:, :n] = k.to(cache["k"].device, cache["k"].dtype)
+            cache["v"][:, :n] = v.to(cache["v"].device, cache["v"].dtype)
+        cache["global_end_index"].fill_(global_end_tokens if n else 0)
+        cache["local_end_index"].fill_(n)
