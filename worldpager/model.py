@@ -35,6 +35,7 @@ from torch import nn
 
 from worldpager import rope
 from worldpager.checkpoint import CheckpointMismatch, check_checkpoint_keys, load_mg2_checkpoint
+from worldpager.mg2 import MG2
 
 __all__ = [
     "KV",
@@ -112,11 +113,14 @@ TINY = TinyConfig()
 def mg2_config(*, on_the_fly: bool = False, seed: int = 0) -> TinyConfig:
     """MG2's full dims (universal distilled): 30 layers, dim 1536, 12 heads x 128, 22x40 = 880 tokens per
     latent frame, window 6 frames, tables 1024 / 7500 frames, action branch in layers 0..14."""
+    d = MG2  # the one record of MG2's dimensions (worldpager/mg2.py)
     cfg = TinyConfig(
-        layers=30, dim=1536, heads=12, ffn_dim=8960, freq_dim=256, latent_h=22, latent_w=40,
-        rope_table_frames=1024, action_dim=4, action_heads=16, action_head_dim=64, action_layers=15,
-        action_rope_table_frames=7500, seed=seed,
+        layers=d.layers, dim=d.dim, heads=d.heads, ffn_dim=8960, freq_dim=256, latent_h=22, latent_w=40,
+        frames_per_block=d.frames_per_block, window_frames=d.window_frames,
+        rope_table_frames=d.rope_table_frames, action_dim=4, action_heads=16, action_head_dim=64,
+        action_layers=15, action_rope_table_frames=d.action_rope_table_frames, seed=seed,
     )  # fmt: skip
+    assert cfg.tokens_per_frame == d.tokens_per_frame and cfg.head_dim == d.head_dim
     return cfg.on_the_fly() if on_the_fly else cfg
 
 

@@ -101,8 +101,7 @@ class GDSF(Policy):
         self._freq: dict[str, int] = {}
 
     def _cost(self, m: ModelState) -> float:
-        src = "cached" if m.name in self.engine.host.cache else "disk"
-        return m.cost.get(src)
+        return m.cost.get(self.engine.load_source(m))
 
     def on_request(self, m: ModelState, now: float) -> None:
         f = self._freq.get(m.name, 0) + 1 if m.tier == Tier.GPU else 1

@@ -175,12 +175,7 @@ class Engine:
             b = t.lease - t.lease_min
             used -= b
             cu[t.rank] -= b
-        held = 0
-        for i in range(rank):
-            r = dev.reserves[i] - cu[i]
-            if r > 0:
-                held += r
-        return dev.usable - used - held
+        return dev.room(rank, used, cu)
 
     def make_room(
         self, m: ModelState, rank: int, now: float, *, may_evict: bool, prewarm: bool = False
@@ -265,14 +260,29 @@ class Engine:
         self._log(now, Action(kind, m.name, m.device, new, reason))
 
     # ---- tier moves -------------------------------------------------------------------------
+    def load_source(self, m: ModelState) -> str:
+        """Where a load of `m` to the GPU reads from now: "host", "cached" (the OS page cache) or
+        "disk"."""
+        if m.tier == Tier.HOST:
+            return "host"
+        return "cached" if m.name in self.host.cache else "disk"
+
+    def reload_s(self, m: ModelState) -> float:
+        """Estimated seconds to bring `m` back to the GPU if it left it now: from host RAM when the
+        host tier could take it (or holds it), else from where its file is."""
+        host = self.host
+        if m.tier == Tier.HOST or m.weights <= host.usable - host.used:
+            return m.cost.get("host")
+        return m.cost.get(self.load_source(m))
+
     def load(self, m: ModelState, now: float, *, prewarm: bool, reason: str) -> None:
         dev = self.state.devices[m.device]
         host = self.host
-        if m.tier == Tier.HOST:
-            source, kind = "host", ActionKind.PROMOTE
+        source = self.load_source(m)
+        if source == "host":
+            kind = ActionKind.PROMOTE
             host.used -= m.weights
         else:
-            source = "cached" if m.name in host.cache else "disk"
             kind = ActionKind.LOAD
         dur = self.load_time(m, source)
         start = max(now, dev.loader_free_at, m.ready_at if source == "host" else now)
@@ -302,8 +312,7 @@ class Engine:
         if m.tier != Tier.DISK or host.usable - host.used < m.weights:
             return False
         # A disk -> host read costs what a disk -> GPU load costs less the host -> GPU copy.
-        src = "cached" if m.name in host.cache else "disk"
-        dur = max(0.0, self.load_time(m, src) - self.load_time(m, "host"))
+        dur = max(0.0, self.load_time(m, self.load_source(m)) - self.load_time(m, "host"))
         m.cost.measure("disk_host", dur)
         m.tier = Tier.HOST
         m.ready_at = now + dur

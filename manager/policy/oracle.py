@@ -61,21 +61,12 @@ class OraclePolicy(Policy):
         i = self._ptr[m.name]
         return ts[i] if ts is not None and i < len(ts) else math.inf
 
-    def reload_s(self, m: ModelState) -> float:
-        host = self.engine.host
-        if m.tier == Tier.HOST or m.weights <= host.usable - host.used:
-            return m.cost.get("host")
-        return m.cost.get("cached" if m.name in host.cache else "disk")
-
-    def source_s(self, m: ModelState) -> float:
-        """Seconds to bring `m` to the GPU from where it is now."""
-        if m.tier == Tier.HOST:
-            return m.cost.get("host")
-        return m.cost.get("cached" if m.name in self.engine.host.cache else "disk")
-
     def lead(self, m: ModelState) -> float:
-        """How long before its next request a prewarm of `m` must start."""
-        return (self.reload_s(m) if m.tier == Tier.GPU else self.source_s(m)) + self.slack_s
+        """How long before its next request a prewarm of `m` must start: its reload time if it is on
+        the GPU (were it evicted), else the load time from where it is now."""
+        eng = self.engine
+        load_s = eng.reload_s(m) if m.tier == Tier.GPU else m.cost.get(eng.load_source(m))
+        return load_s + self.slack_s
 
     def penalty(self, c: ModelState, now: float) -> float:
         return self._weights[c.rank] * max(0.0, self.lead(c) - (self.next_use(c) - now))

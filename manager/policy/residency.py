@@ -76,14 +76,8 @@ class ResidencyPolicy(Policy):
         p_rate = 1.0 - math.exp(-rate * HORIZON_S / 3600.0)
         return 0.5 * (p_hist + p_rate)
 
-    def reload_s(self, m: ModelState) -> float:
-        host = self.engine.host
-        if m.weights <= host.usable - host.used or m.tier == Tier.HOST:
-            return m.cost.get("host")
-        return m.cost.get("cached" if m.name in host.cache else "disk")
-
     def value(self, m: ModelState, now: float) -> float:
-        return self._weights[m.rank] * self.reload_s(m) * self.p_request(m, now)
+        return self._weights[m.rank] * self.engine.reload_s(m) * self.p_request(m, now)
 
     # ---- hooks ----------------------------------------------------------------------------------
     def is_eager(self, m: ModelState) -> bool:

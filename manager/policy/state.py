@@ -102,15 +102,17 @@ class DeviceState:
         self.loader_free_at = NEVER
         self.models: list[ModelState] = []
 
-    def room(self, rank: int) -> int:
+    def room(self, rank: int, used: int | None = None, class_used: list[int] | None = None) -> int:
         """Bytes a model of class `rank` may still take: free bytes minus the unused
-        reservations of the classes above it."""
+        reservations of the classes above it (for hypothetical `used`/`class_used` when given)."""
+        used = self.used if used is None else used
+        class_used = self.class_used if class_used is None else class_used
         held = 0
         for i in range(rank):
-            r = self.reserves[i] - self.class_used[i]
+            r = self.reserves[i] - class_used[i]
             if r > 0:
                 held += r
-        return self.usable - self.used - held
+        return self.usable - used - held
 
     @property
     def free(self) -> int:
