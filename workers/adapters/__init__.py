@@ -1,0 +1,37 @@
+"""Adapters by name (`adapter:` in the config), and the one factory that makes them."""
+
+from __future__ import annotations
+
+import torch
+
+from workers import protocol as P
+from workers.adapters.base import Adapter, AdapterError, HostCopy
+from workers.adapters.minilm import SentenceEmbeddingAdapter
+from workers.adapters.safetensors_module import SafetensorsModuleAdapter
+from workers.adapters.torchscript import SileroVadAdapter, TorchScriptAdapter
+from workers.adapters.worldpager_mg2 import WorldPagerMG2Adapter
+
+ADAPTERS: dict[str, type[Adapter]] = {
+    a.name: a
+    for a in (
+        SileroVadAdapter,
+        SentenceEmbeddingAdapter,
+        TorchScriptAdapter,
+        SafetensorsModuleAdapter,
+        WorldPagerMG2Adapter,
+    )
+}
+
+
+def make_adapter(spec: P.ModelSpec, device: torch.device) -> Adapter:
+    """The adapter for `spec`; AdapterError(unknown_adapter) names the model and the known adapters."""
+    cls = ADAPTERS.get(spec.adapter)
+    if cls is None:
+        raise AdapterError(
+            P.UNKNOWN_ADAPTER,
+            f"model {spec.name!r}: unknown adapter {spec.adapter!r}; known: {', '.join(sorted(ADAPTERS))}",
+        )
+    return cls(spec, device)
+
+
+__all__ = ["ADAPTERS", "Adapter", "AdapterError", "HostCopy", "make_adapter"]

@@ -1,0 +1,271 @@
+"""What an adapter is: how one kind of model moves between tiers and how it infers.
+
+A device host drives an adapter through four primitives, always in this order for a load:
+`read` (disk → `HostCopy` in host RAM; pinned on CUDA), `materialize` (`HostCopy` → a runnable on the
+device), `warmup` (one small inference), then `infer` any number of times; `to_host` (runnable →
+`HostCopy`) demotes. Each primitive records its wall time in the `Phases` it is given (read,
+deserialize, to_device, warmup). Adapters raise `AdapterError` with a protocol error code; the host
+turns it into an error result. Each adapter declares its inputs and outputs in Open Inference
+Protocol terms (`TensorSpec`), and `infer` takes and returns numpy arrays by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from workers import protocol as P
+from workers.measure import Phases, tensor_bytes
+
+
+class AdapterError(Exception):
+    """A failure with a protocol error code (workers.protocol) and a message naming the cause."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class HostCopy:
+    """A model's bytes held in host RAM without its runtime set up (the host tier)."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    blob: torch.Tensor | None = None
+    """A serialized archive (TorchScript) as a uint8 tensor, for adapters that keep one."""
+
+    @property
+    def nbytes(self) -> int:
+        n = tensor_bytes(self.tensors.values())
+        return n + (int(self.blob.numel()) if self.blob is not None else 0)
+
+
+class Adapter(ABC):
+    """One model's adapter instance, bound to a device. Subclasses set `name` and `inputs`/`outputs`."""
+
+    name: ClassVar[str]
+
+    def __init__(self, spec: P.ModelSpec, device: torch.device) -> None:
+        self.spec = spec
+        self.device = device
+        self.pin = device.type == "cuda"
+
+    def prepare(self) -> None:  # noqa: B027 - optional hook
+        """Import the libraries this adapter needs (once per process; not counted as load time)."""
+
+    # ---- declarations
+    @abstractmethod
+    def inputs(self) -> list[P.TensorSpec]: ...
+
+    @abstractmethod
+    def outputs(self) -> list[P.TensorSpec]: ...
+
+    def disk_paths(self) -> list[Path]:
+        """Files a disk load reads (to tell a page-cache load from a disk load)."""
+        return []
+
+    def source_str(self, key: str) -> str:
+        v = self.spec.source.get(key)
+        if not isinstance(v, str) or not v:
+            raise AdapterError(
+                P.BAD_CHECKPOINT, f"model {self.spec.name!r}: source.{key} must be a non-empty string"
+            )
+        return v
+
+    # ---- tier moves
+    @abstractmethod
+    def read(self, ph: Phases) -> HostCopy: ...
+
+    @abstractmethod
+    def materialize(self, host: HostCopy, ph: Phases) -> Any: ...
+
+    @abstractmethod
+    def to_host(self, runnable: Any, ph: Phases) -> HostCopy: ...
+
+    @abstractmethod
+    def runnable_bytes(self, runnable: Any) -> int: ...
+
+    def warmup(self, runnable: Any) -> None:  # noqa: B027 - optional hook
+        """One small inference; adapters without a cheap sample input skip it."""
+
+    @abstractmethod
+    def infer(self, runnable: Any, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+    # ---- helpers for subclasses
+    def input_array(self, inputs: dict[str, np.ndarray], spec: P.TensorSpec) -> np.ndarray:
+        """The named input, checked against its declared rank and fixed dimensions."""
+        if spec.name not in inputs:
+            raise AdapterError(
+                P.BAD_INPUT, f"model {self.spec.name!r}: missing input {spec.name!r} ({spec.datatype})"
+            )
+        a = inputs[spec.name]
+        if len(a.shape) != len(spec.shape) or any(
+            d != -1 and d != s for d, s in zip(spec.shape, a.shape, strict=True)
+        ):
+            raise AdapterError(
+                P.BAD_INPUT,
+                f"model {self.spec.name!r}: input {spec.name!r} has shape {list(a.shape)}, "
+                f"expected {list(spec.shape)} (-1: any)",
+            )
+        return a
+
+
+# ---- nn.Module helpers: build without weights, then assign tensors read elsewhere
+
+
+@contextlib.contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Build modules with parameters on the meta device (no memory, no init); buffers stay real.
+
+    Buffers are small and often computed (position ids, rotary tables) and not in checkpoints.
+    """
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def assign_tensors(
+    module: nn.Module,
+    tensors: dict[str, torch.Tensor],
+    *,
+    model: str,
+    device: torch.device,
+    ignore_prefixes: tuple[str, ...] = (),
+) -> None:
+    """Put `tensors` into `module` without copying (strict on parameters; shapes must match).
+
+    Parameters missing from `tensors` are an error; buffers missing from it keep their computed values
+    and move to `device`; tensors the module does not have are an error unless ignored by prefix.
+    """
+    params = dict(module.named_parameters())
+    buffers = dict(module.named_buffers())
+    missing = sorted(n for n in params if n not in tensors)
+    unexpected = sorted(
+        n for n in tensors if n not in params and n not in buffers and not n.startswith(ignore_prefixes)
+    )
+    if missing or unexpected:
+        raise AdapterError(
+            P.BAD_CHECKPOINT,
+            f"model {model!r}: checkpoint does not match the module: {len(missing)} missing "
+            f"{missing[:4]}, {len(unexpected)} unexpected {unexpected[:4]}",
+        )
+    for name, t in tensors.items():
+        if name not in params and name not in buffers:
+            continue
+        old = params.get(name, buffers.get(name))
+        assert old is not None
+        if tuple(old.shape) != tuple(t.shape):
+            raise AdapterError(
+                P.BAD_CHECKPOINT,
+                f"model {model!r}: tensor {name!r} has shape {list(t.shape)} in the checkpoint, "
+                f"{list(old.shape)} in the module",
+            )
+        owner_name, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        if name in params:
+            owner._parameters[attr] = nn.Parameter(t, requires_grad=False)
+        else:
+            owner._buffers[attr] = t
+    for name, b in buffers.items():
+        if name not in tensors and b.device != device:
+            owner_name, _, attr = name.rpartition(".")
+            module.get_submodule(owner_name)._buffers[attr] = b.to(device)
+
+
+def module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of `module` by name (detached; the tensors, not copies)."""
+    out = {n: p.detach() for n, p in module.named_parameters()}
+    out.update({n: b.detach() for n, b in module.named_buffers()})
+    return out
+
+
+def copy_tensors(
+    tensors: dict[str, torch.Tensor], device: torch.device, *, pin: bool
+) -> dict[str, torch.Tensor]:
+    """Copy tensors to `device` (non-blocking from pinned memory) and wait until the copies are done."""
+    if device.type == "cpu" and not pin:
+        return dict(tensors)
+    out = {}
+    for n, t in tensors.items():
+        if device.type == "cpu":
+            dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            dst.copy_(t, non_blocking=True)
+            out[n] = dst
+        else:
+            out[n] = t.to(device, non_blocking=True)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return out
+
+
+class ModuleAdapter(Adapter):
+    """An `nn.Module` whose weights come from one safetensors file (read with `workers.st_io`)."""
+
+    ignore_prefixes: tuple[str, ...] = ()
+
+    @abstractmethod
+    def checkpoint(self) -> Path: ...
+
+    @abstractmethod
+    def build(self) -> nn.Module:
+        """The module with parameters on meta (called inside `params_on_meta`)."""
+
+    def disk_paths(self) -> list[Path]:
+        return [self.checkpoint()]
+
+    def read(self, ph: Phases) -> HostCopy:
+        from workers.st_io import CheckpointError, read_safetensors
+
+        path = self.checkpoint()
+        with ph.phase("read"):
+            try:
+                tensors, _ = read_safetensors(path, pin=self.pin)
+            except CheckpointError as e:
+                code = P.MISSING_CHECKPOINT if not path.exists() else P.BAD_CHECKPOINT
+                raise AdapterError(code, f"model {self.spec.name!r}: {e}") from None
+        return HostCopy(tensors=tensors)
+
+    def materialize(self, host: HostCopy, ph: Phases) -> Any:
+        with ph.phase("to_device"):
+            dev = copy_tensors(host.tensors, self.device, pin=False)
+        with ph.phase("deserialize"):
+            try:
+                with params_on_meta():
+                    module = self.build()
+            except AdapterError:
+                raise
+            except Exception as e:
+                raise AdapterError(
+                    P.FACTORY_FAILED, f"model {self.spec.name!r}: building the module failed: {e!r}"
+                ) from None
+            assign_tensors(
+                module, dev, model=self.spec.name, device=self.device, ignore_prefixes=self.ignore_prefixes
+            )
+            module.eval()
+        return module
+
+    def to_host(self, runnable: Any, ph: Phases) -> HostCopy:
+        with ph.phase("to_device"):
+            tensors = copy_tensors(module_tensors(runnable), torch.device("cpu"), pin=self.pin)
+        return HostCopy(tensors=tensors)
+
+    def runnable_bytes(self, runnable: Any) -> int:
+        return tensor_bytes(module_tensors(runnable).values())

@@ -1,0 +1,93 @@
+"""A Python factory for an `nn.Module` plus a `.safetensors` file (`adapter: safetensors-module`).
+
+`source: {factory: "package.module:callable", path: weights.safetensors, kwargs: {...}}`. The factory
+is called with `kwargs` while parameters are on the meta device (no memory, no init), then the file's
+tensors — read once into one buffer, pinned on CUDA — are assigned (strict: names and shapes must
+match). One FP32 input `input` [batch, features], one FP32 output `output`; the module may set
+`residency_inputs` / `residency_outputs` (lists of (name, datatype, shape)) to declare others.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from workers import protocol as P
+from workers.adapters.base import AdapterError, ModuleAdapter
+
+
+class SafetensorsModuleAdapter(ModuleAdapter):
+    name = "safetensors-module"
+
+    def checkpoint(self) -> Path:
+        return Path(self.source_str("path"))
+
+    def factory(self) -> Any:
+        ref = self.source_str("factory")
+        mod_name, sep, attr = ref.partition(":")
+        if not sep or not mod_name or not attr:
+            raise AdapterError(
+                P.FACTORY_FAILED,
+                f"model {self.spec.name!r}: source.factory {ref!r}: expected 'module:callable'",
+            )
+        try:
+            mod = importlib.import_module(mod_name)
+        except Exception as e:
+            raise AdapterError(
+                P.FACTORY_FAILED,
+                f"model {self.spec.name!r}: cannot import factory module {mod_name!r}: {e!r}",
+            ) from None
+        fn = getattr(mod, attr, None)
+        if not callable(fn):
+            raise AdapterError(P.FACTORY_FAILED, f"model {self.spec.name!r}: {ref!r} is not a callable")
+        return fn
+
+    def prepare(self) -> None:
+        self.factory()
+
+    def build(self) -> nn.Module:
+        kwargs = self.spec.source.get("kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise AdapterError(P.FACTORY_FAILED, f"model {self.spec.name!r}: source.kwargs must be a mapping")
+        module = self.factory()(**kwargs)
+        if not isinstance(module, nn.Module):
+            raise AdapterError(
+                P.FACTORY_FAILED,
+                f"model {self.spec.name!r}: factory returned {type(module).__name__}, not an nn.Module",
+            )
+        self._declared = (
+            getattr(module, "residency_inputs", None),
+            getattr(module, "residency_outputs", None),
+        )
+        return module
+
+    def _specs(self, which: int, default: P.TensorSpec) -> list[P.TensorSpec]:
+        declared = getattr(self, "_declared", (None, None))[which]
+        if not declared:
+            return [default]
+        return [P.TensorSpec(str(n), str(d), tuple(int(x) for x in s)) for n, d, s in declared]
+
+    def inputs(self) -> list[P.TensorSpec]:
+        return self._specs(0, P.TensorSpec("input", "FP32", (-1, -1)))
+
+    def outputs(self) -> list[P.TensorSpec]:
+        return self._specs(1, P.TensorSpec("output", "FP32", (-1, -1)))
+
+    def infer(self, runnable: Any, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        ins = self.inputs()
+        args = [
+            torch.as_tensor(np.ascontiguousarray(self.input_array(inputs, s)), device=self.device)
+            for s in ins
+        ]
+        with torch.inference_mode():
+            try:
+                y = runnable(*args)
+            except (RuntimeError, ValueError, TypeError) as e:
+                raise AdapterError(P.BAD_INPUT, f"model {self.spec.name!r}: inference failed: {e}") from None
+        ys = y if isinstance(y, tuple | list) else (y,)
+        return {s.name: t.detach().cpu().numpy() for s, t in zip(self.outputs(), ys, strict=False)}

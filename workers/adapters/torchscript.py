@@ -1,0 +1,151 @@
+"""TorchScript models (`adapter: torchscript`, `source: {path: model.pt}`), and silero-vad.
+
+The host tier holds the archive's bytes; materialize deserializes it on the CPU (`deserialize`) and
+moves the module to the device (`to_device`); demote serializes the module back into bytes.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import io
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from workers import protocol as P
+from workers.adapters.base import Adapter, AdapterError, HostCopy
+from workers.measure import Phases, tensor_bytes
+
+
+class TorchScriptAdapter(Adapter):
+    """A TorchScript archive; one FP32 input `input`, one FP32 output `output` (any shape)."""
+
+    name = "torchscript"
+
+    def path(self) -> Path:
+        return Path(self.source_str("path"))
+
+    def disk_paths(self) -> list[Path]:
+        return [self.path()]
+
+    def inputs(self) -> list[P.TensorSpec]:
+        return [P.TensorSpec("input", "FP32", (-1, -1))]
+
+    def outputs(self) -> list[P.TensorSpec]:
+        return [P.TensorSpec("output", "FP32", (-1, -1))]
+
+    def read(self, ph: Phases) -> HostCopy:
+        path = self.path()
+        with ph.phase("read"):
+            try:
+                size = path.stat().st_size
+                blob = torch.empty(size, dtype=torch.uint8)
+                with path.open("rb") as f:
+                    got = f.readinto(memoryview(blob.numpy()).cast("B"))  # type: ignore[arg-type]
+            except FileNotFoundError:
+                raise AdapterError(
+                    P.MISSING_CHECKPOINT, f"model {self.spec.name!r}: {path}: no such file"
+                ) from None
+            except IsADirectoryError:
+                raise AdapterError(
+                    P.BAD_CHECKPOINT, f"model {self.spec.name!r}: {path} is a directory"
+                ) from None
+            if got != size:
+                raise AdapterError(P.BAD_CHECKPOINT, f"model {self.spec.name!r}: {path}: short read")
+        return HostCopy(blob=blob)
+
+    def materialize(self, host: HostCopy, ph: Phases) -> Any:
+        assert host.blob is not None
+        with ph.phase("deserialize"):
+            try:
+                with warnings.catch_warnings():  # torch 2.13 marks TorchScript deprecated; it still loads
+                    warnings.simplefilter("ignore")
+                    data = io.BytesIO(host.blob.numpy().tobytes())
+                    module = torch.jit.load(data, map_location="cpu")  # type: ignore[no-untyped-call]
+            except Exception as e:
+                raise AdapterError(
+                    P.BAD_CHECKPOINT, f"model {self.spec.name!r}: not a TorchScript archive: {e}"
+                ) from None
+            module.eval()
+        with ph.phase("to_device"):
+            if self.device.type != "cpu":
+                module = module.to(self.device)
+                torch.cuda.synchronize(self.device)
+        return module
+
+    def to_host(self, runnable: Any, ph: Phases) -> HostCopy:
+        with ph.phase("to_device"):
+            buf = io.BytesIO()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                torch.jit.save(runnable, buf)
+            data = buf.getbuffer()
+            blob = torch.empty(len(data), dtype=torch.uint8)
+            blob.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+            del data
+        return HostCopy(blob=blob)
+
+    def runnable_bytes(self, runnable: Any) -> int:
+        return tensor_bytes([*runnable.parameters(), *runnable.buffers()])
+
+    def infer(self, runnable: Any, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        x = self.input_array(inputs, self.inputs()[0])
+        with torch.inference_mode():
+            y = runnable(torch.as_tensor(np.ascontiguousarray(x, dtype=np.float32), device=self.device))
+        return {"output": y.detach().float().cpu().numpy()}
+
+
+SILERO_CHUNK = 512
+SILERO_RATE = 16000
+
+
+class SileroVadAdapter(TorchScriptAdapter):
+    """silero-vad, the real voice-activity model shipped in its PyPI package (loads offline).
+
+    Input `audio`: FP32 [N], mono 16 kHz samples (N a multiple of 512; at most 60 s). Output
+    `speech_prob`: FP32 [N / 512], the speech probability of each 32 ms chunk. The model is stateful
+    across chunks; its state is reset at the start of each request.
+    """
+
+    name = "silero-vad"
+    MAX_SAMPLES = 60 * SILERO_RATE
+
+    def path(self) -> Path:
+        if "path" in self.spec.source:
+            return Path(self.source_str("path"))
+        try:
+            return Path(str(importlib.resources.files("silero_vad.data").joinpath("silero_vad.jit")))
+        except ModuleNotFoundError:
+            raise AdapterError(
+                P.MISSING_CHECKPOINT,
+                f"model {self.spec.name!r}: the silero-vad package is not installed (pip install silero-vad)",
+            ) from None
+
+    def inputs(self) -> list[P.TensorSpec]:
+        return [P.TensorSpec("audio", "FP32", (-1,))]
+
+    def outputs(self) -> list[P.TensorSpec]:
+        return [P.TensorSpec("speech_prob", "FP32", (-1,))]
+
+    def warmup(self, runnable: Any) -> None:
+        self.infer(runnable, {"audio": np.zeros(SILERO_CHUNK, dtype=np.float32)})
+
+    def infer(self, runnable: Any, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        a = self.input_array(inputs, self.inputs()[0])
+        n = int(a.shape[0])
+        if n == 0 or n % SILERO_CHUNK or n > self.MAX_SAMPLES:
+            raise AdapterError(
+                P.BAD_INPUT,
+                f"model {self.spec.name!r}: input 'audio' has {n} samples; expected a positive multiple "
+                f"of {SILERO_CHUNK} (16 kHz), at most {self.MAX_SAMPLES}",
+            )
+        x = torch.as_tensor(np.ascontiguousarray(a, dtype=np.float32), device=self.device)
+        probs = []
+        with torch.inference_mode():
+            runnable.reset_states()
+            for chunk in x.view(-1, SILERO_CHUNK):
+                probs.append(runnable(chunk.unsqueeze(0), SILERO_RATE).reshape(()))
+        return {"speech_prob": torch.stack(probs).float().cpu().numpy()}

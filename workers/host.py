@@ -1,0 +1,356 @@
+"""A device host: several models on one device, moved between tiers by idempotent commands.
+
+Plain Python and PyTorch (no Ray): `workers.actor` wraps it in a Ray actor; tests drive it directly.
+
+* `apply(cmd, op_id)` → `CommandResult`. Commands are declarative (the tier a model should end in):
+  one whose target already holds is a no-op; results are cached by `op_id`, so a retried command does
+  nothing twice. A failure of any kind becomes an error result naming the model and the cause; the
+  host keeps serving its other models.
+* `infer(model, inputs)` → `InferResult` (numpy arrays by name in, plain data out).
+* `status()` → `WorkerStatus`: what is really resident, for the manager to reconcile with intent.
+
+Thread safety: commands run one at a time (a lock); `infer` may run beside a command on another model
+(a Ray actor with max_concurrency > 1). A model being dropped finishes its in-flight inferences first
+(they hold the module), so its memory comes back after them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from workers import protocol as P
+from workers.adapters import Adapter, AdapterError, HostCopy, make_adapter
+from workers.measure import CpuProbe, CudaProbe, MemoryProbe, Phases, nvml_power_w, rss_bytes, wait_released
+from workers.st_io import cached_fraction
+
+logger = logging.getLogger(__name__)
+
+OP_CACHE = 4096
+CACHED_AT = 0.9
+"""A disk load counts as from the page cache when at least this share of its files is cached."""
+
+
+@dataclass
+class _Resident:
+    spec: P.ModelSpec
+    adapter: Adapter
+    tier: P.TierName
+    runnable: Any = None
+    host: HostCopy | None = None
+    tensor_bytes: int = 0
+    device_bytes: int = 0
+    host_bytes: int = 0
+    last_used: float | None = None
+    inferences: int = 0
+
+
+class DeviceHost:
+    """Holds the models of one device ("gpu0", a CUDA device or the CPU stand-in)."""
+
+    def __init__(
+        self,
+        device: str,
+        kind: str = "cpu",
+        *,
+        index: int = 0,
+        node: str | None = None,
+        probe: MemoryProbe | None = None,
+        adapter_factory: Callable[[P.ModelSpec, torch.device], Adapter] = make_adapter,
+        release_timeout_s: float = 2.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"device {device!r}: kind must be cpu or cuda, not {kind!r}")
+        self.name = device
+        self.kind: Literal["cuda", "cpu"] = "cuda" if kind == "cuda" else "cpu"
+        self.index = index
+        self.node = node or socket.gethostname()
+        self.torch_device = torch.device("cuda", index) if kind == "cuda" else torch.device("cpu")
+        self.probe: MemoryProbe = probe or (CudaProbe(index) if kind == "cuda" else CpuProbe())
+        self.adapter_factory = adapter_factory
+        self.release_timeout_s = release_timeout_s
+        self.clock = clock
+        self.started_at = clock()
+        self.models: dict[str, _Resident] = {}
+        self.results: OrderedDict[str, P.CommandResult] = OrderedDict()
+        self.ops_done = 0
+        self._lock = threading.Lock()
+
+    # ---- commands
+
+    def apply(self, cmd: P.Command, op_id: str) -> P.CommandResult:
+        """Run one command (or return the cached result of this `op_id`). Never raises."""
+        with self._lock:
+            cached = self.results.get(op_id)
+            if cached is not None:
+                return cached
+            name, op = P.command_model(cmd), P.command_op(cmd)
+            before = self.models[name].tier if name in self.models else "disk"
+            try:
+                result = self._run(cmd, op_id)
+            except AdapterError as e:
+                result = P.CommandResult(
+                    op_id, name, op, False, before, before, error_code=e.code, error=e.message
+                )
+            except torch.cuda.OutOfMemoryError as e:
+                result = P.CommandResult(
+                    op_id, name, op, False, before, before, error_code=P.TOO_LARGE,
+                    error=f"model {name!r}: out of device memory on {self.name}: {e}",
+                )  # fmt: skip
+            except Exception as e:  # one failed command never kills the host
+                logger.exception("device %s: %s of %s failed", self.name, op, name)
+                result = P.CommandResult(
+                    op_id, name, op, False, before, before, error_code=P.INTERNAL,
+                    error=f"model {name!r}: {op} failed: {e!r}",
+                )  # fmt: skip
+            if not result.ok:
+                self._forget_partial(name, before)
+            result = replace(result, device=self.name)
+            self.results[op_id] = result
+            while len(self.results) > OP_CACHE:
+                self.results.popitem(last=False)
+            self.ops_done += 1
+            return result
+
+    def _run(self, cmd: P.Command, op_id: str) -> P.CommandResult:
+        name = P.command_model(cmd)
+        r = self.models.get(name)
+        if isinstance(cmd, P.Load):
+            if r is None:
+                return self._load(cmd, op_id)
+            if r.tier == cmd.tier:
+                return self._noop(r, "load", op_id)
+            return self._promote(r, op_id, "load") if cmd.tier == "gpu" else self._demote(r, op_id, "load")
+        if isinstance(cmd, P.Drop):
+            if r is None:
+                return P.CommandResult(
+                    op_id, name, "drop", True, "disk", "disk", noop=True, memory_released=True
+                )
+            return self._drop(r, op_id)
+        if r is None:
+            raise AdapterError(
+                P.BAD_TRANSITION,
+                f"model {name!r}: not resident on {self.name}; {P.command_op(cmd)} needs it in a tier "
+                "(load it first)",
+            )
+        if isinstance(cmd, P.Promote):
+            return self._noop(r, "promote", op_id) if r.tier == "gpu" else self._promote(r, op_id, "promote")
+        return self._noop(r, "demote", op_id) if r.tier == "host" else self._demote(r, op_id, "demote")
+
+    def _noop(self, r: _Resident, op: P.OpName, op_id: str) -> P.CommandResult:
+        return P.CommandResult(op_id, r.spec.name, op, True, r.tier, r.tier, noop=True, footprint=self._fp(r))
+
+    def _forget_partial(self, name: str, before: P.TierName) -> None:
+        r = self.models.get(name)
+        if r is not None and (before == "disk" or (r.runnable is None and r.host is None)):
+            del self.models[name]
+
+    def _adapter(self, spec: P.ModelSpec) -> Adapter:
+        adapter = self.adapter_factory(spec, self.torch_device)
+        adapter.prepare()
+        return adapter
+
+    def _check_size(self, spec: P.ModelSpec, adapter: Adapter) -> None:
+        if spec.budget_bytes is None:
+            return
+        for p in adapter.disk_paths():
+            if not p.exists():
+                raise AdapterError(P.MISSING_CHECKPOINT, f"model {spec.name!r}: {p}: no such file")
+        size = sum(p.stat().st_size for p in adapter.disk_paths())
+        if size > spec.budget_bytes:
+            raise AdapterError(
+                P.TOO_LARGE,
+                f"model {spec.name!r}: its checkpoint is {size} bytes, more than its device budget "
+                f"({spec.budget_bytes} bytes on {self.name})",
+            )
+
+    def _source(self, adapter: Adapter) -> str:
+        fracs = [cached_fraction(p) for p in adapter.disk_paths() if p.is_file()]
+        if not fracs or any(f is None for f in fracs):
+            return "disk"
+        return "cached" if min(f for f in fracs if f is not None) >= CACHED_AT else "disk"
+
+    def _load(self, cmd: P.Load, op_id: str) -> P.CommandResult:
+        spec = cmd.model
+        adapter = self._adapter(spec)
+        self._check_size(spec, adapter)
+        source = self._source(adapter)
+        ph, t0, used0, rss0 = Phases(), time.perf_counter(), self.probe.used(), rss_bytes()
+        host = adapter.read(ph)
+        r = _Resident(spec, adapter, "host", host=host, tensor_bytes=host.nbytes, host_bytes=host.nbytes)
+        if cmd.tier == "gpu":
+            self._to_gpu(r, ph)
+        self._check_budget(r, used0)
+        self.models[spec.name] = r
+        return self._result(r, op_id, "load", "disk", ph, t0, used0, rss0, moved=host.nbytes, source=source)
+
+    def _to_gpu(self, r: _Resident, ph: Phases) -> None:
+        assert r.host is not None
+        r.runnable = r.adapter.materialize(r.host, ph)
+        r.host = None  # the host copy goes: on CUDA its pinned memory is freed, on CPU the module owns it
+        with ph.phase("warmup"):
+            r.adapter.warmup(r.runnable)
+        r.tier = "gpu"
+        r.tensor_bytes = r.adapter.runnable_bytes(r.runnable)
+        r.host_bytes = 0
+
+    def _check_budget(self, r: _Resident, used0: int) -> None:
+        budget = r.spec.budget_bytes
+        if budget is None:
+            return
+        took = self.probe.used() - used0 if self.kind == "cuda" else r.tensor_bytes
+        if r.tier == "gpu" and max(took, r.tensor_bytes) > budget:
+            r.runnable = None
+            raise AdapterError(
+                P.TOO_LARGE,
+                f"model {r.spec.name!r}: takes {max(took, r.tensor_bytes)} bytes on {self.name}, more than "
+                f"its device budget ({budget} bytes); unloaded",
+            )
+
+    def _promote(self, r: _Resident, op_id: str, op: P.OpName) -> P.CommandResult:
+        ph, t0, used0, rss0 = Phases(), time.perf_counter(), self.probe.used(), rss_bytes()
+        moved = r.host_bytes
+        self._to_gpu(r, ph)
+        self._check_budget(r, used0)
+        return self._result(r, op_id, op, "host", ph, t0, used0, rss0, moved=moved, source="host")
+
+    def _demote(self, r: _Resident, op_id: str, op: P.OpName) -> P.CommandResult:
+        ph, t0, used0, rss0 = Phases(), time.perf_counter(), self.probe.used(), rss_bytes()
+        freed = r.device_bytes
+        r.host = r.adapter.to_host(r.runnable, ph)
+        r.runnable = None
+        r.tier = "host"
+        r.host_bytes = r.host.nbytes
+        r.tensor_bytes = r.host_bytes
+        released: bool | None = None
+        if self.kind == "cuda":
+            with ph.phase("release"):
+                released, _ = wait_released(self.probe, used0, freed, timeout_s=self.release_timeout_s)
+        return self._result(r, op_id, op, "gpu", ph, t0, used0, rss0, moved=r.host_bytes, released=released)
+
+    def _drop(self, r: _Resident, op_id: str) -> P.CommandResult:
+        ph, t0, used0, rss0 = Phases(), time.perf_counter(), self.probe.used(), rss_bytes()
+        name, before, expected = r.spec.name, r.tier, r.tensor_bytes
+        del self.models[name]
+        r.runnable = r.host = None
+        del r
+        with ph.phase("release"):
+            released, _ = wait_released(self.probe, used0, expected, timeout_s=self.release_timeout_s)
+        return P.CommandResult(
+            op_id, name, "drop", True, before, "disk",
+            timing=self._timing(ph, t0), memory_released=released,
+            footprint=P.Footprint(rss_delta_bytes=rss_bytes() - rss0),
+        )  # fmt: skip
+
+    def _fp(self, r: _Resident) -> P.Footprint:
+        return P.Footprint(r.tensor_bytes, r.device_bytes, r.host_bytes, 0)
+
+    def _timing(self, ph: Phases, t0: float) -> P.Timing:
+        return P.Timing(
+            read_s=ph.get("read"),
+            deserialize_s=ph.get("deserialize"),
+            to_device_s=ph.get("to_device"),
+            warmup_s=ph.get("warmup"),
+            release_s=ph.get("release"),
+            total_s=time.perf_counter() - t0,
+        )
+
+    def _result(
+        self, r: _Resident, op_id: str, op: P.OpName, frm: P.TierName, ph: Phases, t0: float,
+        used0: int, rss0: int, *, moved: int, source: str | None = None, released: bool | None = None,
+    ) -> P.CommandResult:  # fmt: skip
+        timing = self._timing(ph, t0)
+        if r.tier == "gpu":
+            r.device_bytes = max(self.probe.used() - used0, 0) if self.kind == "cuda" else r.tensor_bytes
+        else:
+            r.device_bytes = 0
+        return P.CommandResult(
+            op_id, r.spec.name, op, True, frm, r.tier, timing=timing, bytes_moved=moved,
+            footprint=P.Footprint(r.tensor_bytes, r.device_bytes, r.host_bytes, rss_bytes() - rss0),
+            memory_released=released, source=source,
+            power_w=nvml_power_w(self.index) if self.kind == "cuda" else None,
+        )  # fmt: skip
+
+    # ---- data plane
+
+    def infer(self, model: str, inputs: dict[str, np.ndarray]) -> P.InferResult:
+        """Run one inference on a model in the gpu tier. Never raises."""
+        r = self.models.get(model)
+        if r is None or r.tier != "gpu" or r.runnable is None:
+            where = "not resident" if r is None else f"in the {r.tier} tier"
+            return P.InferResult(
+                model, False, error_code=P.BAD_TRANSITION,
+                error=f"model {model!r} is {where} on {self.name}; it must be in the gpu tier to infer",
+            )  # fmt: skip
+        runnable, adapter = r.runnable, r.adapter
+        t0 = time.perf_counter()
+        try:
+            out = adapter.infer(runnable, inputs)
+        except AdapterError as e:
+            return P.InferResult(model, False, error_code=e.code, error=e.message)
+        except Exception as e:
+            logger.exception("device %s: inference of %s failed", self.name, model)
+            return P.InferResult(model, False, error_code=P.INTERNAL, error=f"model {model!r}: {e!r}")
+        r.last_used = self.clock()
+        r.inferences += 1
+        return P.InferResult(
+            model,
+            True,
+            outputs={
+                k: (_datatype(v), tuple(int(d) for d in v.shape), v.reshape(-1).tolist())
+                for k, v in out.items()
+            },
+            seconds=time.perf_counter() - t0,
+        )
+
+    def describe(self, spec: P.ModelSpec) -> tuple[list[P.TensorSpec], list[P.TensorSpec]]:
+        """A model's declared inputs and outputs (AdapterError for an unknown adapter)."""
+        adapter = (
+            self.models[spec.name].adapter
+            if spec.name in self.models
+            else self.adapter_factory(spec, self.torch_device)
+        )
+        return adapter.inputs(), adapter.outputs()
+
+    # ---- status
+
+    def status(self) -> P.WorkerStatus:
+        free, total = self.probe.free_total()
+        return P.WorkerStatus(
+            device=self.name, kind=self.kind, node=self.node, pid=os.getpid(), started_at=self.started_at,
+            models={
+                n: P.ModelStatus(
+                    n, r.spec.adapter, r.tier, r.tensor_bytes, r.device_bytes, r.host_bytes, r.last_used,
+                    r.inferences,
+                )
+                for n, r in self.models.items()
+            },
+            ops_done=self.ops_done, device_free_bytes=free, device_total_bytes=total, rss_bytes=rss_bytes(),
+        )  # fmt: skip
+
+
+def _plain(a: np.ndarray) -> tuple[str, tuple[int, ...], list[Any]]:
+    return _datatype(a), tuple(int(d) for d in a.shape), a.reshape(-1).tolist()
+
+
+def _datatype(a: np.ndarray) -> str:
+    return {
+        "float32": "FP32", "float64": "FP64", "float16": "FP16", "int64": "INT64", "int32": "INT32",
+        "int16": "INT16", "int8": "INT8", "uint8": "UINT8", "bool": "BOOL", "object": "BYTES",
+    }.get(str(a.dtype), "FP32")  # fmt: skip
+
+
+def checkpoint_size(paths: list[Path]) -> int:
+    return sum(p.stat().st_size for p in paths if p.is_file())

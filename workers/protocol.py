@@ -1,0 +1,202 @@
+"""The command protocol between the manager and a device host (pure data: no torch, no Ray).
+
+Order of use: the manager builds a `ModelSpec` per configured model, sends commands (`Load`,
+`Promote`, `Demote`, `Drop`) with an operation id through a `WorkerPool`, polls `CommandResult`s,
+and reads `WorkerStatus` to reconcile what is really resident.
+
+Commands are declarative: each names the tier a model should end in. A command whose target
+already holds is a no-op (`noop=True`), and a device host caches results by `op_id`, so a retry —
+also after an actor restart, when the cache is gone but the target state is what counts — never
+does the work twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+TierName = Literal["gpu", "host", "disk"]
+OpName = Literal["load", "promote", "demote", "drop"]
+
+# Error codes of a failed command (CommandResult.error_code).
+UNKNOWN_ADAPTER = "unknown_adapter"
+UNKNOWN_MODEL = "unknown_model"
+MISSING_CHECKPOINT = "missing_checkpoint"
+BAD_CHECKPOINT = "bad_checkpoint"
+FACTORY_FAILED = "factory_failed"
+TOO_LARGE = "too_large"
+NOT_AVAILABLE = "not_available"
+BAD_TRANSITION = "bad_transition"
+BAD_INPUT = "bad_input"
+WORKER_DIED = "worker_died"
+INTERNAL = "internal"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a device host needs to know to load one model."""
+
+    name: str
+    adapter: str
+    source: dict[str, Any] = field(default_factory=dict)
+    budget_bytes: int | None = None
+    """Largest footprint the model may take on its device (device memory minus its reserve)."""
+
+
+@dataclass(frozen=True)
+class Load:
+    """Load from disk into `tier` ("gpu" or "host"). From host to gpu it is a promote."""
+
+    model: ModelSpec
+    tier: Literal["gpu", "host"] = "gpu"
+
+
+@dataclass(frozen=True)
+class Promote:
+    """Host → gpu (the model must be in the host tier, or already on the gpu: no-op)."""
+
+    model: str
+
+
+@dataclass(frozen=True)
+class Demote:
+    """Gpu → host (pinned host memory on CUDA)."""
+
+    model: str
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Free the model from every tier; done only when the memory is really back (bounded wait)."""
+
+    model: str
+
+
+Command = Load | Promote | Demote | Drop
+
+
+def command_model(cmd: Command) -> str:
+    return cmd.model.name if isinstance(cmd, Load) else cmd.model
+
+
+def command_op(cmd: Command) -> OpName:
+    if isinstance(cmd, Load):
+        return "load"
+    if isinstance(cmd, Promote):
+        return "promote"
+    if isinstance(cmd, Demote):
+        return "demote"
+    return "drop"
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Wall time of one transition, split by phase (seconds)."""
+
+    read_s: float = 0.0
+    """Bytes from the file into host memory."""
+    deserialize_s: float = 0.0
+    """Building the runnable object (module, TorchScript graph) around the tensors."""
+    to_device_s: float = 0.0
+    """Copies between host and device memory (including the sync that makes them final)."""
+    warmup_s: float = 0.0
+    """One small inference so that the first real request does not pay lazy initialisation."""
+    release_s: float = 0.0
+    """Waiting for freed memory to really come back (drop and demote)."""
+    total_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Memory a model holds, measured after a transition."""
+
+    tensor_bytes: int = 0
+    """Bytes of its tensors (parameters, buffers, or the archive held in RAM)."""
+    device_bytes: int = 0
+    """Device memory it took: CUDA mem_get_info difference; on the CPU stand-in its gpu-tier tensor bytes."""
+    host_bytes: int = 0
+    """Host memory held for it in the host tier (pinned on CUDA)."""
+    rss_delta_bytes: int = 0
+    """Change of the worker process's resident set size over the transition (psutil)."""
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """Outcome of one command, as data. `ok=False` carries an error code and a message naming the model."""
+
+    op_id: str
+    model: str
+    op: OpName
+    ok: bool
+    from_tier: TierName = "disk"
+    to_tier: TierName = "disk"
+    noop: bool = False
+    error_code: str | None = None
+    error: str | None = None
+    timing: Timing = Timing()
+    bytes_moved: int = 0
+    footprint: Footprint = Footprint()
+    memory_released: bool | None = None
+    """Drop/demote: whether the freed memory was seen back within the bounded wait."""
+    source: str | None = None
+    """Load: where the bytes came from ("disk", "cached" = OS page cache, "host")."""
+    device: str = ""
+    power_w: float | None = None
+    """NVML board power after the transition, where NVML is present."""
+
+    @property
+    def transition(self) -> str:
+        """`disk->gpu`, `host->gpu`, `gpu->host`, `disk->host`, `gpu->disk`…"""
+        return f"{self.from_tier}->{self.to_tier}"
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    name: str
+    adapter: str
+    tier: TierName
+    tensor_bytes: int
+    device_bytes: int
+    host_bytes: int
+    last_used: float | None
+    """Unix time of its last inference on this host (None: never)."""
+    inferences: int
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """What a device host really holds, for reconciliation."""
+
+    device: str
+    kind: Literal["cuda", "cpu"]
+    node: str
+    pid: int
+    started_at: float
+    models: dict[str, ModelStatus]
+    ops_done: int
+    device_free_bytes: int | None = None
+    device_total_bytes: int | None = None
+    rss_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One input or output of a model in Open Inference Protocol terms."""
+
+    name: str
+    datatype: str
+    """OIP datatype: FP32, INT64, BYTES…"""
+    shape: tuple[int, ...]
+    """-1 marks a variable dimension."""
+
+
+@dataclass(frozen=True)
+class InferResult:
+    """Outputs by name as plain data: (datatype, shape, flat values). `ok=False` names the cause."""
+
+    model: str
+    ok: bool
+    outputs: dict[str, tuple[str, tuple[int, ...], list[Any]]] = field(default_factory=dict)
+    error_code: str | None = None
+    error: str | None = None
+    seconds: float = 0.0
