@@ -99,6 +99,7 @@ class DeviceHost:
             name, op = P.command_model(cmd), P.command_op(cmd)
             before = self.models[name].tier if name in self.models else "disk"
             try:
+                self._check_device(name)
                 result = self._run(cmd, op_id)
             except AdapterError as e:
                 result = P.CommandResult(
@@ -148,6 +149,14 @@ class DeviceHost:
         if isinstance(cmd, P.Promote):
             return self._noop(r, "promote", op_id) if r.tier == "gpu" else self._promote(r, op_id, "promote")
         return self._noop(r, "demote", op_id) if r.tier == "host" else self._demote(r, op_id, "demote")
+
+    def _check_device(self, model: str) -> None:
+        if self.kind == "cuda" and not torch.cuda.is_available():
+            raise AdapterError(
+                P.NOT_AVAILABLE,
+                f"model {model!r}: device {self.name!r} is a CUDA device but CUDA is not available on "
+                f"node {self.node!r} (torch {torch.__version__}, cuda={torch.version.cuda})",
+            )
 
     def _noop(self, r: _Resident, op: P.OpName, op_id: str) -> P.CommandResult:
         return P.CommandResult(op_id, r.spec.name, op, True, r.tier, r.tier, noop=True, footprint=self._fp(r))
@@ -327,7 +336,8 @@ class DeviceHost:
     # ---- status
 
     def status(self) -> P.WorkerStatus:
-        free, total = self.probe.free_total()
+        cuda_missing = self.kind == "cuda" and not torch.cuda.is_available()
+        free, total = (None, None) if cuda_missing else self.probe.free_total()
         return P.WorkerStatus(
             device=self.name, kind=self.kind, node=self.node, pid=os.getpid(), started_at=self.started_at,
             models={

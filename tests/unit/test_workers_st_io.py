@@ -1,0 +1,85 @@
+"""Safetensors read straight into one buffer: equal to the reference reader; bad files named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from workers.st_io import (
+    CheckpointError,
+    cached_fraction,
+    drop_file_cache,
+    parse_header,
+    raw_read,
+    read_safetensors,
+    write_safetensors,
+)
+
+
+@pytest.fixture
+def mixed(tmp_path: Path) -> Path:
+    g = torch.Generator().manual_seed(1)
+    tensors = {
+        "w.bf16": torch.randn(33, 17, generator=g).to(torch.bfloat16),
+        "w.f32": torch.randn(5, 7, 3, generator=g),
+        "ids.i64": torch.arange(11),
+        "mask.bool": torch.rand(9, generator=g) > 0.5,
+        "tiny.f16": torch.randn(1, generator=g).half(),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 4),
+    }
+    p = tmp_path / "mixed.safetensors"
+    write_safetensors(tensors, p)
+    return p
+
+
+@pytest.mark.parametrize("method", ["mmap", "read"])
+def test_equal_to_the_reference_reader(mixed: Path, method: str) -> None:
+    ours, header = read_safetensors(mixed, method=method)
+    ref = load_file(str(mixed))
+    assert set(ours) == set(ref)
+    for k, v in ref.items():
+        assert ours[k].dtype == v.dtype and ours[k].shape == v.shape and torch.equal(ours[k], v), k
+    # one owned buffer: every tensor is a view into the same storage, which outlives the file
+    storages = {t.untyped_storage().data_ptr() for t in ours.values() if t.numel()}
+    assert len(storages) == 1
+    assert header.data_bytes == sum(e.end - e.start for e in header.entries)
+
+
+def test_raw_read_reads_every_byte(mixed: Path) -> None:
+    assert raw_read(mixed) == mixed.stat().st_size
+
+
+@pytest.mark.parametrize(
+    ("damage", "words"),
+    [
+        (lambda b: b[:5], "shorter than 8 bytes"),
+        (lambda b: (10**9).to_bytes(8, "little") + b[8:], "beyond the file"),
+        (lambda b: b[:-3], "truncated"),
+        (lambda b: b[:8] + b"x" + b[9:], "not JSON"),
+    ],
+)
+def test_damaged_files_are_named(mixed: Path, tmp_path: Path, damage: object, words: str) -> None:
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(damage(mixed.read_bytes()))  # type: ignore[operator]
+    with pytest.raises(CheckpointError) as e:
+        read_safetensors(bad)
+    assert str(bad) in str(e.value) and words in str(e.value)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="no such file"):
+        parse_header(tmp_path / "nope.safetensors")
+
+
+def test_page_cache_can_be_measured_and_dropped(tmp_path: Path) -> None:
+    p = tmp_path / "blob.bin"
+    p.write_bytes(b"\x07" * (8 * 2**20))
+    raw_read(p)
+    assert cached_fraction(p) == pytest.approx(1.0, abs=0.05)
+    drop_file_cache(p)
+    frac = cached_fraction(p)
+    assert frac is not None and frac < 0.5

@@ -1,0 +1,216 @@
+"""Device hosts as named Ray actors, and the `WorkerPool` that drives them without blocking.
+
+* One actor per configured device, named `residency-device-<name>` in namespace `residency`, detached
+  (it outlives the manager, so a restarted manager reattaches to it and reconciles with `status()`),
+  with restarts allowed. A CUDA device asks for `num_gpus=1` (logical GPUs schedule on CPU-only
+  machines); a device with `node:` is placed on that Ray node (`node:<address>` resource).
+* `submit` queues the command; the pool keeps one command in flight per device (so a device's commands
+  run in submission order) and `poll` uses `ray.wait(..., timeout=0)`, never blocking; an actor that
+  died turns into `CommandResult(ok=False, error_code="worker_died")`. Re-submitting the same op id
+  after a restart is safe: commands are declarative and results cached by op id.
+* `ray.address` null starts a local Ray; "auto" or an address joins an existing cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from typing import Any
+
+import numpy as np
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
+
+from workers import protocol as P
+from workers.host import DeviceHost
+from workers.pool import DeviceSpec, UnknownDevice, new_op_id
+
+logger = logging.getLogger(__name__)
+
+NAMESPACE = "residency"
+ACTOR_PREFIX = "residency-device-"
+
+
+class DeviceHostActor:
+    """The thin Ray shell around `DeviceHost` (all logic lives there)."""
+
+    def __init__(self, name: str, kind: str, index: int, node: str | None) -> None:
+        self.host = DeviceHost(name, kind, index=index, node=node)
+
+    @ray.method(concurrency_group="commands")
+    def apply(self, cmd: P.Command, op_id: str) -> P.CommandResult:
+        return self.host.apply(cmd, op_id)
+
+    @ray.method(concurrency_group="data")
+    def infer(self, model: str, inputs: dict[str, np.ndarray]) -> P.InferResult:
+        return self.host.infer(model, inputs)
+
+    @ray.method(concurrency_group="data")
+    def status(self) -> P.WorkerStatus:
+        return self.host.status()
+
+    @ray.method(concurrency_group="data")
+    def describe(self, spec: P.ModelSpec) -> tuple[list[P.TensorSpec], list[P.TensorSpec]]:
+        return self.host.describe(spec)
+
+
+# Commands run one at a time, in the order the pool sends them; inference and status calls run beside
+# them (a status read is never stuck behind a long load).
+RemoteDeviceHost = ray.remote(concurrency_groups={"commands": 1, "data": 4})(  # type: ignore[call-overload]
+    DeviceHostActor
+)
+
+
+def actor_name(device: str) -> str:
+    return ACTOR_PREFIX + device
+
+
+def ensure_ray(address: str | None = None, **init_kwargs: Any) -> None:
+    """Connect to Ray: a local instance when `address` is None, else join the cluster at `address`."""
+    if ray.is_initialized():
+        return
+    ray.init(
+        address=address, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False, **init_kwargs
+    )
+
+
+class RayWorkerPool:
+    """`WorkerPool` over named, detached device-host actors (created, or reattached if they exist)."""
+
+    def __init__(
+        self,
+        devices: list[DeviceSpec],
+        *,
+        namespace: str = NAMESPACE,
+        max_restarts: int = -1,
+    ) -> None:
+        if not ray.is_initialized():
+            ensure_ray()
+        self.specs = {d.name: d for d in devices}
+        self.actors: dict[str, Any] = {}
+        self.reattached: dict[str, bool] = {}
+        for d in devices:
+            self.actors[d.name], self.reattached[d.name] = self._actor(d, namespace, max_restarts)
+        # Per device: commands waiting their turn, and the one in flight (ObjectRef). Sending one at a
+        # time keeps each device's commands in submission order.
+        self._queued: dict[str, deque[tuple[str, P.Command]]] = {d: deque() for d in self.actors}
+        self._inflight: dict[str, tuple[Any, str, P.Command] | None] = dict.fromkeys(self.actors)
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _actor(d: DeviceSpec, namespace: str, max_restarts: int) -> tuple[Any, bool]:
+        name = actor_name(d.name)
+        try:
+            return ray.get_actor(name, namespace=namespace), True
+        except ValueError:
+            pass
+        opts: dict[str, Any] = {
+            "name": name,
+            "namespace": namespace,
+            "lifetime": "detached",
+            "max_restarts": max_restarts,
+            "max_task_retries": 0,
+            "num_cpus": 0,
+            "get_if_exists": True,
+        }
+        if d.kind == "cuda":
+            opts["num_gpus"] = 1
+        if d.node:
+            opts["resources"] = {f"node:{d.node}": 0.001}
+        return RemoteDeviceHost.options(**opts).remote(d.name, d.kind, d.index, d.node), False
+
+    def _handle(self, device: str) -> Any:
+        if device not in self.actors:
+            raise UnknownDevice(device)
+        return self.actors[device]
+
+    def devices(self) -> list[str]:
+        return list(self.actors)
+
+    def submit(self, device: str, cmd: P.Command, op_id: str | None = None) -> str:
+        op = op_id or new_op_id()
+        self._handle(device)
+        with self._lock:
+            self._queued[device].append((op, cmd))
+            self._pump(device)
+        return op
+
+    def _pump(self, device: str) -> None:
+        if self._inflight[device] is None and self._queued[device]:
+            op, cmd = self._queued[device].popleft()
+            self._inflight[device] = (self.actors[device].apply.remote(cmd, op), op, cmd)
+
+    def poll(self) -> list[P.CommandResult]:
+        with self._lock:
+            flying = {v[0]: d for d, v in self._inflight.items() if v is not None}
+            if not flying:
+                return []
+            ready, _ = ray.wait(list(flying), num_returns=len(flying), timeout=0)
+            out = []
+            for ref in ready:
+                device = flying[ref]
+                entry = self._inflight[device]
+                assert entry is not None
+                _, op, cmd = entry
+                self._inflight[device] = None
+                try:
+                    out.append(ray.get(ref, timeout=0))
+                except RayError as e:
+                    out.append(_died(device, op, cmd, e))
+                self._pump(device)
+            return out
+
+    def pending(self) -> int:
+        with self._lock:
+            return sum(len(q) for q in self._queued.values()) + sum(
+                v is not None for v in self._inflight.values()
+            )
+
+    def status(self, device: str, timeout_s: float = 10.0) -> P.WorkerStatus:
+        result: P.WorkerStatus = ray.get(self._handle(device).status.remote(), timeout=timeout_s)
+        return result
+
+    def describe(self, device: str, spec: P.ModelSpec, timeout_s: float = 30.0) -> Any:
+        return ray.get(self._handle(device).describe.remote(spec), timeout=timeout_s)
+
+    def infer(
+        self, device: str, model: str, inputs: dict[str, np.ndarray], timeout_s: float = 30.0
+    ) -> P.InferResult:
+        try:
+            result: P.InferResult = ray.get(
+                self._handle(device).infer.remote(model, inputs), timeout=timeout_s
+            )
+        except GetTimeoutError:
+            return P.InferResult(model, False, error_code=P.WORKER_DIED, error=f"model {model!r}: no answer "
+                                 f"from device {device!r} within {timeout_s} s")  # fmt: skip
+        except RayError as e:
+            return P.InferResult(model, False, error_code=P.WORKER_DIED, error=_why(device, e))
+        return result
+
+    def kill(self, device: str, *, no_restart: bool = False) -> None:
+        """Kill a device host (tests and fault drills); with restarts allowed Ray starts it again."""
+        ray.kill(self._handle(device), no_restart=no_restart)
+
+    def close(self) -> None:
+        """Forget the actors (they live on, detached); `shutdown_actors` ends them."""
+        with self._lock:
+            for q in self._queued.values():
+                q.clear()
+
+    def shutdown_actors(self) -> None:
+        for h in self.actors.values():
+            ray.kill(h, no_restart=True)
+        self.actors.clear()
+
+
+def _why(device: str, e: Exception) -> str:
+    kind = "died" if isinstance(e, RayActorError) else "failed"
+    return f"device host {device!r} {kind}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def _died(device: str, op: str, cmd: P.Command, e: Exception) -> P.CommandResult:
+    return P.CommandResult(
+        op, P.command_model(cmd), P.command_op(cmd), False, error_code=P.WORKER_DIED, error=_why(device, e),
+        device=device,
+    )  # fmt: skip
