@@ -263,6 +263,12 @@ class DeviceHost:
             footprint=P.Footprint(rss_delta_bytes=rss_bytes() - rss0),
         )  # fmt: skip
 
+    def _allocator(self) -> tuple[int | None, int | None]:
+        if isinstance(self.probe, CudaProbe):
+            stats = self.probe.allocator_stats()
+            return stats["allocated_bytes"], stats["reserved_bytes"]
+        return None, None
+
     def _fp(self, r: _Resident) -> P.Footprint:
         return P.Footprint(r.tensor_bytes, r.device_bytes, r.host_bytes, 0)
 
@@ -287,7 +293,9 @@ class DeviceHost:
             r.device_bytes = 0
         return P.CommandResult(
             op_id, r.spec.name, op, True, frm, r.tier, timing=timing, bytes_moved=moved,
-            footprint=P.Footprint(r.tensor_bytes, r.device_bytes, r.host_bytes, rss_bytes() - rss0),
+            footprint=P.Footprint(
+                r.tensor_bytes, r.device_bytes, r.host_bytes, rss_bytes() - rss0, *self._allocator()
+            ),
             memory_released=released, source=source,
             power_w=nvml_power_w(self.index) if self.kind == "cuda" else None,
         )  # fmt: skip

@@ -118,6 +118,10 @@ class Footprint:
     """Host memory held for it in the host tier (pinned on CUDA)."""
     rss_delta_bytes: int = 0
     """Change of the worker process's resident set size over the transition (psutil)."""
+    allocator_allocated_bytes: int | None = None
+    """CUDA: the caching allocator's allocated bytes on the device after the transition."""
+    allocator_reserved_bytes: int | None = None
+    """CUDA: the caching allocator's reserved bytes on the device after the transition."""
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ def test_footprint_comes_from_the_device_and_drop_waits_for_it(host: DeviceHost)
     free0, _ = torch.cuda.mem_get_info(0)
     r = ok(host, P.Load(EMBED), "1")
     assert r.footprint.device_bytes >= 0.9 * r.footprint.tensor_bytes  # mem_get_info saw it
+    assert (r.footprint.allocator_allocated_bytes or 0) >= r.footprint.tensor_bytes
     d = ok(host, P.Drop("embed"), "2")
     assert d.memory_released is True
     free1, _ = torch.cuda.mem_get_info(0)
