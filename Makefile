@@ -4,13 +4,28 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint typecheck pytest bench bench-workers clean
+.PHONY: install proto redis-server run test lint typecheck pytest bench bench-workers clean
 
-$(STAMP): pyproject.toml
+PROTOS := $(wildcard protos/residency_proto/*/*.proto)
+
+$(STAMP): pyproject.toml $(PROTOS)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q 'grpcio-tools==1.81.1' 'protobuf>=6.30,<7'
+	$(MAKE) proto
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
+
+# Python code for protos/ (the source of truth), generated, never committed (residency_proto/ is ignored).
+proto:
+	rm -rf residency_proto
+	$(BIN)/python -m grpc_tools.protoc -I protos --python_out=. --grpc_python_out=. --pyi_out=. $(PROTOS)
+	for d in residency_proto residency_proto/*/; do touch $$d/__init__.py; done
+
+# The Redis tests start a private redis-server; install Debian's package when the binary is missing.
+redis-server:
+	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null) \
+		|| echo "redis-server is missing and could not be installed: the Redis tests will fail under CI=true"
 
 install: $(STAMP)
 
@@ -26,7 +41,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-pytest: $(STAMP)
+pytest: $(STAMP) redis-server
 	$(BIN)/pytest -q
 
 test: lint typecheck pytest

@@ -1,7 +1,7 @@
-"""`residency` command line: replay, tune, trace synth, measure, config schema/check.
+"""`residency` command line: serve, ps, replay, tune, trace synth, measure, config schema/check.
 
 Errors in what the user gave (a config, a trace, a flag) are printed without a traceback and exit
-with status 2. `serve`, `ps` and `trace export` belong to the service and arrive with it.
+with status 2. `trace export` reads the service's store.
 """
 
 from __future__ import annotations
@@ -223,6 +223,72 @@ def _measure_table(results: list[Any]) -> Table:
     return t
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from manager.api.server import ServeError, serve
+    from manager.store import StoreError
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = load_config(a.config)
+    if a.listen:
+        config = config.model_copy(update={"server": config.server.model_copy(update={"listen": a.listen})})
+
+    def ready(port: int) -> None:
+        host = config.server.listen.rpartition(":")[0]
+        err.print(f"residency: serving on {host}:{port} (config {a.config})", highlight=False, markup=False)
+
+    try:
+        asyncio.run(serve(config, in_process=a.in_process, ready=ready))
+    except (ServeError, StoreError) as e:
+        raise UsageError(str(e)) from None
+    return 0
+
+
+def cmd_ps(a: argparse.Namespace) -> int:
+    import os
+
+    from manager.api.client import ClientError, as_dict, list_models
+
+    target = a.target or (load_config(a.config).server.listen if a.config else "127.0.0.1:50051")
+    token = os.environ.get(a.token_env) if a.token_env else None
+    try:
+        resp = list_models(target, token)
+    except ClientError as e:
+        raise UsageError(str(e)) from None
+    if a.json:
+        print(json.dumps(as_dict(resp), indent=2))
+        return 0
+    t = Table(title=f"Residency on {target}")
+    for col in (
+        "model",
+        "tier",
+        "device",
+        "class",
+        "pin",
+        "MiB",
+        "keep-alive left",
+        "last use",
+        "load s (disk/cached/host)",
+    ):
+        t.add_column(col)
+    import time as _time
+
+    for m in resp.models:
+        left = (
+            "forever"
+            if m.keep_alive_left_s < 0
+            else (f"{m.keep_alive_left_s:.0f} s" if m.keep_alive_left_s else "-")
+        )
+        last = f"{_time.time() - m.last_used:.0f} s ago" if m.last_used else "never"
+        ls = m.load_seconds
+        t.add_row(m.name, m.tier, m.device, m.class_name, "yes" if m.pinned else "", f"{m.bytes / 2**20:.1f}",
+                  left, last, f"{ls.disk:.3f}/{ls.cached:.3f}/{ls.host:.3f}")  # fmt: skip
+    Console().print(t)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="residency", description="Decides which models stay resident.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -255,6 +321,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", required=True)
     s.set_defaults(fn=cmd_synth)
+
+    sv = sub.add_parser("serve", help="run the service (gRPC: Open Inference Protocol + residency.v1)")
+    sv.add_argument("--config", required=True)
+    sv.add_argument(
+        "--listen", help="host:port to listen on (overrides server.listen; port 0 = any free port)"
+    )
+    sv.add_argument(
+        "--in-process", action="store_true", help="run the device hosts in this process instead of Ray actors"
+    )
+    sv.set_defaults(fn=cmd_serve)
+
+    ps = sub.add_parser("ps", help="what a running server holds: tier, bytes, keep-alive, load times")
+    ps.add_argument("--config", help="read server.listen from this config")
+    ps.add_argument("--target", help="host:port of the server (default: the config's server.listen)")
+    ps.add_argument("--token-env", help="environment variable holding the admin bearer token")
+    ps.add_argument("--json", action="store_true")
+    ps.set_defaults(fn=cmd_ps)
 
     m = sub.add_parser("measure", help="measure real load times per transition of the configured models")
     m.add_argument("--config", required=True)

@@ -102,6 +102,16 @@ class ServerConfig(_Model):
     """Address the gRPC service listens on, as host:port."""
     auth_token_env: str | None = None
     """Name of the environment variable holding the bearer token (optional on loopback)."""
+    tls_cert: str | None = None
+    """PEM certificate chain for TLS (with tls_key); null serves plaintext."""
+    tls_key: str | None = None
+    """PEM private key for TLS (with tls_cert)."""
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> ServerConfig:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise _FieldErrors([(("tls_cert",), "tls_cert and tls_key go together: give both or neither")])
+        return self
 
     @field_validator("listen")
     @classmethod

@@ -1,0 +1,60 @@
+"""The one mapping from domain errors to gRPC status codes, applied by every servicer method."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from manager.errors import (
+    DeadlineExceeded,
+    InsufficientCapacity,
+    InvalidRequest,
+    ModelNotFound,
+    ResidencyError,
+    Unauthenticated,
+    WorkerUnavailable,
+)
+
+logger = logging.getLogger(__name__)
+
+STATUS: dict[type[ResidencyError], grpc.StatusCode] = {
+    ModelNotFound: grpc.StatusCode.NOT_FOUND,
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    InsufficientCapacity: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    WorkerUnavailable: grpc.StatusCode.UNAVAILABLE,
+    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+}
+
+T = TypeVar("T")
+
+
+def status_of(e: ResidencyError) -> grpc.StatusCode:
+    for cls in type(e).__mro__:
+        if cls in STATUS:
+            return STATUS[cls]
+    return grpc.StatusCode.INTERNAL
+
+
+def mapped(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """Servicer method decorator: domain errors → their status; anything else → INTERNAL, logged once,
+    with no traceback sent to the client."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Any, context: Any) -> T:
+        try:
+            return await fn(self, request, context)
+        except ResidencyError as e:
+            await context.abort(status_of(e), str(e))
+        except Exception:
+            logger.exception("%s failed", fn.__name__)
+            await context.abort(
+                grpc.StatusCode.INTERNAL, f"{fn.__name__}: internal error (see the server log)"
+            )
+        raise AssertionError("unreachable")  # context.abort raises
+
+    return wrapper

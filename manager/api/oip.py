@@ -1,0 +1,144 @@
+"""`inference.GRPCInferenceService`: the Open Inference Protocol as Triton serves it.
+
+Liveness/readiness, server and model metadata, infer (the request's class from its `priority`
+parameter — 1 is the highest class — or a `residency_class` string parameter; its timeout from the
+`timeout` parameter in microseconds or the call's deadline), and the model-repository extension:
+index, load (= preload to the GPU tier), unload (= drop to disk).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from manager.api.convert import decode_input, encode_output
+from manager.api.errors import mapped
+from manager.errors import InvalidRequest, ModelNotFound
+from manager.live import LiveManager
+from residency_proto.inference import grpc_service_pb2 as pb
+from residency_proto.inference import grpc_service_pb2_grpc as pb_grpc
+
+VERSION = "0.1.0"
+EXTENSIONS = ["model_repository", "residency_class", "priority"]
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def _param(p: Any) -> Any:
+    which = p.WhichOneof("parameter_choice")
+    return None if which is None else getattr(p, which)
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, manager: LiveManager, describe: Any) -> None:
+        self.manager = manager
+        self.describe = describe  # model name -> (inputs, outputs) TensorSpecs
+
+    @mapped
+    async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    @mapped
+    async def ServerReady(self, request: pb.ServerReadyRequest, context: Any) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self.manager.started)
+
+    @mapped
+    async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
+        self.manager._model(request.name)
+        return pb.ModelReadyResponse(ready=self.manager.live[request.name].ready.is_set())
+
+    @mapped
+    async def ServerMetadata(
+        self, request: pb.ServerMetadataRequest, context: Any
+    ) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(name="residency", version=VERSION, extensions=EXTENSIONS)
+
+    @mapped
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any) -> pb.ModelMetadataResponse:
+        m = self.manager._model(request.name)
+        inputs, outputs = self.describe(request.name)
+        meta = pb.ModelMetadataResponse.TensorMetadata
+        return pb.ModelMetadataResponse(
+            name=request.name,
+            versions=["1"],
+            platform=f"residency/{m.cfg.adapter}",
+            inputs=[meta(name=t.name, datatype=t.datatype, shape=list(t.shape)) for t in inputs],
+            outputs=[meta(name=t.name, datatype=t.datatype, shape=list(t.shape)) for t in outputs],
+        )
+
+    def _class_of(self, request: pb.ModelInferRequest) -> str | None:
+        params = request.parameters
+        classes = [c.name for c in self.manager.config.classes]
+        if "residency_class" in params:
+            return str(_param(params["residency_class"]))
+        if "priority" in params:
+            p = _param(params["priority"])
+            if not isinstance(p, int) or isinstance(p, bool) or p < 0:
+                raise InvalidRequest(f"parameter 'priority' must be a non-negative integer, got {p!r}")
+            return None if p == 0 else classes[min(p, len(classes)) - 1]
+        return None
+
+    def _timeout(self, request: pb.ModelInferRequest, context: Any) -> float:
+        if "timeout" in request.parameters:
+            us = _param(request.parameters["timeout"])
+            if isinstance(us, int) and us > 0:
+                return us / 1e6
+        left = context.time_remaining()
+        return DEFAULT_TIMEOUT_S if left is None else max(float(left) - 0.05, 0.01)
+
+    def _inputs(self, request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
+        raw = list(request.raw_input_contents)
+        if raw and len(raw) != len(request.inputs):
+            raise InvalidRequest(f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs")
+        out = {}
+        for i, t in enumerate(request.inputs):
+            out[t.name] = decode_input(t.name, t.datatype, list(t.shape), raw[i] if raw else None, t.contents)
+        return out
+
+    @mapped
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
+        if request.model_name not in self.manager.live:
+            self.manager._model(request.model_name)
+        inputs = self._inputs(request)
+        served = await self.manager.infer(
+            request.model_name, inputs, cls=self._class_of(request), timeout_s=self._timeout(request, context)
+        )
+        wanted = {o.name for o in request.outputs}
+        resp = pb.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
+        for name, (dtype, shape, values) in served.result.outputs.items():
+            if wanted and name not in wanted:
+                continue
+            resp.outputs.add(name=name, datatype=dtype, shape=list(shape))
+            resp.raw_output_contents.append(encode_output(dtype, shape, values))
+        resp.parameters["residency_wait_s"].double_param = served.wait_s
+        resp.parameters["residency_cold"].bool_param = served.cold
+        return resp
+
+    @mapped
+    async def RepositoryIndex(
+        self, request: pb.RepositoryIndexRequest, context: Any
+    ) -> pb.RepositoryIndexResponse:
+        resp = pb.RepositoryIndexResponse()
+        for name, live in self.manager.live.items():
+            ready = live.ready.is_set()
+            if request.ready and not ready:
+                continue
+            state = "READY" if ready else ("UNAVAILABLE" if live.error else "UNLOADED")
+            resp.models.add(name=name, version="1", state=state, reason=live.error or "")
+        return resp
+
+    @mapped
+    async def RepositoryModelLoad(
+        self, request: pb.RepositoryModelLoadRequest, context: Any
+    ) -> pb.RepositoryModelLoadResponse:
+        await self.manager.preload(request.model_name, "gpu")
+        return pb.RepositoryModelLoadResponse()
+
+    @mapped
+    async def RepositoryModelUnload(
+        self, request: pb.RepositoryModelUnloadRequest, context: Any
+    ) -> pb.RepositoryModelUnloadResponse:
+        if request.model_name not in self.manager.live:
+            raise ModelNotFound(f"unknown model {request.model_name!r}")
+        self.manager.evict(request.model_name, "disk")
+        return pb.RepositoryModelUnloadResponse()

@@ -1,0 +1,171 @@
+"""`residency serve`: the gRPC server (grpc.aio) around a live manager.
+
+Services: `inference.GRPCInferenceService` (OIP), `residency.v1.Residency` (admin), `grpc.health.v1`
+(SERVING once the manager has started) and server reflection. Listens on `server.listen` (loopback by
+default). Admin calls (residency.v1 and the repository load/unload) need `authorization: Bearer <token>`
+when the env variable named by `server.auth_token_env` holds a token; listening beyond loopback
+without one is refused at start. TLS from `server.tls_cert`/`tls_key`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import logging
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from manager.api.admin import AdminServicer
+from manager.api.oip import InferenceServicer
+from manager.config import Config
+from manager.live import LiveManager
+from residency_proto.inference import grpc_service_pb2, grpc_service_pb2_grpc
+from residency_proto.v1 import residency_pb2, residency_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE = 64 * 2**20
+ADMIN_PREFIXES = (
+    "/residency.v1.Residency/",
+    "/inference.GRPCInferenceService/RepositoryModelLoad",
+    "/inference.GRPCInferenceService/RepositoryModelUnload",
+)
+
+
+class ServeError(Exception):
+    """The server cannot start as configured (printed, exit 2)."""
+
+
+def is_loopback(listen: str) -> bool:
+    host = listen.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Admin methods need the bearer token (compared in constant time); others pass."""
+
+    def __init__(self, token: str) -> None:
+        self.expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: Any) -> Any:
+        if details.method.startswith(ADMIN_PREFIXES):
+            got = dict(details.invocation_metadata or ()).get("authorization", "")
+            if not hmac.compare_digest(str(got).encode(), self.expected):
+                return _deny()
+        return await continuation(details)
+
+
+def _deny() -> grpc.RpcMethodHandler:
+    async def abort(request: Any, context: Any) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "admin call: missing or wrong bearer token")
+
+    return grpc.unary_unary_rpc_method_handler(abort)
+
+
+def auth_token(config: Config) -> str | None:
+    env = config.server.auth_token_env
+    token = os.environ.get(env) if env else None
+    if not token and not is_loopback(config.server.listen):
+        raise ServeError(
+            f"server.listen {config.server.listen!r} is beyond loopback: set server.auth_token_env and put a "
+            "bearer token in that environment variable (admin calls must be authenticated there)"
+        )
+    return token or None
+
+
+def describer(manager: LiveManager) -> Callable[[str], Any]:
+    from workers.adapters import AdapterError, make_adapter
+
+    cache: dict[str, Any] = {}
+
+    def describe(name: str) -> Any:
+        if name not in cache:
+            import torch
+
+            try:
+                a = make_adapter(manager.specs[name], torch.device("cpu"))
+                cache[name] = (a.inputs(), a.outputs())
+            except AdapterError as e:
+                from manager.errors import WorkerUnavailable
+
+                raise WorkerUnavailable(e.message) from None
+        return cache[name]
+
+    return describe
+
+
+async def build_server(config: Config, manager: LiveManager) -> tuple[grpc.aio.Server, int, Any]:
+    token = auth_token(config)
+    server = grpc.aio.server(
+        interceptors=[AuthInterceptor(token)] if token else [],
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE),
+            ("grpc.max_send_message_length", MAX_MESSAGE),
+        ],
+    )
+    grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
+        InferenceServicer(manager, describer(manager)), server
+    )
+    residency_pb2_grpc.add_ResidencyServicer_to_server(AdminServicer(manager), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (
+        grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
+        residency_pb2.DESCRIPTOR.services_by_name["Residency"].full_name,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        reflection.SERVICE_NAME,
+    )
+    reflection.enable_server_reflection(names, server)
+    listen = config.server.listen
+    if config.server.tls_cert and config.server.tls_key:
+        creds = grpc.ssl_server_credentials(
+            [(Path(config.server.tls_key).read_bytes(), Path(config.server.tls_cert).read_bytes())]
+        )
+        port = server.add_secure_port(listen, creds)
+    else:
+        port = server.add_insecure_port(listen)
+    if port == 0:
+        raise ServeError(f"cannot listen on {listen!r} (address in use or not available)")
+    return server, port, health_servicer
+
+
+async def serve(
+    config: Config, *, in_process: bool = False, ready: Callable[[int], None] | None = None
+) -> None:
+    from manager.store import open_store
+    from manager.workers_bridge import create_pool
+
+    store = open_store(config.store.url)
+    pool = create_pool(config, in_process=in_process)
+    manager = LiveManager(config, pool, store=store)
+    server, port, health_servicer = await build_server(config, manager)
+    await server.start()
+    await manager.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    for name in ("inference.GRPCInferenceService", "residency.v1.Residency"):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    if ready is not None:
+        ready(port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace=5)
+    await manager.stop()
+    pool.close()
+    store.close()

@@ -1,0 +1,31 @@
+"""Domain errors of the service; `manager.api.errors` maps each to one gRPC status code."""
+
+from __future__ import annotations
+
+
+class ResidencyError(Exception):
+    """Base: a message that says what is wrong and what to do about it."""
+
+
+class ModelNotFound(ResidencyError):
+    """Unknown model name (NOT_FOUND)."""
+
+
+class InvalidRequest(ResidencyError):
+    """Bad tensors, shapes, datatypes or parameters (INVALID_ARGUMENT)."""
+
+
+class InsufficientCapacity(ResidencyError):
+    """The model cannot fit, or a queue is full (RESOURCE_EXHAUSTED)."""
+
+
+class WorkerUnavailable(ResidencyError):
+    """The device host is down or the load failed (UNAVAILABLE)."""
+
+
+class DeadlineExceeded(ResidencyError):
+    """The request's deadline passed while it waited (DEADLINE_EXCEEDED)."""
+
+
+class Unauthenticated(ResidencyError):
+    """Missing or wrong bearer token on an admin call (UNAUTHENTICATED)."""

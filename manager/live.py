@@ -1,0 +1,358 @@
+"""The live manager: admission → policy → reconciler, on an asyncio loop (never blocking on a worker).
+
+Order of use: `await start()` (pinned models load, the poll loop starts), then `infer(...)`,
+`preload`, `evict`, `pin`/`unpin`, `status()`, `subscribe()` from gRPC handlers; `await stop()`.
+
+The decision engine (`manager.policy`) decides with its own bookkeeping of tiers; every decision it
+logs becomes one declarative command to the model's device host, submitted through the worker pool.
+A request waits for its model's *confirmed* load (the worker's result), with a deadline; the
+worker's measured load time and footprint then replace the engine's estimates. A failed load
+takes the model off the engine's books (so it stops counting against the budget) and fails the
+waiting requests with the worker's reason. All engine calls happen on the event loop's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from manager.config import Config
+from manager.errors import (
+    DeadlineExceeded,
+    InsufficientCapacity,
+    InvalidRequest,
+    ModelNotFound,
+    WorkerUnavailable,
+)
+from manager.policy.engine import Engine
+from manager.policy.factory import create_policy
+from manager.policy.types import Action, ActionKind, Tier
+from manager.workers_bridge import model_specs
+from workers import protocol as P
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.005
+WAIT_RETRY_S = 0.05
+EVENTS_QUEUE = 1000
+
+
+@dataclass
+class _Live:
+    """What the workers have confirmed for one model."""
+
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    tier: P.TierName = "disk"
+    error: str | None = None
+    error_code: str | None = None
+    loads_pending: int = 0
+    requests: int = 0
+    last_used: float = 0.0
+    inflight: int = 0
+
+
+@dataclass(frozen=True)
+class Served:
+    """One served request's outcome (what goes to the request log)."""
+
+    result: P.InferResult
+    wait_s: float
+    cold: bool
+
+
+class LiveManager:
+    def __init__(
+        self,
+        config: Config,
+        pool: Any,
+        *,
+        store: Any = None,
+        clock: Callable[[], float] = time.time,
+        poll_s: float = POLL_S,
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.store = store
+        self.clock = clock
+        self.poll_s = poll_s
+        self.engine = Engine(config, create_policy(config.policy.name))
+        self.engine.actions = []
+        self._seen_actions = 0
+        self.specs = model_specs(config)
+        self.class_rank = {c.name: i for i, c in enumerate(config.classes)}
+        self.live = {name: _Live() for name in self.engine.models}
+        self._ops: dict[str, tuple[str, ActionKind]] = {}
+        self._subscribers: list[asyncio.Queue[dict[str, Any]]] = []
+        self._task: asyncio.Task[None] | None = None
+        self.started = False
+        self.waits: dict[str, list[float]] = {c.name: [] for c in config.classes}
+        self.rejected = 0
+        self.served = 0
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.engine.start(self.clock())
+        self._flush()
+        self._task = asyncio.create_task(self._loop(), name="residency-reconciler")
+        self.started = True
+
+    async def stop(self) -> None:
+        self.started = False
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _loop(self) -> None:
+        next_tick = 0.0
+        while True:
+            try:
+                for r in self.pool.poll():
+                    self._on_result(r)
+                now = self.clock()
+                wake = [t for t in self.engine.wakeups if t <= now]
+                if wake or now >= next_tick:
+                    self.engine.wakeups = [t for t in self.engine.wakeups if t > now]
+                    self.engine.tick(now)
+                    self._flush()
+                    next_tick = now + 1.0
+            except Exception:  # the reconciler must outlive any one bad result
+                logger.exception("reconciler step failed")
+            await asyncio.sleep(self.poll_s)
+
+    # ---- decisions -> commands ----------------------------------------------------------------
+    def _flush(self) -> None:
+        actions = self.engine.actions
+        assert actions is not None
+        new, self._seen_actions = actions[self._seen_actions :], len(actions)
+        for t, a in new:
+            self._apply(t, a)
+        if len(actions) > 10_000:  # keep memory bounded on a long-running service
+            del actions[: self._seen_actions]
+            self._seen_actions = 0
+
+    def _apply(self, t: float, a: Action) -> None:
+        spec = self.specs[a.model]
+        device = self.engine.models[a.model].device
+        live = self.live[a.model]
+        cmd: P.Command | None
+        if a.kind in (ActionKind.LOAD, ActionKind.PROMOTE):
+            cmd = P.Load(spec, "gpu")
+            live.ready.clear()
+            live.error = None
+            live.loads_pending += 1
+        elif a.kind == ActionKind.LOAD_HOST:
+            cmd = P.Load(spec, "host")
+        elif a.kind == ActionKind.DEMOTE:
+            cmd = P.Demote(a.model)
+            live.ready.clear()
+        elif a.kind == ActionKind.DROP:
+            cmd = P.Drop(a.model)
+            live.ready.clear()
+        else:  # lease changes: the world session reads its lease from the manager
+            cmd = None
+        if cmd is not None:
+            op = self.pool.submit(device, cmd)
+            self._ops[op] = (a.model, a.kind)
+        self._publish(a.kind.value, a.model, a.reason, device, t, bytes=a.bytes, prewarm=a.prewarm)
+
+    def _on_result(self, r: P.CommandResult) -> None:
+        model, kind = self._ops.pop(r.op_id, (r.model, None))
+        live = self.live.get(model)
+        if live is None:
+            return
+        now = self.clock()
+        if kind in (ActionKind.LOAD, ActionKind.PROMOTE):
+            live.loads_pending -= 1
+        if r.ok:
+            live.tier = r.to_tier
+            m = self.engine.models[model]
+            if r.to_tier == "gpu" and not r.noop:
+                src = "host" if r.from_tier == "host" else (r.source or "disk")
+                m.cost.measure(src, max(r.timing.total_s, 1e-4))
+                if r.footprint.device_bytes > 0:
+                    self.engine.measured_footprint(m, r.footprint.device_bytes, now)
+                m.ready_at = min(m.ready_at, now)
+            if r.to_tier == "gpu" and live.loads_pending == 0 and m.tier == Tier.GPU:
+                live.ready.set()
+            self._publish(
+                "confirmed", model, f"{r.op} {r.transition} in {r.timing.total_s:.3f} s", r.device, now
+            )
+            return
+        live.error, live.error_code = r.error, r.error_code
+        self._publish("failed", model, r.error or "", r.device, now)
+        m = self.engine.models[model]
+        if kind in (ActionKind.LOAD, ActionKind.PROMOTE) and m.tier == Tier.GPU and live.loads_pending == 0:
+            self.engine.evict(m, now, f"load failed: {r.error}")
+            self._flush()
+            live.ready.set()  # wake the waiters: they see the error
+
+    # ---- requests -------------------------------------------------------------------------------
+    def _model(self, name: str) -> Any:
+        m = self.engine.models.get(name)
+        if m is None:
+            known = ", ".join(sorted(self.engine.models))
+            raise ModelNotFound(f"unknown model {name!r}; this server has: {known}")
+        return m
+
+    def rank_of(self, m: Any, cls: str | None) -> int:
+        if cls is None:
+            return int(m.rank)
+        if cls not in self.class_rank:
+            raise InvalidRequest(f"unknown class {cls!r}; classes: {', '.join(self.class_rank)}")
+        return self.class_rank[cls]
+
+    async def _admit(self, m: Any, rank: int, deadline: float) -> float:
+        """Admit; return when the request may start (waiting for room if its class must)."""
+        arrival = self.clock()
+        self.engine.observe(m, arrival)
+        while True:
+            now = self.clock()
+            adm = self.engine.admit(m, rank, now)
+            self._flush()
+            if adm.status == "reject":
+                self.rejected += 1
+                raise InsufficientCapacity(f"model {m.name!r} cannot be served: {adm.reason}")
+            if adm.status != "wait":
+                return arrival
+            max_wait = self.engine.state.class_max_wait[rank]
+            if now - arrival > max_wait:
+                self.rejected += 1
+                raise InsufficientCapacity(
+                    f"model {m.name!r}: no room within its class's max_wait ({max_wait} s)"
+                )
+            if now >= deadline:
+                raise DeadlineExceeded(f"model {m.name!r}: no room became free before the deadline")
+            await asyncio.sleep(WAIT_RETRY_S)
+
+    async def _ready(self, m: Any, deadline: float) -> None:
+        live = self.live[m.name]
+        while not live.ready.is_set() or live.loads_pending:
+            left = deadline - self.clock()
+            if left <= 0:
+                raise DeadlineExceeded(f"model {m.name!r} did not finish loading before the deadline")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(live.ready.wait(), timeout=left)
+            if live.error and m.tier != Tier.GPU:
+                raise WorkerUnavailable(f"model {m.name!r} could not be loaded: {live.error}")
+            if m.tier != Tier.GPU:  # evicted again while waiting (rare): admit once more
+                adm = self.engine.admit(m, m.rank, self.clock())
+                self._flush()
+                if adm.status == "reject":
+                    raise InsufficientCapacity(f"model {m.name!r} cannot be served: {adm.reason}")
+
+    async def infer(
+        self, model: str, inputs: dict[str, np.ndarray], *, cls: str | None = None, timeout_s: float = 30.0
+    ) -> Served:
+        m = self._model(model)
+        rank = self.rank_of(m, cls)
+        deadline = self.clock() + timeout_s
+        arrival = await self._admit(m, rank, deadline)
+        live = self.live[model]
+        cold = not live.ready.is_set()
+        await self._ready(m, deadline)
+        start = self.clock()
+        m.busy_until = math.inf  # busy while it runs: never evicted under a request
+        live.inflight += 1
+        try:
+            result = await asyncio.to_thread(
+                self.pool.infer, m.device, model, inputs, max(deadline - start, 0.1)
+            )
+        finally:
+            live.inflight -= 1
+            end = self.clock()
+            m.busy_until = end if live.inflight == 0 else m.busy_until
+            self.engine.finish(m, start, end - start)
+            self.engine.after_request(m, end)
+            self._flush()
+        wait = start - arrival
+        self.waits[self.config.classes[rank].name].append(wait)
+        live.requests += 1
+        live.last_used = end
+        self.served += 1
+        self._log_request(arrival, model, end - start, cls, wait, result)
+        if not result.ok:
+            self._raise_infer_error(result)
+        return Served(result, wait, cold)
+
+    def _raise_infer_error(self, r: P.InferResult) -> None:
+        msg = r.error or "inference failed"
+        if r.error_code == P.BAD_INPUT:
+            raise InvalidRequest(msg)
+        if r.error_code == P.NOT_AVAILABLE:
+            raise InvalidRequest(msg)
+        raise WorkerUnavailable(msg)
+
+    def _log_request(
+        self, t: float, model: str, busy: float, cls: str | None, wait: float, r: P.InferResult
+    ) -> None:
+        if self.store is None:
+            return
+        rec: dict[str, Any] = {"t": t, "model": model, "busy_s": round(busy, 6), "wait_s": round(wait, 6)}
+        rec["outcome"] = "ok" if r.ok else "error"
+        if cls is not None:
+            rec["class"] = cls
+        try:
+            self.store.append_requests([rec])
+        except Exception:  # the store is best effort here; serving goes on
+            logger.exception("could not log a request to the store")
+
+    # ---- admin --------------------------------------------------------------------------------
+    async def preload(self, model: str, tier: str = "gpu", timeout_s: float = 120.0) -> None:
+        m = self._model(model)
+        now = self.clock()
+        if tier == "host":
+            self.engine.load_host(m, now, "preload")
+            self._flush()
+            return
+        if tier != "gpu":
+            raise InvalidRequest(f"preload tier must be gpu or host, not {tier!r}")
+        if m.tier != Tier.GPU:
+            if not self.engine.make_room(m, m.rank, now, may_evict=True):
+                raise InsufficientCapacity(
+                    f"model {model!r}: no room on {m.device} without breaking the rules"
+                )
+            self.engine.load(m, now, prewarm=False, reason="preload")
+            self._flush()
+        await self._ready(m, now + timeout_s)
+
+    def evict(self, model: str, to: str = "disk") -> None:
+        m = self._model(model)
+        if m.pinned:
+            raise InvalidRequest(f"model {model!r} is pinned; unpin it first")
+        if to not in ("disk", "host"):
+            raise InvalidRequest(f"evict to must be disk or host, not {to!r}")
+        if m.tier == Tier.GPU:
+            self.engine.evict(m, self.clock(), "admin evict")
+            if to == "disk" and m.tier == Tier.HOST:
+                self.engine.drop_host(m, self.clock(), "admin evict")
+        elif m.tier == Tier.HOST and to == "disk":
+            self.engine.drop_host(m, self.clock(), "admin evict")
+        self._flush()
+
+    def set_pin(self, model: str, pinned: bool) -> None:
+        self._model(model).pinned = pinned
+
+    # ---- events -------------------------------------------------------------------------------
+    def subscribe(self) -> asyncio.Queue[dict[str, Any]]:
+        q: asyncio.Queue[dict[str, Any]] = asyncio.Queue(EVENTS_QUEUE)
+        self._subscribers.append(q)
+        return q
+
+    def unsubscribe(self, q: asyncio.Queue[dict[str, Any]]) -> None:
+        with contextlib.suppress(ValueError):
+            self._subscribers.remove(q)
+
+    def _publish(self, kind: str, model: str, detail: str, device: str, t: float, **extra: Any) -> None:
+        ev = {"t": t, "kind": kind, "model": model, "detail": detail, "device": device, **extra}
+        for q in self._subscribers:
+            with contextlib.suppress(asyncio.QueueFull):
+                q.put_nowait(ev)
