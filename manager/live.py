@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.005
 WAIT_RETRY_S = 0.05
 EVENTS_QUEUE = 1000
+SAVE_EVERY_S = 60.0
 
 
 @dataclass
@@ -96,9 +97,47 @@ class LiveManager:
         self.waits: dict[str, list[float]] = {c.name: [] for c in config.classes}
         self.rejected = 0
         self.served = 0
+        self._next_save = 0.0
 
     # ---- lifecycle ----------------------------------------------------------------------------
+    # ---- statistics that survive a restart ---------------------------------------------------
+    def save_stats(self) -> None:
+        """Reuse histograms, measured load costs and footprints → the store (doc "stats")."""
+        if self.store is None:
+            return
+        doc = {
+            name: {"hist": m.hist.capture(), "cost": m.cost.capture(), "weights": m.weights,
+                   "requests": self.live[name].requests, "last_used": self.live[name].last_used}
+            for name, m in self.engine.models.items()
+        }  # fmt: skip
+        try:
+            self.store.put_doc("stats", doc)
+        except Exception:
+            logger.exception("could not save statistics to the store")
+
+    def restore_stats(self) -> int:
+        """Statistics saved by an earlier run, for the models still configured; returns how many."""
+        if self.store is None:
+            return 0
+        doc = self.store.get_doc("stats") or {}
+        restored = 0
+        for name, d in doc.items():
+            m = self.engine.models.get(name)
+            if m is None or not isinstance(d, dict):
+                continue
+            try:
+                m.hist.restore(d["hist"])
+                m.cost.restore(d["cost"])
+                m.weights = int(d.get("weights", m.weights))
+                self.live[name].requests = int(d.get("requests", 0))
+                self.live[name].last_used = float(d.get("last_used", 0.0))
+                restored += 1
+            except (KeyError, TypeError, ValueError) as e:
+                logger.warning("statistics of %s in the store are unreadable (%s); starting fresh", name, e)
+        return restored
+
     async def start(self) -> None:
+        self.restore_stats()
         self.engine.start(self.clock())
         self._flush()
         self._task = asyncio.create_task(self._loop(), name="residency-reconciler")
@@ -106,6 +145,7 @@ class LiveManager:
 
     async def stop(self) -> None:
         self.started = False
+        self.save_stats()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -124,6 +164,9 @@ class LiveManager:
                     self.engine.tick(now)
                     self._flush()
                     next_tick = now + 1.0
+                if now >= self._next_save:
+                    self.save_stats()
+                    self._next_save = now + SAVE_EVERY_S
             except Exception:  # the reconciler must outlive any one bad result
                 logger.exception("reconciler step failed")
             await asyncio.sleep(self.poll_s)

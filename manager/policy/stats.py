@@ -43,6 +43,29 @@ class ReuseHistogram:
         self.last_t = -math.inf
         self.first_t = math.inf
 
+    def capture(self) -> dict[str, object]:
+        """JSON-ready state (so the service's statistics survive a restart)."""
+        return {
+            "bins": list(self.bins), "how_bins": [list(b) for b in self.how_bins],
+            "arrivals_how": list(self.arrivals_how), "arrivals_hod": list(self.arrivals_hod),
+            "count": self.count, "last_t": self.last_t if self.count else None,
+            "first_t": self.first_t if self.count else None,
+        }  # fmt: skip
+
+    def restore(self, doc: dict[str, object]) -> None:
+        """Load what `capture` returned (ValueError if it does not fit this histogram's shape)."""
+        bins, how = doc["bins"], doc["how_bins"]
+        if not (isinstance(bins, list) and len(bins) == N_BINS and isinstance(how, list) and len(how) == 168):
+            raise ValueError("reuse histogram: bins of the wrong shape")
+        self.bins = [int(x) for x in bins]
+        self.how_bins = [[int(x) for x in row] for row in how]
+        self.arrivals_how = [int(x) for x in doc["arrivals_how"]]  # type: ignore[attr-defined]
+        self.arrivals_hod = [int(x) for x in doc["arrivals_hod"]]  # type: ignore[attr-defined]
+        self.count = int(doc["count"])  # type: ignore[call-overload]
+        last, first = doc.get("last_t"), doc.get("first_t")
+        self.last_t = float(last) if isinstance(last, int | float) else -math.inf
+        self.first_t = float(first) if isinstance(first, int | float) else math.inf
+
     def observe(self, t: float) -> None:
         """Record an arrival at `t` (arrivals must come in time order)."""
         h = hour_of_week(t)
@@ -134,3 +157,13 @@ class LoadCost:
 
     def as_dict(self) -> dict[str, float]:
         return dict(self._est)
+
+    def capture(self) -> dict[str, list[float]]:
+        """The measured samples per source (the seeds come from the config)."""
+        return {k: list(v) for k, v in self._samples.items()}
+
+    def restore(self, doc: dict[str, list[float]]) -> None:
+        for source, samples in doc.items():
+            if source in self._samples:
+                for x in samples:
+                    self.measure(source, float(x))
