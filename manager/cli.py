@@ -289,6 +289,29 @@ def cmd_ps(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(a: argparse.Namespace) -> int:
+    import time
+
+    from manager.store import StoreError, open_store
+    from manager.store.export import export_trace, parse_since
+
+    config = load_config(a.config)
+    try:
+        since = parse_since(a.since)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    try:
+        store = open_store(config.store.url)
+        try:
+            n = export_trace(store, since, time.time(), Path(a.out))
+        finally:
+            store.close()
+    except StoreError as e:
+        raise UsageError(str(e)) from None
+    err.print(f"wrote {n} requests to {a.out}", highlight=False, markup=False)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="residency", description="Decides which models stay resident.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -321,6 +344,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", required=True)
     s.set_defaults(fn=cmd_synth)
+    ex = tr.add_parser("export", help="the served requests of a time range, from the service's store")
+    ex.add_argument("--config", required=True)
+    ex.add_argument("--since", default="7d", help="how far back, e.g. 7d, 36h (default 7d)")
+    ex.add_argument("--out", required=True)
+    ex.set_defaults(fn=cmd_export)
 
     sv = sub.add_parser("serve", help="run the service (gRPC: Open Inference Protocol + residency.v1)")
     sv.add_argument("--config", required=True)

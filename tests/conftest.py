@@ -27,7 +27,12 @@ settings.register_profile("residency", deadline=None)
 settings.load_profile("residency")
 
 TESTS = Path(__file__).resolve().parent
-_DIR_MARKERS = {"unit": pytest.mark.unit, "integration": pytest.mark.integration, "gpu": pytest.mark.gpu}
+_DIR_MARKERS = {
+    "unit": pytest.mark.unit,
+    "integration": pytest.mark.integration,
+    "gpu": pytest.mark.gpu,
+    "e2e": pytest.mark.e2e,
+}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -7,6 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from .redis_server import redis_clean, redis_url  # noqa: F401  (fixtures: a private redis-server)
+
 TEST_NAMESPACE = "residency-test"
 
 

@@ -1,0 +1,43 @@
+"""The service's store (`store.url` in the config): request log, JSON documents, tier intents.
+
+  open_store(url) -> Store
+    sqlite:///PATH                              embedded default; a relative PATH is from the cwd,
+                                                parent folders are created (sqlite.py)
+    redis://[:PASSWORD@]HOST:PORT/DB[?prefix=P]  Redis Streams + hashes under prefix P, default
+                                                "residency"; rediss:// for TLS (redis.py)
+  Store, StoreError - the protocol and its error (base.py); export.py turns a time range of the
+  request log back into a ▶ trace file.
+
+The Redis client library is imported only when a redis url is opened, so the embedded default
+needs nothing beyond the standard library.
+"""
+
+from __future__ import annotations
+
+from manager.store.base import Store, StoreError, redact
+
+__all__ = ["Store", "StoreError", "open_store"]
+
+_EXPECTED = "expected sqlite:///PATH or redis://HOST:PORT/DB"
+
+
+def open_store(url: str) -> Store:
+    """Open the store at `url`.
+
+    Raises:
+        StoreError: unknown scheme or malformed url (the message names the url, password hidden,
+            and what is wrong), or an SQLite file that cannot be opened. A Redis server is
+            contacted lazily: see `Store.ping`.
+    """
+    if not isinstance(url, str) or "://" not in url:
+        raise StoreError(redact(url) if isinstance(url, str) else repr(url), f"not a store url; {_EXPECTED}")
+    scheme = url.split("://", 1)[0].lower()
+    if scheme == "sqlite":
+        from manager.store.sqlite import open_sqlite
+
+        return open_sqlite(url)
+    if scheme in ("redis", "rediss"):
+        from manager.store.redis import open_redis
+
+        return open_redis(url)
+    raise StoreError(redact(url), f"unknown scheme {scheme!r}; {_EXPECTED}")

