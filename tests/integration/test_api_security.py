@@ -1,0 +1,104 @@
+"""The gRPC server in-process on a real socket (grpc.aio, port 0): admin calls need the bearer token,
+inference does not; listening beyond loopback without a token is refused; TLS with a generated cert."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from manager.api.server import ServeError, auth_token, build_server
+from manager.config import Config, load_config
+from manager.live import LiveManager
+from manager.workers_bridge import create_pool
+from residency_proto.inference import grpc_service_pb2 as oip
+from residency_proto.inference import grpc_service_pb2_grpc as oip_grpc
+from residency_proto.v1 import residency_pb2 as adm
+from residency_proto.v1 import residency_pb2_grpc as adm_grpc
+
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local-cpu.yaml"
+TOKEN = "s3cret-token-for-tests"
+
+
+def config(**server: Any) -> Config:
+    base = load_config(CONFIG)
+    return base.model_copy(update={"server": base.server.model_copy(update=server)})
+
+
+def with_server(
+    cfg: Config, body: Callable[[str], Awaitable[None]], channel: Callable[[str], Any] | None = None
+) -> None:
+    async def main() -> None:
+        pool = create_pool(cfg, in_process=True)
+        manager = LiveManager(cfg, pool)
+        server, port, _ = await build_server(cfg, manager)
+        await server.start()
+        await manager.start()
+        try:
+            await body(f"127.0.0.1:{port}")
+        finally:
+            await server.stop(None)
+            await manager.stop()
+            pool.close()
+
+    asyncio.run(main())
+
+
+def test_admin_calls_need_the_token_and_inference_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RESIDENCY_TEST_TOKEN", TOKEN)
+    cfg = config(listen="127.0.0.1:0", auth_token_env="RESIDENCY_TEST_TOKEN")
+
+    async def body(target: str) -> None:
+        async with grpc.aio.insecure_channel(target) as ch:
+            admin = adm_grpc.ResidencyStub(ch)
+            for meta in (None, [("authorization", "Bearer wrong")], [("authorization", TOKEN)]):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await admin.List(adm.ListRequest(), metadata=meta)
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert "bearer token" in (e.value.details() or "")
+                assert TOKEN not in (e.value.details() or "")
+            ok = await admin.List(adm.ListRequest(), metadata=[("authorization", f"Bearer {TOKEN}")])
+            assert {m.name for m in ok.models} == {"voice", "world", "embed"}
+            infer = oip_grpc.GRPCInferenceServiceStub(ch)
+            assert (await infer.ServerLive(oip.ServerLiveRequest())).live  # data plane: no token needed
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await infer.RepositoryModelUnload(oip.RepositoryModelUnloadRequest(model_name="embed"))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+    with_server(cfg, body)
+
+
+def test_beyond_loopback_without_a_token_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RESIDENCY_TEST_TOKEN", raising=False)
+    with pytest.raises(ServeError, match="beyond loopback"):
+        auth_token(config(listen="0.0.0.0:50051", auth_token_env="RESIDENCY_TEST_TOKEN"))
+    assert auth_token(config(listen="127.0.0.1:50051")) is None
+    monkeypatch.setenv("RESIDENCY_TEST_TOKEN", TOKEN)
+    assert auth_token(config(listen="0.0.0.0:50051", auth_token_env="RESIDENCY_TEST_TOKEN")) == TOKEN
+
+
+def test_tls_with_a_generated_certificate(tmp_path: Path) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    cfg = config(listen="127.0.0.1:0", tls_cert=str(cert), tls_key=str(key))
+
+    async def body(target: str) -> None:
+        creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+        async with grpc.aio.secure_channel(target, creds) as ch:
+            resp = await oip_grpc.GRPCInferenceServiceStub(ch).ServerMetadata(oip.ServerMetadataRequest())
+            assert resp.name == "residency"
+        async with grpc.aio.insecure_channel(target) as ch:  # plaintext to a TLS port fails
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await oip_grpc.GRPCInferenceServiceStub(ch).ServerLive(oip.ServerLiveRequest(), timeout=5)
+            assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+    with_server(cfg, body)
