@@ -102,6 +102,8 @@ class ServerConfig(_Model):
     """Address the gRPC service listens on, as host:port."""
     auth_token_env: str | None = None
     """Name of the environment variable holding the bearer token (optional on loopback)."""
+    metrics_listen: str | None = None
+    """host:port for Prometheus metrics over HTTP (/metrics); null: no metrics endpoint."""
     tls_cert: str | None = None
     """PEM certificate chain for TLS (with tls_key); null serves plaintext."""
     tls_key: str | None = None
@@ -113,9 +115,11 @@ class ServerConfig(_Model):
             raise _FieldErrors([(("tls_cert",), "tls_cert and tls_key go together: give both or neither")])
         return self
 
-    @field_validator("listen")
+    @field_validator("listen", "metrics_listen")
     @classmethod
-    def _host_port(cls, v: str) -> str:
+    def _host_port(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
         host, sep, port = v.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
             raise ValueError(f"expected host:port with a port 0-65535, like '127.0.0.1:50051', got {v!r}")

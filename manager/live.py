@@ -32,6 +32,7 @@ from manager.errors import (
     ModelNotFound,
     WorkerUnavailable,
 )
+from manager.metrics import Metrics
 from manager.policy.engine import Engine
 from manager.policy.factory import create_policy
 from manager.policy.types import Action, ActionKind, Tier
@@ -98,6 +99,8 @@ class LiveManager:
         self.rejected = 0
         self.served = 0
         self._next_save = 0.0
+        self.metrics = Metrics()
+        self._thrash_seen = 0
 
     # ---- lifecycle ----------------------------------------------------------------------------
     # ---- statistics that survive a restart ---------------------------------------------------
@@ -202,10 +205,36 @@ class LiveManager:
             live.ready.clear()
         else:  # lease changes: the world session reads its lease from the manager
             cmd = None
+        self._count_action(a)
         if cmd is not None:
             op = self.pool.submit(device, cmd)
             self._ops[op] = (a.model, a.kind)
         self._publish(a.kind.value, a.model, a.reason, device, t, bytes=a.bytes, prewarm=a.prewarm)
+
+    def _count_action(self, a: Action) -> None:
+        mt = self.metrics
+        if a.kind in (ActionKind.LOAD, ActionKind.PROMOTE):
+            mt.loads.labels(a.model, "gpu", "host" if a.kind == ActionKind.PROMOTE else "disk").inc()
+        elif a.kind == ActionKind.LOAD_HOST:
+            mt.loads.labels(a.model, "host", "disk").inc()
+        elif a.kind in (ActionKind.DEMOTE, ActionKind.DROP) and a.device != "host":
+            mt.evictions.labels(a.model, "host" if a.kind == ActionKind.DEMOTE else "disk").inc()
+        elif a.kind in (ActionKind.SHRINK_LEASE, ActionKind.GROW_LEASE):
+            mt.lease.labels(a.model).set(a.bytes)
+        thrash = self.engine.counters.thrash
+        if thrash > self._thrash_seen:
+            mt.thrash.inc(thrash - self._thrash_seen)
+            self._thrash_seen = thrash
+        self._gauge_resident()
+
+    def _gauge_resident(self) -> None:
+        host = 0
+        for d in self.engine.state.devices.values():
+            self.metrics.resident.labels(d.name, "gpu").set(d.used)
+        for m in self.engine.models.values():
+            if m.tier == Tier.HOST:
+                host += m.weights
+        self.metrics.resident.labels("host", "host").set(host)
 
     def _on_result(self, r: P.CommandResult) -> None:
         model, kind = self._ops.pop(r.op_id, (r.model, None))
@@ -216,6 +245,8 @@ class LiveManager:
         if kind in (ActionKind.LOAD, ActionKind.PROMOTE):
             live.loads_pending -= 1
         if r.ok:
+            if not r.noop:
+                self.metrics.load_seconds.labels(model, r.transition).observe(r.timing.total_s)
             live.tier = r.to_tier
             m = self.engine.models[model]
             if r.to_tier == "gpu" and not r.noop:
@@ -231,6 +262,7 @@ class LiveManager:
             )
             return
         live.error, live.error_code = r.error, r.error_code
+        self.metrics.failures.labels(model, r.error_code or "unknown").inc()
         self._publish("failed", model, r.error or "", r.device, now)
         m = self.engine.models[model]
         if kind in (ActionKind.LOAD, ActionKind.PROMOTE) and m.tier == Tier.GPU and live.loads_pending == 0:
@@ -298,10 +330,19 @@ class LiveManager:
         m = self._model(model)
         rank = self.rank_of(m, cls)
         deadline = self.clock() + timeout_s
-        arrival = await self._admit(m, rank, deadline)
         live = self.live[model]
-        cold = not live.ready.is_set()
-        await self._ready(m, deadline)
+        cls_name = self.config.classes[rank].name
+        queue = self.metrics.queue.labels(model)
+        queue.inc()
+        try:
+            arrival = await self._admit(m, rank, deadline)
+            cold = not live.ready.is_set()
+            await self._ready(m, deadline)
+        except Exception:
+            self.metrics.requests.labels(model, cls_name, "rejected").inc()
+            raise
+        finally:
+            queue.dec()
         start = self.clock()
         m.busy_until = math.inf  # busy while it runs: never evicted under a request
         live.inflight += 1
@@ -317,7 +358,9 @@ class LiveManager:
             self.engine.after_request(m, end)
             self._flush()
         wait = start - arrival
-        self.waits[self.config.classes[rank].name].append(wait)
+        self.waits[cls_name].append(wait)
+        self.metrics.wait.labels(cls_name).observe(wait)
+        self.metrics.requests.labels(model, cls_name, "ok" if result.ok else "error").inc()
         live.requests += 1
         live.last_used = end
         self.served += 1

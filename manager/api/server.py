@@ -153,6 +153,11 @@ async def serve(
     manager = LiveManager(config, pool, store=store)
     server, port, health_servicer = await build_server(config, manager)
     await server.start()
+    if config.server.metrics_listen:
+        from prometheus_client import start_http_server
+
+        host, _, mport = config.server.metrics_listen.rpartition(":")
+        start_http_server(int(mport), addr=host, registry=manager.metrics.registry)
     await manager.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     for name in ("inference.GRPCInferenceService", "residency.v1.Residency"):

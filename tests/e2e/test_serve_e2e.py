@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from tritonclient.utils import InferenceServerException
 
 from manager.store import open_store
 
-from .conftest import BIN, Server
+from .conftest import BIN, CONFIG, Server, free_port
 
 AUDIO = np.zeros(1024, dtype=np.float32)
 
@@ -122,8 +123,14 @@ def test_sqlite_store_and_ray_workers(start_server: Callable[..., Server], tmp_p
 
 
 def test_redis_store(start_server: Callable[..., Server], redis_url: str) -> None:
-    server = start_server(redis_url, "--in-process")
+    metrics = f"127.0.0.1:{free_port()}"
+    text = f'server: {{metrics_listen: "{metrics}"}}\n' + CONFIG.read_text()
+    server = start_server(redis_url, "--in-process", config_text=text)
     served = drive(server.target)
+    with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10) as resp:
+        scrape = resp.read().decode()
+    assert 'residency_requests_total{cls="realtime",model="voice",outcome="ok"} 1.0' in scrape
+    assert "residency_load_seconds_bucket" in scrape and "residency_resident_bytes" in scrape
     assert server.stop() == 0
     store = open_store(redis_url)
     try:

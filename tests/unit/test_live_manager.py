@@ -49,6 +49,21 @@ def test_requests_wait_for_the_confirmed_load_then_hit() -> None:
         assert all(s.result.outputs == emb.result.outputs for s in many)
         assert lm.engine.counters.budget_violations == 0
         assert lm.pool.status("cpu0").models["voice"].tier == "gpu"
+        reg = lm.metrics.registry
+        assert (
+            reg.get_sample_value(
+                "residency_requests_total", {"model": "embed", "cls": "background", "outcome": "ok"}
+            )
+            == 8
+        )
+        assert (
+            reg.get_sample_value("residency_loads_total", {"model": "voice", "tier": "gpu", "source": "disk"})
+            == 1
+        )
+        assert reg.get_sample_value("residency_request_wait_seconds_count", {"cls": "realtime"}) == 3
+        assert (
+            reg.get_sample_value("residency_resident_bytes", {"device": "cpu0", "tier": "gpu"}) or 0
+        ) > 2**20
 
     run(load_config(CONFIG), body)
 
