@@ -240,7 +240,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         err.print(f"residency: serving on {host}:{port} (config {a.config})", highlight=False, markup=False)
 
     try:
-        asyncio.run(serve(config, in_process=a.in_process, ready=ready))
+        asyncio.run(serve(config, config_path=a.config, in_process=a.in_process, ready=ready))
     except (ServeError, StoreError) as e:
         raise UsageError(str(e)) from None
     return 0

@@ -424,6 +424,16 @@ class LiveManager:
             self.engine.drop_host(m, self.clock(), "admin evict")
         self._flush()
 
+    def reload(self, new: Config) -> list[str]:
+        """Take a changed config, dropping nothing in flight (RestartNeeded: structural changes)."""
+        from manager.reload import apply_reload, plan_reload
+
+        changes = plan_reload(self.config, new)
+        apply_reload(self.engine, new)
+        self.config = new
+        self._publish("config_reloaded", "", ", ".join(changes) or "no changes", "", self.clock())
+        return changes
+
     def set_pin(self, model: str, pinned: bool) -> None:
         self._model(model).pinned = pinned
 

@@ -46,9 +46,26 @@ def model_status(manager: LiveManager, name: str) -> pb.ModelStatus:
     )  # fmt: skip
 
 
+def reload_from_file(manager: LiveManager, path: str | None) -> list[str]:
+    """Re-read the config file and hot-apply it; InvalidRequest says why it was not applied."""
+    from manager.config import ConfigError, load_config
+    from manager.errors import InvalidRequest
+    from manager.reload import RestartNeeded
+
+    if path is None:
+        raise InvalidRequest("this server was not started from a config file; nothing to reload")
+    try:
+        return manager.reload(load_config(path))
+    except ConfigError as e:
+        raise InvalidRequest(f"config not reloaded: {e}") from None
+    except RestartNeeded as e:
+        raise InvalidRequest(f"config not reloaded: {e}; restart the service to apply it") from None
+
+
 class AdminServicer(pb_grpc.ResidencyServicer):
-    def __init__(self, manager: LiveManager) -> None:
+    def __init__(self, manager: LiveManager, config_path: str | None = None) -> None:
         self.manager = manager
+        self.config_path = config_path
 
     @mapped
     async def List(self, request: pb.ListRequest, context: Any) -> pb.ListResponse:
@@ -76,7 +93,9 @@ class AdminServicer(pb_grpc.ResidencyServicer):
 
     @mapped
     async def ReloadConfig(self, request: pb.ReloadConfigRequest, context: Any) -> pb.ReloadConfigResponse:
-        return pb.ReloadConfigResponse(changed=False, message="hot config reload is not implemented yet")
+        changes = reload_from_file(self.manager, self.config_path)
+        msg = "changed: " + ", ".join(changes) if changes else "no changes"
+        return pb.ReloadConfigResponse(changed=bool(changes), message=msg)
 
     @mapped
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:

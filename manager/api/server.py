@@ -107,7 +107,9 @@ def describer(manager: LiveManager) -> Callable[[str], Any]:
     return describe
 
 
-async def build_server(config: Config, manager: LiveManager) -> tuple[grpc.aio.Server, int, Any]:
+async def build_server(
+    config: Config, manager: LiveManager, config_path: str | None = None
+) -> tuple[grpc.aio.Server, int, Any]:
     token = auth_token(config)
     server = grpc.aio.server(
         interceptors=[AuthInterceptor(token)] if token else [],
@@ -119,7 +121,7 @@ async def build_server(config: Config, manager: LiveManager) -> tuple[grpc.aio.S
     grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
         InferenceServicer(manager, describer(manager)), server
     )
-    residency_pb2_grpc.add_ResidencyServicer_to_server(AdminServicer(manager), server)
+    residency_pb2_grpc.add_ResidencyServicer_to_server(AdminServicer(manager, config_path), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (
@@ -142,8 +144,38 @@ async def build_server(config: Config, manager: LiveManager) -> tuple[grpc.aio.S
     return server, port, health_servicer
 
 
+async def watch_config(manager: LiveManager, path: str, every_s: float = 2.0) -> None:
+    """Hot reload when the config file changes (a bad or structural change is logged, not applied)."""
+    from manager.api.admin import reload_from_file
+    from manager.errors import ResidencyError
+
+    def mtime() -> float:
+        try:
+            return os.stat(path).st_mtime
+        except OSError:
+            return 0.0
+
+    seen = mtime()
+    while True:
+        await asyncio.sleep(every_s)
+        now = mtime()
+        if now == seen:
+            continue
+        seen = now
+        try:
+            changes = reload_from_file(manager, path)
+            logger.info("config %s reloaded: %s", path, ", ".join(changes) or "no changes")
+        except ResidencyError as e:
+            logger.warning("%s", e)
+            manager._publish("config_rejected", "", str(e), "", manager.clock())
+
+
 async def serve(
-    config: Config, *, in_process: bool = False, ready: Callable[[int], None] | None = None
+    config: Config,
+    *,
+    config_path: str | None = None,
+    in_process: bool = False,
+    ready: Callable[[int], None] | None = None,
 ) -> None:
     from manager.store import open_store
     from manager.workers_bridge import create_pool
@@ -151,7 +183,7 @@ async def serve(
     store = open_store(config.store.url)
     pool = create_pool(config, in_process=in_process)
     manager = LiveManager(config, pool, store=store)
-    server, port, health_servicer = await build_server(config, manager)
+    server, port, health_servicer = await build_server(config, manager, config_path)
     await server.start()
     if config.server.metrics_listen:
         from prometheus_client import start_http_server
@@ -162,6 +194,7 @@ async def serve(
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     for name in ("inference.GRPCInferenceService", "residency.v1.Residency"):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    watcher = asyncio.create_task(watch_config(manager, config_path)) if config_path else None
     if ready is not None:
         ready(port)
     stop = asyncio.Event()
@@ -169,6 +202,8 @@ async def serve(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if watcher is not None:
+        watcher.cancel()
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=5)
     await manager.stop()

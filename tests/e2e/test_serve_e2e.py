@@ -9,12 +9,14 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as tc
 from tritonclient.utils import InferenceServerException
 
 from manager.store import open_store
+from residency_proto.v1 import residency_pb2, residency_pb2_grpc
 
 from .conftest import BIN, CONFIG, Server, free_port
 
@@ -151,6 +153,19 @@ def test_restart_keeps_stats_and_the_request_log(start_server: Callable[..., Ser
     server = start_server(url, "--in-process")
     models = ps(server.target)
     assert int(models["voice"]["requests"]) == 3  # restored from the store
+    # hot reload over the admin RPC: pin embed in the file the server runs from
+    cfg = tmp_path / "config-1.yaml"
+    cfg.write_text(
+        cfg.read_text().replace(
+            "adapter: sentence-transformers", "adapter: sentence-transformers\n    pin: true"
+        )
+    )
+    with grpc.insecure_channel(server.target) as ch:
+        resp = residency_pb2_grpc.ResidencyStub(ch).ReloadConfig(
+            residency_pb2.ReloadConfigRequest(), timeout=30
+        )
+    assert resp.changed and "models.embed.pin" in resp.message
+    assert ps(server.target)["embed"]["pinned"]
     store = open_store(url)
     try:
         assert store.count_requests() == 3

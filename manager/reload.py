@@ -1,0 +1,75 @@
+"""Hot config reload: what a running service can take from a changed config, and what needs a restart.
+
+`plan_reload(old, new)` returns the fields that changed, or raises `RestartNeeded` naming the first
+structural change (devices, the set of models, a model's adapter/device/source/class/elastic range,
+the classes' names or order, the policy's name). `apply_reload(engine, new)` then updates the
+engine in place — keep-alives, prewarm, pins, class reservations and rules, policy windows — so
+in-flight requests, resident models and learned statistics are untouched.
+"""
+
+from __future__ import annotations
+
+import math
+
+from manager.config import Config
+from manager.policy.engine import Engine
+
+
+class RestartNeeded(ValueError):
+    """The new config changes what the running service is built from."""
+
+
+def _model_shape(config: Config) -> dict[str, tuple[object, ...]]:
+    return {
+        m.name: (m.adapter, m.device, m.source, m.class_, m.elastic.model_dump() if m.elastic else None)
+        for m in config.models
+    }
+
+
+def plan_reload(old: Config, new: Config) -> list[str]:
+    if [d.model_dump() for d in old.devices] != [d.model_dump() for d in new.devices]:
+        raise RestartNeeded("devices changed")
+    if [c.name for c in old.classes] != [c.name for c in new.classes]:
+        raise RestartNeeded("class names or their order changed")
+    if old.policy.name != new.policy.name:
+        raise RestartNeeded(f"policy changed from {old.policy.name!r} to {new.policy.name!r}")
+    before, after = _model_shape(old), _model_shape(new)
+    if set(before) != set(after):
+        added, gone = sorted(set(after) - set(before)), sorted(set(before) - set(after))
+        raise RestartNeeded(f"models added {added} or removed {gone}")
+    for name in before:
+        if before[name] != after[name]:
+            raise RestartNeeded(f"model {name!r}: adapter, device, source, class or elastic range changed")
+    changes: list[str] = []
+    olds = {m.name: m for m in old.models}
+    for m in new.models:
+        o = olds[m.name]
+        for f in ("keep_alive", "prewarm", "pin", "memory", "load_seconds"):
+            if getattr(o, f) != getattr(m, f):
+                changes.append(f"models.{m.name}.{f}")
+    for oc, nc in zip(old.classes, new.classes, strict=True):
+        for f in ("reserve", "may_evict", "max_wait"):
+            if getattr(oc, f) != getattr(nc, f):
+                changes.append(f"classes.{nc.name}.{f}")
+    for f in ("thrash_window", "min_residency", "default_keep_alive"):
+        if getattr(old.policy, f) != getattr(new.policy, f):
+            changes.append(f"policy.{f}")
+    return changes
+
+
+def apply_reload(engine: Engine, new: Config) -> None:
+    state = engine.state
+    for mc in new.models:
+        m = engine.models[mc.name]
+        m.cfg = mc
+        m.keep_alive_cfg = mc.keep_alive
+        m.prewarm_ok = mc.prewarm
+        m.pinned = mc.pin
+    state.class_may_evict = [c.may_evict for c in new.classes]
+    state.class_max_wait = [c.max_wait if c.max_wait is not None else math.inf for c in new.classes]
+    for dev in state.devices.values():
+        dev.reserves = [c.reserve for c in new.classes]
+    engine.thrash_window = new.policy.thrash_window
+    engine.min_residency = new.policy.min_residency
+    engine.policy.default_keep_alive = new.policy.default_keep_alive
+    engine.config = new

@@ -1,0 +1,83 @@
+"""Hot config reload: tunable fields apply in place; structural changes need a restart."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from manager.config import Config, load_config
+from manager.live import LiveManager
+from manager.reload import RestartNeeded, plan_reload
+from manager.workers_bridge import create_pool
+
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local-cpu.yaml"
+HOME = Path(__file__).resolve().parents[2] / "configs" / "home.yaml"
+
+
+def edited(base: Config, model: str, **fields: object) -> Config:
+    models = [m.model_copy(update=fields) if m.name == model else m for m in base.models]
+    return base.model_copy(update={"models": models})
+
+
+def test_tunable_changes_are_listed() -> None:
+    base = load_config(HOME)
+    new = edited(base, "llm", keep_alive=900, prewarm=False)
+    classes = [c.model_copy(update={"reserve": 2**30}) if c.name == "realtime" else c for c in base.classes]
+    new = new.model_copy(
+        update={"classes": classes, "policy": base.policy.model_copy(update={"thrash_window": 60})}
+    )
+    assert plan_reload(base, new) == [
+        "models.llm.keep_alive",
+        "models.llm.prewarm",
+        "classes.realtime.reserve",
+        "policy.thrash_window",
+    ]
+    assert plan_reload(base, base) == []
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        (lambda c: edited(c, "llm", device="gpu1"), "model 'llm'"),
+        (lambda c: edited(c, "llm", adapter="torchscript"), "model 'llm'"),
+        (lambda c: c.model_copy(update={"models": c.models[:-1]}), r"removed \['photos'\]"),
+        (
+            lambda c: c.model_copy(update={"policy": c.policy.model_copy(update={"name": "gdsf"})}),
+            "policy changed",
+        ),
+        (lambda c: c.model_copy(update={"classes": list(reversed(c.classes))}), "class names"),
+    ],
+)
+def test_structural_changes_need_a_restart(change: object, words: str) -> None:
+    base = load_config(HOME)
+    with pytest.raises(RestartNeeded, match=words):
+        plan_reload(base, change(base))  # type: ignore[operator]
+
+
+def test_reload_applies_in_place_without_dropping_requests() -> None:
+    config = load_config(CONFIG)
+
+    async def main() -> None:
+        pool = create_pool(config, in_process=True)
+        lm = LiveManager(config, pool)
+        events = lm.subscribe()
+        await lm.start()
+        try:
+            inflight = asyncio.create_task(lm.infer("embed", {"text": np.array([b"x"], dtype=object)}))
+            changes = lm.reload(edited(config, "embed", pin=True, keep_alive=120))
+            assert changes == ["models.embed.keep_alive", "models.embed.pin"]
+            assert (await inflight).result.ok  # the request in flight is served
+            m = lm.engine.models["embed"]
+            assert m.pinned and m.keep_alive_cfg == 120 and lm.config.models[2].pin
+            kinds = []
+            while not events.empty():
+                kinds.append(events.get_nowait()["kind"])
+            assert "config_reloaded" in kinds
+        finally:
+            await lm.stop()
+            pool.close()
+
+    asyncio.run(main())
