@@ -129,10 +129,38 @@ def cmd_check(a: argparse.Namespace) -> int:
     return 0
 
 
+def _trace_from_store(config: Config, since: str) -> str:
+    import tempfile
+    import time
+
+    from manager.store import StoreError, open_store
+    from manager.store.export import export_trace, parse_since
+
+    try:
+        seconds = parse_since(since)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    out = Path(tempfile.mkdtemp(prefix="residency-tune-")) / "requests.jsonl"
+    try:
+        store = open_store(config.store.url)
+        try:
+            n = export_trace(store, seconds, time.time(), out)
+        finally:
+            store.close()
+    except StoreError as e:
+        raise UsageError(str(e)) from None
+    err.print(f"tuning on {n} requests of the last {since} from {config.store.url}", highlight=False)
+    return str(out)
+
+
 def cmd_tune(a: argparse.Namespace) -> int:
     from manager.replay.tune import split_holdout, tune
 
     config = load_config(a.config)
+    if a.from_store:
+        a.trace = _trace_from_store(config, a.since)
+    elif not a.trace:
+        raise UsageError("give --trace FILE, or --from-store to tune on the service's request log")
     reqs, _ = _load_trace(a.trace, config, a.strict)
     if a.holdout:
         search, holdout = reqs, _load_trace(a.holdout, config, a.strict)[0]
@@ -328,7 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("tune", help="tune keep-alives, prewarm and class reservations by replay")
     t.add_argument("--config", required=True)
-    t.add_argument("--trace", required=True)
+    t.add_argument("--trace", help="request trace (JSON Lines); or --from-store")
+    t.add_argument("--from-store", action="store_true", help="tune on the service's request log (store.url)")
+    t.add_argument("--since", default="7d", help="with --from-store: how far back (default 7d)")
     t.add_argument("--out", required=True)
     t.add_argument("--holdout", help="trace to judge the result on (default: the last 2 days of --trace)")
     t.add_argument("--report", help="directory for an HTML report with plots")

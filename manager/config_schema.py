@@ -296,6 +296,18 @@ class PolicyConfig(_Model):
     """Keep-alive used by `lru-keepalive` and where nothing else decides."""
 
 
+class TuningConfig(_Model):
+    schedule: Literal["off", "daily", "weekly"] = "off"
+    """How often the running service re-tunes itself from its own request log."""
+    apply: Literal["propose", "auto"] = "propose"
+    """propose: write the tuned config and its report only; auto: also hot-apply it when it beats the
+    running config on the most recent days, held out from the search."""
+    since: Duration = 7 * 86400
+    """How much of the request log to tune on."""
+    out_dir: str = ".residency/tuning"
+    """Where proposed configs and their HTML reports are written."""
+
+
 class Config(_Model):
     server: ServerConfig = ServerConfig()
     """The gRPC service."""
@@ -313,6 +325,8 @@ class Config(_Model):
     """The models Residency manages."""
     policy: PolicyConfig = PolicyConfig()
     """Policy and its knobs."""
+    tuning: TuningConfig = TuningConfig()
+    """The weekly loop, built in: tune from the store on a schedule."""
 
     def device(self, name: str) -> DeviceConfig:
         """The device called `name` (KeyError if none)."""

@@ -170,6 +170,24 @@ async def watch_config(manager: LiveManager, path: str, every_s: float = 2.0) ->
             manager._publish("config_rejected", "", str(e), "", manager.clock())
 
 
+async def tuning_loop(manager: LiveManager, path: str, store: Any, check_s: float = 60.0) -> None:
+    """Run the built-in tuning when its schedule says it is due (in a thread: it replays weeks)."""
+    from manager.tuning_job import due, tuning_step
+
+    while True:
+        now = manager.clock()
+        if due(manager.config, store, now):
+            try:
+                out = await asyncio.to_thread(tuning_step, manager, Path(path), store, now)
+                detail = (
+                    f"{out.reason}; changes: {', '.join(out.changes) or 'none'}; proposal: {out.proposal}"
+                )
+                manager._publish("tuning", "", detail, "", now)
+            except Exception:
+                logger.exception("scheduled tuning failed")
+        await asyncio.sleep(check_s)
+
+
 async def serve(
     config: Config,
     *,
@@ -195,6 +213,11 @@ async def serve(
     for name in ("inference.GRPCInferenceService", "residency.v1.Residency"):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     watcher = asyncio.create_task(watch_config(manager, config_path)) if config_path else None
+    tuner = (
+        asyncio.create_task(tuning_loop(manager, config_path, store))
+        if config_path and config.tuning.schedule != "off"
+        else None
+    )
     if ready is not None:
         ready(port)
     stop = asyncio.Event()
@@ -202,8 +225,9 @@ async def serve(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    if watcher is not None:
-        watcher.cancel()
+    for task in (watcher, tuner):
+        if task is not None:
+            task.cancel()
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=5)
     await manager.stop()
