@@ -100,6 +100,8 @@ class LiveManager:
         self.served = 0
         self._next_save = 0.0
         self.metrics = Metrics()
+        self.sessions: dict[str, tuple[str, float, int]] = {}  # id -> (model, opened at, class rank)
+        self._background: set[asyncio.Task[Any]] = set()
         self._thrash_seen = 0
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -203,8 +205,11 @@ class LiveManager:
         elif a.kind == ActionKind.DROP:
             cmd = P.Drop(a.model)
             live.ready.clear()
-        else:  # lease changes: the world session reads its lease from the manager
+        else:  # lease changes: the model's open world sessions follow the new lease
             cmd = None
+            for sid, (name, _, _) in self.sessions.items():
+                if name == a.model:
+                    self._spawn(self._resize_session(device, sid, a.bytes))
         self._count_action(a)
         if cmd is not None:
             op = self.pool.submit(device, cmd)
@@ -390,6 +395,94 @@ class LiveManager:
             self.store.append_requests([rec])
         except Exception:  # the store is best effort here; serving goes on
             logger.exception("could not log a request to the store")
+
+    # ---- world sessions -------------------------------------------------------------------------
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _resize_session(self, device: str, sid: str, lease: int) -> None:
+        reply = await asyncio.to_thread(self.pool.session, device, "resize", sid, lease)
+        model = self.sessions.get(sid, ("", 0.0, 0))[0]
+        detail = (
+            f"session {sid}: lease {reply.data.get('lease_bytes')} bytes" if reply.ok else (reply.error or "")
+        )
+        self._publish("lease_applied" if reply.ok else "lease_failed", model, detail, device, self.clock())
+
+    async def open_session(
+        self, model: str, *, cls: str | None = None, timeout_s: float = 60.0, codec: str = "bf16"
+    ) -> tuple[str, dict[str, Any]]:
+        """Admit a world session like a long request, then open it on the model's device host with the
+        model's current lease. The model stays busy (never evicted) until `close_session`."""
+        import uuid
+
+        m = self._model(model)
+        if m.cfg.elastic is None:
+            raise InvalidRequest(f"model {model!r} has no elastic KV lease: it is not a world model")
+        rank = self.rank_of(m, cls)
+        deadline = self.clock() + timeout_s
+        arrival = await self._admit(m, rank, deadline)
+        await self._ready(m, deadline)
+        live = self.live[model]
+        m.busy_until = math.inf
+        live.inflight += 1
+        sid = uuid.uuid4().hex[:12]
+        reply = await asyncio.to_thread(
+            self.pool.session, m.device, "open", model, sid, int(m.lease or m.lease_min), codec
+        )
+        if not reply.ok:
+            self._end_busy(m, arrival)
+            raise (InvalidRequest if reply.error_code == P.BAD_INPUT else WorkerUnavailable)(
+                f"world session on {model!r} could not open: {reply.error}"
+            )
+        self.sessions[sid] = (model, arrival, rank)
+        self._publish("session_opened", model, f"session {sid}", m.device, self.clock(), lease=m.lease)
+        return sid, reply.data
+
+    def _end_busy(self, m: Any, start: float) -> None:
+        live = self.live[m.name]
+        live.inflight -= 1
+        end = self.clock()
+        if live.inflight == 0:
+            m.busy_until = end
+        self.engine.finish(m, start, end - start)
+        self._flush()
+
+    async def step_session(self, sid: str, pose: tuple[float, float, float, float, float]) -> dict[str, Any]:
+        if sid not in self.sessions:
+            raise InvalidRequest(f"no open world session {sid!r}")
+        model = self.sessions[sid][0]
+        m = self.engine.models[model]
+        reply = await asyncio.to_thread(self.pool.session, m.device, "step", sid, pose)
+        if not reply.ok:
+            raise (InvalidRequest if reply.error_code == P.BAD_INPUT else WorkerUnavailable)(
+                f"world session {sid}: {reply.error}"
+            )
+        self.live[model].last_used = self.clock()
+        data = dict(reply.data)
+        data["manager_lease_bytes"] = int(m.lease)
+        return data
+
+    async def close_session(self, sid: str) -> dict[str, Any]:
+        if sid not in self.sessions:
+            raise InvalidRequest(f"no open world session {sid!r}")
+        model, opened, rank = self.sessions.pop(sid)
+        m = self.engine.models[model]
+        reply = await asyncio.to_thread(self.pool.session, m.device, "close", sid)
+        self._end_busy(m, opened)
+        live = self.live[model]
+        live.requests += 1
+        self.served += 1
+        if self.store is not None:
+            rec = {"t": opened, "model": model, "busy_s": round(self.clock() - opened, 6), "kind": "session",
+                   "class": self.config.classes[rank].name}  # fmt: skip
+            try:
+                self.store.append_requests([rec])
+            except Exception:
+                logger.exception("could not log a session to the store")
+        self._publish("session_closed", model, f"session {sid}", m.device, self.clock())
+        return dict(reply.data)
 
     # ---- admin --------------------------------------------------------------------------------
     async def preload(self, model: str, tier: str = "gpu", timeout_s: float = 120.0) -> None:

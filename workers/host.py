@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -34,6 +35,7 @@ from workers import protocol as P
 from workers.adapters import Adapter, AdapterError, HostCopy, make_adapter
 from workers.measure import CpuProbe, CudaProbe, MemoryProbe, Phases, nvml_power_w, rss_bytes, wait_released
 from workers.st_io import cached_fraction
+from workers.world import WorldSessions
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +89,8 @@ class DeviceHost:
         self.results: OrderedDict[str, P.CommandResult] = OrderedDict()
         self.ops_done = 0
         self._lock = threading.Lock()
+        self.world = WorldSessions(self.torch_device)
+        self.session_root = Path(tempfile.gettempdir()) / f"residency-sessions-{device}-{os.getpid()}"
 
     # ---- commands
 
@@ -236,6 +240,7 @@ class DeviceHost:
         return self._result(r, op_id, op, "host", ph, t0, used0, rss0, moved=moved, source="host")
 
     def _demote(self, r: _Resident, op_id: str, op: P.OpName) -> P.CommandResult:
+        self.world.close_model(r.spec.name)  # its sessions end before its weights leave the gpu tier
         ph, t0, used0, rss0 = Phases(), time.perf_counter(), self.probe.used(), rss_bytes()
         freed = r.device_bytes
         r.host = r.adapter.to_host(r.runnable, ph)
@@ -250,6 +255,7 @@ class DeviceHost:
         return self._result(r, op_id, op, "gpu", ph, t0, used0, rss0, moved=r.host_bytes, released=released)
 
     def _drop(self, r: _Resident, op_id: str) -> P.CommandResult:
+        self.world.close_model(r.spec.name)
         ph, t0, used0, rss0 = Phases(), time.perf_counter(), self.probe.used(), rss_bytes()
         name, before, expected = r.spec.name, r.tier, r.tensor_bytes
         del self.models[name]
@@ -331,6 +337,43 @@ class DeviceHost:
             },
             seconds=time.perf_counter() - t0,
         )
+
+    # ---- world sessions (workers.world)
+
+    def session_open(self, model: str, session_id: str, kv_bytes: int, codec: str = "bf16") -> P.SessionReply:
+        r = self.models.get(model)
+        if r is None or r.tier != "gpu" or r.adapter.name != "worldpager-mg2":
+            why = (
+                "not a world model"
+                if r is not None and r.adapter.name != "worldpager-mg2"
+                else "not in the gpu tier"
+            )
+            return P.SessionReply(
+                False, error_code=P.BAD_TRANSITION, error=f"model {model!r} is {why} on {self.name}"
+            )
+        return self._session_call(
+            lambda: self.world.open(
+                model, r.runnable, session_id, kv_bytes, self.session_root / session_id, codec
+            )
+        )
+
+    def session_step(self, session_id: str, pose: tuple[float, float, float, float, float]) -> P.SessionReply:
+        return self._session_call(lambda: self.world.step(session_id, pose))
+
+    def session_resize(self, session_id: str, kv_bytes: int) -> P.SessionReply:
+        return self._session_call(lambda: {"lease_bytes": self.world.resize(session_id, kv_bytes)})
+
+    def session_close(self, session_id: str) -> P.SessionReply:
+        return self._session_call(lambda: self.world.close(session_id))
+
+    def _session_call(self, fn: Callable[[], dict[str, Any]]) -> P.SessionReply:
+        try:
+            return P.SessionReply(True, fn())
+        except (KeyError, ValueError) as e:
+            return P.SessionReply(False, error_code=P.BAD_INPUT, error=str(e.args[0] if e.args else e))
+        except Exception as e:  # a failed session call never kills the host
+            logger.exception("device %s: world session call failed", self.name)
+            return P.SessionReply(False, error_code=P.INTERNAL, error=f"world session: {e!r}")
 
     def describe(self, spec: P.ModelSpec) -> tuple[list[P.TensorSpec], list[P.TensorSpec]]:
         """A model's declared inputs and outputs (AdapterError for an unknown adapter)."""

@@ -108,6 +108,12 @@ class InProcessWorkerPool:
     ) -> P.InferResult:
         return self._host(device).infer(model, inputs)
 
+    def session(self, device: str, method: str, *args: object, timeout_s: float = 120.0) -> P.SessionReply:
+        """World-session calls: method is open, step, resize or close (see DeviceHost.session_*)."""
+        fn = getattr(self._host(device), f"session_{method}")
+        reply: P.SessionReply = fn(*args)
+        return reply
+
     def close(self) -> None:
         for ex in self._exec.values():
             ex.shutdown(wait=True)

@@ -204,3 +204,13 @@ class InferResult:
     error_code: str | None = None
     error: str | None = None
     seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class SessionReply:
+    """Outcome of a world-session call (open, step, resize, close) as plain data."""
+
+    ok: bool
+    data: dict[str, Any] = field(default_factory=dict)
+    error_code: str | None = None
+    error: str | None = None

@@ -51,6 +51,11 @@ class DeviceHostActor:
         return self.host.status()
 
     @ray.method(concurrency_group="data")
+    def session(self, method: str, *args: Any) -> P.SessionReply:
+        reply: P.SessionReply = getattr(self.host, f"session_{method}")(*args)
+        return reply
+
+    @ray.method(concurrency_group="data")
     def describe(self, spec: P.ModelSpec) -> tuple[list[P.TensorSpec], list[P.TensorSpec]]:
         return self.host.describe(spec)
 
@@ -187,6 +192,18 @@ class RayWorkerPool:
         except RayError as e:
             return P.InferResult(model, False, error_code=P.WORKER_DIED, error=_why(device, e))
         return result
+
+    def session(self, device: str, method: str, *args: object, timeout_s: float = 120.0) -> P.SessionReply:
+        try:
+            reply: P.SessionReply = ray.get(
+                self._handle(device).session.remote(method, *args), timeout=timeout_s
+            )
+        except GetTimeoutError:
+            return P.SessionReply(False, error_code=P.WORKER_DIED, error=f"world session {method}: no answer "
+                                  f"from device {device!r} within {timeout_s} s")  # fmt: skip
+        except RayError as e:
+            return P.SessionReply(False, error_code=P.WORKER_DIED, error=_why(device, e))
+        return reply
 
     def kill(self, device: str, *, no_restart: bool = False) -> None:
         """Kill a device host (tests and fault drills); with restarts allowed Ray starts it again."""

@@ -28,15 +28,16 @@ class WorldPagerMG2Adapter(ModuleAdapter):
         from worldpager.session import SESSION_PRESETS
 
         preset = self.spec.source.get("preset", "tiny")
+        # positions on the fly: a session may run past MG2's 1024-frame and 7500-frame tables
         if preset == "mg2":
-            return mg2_config()
+            return mg2_config(on_the_fly=True)
         if preset not in SESSION_PRESETS:
             raise AdapterError(
                 P.BAD_CHECKPOINT,
                 f"model {self.spec.name!r}: source.preset {preset!r}; "
                 f"known: mg2, {', '.join(SESSION_PRESETS)}",
             )
-        return SESSION_PRESETS[preset]
+        return SESSION_PRESETS[preset].on_the_fly()
 
     def checkpoint(self) -> Path:
         return Path(self.source_str("path"))
