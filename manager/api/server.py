@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 
 from manager.api.admin import AdminServicer
 from manager.api.oip import InferenceServicer
+from manager.api.world import WorldSessionServicer
 from manager.config import Config
 from manager.live import LiveManager
 from residency_proto.inference import grpc_service_pb2, grpc_service_pb2_grpc
@@ -122,11 +123,13 @@ async def build_server(
         InferenceServicer(manager, describer(manager)), server
     )
     residency_pb2_grpc.add_ResidencyServicer_to_server(AdminServicer(manager, config_path), server)
+    residency_pb2_grpc.add_WorldSessionServicer_to_server(WorldSessionServicer(manager), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (
         grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
         residency_pb2.DESCRIPTOR.services_by_name["Residency"].full_name,
+        residency_pb2.DESCRIPTOR.services_by_name["WorldSession"].full_name,
         health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
         reflection.SERVICE_NAME,
     )
@@ -210,7 +213,7 @@ async def serve(
         start_http_server(int(mport), addr=host, registry=manager.metrics.registry)
     await manager.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    for name in ("inference.GRPCInferenceService", "residency.v1.Residency"):
+    for name in ("inference.GRPCInferenceService", "residency.v1.Residency", "residency.v1.WorldSession"):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     watcher = asyncio.create_task(watch_config(manager, config_path)) if config_path else None
     tuner = (

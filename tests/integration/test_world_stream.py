@@ -1,0 +1,85 @@
+"""residency.v1.WorldSession over a real socket (grpc.aio, in-process server, in-process hosts):
+start, one pose per segment, latents and stall/tier figures back; bad streams get clear statuses."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from manager.api.server import build_server
+from manager.config import load_config
+from manager.live import LiveManager
+from manager.workers_bridge import create_pool
+from residency_proto.v1 import residency_pb2 as pb
+from residency_proto.v1 import residency_pb2_grpc as pb_grpc
+
+CONFIG = """
+devices: [{name: cpu0, kind: cpu, memory: 1GiB, reserve: 128MiB}]
+host: {memory: 8GiB, reserve: 1GiB}
+classes: [{name: realtime}, {name: interactive}]
+models:
+  - {name: world, class: interactive, adapter: worldpager-mg2, device: cpu0, memory: 4MiB,
+     elastic: {min: 16MiB, max: 256MiB}, load_seconds: {disk: 0.2, host: 0.05}, source: {preset: micro}}
+  - {name: voice, class: realtime, adapter: silero-vad, device: cpu0, memory: 3MiB,
+     load_seconds: {disk: 0.1, host: 0.05}}
+"""
+
+
+def test_world_session_stream(tmp_path: Path) -> None:
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(CONFIG)
+    config = load_config(cfg_path)
+    config = config.model_copy(update={"server": config.server.model_copy(update={"listen": "127.0.0.1:0"})})
+
+    async def inputs(*msgs: pb.WorldInput) -> AsyncIterator[pb.WorldInput]:
+        for m in msgs:
+            yield m
+
+    async def main() -> None:
+        pool = create_pool(config, in_process=True)
+        manager = LiveManager(config, pool)
+        server, port, _ = await build_server(config, manager)
+        await server.start()
+        await manager.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = pb_grpc.WorldSessionStub(ch)
+                start = pb.WorldInput(start=pb.WorldStart(model="world"))
+                poses = [pb.WorldInput(action=pb.WorldAction(x=i, yaw=20.0 * i)) for i in range(3)]
+                outs = [o async for o in stub.Run(inputs(start, *poses))]
+                assert [o.segment for o in outs] == [-1, 0, 1, 2]
+                assert len({o.session_id for o in outs}) == 1
+                last = outs[-1]
+                lat = np.frombuffer(last.latents, dtype="<f4").reshape(tuple(last.shape))
+                assert lat.size > 0 and np.isfinite(lat).all()
+                assert last.lease_bytes >= 16 * 2**20 and last.stall_s >= 0 and last.max_position > 0
+                await asyncio.sleep(0)
+                assert manager.sessions == {}  # closed when the client ended its stream
+
+                for msgs, code, words in [
+                    ((poses[0],), grpc.StatusCode.INVALID_ARGUMENT, "first message"),
+                    (
+                        (pb.WorldInput(start=pb.WorldStart(model="nope")),),
+                        grpc.StatusCode.NOT_FOUND,
+                        "unknown model",
+                    ),
+                    (
+                        (pb.WorldInput(start=pb.WorldStart(model="voice")),),
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        "not a world",
+                    ),
+                ]:
+                    with pytest.raises(grpc.aio.AioRpcError) as e:
+                        _ = [o async for o in stub.Run(inputs(*msgs))]
+                    assert e.value.code() == code and words in (e.value.details() or "")
+        finally:
+            await server.stop(None)
+            await manager.stop()
+            pool.close()
+
+    asyncio.run(main())
