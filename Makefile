@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install proto redis-server run test lint typecheck pytest bench bench-workers clean
+.PHONY: install proto redis-server run replay test lint typecheck pytest bench bench-workers clean
 
 PROTOS := $(wildcard protos/residency_proto/*/*.proto)
 
@@ -29,9 +29,14 @@ redis-server:
 
 install: $(STAMP)
 
-# Main job on embedded defaults: replay the shipped synthetic week through the example config
-# and print the policy comparison table.
+# Main job on embedded defaults: the service (gRPC on 127.0.0.1:50051) with a local Ray, the embedded
+# SQLite store and configs/local-cpu.yaml, whose models all load offline (silero-vad, all-MiniLM-L6-v2,
+# WorldPager's MG2-shaped stand-in). Ctrl-C stops it.
 run: $(STAMP)
+	$(BIN)/residency serve --config configs/local-cpu.yaml
+
+# The replay of a shipped synthetic home week through configs/home.yaml, every policy side by side.
+replay: $(STAMP)
 	$(BIN)/residency replay --config configs/home.yaml --trace bench/traces/home-week-seed1.jsonl
 
 lint: $(STAMP)
