@@ -46,8 +46,11 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# Two pytest processes: tests/e2e imports tritonclient, whose `inference` protos collide with ours
+# in one process (see tests/conftest.py).
 pytest: $(STAMP) redis-server
 	$(BIN)/pytest -q
+	RESIDENCY_E2E=1 $(BIN)/pytest -q tests/e2e
 
 test: lint typecheck pytest
 

@@ -18,14 +18,19 @@ All on loopback; JSON goes to stdout, progress to stderr.
                     Each reports completed infers/s, per-request latency p50/p99 ms and errors. To tell
                     whether the load generator or the server is the limit, each run records the CPU
                     this process used and the CPU of the server's process tree (Ray's processes
-                    included), as % of one core and ms per infer. `grpc_noop` runs the aio generator
-                    against `ServerLive` (no manager, no model) for a floor on a bare gRPC call.
+                    included), as % of one core and ms per infer, and what all other processes on
+                    the machine used meanwhile (`other_processes_cpu_pct`: well above 0 means the
+                    figures were taken on a shared, busy machine).
+  grpc_noop         the aio generator against `ServerLive` (no manager, no model): the floor of a bare
+                    gRPC call on this server.
 
 Each server mode gets a fresh `residency serve` (config: `configs/local-cpu.yaml` plus the tiny model
 and a SQLite store in a temporary directory): `in_process` (`--in-process`, device hosts in the server
 process) and `ray` (device hosts in Ray actors; the server starts a local Ray). Readiness is polled
-(grpc.health.v1 SERVING, then the model's OIP ModelReady), never slept for. Servers get SIGTERM at the
-end, on errors too; whatever of their process tree outlives that is killed by pid.
+(grpc.health.v1 SERVING, then the model's OIP ModelReady), never slept for; then, as the other
+configured models load in the background for a few seconds, the server's CPU is polled until it is
+quiet. Servers get SIGTERM at the end, on errors too; whatever of their process tree outlives that
+(the detached device-host actor in ray mode) is killed by pid.
 
 Goals: one client p50 overhead <= 2 ms and p99 <= 5 ms; with 64 clients >= 2000 infer/s, p99 <= 100 ms
 and no errors. The concurrent goal counts as met when either load generator's run meets all three.
@@ -235,8 +240,14 @@ class CpuMeter:
                 out[p.pid] = (p.name(), t.user + t.system)
         return out
 
+    @staticmethod
+    def _machine_busy() -> float:
+        t = psutil.cpu_times()
+        return float(sum(t) - t.idle - getattr(t, "iowait", 0.0))
+
     def __enter__(self) -> CpuMeter:
         self.t0, self.c0, self.s0 = time.perf_counter(), time.process_time(), self._server_cpu()
+        self.m0 = self._machine_busy()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -247,6 +258,7 @@ class CpuMeter:
             f"{name}[{pid}]": cpu - self.s0.get(pid, (name, 0.0))[1] for pid, (name, cpu) in s1.items()
         }
         self.server_s = sum(self.by_proc.values())
+        self.other_s = max(self._machine_busy() - self.m0 - self.client_s - self.server_s, 0.0)
 
     def report(self, infers: int) -> dict[str, Any]:
         per = max(infers, 1)
@@ -254,6 +266,7 @@ class CpuMeter:
         return {
             "client_cpu_pct": round(100 * self.client_s / self.wall, 1),
             "server_cpu_pct": round(100 * self.server_s / self.wall, 1),
+            "other_processes_cpu_pct": round(100 * self.other_s / self.wall, 1),
             "client_cpu_ms_per_infer": round(1e3 * self.client_s / per, 4),
             "server_cpu_ms_per_infer": round(1e3 * self.server_s / per, 4),
             "server_cpu_pct_top": {k: round(100 * v / self.wall, 1) for k, v in top if v > 0},
@@ -474,7 +487,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
-    t0 = time.monotonic()
+    t0, load1 = time.monotonic(), os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="grpc-overhead-") as d:
         tmp = Path(d)
         cfg = write_config(tmp)
@@ -484,7 +497,8 @@ def main(argv: list[str] | None = None) -> int:
                                   "direct": direct, "goals": GOALS}  # fmt: skip
         for mode in a.modes:
             result[mode] = bench_mode(cfg, mode, tmp, a, direct)
-    result["machine"] = {"cpus": os.cpu_count(), "python": sys.version.split()[0], "grpc": grpc.__version__}
+    result["machine"] = {"cpus": os.cpu_count(), "loadavg_1m_at_start": round(load1, 2),
+                         "python": sys.version.split()[0], "grpc": grpc.__version__}  # fmt: skip
     result["command"] = shlex.join(
         ["python", "bench/grpc_overhead.py", *(argv if argv is not None else sys.argv[1:])]
     )

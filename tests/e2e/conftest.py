@@ -1,4 +1,7 @@
-"""End-to-end: `residency serve` as a subprocess, ready when its health service says SERVING."""
+"""End-to-end: `residency serve` as a subprocess, ready when its health service says SERVING.
+
+Runs in a pytest process of its own (`RESIDENCY_E2E=1 pytest tests/e2e`, as `make test` does): the
+stock client's generated `inference` protos and the server's cannot live in one process."""
 
 from __future__ import annotations
 
