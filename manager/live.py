@@ -45,6 +45,12 @@ POLL_S = 0.005
 WAIT_RETRY_S = 0.05
 EVENTS_QUEUE = 1000
 SAVE_EVERY_S = 60.0
+LOG_EVERY_S = 1.0
+LOG_BATCH = 500
+LOG_KEEP = 100_000
+INLINE_INFER_S = 0.0002
+"""In-process models whose recent inferences took less than this run on the event loop itself:
+handing them to a thread would cost more than the inference."""
 
 
 @dataclass
@@ -101,6 +107,11 @@ class LiveManager:
         self._next_save = 0.0
         self.metrics = Metrics()
         self.sessions: dict[str, tuple[str, float, int]] = {}  # id -> (model, opened at, class rank)
+        # The request log is written in batches off the event loop (once a second, or sooner when
+        # LOG_BATCH records wait), and at stop: a per-request write would cost more than the request.
+        self._log_buf: list[dict[str, Any]] = []
+        self._next_flush = 0.0
+        self._infer_s: dict[str, float] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._thrash_seen = 0
 
@@ -148,8 +159,20 @@ class LiveManager:
         self._task = asyncio.create_task(self._loop(), name="residency-reconciler")
         self.started = True
 
+    async def flush_log(self) -> None:
+        """Write the buffered request log to the store (kept for the next try if the store fails)."""
+        if self.store is None or not self._log_buf:
+            return
+        batch, self._log_buf = self._log_buf, []
+        try:
+            await asyncio.to_thread(self.store.append_requests, batch)
+        except Exception:  # the store is down: keep the records (bounded) and try again later
+            logger.exception("could not write %d requests to the store; will retry", len(batch))
+            self._log_buf = (batch + self._log_buf)[-LOG_KEEP:]
+
     async def stop(self) -> None:
         self.started = False
+        await self.flush_log()
         self.save_stats()
         if self._task is not None:
             self._task.cancel()
@@ -169,6 +192,9 @@ class LiveManager:
                     self.engine.tick(now)
                     self._flush()
                     next_tick = now + 1.0
+                if self._log_buf and (now >= self._next_flush or len(self._log_buf) >= LOG_BATCH):
+                    await self.flush_log()
+                    self._next_flush = now + LOG_EVERY_S
                 if now >= self._next_save:
                     self.save_stats()
                     self._next_save = now + SAVE_EVERY_S
@@ -352,9 +378,7 @@ class LiveManager:
         m.busy_until = math.inf  # busy while it runs: never evicted under a request
         live.inflight += 1
         try:
-            result = await asyncio.to_thread(
-                self.pool.infer, m.device, model, inputs, max(deadline - start, 0.1)
-            )
+            result = await self._run_infer(m.device, model, inputs, max(deadline - start, 0.1))
         finally:
             live.inflight -= 1
             end = self.clock()
@@ -374,6 +398,23 @@ class LiveManager:
             self._raise_infer_error(result)
         return Served(result, wait, cold)
 
+    async def _run_infer(
+        self, device: str, model: str, inputs: dict[str, np.ndarray], timeout_s: float
+    ) -> P.InferResult:
+        """The data path: awaited directly on Ray (no thread per request); in process, inline for
+        models that take microseconds, else on a thread."""
+        infer_async = getattr(self.pool, "infer_async", None)
+        if infer_async is not None:
+            result: P.InferResult = await infer_async(device, model, inputs, timeout_s)
+        elif self._infer_s.get(model, 1.0) < INLINE_INFER_S:
+            result = self.pool.infer(device, model, inputs, timeout_s)
+        else:
+            result = await asyncio.to_thread(self.pool.infer, device, model, inputs, timeout_s)
+        if result.ok:
+            prev = self._infer_s.get(model)
+            self._infer_s[model] = result.seconds if prev is None else 0.8 * prev + 0.2 * result.seconds
+        return result
+
     def _raise_infer_error(self, r: P.InferResult) -> None:
         msg = r.error or "inference failed"
         if r.error_code == P.BAD_INPUT:
@@ -391,10 +432,7 @@ class LiveManager:
         rec["outcome"] = "ok" if r.ok else "error"
         if cls is not None:
             rec["class"] = cls
-        try:
-            self.store.append_requests([rec])
-        except Exception:  # the store is best effort here; serving goes on
-            logger.exception("could not log a request to the store")
+        self._log_buf.append(rec)
 
     # ---- world sessions -------------------------------------------------------------------------
     def _spawn(self, coro: Any) -> None:
@@ -477,10 +515,7 @@ class LiveManager:
         if self.store is not None:
             rec = {"t": opened, "model": model, "busy_s": round(self.clock() - opened, 6), "kind": "session",
                    "class": self.config.classes[rank].name}  # fmt: skip
-            try:
-                self.store.append_requests([rec])
-            except Exception:
-                logger.exception("could not log a session to the store")
+            self._log_buf.append(rec)
         self._publish("session_closed", model, f"session {sid}", m.device, self.clock())
         return dict(reply.data)
 

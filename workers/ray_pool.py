@@ -62,7 +62,7 @@ class DeviceHostActor:
 
 # Commands run one at a time, in the order the pool sends them; inference and status calls run beside
 # them (a status read is never stuck behind a long load).
-RemoteDeviceHost = ray.remote(concurrency_groups={"commands": 1, "data": 4})(  # type: ignore[call-overload]
+RemoteDeviceHost = ray.remote(concurrency_groups={"commands": 1, "data": 16})(  # type: ignore[call-overload]
     DeviceHostActor
 )
 
@@ -204,6 +204,23 @@ class RayWorkerPool:
         except RayError as e:
             return P.SessionReply(False, error_code=P.WORKER_DIED, error=_why(device, e))
         return reply
+
+    async def infer_async(
+        self, device: str, model: str, inputs: dict[str, np.ndarray], timeout_s: float = 30.0
+    ) -> P.InferResult:
+        """`infer` for an asyncio caller: awaits the ObjectRef (no thread blocked per request)."""
+        import asyncio
+
+        try:
+            result: P.InferResult = await asyncio.wait_for(
+                self._handle(device).infer.remote(model, inputs), timeout=timeout_s
+            )
+        except TimeoutError:
+            return P.InferResult(model, False, error_code=P.WORKER_DIED, error=f"model {model!r}: no answer "
+                                 f"from device {device!r} within {timeout_s} s")  # fmt: skip
+        except RayError as e:
+            return P.InferResult(model, False, error_code=P.WORKER_DIED, error=_why(device, e))
+        return result
 
     def kill(self, device: str, *, no_restart: bool = False) -> None:
         """Kill a device host (tests and fault drills); with restarts allowed Ray starts it again."""

@@ -215,6 +215,10 @@ async def serve(
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     for name in ("inference.GRPCInferenceService", "residency.v1.Residency", "residency.v1.WorldSession"):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    import gc
+
+    gc.collect()
+    gc.freeze()  # what start-up built stays: the collector no longer walks it on every request burst
     watcher = asyncio.create_task(watch_config(manager, config_path)) if config_path else None
     tuner = (
         asyncio.create_task(tuning_loop(manager, config_path, store))
