@@ -48,7 +48,7 @@ SAVE_EVERY_S = 60.0
 LOG_EVERY_S = 1.0
 LOG_BATCH = 500
 LOG_KEEP = 100_000
-INLINE_INFER_S = 0.0002
+INLINE_INFER_S = 0.0005
 """In-process models whose recent inferences took less than this run on the event loop itself:
 handing them to a thread would cost more than the inference."""
 
@@ -363,14 +363,14 @@ class LiveManager:
         deadline = self.clock() + timeout_s
         live = self.live[model]
         cls_name = self.config.classes[rank].name
-        queue = self.metrics.queue.labels(model)
+        queue = self.metrics.child("queue", model)
         queue.inc()
         try:
             arrival = await self._admit(m, rank, deadline)
             cold = not live.ready.is_set()
             await self._ready(m, deadline)
         except Exception:
-            self.metrics.requests.labels(model, cls_name, "rejected").inc()
+            self.metrics.child("requests", model, cls_name, "rejected").inc()
             raise
         finally:
             queue.dec()
@@ -388,8 +388,8 @@ class LiveManager:
             self._flush()
         wait = start - arrival
         self.waits[cls_name].append(wait)
-        self.metrics.wait.labels(cls_name).observe(wait)
-        self.metrics.requests.labels(model, cls_name, "ok" if result.ok else "error").inc()
+        self.metrics.child("wait", cls_name).observe(wait)
+        self.metrics.child("requests", model, cls_name, "ok" if result.ok else "error").inc()
         live.requests += 1
         live.last_used = end
         self.served += 1

@@ -8,6 +8,8 @@ by outcome. (WorldPager stall figures join with world sessions.)
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 WAIT_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -42,3 +44,12 @@ class Metrics:
         self.failures = Counter(
             "residency_load_failures", "Failed worker commands", ["model", "code"], registry=r
         )
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def child(self, metric: str, *labels: str) -> Any:
+        """The labelled child of a per-request metric, cached (labels() is a lookup with a lock)."""
+        key = (metric, *labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = getattr(self, metric).labels(*labels)
+        return c

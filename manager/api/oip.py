@@ -33,6 +33,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(self, manager: LiveManager, describe: Any) -> None:
         self.manager = manager
         self.describe = describe  # model name -> (inputs, outputs) TensorSpecs
+        self.classes = [c.name for c in manager.config.classes]
 
     @mapped
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
@@ -68,7 +69,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     def _class_of(self, request: pb.ModelInferRequest) -> str | None:
         params = request.parameters
-        classes = [c.name for c in self.manager.config.classes]
+        if not params:
+            return None
+        classes = self.classes
         if "residency_class" in params:
             return str(_param(params["residency_class"]))
         if "priority" in params:
