@@ -24,7 +24,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -56,6 +56,8 @@ class _Resident:
     host_bytes: int = 0
     last_used: float | None = None
     inferences: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    """One inference at a time per model: models keep state (silero's) and modules are not thread-safe."""
 
 
 class DeviceHost:
@@ -320,7 +322,8 @@ class DeviceHost:
         runnable, adapter = r.runnable, r.adapter
         t0 = time.perf_counter()
         try:
-            out = adapter.infer(runnable, inputs)
+            with r.lock:
+                out = adapter.infer(runnable, inputs)
         except AdapterError as e:
             return P.InferResult(model, False, error_code=e.code, error=e.message)
         except Exception as e:

@@ -47,6 +47,10 @@ class DeviceHostActor:
         return self.host.infer(model, inputs)
 
     @ray.method(concurrency_group="data")
+    def infer_many(self, items: list[tuple[str, dict[str, np.ndarray]]]) -> list[P.InferResult]:
+        return [self.host.infer(model, inputs) for model, inputs in items]
+
+    @ray.method(concurrency_group="data")
     def status(self) -> P.WorkerStatus:
         return self.host.status()
 
@@ -102,6 +106,7 @@ class RayWorkerPool:
         self._queued: dict[str, deque[tuple[str, P.Command]]] = {d: deque() for d in self.actors}
         self._inflight: dict[str, tuple[Any, str, P.Command] | None] = dict.fromkeys(self.actors)
         self._lock = threading.Lock()
+        self._batchers: dict[str, _Batcher] = {}
 
     @staticmethod
     def _actor(d: DeviceSpec, namespace: str, max_restarts: int) -> tuple[Any, bool]:
@@ -208,19 +213,18 @@ class RayWorkerPool:
     async def infer_async(
         self, device: str, model: str, inputs: dict[str, np.ndarray], timeout_s: float = 30.0
     ) -> P.InferResult:
-        """`infer` for an asyncio caller: awaits the ObjectRef (no thread blocked per request)."""
+        """`infer` for an asyncio caller: requests queued for a device while its calls are in flight go
+        together in one actor call (`infer_many`), so a burst pays one Ray round trip, not one each."""
         import asyncio
 
+        batcher = self._batchers.get(device)
+        if batcher is None:
+            batcher = self._batchers[device] = _Batcher(self._handle(device), device)
         try:
-            result: P.InferResult = await asyncio.wait_for(
-                self._handle(device).infer.remote(model, inputs), timeout=timeout_s
-            )
+            return await asyncio.wait_for(batcher.submit(model, inputs), timeout=timeout_s)
         except TimeoutError:
             return P.InferResult(model, False, error_code=P.WORKER_DIED, error=f"model {model!r}: no answer "
                                  f"from device {device!r} within {timeout_s} s")  # fmt: skip
-        except RayError as e:
-            return P.InferResult(model, False, error_code=P.WORKER_DIED, error=_why(device, e))
-        return result
 
     def kill(self, device: str, *, no_restart: bool = False) -> None:
         """Kill a device host (tests and fault drills); with restarts allowed Ray starts it again."""
@@ -248,3 +252,47 @@ def _died(device: str, op: str, cmd: P.Command, e: Exception) -> P.CommandResult
         op, P.command_model(cmd), P.command_op(cmd), False, error_code=P.WORKER_DIED, error=_why(device, e),
         device=device,
     )  # fmt: skip
+
+
+class _Batcher:
+    """Per device: at most MAX_INFLIGHT `infer_many` calls in flight; what queues meanwhile goes next,
+    up to MAX_BATCH requests per call. Runs on the caller's event loop."""
+
+    MAX_INFLIGHT = 2
+    MAX_BATCH = 64
+
+    def __init__(self, handle: Any, device: str) -> None:
+        self.handle = handle
+        self.device = device
+        self.queue: list[tuple[str, dict[str, np.ndarray], Any]] = []
+        self.inflight = 0
+
+    async def submit(self, model: str, inputs: dict[str, np.ndarray]) -> P.InferResult:
+        import asyncio
+
+        fut = asyncio.get_running_loop().create_future()
+        self.queue.append((model, inputs, fut))
+        self._kick()
+        result: P.InferResult = await fut
+        return result
+
+    def _kick(self) -> None:
+        import asyncio
+
+        while self.inflight < self.MAX_INFLIGHT and self.queue:
+            batch, self.queue = self.queue[: self.MAX_BATCH], self.queue[self.MAX_BATCH :]
+            self.inflight += 1
+            asyncio.get_running_loop().create_task(self._run(batch))
+
+    async def _run(self, batch: list[tuple[str, dict[str, np.ndarray], Any]]) -> None:
+        try:
+            results = await self.handle.infer_many.remote([(m, x) for m, x, _ in batch])
+        except Exception as e:  # the actor died, or anything else: every waiter gets an answer
+            why = _why(self.device, e)
+            results = [P.InferResult(m, False, error_code=P.WORKER_DIED, error=why) for m, _, _ in batch]
+        finally:
+            self.inflight -= 1
+        for (_, _, fut), r in zip(batch, results, strict=True):
+            if not fut.done():
+                fut.set_result(r)
+        self._kick()

@@ -115,3 +115,20 @@ def test_a_cuda_device_schedules_on_a_logical_gpu_and_says_cuda_is_missing(ray_a
     (r,) = run(pool, "den-gpu0", P.Load(VOICE))
     assert not r.ok and r.error_code == P.NOT_AVAILABLE and "CUDA is not available" in (r.error or "")
     assert pool.status("den-gpu0").kind == "cuda"
+
+
+def test_concurrent_async_inference_is_batched_per_device(ray_actors: list[object]) -> None:
+    import asyncio
+
+    pool = make_pool(ray_actors, DeviceSpec("den-cpu3", "cpu"))
+    run(pool, "den-cpu3", P.Load(VOICE))
+
+    async def burst() -> list[P.InferResult]:
+        return await asyncio.gather(*(pool.infer_async("den-cpu3", "voice", AUDIO) for _ in range(24)))
+
+    results = asyncio.run(burst())
+    assert all(r.ok for r in results) and len({str(r.outputs) for r in results}) == 1
+    assert pool.status("den-cpu3").models["voice"].inferences == 24
+    pool.kill("den-cpu3", no_restart=True)
+    dead = asyncio.run(burst())
+    assert all(not r.ok and r.error_code == P.WORKER_DIED for r in dead)
