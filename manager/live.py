@@ -237,10 +237,23 @@ class LiveManager:
                 if name == a.model:
                     self._spawn(self._resize_session(device, sid, a.bytes))
         self._count_action(a)
+        self._record_intent(a)
         if cmd is not None:
             op = self.pool.submit(device, cmd)
             self._ops[op] = (a.model, a.kind)
         self._publish(a.kind.value, a.model, a.reason, device, t, bytes=a.bytes, prewarm=a.prewarm)
+
+    def _record_intent(self, a: Action) -> None:
+        """The tier the manager wants each model in, kept in the store (what a restarted manager
+        reconciles the device hosts against)."""
+        tier = {ActionKind.LOAD: "gpu", ActionKind.PROMOTE: "gpu", ActionKind.LOAD_HOST: "host",
+                ActionKind.DEMOTE: "host", ActionKind.DROP: "disk"}.get(a.kind)  # fmt: skip
+        if tier is None or self.store is None:
+            return
+        try:
+            self.store.set_intent(a.model, tier)
+        except Exception:  # serving goes on; the next decision writes it again
+            logger.exception("could not record the intent for %s", a.model)
 
     def _count_action(self, a: Action) -> None:
         mt = self.metrics

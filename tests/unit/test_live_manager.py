@@ -132,6 +132,7 @@ def test_statistics_and_the_request_log_survive_a_restart(tmp_path: Path) -> Non
         )
 
     store = open_store(url)
+    assert store.intents()["voice"] == "gpu"  # intent kept for reconciliation
     count2, cost2, requests = run(config, look, store)
     assert store.count_requests() == 3
     assert [r["model"] for r in store.requests(0)] == ["voice"] * 3
