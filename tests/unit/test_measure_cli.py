@@ -51,3 +51,16 @@ def test_a_model_that_cannot_load_here_is_reported_not_raised(
     assert main(["measure", "--config", str(cfg), "--model", "embed", "--repeats", "1", "--json"]) == 1
     (embed,) = json.loads(capsys.readouterr().out)["models"]
     assert not embed["ok"] and "no such file" in embed["error"] and "'embed'" in embed["error"]
+
+
+def test_noisy_medians_keep_the_cost_table_ordered() -> None:
+    from manager.measure import ModelMeasure, config_updates
+
+    def t(x: float) -> dict[str, float]:
+        return {"total_s": x}
+
+    mm = ModelMeasure("voice", "silero-vad", "cpu0", "cpu0", footprint_bytes=2_000_000)
+    mm.transitions = {"disk->gpu(cold)": t(0.0654), "disk->gpu(cached)": t(0.0668), "host->gpu": t(0.0569)}
+    ls = config_updates([mm])["voice"]["load_seconds"]
+    assert ls["host"] <= ls["cached"] <= ls["disk"]
+    assert ls == {"disk": 0.0668, "cached": 0.0668, "host": 0.0569}
