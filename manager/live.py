@@ -135,7 +135,11 @@ class LiveManager:
         """Statistics saved by an earlier run, for the models still configured; returns how many."""
         if self.store is None:
             return 0
-        doc = self.store.get_doc("stats") or {}
+        try:
+            doc = self.store.get_doc("stats") or {}
+        except Exception:  # the store is down at start: serve anyway, with fresh statistics
+            logger.exception("could not read saved statistics from the store; starting fresh")
+            return 0
         restored = 0
         for name, d in doc.items():
             m = self.engine.models.get(name)
@@ -193,8 +197,13 @@ class LiveManager:
         try:
             await asyncio.to_thread(self.store.append_requests, batch)
         except Exception:  # the store is down: keep the records (bounded) and try again later
-            logger.exception("could not write %d requests to the store; will retry", len(batch))
-            self._log_buf = (batch + self._log_buf)[-LOG_KEEP:]
+            logger.warning("could not write %d requests to the store; kept for a retry", len(batch))
+            kept = batch + self._log_buf
+            if len(kept) > LOG_KEEP:
+                self.metrics.log_dropped.inc(len(kept) - LOG_KEEP)
+                kept = kept[-LOG_KEEP:]
+            self._log_buf = kept
+        self.metrics.log_buffered.set(len(self._log_buf))
 
     async def stop(self) -> None:
         self.started = False

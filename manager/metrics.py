@@ -44,6 +44,14 @@ class Metrics:
         self.failures = Counter(
             "residency_load_failures", "Failed worker commands", ["model", "code"], registry=r
         )
+        self.log_buffered = Gauge(
+            "residency_request_log_buffered", "Served requests waiting to be written to the store", registry=r
+        )
+        self.log_dropped = Counter(
+            "residency_request_log_dropped",
+            "Request-log records dropped: the store was down too long",
+            registry=r,
+        )
         self._children: dict[tuple[str, ...], Any] = {}
 
     def child(self, metric: str, *labels: str) -> Any:

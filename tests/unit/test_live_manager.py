@@ -156,3 +156,49 @@ def test_histogram_and_cost_capture_round_trip() -> None:
     assert c2.as_dict() == c.as_dict()
     with pytest.raises(ValueError, match="wrong shape"):
         ReuseHistogram().restore({**h.capture(), "bins": [1, 2]})
+
+
+class _FlakyStore:
+    """Fault injector (unit tests only) around the real SQLite store: every call fails while `down`."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.down = True
+
+    def __getattr__(self, name: str) -> Any:
+        target = getattr(self.real, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self.down:
+                from manager.store import StoreError
+
+                raise StoreError(self.real.url, "connection refused (injected)")
+            return target(*args, **kwargs)
+
+        return call
+
+
+def test_the_store_down_at_start_and_while_serving_loses_nothing_within_the_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import manager.live as live_mod
+
+    store = _FlakyStore(open_store(f"sqlite:///{tmp_path / 'state.db'}"))
+    monkeypatch.setattr(live_mod, "LOG_KEEP", 5)
+
+    async def body(lm: LiveManager) -> None:
+        for _ in range(3):
+            await lm.infer("voice", AUDIO)
+        await lm.flush_log()  # store down: kept
+        assert lm.metrics.registry.get_sample_value("residency_request_log_buffered") == 3
+        for _ in range(4):
+            await lm.infer("voice", AUDIO)
+        await lm.flush_log()  # 7 waiting, bound 5: the 2 oldest go, and the metric says so
+        assert lm.metrics.registry.get_sample_value("residency_request_log_dropped_total") == 2
+        store.down = False
+        await lm.flush_log()
+        assert store.real.count_requests() == 5
+        assert lm.metrics.registry.get_sample_value("residency_request_log_buffered") == 0
+
+    run(load_config(CONFIG), body, store)  # it started although the store was down
+    store.real.close()
