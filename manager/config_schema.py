@@ -102,6 +102,8 @@ class ServerConfig(_Model):
     """Address the gRPC service listens on, as host:port."""
     auth_token_env: str | None = None
     """Name of the environment variable holding the bearer token (optional on loopback)."""
+    max_request_bytes: ByteSize = Field(default=64 * 2**20, gt=0)
+    """Largest gRPC message accepted (and sent); larger requests get RESOURCE_EXHAUSTED."""
     metrics_listen: str | None = None
     """host:port for Prometheus metrics over HTTP (/metrics); null: no metrics endpoint."""
     tls_cert: str | None = None
@@ -213,6 +215,9 @@ class ClassConfig(_Model):
     """False: requests of this class never cause an eviction; they wait or run where room exists."""
     max_wait: Duration | None = None
     """A request of this class that waits longer than this for room is rejected; null: wait."""
+    max_queue: int | None = Field(default=None, ge=1)
+    """At most this many requests of this class may wait for their model at once; more are refused
+    (RESOURCE_EXHAUSTED, "queue full"). Null: no limit."""
 
 
 class LoadSeconds(_Model):

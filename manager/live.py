@@ -112,6 +112,7 @@ class LiveManager:
         self._log_buf: list[dict[str, Any]] = []
         self._next_flush = 0.0
         self._infer_s: dict[str, float] = {}
+        self.queued: dict[str, int] = {}  # requests of each class waiting for their model
         self._background: set[asyncio.Task[Any]] = set()
         self._thrash_seen = 0
 
@@ -411,6 +412,14 @@ class LiveManager:
         deadline = self.clock() + timeout_s
         live = self.live[model]
         cls_name = self.config.classes[rank].name
+        limit = self.config.classes[rank].max_queue
+        if limit is not None and self.queued.get(cls_name, 0) >= limit:
+            self.rejected += 1
+            self.metrics.child("requests", model, cls_name, "rejected").inc()
+            raise InsufficientCapacity(
+                f"class {cls_name!r}: queue full ({limit} requests waiting); retry later"
+            )
+        self.queued[cls_name] = self.queued.get(cls_name, 0) + 1
         queue = self.metrics.child("queue", model)
         queue.inc()
         try:
@@ -422,6 +431,7 @@ class LiveManager:
             raise
         finally:
             queue.dec()
+            self.queued[cls_name] -= 1
         start = self.clock()
         m.busy_until = math.inf  # busy while it runs: never evicted under a request
         live.inflight += 1

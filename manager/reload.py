@@ -48,7 +48,7 @@ def plan_reload(old: Config, new: Config) -> list[str]:
             if getattr(o, f) != getattr(m, f):
                 changes.append(f"models.{m.name}.{f}")
     for oc, nc in zip(old.classes, new.classes, strict=True):
-        for f in ("reserve", "may_evict", "max_wait"):
+        for f in ("reserve", "may_evict", "max_wait", "max_queue"):
             if getattr(oc, f) != getattr(nc, f):
                 changes.append(f"classes.{nc.name}.{f}")
     for f in ("thrash_window", "min_residency", "default_keep_alive"):

@@ -33,7 +33,6 @@ from residency_proto.v1 import residency_pb2, residency_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-MAX_MESSAGE = 64 * 2**20
 ADMIN_PREFIXES = (
     "/residency.v1.Residency/",
     "/inference.GRPCInferenceService/RepositoryModelLoad",
@@ -115,8 +114,8 @@ async def build_server(
     server = grpc.aio.server(
         interceptors=[AuthInterceptor(token)] if token else [],
         options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE),
-            ("grpc.max_send_message_length", MAX_MESSAGE),
+            ("grpc.max_receive_message_length", config.server.max_request_bytes),
+            ("grpc.max_send_message_length", config.server.max_request_bytes),
         ],
     )
     grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(

@@ -102,3 +102,20 @@ def test_tls_with_a_generated_certificate(tmp_path: Path) -> None:
             assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
     with_server(cfg, body)
+
+
+def test_requests_over_the_size_limit_are_refused() -> None:
+    cfg = config(listen="127.0.0.1:0", max_request_bytes=2**20)
+
+    async def body(target: str) -> None:
+        async with grpc.aio.insecure_channel(
+            target, options=[("grpc.max_send_message_length", 8 * 2**20)]
+        ) as ch:
+            stub = oip_grpc.GRPCInferenceServiceStub(ch)
+            req = oip.ModelInferRequest(model_name="voice", raw_input_contents=[b"\0" * (2 * 2**20)])
+            req.inputs.add(name="audio", datatype="FP32", shape=[512 * 1024])
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.ModelInfer(req, timeout=30)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    with_server(cfg, body)

