@@ -204,6 +204,8 @@ async def serve(
     pool = create_pool(config, in_process=in_process)
     manager = LiveManager(config, pool, store=store)
     server, port, health_servicer = await build_server(config, manager, config_path)
+    # grpc's health servicer answers SERVING for "" by default: say NOT_SERVING until the manager runs
+    await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
     if config.server.metrics_listen:
         from prometheus_client import start_http_server
