@@ -56,6 +56,17 @@ def wait_status(pool: RayWorkerPool, device: str, timeout: float = 60.0) -> P.Wo
             time.sleep(0.2)
 
 
+def wait_dead(pool: RayWorkerPool, device: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            pool.status(device, timeout_s=5)
+        except Exception:
+            return
+        assert time.monotonic() < deadline, f"{device}: the killed actor kept answering"
+        time.sleep(0.05)
+
+
 def test_real_models_through_every_tier(ray_actors: list[object]) -> None:
     pool = make_pool(ray_actors, DeviceSpec("den-cpu0", "cpu"))
     loaded = run(pool, "den-cpu0", P.Load(VOICE), P.Load(EMBED))
@@ -89,7 +100,12 @@ def test_reattach_after_the_actor_is_killed(ray_actors: list[object]) -> None:
     again = make_pool(ray_actors, DeviceSpec("den-cpu1", "cpu"))
     assert again.reattached == {"den-cpu1": True}
     after = wait_status(again, "den-cpu1")
-    assert after.pid != before.pid and after.models == {}
+    deadline = time.monotonic() + 60
+    while after.pid == before.pid:  # ray.kill is asynchronous: the old incarnation may still answer
+        assert time.monotonic() < deadline, "the actor was not restarted"
+        time.sleep(0.1)
+        after = wait_status(again, "den-cpu1")
+    assert after.models == {}
 
     # reconcile: intent says voice on the gpu tier; the plan reloads it, once
     cmds = plan({"voice": "gpu"}, {"voice": VOICE}, after)
@@ -104,7 +120,8 @@ def test_reattach_after_the_actor_is_killed(ray_actors: list[object]) -> None:
 
 def test_a_dead_worker_is_an_error_result_not_a_hang(ray_actors: list[object]) -> None:
     pool = make_pool(ray_actors, DeviceSpec("den-cpu2", "cpu"))
-    pool.kill("den-cpu2", no_restart=True)
+    pool.kill("den-cpu2", no_restart=True)  # asynchronous: wait until the actor is really gone
+    wait_dead(pool, "den-cpu2")
     (r,) = run(pool, "den-cpu2", P.Load(VOICE))
     assert not r.ok and r.error_code == P.WORKER_DIED and "den-cpu2" in (r.error or "")
     inf = pool.infer("den-cpu2", "voice", AUDIO, timeout_s=10)
@@ -131,7 +148,8 @@ def test_concurrent_async_inference_is_batched_per_device(ray_actors: list[objec
     results = asyncio.run(burst())
     assert all(r.ok for r in results) and len({str(r.outputs) for r in results}) == 1
     assert pool.status("den-cpu3").models["voice"].inferences == 24
-    pool.kill("den-cpu3", no_restart=True)
+    pool.kill("den-cpu3", no_restart=True)  # asynchronous: wait until the actor is really gone
+    wait_dead(pool, "den-cpu3")
     dead = asyncio.run(burst())
     assert all(not r.ok and r.error_code == P.WORKER_DIED for r in dead)
 
