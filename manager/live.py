@@ -407,43 +407,33 @@ class LiveManager:
     async def infer(
         self, model: str, inputs: dict[str, np.ndarray], *, cls: str | None = None, timeout_s: float = 30.0
     ) -> Served:
+        """Serve one request. If the device host lost the model under it (the host died or restarted),
+        the model is taken off the books and the request is retried once, within its deadline."""
         m = self._model(model)
         rank = self.rank_of(m, cls)
         deadline = self.clock() + timeout_s
         live = self.live[model]
         cls_name = self.config.classes[rank].name
-        limit = self.config.classes[rank].max_queue
-        if limit is not None and self.queued.get(cls_name, 0) >= limit:
-            self.rejected += 1
-            self.metrics.child("requests", model, cls_name, "rejected").inc()
-            raise InsufficientCapacity(
-                f"class {cls_name!r}: queue full ({limit} requests waiting); retry later"
-            )
-        self.queued[cls_name] = self.queued.get(cls_name, 0) + 1
-        queue = self.metrics.child("queue", model)
-        queue.inc()
-        try:
-            arrival = await self._admit(m, rank, deadline)
-            cold = not live.ready.is_set()
-            await self._ready(m, deadline)
-        except Exception:
-            self.metrics.child("requests", model, cls_name, "rejected").inc()
-            raise
-        finally:
-            queue.dec()
-            self.queued[cls_name] -= 1
-        start = self.clock()
-        m.busy_until = math.inf  # busy while it runs: never evicted under a request
-        live.inflight += 1
-        try:
-            result = await self._run_infer(m.device, model, inputs, max(deadline - start, 0.1))
-        finally:
-            live.inflight -= 1
-            end = self.clock()
-            m.busy_until = end if live.inflight == 0 else m.busy_until
-            self.engine.finish(m, start, end - start)
-            self.engine.after_request(m, end)
-            self._flush()
+        arrival, cold = await self._queue_for(m, rank, cls_name, deadline)
+        for attempt in range(2):
+            start = self.clock()
+            m.busy_until = math.inf  # busy while it runs: never evicted under a request
+            live.inflight += 1
+            try:
+                result = await self._run_infer(m.device, model, inputs, max(deadline - start, 0.1))
+            finally:
+                live.inflight -= 1
+                end = self.clock()
+                m.busy_until = end if live.inflight == 0 else m.busy_until
+                self.engine.finish(m, start, end - start)
+                self.engine.after_request(m, end)
+                self._flush()
+            lost = not result.ok and result.error_code in (P.WORKER_DIED, P.BAD_TRANSITION)
+            if not lost or attempt == 1 or self.clock() > deadline - 0.1:
+                break
+            self._lost(m, result.error or "the device host lost the model")
+            _, again = await self._queue_for(m, rank, cls_name, deadline)
+            cold = cold or again
         wait = start - arrival
         self.waits[cls_name].append(wait)
         self.metrics.child("wait", cls_name).observe(wait)
@@ -455,6 +445,42 @@ class LiveManager:
         if not result.ok:
             self._raise_infer_error(result)
         return Served(result, wait, cold)
+
+    async def _queue_for(self, m: Any, rank: int, cls_name: str, deadline: float) -> tuple[float, bool]:
+        """Admission and the wait for the model's confirmed load, under the class's queue limit."""
+        limit = self.config.classes[rank].max_queue
+        if limit is not None and self.queued.get(cls_name, 0) >= limit:
+            self.rejected += 1
+            self.metrics.child("requests", m.name, cls_name, "rejected").inc()
+            raise InsufficientCapacity(
+                f"class {cls_name!r}: queue full ({limit} requests waiting); retry later"
+            )
+        self.queued[cls_name] = self.queued.get(cls_name, 0) + 1
+        queue = self.metrics.child("queue", m.name)
+        queue.inc()
+        try:
+            arrival = await self._admit(m, rank, deadline)
+            cold = not self.live[m.name].ready.is_set()
+            await self._ready(m, deadline)
+            return arrival, cold
+        except Exception:
+            self.metrics.child("requests", m.name, cls_name, "rejected").inc()
+            raise
+        finally:
+            queue.dec()
+            self.queued[cls_name] -= 1
+
+    def _lost(self, m: Any, why: str) -> None:
+        """The device host no longer holds `m` (it died, or restarted empty): off the books, so the
+        next admission loads it again."""
+        now = self.clock()
+        self._publish("lost", m.name, why, m.device, now)
+        self.live[m.name].ready.clear()
+        if m.tier == Tier.GPU:
+            self.engine.evict(m, now, f"lost by its device host: {why}")
+        if m.tier == Tier.HOST:
+            self.engine.drop_host(m, now, "lost by its device host")
+        self._flush()
 
     async def _run_infer(
         self, device: str, model: str, inputs: dict[str, np.ndarray], timeout_s: float

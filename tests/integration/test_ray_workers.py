@@ -193,3 +193,47 @@ def test_a_restarted_manager_adopts_what_the_device_hosts_hold(
     assert adopted and "embed" in str(adopted[0]["detail"]) and "voice" in str(adopted[0]["detail"])
     confirmations = [e["detail"] for e in events if e["kind"] == "confirmed" and e["model"] == "embed"]
     assert confirmations and all("disk->" not in str(c) for c in confirmations)  # nothing was read again
+
+
+def test_a_device_host_that_restarted_empty_costs_one_reload_not_a_failure(
+    ray_actors: list[object], tmp_path: Path
+) -> None:
+    import asyncio
+
+    from manager.config import load_config
+    from manager.live import LiveManager
+
+    text = (ROOT / "configs" / "local-cpu.yaml").read_text().replace("cpu0", "den-cpu5")
+    (tmp_path / "c.yaml").write_text(text)
+    config = load_config(tmp_path / "c.yaml")
+
+    async def main() -> list[dict[str, object]]:
+        pool = make_pool(ray_actors, DeviceSpec("den-cpu5", "cpu"))
+        lm = LiveManager(config, pool)
+        events = lm.subscribe()
+        await lm.start()
+        try:
+            assert (await lm.infer("voice", AUDIO)).result.ok
+            before = pool.status("den-cpu5").pid
+            pool.kill("den-cpu5")  # Ray restarts it, empty
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if pool.status("den-cpu5", timeout_s=5).pid != before:
+                        break
+                except Exception:
+                    pass
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.1)
+            served = await lm.infer("voice", AUDIO, timeout_s=60)  # lost, reloaded, served
+            assert served.result.ok and served.cold
+            assert pool.status("den-cpu5").models["voice"].tier == "gpu"
+        finally:
+            await lm.stop()
+        out = []
+        while not events.empty():
+            out.append(events.get_nowait())
+        return out
+
+    events = asyncio.run(main())
+    assert any(e["kind"] == "lost" and e["model"] == "voice" for e in events)
