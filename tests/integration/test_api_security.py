@@ -49,7 +49,12 @@ def with_server(
     asyncio.run(main())
 
 
-def test_admin_calls_need_the_token_and_inference_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_admin_calls_need_the_token_and_inference_does_not(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    caplog.set_level(logging.DEBUG)
     monkeypatch.setenv("RESIDENCY_TEST_TOKEN", TOKEN)
     cfg = config(listen="127.0.0.1:0", auth_token_env="RESIDENCY_TEST_TOKEN")
 
@@ -71,6 +76,7 @@ def test_admin_calls_need_the_token_and_inference_does_not(monkeypatch: pytest.M
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
     with_server(cfg, body)
+    assert TOKEN not in caplog.text  # no secret is logged, whatever happened
 
 
 def test_beyond_loopback_without_a_token_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
