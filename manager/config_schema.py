@@ -131,6 +131,9 @@ class ServerConfig(_Model):
 class StoreConfig(_Model):
     url: str = "sqlite:///.residency/state.db"
     """Where state, events and the request log are kept: sqlite:///PATH or redis(s)://HOST:PORT/DB."""
+    journal: str | None = ".residency/requests.journal"
+    """Local append-only file holding served requests until the store has them (a killed service
+    loses none; they are written to the store at the next start). Null: no journal."""
 
     @field_validator("url")
     @classmethod

@@ -20,6 +20,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,7 @@ from manager.errors import (
     ModelNotFound,
     WorkerUnavailable,
 )
+from manager.journal import RequestJournal
 from manager.metrics import Metrics
 from manager.policy.engine import Engine
 from manager.policy.factory import create_policy
@@ -85,6 +87,7 @@ class LiveManager:
         store: Any = None,
         clock: Callable[[], float] = time.time,
         poll_s: float = POLL_S,
+        journal: str | Path | None = None,
     ) -> None:
         self.config = config
         self.pool = pool
@@ -110,6 +113,7 @@ class LiveManager:
         # The request log is written in batches off the event loop (once a second, or sooner when
         # LOG_BATCH records wait), and at stop: a per-request write would cost more than the request.
         self._log_buf: list[dict[str, Any]] = []
+        self.journal = RequestJournal(Path(journal)) if journal is not None and store is not None else None
         self._next_flush = 0.0
         self._infer_s: dict[str, float] = {}
         self.queued: dict[str, int] = {}  # requests of each class waiting for their model
@@ -181,6 +185,9 @@ class LiveManager:
         return adopted
 
     async def start(self) -> None:
+        if self.journal is not None:  # requests served before a crash, not yet in the store
+            self._log_buf = self.journal.read() + self._log_buf
+            await self.flush_log()
         self.restore_stats()
         adopted = await self.adopt()
         if adopted:
@@ -190,6 +197,11 @@ class LiveManager:
         self._task = asyncio.create_task(self._loop(), name="residency-reconciler")
         self.started = True
 
+    def _log(self, rec: dict[str, Any]) -> None:
+        self._log_buf.append(rec)
+        if self.journal is not None:
+            self.journal.append(rec)
+
     async def flush_log(self) -> None:
         """Write the buffered request log to the store (kept for the next try if the store fails)."""
         if self.store is None or not self._log_buf:
@@ -197,6 +209,8 @@ class LiveManager:
         batch, self._log_buf = self._log_buf, []
         try:
             await asyncio.to_thread(self.store.append_requests, batch)
+            if self.journal is not None:
+                self.journal.rewrite(self._log_buf)  # what the store has leaves the journal
         except Exception:  # the store is down: keep the records (bounded) and try again later
             logger.warning("could not write %d requests to the store; kept for a retry", len(batch))
             kept = batch + self._log_buf
@@ -208,12 +222,14 @@ class LiveManager:
 
     async def stop(self) -> None:
         self.started = False
-        await self.flush_log()
-        self.save_stats()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        await self.flush_log()
+        self.save_stats()
+        if self.journal is not None:
+            self.journal.close()
 
     async def _loop(self) -> None:
         next_tick = 0.0
@@ -516,7 +532,7 @@ class LiveManager:
         rec["outcome"] = "ok" if r.ok else "error"
         if cls is not None:
             rec["class"] = cls
-        self._log_buf.append(rec)
+        self._log(rec)
 
     # ---- world sessions -------------------------------------------------------------------------
     def _spawn(self, coro: Any) -> None:
@@ -599,7 +615,7 @@ class LiveManager:
         if self.store is not None:
             rec = {"t": opened, "model": model, "busy_s": round(self.clock() - opened, 6), "kind": "session",
                    "class": self.config.classes[rank].name}  # fmt: skip
-            self._log_buf.append(rec)
+            self._log(rec)
         self._publish("session_closed", model, f"session {sid}", m.device, self.clock())
         return dict(reply.data)
 

@@ -202,7 +202,7 @@ async def serve(
 
     store = open_store(config.store.url)
     pool = create_pool(config, in_process=in_process)
-    manager = LiveManager(config, pool, store=store)
+    manager = LiveManager(config, pool, store=store, journal=config.store.journal)
     server, port, health_servicer = await build_server(config, manager, config_path)
     # grpc's health servicer answers SERVING for "" by default: say NOT_SERVING until the manager runs
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -225,3 +225,43 @@ def test_a_full_class_queue_refuses_with_resource_exhausted(tmp_path: Path) -> N
         assert (await lm.infer("embed", TEXT)).result.ok  # the queue drained: served again
 
     run(load_config(cfg), body)
+
+
+def test_a_killed_service_loses_no_served_request(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import manager.live as live_mod
+
+    monkeypatch.setattr(live_mod, "LOG_EVERY_S", 3600.0)  # the periodic flush never comes in time
+    config = load_config(CONFIG)
+    url, journal = f"sqlite:///{tmp_path / 'state.db'}", tmp_path / "requests.journal"
+
+    async def killed() -> None:
+        store = open_store(url)
+        pool = create_pool(config, in_process=True)
+        lm = LiveManager(config, pool, store=store, journal=journal)
+        await lm.start()
+        for _ in range(3):
+            await lm.infer("voice", AUDIO)
+        assert lm._task is not None
+        lm._task.cancel()  # killed: no stop(), no final flush
+        assert store.count_requests() < 3  # the store has not got all three
+        assert lm.journal is not None
+        lm.journal.close()  # the process is gone: the OS closes its files
+        pool.close()
+        store.close()
+
+    asyncio.run(killed())
+    with journal.open("a") as f:
+        f.write('{"t": 1, "model": "voi')  # a torn last line, as a crash can leave
+
+    async def restarted() -> None:
+        store = open_store(url)
+        pool = create_pool(config, in_process=True)
+        lm = LiveManager(config, pool, store=store, journal=journal)
+        await lm.start()
+        assert store.count_requests() == 3 and lm.journal is not None and lm.journal.skipped == 1
+        await lm.stop()
+        assert journal.read_text() == ""  # everything is in the store now
+        pool.close()
+        store.close()
+
+    asyncio.run(restarted())
