@@ -208,9 +208,9 @@ class LiveManager:
             return
         batch, self._log_buf = self._log_buf, []
         try:
-            await asyncio.to_thread(self.store.append_requests, batch)
-            if self.journal is not None:
-                self.journal.rewrite(self._log_buf)  # what the store has leaves the journal
+            # shielded: a cancelled caller (the reconciler at stop) must not leave a written batch
+            # in the journal, or the next start would log it twice
+            await asyncio.shield(self._write_batch(batch))
         except Exception:  # the store is down: keep the records (bounded) and try again later
             logger.warning("could not write %d requests to the store; kept for a retry", len(batch))
             kept = batch + self._log_buf
@@ -219,6 +219,11 @@ class LiveManager:
                 kept = kept[-LOG_KEEP:]
             self._log_buf = kept
         self.metrics.log_buffered.set(len(self._log_buf))
+
+    async def _write_batch(self, batch: list[dict[str, Any]]) -> None:
+        await asyncio.to_thread(self.store.append_requests, batch)
+        if self.journal is not None:
+            self.journal.rewrite(self._log_buf)  # what the store has leaves the journal
 
     async def stop(self) -> None:
         self.started = False
