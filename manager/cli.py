@@ -129,8 +129,8 @@ def cmd_check(a: argparse.Namespace) -> int:
     return 0
 
 
-def _trace_from_store(config: Config, since: str) -> str:
-    import tempfile
+def _export(config: Config, since: str, out: Path) -> int:
+    """Write the store's requests of the last `since` to `out` (user errors as UsageError)."""
     import time
 
     from manager.store import StoreError, open_store
@@ -140,15 +140,21 @@ def _trace_from_store(config: Config, since: str) -> str:
         seconds = parse_since(since)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    out = Path(tempfile.mkdtemp(prefix="residency-tune-")) / "requests.jsonl"
     try:
         store = open_store(config.store.url)
         try:
-            n = export_trace(store, seconds, time.time(), out)
+            return export_trace(store, seconds, time.time(), out)
         finally:
             store.close()
     except StoreError as e:
         raise UsageError(str(e)) from None
+
+
+def _trace_from_store(config: Config, since: str) -> str:
+    import tempfile
+
+    out = Path(tempfile.mkdtemp(prefix="residency-tune-")) / "requests.jsonl"
+    n = _export(config, since, out)
     err.print(f"tuning on {n} requests of the last {since} from {config.store.url}", highlight=False)
     return str(out)
 
@@ -318,24 +324,7 @@ def cmd_ps(a: argparse.Namespace) -> int:
 
 
 def cmd_export(a: argparse.Namespace) -> int:
-    import time
-
-    from manager.store import StoreError, open_store
-    from manager.store.export import export_trace, parse_since
-
-    config = load_config(a.config)
-    try:
-        since = parse_since(a.since)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    try:
-        store = open_store(config.store.url)
-        try:
-            n = export_trace(store, since, time.time(), Path(a.out))
-        finally:
-            store.close()
-    except StoreError as e:
-        raise UsageError(str(e)) from None
+    n = _export(load_config(a.config), a.since, Path(a.out))
     err.print(f"wrote {n} requests to {a.out}", highlight=False, markup=False)
     return 0
 

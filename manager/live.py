@@ -55,6 +55,14 @@ INLINE_INFER_S = 0.0005
 handing them to a thread would cost more than the inference."""
 
 
+def worker_error(code: str | None, message: str) -> Exception:
+    """The domain error for a worker's error code: what the caller sent is wrong (bad input, or a
+    call the model does not offer) or the worker could not do it."""
+    if code in (P.BAD_INPUT, P.NOT_AVAILABLE):
+        return InvalidRequest(message)
+    return WorkerUnavailable(message)
+
+
 @dataclass
 class _Live:
     """What the workers have confirmed for one model."""
@@ -521,12 +529,7 @@ class LiveManager:
         return result
 
     def _raise_infer_error(self, r: P.InferResult) -> None:
-        msg = r.error or "inference failed"
-        if r.error_code == P.BAD_INPUT:
-            raise InvalidRequest(msg)
-        if r.error_code == P.NOT_AVAILABLE:
-            raise InvalidRequest(msg)
-        raise WorkerUnavailable(msg)
+        raise worker_error(r.error_code, r.error or "inference failed")
 
     def _log_request(
         self, t: float, model: str, busy: float, cls: str | None, wait: float, r: P.InferResult
@@ -576,9 +579,7 @@ class LiveManager:
         )
         if not reply.ok:
             self._end_busy(m, arrival)
-            raise (InvalidRequest if reply.error_code == P.BAD_INPUT else WorkerUnavailable)(
-                f"world session on {model!r} could not open: {reply.error}"
-            )
+            raise worker_error(reply.error_code, f"world session on {model!r} could not open: {reply.error}")
         self.sessions[sid] = (model, arrival, rank)
         self._publish("session_opened", model, f"session {sid}", m.device, self.clock(), lease=m.lease)
         return sid, reply.data
@@ -599,9 +600,7 @@ class LiveManager:
         m = self.engine.models[model]
         reply = await asyncio.to_thread(self.pool.session, m.device, "step", sid, pose)
         if not reply.ok:
-            raise (InvalidRequest if reply.error_code == P.BAD_INPUT else WorkerUnavailable)(
-                f"world session {sid}: {reply.error}"
-            )
+            raise worker_error(reply.error_code, f"world session {sid}: {reply.error}")
         self.live[model].last_used = self.clock()
         data = dict(reply.data)
         data["manager_lease_bytes"] = int(m.lease)

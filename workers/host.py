@@ -335,10 +335,7 @@ class DeviceHost:
         return P.InferResult(
             model,
             True,
-            outputs={
-                k: (_datatype(v), tuple(int(d) for d in v.shape), v.reshape(-1).tolist())
-                for k, v in out.items()
-            },
+            outputs={k: _plain(v) for k, v in out.items()},
             seconds=t1 - t0,
         )
 
@@ -407,15 +404,5 @@ class DeviceHost:
 
 
 def _plain(a: np.ndarray) -> tuple[str, tuple[int, ...], list[Any]]:
-    return _datatype(a), tuple(int(d) for d in a.shape), a.reshape(-1).tolist()
-
-
-def _datatype(a: np.ndarray) -> str:
-    return {
-        "float32": "FP32", "float64": "FP64", "float16": "FP16", "int64": "INT64", "int32": "INT32",
-        "int16": "INT16", "int8": "INT8", "uint8": "UINT8", "bool": "BOOL", "object": "BYTES",
-    }.get(str(a.dtype), "FP32")  # fmt: skip
-
-
-def checkpoint_size(paths: list[Path]) -> int:
-    return sum(p.stat().st_size for p in paths if p.is_file())
+    """An output as plain data: its OIP datatype, shape and flat values."""
+    return P.OIP_BY_NUMPY.get(str(a.dtype), "FP32"), tuple(int(d) for d in a.shape), a.reshape(-1).tolist()

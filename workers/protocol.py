@@ -183,6 +183,15 @@ class WorkerStatus:
     rss_bytes: int = 0
 
 
+OIP_DATATYPES: dict[str, str] = {
+    "BOOL": "bool", "UINT8": "uint8", "UINT16": "uint16", "UINT32": "uint32", "UINT64": "uint64",
+    "INT8": "int8", "INT16": "int16", "INT32": "int32", "INT64": "int64",
+    "FP16": "float16", "FP32": "float32", "FP64": "float64",
+}  # fmt: skip
+"""Open Inference Protocol datatype -> numpy dtype name (BYTES is numpy's object dtype)."""
+OIP_BY_NUMPY: dict[str, str] = {v: k for k, v in OIP_DATATYPES.items()} | {"object": "BYTES"}
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """One input or output of a model in Open Inference Protocol terms."""

@@ -184,31 +184,26 @@ class RayWorkerPool:
     def describe(self, device: str, spec: P.ModelSpec, timeout_s: float = 30.0) -> Any:
         return ray.get(self._handle(device).describe.remote(spec), timeout=timeout_s)
 
+    def _get(self, ref: Any, device: str, timeout_s: float, what: str) -> tuple[Any, str | None]:
+        """`ray.get` with a deadline: (value, None), or (None, why) when the host died or was silent."""
+        try:
+            return ray.get(ref, timeout=timeout_s), None
+        except GetTimeoutError:
+            return None, _silent(what, device, timeout_s)
+        except RayError as e:
+            return None, _why(device, e)
+
     def infer(
         self, device: str, model: str, inputs: dict[str, np.ndarray], timeout_s: float = 30.0
     ) -> P.InferResult:
-        try:
-            result: P.InferResult = ray.get(
-                self._handle(device).infer.remote(model, inputs), timeout=timeout_s
-            )
-        except GetTimeoutError:
-            return P.InferResult(model, False, error_code=P.WORKER_DIED, error=f"model {model!r}: no answer "
-                                 f"from device {device!r} within {timeout_s} s")  # fmt: skip
-        except RayError as e:
-            return P.InferResult(model, False, error_code=P.WORKER_DIED, error=_why(device, e))
-        return result
+        ref = self._handle(device).infer.remote(model, inputs)
+        result, why = self._get(ref, device, timeout_s, f"model {model!r}")
+        return P.InferResult(model, False, error_code=P.WORKER_DIED, error=why) if why else result
 
     def session(self, device: str, method: str, *args: object, timeout_s: float = 120.0) -> P.SessionReply:
-        try:
-            reply: P.SessionReply = ray.get(
-                self._handle(device).session.remote(method, *args), timeout=timeout_s
-            )
-        except GetTimeoutError:
-            return P.SessionReply(False, error_code=P.WORKER_DIED, error=f"world session {method}: no answer "
-                                  f"from device {device!r} within {timeout_s} s")  # fmt: skip
-        except RayError as e:
-            return P.SessionReply(False, error_code=P.WORKER_DIED, error=_why(device, e))
-        return reply
+        ref = self._handle(device).session.remote(method, *args)
+        reply, why = self._get(ref, device, timeout_s, f"world session {method}")
+        return P.SessionReply(False, error_code=P.WORKER_DIED, error=why) if why else reply
 
     async def infer_async(
         self, device: str, model: str, inputs: dict[str, np.ndarray], timeout_s: float = 30.0
@@ -223,8 +218,8 @@ class RayWorkerPool:
         try:
             return await asyncio.wait_for(batcher.submit(model, inputs), timeout=timeout_s)
         except TimeoutError:
-            return P.InferResult(model, False, error_code=P.WORKER_DIED, error=f"model {model!r}: no answer "
-                                 f"from device {device!r} within {timeout_s} s")  # fmt: skip
+            why = _silent(f"model {model!r}", device, timeout_s)
+            return P.InferResult(model, False, error_code=P.WORKER_DIED, error=why)
 
     def kill(self, device: str, *, no_restart: bool = False) -> None:
         """Kill a device host (tests and fault drills); with restarts allowed Ray starts it again."""
@@ -240,6 +235,10 @@ class RayWorkerPool:
         for h in self.actors.values():
             ray.kill(h, no_restart=True)
         self.actors.clear()
+
+
+def _silent(what: str, device: str, timeout_s: float) -> str:
+    return f"{what}: no answer from device {device!r} within {timeout_s} s"
 
 
 def _why(device: str, e: Exception) -> str:

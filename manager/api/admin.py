@@ -10,15 +10,9 @@ from typing import Any
 from manager.api.errors import mapped
 from manager.live import LiveManager
 from manager.policy.types import Tier
+from manager.replay.sim import p99
 from residency_proto.v1 import residency_pb2 as pb
 from residency_proto.v1 import residency_pb2_grpc as pb_grpc
-
-
-def _p99(xs: list[float]) -> float:
-    if not xs:
-        return 0.0
-    s = sorted(xs)
-    return s[min(len(s) - 1, math.ceil(0.99 * len(s)) - 1)]
 
 
 def model_status(manager: LiveManager, name: str) -> pb.ModelStatus:
@@ -108,7 +102,7 @@ class AdminServicer(pb_grpc.ResidencyServicer):
             requests=m.served, evictions=c.evictions, thrash=c.thrash, rejected=m.rejected,
             budget_violations=c.budget_violations, cold_starts=c.loads,
             load_wait_s=sum(sum(v) for v in m.waits.values()),
-            wait_p99_s={k: _p99(v) for k, v in m.waits.items()}, resident_bytes=resident,
+            wait_p99_s={k: p99(v) for k, v in m.waits.items()}, resident_bytes=resident,
         )  # fmt: skip
 
     async def Events(self, request: pb.EventsRequest, context: Any) -> AsyncIterator[pb.Event]:

@@ -15,12 +15,9 @@ from typing import Any
 import numpy as np
 
 from manager.errors import InvalidRequest
+from workers.protocol import OIP_DATATYPES
 
-DTYPES: dict[str, Any] = {
-    "BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
-    "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64,
-    "FP16": np.float16, "FP32": np.float32, "FP64": np.float64,
-}  # fmt: skip
+DTYPES: dict[str, Any] = {name: np.dtype(np_name).type for name, np_name in OIP_DATATYPES.items()}
 CONTENTS_FIELD = {
     "BOOL": "bool_contents", "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
     "UINT64": "uint64_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
