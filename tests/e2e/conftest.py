@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,17 +17,11 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from integration.redis_server import redis_clean, redis_url  # noqa: F401  (fixtures)
+from integration.redis_server import free_port, redis_clean, redis_url  # noqa: F401  (fixtures)
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 CONFIG = ROOT / "configs" / "local-cpu.yaml"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -31,7 +31,7 @@ START_TIMEOUT_S = 15.0
 _ATTEMPTS = 3  # another process may take the free port between our probe and redis-server's bind
 
 
-def _free_port() -> int:
+def free_port() -> int:
     """A port nothing listens on now (Redis treats --port 0 as "no TCP listener", so ask the OS)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -83,7 +83,7 @@ def _start(exe: str, workdir: Path) -> tuple[subprocess.Popen[bytes], int]:
     """Start redis-server on a free port and wait for it; pytest.fail with its log if it never answers."""
     log = workdir / "redis.log"
     for _ in range(_ATTEMPTS):
-        port = _free_port()
+        port = free_port()
         cmd = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
         cmd += ["--dir", str(workdir), "--logfile", str(log)]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -12,14 +12,14 @@ from typing import Any
 import grpc
 import pytest
 
-from manager.api.server import ServeError, auth_token, build_server
+from manager.api.server import ServeError, auth_token
 from manager.config import Config, load_config
-from manager.live import LiveManager
-from manager.workers_bridge import create_pool
 from residency_proto.inference import grpc_service_pb2 as oip
 from residency_proto.inference import grpc_service_pb2_grpc as oip_grpc
 from residency_proto.v1 import residency_pb2 as adm
 from residency_proto.v1 import residency_pb2_grpc as adm_grpc
+
+from .grpc_server import serving
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local-cpu.yaml"
 TOKEN = "s3cret-token-for-tests"
@@ -30,21 +30,10 @@ def config(**server: Any) -> Config:
     return base.model_copy(update={"server": base.server.model_copy(update=server)})
 
 
-def with_server(
-    cfg: Config, body: Callable[[str], Awaitable[None]], channel: Callable[[str], Any] | None = None
-) -> None:
+def with_server(cfg: Config, body: Callable[[str], Awaitable[None]]) -> None:
     async def main() -> None:
-        pool = create_pool(cfg, in_process=True)
-        manager = LiveManager(cfg, pool)
-        server, port, _ = await build_server(cfg, manager)
-        await server.start()
-        await manager.start()
-        try:
-            await body(f"127.0.0.1:{port}")
-        finally:
-            await server.stop(None)
-            await manager.stop()
-            pool.close()
+        async with serving(cfg) as (target, _):
+            await body(target)
 
     asyncio.run(main())
 

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from workers.pool import DeviceSpec
 from workers.ray_pool import RayWorkerPool
 
 from .conftest import TEST_NAMESPACE
+from .redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -50,15 +50,9 @@ def test_a_device_named_on_a_node_is_placed_there(ray_actors: list[object]) -> N
     assert pool.infer("node-cpu0", "voice", {"audio": np.zeros(512, np.float32)}).ok
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def head_node() -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     # a short temp dir: Ray's unix sockets live under it, and socket paths are limited to 107 bytes
     temp = Path(tempfile.mkdtemp(prefix="rayh-", dir="/tmp"))
     env = {**os.environ, **PRIVATE_RAY}

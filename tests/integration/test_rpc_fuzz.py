@@ -5,6 +5,8 @@ never INTERNAL, and the server keeps serving (a real socket, in-process server a
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,14 +16,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from manager.api.server import build_server
 from manager.config import load_config
-from manager.live import LiveManager
-from manager.workers_bridge import create_pool
 from residency_proto.inference import grpc_service_pb2 as oip
 from residency_proto.inference import grpc_service_pb2_grpc as oip_grpc
 from residency_proto.v1 import residency_pb2 as adm
 from residency_proto.v1 import residency_pb2_grpc as adm_grpc
+
+from .grpc_server import serving
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local-cpu.yaml"
 ALLOWED = {
@@ -37,26 +38,20 @@ class _Server:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         config = load_config(CONFIG)
-        self.config = config.model_copy(
+        config = config.model_copy(
             update={"server": config.server.model_copy(update={"listen": "127.0.0.1:0"})}
         )
-        self.pool = create_pool(self.config, in_process=True)
-        self.manager = LiveManager(self.config, self.pool)
-        self.server, self.port, _ = self.loop.run_until_complete(build_server(self.config, self.manager))
-        self.loop.run_until_complete(self.server.start())
-        self.loop.run_until_complete(self.manager.start())
-        import threading
-
+        self.stack = contextlib.AsyncExitStack()
+        target, _ = self.loop.run_until_complete(self.stack.enter_async_context(serving(config)))
+        self.port = int(target.rpartition(":")[2])
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
 
     def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(None), self.loop).result(30)
-        asyncio.run_coroutine_threadsafe(self.manager.stop(), self.loop).result(30)
+        asyncio.run_coroutine_threadsafe(self.stack.aclose(), self.loop).result(60)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(30)
         self.loop.close()
-        self.pool.close()
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,11 @@ import grpc
 import numpy as np
 import pytest
 
-from manager.api.server import build_server
 from manager.config import load_config
-from manager.live import LiveManager
-from manager.workers_bridge import create_pool
 from residency_proto.v1 import residency_pb2 as pb
 from residency_proto.v1 import residency_pb2_grpc as pb_grpc
+
+from .grpc_server import serving
 
 CONFIG = """
 devices: [{name: cpu0, kind: cpu, memory: 1GiB, reserve: 128MiB}]
@@ -41,45 +40,35 @@ def test_world_session_stream(tmp_path: Path) -> None:
             yield m
 
     async def main() -> None:
-        pool = create_pool(config, in_process=True)
-        manager = LiveManager(config, pool)
-        server, port, _ = await build_server(config, manager)
-        await server.start()
-        await manager.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-                stub = pb_grpc.WorldSessionStub(ch)
-                start = pb.WorldInput(start=pb.WorldStart(model="world"))
-                poses = [pb.WorldInput(action=pb.WorldAction(x=i, yaw=20.0 * i)) for i in range(3)]
-                outs = [o async for o in stub.Run(inputs(start, *poses))]
-                assert [o.segment for o in outs] == [-1, 0, 1, 2]
-                assert len({o.session_id for o in outs}) == 1
-                last = outs[-1]
-                lat = np.frombuffer(last.latents, dtype="<f4").reshape(tuple(last.shape))
-                assert lat.size > 0 and np.isfinite(lat).all()
-                assert last.lease_bytes >= 16 * 2**20 and last.stall_s >= 0 and last.max_position > 0
-                await asyncio.sleep(0)
-                assert manager.sessions == {}  # closed when the client ended its stream
+        async with serving(config) as (target, manager), grpc.aio.insecure_channel(target) as ch:
+            stub = pb_grpc.WorldSessionStub(ch)
+            start = pb.WorldInput(start=pb.WorldStart(model="world"))
+            poses = [pb.WorldInput(action=pb.WorldAction(x=i, yaw=20.0 * i)) for i in range(3)]
+            outs = [o async for o in stub.Run(inputs(start, *poses))]
+            assert [o.segment for o in outs] == [-1, 0, 1, 2]
+            assert len({o.session_id for o in outs}) == 1
+            last = outs[-1]
+            lat = np.frombuffer(last.latents, dtype="<f4").reshape(tuple(last.shape))
+            assert lat.size > 0 and np.isfinite(lat).all()
+            assert last.lease_bytes >= 16 * 2**20 and last.stall_s >= 0 and last.max_position > 0
+            await asyncio.sleep(0)
+            assert manager.sessions == {}  # closed when the client ended its stream
 
-                for msgs, code, words in [
-                    ((poses[0],), grpc.StatusCode.INVALID_ARGUMENT, "first message"),
-                    (
-                        (pb.WorldInput(start=pb.WorldStart(model="nope")),),
-                        grpc.StatusCode.NOT_FOUND,
-                        "unknown model",
-                    ),
-                    (
-                        (pb.WorldInput(start=pb.WorldStart(model="voice")),),
-                        grpc.StatusCode.INVALID_ARGUMENT,
-                        "not a world",
-                    ),
-                ]:
-                    with pytest.raises(grpc.aio.AioRpcError) as e:
-                        _ = [o async for o in stub.Run(inputs(*msgs))]
-                    assert e.value.code() == code and words in (e.value.details() or "")
-        finally:
-            await server.stop(None)
-            await manager.stop()
-            pool.close()
+            for msgs, code, words in [
+                ((poses[0],), grpc.StatusCode.INVALID_ARGUMENT, "first message"),
+                (
+                    (pb.WorldInput(start=pb.WorldStart(model="nope")),),
+                    grpc.StatusCode.NOT_FOUND,
+                    "unknown model",
+                ),
+                (
+                    (pb.WorldInput(start=pb.WorldStart(model="voice")),),
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "not a world",
+                ),
+            ]:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    _ = [o async for o in stub.Run(inputs(*msgs))]
+                assert e.value.code() == code and words in (e.value.details() or "")
 
     asyncio.run(main())
