@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install proto redis-server run replay test lint typecheck pytest bench bench-workers clean
+.PHONY: install proto redis-server run run-cpu replay test lint typecheck pytest bench bench-workers clean
 
 PROTOS := $(wildcard protos/residency_proto/*/*.proto)
 
@@ -30,9 +30,14 @@ redis-server:
 install: $(STAMP)
 
 # Main job on embedded defaults: the service (gRPC on 127.0.0.1:50051) with a local Ray, the embedded
-# SQLite store and configs/local-cpu.yaml, whose models all load offline (silero-vad, all-MiniLM-L6-v2,
-# WorldPager's MG2-shaped stand-in). Ctrl-C stops it.
+# SQLite store and the example home, configs/home.yaml (without CUDA its GPU's models run on the CPU;
+# silero-vad, all-MiniLM-L6-v2 and WorldPager's MG2-shaped stand-in load offline, the others need
+# their checkpoint files). Ctrl-C stops it.
 run: $(STAMP)
+	$(BIN)/residency serve --config configs/home.yaml
+
+# The CPU-only home: only the models that load offline, with load times measured on this machine.
+run-cpu: $(STAMP)
 	$(BIN)/residency serve --config configs/local-cpu.yaml
 
 # The replay of a shipped synthetic home week through configs/home.yaml, every policy side by side.

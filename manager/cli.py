@@ -269,12 +269,27 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if a.listen:
         config = config.model_copy(update={"server": config.server.model_copy(update={"listen": a.listen})})
 
+    from manager.workers_bridge import cuda_missing_here
+
+    fallback = (
+        frozenset(cuda_missing_here(config, in_process=a.in_process)) if a.cpu_fallback else frozenset()
+    )
+    for name in sorted(fallback):
+        err.print(
+            f"residency: CUDA is not available on this machine: device {name!r} runs its models on the CPU "
+            "(its configured budget is kept; --no-cpu-fallback turns this off)",
+            highlight=False,
+            markup=False,
+        )
+
     def ready(port: int) -> None:
         host = config.server.listen.rpartition(":")[0]
         err.print(f"residency: serving on {host}:{port} (config {a.config})", highlight=False, markup=False)
 
     try:
-        asyncio.run(serve(config, config_path=a.config, in_process=a.in_process, ready=ready))
+        asyncio.run(
+            serve(config, config_path=a.config, in_process=a.in_process, cpu_fallback=fallback, ready=ready)
+        )
     except (ServeError, StoreError) as e:
         raise UsageError(str(e)) from None
     return 0
@@ -319,7 +334,11 @@ def cmd_ps(a: argparse.Namespace) -> int:
         ls = m.load_seconds
         t.add_row(m.name, m.tier, m.device, m.class_name, "yes" if m.pinned else "", f"{m.bytes / 2**20:.1f}",
                   left, last, f"{ls.disk:.3f}/{ls.cached:.3f}/{ls.host:.3f}")  # fmt: skip
-    Console().print(t)
+    console = Console()
+    console.print(t)
+    for m in resp.models:
+        if m.last_error:
+            console.print(f"{m.name}: last load failed: {m.last_error}", highlight=False, markup=False)
     return 0
 
 
@@ -376,6 +395,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sv.add_argument(
         "--in-process", action="store_true", help="run the device hosts in this process instead of Ray actors"
+    )
+    sv.add_argument(
+        "--no-cpu-fallback",
+        dest="cpu_fallback",
+        action="store_false",
+        help="without CUDA here, do not run the CUDA devices' models on the CPU (they answer UNAVAILABLE)",
     )
     sv.set_defaults(fn=cmd_serve)
 

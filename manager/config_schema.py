@@ -134,6 +134,10 @@ class StoreConfig(_Model):
     journal: str | None = ".residency/requests.journal"
     """Local append-only file holding served requests until the store has them (a killed service
     loses none; they are written to the store at the next start). Null: no journal."""
+    sessions: str = ".residency/sessions"
+    """Where world sessions keep their saved state, one directory per session (the NVMe segment log,
+    its index, the rolling window): a session reopens from it when its device host restarts, and a new
+    stream can resume it by id. Device hosts on other machines need it on a path they share."""
 
     @field_validator("url")
     @classmethod

@@ -4,6 +4,11 @@
 an existing cluster, whose devices are named per node with `node:`) and attaches to the named device
 hosts, creating those that do not exist yet; `in_process=True` runs the same device hosts in this
 process instead (tests, single-process use).
+
+CPU fallback: when a `kind: cuda` device's hosts would run on this machine (a local Ray or
+in-process) and this machine has no usable CUDA, `serve` runs that device's models on the CPU, as
+Ollama does, and says so; the device keeps its configured budget. `fallback=False` turns it off (the
+models then answer NOT_AVAILABLE, naming the missing CUDA).
 """
 
 from __future__ import annotations
@@ -13,10 +18,23 @@ from typing import Any
 from manager.config import Config
 
 
-def device_specs(config: Config) -> list[Any]:
+def cuda_missing_here(config: Config, *, in_process: bool = False) -> list[str]:
+    """The CUDA devices whose hosts would run on this machine, which has no usable CUDA."""
+    cuda = [d.name for d in config.devices if d.kind == "cuda" and not d.node]
+    if not cuda or (config.ray.address is not None and not in_process):
+        return []  # a cluster's GPUs live on its nodes: their hosts report NOT_AVAILABLE themselves
+    import torch
+
+    return [] if torch.cuda.is_available() else cuda
+
+
+def device_specs(config: Config, cpu_fallback: frozenset[str] = frozenset()) -> list[Any]:
     from workers.pool import DeviceSpec
 
-    return [DeviceSpec(d.name, d.kind, d.index, d.node) for d in config.devices]
+    return [
+        DeviceSpec(d.name, "cpu" if d.name in cpu_fallback else d.kind, d.index, d.node)
+        for d in config.devices
+    ]
 
 
 def model_specs(config: Config) -> dict[str, Any]:
@@ -30,12 +48,15 @@ def model_specs(config: Config) -> dict[str, Any]:
     }
 
 
-def create_pool(config: Config, *, in_process: bool = False, **ray_init: Any) -> Any:
+def create_pool(
+    config: Config, *, in_process: bool = False, cpu_fallback: frozenset[str] = frozenset(), **ray_init: Any
+) -> Any:
+    specs = device_specs(config, cpu_fallback)
     if in_process:
         from workers.pool import InProcessWorkerPool
 
-        return InProcessWorkerPool(device_specs(config))
+        return InProcessWorkerPool(specs)
     from workers.ray_pool import RayWorkerPool, ensure_ray
 
     ensure_ray(config.ray.address, **ray_init)
-    return RayWorkerPool(device_specs(config))
+    return RayWorkerPool(specs)

@@ -35,7 +35,7 @@ from workers import protocol as P
 from workers.adapters import Adapter, AdapterError, HostCopy, make_adapter
 from workers.measure import CpuProbe, CudaProbe, MemoryProbe, Phases, nvml_power_w, rss_bytes, wait_released
 from workers.st_io import cached_fraction
-from workers.world import WorldSessions
+from workers.world import SessionNotOpen, WorldSessions
 
 logger = logging.getLogger(__name__)
 
@@ -341,7 +341,18 @@ class DeviceHost:
 
     # ---- world sessions (workers.world)
 
-    def session_open(self, model: str, session_id: str, kv_bytes: int, codec: str = "bf16") -> P.SessionReply:
+    def session_open(
+        self,
+        model: str,
+        session_id: str,
+        kv_bytes: int,
+        codec: str | None = "bf16",
+        log_dir: str | None = None,
+        resume: bool = False,
+        resume_at: int | None = None,
+    ) -> P.SessionReply:
+        """Open (or, ``resume``, reopen from its saved state) a world session in ``log_dir`` (default: a
+        directory of this host process's own, which a restarted host cannot find again)."""
         r = self.models.get(model)
         if r is None or r.tier != "gpu" or r.adapter.name != "worldpager-mg2":
             why = (
@@ -352,9 +363,10 @@ class DeviceHost:
             return P.SessionReply(
                 False, error_code=P.BAD_TRANSITION, error=f"model {model!r} is {why} on {self.name}"
             )
+        path = Path(log_dir) if log_dir else self.session_root / session_id
         return self._session_call(
             lambda: self.world.open(
-                model, r.runnable, session_id, kv_bytes, self.session_root / session_id, codec
+                model, r.runnable, session_id, kv_bytes, path, codec, resume=resume, resume_at=resume_at
             )
         )
 
@@ -370,6 +382,8 @@ class DeviceHost:
     def _session_call(self, fn: Callable[[], dict[str, Any]]) -> P.SessionReply:
         try:
             return P.SessionReply(True, fn())
+        except SessionNotOpen as e:
+            return P.SessionReply(False, error_code=P.NO_SESSION, error=str(e.args[0] if e.args else e))
         except (KeyError, ValueError) as e:
             return P.SessionReply(False, error_code=P.BAD_INPUT, error=str(e.args[0] if e.args else e))
         except Exception as e:  # a failed session call never kills the host

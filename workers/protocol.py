@@ -29,6 +29,8 @@ NOT_AVAILABLE = "not_available"
 BAD_TRANSITION = "bad_transition"
 BAD_INPUT = "bad_input"
 WORKER_DIED = "worker_died"
+NO_SESSION = "no_session"
+"""A world-session call for a session this host does not have open (or, on resume, has no saved state)."""
 INTERNAL = "internal"
 
 

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections import deque
 from typing import Any
@@ -23,6 +24,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from workers import protocol as P
+from workers.channel import ChannelAddress, ChannelClient, ChannelError, ChannelServer, same_machine
 from workers.host import DeviceHost
 from workers.pool import DeviceSpec, UnknownDevice, new_op_id
 
@@ -33,10 +35,19 @@ ACTOR_PREFIX = "residency-device-"
 
 
 class DeviceHostActor:
-    """The thin Ray shell around `DeviceHost` (all logic lives there)."""
+    """The thin Ray shell around `DeviceHost` (all logic lives there), with its data channel."""
 
     def __init__(self, name: str, kind: str, index: int, node: str | None) -> None:
         self.host = DeviceHost(name, kind, index=index, node=node)
+        self.server: ChannelServer | None = None
+        try:
+            self.server = ChannelServer(self.host, actor_name(name))
+        except OSError as e:  # inference then goes through Ray calls only
+            logger.warning("device %s: no data channel (%s); inference goes through Ray calls", name, e)
+
+    @ray.method(concurrency_group="data")
+    def channel(self) -> ChannelAddress | None:
+        return self.server.address if self.server is not None else None
 
     @ray.method(concurrency_group="commands")
     def apply(self, cmd: P.Command, op_id: str) -> P.CommandResult:
@@ -230,8 +241,11 @@ class RayWorkerPool:
         with self._lock:
             for q in self._queued.values():
                 q.clear()
+        for b in self._batchers.values():
+            b.close()
 
     def shutdown_actors(self) -> None:
+        self.close()
         for h in self.actors.values():
             ray.kill(h, no_restart=True)
         self.actors.clear()
@@ -254,22 +268,34 @@ def _died(device: str, op: str, cmd: P.Command, e: Exception) -> P.CommandResult
 
 
 class _Batcher:
-    """Per device: at most MAX_INFLIGHT `infer_many` calls in flight; what queues meanwhile goes next,
-    up to MAX_BATCH requests per call. Runs on the caller's event loop."""
+    """Per device: at most MAX_INFLIGHT batches in flight; what queues meanwhile goes next, up to
+    MAX_BATCH requests per batch. A batch goes over the host's data channel when it is on this
+    machine (`workers.channel`), else (or while the channel is being found, or after it broke) in
+    one `infer_many` actor call. Runs on the caller's event loop."""
 
     MAX_INFLIGHT = 2
     MAX_BATCH = 64
+    REDISCOVER_S = 1.0
 
     def __init__(self, handle: Any, device: str) -> None:
         self.handle = handle
         self.device = device
         self.queue: list[tuple[str, dict[str, np.ndarray], Any]] = []
         self.inflight = 0
+        self.channel: ChannelClient | None = None
+        self._looked_at = -math.inf
+        self.channel_batches = 0
+        self.ray_batches = 0
+        self._tasks: set[Any] = set()
+        self.loop: Any = None
 
     async def submit(self, model: str, inputs: dict[str, np.ndarray]) -> P.InferResult:
         import asyncio
 
-        fut = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        if loop is not self.loop:  # a new event loop (tests run several): its futures and tasks are gone
+            self.loop, self.queue, self.inflight = loop, [], 0
+        fut = loop.create_future()
         self.queue.append((model, inputs, fut))
         self._kick()
         result: P.InferResult = await fut
@@ -278,14 +304,52 @@ class _Batcher:
     def _kick(self) -> None:
         import asyncio
 
+        loop = asyncio.get_running_loop()
+        if self.channel is None and loop.time() - self._looked_at >= self.REDISCOVER_S:
+            self._looked_at = loop.time()
+            self._spawn(loop.create_task(self._discover()))
         while self.inflight < self.MAX_INFLIGHT and self.queue:
             batch, self.queue = self.queue[: self.MAX_BATCH], self.queue[self.MAX_BATCH :]
             self.inflight += 1
-            asyncio.get_running_loop().create_task(self._run(batch))
+            self._spawn(loop.create_task(self._run(batch)))
+
+    def _spawn(self, task: Any) -> None:
+        self._tasks.add(task)  # held until done (the loop keeps only weak references)
+        task.add_done_callback(self._tasks.discard)
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+
+    async def _discover(self) -> None:
+        import asyncio
+
+        try:
+            addr = await asyncio.wait_for(asyncio.wrap_future(self.handle.channel.remote().future()), 10.0)
+        except Exception as e:  # an older actor, a dead one, or a slow start: Ray calls meanwhile
+            logger.debug("device %s: no data channel yet (%s)", self.device, e)
+            return
+        if addr is not None and same_machine(addr) and self.channel is None:
+            self.channel = ChannelClient(addr, connections=self.MAX_INFLIGHT)
 
     async def _run(self, batch: list[tuple[str, dict[str, np.ndarray], Any]]) -> None:
+        items = [(m, x) for m, x, _ in batch]
         try:
-            results = await self.handle.infer_many.remote([(m, x) for m, x, _ in batch])
+            results = None
+            channel = self.channel
+            if channel is not None:
+                try:
+                    results = await channel.infer_many(items)
+                    self.channel_batches += 1
+                except ChannelError as e:
+                    logger.warning("device %s: data channel broke (%s); going through Ray", self.device, e)
+                    if self.channel is channel:
+                        channel.close()
+                        self.channel = None
+            if results is None:
+                results = await self.handle.infer_many.remote(items)
+                self.ray_batches += 1
         except Exception as e:  # the actor died, or anything else: every waiter gets an answer
             why = _why(self.device, e)
             results = [P.InferResult(m, False, error_code=P.WORKER_DIED, error=why) for m, _, _ in batch]

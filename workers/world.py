@@ -1,12 +1,18 @@
 """World-model sessions on a device host: WorldPager's tiered KV runtime around the resident MG2 stand-in.
 
 Order of use: `open(model_name, module, session_id, kv_bytes, log_dir, codec)` once the model is in
-the gpu tier; `step(session_id, pose)` per segment (returns the segment's latents and its stall and tier
-figures as plain data); `resize(session_id, kv_bytes)` whenever the manager changes the model's elastic
-lease; `close(session_id)`. On the CPU stand-in the lease is the session's host KV budget (its "device"
-memory is RAM); on CUDA it is the GPU retrieval budget. A lease below what the runtime needs to keep
-working (three segments) is raised to that floor, and the result says so. One lock per session: a
-resize may arrive from the manager while a step runs.
+the gpu tier (``resume=True``: reopen the session saved in ``log_dir`` — after the host restarted —
+continuing at ``resume_at`` at the latest); `step(session_id, pose)` per segment (returns the
+segment's latents and its stall and tier figures as plain data); `resize(session_id, kv_bytes)`
+whenever the manager changes the model's elastic lease; `close(session_id)`. On the CPU stand-in
+the lease is the session's host KV budget (its "device" memory is RAM); on CUDA it is the GPU
+retrieval budget. A lease below what the runtime needs to keep working (three segments) is raised to
+that floor, and the result says so. One lock per session: a resize may arrive from the manager while
+a step runs.
+
+Durability: a step returns only once its segment is in the session's log (written, not fsynced: it
+survives the host process, not the machine), and the log's index is saved every `INDEX_EVERY`
+segments, so a host that dies loses no segment it returned, and the session reopens from its index.
 """
 
 from __future__ import annotations
@@ -19,6 +25,12 @@ from typing import Any
 import torch
 
 MIN_SEGMENTS = 3
+INDEX_EVERY = 8
+"""Save the log's index (an fsync) every this many segments: a reopen scans only the slots after it."""
+
+
+class SessionNotOpen(KeyError):
+    """No open session by that id on this host (it never opened here, or the host restarted)."""
 
 
 @dataclass
@@ -40,34 +52,58 @@ class WorldSessions:
         return max(int(kv_bytes), MIN_SEGMENTS * o.segment_bytes)
 
     def open(
-        self, model: str, module: Any, session_id: str, kv_bytes: int, log_dir: Path, codec: str = "bf16"
+        self,
+        model: str,
+        module: Any,
+        session_id: str,
+        kv_bytes: int,
+        log_dir: Path,
+        codec: str | None = "bf16",
+        *,
+        resume: bool = False,
+        resume_at: int | None = None,
     ) -> dict[str, Any]:
+        """Open a new session in ``log_dir``, or (``resume``) reopen the one saved there. The reply
+        says where it continues (``next_segment``) and, on a resume, what was found unusable: slots
+        (``corrupt_slots``: slot -> reason) and segments (``missing_segments``), never attended to."""
         from worldpager.layout import SegmentLayout
-        from worldpager.session import Session
+        from worldpager.session import CorruptSlot, MissingSegment, Session, read_saved_state
 
         if session_id in self.open_sessions:
             raise ValueError(f"session {session_id!r} is already open")
+        saved = read_saved_state(log_dir) if resume else None
+        if resume:
+            if saved is None:
+                raise SessionNotOpen(f"no saved world session {session_id!r} to resume")
+            owner = (saved.get("metadata") or {}).get("model", model)
+            if owner != model:
+                raise ValueError(f"world session {session_id!r} belongs to model {owner!r}, not {model!r}")
+            codec = codec or str(saved.get("codec", "bf16"))  # none given: the saved one
+        codec = codec or "bf16"
         seg = SegmentLayout.from_config(module.cfg, codec, module.head.weight.dtype).payload_nbytes
         kind = self.device.type
         host = max(int(kv_bytes), MIN_SEGMENTS * seg) if kind == "cpu" else 64 * seg
-        session = Session(
-            module,
-            codec=codec,
-            host_budget_bytes=host,
-            log_dir=log_dir,
-            device=self.device,
-            keep_outputs=True,
-        )
+        opts: dict[str, Any] = {"host_budget_bytes": host, "device": self.device, "keep_outputs": True}
+        if resume:
+            session = Session.resume(log_dir, module, codec=codec, resume_at=resume_at, **opts)
+        else:
+            session = Session(module, codec=codec, log_dir=log_dir, metadata={"model": model}, **opts)
         o = _Open(session, model, seg, kind, lease=host)
         if kind != "cpu":
             session.resize_lease(gpu_budget_bytes=self._floor(o, kv_bytes))
             o.lease = self._floor(o, kv_bytes)
         self.open_sessions[session_id] = o
-        return {"session_id": session_id, "segment_bytes": seg, "lease_bytes": o.lease, "codec": codec}
+        events = session.events if resume else []
+        return {
+            "session_id": session_id, "segment_bytes": seg, "lease_bytes": o.lease, "codec": codec,
+            "resumed": resume, "next_segment": session.step_index,
+            "corrupt_slots": {e.slot: e.reason for e in events if isinstance(e, CorruptSlot)},
+            "missing_segments": [e.segment_id for e in events if isinstance(e, MissingSegment)],
+        }  # fmt: skip
 
     def get(self, session_id: str) -> _Open:
         if session_id not in self.open_sessions:
-            raise KeyError(f"no open world session {session_id!r}")
+            raise SessionNotOpen(f"no open world session {session_id!r}")
         return self.open_sessions[session_id]
 
     def step(self, session_id: str, pose: tuple[float, float, float, float, float]) -> dict[str, Any]:
@@ -79,12 +115,16 @@ class WorldSessions:
             outs = o.session.outputs
             latents = outs.pop() if outs else torch.empty(0)
             outs.clear()
+            durable = o.session.wait_written(rec.step)  # acknowledged only once in the log
+            if (rec.step + 1) % INDEX_EVERY == 0:
+                o.session.flush_index()
         lat = latents.detach().float().cpu().contiguous()
         return {
             "step": rec.step, "stall_s": rec.stall_s, "compute_s": rec.compute_s, "hits": rec.hits,
             "misses": rec.misses, "bytes_read": rec.bytes_read, "bytes_written": rec.bytes_written,
             "host_bytes": rec.host_bytes, "max_position": rec.max_position, "lease_bytes": o.lease,
-            "latents": lat.numpy().tobytes(), "shape": tuple(lat.shape),
+            "durable": durable, "retrieved": list(rec.retrieved), "latents": lat.numpy().tobytes(),
+            "shape": tuple(lat.shape),
         }  # fmt: skip
 
     def resize(self, session_id: str, kv_bytes: int) -> int:

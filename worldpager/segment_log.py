@@ -143,6 +143,7 @@ class SegmentLog:
         self._by_id: dict[int, int] = {}
         self._corrupt: dict[int, str] = {}
         self._n_slots = 0
+        self._claimed = 0  # slots the index file named when the log was reopened (trusted or not)
         self.bytes_written = 0  # header + payload bytes appended by this object
         self.bytes_read = 0  # bytes read from the log file by this object, recovery scans included
 
@@ -383,6 +384,7 @@ class SegmentLog:
             corrupt = {int(k): str(v) for k, v in idx["corrupt"].items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
+        self._claimed = n_idx
         if size < recorded or recorded > n_idx * self.slot_size:
             return None
         if set(headers) | set(corrupt) != set(range(n_idx)) or set(headers) & set(corrupt):
@@ -408,7 +410,9 @@ class SegmentLog:
         trusted = self._load_index(size)
         for slot in range(trusted or 0, n):
             self._scan_slot(slot, size)
-        self._n_slots = max(n, trusted or 0)
+        for slot in range(n, self._claimed):  # named by a stale index, wholly past the end of the file
+            self._corrupt[slot] = "missing: the index names it but the log file ends before it"
+        self._n_slots = max(n, trusted or 0, self._claimed)
         if trusted is None:
             self.index_state = "rebuilt"
         else:

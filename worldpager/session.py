@@ -40,7 +40,14 @@ from worldpager.retrieval import (
     outside_window,
     predict_pose,
 )
-from worldpager.session_records import CorruptSlot, EventLog, SessionEvent, StepRecord, stall_stats
+from worldpager.session_records import (
+    CorruptSlot,
+    EventLog,
+    MissingSegment,
+    SessionEvent,
+    StepRecord,
+    stall_stats,
+)
 from worldpager.session_store import SESSION_FILE, WINDOW_FILE, read_saved_state
 from worldpager.trajectory import block_inputs
 from worldpager.transfer import Throttle, TransferHandler, sleep_until
@@ -52,6 +59,7 @@ __all__ = [
     "SESSION_PRESETS",
     "WINDOW_FILE",
     "CorruptSlot",
+    "MissingSegment",
     "Mode",
     "Session",
     "SessionEvent",
@@ -90,7 +98,9 @@ class Session:
     segments (0 = retrieval off, the plain model). ``compute_s`` pads each step's compute to at least
     that many seconds (a calibrated compute time). ``keep_outputs`` keeps each block's prediction in
     ``outputs``. ``codec`` defaults to bf16 and ``seed`` to 0 (a resumed session: the saved ones).
-    ``resume``: reopen the saved session in ``log_dir`` instead of creating one (see `Session.resume`).
+    ``resume``: reopen the saved session in ``log_dir`` instead of creating one (see `Session.resume`);
+    ``resume_at``: continue at that step at the latest (segments from it on in the log are ignored: the
+    caller never received them, so they are generated again and their new copies supersede the old).
     Memory and RSS measurement: see `worldpager.memory`. Not thread-safe; one session per model.
     """
 
@@ -117,6 +127,7 @@ class Session:
         max_events: int = 1_000,
         metadata: Mapping[str, Any] | None = None,
         resume: bool = False,
+        resume_at: int | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -124,6 +135,8 @@ class Session:
             raise ValueError("retrieval_k must be >= 0 and gpu_slots >= 1")
         if warmup_segments is not None and warmup_segments < 0:
             raise ValueError(f"warmup_segments must be >= 0, got {warmup_segments}")
+        if resume_at is not None and (not resume or resume_at < 0):
+            raise ValueError(f"resume_at needs resume and must be >= 0, got {resume_at}")
         self.log_dir = Path(log_dir)
         saved = read_saved_state(self.log_dir) if resume else None
         codec = self._resolved("codec", codec, saved, "bf16")
@@ -167,7 +180,7 @@ class Session:
         self._first = self._next = 0
         try:
             if resume:
-                self._restore(saved)
+                self._restore(saved, resume_at)
             else:
                 self._save_state(window=None)
         except BaseException:
@@ -181,7 +194,9 @@ class Session:
         """Reopen the session saved in ``log_dir`` (see `worldpager.session_store`) and continue it at the
         next frame; ``kwargs`` as for the constructor (``codec``/``seed`` default to the saved ones).
         ValueError if ``model`` or the log does not fit the saved session; FileNotFoundError if there
-        is no log; `SegmentLogError` if the rolling window cannot be restored."""
+        is no log; `SegmentLogError` if the rolling window cannot be restored. Segments the session had
+        generated but the log no longer holds (below the step it continues at) are reported as
+        `MissingSegment` events; corrupt, truncated and missing slots as `CorruptSlot` events."""
         return cls(model, log_dir=log_dir, resume=True, **kwargs)
 
     @staticmethod
@@ -325,6 +340,15 @@ class Session:
         lease): see `TransferHandler.resize`."""
         self.handler.resize(host_budget_bytes, gpu_budget_bytes)
 
+    def wait_written(self, step: int, timeout: float = 60.0) -> bool:
+        """Block until segment ``step`` has been written to the log (not fsynced: it survives the
+        process, not the machine); False when it is not in the log (dropped, or the disk is full)."""
+        return self.handler.wait_written(step, timeout) is not None
+
+    def flush_index(self) -> None:
+        """fsync the log and save its index (a reopen then trusts it instead of scanning the slots)."""
+        self.log.flush()
+
     def run(self, poses: Sequence[Pose]) -> list[StepRecord]:
         return [self.step(p) for p in poses]
 
@@ -367,17 +391,25 @@ class Session:
         )  # fmt: skip
 
     # ---- resume ---------------------------------------------------------------------------------
-    def _restore(self, saved: dict[str, Any] | None) -> None:
+    def _restore(self, saved: dict[str, Any] | None, resume_at: int | None) -> None:
         """Reopen the saved session: corrupt slots, stored segments, rolling window, last poses."""
         for slot, reason in sorted(self.log.corrupt_slots().items()):
             self._events.record(CorruptSlot(slot, reason))
         stored = store.stored_segments(self.log, self.layout, self.cfg, self.log_dir)
+        if resume_at is not None:
+            stored = {sid: v for sid, v in stored.items() if sid < resume_at}
         nxt = max(stored, default=-1) + 1
         window = store.checkpoint_window(saved, nxt, self.model, self.log_dir)
-        if window is not None:
-            nxt = int(saved["next_step"]) if saved is not None else nxt
+        if window is not None and saved is not None:
+            if resume_at is None or int(saved["next_step"]) == nxt:
+                nxt = int(saved["next_step"])
+            else:  # the checkpoint is past the step to continue at
+                window = None
         infos, corrupt = store.register_stored(stored, self.log, self.pm, self.handler, self.segment_bytes)
         self._events.extend(corrupt)
+        for sid in range(nxt):  # generated before, but not in the log now: never attended to
+            if sid not in stored:
+                self._events.record(MissingSegment(sid, "not in the log (lost, corrupt or never written)"))
         self._infos.extend(infos)
         if window is None:
             window = store.window_from_log(stored, nxt, self.log, self.layout, self.cfg, self.log_dir)

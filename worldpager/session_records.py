@@ -1,8 +1,10 @@
 """What a `Session` reports: `StepRecord` (one step, numbers only), its events (`SessionEvent`,
-`CorruptSlot`, kept bounded by `EventLog`) and `stall_stats` (median / p99 / max of a series of seconds).
+`CorruptSlot`, `MissingSegment`, kept bounded by `EventLog`) and `stall_stats` (median / p99 / max of
+a series of seconds).
 
 Events are drained from the transfer handler every step into counts, the rare notable ones (`Corrupt`,
-`DiskFull`, `Dropped`, `LeaseResized`, `CorruptSlot`) and the last ``max_events`` routine ones.
+`DiskFull`, `Dropped`, `LeaseResized`, `CorruptSlot`, `MissingSegment`) and the last ``max_events``
+routine ones.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from worldpager.page_types import Corrupt, DiskFull, LeaseResized
 from worldpager.transfer import Dropped, RuntimeEvent
 
-__all__ = ["CorruptSlot", "EventLog", "SessionEvent", "StepRecord", "stall_stats"]
+__all__ = ["CorruptSlot", "EventLog", "MissingSegment", "SessionEvent", "StepRecord", "stall_stats"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,8 +45,17 @@ class CorruptSlot:
     reason: str
 
 
-SessionEvent = RuntimeEvent | CorruptSlot
-_NOTABLE = (Corrupt, DiskFull, Dropped, LeaseResized, CorruptSlot)
+@dataclass(frozen=True)
+class MissingSegment:
+    """A segment a reopened session had generated (below the step it continues at) that its log does
+    not hold now (lost, corrupt, or never written): never retrieved."""
+
+    segment_id: int
+    reason: str
+
+
+SessionEvent = RuntimeEvent | CorruptSlot | MissingSegment
+_NOTABLE = (Corrupt, DiskFull, Dropped, LeaseResized, CorruptSlot, MissingSegment)
 
 
 def stall_stats(values: Sequence[float]) -> dict[str, float]:

@@ -142,6 +142,7 @@ class TransferHandler:
         self._slot_of: dict[int, int] = {}  # segment -> log slot
         self._io_pending: dict[int, IoJob] = {}  # handed to the worker, not started
         self._outstanding: set[int] = set()  # I/O jobs handed out, not completed
+        self._writing: dict[int, int] = {}  # write-back job -> segment, until it completes or is cancelled
         self._uploads: queue.Queue[Upload | None] = queue.Queue()
         self._steps: dict[int, _StepBuf] = {}
         self._closing = False
@@ -179,6 +180,17 @@ class TransferHandler:
 
     def log_slot(self, seg_id: int) -> int | None:
         with self._cond:
+            return self._slot_of.get(seg_id)
+
+    def wait_written(self, seg_id: int, timeout: float = 60.0) -> int | None:
+        """Block until no write-back of ``seg_id`` is outstanding; its log slot, or None when it is not
+        in the log (dropped, or the disk is full). TimeoutError after ``timeout`` seconds."""
+        with self._cond:
+            if not self._cond.wait_for(
+                lambda: seg_id not in self._writing.values() or self.error is not None, timeout
+            ):
+                raise TimeoutError(f"segment {seg_id}: write-back still outstanding after {timeout} s")
+            self._raise_error()
             return self._slot_of.get(seg_id)
 
     def add_segment(self, info: SegmentInfo, payload: bytes, *, on_disk_slot: int | None = None) -> bool:
@@ -321,11 +333,14 @@ class TransferHandler:
             else:
                 self._io_pending[job.job_id] = job
                 self._outstanding.add(job.job_id)
+                if isinstance(job, WriteBack):
+                    self._writing[job.job_id] = job.seg_id
         self._cond.notify_all()
 
     def _complete(self, job_id: int, ok: bool, failure: Failure | None = None) -> None:
         follow = self.pm.complete(job_id, ok, failure)
         self._outstanding.discard(job_id)
+        self._writing.pop(job_id, None)
         self._drain_events()
         self._submit(follow)
         self._check_ready()
@@ -338,6 +353,7 @@ class TransferHandler:
                 for jid in e.cancelled:
                     self._io_pending.pop(jid, None)
                     self._outstanding.discard(jid)
+                    self._writing.pop(jid, None)
             self.events.append(e)
 
     def _check_ready(self) -> None:

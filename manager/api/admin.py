@@ -37,6 +37,7 @@ def model_status(manager: LiveManager, name: str) -> pb.ModelStatus:
         load_seconds=pb.LoadSeconds(disk=cost.get("disk", 0.0), cached=cost.get("cached", 0.0),
                                     host=cost.get("host", 0.0)),
         lease_bytes=int(m.lease), requests=live.requests, adapter=m.cfg.adapter,
+        last_error=live.load_error or "",
     )  # fmt: skip
 
 

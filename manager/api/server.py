@@ -10,6 +10,7 @@ without one is refused at start. TLS from `server.tls_cert`/`tls_key`.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import ipaddress
 import logging
@@ -58,12 +59,17 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Admin methods need the bearer token (compared in constant time); others pass."""
 
     def __init__(self, token: str) -> None:
-        self.expected = f"Bearer {token}".encode()
+        self.expected = hashlib.sha256(f"Bearer {token}".encode()).digest()
+
+    def allows(self, authorization: str) -> bool:
+        """Constant time in what matches: both sides are hashed to 32 bytes first, so neither a
+        shared prefix nor the presented token's length changes the time `compare_digest` takes."""
+        return hmac.compare_digest(hashlib.sha256(authorization.encode()).digest(), self.expected)
 
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: Any) -> Any:
         if details.method.startswith(ADMIN_PREFIXES):
             got = dict(details.invocation_metadata or ()).get("authorization", "")
-            if not hmac.compare_digest(str(got).encode(), self.expected):
+            if not self.allows(str(got)):
                 return _deny()
         return await continuation(details)
 
@@ -195,13 +201,14 @@ async def serve(
     *,
     config_path: str | None = None,
     in_process: bool = False,
+    cpu_fallback: frozenset[str] = frozenset(),
     ready: Callable[[int], None] | None = None,
 ) -> None:
     from manager.store import open_store
     from manager.workers_bridge import create_pool
 
     store = open_store(config.store.url)
-    pool = create_pool(config, in_process=in_process)
+    pool = create_pool(config, in_process=in_process, cpu_fallback=cpu_fallback)
     manager = LiveManager(config, pool, store=store, journal=config.store.journal)
     server, port, health_servicer = await build_server(config, manager, config_path)
     # grpc's health servicer answers SERVING for "" by default: say NOT_SERVING until the manager runs

@@ -1,6 +1,9 @@
 """`residency.v1.WorldSession`: a bidirectional stream driving a WorldPager session on the world
-model's device host. First message: `start`; then one `action` (camera pose) per segment; the session
-closes when the client ends its stream (or the call is cancelled)."""
+model's device host. First message: `start` (with `resume_session_id`: reopen a saved session); then one
+`action` (camera pose) per segment; the session closes when the client ends its stream (or the call is
+cancelled), its state kept for a later resume. A device host that dies under the session costs a reopen
+from the saved state (the output says `resumed`); if that cannot be done in time the stream ends
+UNAVAILABLE with a message naming the session id to resume."""
 
 from __future__ import annotations
 
@@ -19,8 +22,15 @@ from residency_proto.v1 import residency_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 
+def _unusable(d: dict[str, Any]) -> list[str]:
+    """What a reopen found unusable in the saved state (never attended to), one line each."""
+    slots = [f"slot {slot}: {why}" for slot, why in sorted((d.get("corrupt_slots") or {}).items())]
+    return slots + [f"segment {i}: missing" for i in d.get("missing_segments") or []]
+
+
 def _output(sid: str, d: dict[str, Any]) -> pb.WorldOutput:
     return pb.WorldOutput(
+        resumed=bool(d.get("resumed")), unusable=_unusable(d) if d.get("resumed") else [],
         session_id=sid, segment=int(d["step"]), latents=d["latents"], shape=list(d["shape"]),
         stall_s=float(d["stall_s"]), compute_s=float(d["compute_s"]), lease_bytes=int(d["lease_bytes"]),
         host_bytes=int(d["host_bytes"]), hits=int(d["hits"]), misses=int(d["misses"]),
@@ -42,10 +52,18 @@ class WorldSessionServicer(pb_grpc.WorldSessionServicer):
             if first is None or first.WhichOneof("msg") != "start":
                 raise InvalidRequest("the first message of a world session must be `start` (with the model)")
             st = first.start
+            resume = st.resume_session_id or None
             sid, opened = await self.manager.open_session(
-                st.model, cls=st.class_name or None, codec=st.codec or "bf16"
+                st.model,
+                cls=st.class_name or None,
+                codec=st.codec or ("" if resume else "bf16"),
+                resume_id=resume,
             )
-            yield pb.WorldOutput(session_id=sid, segment=-1, lease_bytes=int(opened["lease_bytes"]))
+            yield pb.WorldOutput(
+                session_id=sid, segment=-1, lease_bytes=int(opened["lease_bytes"]),
+                resumed=bool(opened.get("resumed")), next_segment=int(opened.get("next_segment", 0)),
+                unusable=_unusable(opened),
+            )  # fmt: skip
             async for msg in request_iterator:
                 if msg.WhichOneof("msg") != "action":
                     raise InvalidRequest("after `start`, a world session takes only `action` messages")

@@ -59,10 +59,43 @@ class Engine:
     # ---- requests ---------------------------------------------------------------------------
     def start(self, now: float) -> None:
         """Load the pinned models, then let the policy preload."""
-        for m in self.models.values():
-            if m.pinned and self.make_room(m, m.rank, now, may_evict=False, prewarm=True):
-                self.load(m, now, prewarm=False, reason="pinned")
+        self.load_pinned(now)
         self.policy.start(now)
+
+    def load_pinned(self, now: float) -> None:
+        """Load the pinned models that are not on their device yet (an adopted one already is)."""
+        for m in self.models.values():
+            if not m.pinned or m.tier == Tier.GPU:
+                continue
+            if self.make_room(m, m.rank, now, may_evict=False, prewarm=True):
+                self.load(m, now, prewarm=False, reason="pinned")
+
+    def adopt(self, m: ModelState, tier: Tier, now: float) -> bool:
+        """Put `m` on the books in `tier` without a load: its device host already holds it there
+        (a restarted manager reattaching). No action, no load counted. False when the books have no
+        room for it within the rules (nothing evicted for it): then nothing changes."""
+        if m.tier != Tier.DISK or tier == Tier.DISK:
+            return False
+        if tier == Tier.HOST:
+            if self.host.usable - self.host.used < m.weights:
+                return False
+            self.host.used += m.weights
+            self.host.cache_shrink()
+        else:
+            dev = self.state.devices[m.device]
+            cap = self.policy.max_loaded
+            loaded = sum(1 for c in dev.models if c.tier == Tier.GPU and not c.pinned)
+            if self.never_fits[m.name] or dev.room(m.rank) < m.weights + m.lease_min:
+                return False
+            if cap is not None and not m.pinned and loaded >= cap:
+                return False
+            m.lease = m.lease_min
+            m.gpu_since = now
+            dev.add(m, m.gpu_bytes)
+            self._on_gpu_at[m.name] = now
+        m.tier = tier
+        m.ready_at = now
+        return True
 
     def observe(self, m: ModelState, now: float) -> None:
         m.hist.observe(now)
@@ -322,15 +355,23 @@ class Engine:
         self._log(now, Action(ActionKind.LOAD_HOST, m.name, "host", m.weights, reason, prewarm=True))
         return True
 
-    def evict(self, c: ModelState, now: float, reason: str, *, expiry: bool = False) -> None:
+    def evict(
+        self, c: ModelState, now: float, reason: str, *, expiry: bool = False, failed: bool = False
+    ) -> None:
         """Take `c` off the GPU: demote to the host tier when the policy wants it and it fits
-        (dropping host residents the policy values less), else drop to disk."""
+        (dropping host residents the policy values less), else drop to disk. `failed`: its load
+        failed, so nothing was resident: dropped to disk, not counted as an eviction, no thrash clock."""
         dev = self.state.devices[c.device]
         dev.add(c, -c.gpu_bytes)
         nbytes = c.gpu_bytes
         c.lease = 0
-        c.left_gpu_at = now
         self.gpu_time[c.name] += now - self._on_gpu_at.pop(c.name, now)
+        if failed:
+            c.prewarmed = False
+            c.tier = Tier.DISK
+            self._log(now, Action(ActionKind.DROP, c.name, c.device, nbytes, reason))
+            return
+        c.left_gpu_at = now
         cnt = self.counters
         cnt.evictions += 1
         if expiry:

@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from integration.ray_head import PRIVATE_RAY, head_node  # noqa: F401  (fixture)
 from integration.redis_server import free_port, redis_clean, redis_url  # noqa: F401  (fixtures)
 
 ROOT = Path(__file__).resolve().parents[2]

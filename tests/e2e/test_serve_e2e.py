@@ -4,6 +4,7 @@ SQLite store and Ray workers, and with a real Redis store; plus a manager restar
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import urllib.request
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from tritonclient.utils import InferenceServerException
 from manager.store import open_store
 from residency_proto.v1 import residency_pb2, residency_pb2_grpc
 
-from .conftest import BIN, CONFIG, Server, free_port
+from .conftest import BIN, CONFIG, ROOT, Server, free_port
 
 AUDIO = np.zeros(1024, dtype=np.float32)
 
@@ -171,3 +172,31 @@ def test_restart_keeps_stats_and_the_request_log(start_server: Callable[..., Ser
         assert store.count_requests() == 3
     finally:
         store.close()
+
+
+def test_the_example_home_config_serves_here(start_server: Callable[..., Server], tmp_path: Path) -> None:
+    """The README's main command: `serve --config configs/home.yaml` with a local Ray. Without CUDA
+    its GPU's models run on the CPU (said at start); the models that load offline serve, and those
+    whose files are not here answer UNAVAILABLE naming the file, while ps shows why."""
+    import torch
+
+    home = (ROOT / "configs" / "home.yaml").read_text()
+    home = re.sub(r"^store:\n(  .*\n)+", "", home, flags=re.M)  # the test's own store instead
+    server = start_server(f"sqlite:///{tmp_path / 'home.db'}", config_text=home)
+    if not torch.cuda.is_available():
+        assert "device 'gpu0' runs its models on the CPU" in server.log.read_text()
+    c = tc.InferenceServerClient(server.target)
+    probs = c.infer("voice", [voice_input()]).as_numpy("speech_prob")
+    assert probs is not None and probs.shape == (2,)
+    emb = c.infer("embed", [text_input(b"hello")]).as_numpy("embedding")
+    assert emb is not None and emb.shape == (1, 384)
+    tts_in = tc.InferInput("x", [1], "FP32")
+    tts_in.set_data_from_numpy(np.zeros(1, np.float32))
+    with pytest.raises(InferenceServerException, match=r"models/tts\.pt: no such file") as e:
+        c.infer("tts", [tts_in])
+    assert e.value.status() == "StatusCode.UNAVAILABLE"
+    c.close()
+    models = ps(server.target)
+    assert models["voice"]["tier"] == "gpu" and models["embed"]["tier"] == "gpu"
+    assert "no such file" in str(models["tts"]["lastError"]) and models["tts"]["tier"] == "disk"
+    assert "lastError" not in models["voice"]

@@ -114,3 +114,27 @@ def test_requests_over_the_size_limit_are_refused() -> None:
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
     with_server(cfg, body)
+
+
+def test_the_token_compare_sees_only_fixed_length_digests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Constant time: whatever is presented (empty, a prefix of the token, longer, all but the last
+    byte right), compare_digest gets two 32-byte digests, so neither the shared prefix nor the length
+    can change its time (bench/auth_timing.py measures it over gRPC)."""
+    import hmac
+
+    from manager.api.server import AuthInterceptor
+
+    seen: list[tuple[int, int]] = []
+    real = hmac.compare_digest
+
+    def spy(a: bytes, b: bytes) -> bool:
+        seen.append((len(a), len(b)))
+        return real(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", spy)
+    auth = AuthInterceptor("s3cret-token")
+    assert auth.allows("Bearer s3cret-token")
+    for wrong in ("", "Bearer ", "Bearer s3cret-toke", "Bearer s3cret-tokeX", "Bearer s3cret-token-and-more",
+                  "s3cret-token", "bearer s3cret-token"):  # fmt: skip
+        assert not auth.allows(wrong), wrong
+    assert seen == [(32, 32)] * 8

@@ -9,18 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import pytest
 import ray
 
 from workers import protocol as P
@@ -28,11 +23,9 @@ from workers.pool import DeviceSpec
 from workers.ray_pool import RayWorkerPool
 
 from .conftest import TEST_NAMESPACE
-from .redis_server import free_port
+from .ray_head import PRIVATE_RAY
 
 ROOT = Path(__file__).resolve().parents[2]
-VENV_BIN = Path(sys.executable).parent
-PRIVATE_RAY = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
 
 
 def test_a_device_named_on_a_node_is_placed_there(ray_actors: list[object]) -> None:
@@ -48,31 +41,6 @@ def test_a_device_named_on_a_node_is_placed_there(ray_actors: list[object]) -> N
     assert [(r.op_id, r.ok) for r in results] == [(op, True)]
     assert pool.status("node-cpu0").node == node
     assert pool.infer("node-cpu0", "voice", {"audio": np.zeros(512, np.float32)}).ok
-
-
-@pytest.fixture
-def head_node() -> Iterator[str]:
-    port = free_port()
-    # a short temp dir: Ray's unix sockets live under it, and socket paths are limited to 107 bytes
-    temp = Path(tempfile.mkdtemp(prefix="rayh-", dir="/tmp"))
-    env = {**os.environ, **PRIVATE_RAY}
-    proc = subprocess.Popen(
-        [str(VENV_BIN / "ray"), "start", "--head", "--block", f"--port={port}", "--num-cpus=1",
-         "--num-gpus=1", "--include-dashboard=false", f"--temp-dir={temp}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True,
-    )  # fmt: skip
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-        # Ray's daemons may have left the process group: end whatever still runs from this head's dir
-        subprocess.run(["pkill", "-f", str(temp)], check=False)
-        shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_a_manager_joins_an_existing_cluster(head_node: str, tmp_path: Path) -> None:

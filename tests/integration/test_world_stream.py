@@ -33,7 +33,12 @@ def test_world_session_stream(tmp_path: Path) -> None:
     cfg_path = tmp_path / "c.yaml"
     cfg_path.write_text(CONFIG)
     config = load_config(cfg_path)
-    config = config.model_copy(update={"server": config.server.model_copy(update={"listen": "127.0.0.1:0"})})
+    config = config.model_copy(
+        update={
+            "server": config.server.model_copy(update={"listen": "127.0.0.1:0"}),
+            "store": config.store.model_copy(update={"sessions": str(tmp_path / "sessions")}),
+        }
+    )
 
     async def inputs(*msgs: pb.WorldInput) -> AsyncIterator[pb.WorldInput]:
         for m in msgs:
@@ -53,6 +58,24 @@ def test_world_session_stream(tmp_path: Path) -> None:
             assert last.lease_bytes >= 16 * 2**20 and last.stall_s >= 0 and last.max_position > 0
             await asyncio.sleep(0)
             assert manager.sessions == {}  # closed when the client ended its stream
+            assert not any(o.resumed for o in outs) and outs[0].next_segment == 0
+
+            # a new stream resumes the saved session by id: it goes on at segment 3
+            sid = outs[0].session_id
+            resume = pb.WorldInput(start=pb.WorldStart(model="world", resume_session_id=sid))
+            more = [pb.WorldInput(action=pb.WorldAction(x=3 + i, yaw=20.0 * (3 + i))) for i in range(2)]
+            again = [o async for o in stub.Run(inputs(resume, *more))]
+            assert [o.segment for o in again] == [-1, 3, 4] and {o.session_id for o in again} == {sid}
+            assert again[0].resumed and again[0].next_segment == 3 and list(again[0].unusable) == []
+            for msgs, code, words in [
+                ((pb.WorldInput(start=pb.WorldStart(model="world", resume_session_id="0" * 12)),),
+                 grpc.StatusCode.NOT_FOUND, "no saved world session"),
+                ((pb.WorldInput(start=pb.WorldStart(model="world", resume_session_id="../x")),),
+                 grpc.StatusCode.INVALID_ARGUMENT, "not a session id"),
+            ]:  # fmt: skip
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    _ = [o async for o in stub.Run(inputs(*msgs))]
+                assert e.value.code() == code and words in (e.value.details() or "")
 
             for msgs, code, words in [
                 ((poses[0],), grpc.StatusCode.INVALID_ARGUMENT, "first message"),

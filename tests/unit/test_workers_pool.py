@@ -129,3 +129,28 @@ def test_the_config_becomes_device_and_model_specs() -> None:
         assert pool.devices() == ["cpu0"]
     finally:
         pool.close()
+
+
+def test_cuda_devices_fall_back_to_the_cpu_only_where_their_hosts_run_here(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pathlib import Path
+
+    from manager.config import load_config
+    from manager.workers_bridge import create_pool, cuda_missing_here, device_specs
+
+    home = load_config(Path(__file__).resolve().parents[2] / "configs" / "home.yaml")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cuda_missing_here(home) == ["gpu0"]  # a local Ray: the hosts run on this machine
+    cluster = home.model_copy(update={"ray": home.ray.model_copy(update={"address": "auto"})})
+    assert cuda_missing_here(cluster) == []  # a cluster's GPUs are on its nodes
+    assert cuda_missing_here(cluster, in_process=True) == ["gpu0"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cuda_missing_here(home) == []
+    (gpu0,) = device_specs(home, frozenset({"gpu0"}))
+    assert (gpu0.name, gpu0.kind) == ("gpu0", "cpu")
+    pool = create_pool(home, in_process=True, cpu_fallback=frozenset({"gpu0"}))
+    try:
+        assert pool.status("gpu0").kind == "cpu"
+    finally:
+        pool.close()

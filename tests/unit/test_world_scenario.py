@@ -50,7 +50,9 @@ async def until(cond: object, timeout: float = 20.0) -> None:
 
 def test_world_session_with_voice_and_a_borrowed_lease(tmp_path: Path) -> None:
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(CONFIG)
+    cfg.write_text(
+        f'store: {{url: "sqlite:///{tmp_path / "s.db"}", sessions: "{tmp_path / "sessions"}"}}\n' + CONFIG
+    )
     config = load_config(cfg)
 
     async def main() -> None:

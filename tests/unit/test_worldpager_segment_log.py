@@ -274,6 +274,30 @@ def test_a_truncated_file_is_detected_and_reported_on_open(tmp_path: Path) -> No
         assert "truncated" in third.corrupt_slots()[2]
 
 
+def test_slots_the_index_names_past_a_cut_file_are_reported_missing_and_never_reused(tmp_path: Path) -> None:
+    """The log file was cut at a slot boundary (or replaced by a shorter one) after its index was saved:
+    the slots the index names that are wholly gone are reported missing, not silently dropped, and
+    their numbers are not handed out again."""
+    log, segs = filled(tmp_path, 5)
+    log.close()  # index.json names slots 0-4
+    os.truncate(tmp_path / LOG_NAME, 3 * SLOT)  # slots 3 and 4 gone whole: nothing of them to scan
+    with SegmentLog.open(tmp_path) as again:
+        assert again.index_state == "rebuilt"
+        assert again.slots() == [0, 1, 2]
+        assert set(again.corrupt_slots()) == {3, 4}
+        assert all(r.startswith("missing") for r in again.corrupt_slots().values())
+        assert again.find(segs[3]["segment_id"]) is None and again.find(segs[4]["segment_id"]) is None
+        for slot in (3, 4):
+            with pytest.raises(CorruptSlotError, match="missing"):
+                again.read(slot)
+        assert again.read(2)[1] == segs[2]["payload"]
+        assert again.append(**segs[3]) == 5  # a missing slot is never reused
+    with SegmentLog.open(tmp_path) as third:  # the saved index keeps the report
+        assert third.index_state == "loaded"
+        assert third.slots() == [0, 1, 2, 5] and set(third.corrupt_slots()) == {3, 4}
+        assert third.read(5)[1] == segs[3]["payload"]
+
+
 def test_a_file_cut_inside_a_header_is_reported_too(tmp_path: Path) -> None:
     log, _ = filled(tmp_path, 2)
     log.close()
