@@ -138,6 +138,9 @@ class StoreConfig(_Model):
     """Where world sessions keep their saved state, one directory per session (the NVMe segment log,
     its index, the rolling window): a session reopens from it when its device host restarts, and a new
     stream can resume it by id. Device hosts on other machines need it on a path they share."""
+    sessions_keep: ByteSize = Field(default=20 * 2**30, ge=0)
+    """Disk kept for saved world sessions: when a session opens, the least recently used sessions
+    that are not open are deleted, oldest first, until the rest fit in this (0: keep none)."""
 
     @field_validator("url")
     @classmethod

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import math
 import re
+import shutil
 import time
 import uuid
 from collections.abc import Callable
@@ -760,9 +761,10 @@ class LiveManager:
             result = self.pool.infer(device, model, inputs, timeout_s)
         else:
             result = await asyncio.to_thread(self.pool.infer, device, model, inputs, timeout_s)
-        if result.ok:
-            prev = self._infer_s.get(model)
-            self._infer_s[model] = result.seconds if prev is None else 0.8 * prev + 0.2 * result.seconds
+        if result.ok:  # by the time the call holds a thread (the wall time on a busy thread pool
+            # grows with GIL contention, which would keep a microsecond model off the loop for good)
+            prev, took = self._infer_s.get(model), result.hold_seconds
+            self._infer_s[model] = took if prev is None else 0.8 * prev + 0.2 * took
         return result
 
     def _raise_infer_error(self, r: P.InferResult) -> None:
@@ -817,6 +819,33 @@ class LiveManager:
     async def _submit(self, device: str, cmd: P.Command, op: str) -> None:
         self.pool.submit(device, cmd, op)
 
+    def _prune_sessions(self, keep: set[str]) -> list[str]:
+        """Delete saved sessions (not open, not in `keep`), least recently written first, until the
+        others fit in `store.sessions_keep`. Returns the ids deleted."""
+        if not self.session_dir.is_dir():
+            return []
+        saved = []
+        for d in self.session_dir.iterdir():
+            if not d.is_dir() or not _SESSION_ID.fullmatch(d.name):
+                continue  # only what looks like a session of ours
+            files = [f for f in d.rglob("*") if f.is_file()]
+            size = sum(f.stat().st_size for f in files)
+            last = max((f.stat().st_mtime for f in files), default=d.stat().st_mtime)
+            saved.append((last, d.name, size, d))
+        total = sum(size for _, _, size, _ in saved)
+        gone = []
+        for _, name, size, d in sorted(saved):
+            if total <= self.config.store.sessions_keep:
+                break
+            if name in keep:
+                continue
+            shutil.rmtree(d, ignore_errors=True)
+            total -= size
+            gone.append(name)
+        if gone:
+            logger.info("deleted saved world sessions %s (store.sessions_keep)", ", ".join(gone))
+        return gone
+
     async def _resize_session(self, device: str, sid: str, lease: int) -> None:
         reply = await asyncio.to_thread(self.pool.session, device, "resize", sid, lease)
         model = self.sessions.get(sid, ("", 0.0, 0))[0]
@@ -854,6 +883,7 @@ class LiveManager:
         live.inflight += 1
         sid = resume_id or uuid.uuid4().hex[:12]
         resume = resume_id is not None
+        await asyncio.to_thread(self._prune_sessions, keep={*self.sessions, sid})
         for attempt in range(2):  # a host that lost the model (it restarted) loads it again, in time
             reply = await asyncio.to_thread(
                 self.pool.session, m.device, "open", model, sid, int(m.lease or m.lease_min),

@@ -323,8 +323,10 @@ class DeviceHost:
         try:
             with r.lock:
                 t0 = time.perf_counter()  # the model's own time, not the wait for the lock
+                c0 = time.thread_time()
                 out = adapter.infer(runnable, inputs)
                 t1 = time.perf_counter()
+                c1 = time.thread_time()
         except AdapterError as e:
             return P.InferResult(model, False, error_code=e.code, error=e.message)
         except Exception as e:
@@ -337,6 +339,9 @@ class DeviceHost:
             True,
             outputs={k: _plain(v) for k, v in out.items()},
             seconds=t1 - t0,
+            # what the call would hold its caller's thread for, free of GIL waits behind other
+            # threads: its CPU time on a CPU device; on CUDA the wall time (it may wait on the GPU)
+            hold_seconds=(c1 - c0) if self.kind == "cpu" else t1 - t0,
         )
 
     # ---- world sessions (workers.world)

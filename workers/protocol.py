@@ -215,6 +215,7 @@ class InferResult:
     error_code: str | None = None
     error: str | None = None
     seconds: float = 0.0
+    hold_seconds: float = 0.0  # the caller's thread held: CPU time on a CPU device, wall time on CUDA
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import shutil
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -655,3 +656,36 @@ def test_a_killed_service_keeps_its_statistics_up_to_date(tmp_path: Path) -> Non
     assert store.count_requests() == 5
     assert store.get_doc("stats")["voice"]["requests"] == 5  # type: ignore[index]
     store.close()
+
+
+def test_saved_world_sessions_beyond_the_disk_bound_go_oldest_first(tmp_path: Path) -> None:
+    sessions = tmp_path / "sessions"
+    cfg = tmp_path / "c.yaml"
+    store = f'store: {{url: "sqlite:///{tmp_path / "s.db"}", sessions: "{sessions}", sessions_keep: 2500}}\n'
+    cfg.write_text(store + CONFIG.read_text())
+    ids = ["a00000000001", "a00000000002", "a00000000003", "a00000000004"]
+    for age, sid in enumerate(reversed(ids)):  # ids[0] is the oldest
+        d = sessions / sid
+        d.mkdir(parents=True)
+        (d / "segments.log").write_bytes(b"x" * 1000)
+        os.utime(d / "segments.log", (1e9 - age * 100, 1e9 - age * 100))
+    (sessions / "notes").mkdir()  # not a session: never touched
+    (sessions / "notes" / "big").write_bytes(b"y" * 10_000)
+
+    async def body(lm: LiveManager) -> None:
+        # 4,000 bytes saved, 2,500 kept: the two oldest go, except one that is open
+        assert lm._prune_sessions(keep={ids[0]}) == [ids[1], ids[2]]
+        assert sorted(p.name for p in sessions.iterdir()) == [ids[0], ids[3], "notes"]
+        assert lm._prune_sessions(keep=set()) == []  # 2,000 bytes fit
+
+    run(load_config(cfg), body)
+
+
+def test_a_microsecond_model_is_judged_by_its_own_time_not_the_wait_for_the_gil() -> None:
+    async def body(lm: LiveManager) -> None:
+        served = await lm.infer("voice", AUDIO)
+        r = served.result
+        assert r.hold_seconds > 0 and r.hold_seconds <= r.seconds * 1.5 + 1e-3  # CPU time of the call
+        assert lm._infer_s["voice"] == pytest.approx(r.hold_seconds)
+
+    run(load_config(CONFIG), body)

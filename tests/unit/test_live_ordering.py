@@ -1,0 +1,168 @@
+"""The live manager keeps what a device host really holds within its budget, in time as well as in its books.
+
+Found by the memory soak (bench/soak.py): (1) a model whose load was not confirmed yet, with a request
+waiting for it, passed its keep-alive (the engine's load estimate had long gone by) and was demoted
+under the request, which then slept until its deadline; (2) a load was submitted before the world
+session had applied the shrunk lease that made its room, so for a moment the device held the old
+lease and the new model; and a grown lease could be applied before the drop that freed its room.
+Real models (tiny_mlp stand-in, WorldPager's MG2-shaped stand-in at its "micro" size) on in-process
+hosts; a pool wrapper only delays results or resizes, as a busy host or a long step does."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from manager.config import load_config
+from manager.live import LiveManager
+from manager.workers_bridge import create_pool
+from workers import protocol as P
+from workers.demo import write_tiny_mlp
+
+WIDTH = 512
+CONFIG = """
+devices:
+  - {{name: cpu0, kind: cpu, memory: 1GiB, reserve: 128MiB}}
+host: {{memory: 8GiB, reserve: 1GiB}}
+classes:
+  - {{name: interactive}}
+  - {{name: background, may_evict: false}}
+models:
+  - {{name: world, class: interactive, adapter: worldpager-mg2, device: cpu0, memory: 4MiB,
+     elastic: {{min: 16MiB, max: 900MiB}}, load_seconds: {{disk: 0.2, host: 0.05}}, keep_alive: 10m,
+     source: {{preset: micro}}}}
+  - {{name: mlp, class: background, adapter: safetensors-module, device: cpu0, memory: {mlp_bytes},
+     load_seconds: {{disk: 0.05, host: 0.01}}, keep_alive: 1s, prewarm: false,
+     source: {{factory: "workers.demo:tiny_mlp", path: "{path}", kwargs: {{width: {width}}}}}}}
+policy: {{name: residency, min_residency: 0.5s}}
+"""
+X = {"input": np.ones((1, WIDTH), dtype=np.float32)}
+
+
+class Recording:
+    """An in-process pool that records, in order, what reaches the device host and what comes back;
+    it can hold back `Load`/`Demote` results of one model (a busy host) and slow session resizes
+    (a resize waits for the step that holds the session's lock)."""
+
+    def __init__(self, inner: Any, *, hold: dict[str, float] | None = None, resize_s: float = 0.0) -> None:
+        self.inner = inner
+        self.hold = hold or {}  # "model:op" -> seconds its results are held back
+        self.resize_s = resize_s
+        self.log: list[tuple[str, ...]] = []
+        self._held: list[tuple[float, P.CommandResult]] = []
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def _note(self, *what: str) -> None:
+        with self._lock:
+            self.log.append(what)
+
+    def submit(self, device: str, cmd: P.Command, op_id: str | None = None) -> str:
+        model = cmd.model.name if isinstance(cmd, P.Load) else cmd.model  # type: ignore[union-attr]
+        self._note("submit", type(cmd).__name__, model)
+        return str(self.inner.submit(device, cmd, op_id))
+
+    def poll(self) -> list[P.CommandResult]:
+        now = time.monotonic()
+        for r in self.inner.poll():
+            self._held.append((now + self.hold.get(f"{r.model}:{r.op}", 0.0), r))
+        out = [r for t, r in self._held if t <= now]
+        self._held = [(t, r) for t, r in self._held if t > now]
+        for r in out:
+            self._note("result", r.op, r.model)
+        return out
+
+    def session(self, device: str, method: str, *args: Any, timeout_s: float = 120.0) -> P.SessionReply:
+        if method == "resize":
+            self._note("resize-start", str(args[1]))
+            time.sleep(self.resize_s)
+        reply: P.SessionReply = self.inner.session(device, method, *args, timeout_s=timeout_s)
+        if method == "resize":
+            self._note("resize-done", str(reply.data.get("lease_bytes")))
+        return reply
+
+
+def setup(tmp_path: Path) -> Any:
+    path = write_tiny_mlp(tmp_path / "mlp.safetensors", WIDTH)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(CONFIG.format(mlp_bytes=2 * (WIDTH * WIDTH + WIDTH) * 4, path=path, width=WIDTH))
+    return load_config(cfg)
+
+
+async def until(cond: Any, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+def test_a_model_with_a_waiting_request_is_not_expired_while_its_load_is_unconfirmed(tmp_path: Path) -> None:
+    config = setup(tmp_path)
+
+    async def main() -> None:
+        # the host confirms mlp's load 3 s late: well past its estimate (0.05 s) and keep-alive (1 s)
+        pool = Recording(create_pool(config, in_process=True), hold={"mlp:load": 3.0})
+        lm = LiveManager(config, pool)
+        await lm.start()
+        try:
+            served = await lm.infer("mlp", X, timeout_s=15)
+            assert served.result.ok and served.cold
+            assert served.result.outputs["output"][1] == (1, WIDTH)
+            moves = [e for e in pool.log if e[0] == "submit" and e[2] == "mlp"]
+            assert moves == [("submit", "Load", "mlp")]  # loaded once, never demoted under the request
+            assert lm.engine.models["mlp"].waiting == 0
+            await until(lambda: lm.engine.counters.expiries == 1)  # afterwards its keep-alive applies
+        finally:
+            await lm.stop()
+            pool.close()
+        assert lm.engine.counters.thrash == 0 and lm.engine.counters.budget_violations == 0
+
+    asyncio.run(main())
+
+
+def test_a_load_waits_for_the_shrunk_lease_and_a_grown_lease_for_the_freed_room(tmp_path: Path) -> None:
+    config = setup(tmp_path)
+
+    async def main() -> None:
+        # a resize takes 0.5 s (a step holds the session); mlp's demote is confirmed 1 s late
+        pool = Recording(create_pool(config, in_process=True), hold={"mlp:demote": 1.0}, resize_s=0.5)
+        lm = LiveManager(config, pool)
+        await lm.start()
+        world = lm.engine.models["world"]
+        try:
+            sid, _ = await lm.open_session("world")
+            await lm.step_session(sid, (0.0, 0.0, 0.0, 0.0, 0.0))
+            await until(lambda: world.lease > 500 * 2**20 and ("resize-done", str(world.lease)) in pool.log)
+            grown = world.lease
+            pool.log.clear()
+            served = await lm.infer("mlp", X, timeout_s=15)  # a background request takes lease room back
+            assert served.result.ok and world.lease < grown
+            small = world.lease
+            log = list(pool.log)
+            load = log.index(("submit", "Load", "mlp"))
+            shrunk = log.index(("resize-done", str(world.lease)))
+            assert log.index(("resize-start", str(world.lease))) < shrunk < load
+            # mlp's keep-alive passes: it is demoted, and only then does the lease grow back
+            await until(
+                lambda: world.lease >= grown - 2**20 and ("resize-done", str(world.lease)) in pool.log
+            )
+            log = list(pool.log)
+            demoted = log.index(("result", "demote", "mlp"))
+            regrow = [i for i, e in enumerate(log) if e[0] == "resize-start" and int(e[1]) > small]
+            assert regrow and all(demoted < i for i in regrow)
+            assert log.index(("submit", "Demote", "mlp")) < demoted
+            await lm.close_session(sid)
+        finally:
+            await lm.stop()
+            pool.close()
+        c = lm.engine.counters
+        assert c.thrash == 0 and c.budget_violations == 0 and c.lease_shrinks >= 1 and c.lease_grows >= 2
+
+    asyncio.run(main())
