@@ -169,6 +169,8 @@ class LiveManager:
         self._background: set[asyncio.Task[Any]] = set()
         self._lease_chain: dict[str, asyncio.Task[Any]] = {}  # device -> its last ordered lease step
         self._thrash_seen = 0
+        self.pin_overrides: dict[str, bool] = {}  # admin pin/unpin over the config's `pin`
+        self._flush_lock = asyncio.Lock()
 
     # ---- lifecycle ----------------------------------------------------------------------------
     # ---- statistics that survive a restart ---------------------------------------------------
@@ -357,6 +359,7 @@ class LiveManager:
             await self.flush_log()
         if self.restore_stats():
             self._catch_up_stats()
+        self._restore_pins()
         adopted = await self.adopt()
         if adopted:
             self._publish("reattached", "", f"adopted {', '.join(adopted)}", "", self.clock())
@@ -376,7 +379,13 @@ class LiveManager:
             self.journal.append(rec)
 
     async def flush_log(self) -> None:
-        """Write the buffered request log to the store (kept for the next try if the store fails)."""
+        """Write the buffered request log to the store (kept for the next try if the store fails).
+        One flush at a time: when it returns, what was buffered at the call is written (or kept),
+        also if the reconciler's own flush was writing a part of it meanwhile."""
+        async with self._flush_lock:
+            await self._flush_log()
+
+    async def _flush_log(self) -> None:
         if self.store is None or not self._log_buf:
             return
         if self._log_failing and not await self._store_answers():
@@ -1059,11 +1068,44 @@ class LiveManager:
         changes = plan_reload(self.config, new)
         apply_reload(self.engine, new)
         self.config = new
+        self._apply_pins()  # an admin's pin or unpin outlives a reload of the file
         self._publish("config_reloaded", "", ", ".join(changes) or "no changes", "", self.clock())
         return changes
 
     def set_pin(self, model: str, pinned: bool) -> None:
-        self._model(model).pinned = pinned
+        """An admin's pin or unpin: it overrides the config's `pin` until the opposite call, across
+        hot reloads and restarts (kept in the store's "pins" document)."""
+        m = self._model(model)
+        m.pinned = pinned
+        if pinned == m.cfg.pin:
+            self.pin_overrides.pop(model, None)
+        else:
+            self.pin_overrides[model] = pinned
+        if self.store is not None:
+            try:
+                self.store.put_doc("pins", dict(self.pin_overrides))
+            except Exception:  # the store is down: the pin holds now; saved with the next call
+                logger.warning("the store is down: the pin of %s is not saved across a restart", model)
+
+    def _apply_pins(self) -> None:
+        for name, pinned in self.pin_overrides.items():
+            self.engine.models[name].pinned = pinned
+
+    def _restore_pins(self) -> None:
+        if self.store is None:
+            return
+        try:
+            doc = self.store.get_doc("pins") or {}
+        except Exception:
+            logger.warning("could not read the admin pins from the store; the config's pins hold")
+            return
+        for name, pinned in doc.items():
+            if name not in self.engine.models or not isinstance(pinned, bool):
+                logger.info("admin pin of %s ignored: the model is not configured", name)
+                continue
+            if pinned != self.engine.models[name].cfg.pin:
+                self.pin_overrides[name] = pinned
+        self._apply_pins()
 
     # ---- events -------------------------------------------------------------------------------
     def subscribe(self) -> asyncio.Queue[dict[str, Any]]:

@@ -689,3 +689,28 @@ def test_a_microsecond_model_is_judged_by_its_own_time_not_the_wait_for_the_gil(
         assert lm._infer_s["voice"] == pytest.approx(r.hold_seconds)
 
     run(load_config(CONFIG), body)
+
+
+def test_admin_pins_outlive_a_hot_reload_and_a_restart(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'state.db'}"
+    config = load_config(CONFIG)
+
+    async def first(lm: LiveManager) -> None:
+        lm.set_pin("embed", True)  # the config does not pin it
+        lm.set_pin("voice", False)  # the config pins it
+        lm.reload(load_config(CONFIG))  # the file says otherwise: the admin's word holds
+        assert lm.engine.models["embed"].pinned and not lm.engine.models["voice"].pinned
+
+    store = open_store(url)
+    run(config, first, store=store)
+    store.close()
+
+    async def second(lm: LiveManager) -> None:
+        assert lm.engine.models["embed"].pinned and not lm.engine.models["voice"].pinned
+        lm.set_pin("voice", True)  # back to the config's word: no override left
+        assert lm.pin_overrides == {"embed": True}
+
+    store = open_store(url)
+    run(config, second, store=store)
+    assert store.get_doc("pins") == {"embed": True}
+    store.close()
