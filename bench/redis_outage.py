@@ -38,10 +38,8 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
-import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -60,6 +58,9 @@ import tritonclient.grpc as tc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from grpc_overhead import Server, free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "local-cpu.yaml"
 BIN = Path(sys.executable).parent
@@ -70,13 +71,6 @@ SAMPLE_S = 0.05
 
 def log(msg: str) -> None:
     print(f"[redis_outage] {msg}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
 
 
 # ---- Redis ------------------------------------------------------------------------------------------
@@ -132,21 +126,10 @@ class RedisServer:
 
 
 @dataclass
-class Service:
-    proc: subprocess.Popen[bytes]
-    target: str
-    metrics: str
-    log_path: Path
+class Service(Server):
+    """`residency serve` (stopped, with what outlived it, by `Server.stop`) and its metrics address."""
 
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        return int(self.proc.returncode)
+    metrics: str = ""
 
 
 def start_service(tmp: Path, store_url: str, name: str) -> tuple[Service, float]:
@@ -166,7 +149,7 @@ def start_service(tmp: Path, store_url: str, name: str) -> tuple[Service, float]
             [str(BIN / "residency"), "serve", "--config", str(cfg), "--listen", target, "--in-process"],
             stdout=out, stderr=subprocess.STDOUT, cwd=tmp, start_new_session=True,
         )  # fmt: skip
-    service = Service(proc, target, metrics, log_path)
+    service = Service("in_process", proc, target, log_path, metrics=metrics)
     with grpc.insecure_channel(target) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() - t0 < READY_TIMEOUT_S:
@@ -429,7 +412,7 @@ def outage_phase(a: argparse.Namespace, tmp: Path, rds: RedisServer) -> tuple[di
             "buffered_peak": max((b for _, b, _, _ in sampler.samples if b == b), default=None),
             "dropped_total": max(dropped, default=None),
             "flush_after_recovery_s": None if flushed is None else round(flushed - up_at, 2),
-            "failed_write_attempts": service.log_path.read_text(errors="replace").count("could not write"),
+            "failed_write_attempts": service.log.read_text(errors="replace").count("could not write"),
         },
         "service_exit_code": code,
     }

@@ -224,6 +224,9 @@ class ChannelClient:
         return self._free.pop()
 
     def _release(self, sock: socket.socket | None) -> None:
+        if sock is not None and self.broken:  # closed meanwhile: a connection back from its frame ends
+            sock.close()
+            sock = None
         if sock is None:
             self._opened -= 1
         else:

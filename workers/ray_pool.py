@@ -285,7 +285,6 @@ class _Batcher:
         self.channel: ChannelClient | None = None
         self._looked_at = -math.inf
         self.channel_batches = 0
-        self.ray_batches = 0
         self._tasks: set[Any] = set()
         self.loop: Any = None
 
@@ -349,7 +348,6 @@ class _Batcher:
                         self.channel = None
             if results is None:
                 results = await self.handle.infer_many.remote(items)
-                self.ray_batches += 1
         except Exception as e:  # the actor died, or anything else: every waiter gets an answer
             why = _why(self.device, e)
             results = [P.InferResult(m, False, error_code=P.WORKER_DIED, error=why) for m, _, _ in batch]

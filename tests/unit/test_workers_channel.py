@@ -126,3 +126,20 @@ def test_many_callers_share_two_connections_and_every_one_is_answered(
 
     n = asyncio.run(main())
     assert host.status().models["voice"].inferences == n
+
+
+def test_a_connection_back_from_its_frame_after_close_is_closed_not_kept(
+    served: tuple[DeviceHost, ChannelServer],
+) -> None:
+    _, server = served
+
+    async def main() -> ChannelClient:
+        client = ChannelClient(server.address, connections=2)
+        call = asyncio.ensure_future(client.infer_many([("voice", AUDIO)] * 8))
+        await asyncio.sleep(0)  # the frame is on its way
+        client.close()
+        assert all(r.ok for r in await call)  # the frame in flight still gets its answer
+        return client
+
+    client = asyncio.run(main())
+    assert client._free == [] and client._opened == 0
