@@ -31,7 +31,9 @@ Checked: the engine's books after every decision (a hook on the engine's action 
 within memory minus reserve, host RAM within its budget, no class below zero) and at every sample;
 the bytes the device host really holds (its status: gpu-tier model bytes, plus the session's KV pages
 read from its runtime) at every sample and, in process, as each load lands; the engine's own
-budget-violation and thrash counters; every request's outcome.
+budget-violation and thrash counters (thrash counted on the schedule: before it, on a slow machine,
+a prewarmed model's compressed keep-alive can run out before its first request, which then reloads it
+within the thrash window; that count is reported apart); every request's outcome.
 RSS (psutil; with Ray, the whole process tree) is sampled every `--sample-seconds`; growth is taken
 from the end of the warm-up (five cycles, or the first fifth of a short run) to the end, raw and net
 of the world session's KV bytes (leased and booked: they fill the lease as a session runs and go when
@@ -290,6 +292,7 @@ class Soak:
         self.lm: LiveManager | None = None
         self.pool: Any = None
         self.t0 = self.wall0 = self.sched_t = 0.0
+        self.thrash_before = 0  # the engine's thrash count when the schedule started
         self.session_log_bytes = 0
         self.end = 0.0
         self.warmup_s = (
@@ -487,7 +490,7 @@ class Soak:
             "lease_mib": round(eng.models["world"].lease / MIB, 2),
             "kv_mib": round(self.pool.kv_bytes / MIB, 2),
             "tiers": {n: m.tier.name for n, m in eng.models.items()},
-            "thrash": eng.counters.thrash,
+            "thrash": eng.counters.thrash - self.thrash_before,
             "requests": sum(self.t.requests.values()),
             "errors": sum(self.t.errors.values()),
         }
@@ -534,6 +537,7 @@ class Soak:
                     self.t.error("first-load", e)
             await asyncio.sleep(self.o.cycle_s / 3 + self.o.cycle_s * 0.1 + 1.0)
             self.sched_t = time.monotonic() - self.t0
+            self.thrash_before = lm.engine.counters.thrash
             self.end = time.monotonic() + self.o.minutes * 60.0
             self.sample()
             tasks = [
@@ -613,7 +617,8 @@ class Soak:
                 "max_real_mib": round(self.t.max_real / MIB, 2),
                 "first": (self.t.book_violations + self.t.real_violations + self.pool.kv_over_lease)[:5],
             },
-            "thrash": c.thrash,
+            "thrash": c.thrash - self.thrash_before,
+            "thrash_before_schedule": self.thrash_before,
             "engine": {
                 "loads": c.loads,
                 "loads_by_source": dict(c.loads_by_source),

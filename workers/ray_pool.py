@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections import deque
 from typing import Any
 
@@ -233,7 +234,12 @@ class RayWorkerPool:
             return P.InferResult(model, False, error_code=P.WORKER_DIED, error=why)
 
     def kill(self, device: str, *, no_restart: bool = False) -> None:
-        """Kill a device host (tests and fault drills); with restarts allowed Ray starts it again."""
+        """Kill a device host (tests and fault drills); with restarts allowed Ray starts it again.
+        Its data channel is dropped first: the process may answer on it for a moment after Ray has
+        declared the actor dead, and what a killed host says should not count."""
+        batcher = self._batchers.get(device)
+        if batcher is not None:
+            batcher.forget_channel()
         ray.kill(self._handle(device), no_restart=no_restart)
 
     def close(self) -> None:
@@ -320,6 +326,11 @@ class _Batcher:
         if self.channel is not None:
             self.channel.close()
             self.channel = None
+
+    def forget_channel(self) -> None:
+        """Drop the channel and look for the host's next one no sooner than REDISCOVER_S from now."""
+        self.close()
+        self._looked_at = time.monotonic()  # the event loop's clock is the monotonic one
 
     async def _discover(self) -> None:
         import asyncio
