@@ -9,6 +9,10 @@ A request waits for its model's *confirmed* load (the worker's result), with a d
 worker's measured load time and footprint then replace the engine's estimates. A failed load
 takes the model off the engine's books (so it stops counting against the budget) and fails the
 waiting requests with the worker's reason. All engine calls happen on the event loop's thread.
+
+`LiveManager` is assembled from mixins: what the store keeps across a restart (statistics,
+intents, the request log) is in `manager.live_persist`, world sessions in `manager.live_sessions`;
+its state, the reconciler loop, decisions -> commands, requests, admin and events are here.
 """
 
 from __future__ import annotations
@@ -17,8 +21,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import re
-import shutil
 import time
 import uuid
 from collections.abc import Callable
@@ -37,6 +39,8 @@ from manager.errors import (
     WorkerUnavailable,
 )
 from manager.journal import RequestJournal
+from manager.live_persist import PersistenceMixin
+from manager.live_sessions import WorldSessionsMixin, _World, worker_error
 from manager.metrics import Metrics
 from manager.policy.engine import Engine
 from manager.policy.factory import create_policy
@@ -52,47 +56,9 @@ EVENTS_QUEUE = 1000
 SAVE_EVERY_S = 60.0
 LOG_EVERY_S = 1.0
 LOG_BATCH = 500
-LOG_KEEP = 100_000
-LEASE_WAIT_S = 10.0
-"""A grown lease waits at most this long for the commands that free its room to finish."""
-SESSION_RECOVER_S = 60.0
-"""A world session whose device host died has this long to be reopened (model reload included)."""
 INLINE_INFER_S = 0.0005
 """In-process models whose recent inferences took less than this run on the event loop itself:
 handing them to a thread would cost more than the inference."""
-
-
-def worker_error(code: str | None, message: str) -> Exception:
-    """The domain error for a worker's error code: what the caller sent is wrong (bad input, or a
-    call the model does not offer) or the worker could not do it."""
-    if code in (P.BAD_INPUT, P.NOT_AVAILABLE):
-        return InvalidRequest(message)
-    return WorkerUnavailable(message)
-
-
-def _merge_hist(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """Two `ReuseHistogram.capture()`s added up (ValueError if their shapes differ)."""
-
-    def add(x: list[Any], y: list[Any]) -> list[Any]:
-        return [add(p, q) if isinstance(p, list) else int(p) + int(q) for p, q in zip(x, y, strict=True)]
-
-    firsts = [t for t in (a.get("first_t"), b.get("first_t")) if t is not None]
-    lasts = [t for t in (a.get("last_t"), b.get("last_t")) if t is not None]
-    out = {k: add(a[k], b[k]) for k in ("bins", "how_bins", "arrivals_how", "arrivals_hod")}
-    return {**out, "count": int(a["count"]) + int(b["count"]),
-            "first_t": min(firsts, default=None), "last_t": max(lasts, default=None)}  # fmt: skip
-
-
-@dataclass
-class _World:
-    """An open world session, as the manager tracks it to reopen it after its device host restarted."""
-
-    codec: str
-    next_segment: int = 0  # segments the client has been sent
-    resumes: int = 0
-
-
-_SESSION_ID = re.compile(r"[0-9a-f]{12}")
 
 
 @dataclass
@@ -119,7 +85,7 @@ class Served:
     cold: bool
 
 
-class LiveManager:
+class LiveManager(PersistenceMixin, WorldSessionsMixin):
     def __init__(
         self,
         config: Config,
@@ -173,186 +139,6 @@ class LiveManager:
         self._flush_lock = asyncio.Lock()
 
     # ---- lifecycle ----------------------------------------------------------------------------
-    # ---- statistics that survive a restart ---------------------------------------------------
-    def save_stats(self) -> None:
-        """Reuse histograms, measured load costs and footprints → the store (doc "stats"). After the
-        store was down: first the intents it missed, and the statistics it held at start-up merged in
-        (saving without them would overwrite the earlier runs' history)."""
-        if self.store is None:
-            return
-        if self._intents_stale:
-            self._rewrite_intents()
-        if self._stats_unread:
-            try:
-                saved = self.store.get_doc("stats") or {}
-            except Exception:
-                logger.warning("the store is still down: statistics not saved")
-                return
-            self._stats_unread = False
-            self._merge_stats(saved)
-        doc = {
-            name: {"hist": m.hist.capture(), "cost": m.cost.capture(), "weights": m.weights,
-                   "requests": self.live[name].requests, "last_used": self.live[name].last_used}
-            for name, m in self.engine.models.items()
-        }  # fmt: skip
-        try:
-            self.store.put_doc("stats", doc)
-        except Exception:
-            logger.exception("could not save statistics to the store")
-
-    def restore_stats(self) -> int:
-        """Statistics saved by an earlier run, for the models still configured; returns how many."""
-        if self.store is None:
-            return 0
-        try:
-            doc = self.store.get_doc("stats") or {}
-        except Exception:  # the store is down at start: serve anyway, with fresh statistics
-            logger.exception("could not read saved statistics from the store; starting fresh")
-            self._stats_unread = True  # merged in when the store is back (save_stats)
-            return 0
-        restored = 0
-        for name, d in doc.items():
-            m = self.engine.models.get(name)
-            if m is None or not isinstance(d, dict):
-                continue
-            try:
-                m.hist.restore(d["hist"])
-                m.cost.restore(d["cost"])
-                m.weights = int(d.get("weights", m.weights))
-                self.live[name].requests = int(d.get("requests", 0))
-                self.live[name].last_used = float(d.get("last_used", 0.0))
-                restored += 1
-            except (KeyError, TypeError, ValueError) as e:
-                logger.warning("statistics of %s in the store are unreadable (%s); starting fresh", name, e)
-        return restored
-
-    def _merge_stats(self, doc: dict[str, Any]) -> None:
-        """Statistics saved by an earlier run, read late (the store was down at start), added to what
-        this run has seen: reuse histograms and request counts add up, saved load times join the
-        measured ones. Footprints stay as this run has them (the engine's books count them)."""
-        for name, d in doc.items():
-            m = self.engine.models.get(name)
-            if m is None or not isinstance(d, dict):
-                continue
-            try:
-                m.hist.restore(_merge_hist(d["hist"], m.hist.capture()))
-                m.cost.restore(d["cost"])
-                self.live[name].requests += int(d.get("requests", 0))
-                self.live[name].last_used = max(self.live[name].last_used, float(d.get("last_used", 0.0)))
-            except (KeyError, TypeError, ValueError) as e:
-                logger.warning("statistics of %s in the store are unreadable (%s); not merged", name, e)
-
-    def _rewrite_intents(self) -> None:
-        """Every model's intended tier (the engine's books), after writes were lost to a store outage."""
-        tiers = {Tier.GPU: "gpu", Tier.HOST: "host"}
-        try:
-            for name, m in self.engine.models.items():
-                self.store.set_intent(name, tiers.get(m.tier, "disk"))
-            self._intents_stale = False
-        except Exception:
-            logger.warning("the store is still down: intents not rewritten")
-
-    def _catch_up_stats(self) -> int:
-        """Requests that arrived after the saved statistics were taken (a killed manager saves none
-        at its end) are in the request log (the journal has just put the last ones there): each
-        model's reuse histogram, request count and last use take them in, so a kill loses no
-        statistics. Each model's histogram says up to when it is complete (its last arrival); the
-        only ones not recovered are requests in flight at that snapshot. Returns how many."""
-        lasts = {n: m.hist.last_t if m.hist.count else None for n, m in self.engine.models.items()}
-        known = [t for t in lasts.values() if t is not None]
-        n = 0
-        try:
-            for rec in self.store.requests(min(known, default=0.0)):
-                name, t = rec["model"], rec["t"]
-                last = lasts.get(name, math.inf)
-                if last is not None and t <= last:
-                    continue  # in the snapshot already (or a model no longer configured)
-                self.engine.models[name].hist.observe(t)
-                live = self.live[name]
-                live.requests += 1
-                live.last_used = max(live.last_used, t + rec.get("wait_s", 0.0) + rec["busy_s"])
-                n += 1
-        except Exception:  # the store failed between the two reads: the snapshot alone, as before
-            logger.exception("could not read the request log to bring the statistics up to date")
-        if n:
-            logger.info("statistics brought up to date with %d requests from the request log", n)
-        return n
-
-    async def adopt(self) -> list[str]:
-        """Reattached device hosts may already hold models (a manager restart): put what they hold on
-        the engine's books as it is, with no command and no load (the first request is a hit), and
-        drop what no longer is configured there or does not fit the books. Returns the models
-        adopted."""
-        now = self.clock()
-        adopted: list[str] = []
-        for device in self.pool.devices():
-            try:
-                st = await asyncio.to_thread(self.pool.status, device, 10.0)
-            except Exception:  # a host that does not answer is reconciled by its next command
-                logger.warning("device %s did not report its status at start", device)
-                continue
-            for name, ms in st.models.items():
-                m = self.engine.models.get(name)
-                tier = {"gpu": Tier.GPU, "host": Tier.HOST}.get(ms.tier)
-                if m is None or m.device != device or tier is None:
-                    logger.info("device %s holds %s, which is not configured there: dropped", device, name)
-                    self.pool.submit(device, P.Drop(name))
-                    continue
-                if tier == Tier.GPU and ms.device_bytes > 0:
-                    m.weights = int(ms.device_bytes)  # the host's measure, before the books count it
-                    self.engine.never_fits[name] = self.engine._never_fits_reason(m)
-                if not self.engine.adopt(m, tier, now):
-                    logger.warning("device %s holds %s, which does not fit the books: dropped", device, name)
-                    self.pool.submit(device, P.Drop(name))
-                    continue
-                live = self.live[name]
-                live.tier = ms.tier
-                if tier == Tier.GPU:
-                    live.ready.set()
-                self._set_intent(name, ms.tier)
-                adopted.append(name)
-        self._gauge_resident()
-        return adopted
-
-    def restore_intent(self, now: float) -> list[str]:
-        """At start, after adoption: the models whose recorded intent is the gpu or host tier but that
-        no device host holds (the host died with the manager, or lost them) are loaded back, higher
-        classes first, within the admission rules: only into free room (nothing evicted for them),
-        never a model with `prewarm: false` (it loads at its first request) or one that can never
-        fit. Intents of models no longer configured are ignored. Returns "model (tier)" per load."""
-        if self.store is None:
-            return []
-        try:
-            intents = self.store.intents()
-        except Exception:  # the store is down: the policy's start-up decides alone
-            logger.warning("could not read the recorded intents at start; not restored")
-            return []
-        restored: list[str] = []
-        models = self.engine.models
-        for name in sorted(intents, key=lambda n: (models[n].rank if n in models else 0, n)):
-            tier, m = intents[name], models.get(name)
-            if m is None:
-                logger.info("recorded intent %s for %s ignored: the model is not configured", tier, name)
-                continue
-            if tier not in ("gpu", "host") or m.tier == Tier.GPU or (tier == "host" and m.tier == Tier.HOST):
-                continue  # held as intended, held on the gpu tier already, or intended on disk
-            if not m.prewarm_ok or self.engine.never_fits[name]:
-                why = "prewarm: false" if not m.prewarm_ok else "it can never fit"
-                logger.info("recorded intent %s for %s not restored: %s", tier, name, why)
-                continue
-            reason = f"restart: recorded intent {tier}"
-            if tier == "host":
-                ok = self.engine.load_host(m, now, reason)
-            else:
-                ok = self.engine.make_room(m, m.rank, now, may_evict=False, prewarm=True)
-                if ok:
-                    self.engine.load(m, now, prewarm=False, reason=reason)
-            if ok:
-                restored.append(f"{name} ({tier})")
-            else:
-                logger.info("recorded intent %s for %s not restored: no free room for it", tier, name)
-        return restored
-
     async def start(self) -> None:
         if self.journal is not None:  # requests served before a crash, not yet in the store
             self._log_buf = self.journal.read() + self._log_buf
@@ -372,60 +158,6 @@ class LiveManager:
         self._flush()
         self._task = asyncio.create_task(self._loop(), name="residency-reconciler")
         self.started = True
-
-    def _log(self, rec: dict[str, Any]) -> None:
-        self._log_buf.append(rec)
-        if self.journal is not None:
-            self.journal.append(rec)
-
-    async def flush_log(self) -> None:
-        """Write the buffered request log to the store (kept for the next try if the store fails).
-        One flush at a time: when it returns, what was buffered at the call is written (or kept),
-        also if the reconciler's own flush was writing a part of it meanwhile."""
-        async with self._flush_lock:
-            await self._flush_log()
-
-    async def _flush_log(self) -> None:
-        if self.store is None or not self._log_buf:
-            return
-        if self._log_failing and not await self._store_answers():
-            self._keep_log([])  # still down: a ping, not the whole batch encoded and sent again
-            return
-        batch, self._log_buf = self._log_buf, []
-        try:
-            # shielded: a cancelled caller (the reconciler at stop) must not leave a written batch
-            # in the journal, or the next start would log it twice
-            await asyncio.shield(self._write_batch(batch))
-        except Exception:  # the store is down: keep the records (bounded) and try again later
-            logger.warning("could not write %d requests to the store; kept for a retry", len(batch))
-            self._log_failing = True
-            self._keep_log(batch)
-            return
-        self.metrics.log_buffered.set(len(self._log_buf))
-        self._log_failing = False
-        if self._intents_stale or self._stats_unread:  # the store answers again: what else it missed
-            self.save_stats()
-
-    async def _store_answers(self) -> bool:
-        try:
-            return bool(await asyncio.to_thread(self.store.ping))
-        except Exception:
-            return False
-
-    def _keep_log(self, batch: list[dict[str, Any]]) -> None:
-        """Put an unwritten batch back in front of the buffer, keeping at most LOG_KEEP (the oldest
-        go, counted)."""
-        kept = batch + self._log_buf
-        if len(kept) > LOG_KEEP:
-            self.metrics.log_dropped.inc(len(kept) - LOG_KEEP)
-            kept = kept[-LOG_KEEP:]
-        self._log_buf = kept
-        self.metrics.log_buffered.set(len(self._log_buf))
-
-    async def _write_batch(self, batch: list[dict[str, Any]]) -> None:
-        await asyncio.to_thread(self.store.append_requests, batch)
-        if self.journal is not None:
-            self.journal.rewrite(self._log_buf)  # what the store has leaves the journal
 
     async def stop(self) -> None:
         self.started = False
@@ -507,23 +239,6 @@ class LiveManager:
             else:
                 self.pool.submit(device, cmd, op)
         self._publish(a.kind.value, a.model, a.reason, device, t, bytes=a.bytes, prewarm=a.prewarm)
-
-    def _record_intent(self, a: Action) -> None:
-        """The tier the manager wants each model in, kept in the store (what a restarted manager
-        reconciles the device hosts against)."""
-        tier = {ActionKind.LOAD: "gpu", ActionKind.PROMOTE: "gpu", ActionKind.LOAD_HOST: "host",
-                ActionKind.DEMOTE: "host", ActionKind.DROP: "disk"}.get(a.kind)  # fmt: skip
-        if tier is not None:
-            self._set_intent(a.model, tier, a.kind.value)
-
-    def _set_intent(self, model: str, tier: str, why: str = "adopted") -> None:
-        if self.store is None:
-            return
-        try:
-            self.store.set_intent(model, tier)
-        except Exception:  # serving goes on; all intents are rewritten once the store is back
-            self._intents_stale = True
-            logger.warning("could not record the intent for %s (%s -> %s)", model, why, tier)
 
     def _count_action(self, a: Action) -> None:
         mt = self.metrics
@@ -789,244 +504,6 @@ class LiveManager:
         if cls is not None:
             rec["class"] = cls
         self._log(rec)
-
-    # ---- world sessions -------------------------------------------------------------------------
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    def _in_order(self, device: str, coro: Any, *, after_ops: bool = False) -> None:
-        """Run `coro` (a session resize, or a command submission deferred behind one) after what was
-        decided before it on `device`: a shrunk lease is applied before the load that takes its room
-        is submitted, and a grown one (`after_ops`) only once the commands that freed the room (a
-        drop, a demote) have finished. Never more than the device really holds."""
-        prev = self._lease_chain.get(device)
-        on_device = {n for n, m in self.engine.models.items() if m.device == device}
-        before = [op for op, (name, _) in self._ops.items() if name in on_device] if after_ops else []
-
-        async def run() -> None:
-            if prev is not None:
-                with contextlib.suppress(Exception):
-                    await prev
-            until = self.clock() + LEASE_WAIT_S
-            while any(op in self._ops for op in before) and self.clock() < until:
-                await asyncio.sleep(self.poll_s)
-            await coro
-
-        task = asyncio.get_running_loop().create_task(run())
-        self._lease_chain[device] = task
-        self._background.add(task)
-
-        def done(t: asyncio.Task[Any]) -> None:
-            self._background.discard(t)
-            if self._lease_chain.get(device) is t:
-                del self._lease_chain[device]
-
-        task.add_done_callback(done)
-
-    async def _submit(self, device: str, cmd: P.Command, op: str) -> None:
-        self.pool.submit(device, cmd, op)
-
-    def _prune_sessions(self, keep: set[str]) -> list[str]:
-        """Delete saved sessions (not open, not in `keep`), least recently written first, until the
-        others fit in `store.sessions_keep`. Returns the ids deleted."""
-        if not self.session_dir.is_dir():
-            return []
-        saved = []
-        for d in self.session_dir.iterdir():
-            if not d.is_dir() or not _SESSION_ID.fullmatch(d.name):
-                continue  # only what looks like a session of ours
-            files = [f for f in d.rglob("*") if f.is_file()]
-            size = sum(f.stat().st_size for f in files)
-            last = max((f.stat().st_mtime for f in files), default=d.stat().st_mtime)
-            saved.append((last, d.name, size, d))
-        total = sum(size for _, _, size, _ in saved)
-        gone = []
-        for _, name, size, d in sorted(saved):
-            if total <= self.config.store.sessions_keep:
-                break
-            if name in keep:
-                continue
-            shutil.rmtree(d, ignore_errors=True)
-            total -= size
-            gone.append(name)
-        if gone:
-            logger.info("deleted saved world sessions %s (store.sessions_keep)", ", ".join(gone))
-        return gone
-
-    async def _resize_session(self, device: str, sid: str, lease: int) -> None:
-        reply = await asyncio.to_thread(self.pool.session, device, "resize", sid, lease)
-        model = self.sessions.get(sid, ("", 0.0, 0))[0]
-        detail = (
-            f"session {sid}: lease {reply.data.get('lease_bytes')} bytes" if reply.ok else (reply.error or "")
-        )
-        self._publish("lease_applied" if reply.ok else "lease_failed", model, detail, device, self.clock())
-
-    async def open_session(
-        self,
-        model: str,
-        *,
-        cls: str | None = None,
-        timeout_s: float = 60.0,
-        codec: str = "bf16",
-        resume_id: str | None = None,
-    ) -> tuple[str, dict[str, Any]]:
-        """Admit a world session like a long request, then open it on the model's device host with the
-        model's current lease. The model stays busy (never evicted) until `close_session`.
-        ``resume_id``: reopen that session from its saved state instead (it continues at its next
-        segment; ``codec`` empty: the saved one); NOT_FOUND when nothing is saved under that id."""
-        m = self._model(model)
-        if m.cfg.elastic is None:
-            raise InvalidRequest(f"model {model!r} has no elastic KV lease: it is not a world model")
-        if resume_id is not None and not _SESSION_ID.fullmatch(resume_id):
-            raise InvalidRequest(f"resume_session_id {resume_id!r} is not a session id (12 hex digits)")
-        if resume_id is not None and resume_id in self.sessions:
-            raise InvalidRequest(f"world session {resume_id!r} is open: end its stream first")
-        rank = self.rank_of(m, cls)
-        deadline = self.clock() + timeout_s
-        arrival = await self._admit(m, rank, deadline)
-        await self._ready(m, deadline)
-        live = self.live[model]
-        m.busy_until = math.inf
-        live.inflight += 1
-        sid = resume_id or uuid.uuid4().hex[:12]
-        resume = resume_id is not None
-        await asyncio.to_thread(self._prune_sessions, keep={*self.sessions, sid})
-        for attempt in range(2):  # a host that lost the model (it restarted) loads it again, in time
-            reply = await asyncio.to_thread(
-                self.pool.session, m.device, "open", model, sid, int(m.lease or m.lease_min),
-                (codec or None) if resume else codec, str(self.session_dir / sid), resume,
-            )  # fmt: skip
-            lost = reply.error_code in (P.WORKER_DIED, P.BAD_TRANSITION)
-            if reply.ok or not lost or attempt == 1 or self.clock() >= deadline:
-                break
-            if not await self._host_holds(m):
-                self._lost(m, reply.error or "the device host lost the model")
-            with contextlib.suppress(DeadlineExceeded, InsufficientCapacity, WorkerUnavailable):
-                await self._queue_for(m, rank, self.config.classes[rank].name, deadline, retry=True)
-            m.busy_until = math.inf
-        if not reply.ok:
-            self._end_busy(m, arrival)
-            if reply.error_code == P.NO_SESSION:
-                raise ModelNotFound(f"no saved world session {sid!r} to resume")
-            raise worker_error(reply.error_code, f"world session on {model!r} could not open: {reply.error}")
-        data = dict(reply.data)
-        self.sessions[sid] = (model, arrival, rank)
-        self._world[sid] = _World(str(data.get("codec", codec)), int(data.get("next_segment", 0)))
-        kind = "session_resumed" if resume_id is not None else "session_opened"
-        self._publish(kind, model, f"session {sid}", m.device, self.clock(), lease=m.lease)
-        return sid, data
-
-    async def _reopen_session(self, sid: str, why: str, deadline: float) -> dict[str, Any]:
-        """The device host lost session `sid` (it died, or restarted empty): load the model again if the
-        host lost it too, then reopen the session from its saved state at the next segment the client
-        has not been sent. WorkerUnavailable (saying it can be resumed) when that fails or runs late."""
-        model, _, rank = self.sessions[sid]
-        m, w, live = self.engine.models[model], self._world[sid], self.live[model]
-        self._publish("session_lost", model, f"session {sid}: {why}", m.device, self.clock())
-
-        def unavailable(detail: str) -> WorkerUnavailable:
-            return self._resumable(sid, why, detail)
-
-        if live.ready.is_set() and not live.loads_pending and not await self._host_holds(m):
-            self._lost(m, why)
-        try:
-            await self._queue_for(m, rank, self.config.classes[rank].name, deadline, retry=True)
-        except (DeadlineExceeded, InsufficientCapacity, WorkerUnavailable) as e:
-            raise unavailable(str(e)) from e
-        m.busy_until = math.inf
-        reply = await asyncio.to_thread(
-            self.pool.session, m.device, "open", model, sid, int(m.lease or m.lease_min), w.codec,
-            str(self.session_dir / sid), True, w.next_segment,
-        )  # fmt: skip
-        if not reply.ok:
-            raise unavailable(reply.error or "the reopen failed")
-        w.resumes += 1
-        data = dict(reply.data)
-        detail = f"session {sid}: reopened at segment {data.get('next_segment')}"
-        self._publish("session_resumed", model, detail, m.device, self.clock(), lease=m.lease)
-        return data
-
-    def _resumable(self, sid: str, why: str, detail: str) -> WorkerUnavailable:
-        return WorkerUnavailable(
-            f"world session {sid}: its device host lost it ({why}) and it could not be reopened: "
-            f"{detail}; its state is saved: resume it with a new stream (start.resume_session_id="
-            f"{sid!r}) at segment {self._world[sid].next_segment}"
-        )
-
-    async def _host_holds(self, m: Any) -> bool:
-        """Whether `m`'s device host holds it in the gpu tier now (False when the host does not answer)."""
-        try:
-            st = await asyncio.to_thread(self.pool.status, m.device)
-        except Exception:
-            return False
-        ms = st.models.get(m.name)
-        return ms is not None and ms.tier == "gpu"
-
-    def _end_busy(self, m: Any, start: float) -> None:
-        live = self.live[m.name]
-        live.inflight -= 1
-        end = self.clock()
-        if live.inflight == 0:
-            m.busy_until = end
-        self.engine.finish(m, start, end - start)
-        self._flush()
-
-    async def step_session(
-        self,
-        sid: str,
-        pose: tuple[float, float, float, float, float],
-        *,
-        recover_s: float = SESSION_RECOVER_S,
-    ) -> dict[str, Any]:
-        """One segment. A device host that died (or restarted) under the session costs a reopen from
-        the session's saved state within `recover_s` (the model reloaded if need be), then the same
-        pose again: the reply then carries ``resumed`` and what the reopen found unusable."""
-        if sid not in self.sessions:
-            raise InvalidRequest(f"no open world session {sid!r}")
-        model = self.sessions[sid][0]
-        m = self.engine.models[model]
-        w = self._world[sid]
-        deadline = self.clock() + recover_s
-        reopened: dict[str, Any] | None = None
-        for attempt in range(3):  # a host that dies again during a reopen gets another go, in time
-            reply = await asyncio.to_thread(self.pool.session, m.device, "step", sid, pose)
-            if reply.ok or reply.error_code not in (P.WORKER_DIED, P.NO_SESSION):
-                break
-            why = reply.error or "the device host lost it"
-            if attempt == 2 or self.clock() >= deadline:
-                raise self._resumable(sid, why, "no time left to reopen it")
-            reopened = await self._reopen_session(sid, why, deadline)
-        if not reply.ok:
-            raise worker_error(reply.error_code, f"world session {sid}: {reply.error}")
-        self.live[model].last_used = self.clock()
-        data = dict(reply.data)
-        data["manager_lease_bytes"] = int(m.lease)
-        data["resumed"] = reopened is not None
-        if reopened is not None:
-            data["corrupt_slots"] = reopened.get("corrupt_slots", {})
-            data["missing_segments"] = reopened.get("missing_segments", [])
-        w.next_segment = int(data["step"]) + 1
-        return data
-
-    async def close_session(self, sid: str) -> dict[str, Any]:
-        if sid not in self.sessions:
-            raise InvalidRequest(f"no open world session {sid!r}")
-        model, opened, rank = self.sessions.pop(sid)
-        self._world.pop(sid, None)
-        m = self.engine.models[model]
-        reply = await asyncio.to_thread(self.pool.session, m.device, "close", sid)
-        self._end_busy(m, opened)
-        live = self.live[model]
-        live.requests += 1
-        self.served += 1
-        if self.store is not None:
-            rec = {"t": opened, "model": model, "busy_s": round(self.clock() - opened, 6), "kind": "session",
-                   "class": self.config.classes[rank].name}  # fmt: skip
-            self._log(rec)
-        self._publish("session_closed", model, f"session {sid}", m.device, self.clock())
-        return dict(reply.data)
 
     # ---- admin --------------------------------------------------------------------------------
     async def preload(self, model: str, tier: str = "gpu", timeout_s: float = 120.0) -> None:

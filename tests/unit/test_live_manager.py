@@ -198,10 +198,10 @@ class _FlakyStore:
 def test_the_store_down_at_start_and_while_serving_loses_nothing_within_the_bound(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import manager.live as live_mod
+    import manager.live_persist as persist_mod  # where the request log's bound is read
 
     store = _FlakyStore(open_store(f"sqlite:///{tmp_path / 'state.db'}"))
-    monkeypatch.setattr(live_mod, "LOG_KEEP", 5)
+    monkeypatch.setattr(persist_mod, "LOG_KEEP", 5)
 
     async def body(lm: LiveManager) -> None:
         for _ in range(3):

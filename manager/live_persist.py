@@ -1,0 +1,317 @@
+"""What the live manager keeps in the store so that a restart loses nothing: the statistics (reuse
+histograms, load costs, footprints, request counts), each model's intended tier (and the adoption
+of what reattached device hosts hold, and the loads that bring the recorded intents back), and
+the request log (buffered, written in batches, kept while the store is down).
+
+`PersistenceMixin` is one of `manager.live.LiveManager`'s bases; it holds no state of its own
+(`LiveManager.__init__` sets the attributes it declares).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from typing import TYPE_CHECKING, Any
+
+from manager.journal import RequestJournal
+from manager.metrics import Metrics
+from manager.policy.engine import Engine
+from manager.policy.types import Action, ActionKind, Tier
+from workers import protocol as P
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from manager.live import _Live
+
+logger = logging.getLogger("manager.live")  # the live manager's one logger (operators' log config)
+
+LOG_KEEP = 100_000
+
+
+def _merge_hist(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two `ReuseHistogram.capture()`s added up (ValueError if their shapes differ)."""
+
+    def add(x: list[Any], y: list[Any]) -> list[Any]:
+        return [add(p, q) if isinstance(p, list) else int(p) + int(q) for p, q in zip(x, y, strict=True)]
+
+    firsts = [t for t in (a.get("first_t"), b.get("first_t")) if t is not None]
+    lasts = [t for t in (a.get("last_t"), b.get("last_t")) if t is not None]
+    out = {k: add(a[k], b[k]) for k in ("bins", "how_bins", "arrivals_how", "arrivals_hod")}
+    return {**out, "count": int(a["count"]) + int(b["count"]),
+            "first_t": min(firsts, default=None), "last_t": max(lasts, default=None)}  # fmt: skip
+
+
+class PersistenceMixin:
+    """Statistics, intents and the request log of `LiveManager` (see the module's docstring)."""
+
+    store: Any
+    pool: Any
+    clock: Callable[[], float]
+    engine: Engine
+    live: dict[str, _Live]
+    metrics: Metrics
+    journal: RequestJournal | None
+    _log_buf: list[dict[str, Any]]
+    _log_failing: bool
+    _intents_stale: bool
+    _stats_unread: bool
+    _flush_lock: asyncio.Lock
+
+    if TYPE_CHECKING:  # LiveManager's
+
+        def _gauge_resident(self) -> None: ...
+
+    # ---- statistics that survive a restart ---------------------------------------------------
+    def save_stats(self) -> None:
+        """Reuse histograms, measured load costs and footprints → the store (doc "stats"). After the
+        store was down: first the intents it missed, and the statistics it held at start-up merged in
+        (saving without them would overwrite the earlier runs' history)."""
+        if self.store is None:
+            return
+        if self._intents_stale:
+            self._rewrite_intents()
+        if self._stats_unread:
+            try:
+                saved = self.store.get_doc("stats") or {}
+            except Exception:
+                logger.warning("the store is still down: statistics not saved")
+                return
+            self._stats_unread = False
+            self._merge_stats(saved)
+        doc = {
+            name: {"hist": m.hist.capture(), "cost": m.cost.capture(), "weights": m.weights,
+                   "requests": self.live[name].requests, "last_used": self.live[name].last_used}
+            for name, m in self.engine.models.items()
+        }  # fmt: skip
+        try:
+            self.store.put_doc("stats", doc)
+        except Exception:
+            logger.exception("could not save statistics to the store")
+
+    def restore_stats(self) -> int:
+        """Statistics saved by an earlier run, for the models still configured; returns how many."""
+        if self.store is None:
+            return 0
+        try:
+            doc = self.store.get_doc("stats") or {}
+        except Exception:  # the store is down at start: serve anyway, with fresh statistics
+            logger.exception("could not read saved statistics from the store; starting fresh")
+            self._stats_unread = True  # merged in when the store is back (save_stats)
+            return 0
+        restored = 0
+        for name, d in doc.items():
+            m = self.engine.models.get(name)
+            if m is None or not isinstance(d, dict):
+                continue
+            try:
+                m.hist.restore(d["hist"])
+                m.cost.restore(d["cost"])
+                m.weights = int(d.get("weights", m.weights))
+                self.live[name].requests = int(d.get("requests", 0))
+                self.live[name].last_used = float(d.get("last_used", 0.0))
+                restored += 1
+            except (KeyError, TypeError, ValueError) as e:
+                logger.warning("statistics of %s in the store are unreadable (%s); starting fresh", name, e)
+        return restored
+
+    def _merge_stats(self, doc: dict[str, Any]) -> None:
+        """Statistics saved by an earlier run, read late (the store was down at start), added to what
+        this run has seen: reuse histograms and request counts add up, saved load times join the
+        measured ones. Footprints stay as this run has them (the engine's books count them)."""
+        for name, d in doc.items():
+            m = self.engine.models.get(name)
+            if m is None or not isinstance(d, dict):
+                continue
+            try:
+                m.hist.restore(_merge_hist(d["hist"], m.hist.capture()))
+                m.cost.restore(d["cost"])
+                self.live[name].requests += int(d.get("requests", 0))
+                self.live[name].last_used = max(self.live[name].last_used, float(d.get("last_used", 0.0)))
+            except (KeyError, TypeError, ValueError) as e:
+                logger.warning("statistics of %s in the store are unreadable (%s); not merged", name, e)
+
+    def _rewrite_intents(self) -> None:
+        """Every model's intended tier (the engine's books), after writes were lost to a store outage."""
+        tiers = {Tier.GPU: "gpu", Tier.HOST: "host"}
+        try:
+            for name, m in self.engine.models.items():
+                self.store.set_intent(name, tiers.get(m.tier, "disk"))
+            self._intents_stale = False
+        except Exception:
+            logger.warning("the store is still down: intents not rewritten")
+
+    def _catch_up_stats(self) -> int:
+        """Requests that arrived after the saved statistics were taken (a killed manager saves none
+        at its end) are in the request log (the journal has just put the last ones there): each
+        model's reuse histogram, request count and last use take them in, so a kill loses no
+        statistics. Each model's histogram says up to when it is complete (its last arrival); the
+        only ones not recovered are requests in flight at that snapshot. Returns how many."""
+        lasts = {n: m.hist.last_t if m.hist.count else None for n, m in self.engine.models.items()}
+        known = [t for t in lasts.values() if t is not None]
+        n = 0
+        try:
+            for rec in self.store.requests(min(known, default=0.0)):
+                name, t = rec["model"], rec["t"]
+                last = lasts.get(name, math.inf)
+                if last is not None and t <= last:
+                    continue  # in the snapshot already (or a model no longer configured)
+                self.engine.models[name].hist.observe(t)
+                live = self.live[name]
+                live.requests += 1
+                live.last_used = max(live.last_used, t + rec.get("wait_s", 0.0) + rec["busy_s"])
+                n += 1
+        except Exception:  # the store failed between the two reads: the snapshot alone, as before
+            logger.exception("could not read the request log to bring the statistics up to date")
+        if n:
+            logger.info("statistics brought up to date with %d requests from the request log", n)
+        return n
+
+    # ---- intents ----------------------------------------------------------------------------
+    async def adopt(self) -> list[str]:
+        """Reattached device hosts may already hold models (a manager restart): put what they hold on
+        the engine's books as it is, with no command and no load (the first request is a hit), and
+        drop what no longer is configured there or does not fit the books. Returns the models
+        adopted."""
+        now = self.clock()
+        adopted: list[str] = []
+        for device in self.pool.devices():
+            try:
+                st = await asyncio.to_thread(self.pool.status, device, 10.0)
+            except Exception:  # a host that does not answer is reconciled by its next command
+                logger.warning("device %s did not report its status at start", device)
+                continue
+            for name, ms in st.models.items():
+                m = self.engine.models.get(name)
+                tier = {"gpu": Tier.GPU, "host": Tier.HOST}.get(ms.tier)
+                if m is None or m.device != device or tier is None:
+                    logger.info("device %s holds %s, which is not configured there: dropped", device, name)
+                    self.pool.submit(device, P.Drop(name))
+                    continue
+                if tier == Tier.GPU and ms.device_bytes > 0:
+                    m.weights = int(ms.device_bytes)  # the host's measure, before the books count it
+                    self.engine.never_fits[name] = self.engine._never_fits_reason(m)
+                if not self.engine.adopt(m, tier, now):
+                    logger.warning("device %s holds %s, which does not fit the books: dropped", device, name)
+                    self.pool.submit(device, P.Drop(name))
+                    continue
+                live = self.live[name]
+                live.tier = ms.tier
+                if tier == Tier.GPU:
+                    live.ready.set()
+                self._set_intent(name, ms.tier)
+                adopted.append(name)
+        self._gauge_resident()
+        return adopted
+
+    def restore_intent(self, now: float) -> list[str]:
+        """At start, after adoption: the models whose recorded intent is the gpu or host tier but that
+        no device host holds (the host died with the manager, or lost them) are loaded back, higher
+        classes first, within the admission rules: only into free room (nothing evicted for them),
+        never a model with `prewarm: false` (it loads at its first request) or one that can never
+        fit. Intents of models no longer configured are ignored. Returns "model (tier)" per load."""
+        if self.store is None:
+            return []
+        try:
+            intents = self.store.intents()
+        except Exception:  # the store is down: the policy's start-up decides alone
+            logger.warning("could not read the recorded intents at start; not restored")
+            return []
+        restored: list[str] = []
+        models = self.engine.models
+        for name in sorted(intents, key=lambda n: (models[n].rank if n in models else 0, n)):
+            tier, m = intents[name], models.get(name)
+            if m is None:
+                logger.info("recorded intent %s for %s ignored: the model is not configured", tier, name)
+                continue
+            if tier not in ("gpu", "host") or m.tier == Tier.GPU or (tier == "host" and m.tier == Tier.HOST):
+                continue  # held as intended, held on the gpu tier already, or intended on disk
+            if not m.prewarm_ok or self.engine.never_fits[name]:
+                why = "prewarm: false" if not m.prewarm_ok else "it can never fit"
+                logger.info("recorded intent %s for %s not restored: %s", tier, name, why)
+                continue
+            reason = f"restart: recorded intent {tier}"
+            if tier == "host":
+                ok = self.engine.load_host(m, now, reason)
+            else:
+                ok = self.engine.make_room(m, m.rank, now, may_evict=False, prewarm=True)
+                if ok:
+                    self.engine.load(m, now, prewarm=False, reason=reason)
+            if ok:
+                restored.append(f"{name} ({tier})")
+            else:
+                logger.info("recorded intent %s for %s not restored: no free room for it", tier, name)
+        return restored
+
+    def _record_intent(self, a: Action) -> None:
+        """The tier the manager wants each model in, kept in the store (what a restarted manager
+        reconciles the device hosts against)."""
+        tier = {ActionKind.LOAD: "gpu", ActionKind.PROMOTE: "gpu", ActionKind.LOAD_HOST: "host",
+                ActionKind.DEMOTE: "host", ActionKind.DROP: "disk"}.get(a.kind)  # fmt: skip
+        if tier is not None:
+            self._set_intent(a.model, tier, a.kind.value)
+
+    def _set_intent(self, model: str, tier: str, why: str = "adopted") -> None:
+        if self.store is None:
+            return
+        try:
+            self.store.set_intent(model, tier)
+        except Exception:  # serving goes on; all intents are rewritten once the store is back
+            self._intents_stale = True
+            logger.warning("could not record the intent for %s (%s -> %s)", model, why, tier)
+
+    # ---- request-log buffering and flushing ---------------------------------------------------
+    def _log(self, rec: dict[str, Any]) -> None:
+        self._log_buf.append(rec)
+        if self.journal is not None:
+            self.journal.append(rec)
+
+    async def flush_log(self) -> None:
+        """Write the buffered request log to the store (kept for the next try if the store fails).
+        One flush at a time: when it returns, what was buffered at the call is written (or kept),
+        also if the reconciler's own flush was writing a part of it meanwhile."""
+        async with self._flush_lock:
+            await self._flush_log()
+
+    async def _flush_log(self) -> None:
+        if self.store is None or not self._log_buf:
+            return
+        if self._log_failing and not await self._store_answers():
+            self._keep_log([])  # still down: a ping, not the whole batch encoded and sent again
+            return
+        batch, self._log_buf = self._log_buf, []
+        try:
+            # shielded: a cancelled caller (the reconciler at stop) must not leave a written batch
+            # in the journal, or the next start would log it twice
+            await asyncio.shield(self._write_batch(batch))
+        except Exception:  # the store is down: keep the records (bounded) and try again later
+            logger.warning("could not write %d requests to the store; kept for a retry", len(batch))
+            self._log_failing = True
+            self._keep_log(batch)
+            return
+        self.metrics.log_buffered.set(len(self._log_buf))
+        self._log_failing = False
+        if self._intents_stale or self._stats_unread:  # the store answers again: what else it missed
+            self.save_stats()
+
+    async def _store_answers(self) -> bool:
+        try:
+            return bool(await asyncio.to_thread(self.store.ping))
+        except Exception:
+            return False
+
+    def _keep_log(self, batch: list[dict[str, Any]]) -> None:
+        """Put an unwritten batch back in front of the buffer, keeping at most LOG_KEEP (the oldest
+        go, counted)."""
+        kept = batch + self._log_buf
+        if len(kept) > LOG_KEEP:
+            self.metrics.log_dropped.inc(len(kept) - LOG_KEEP)
+            kept = kept[-LOG_KEEP:]
+        self._log_buf = kept
+        self.metrics.log_buffered.set(len(self._log_buf))
+
+    async def _write_batch(self, batch: list[dict[str, Any]]) -> None:
+        await asyncio.to_thread(self.store.append_requests, batch)
+        if self.journal is not None:
+            self.journal.rewrite(self._log_buf)  # what the store has leaves the journal

@@ -1,0 +1,334 @@
+"""World sessions of the live manager: opening one (admitted like a long request, or resumed from
+its saved state), its steps (reopened from the saved state when its device host died under it),
+closing it, pruning the saved ones, and the ordering of lease changes (a session resize) against
+the commands submitted on the same device.
+
+`WorldSessionsMixin` is one of `manager.live.LiveManager`'s bases; it holds no state of its own
+(`LiveManager.__init__` sets the attributes it declares).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from manager.config import Config
+from manager.errors import (
+    DeadlineExceeded,
+    InsufficientCapacity,
+    InvalidRequest,
+    ModelNotFound,
+    WorkerUnavailable,
+)
+from manager.policy.engine import Engine
+from manager.policy.types import ActionKind
+from workers import protocol as P
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from manager.live import _Live
+
+logger = logging.getLogger("manager.live")  # the live manager's one logger (operators' log config)
+
+
+LEASE_WAIT_S = 10.0
+"""A grown lease waits at most this long for the commands that free its room to finish."""
+SESSION_RECOVER_S = 60.0
+"""A world session whose device host died has this long to be reopened (model reload included)."""
+
+
+def worker_error(code: str | None, message: str) -> Exception:
+    """The domain error for a worker's error code: what the caller sent is wrong (bad input, or a
+    call the model does not offer) or the worker could not do it."""
+    if code in (P.BAD_INPUT, P.NOT_AVAILABLE):
+        return InvalidRequest(message)
+    return WorkerUnavailable(message)
+
+
+@dataclass
+class _World:
+    """An open world session, as the manager tracks it to reopen it after its device host restarted."""
+
+    codec: str
+    next_segment: int = 0  # segments the client has been sent
+    resumes: int = 0
+
+
+_SESSION_ID = re.compile(r"[0-9a-f]{12}")
+
+
+class WorldSessionsMixin:
+    """World sessions of `LiveManager` (see the module's docstring)."""
+
+    config: Config
+    pool: Any
+    store: Any
+    clock: Callable[[], float]
+    poll_s: float
+    engine: Engine
+    live: dict[str, _Live]
+    served: int
+    sessions: dict[str, tuple[str, float, int]]
+    session_dir: Path
+    _world: dict[str, _World]
+    _ops: dict[str, tuple[str, ActionKind]]
+    _background: set[asyncio.Task[Any]]
+    _lease_chain: dict[str, asyncio.Task[Any]]
+
+    if TYPE_CHECKING:  # LiveManager's (and PersistenceMixin's `_log`)
+
+        def _flush(self) -> None: ...
+        def _model(self, name: str) -> Any: ...
+        def rank_of(self, m: Any, cls: str | None) -> int: ...
+        async def _admit(self, m: Any, rank: int, deadline: float, *, observe: bool = True) -> float: ...
+        async def _ready(self, m: Any, deadline: float) -> None: ...
+        async def _queue_for(
+            self, m: Any, rank: int, cls_name: str, deadline: float, *, retry: bool = False
+        ) -> tuple[float, bool]: ...
+        def _lost(self, m: Any, why: str) -> None: ...
+        def _log(self, rec: dict[str, Any]) -> None: ...
+        def _publish(
+            self, kind: str, model: str, detail: str, device: str, t: float, **extra: Any
+        ) -> None: ...
+
+    # ---- world sessions -------------------------------------------------------------------------
+    def _in_order(self, device: str, coro: Any, *, after_ops: bool = False) -> None:
+        """Run `coro` (a session resize, or a command submission deferred behind one) after what was
+        decided before it on `device`: a shrunk lease is applied before the load that takes its room
+        is submitted, and a grown one (`after_ops`) only once the commands that freed the room (a
+        drop, a demote) have finished. Never more than the device really holds."""
+        prev = self._lease_chain.get(device)
+        on_device = {n for n, m in self.engine.models.items() if m.device == device}
+        before = [op for op, (name, _) in self._ops.items() if name in on_device] if after_ops else []
+
+        async def run() -> None:
+            if prev is not None:
+                with contextlib.suppress(Exception):
+                    await prev
+            until = self.clock() + LEASE_WAIT_S
+            while any(op in self._ops for op in before) and self.clock() < until:
+                await asyncio.sleep(self.poll_s)
+            await coro
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._lease_chain[device] = task
+        self._background.add(task)
+
+        def done(t: asyncio.Task[Any]) -> None:
+            self._background.discard(t)
+            if self._lease_chain.get(device) is t:
+                del self._lease_chain[device]
+
+        task.add_done_callback(done)
+
+    async def _submit(self, device: str, cmd: P.Command, op: str) -> None:
+        self.pool.submit(device, cmd, op)
+
+    def _prune_sessions(self, keep: set[str]) -> list[str]:
+        """Delete saved sessions (not open, not in `keep`), least recently written first, until the
+        others fit in `store.sessions_keep`. Returns the ids deleted."""
+        if not self.session_dir.is_dir():
+            return []
+        saved = []
+        for d in self.session_dir.iterdir():
+            if not d.is_dir() or not _SESSION_ID.fullmatch(d.name):
+                continue  # only what looks like a session of ours
+            files = [f for f in d.rglob("*") if f.is_file()]
+            size = sum(f.stat().st_size for f in files)
+            last = max((f.stat().st_mtime for f in files), default=d.stat().st_mtime)
+            saved.append((last, d.name, size, d))
+        total = sum(size for _, _, size, _ in saved)
+        gone = []
+        for _, name, size, d in sorted(saved):
+            if total <= self.config.store.sessions_keep:
+                break
+            if name in keep:
+                continue
+            shutil.rmtree(d, ignore_errors=True)
+            total -= size
+            gone.append(name)
+        if gone:
+            logger.info("deleted saved world sessions %s (store.sessions_keep)", ", ".join(gone))
+        return gone
+
+    async def _resize_session(self, device: str, sid: str, lease: int) -> None:
+        reply = await asyncio.to_thread(self.pool.session, device, "resize", sid, lease)
+        model = self.sessions.get(sid, ("", 0.0, 0))[0]
+        detail = (
+            f"session {sid}: lease {reply.data.get('lease_bytes')} bytes" if reply.ok else (reply.error or "")
+        )
+        self._publish("lease_applied" if reply.ok else "lease_failed", model, detail, device, self.clock())
+
+    async def open_session(
+        self,
+        model: str,
+        *,
+        cls: str | None = None,
+        timeout_s: float = 60.0,
+        codec: str = "bf16",
+        resume_id: str | None = None,
+    ) -> tuple[str, dict[str, Any]]:
+        """Admit a world session like a long request, then open it on the model's device host with the
+        model's current lease. The model stays busy (never evicted) until `close_session`.
+        ``resume_id``: reopen that session from its saved state instead (it continues at its next
+        segment; ``codec`` empty: the saved one); NOT_FOUND when nothing is saved under that id."""
+        m = self._model(model)
+        if m.cfg.elastic is None:
+            raise InvalidRequest(f"model {model!r} has no elastic KV lease: it is not a world model")
+        if resume_id is not None and not _SESSION_ID.fullmatch(resume_id):
+            raise InvalidRequest(f"resume_session_id {resume_id!r} is not a session id (12 hex digits)")
+        if resume_id is not None and resume_id in self.sessions:
+            raise InvalidRequest(f"world session {resume_id!r} is open: end its stream first")
+        rank = self.rank_of(m, cls)
+        deadline = self.clock() + timeout_s
+        arrival = await self._admit(m, rank, deadline)
+        await self._ready(m, deadline)
+        live = self.live[model]
+        m.busy_until = math.inf
+        live.inflight += 1
+        sid = resume_id or uuid.uuid4().hex[:12]
+        resume = resume_id is not None
+        await asyncio.to_thread(self._prune_sessions, keep={*self.sessions, sid})
+        for attempt in range(2):  # a host that lost the model (it restarted) loads it again, in time
+            reply = await asyncio.to_thread(
+                self.pool.session, m.device, "open", model, sid, int(m.lease or m.lease_min),
+                (codec or None) if resume else codec, str(self.session_dir / sid), resume,
+            )  # fmt: skip
+            lost = reply.error_code in (P.WORKER_DIED, P.BAD_TRANSITION)
+            if reply.ok or not lost or attempt == 1 or self.clock() >= deadline:
+                break
+            if not await self._host_holds(m):
+                self._lost(m, reply.error or "the device host lost the model")
+            with contextlib.suppress(DeadlineExceeded, InsufficientCapacity, WorkerUnavailable):
+                await self._queue_for(m, rank, self.config.classes[rank].name, deadline, retry=True)
+            m.busy_until = math.inf
+        if not reply.ok:
+            self._end_busy(m, arrival)
+            if reply.error_code == P.NO_SESSION:
+                raise ModelNotFound(f"no saved world session {sid!r} to resume")
+            raise worker_error(reply.error_code, f"world session on {model!r} could not open: {reply.error}")
+        data = dict(reply.data)
+        self.sessions[sid] = (model, arrival, rank)
+        self._world[sid] = _World(str(data.get("codec", codec)), int(data.get("next_segment", 0)))
+        kind = "session_resumed" if resume_id is not None else "session_opened"
+        self._publish(kind, model, f"session {sid}", m.device, self.clock(), lease=m.lease)
+        return sid, data
+
+    async def _reopen_session(self, sid: str, why: str, deadline: float) -> dict[str, Any]:
+        """The device host lost session `sid` (it died, or restarted empty): load the model again if the
+        host lost it too, then reopen the session from its saved state at the next segment the client
+        has not been sent. WorkerUnavailable (saying it can be resumed) when that fails or runs late."""
+        model, _, rank = self.sessions[sid]
+        m, w, live = self.engine.models[model], self._world[sid], self.live[model]
+        self._publish("session_lost", model, f"session {sid}: {why}", m.device, self.clock())
+
+        def unavailable(detail: str) -> WorkerUnavailable:
+            return self._resumable(sid, why, detail)
+
+        if live.ready.is_set() and not live.loads_pending and not await self._host_holds(m):
+            self._lost(m, why)
+        try:
+            await self._queue_for(m, rank, self.config.classes[rank].name, deadline, retry=True)
+        except (DeadlineExceeded, InsufficientCapacity, WorkerUnavailable) as e:
+            raise unavailable(str(e)) from e
+        m.busy_until = math.inf
+        reply = await asyncio.to_thread(
+            self.pool.session, m.device, "open", model, sid, int(m.lease or m.lease_min), w.codec,
+            str(self.session_dir / sid), True, w.next_segment,
+        )  # fmt: skip
+        if not reply.ok:
+            raise unavailable(reply.error or "the reopen failed")
+        w.resumes += 1
+        data = dict(reply.data)
+        detail = f"session {sid}: reopened at segment {data.get('next_segment')}"
+        self._publish("session_resumed", model, detail, m.device, self.clock(), lease=m.lease)
+        return data
+
+    def _resumable(self, sid: str, why: str, detail: str) -> WorkerUnavailable:
+        return WorkerUnavailable(
+            f"world session {sid}: its device host lost it ({why}) and it could not be reopened: "
+            f"{detail}; its state is saved: resume it with a new stream (start.resume_session_id="
+            f"{sid!r}) at segment {self._world[sid].next_segment}"
+        )
+
+    async def _host_holds(self, m: Any) -> bool:
+        """Whether `m`'s device host holds it in the gpu tier now (False when the host does not answer)."""
+        try:
+            st = await asyncio.to_thread(self.pool.status, m.device)
+        except Exception:
+            return False
+        ms = st.models.get(m.name)
+        return ms is not None and ms.tier == "gpu"
+
+    def _end_busy(self, m: Any, start: float) -> None:
+        live = self.live[m.name]
+        live.inflight -= 1
+        end = self.clock()
+        if live.inflight == 0:
+            m.busy_until = end
+        self.engine.finish(m, start, end - start)
+        self._flush()
+
+    async def step_session(
+        self,
+        sid: str,
+        pose: tuple[float, float, float, float, float],
+        *,
+        recover_s: float = SESSION_RECOVER_S,
+    ) -> dict[str, Any]:
+        """One segment. A device host that died (or restarted) under the session costs a reopen from
+        the session's saved state within `recover_s` (the model reloaded if need be), then the same
+        pose again: the reply then carries ``resumed`` and what the reopen found unusable."""
+        if sid not in self.sessions:
+            raise InvalidRequest(f"no open world session {sid!r}")
+        model = self.sessions[sid][0]
+        m = self.engine.models[model]
+        w = self._world[sid]
+        deadline = self.clock() + recover_s
+        reopened: dict[str, Any] | None = None
+        for attempt in range(3):  # a host that dies again during a reopen gets another go, in time
+            reply = await asyncio.to_thread(self.pool.session, m.device, "step", sid, pose)
+            if reply.ok or reply.error_code not in (P.WORKER_DIED, P.NO_SESSION):
+                break
+            why = reply.error or "the device host lost it"
+            if attempt == 2 or self.clock() >= deadline:
+                raise self._resumable(sid, why, "no time left to reopen it")
+            reopened = await self._reopen_session(sid, why, deadline)
+        if not reply.ok:
+            raise worker_error(reply.error_code, f"world session {sid}: {reply.error}")
+        self.live[model].last_used = self.clock()
+        data = dict(reply.data)
+        data["manager_lease_bytes"] = int(m.lease)
+        data["resumed"] = reopened is not None
+        if reopened is not None:
+            data["corrupt_slots"] = reopened.get("corrupt_slots", {})
+            data["missing_segments"] = reopened.get("missing_segments", [])
+        w.next_segment = int(data["step"]) + 1
+        return data
+
+    async def close_session(self, sid: str) -> dict[str, Any]:
+        if sid not in self.sessions:
+            raise InvalidRequest(f"no open world session {sid!r}")
+        model, opened, rank = self.sessions.pop(sid)
+        self._world.pop(sid, None)
+        m = self.engine.models[model]
+        reply = await asyncio.to_thread(self.pool.session, m.device, "close", sid)
+        self._end_busy(m, opened)
+        live = self.live[model]
+        live.requests += 1
+        self.served += 1
+        if self.store is not None:
+            rec = {"t": opened, "model": model, "busy_s": round(self.clock() - opened, 6), "kind": "session",
+                   "class": self.config.classes[rank].name}  # fmt: skip
+            self._log(rec)
+        self._publish("session_closed", model, f"session {sid}", m.device, self.clock())
+        return dict(reply.data)
