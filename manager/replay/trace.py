@@ -123,6 +123,16 @@ def parse_line(
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+    return parse_object(obj, known_models, known_classes)
+
+
+def parse_object(
+    obj: object,
+    known_models: Collection[str] | None = None,
+    known_classes: Collection[str] | None = None,
+) -> Request:
+    """`parse_line` for a line already decoded from JSON (or for a dict that JSON would give back
+    unchanged: str keys; str, int, float values)."""
     if not isinstance(obj, dict):
         raise ValueError(f"not a JSON object (got {type(obj).__name__})")
     extra = obj.keys() - _ALLOWED_SET

@@ -28,7 +28,7 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from manager.replay.trace import ALLOWED_FIELDS, parse_line
+from manager.replay.trace import ALLOWED_FIELDS, parse_line, parse_object
 
 __all__ = [
     "EXTRA_FIELDS",
@@ -50,6 +50,7 @@ EXTRA_FIELDS: tuple[str, ...] = ("wait_s", "outcome", "source")
 RECORD_FIELDS: tuple[str, ...] = ALLOWED_FIELDS + EXTRA_FIELDS
 _TRACE_SET = frozenset(ALLOWED_FIELDS)
 _RECORD_SET = frozenset(RECORD_FIELDS)
+_PLAIN = frozenset({str, int, float})  # exact types (not bool, not numpy scalars)
 _USERINFO = re.compile(r"^([a-z][a-z0-9+.-]*://)(.*)@", re.IGNORECASE | re.DOTALL)
 
 
@@ -169,12 +170,15 @@ def normalize_record(record: Mapping[str, Any]) -> dict[str, Any]:
         names = ", ".join(repr(k) for k in unknown)
         raise ValueError(f"unknown request field {names} (allowed: {', '.join(RECORD_FIELDS)})")
     trace = {k: v for k, v in record.items() if k in _TRACE_SET and v is not None}
+    plain = all(type(v) in _PLAIN for v in trace.values())  # what JSON would give back unchanged
+    line = ""
+    if not plain:  # anything else goes through JSON, as the trace it exports to will
+        try:
+            line = json.dumps(trace)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"request record is not plain JSON data: {e}") from None
     try:
-        line = json.dumps(trace)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"request record is not plain JSON data: {e}") from None
-    try:
-        r = parse_line(line, 0)
+        r = parse_object(trace) if plain else parse_line(line, 0)
     except ValueError as e:
         raise ValueError(f"request record: {e}") from None
     out: dict[str, Any] = {"t": r.t, "model": r.model, "busy_s": r.busy_s}
