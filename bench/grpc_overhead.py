@@ -23,6 +23,9 @@ All on loopback; JSON goes to stdout, progress to stderr.
                     figures were taken on a shared, busy machine).
   grpc_noop         the aio generator against `ServerLive` (no manager, no model): the floor of a bare
                     gRPC call on this server.
+  manager_only      no gRPC: `LiveManager.infer` from `--clients` tasks in this process for `--seconds`
+                    (in-process host, SQLite store and journal): infers/s, latency, and CPU us per infer
+                    (this process, all threads) - what the service costs besides gRPC.
 
 Each server mode gets a fresh `residency serve` (config: `configs/local-cpu.yaml` plus the tiny model
 and a SQLite store in a temporary directory): `in_process` (`--in-process`, device hosts in the server
@@ -294,6 +297,53 @@ def bench_direct(tmp: Path, n: int) -> dict[str, Any]:
     return summarize(lat)
 
 
+def bench_manager(cfg: Path, tmp: Path, clients: int, seconds: float) -> dict[str, Any]:
+    """The live manager alone, no gRPC: `LiveManager.infer` from `clients` concurrent tasks in this
+    process (in-process device host, SQLite store and journal, as the in_process server runs it).
+    What the service costs per request besides gRPC, in CPU time of this process (all threads)."""
+    from manager.config import load_config
+    from manager.live import LiveManager
+    from manager.store import open_store
+    from manager.workers_bridge import create_pool
+
+    async def run() -> dict[str, Any]:
+        config = load_config(cfg)
+        pool = create_pool(config, in_process=True)
+        store = open_store(f"sqlite:///{tmp}/manager-only.db")
+        lm = LiveManager(config, pool, store=store, journal=tmp / "manager-only.journal")
+        await lm.start()
+        x = {"input": np.ones((1, WIDTH), np.float32)}
+        try:
+            for _ in range(WARMUP):
+                await lm.infer(MODEL, x)
+            calm, t_quiet = 0, time.monotonic()  # the other models load and prewarm in the background
+            while calm < 2 and time.monotonic() - t_quiet < 60:
+                c0 = time.process_time()
+                await asyncio.sleep(0.25)
+                calm = calm + 1 if (time.process_time() - c0) / 0.25 < 0.25 else 0
+            lat: list[float] = []
+            deadline = 0.0
+
+            async def client() -> None:
+                while time.perf_counter() < deadline:
+                    t0 = time.perf_counter()
+                    await lm.infer(MODEL, x)
+                    lat.append(time.perf_counter() - t0)
+
+            c0, w0 = time.process_time(), time.perf_counter()
+            deadline = w0 + seconds
+            await asyncio.gather(*(client() for _ in range(clients)))
+            cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+        finally:
+            await lm.stop()
+            pool.close()
+            store.close()
+        return {"clients": clients, "infer_per_s": round(len(lat) / wall, 1),
+                "cpu_us_per_infer": round(cpu / max(len(lat), 1) * 1e6, 1), **summarize(lat)}  # fmt: skip
+
+    return asyncio.run(run())
+
+
 def triton_inputs() -> tuple[list[tg.InferInput], list[tg.InferRequestedOutput]]:
     inp = tg.InferInput("input", [1, WIDTH], "FP32")
     inp.set_data_from_numpy(np.ones((1, WIDTH), np.float32))
@@ -493,8 +543,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = write_config(tmp)
         direct = bench_direct(tmp, a.n)
         log(f"direct: p50 {direct['p50_ms']:.4f} ms p99 {direct['p99_ms']:.4f} ms")
+        manager = bench_manager(cfg, tmp, a.clients, a.seconds)
+        log(f"manager only: {manager['infer_per_s']:.0f}/s, {manager['cpu_us_per_infer']:.0f} us CPU each")
         result: dict[str, Any] = {"model": f"workers.demo:tiny_mlp width {WIDTH}, input FP32 [1, {WIDTH}]",
-                                  "direct": direct, "goals": GOALS}  # fmt: skip
+                                  "direct": direct, "manager_only": manager, "goals": GOALS}  # fmt: skip
         for mode in a.modes:
             result[mode] = bench_mode(cfg, mode, tmp, a, direct)
     result["machine"] = {"cpus": os.cpu_count(), "loadavg_1m_at_start": round(load1, 2),

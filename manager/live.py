@@ -482,6 +482,9 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         if infer_async is not None:
             result: P.InferResult = await infer_async(device, model, inputs, timeout_s)
         elif self._infer_s.get(model, 1.0) < INLINE_INFER_S:
+            # a turn of the loop first: a request served from memory awaits nothing that suspends,
+            # so a caller serving in a loop would hold the loop (and threads' results) to itself
+            await asyncio.sleep(0)
             result = self.pool.infer(device, model, inputs, timeout_s)
         else:
             result = await asyncio.to_thread(self.pool.infer, device, model, inputs, timeout_s)

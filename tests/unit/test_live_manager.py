@@ -691,6 +691,32 @@ def test_a_microsecond_model_is_judged_by_its_own_time_not_the_wait_for_the_gil(
     run(load_config(CONFIG), body)
 
 
+def test_a_caller_serving_in_a_loop_from_memory_still_lets_the_event_loop_turn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import manager.live as live_mod
+
+    monkeypatch.setattr(live_mod, "INLINE_INFER_S", 10.0)  # every call inline, on the loop
+
+    async def body(lm: LiveManager) -> None:
+        await lm.infer("voice", AUDIO)  # loaded: from here on nothing waits for a load
+        turns = 0
+
+        async def other_work() -> None:  # e.g. a thread's result, another client's request
+            nonlocal turns
+            while True:
+                await asyncio.sleep(0)
+                turns += 1
+
+        task = asyncio.create_task(other_work())
+        for _ in range(20):
+            assert (await lm.infer("voice", AUDIO)).result.ok
+        task.cancel()
+        assert turns >= 10  # not starved until the loop of requests ended
+
+    run(load_config(CONFIG), body)
+
+
 def test_admin_pins_outlive_a_hot_reload_and_a_restart(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'state.db'}"
     config = load_config(CONFIG)
