@@ -6,7 +6,6 @@ and a restart on the same dir and port keep what it held, as a real one does."""
 
 from __future__ import annotations
 
-import bisect
 import shutil
 import subprocess
 import threading
@@ -18,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as tc
+from integration.bench_module import load_bench
 from integration.redis_server import free_port, redis_command
 from tritonclient.utils import InferenceServerException
 
@@ -127,27 +127,6 @@ class Stream:
             t.join(30)
 
 
-def unmatched(calls: list[tuple[float, float, str | None]], times: list[float]) -> tuple[int, int]:
-    """(OK answers with no log record whose t lies between send and receive, records left over)."""
-    free = sorted(times)
-    lost = 0
-    for sent, received, _ in sorted((c for c in calls if c[2] is None), key=lambda c: c[1]):
-        i = bisect.bisect_left(free, sent - 1e-6)
-        if i < len(free) and free[i] <= received + 1e-6:
-            free.pop(i)
-        else:
-            lost += 1
-    return lost, len(free)
-
-
-def log_times(url: str) -> list[float]:
-    store = open_store(url)
-    try:
-        return [r["t"] for r in store.requests(0.0)]
-    finally:
-        store.close()
-
-
 def count(url: str) -> int:
     store = open_store(url)
     try:
@@ -156,6 +135,15 @@ def count(url: str) -> int:
         return -1
     finally:
         store.close()
+
+
+def unmatched(calls: list[tuple[float, float, str | None]], times: list[float]) -> tuple[int, int]:
+    """(OK answers with no log record whose t lies between send and receive, records left over), by
+    the bench's own check (`match` in bench/redis_outage.py)."""
+    outage = load_bench("redis_outage")
+    answered = [outage.Call(sent, received, True) for sent, received, error in calls if error is None]
+    matched, extra = outage.match(answered, times)
+    return len(answered) - matched, extra
 
 
 def config_with_metrics() -> tuple[str, str]:
@@ -199,7 +187,7 @@ def test_redis_stopped_under_load_loses_no_request_and_fails_none(
     assert poll(lambda: count(redis_db.url) >= ok, 15), (
         f"the log holds {count(redis_db.url)} of {ok} requests"
     )
-    lost, extra = unmatched(calls, log_times(redis_db.url))
+    lost, extra = unmatched(calls, load_bench("redis_outage").store_times(redis_db.url))
     assert (lost, extra) == (0, 0)  # every OK answer is in the log, at its time, once
     assert metric(metrics, "residency_request_log_dropped_total") == 0
     assert metric(metrics, "residency_request_log_buffered") < 100  # back to a normal batch

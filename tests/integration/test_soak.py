@@ -6,12 +6,7 @@ on a device budget too small for everything at once. The bench runs the same cod
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
-ROOT = Path(__file__).resolve().parents[2]
+from .bench_module import load_bench
 
 RSS_BOUND_CI_MIB = 256.0
 """Generous on purpose: 40 s is mostly warm-up. From the warm-up sample (8 s into the schedule) to the
@@ -25,17 +20,8 @@ minute) of ~2 MiB a request or segment would exceed it; the hour-long bench stat
 (bench/soak.py, RSS_BOUND_MIB) and fits a slope."""
 
 
-def load_soak() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_soak", ROOT / "bench" / "soak.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_soak"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_soak_short() -> None:
-    soak = load_soak()
+    soak = load_bench("soak")
     opts = soak.Options(minutes=0.67, seed=3, cycle_s=20.0, reload_s=9.0, sample_s=1.0, warmup_s=8.0,
                         rss_bound_mib=RSS_BOUND_CI_MIB)  # fmt: skip
     r = soak.run_soak(opts)
