@@ -310,24 +310,35 @@ def test_a_full_class_queue_refuses_with_resource_exhausted(tmp_path: Path) -> N
     run(load_config(cfg), body)
 
 
+async def started(config: Config, store: Any, journal: Path) -> tuple[LiveManager, Any]:
+    """A live manager on `store` with a request journal, started, and its in-process pool."""
+    pool = create_pool(config, in_process=True)
+    lm = LiveManager(config, pool, store=store, journal=journal)
+    await lm.start()
+    return lm, pool
+
+
+def kill(lm: LiveManager, pool: Any) -> None:
+    """The process is killed: its reconciler stops where it is (no stop(): no flush, no save) and
+    the OS closes its files."""
+    assert lm._task is not None and lm.journal is not None
+    lm._task.cancel()
+    lm.journal.close()
+    pool.close()
+
+
 def test_a_killed_service_loses_no_served_request(tmp_path: Path) -> None:
     config = load_config(CONFIG)
     url, journal = f"sqlite:///{tmp_path / 'state.db'}", tmp_path / "requests.journal"
 
     async def killed() -> None:
         store = open_store(url)
-        pool = create_pool(config, in_process=True)
-        lm = LiveManager(config, pool, store=store, journal=journal)
-        await lm.start()
+        lm, pool = await started(config, store, journal)
         lm._next_flush = math.inf  # (before the reconciler first runs) it never writes the log in time
         for _ in range(3):
             await lm.infer("voice", AUDIO)
-        assert lm._task is not None
-        lm._task.cancel()  # killed: no stop(), no flush
+        kill(lm, pool)
         assert store.count_requests() == 0
-        assert lm.journal is not None
-        lm.journal.close()  # the process is gone: the OS closes its files
-        pool.close()
         store.close()
 
     asyncio.run(killed())
@@ -336,9 +347,7 @@ def test_a_killed_service_loses_no_served_request(tmp_path: Path) -> None:
 
     async def restarted() -> None:
         store = open_store(url)
-        pool = create_pool(config, in_process=True)
-        lm = LiveManager(config, pool, store=store, journal=journal)
-        await lm.start()
+        lm, pool = await started(config, store, journal)
         assert store.count_requests() == 3 and lm.journal is not None and lm.journal.skipped == 1
         await lm.stop()
         assert journal.read_text() == ""  # everything is in the store now
@@ -621,9 +630,7 @@ def test_a_killed_service_keeps_its_statistics_up_to_date(tmp_path: Path) -> Non
 
     async def killed() -> None:
         store = open_store(url)
-        pool = create_pool(config, in_process=True)
-        lm = LiveManager(config, pool, store=store, journal=journal)
-        await lm.start()
+        lm, pool = await started(config, store, journal)
         lm._next_flush = lm._next_save = math.inf  # (before the reconciler first runs) only what
         for _ in range(2):  # this test does: no periodic saves or log writes
             await lm.infer("voice", AUDIO)
@@ -631,10 +638,7 @@ def test_a_killed_service_keeps_its_statistics_up_to_date(tmp_path: Path) -> Non
         await lm.flush_log()
         for _ in range(3):
             await lm.infer("voice", AUDIO)  # in the journal only
-        assert lm._task is not None and lm.journal is not None
-        lm._task.cancel()
-        lm.journal.close()  # killed: no stop(), no save, no flush
-        pool.close()
+        kill(lm, pool)
         store.close()
 
     asyncio.run(killed())
@@ -643,9 +647,8 @@ def test_a_killed_service_keeps_its_statistics_up_to_date(tmp_path: Path) -> Non
     assert store.get_doc("stats")["voice"]["requests"] == 2  # type: ignore[index]
 
     async def restarted() -> None:
-        pool = create_pool(config, in_process=True)
-        lm = LiveManager(config, pool, store=store, journal=journal)
-        await lm.start()  # the journal's 3 requests go to the store, then into the statistics
+        lm, pool = await started(config, store, journal)  # the journal's 3 requests go to the store,
+        # then into the statistics
         voice = lm.engine.models["voice"]
         assert lm.live["voice"].requests == 5 and voice.hist.count == 5
         assert lm.live["voice"].last_used >= voice.hist.last_t
