@@ -354,9 +354,8 @@ class _Batcher:
                     self.channel_batches += 1
                 except ChannelError as e:
                     logger.warning("device %s: data channel broke (%s); going through Ray", self.device, e)
-                    if self.channel is channel:
-                        channel.close()
-                        self.channel = None
+                    if self.channel is channel:  # (not one found again meanwhile)
+                        self.close()
             if results is None:
                 results = await self.handle.infer_many.remote(items)
         except Exception as e:  # the actor died, or anything else: every waiter gets an answer
