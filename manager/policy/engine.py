@@ -83,11 +83,9 @@ class Engine:
             self.host.cache_shrink()
         else:
             dev = self.state.devices[m.device]
-            cap = self.policy.max_loaded
-            loaded = sum(1 for c in dev.models if c.tier == Tier.GPU and not c.pinned)
             if self.never_fits[m.name] or dev.room(m.rank) < m.weights + m.lease_min:
                 return False
-            if cap is not None and not m.pinned and loaded >= cap:
+            if not m.pinned and self._at_model_cap(dev):
                 return False
             m.lease = m.lease_min
             m.gpu_since = now
@@ -210,6 +208,11 @@ class Engine:
             cu[t.rank] -= b
         return dev.room(rank, used, cu)
 
+    def _at_model_cap(self, dev: DeviceState) -> bool:
+        """The policy's cap on unpinned models loaded per device is reached on `dev`."""
+        cap = self.policy.max_loaded
+        return cap is not None and sum(1 for c in dev.models if c.tier == Tier.GPU and not c.pinned) >= cap
+
     def make_room(
         self, m: ModelState, rank: int, now: float, *, may_evict: bool, prewarm: bool = False
     ) -> bool:
@@ -219,10 +222,7 @@ class Engine:
         minimum is not enough (and then leases shrink only by what is still missing)."""
         dev = self.state.devices[m.device]
         need = m.weights + m.lease_min
-        cap = self.policy.max_loaded
-        over_count = (
-            cap is not None and sum(1 for c in dev.models if c.tier == Tier.GPU and not c.pinned) >= cap
-        )
+        over_count = self._at_model_cap(dev)
         if not over_count and dev.room(m.rank) >= need:
             return True
         tenants = []
