@@ -31,11 +31,13 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 __all__ = [
+    "POSE_LIMIT",
     "FovOverlapRule",
     "Pose",
     "RecencyRule",
     "RetrievalRule",
     "SegmentInfo",
+    "check_pose",
     "outside_window",
     "predict_pose",
     "wrap_degrees",
@@ -51,6 +53,20 @@ class Pose:
     z: float
     pitch: float
     yaw: float
+
+
+POSE_LIMIT = 1e6
+"""The largest |value| a client's pose may hold (positions in world units, angles in degrees): room
+for any scene, and far from where predicting or storing poses could overflow."""
+
+
+def check_pose(pose: Pose) -> None:
+    """ValueError unless every value of a client's pose is a finite number within ±POSE_LIMIT."""
+    values = (pose.x, pose.y, pose.z, pose.pitch, pose.yaw)
+    if not all(isinstance(v, int | float) and math.isfinite(v) and abs(v) <= POSE_LIMIT for v in values):
+        raise ValueError(
+            f"pose {values}: x, y, z, pitch and yaw must be finite numbers within ±{POSE_LIMIT:g}"
+        )
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from worldpager.retrieval import (
     Pose,
     RetrievalRule,
     SegmentInfo,
+    check_pose,
     outside_window,
     predict_pose,
 )
@@ -273,8 +274,10 @@ class Session:
 
     # ---- stepping -------------------------------------------------------------------------------
     def step(self, pose: Pose) -> StepRecord:
+        """Run the next segment; ValueError (nothing changed) for a pose `check_pose` refuses."""
         if self._closed:
             raise RuntimeError("session is closed")
+        check_pose(pose)
         n, fpb = self._next, self.cfg.frames_per_block
         self._poses[n] = pose
         self._poses.pop(n - 3, None)

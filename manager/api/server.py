@@ -25,12 +25,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from manager.api.admin import AdminServicer
+from manager.api.handlers import add_servicer
 from manager.api.oip import InferenceServicer
 from manager.api.world import WorldSessionServicer
 from manager.config import Config
 from manager.live import LiveManager
-from residency_proto.inference import grpc_service_pb2, grpc_service_pb2_grpc
-from residency_proto.v1 import residency_pb2, residency_pb2_grpc
+from residency_proto.inference import grpc_service_pb2
+from residency_proto.v1 import residency_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -124,17 +125,18 @@ async def build_server(
             ("grpc.max_send_message_length", config.server.max_request_bytes),
         ],
     )
-    grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
-        InferenceServicer(manager, describer(manager)), server
-    )
-    residency_pb2_grpc.add_ResidencyServicer_to_server(AdminServicer(manager, config_path), server)
-    residency_pb2_grpc.add_WorldSessionServicer_to_server(WorldSessionServicer(manager), server)
+    oip_service = grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    admin_service = residency_pb2.DESCRIPTOR.services_by_name["Residency"]
+    world_service = residency_pb2.DESCRIPTOR.services_by_name["WorldSession"]
+    add_servicer(server, oip_service, InferenceServicer(manager, describer(manager)))
+    add_servicer(server, admin_service, AdminServicer(manager, config_path))
+    add_servicer(server, world_service, WorldSessionServicer(manager))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (
-        grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
-        residency_pb2.DESCRIPTOR.services_by_name["Residency"].full_name,
-        residency_pb2.DESCRIPTOR.services_by_name["WorldSession"].full_name,
+        oip_service.full_name,
+        admin_service.full_name,
+        world_service.full_name,
         health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
         reflection.SERVICE_NAME,
     )

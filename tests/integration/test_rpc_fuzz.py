@@ -1,19 +1,26 @@
-"""Bad input over the wire (hypothesis): random Open Inference Protocol requests — wrong datatypes,
-shapes, sizes, unknown models, empty and odd payloads — always get a proper status with a message,
-never INTERNAL, and the server keeps serving (a real socket, in-process server and hosts)."""
+"""Bad input over the wire (hypothesis), for every RPC of our three services: random Open Inference
+Protocol requests (wrong datatypes, shapes, sizes, unknown models, empty and odd payloads), random
+names and parameters for the metadata, repository and admin calls, random world-session streams
+(messages out of order, unknown models and codecs, NaN and huge poses), and bytes that are not a
+protobuf message at all. Every call gets a proper status with a message, never INTERNAL or UNKNOWN,
+no traceback, and the server keeps serving (a real socket, in-process server and hosts)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from google.protobuf.message import DecodeError
+from google.protobuf.message_factory import GetMessageClass
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from manager.config import load_config
@@ -131,3 +138,161 @@ def test_random_admin_requests_get_a_proper_status(server: _Server, name: str, t
                 code = e.code()
                 assert e.details() and "Traceback" not in (e.details() or "")
             assert code in ALLOWED, (call, name, tier, code)
+
+
+def _code(call: Any, req: Any, timeout: float = 60) -> grpc.StatusCode:
+    try:
+        call(req, timeout=timeout)
+        return grpc.StatusCode.OK
+    except grpc.RpcError as e:
+        details = e.details() or ""
+        assert details and "Traceback" not in details, (e.code(), details)
+        return e.code()  # type: ignore[no-any-return]
+
+
+names = st.one_of(st.sampled_from(["voice", "embed", "world", ""]), st.text(max_size=40))
+param_values = st.one_of(
+    st.builds(lambda v: oip.ModelRepositoryParameter(bool_param=v), st.booleans()),
+    st.builds(lambda v: oip.ModelRepositoryParameter(int64_param=v), st.integers(-(2**63), 2**63 - 1)),
+    st.builds(lambda v: oip.ModelRepositoryParameter(string_param=v), st.text(max_size=20)),
+    st.builds(lambda v: oip.ModelRepositoryParameter(bytes_param=v), st.binary(max_size=64)),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=names, version=st.text(max_size=8), repo=st.text(max_size=8), ready=st.booleans(),
+       params=st.dictionaries(st.text(max_size=12), param_values, max_size=3))  # fmt: skip
+def test_random_metadata_repository_and_admin_calls_get_a_proper_status(
+    server: _Server, name: str, version: str, repo: str, ready: bool, params: dict[str, Any]
+) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        o = oip_grpc.GRPCInferenceServiceStub(ch)
+        a = adm_grpc.ResidencyStub(ch)
+        calls = [
+            (o.ServerMetadata, oip.ServerMetadataRequest()),
+            (o.ServerReady, oip.ServerReadyRequest()),
+            (o.ModelReady, oip.ModelReadyRequest(name=name, version=version)),
+            (o.ModelMetadata, oip.ModelMetadataRequest(name=name, version=version)),
+            (o.RepositoryIndex, oip.RepositoryIndexRequest(repository_name=repo, ready=ready)),
+            (o.RepositoryModelLoad, oip.RepositoryModelLoadRequest(repository_name=repo, model_name=name)),
+            (
+                o.RepositoryModelUnload,
+                oip.RepositoryModelUnloadRequest(repository_name=repo, model_name=name),
+            ),
+            (a.Unpin, adm.ModelRequest(name=name)),
+            (a.List, adm.ListRequest()),
+            (a.Stats, adm.StatsRequest()),
+            (a.ReloadConfig, adm.ReloadConfigRequest()),
+        ]
+        for _, req in calls[5:7]:
+            for k, v in params.items():
+                req.parameters[k].CopyFrom(v)
+        for call, req in calls:
+            code = _code(call, req)
+            assert code in ALLOWED | {grpc.StatusCode.FAILED_PRECONDITION}, (call, req, code)
+        assert o.ServerLive(oip.ServerLiveRequest(), timeout=10).live
+
+
+SERVICES = [
+    oip.DESCRIPTOR.services_by_name["GRPCInferenceService"],
+    adm.DESCRIPTOR.services_by_name["Residency"],
+    adm.DESCRIPTOR.services_by_name["WorldSession"],
+]
+METHODS = [(f"/{s.full_name}/{m.name}", m) for s in SERVICES for m in s.methods]
+
+
+def _parses(m: Any, raw: bytes) -> bool:
+    try:
+        GetMessageClass(m.input_type).FromString(raw)
+        return True
+    except DecodeError:
+        return False
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(raw=st.binary(min_size=1, max_size=64))
+def test_bytes_that_are_not_a_message_get_invalid_argument_on_every_method(
+    server: _Server, raw: bytes
+) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        for path, m in METHODS:
+            if m.client_streaming:
+                call: Any = ch.stream_stream(path)
+                try:
+                    list(call(iter([raw]), timeout=30))
+                    code = grpc.StatusCode.OK
+                except grpc.RpcError as e:
+                    code = e.code()
+                    assert e.details() and "Traceback" not in (e.details() or "")
+            elif m.server_streaming:  # Events: a bad request ends at once; a good one waits for events
+                try:
+                    list(ch.unary_stream(path)(raw, timeout=0.5))
+                    code = grpc.StatusCode.OK
+                except grpc.RpcError as e:
+                    code = e.code()
+            else:
+                code = _code(ch.unary_unary(path), raw)
+            if not _parses(m, raw):
+                assert code == grpc.StatusCode.INVALID_ARGUMENT, (path, raw, code)
+            else:
+                assert code in ALLOWED | {grpc.StatusCode.FAILED_PRECONDITION}, (path, raw, code)
+
+
+poses = st.floats(allow_nan=True, allow_infinity=True) | st.floats(min_value=-1e3, max_value=1e3)
+starts = st.builds(
+    lambda m, c, k, r: adm.WorldInput(
+        start=adm.WorldStart(model=m, class_name=c, codec=k, resume_session_id=r)
+    ),
+    st.sampled_from(["world", "voice", "nope", ""]),
+    st.sampled_from(["", "interactive", "realtime", "vip"]),
+    st.sampled_from(["", "bf16", "int8", "int4", "fp8"]),
+    st.sampled_from(["", "no-such-session", "../../etc"]),
+)
+good_starts = st.builds(
+    lambda k: adm.WorldInput(start=adm.WorldStart(model="world", codec=k)),
+    st.sampled_from(["", "bf16", "int8"]),
+)
+actions = st.builds(
+    lambda x, y, z, p, w: adm.WorldInput(action=adm.WorldAction(x=x, y=y, z=z, pitch=p, yaw=w)),
+    poses, poses, poses, poses, poses,
+)  # fmt: skip
+world_inputs = st.one_of(starts, actions, st.just(adm.WorldInput()))  # the last: neither start nor action
+
+
+@st.composite
+def world_streams(draw: st.DrawFn) -> list[Any]:
+    """Mostly a good start then actions (NaN and huge poses among them); sometimes anything at all."""
+    if draw(st.integers(0, 3)) == 0:
+        return draw(st.lists(world_inputs, max_size=4))
+    first = draw(st.one_of(good_starts, good_starts, starts))
+    rest = draw(st.lists(st.one_of(actions, actions, actions, actions, world_inputs), max_size=3))
+    return [first, *rest]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(msgs=world_streams())
+def test_random_world_session_streams_get_a_proper_status(server: _Server, msgs: list[Any]) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        stub = adm_grpc.WorldSessionStub(ch)
+        outputs = []
+        try:
+            for out in stub.Run(iter(msgs), timeout=120):
+                outputs.append(out)
+            code = grpc.StatusCode.OK
+        except grpc.RpcError as e:
+            code = e.code()
+            assert e.details() and "Traceback" not in (e.details() or ""), e.details()
+        # no device host fails here: a bad message is the client's error, never UNAVAILABLE or INTERNAL
+        assert code in {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND}, (
+            msgs,
+            code,
+        )
+        event(f"world stream: {code.name}")
+        if code == grpc.StatusCode.OK:  # only a stream that opens with a good start and goes on with actions
+            assert msgs and msgs[0].WhichOneof("msg") == "start"
+            assert all(m.WhichOneof("msg") == "action" for m in msgs[1:])
+            a = [m.action for m in msgs[1:]]
+            assert all(math.isfinite(v) and abs(v) <= 1e6 for p in a for v in (p.x, p.y, p.z, p.pitch, p.yaw))
+            assert all(math.isfinite(x) for o in outputs[1:] for x in np.frombuffer(o.latents, dtype="<f4"))
+            assert len(outputs) == len(msgs) and outputs[0].segment == -1
+        assert oip_grpc.GRPCInferenceServiceStub(ch).ServerLive(oip.ServerLiveRequest(), timeout=10).live

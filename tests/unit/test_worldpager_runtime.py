@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import statistics
 import time
@@ -88,6 +89,20 @@ def test_retrieval_off_equals_the_plain_model(tmp_path: Path) -> None:
         assert torch.equal(out, pred)
     for a, b in zip(s.model.kv_cache, ref.kv_cache, strict=True):
         assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, 1e308, -2e6])
+def test_a_bad_pose_is_refused_before_the_step_and_the_session_goes_on(tmp_path: Path, bad: float) -> None:
+    poses = yaw_sweep_trajectory(4)
+    with _session(tmp_path) as s:
+        s.step(poses[0])
+        with pytest.raises(ValueError, match="finite numbers within"):
+            s.step(dataclasses.replace(poses[1], yaw=bad))
+        assert s.step_index == 1  # nothing ran, nothing was stored
+        for pose in poses[1:]:
+            s.step(pose)
+        s.handler.drain()
+        assert s.summary()["segments"] == 4
 
 
 class _WantZero:
