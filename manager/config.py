@@ -198,6 +198,8 @@ def _parse_yaml(text: str, file: str) -> Any:
         ) from None
     except YAMLError as exc:
         raise ConfigError(file, [("", f"YAML error: {exc}")]) from None
+    except RecursionError:
+        raise ConfigError(file, [("", "YAML nested too deeply")]) from None
 
 
 def _validate(data: Any, file: str) -> Config:
@@ -208,6 +210,8 @@ def _validate(data: Any, file: str) -> Config:
         )
     try:
         return Config.model_validate(_plain(data))
+    except RecursionError:
+        raise ConfigError(file, [("", "YAML nested too deeply")]) from None
     except ValidationError as exc:
         errors = _readable_errors(exc)
         raise ConfigError(

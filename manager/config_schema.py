@@ -179,7 +179,7 @@ class DeviceConfig(_Model):
     """Name models refer to, e.g. gpu0."""
     kind: Literal["cuda", "cpu"]
     """cuda (a GPU) or cpu (models run on the host's CPU)."""
-    index: int = Field(default=0, ge=0)
+    index: int = Field(default=0, ge=0, le=255, strict=True)
     """Device index (CUDA ordinal) on its node."""
     memory: ByteSize = Field(gt=0)
     """Total memory of the device."""
@@ -225,17 +225,17 @@ class ClassConfig(_Model):
     """False: requests of this class never cause an eviction; they wait or run where room exists."""
     max_wait: Duration | None = None
     """A request of this class that waits longer than this for room is rejected; null: wait."""
-    max_queue: int | None = Field(default=None, ge=1)
+    max_queue: int | None = Field(default=None, ge=1, strict=True)
     """At most this many requests of this class may wait for their model at once; more are refused
     (RESOURCE_EXHAUSTED, "queue full"). Null: no limit."""
 
 
 class LoadSeconds(_Model):
-    disk: float = Field(gt=0)
+    disk: float = Field(gt=0, allow_inf_nan=False, strict=True)
     """Seconds to load from disk into the GPU (cold file)."""
-    cached: float | None = Field(default=None, gt=0)
+    cached: float | None = Field(default=None, gt=0, allow_inf_nan=False, strict=True)
     """Seconds to load from the OS page cache into the GPU; null: halfway between host and disk."""
-    host: float = Field(gt=0)
+    host: float = Field(gt=0, allow_inf_nan=False, strict=True)
     """Seconds to move from host RAM to the GPU."""
 
     @model_validator(mode="after")

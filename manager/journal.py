@@ -43,7 +43,7 @@ class RequestJournal:
                 if isinstance(rec, dict):
                     out.append(rec)
                     continue
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # not JSON, or nested too deeply
                 pass
             self.skipped += 1
             logger.warning("%s:%d: unreadable journal line skipped", self.path, n)

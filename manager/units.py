@@ -13,6 +13,8 @@ from decimal import Decimal, InvalidOperation
 __all__ = ["format_duration", "format_size", "parse_duration", "parse_size"]
 
 _SIZE_EXPECTED = "expected a size like '24GiB', '512MiB' or a number of bytes"
+MAX_SIZE = 2**60
+"""The largest size accepted (1024 PiB): every size must fit the int64 fields of the store and the protos."""
 _DURATION_EXPECTED = "expected a duration like '30m', '2h', '45s' or seconds"
 
 # Binary (IEC) and decimal (SI) units, lower-cased. Bare "k/m/g/t" are rejected as ambiguous.
@@ -88,7 +90,10 @@ def parse_size(v: int | float | str) -> int:
             raise ValueError(f"{_SIZE_EXPECTED}, got {v!r}") from exc
     else:
         value = _number(v, _SIZE_EXPECTED)
-    return int(value.to_integral_value())
+    size = int(value.to_integral_value())
+    if size > MAX_SIZE:
+        raise ValueError(f"expected a size of at most 1024PiB, got {v!r}")
+    return size
 
 
 def parse_duration(v: int | float | str) -> float:

@@ -83,7 +83,7 @@ def parse_header(path: str | Path) -> Header:
         raise CheckpointError(f"{p}: is a directory, not a safetensors file") from None
     try:
         doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise CheckpointError(f"{p}: header is not JSON ({e})") from None
     if not isinstance(doc, dict):
         raise CheckpointError(f"{p}: header is not a JSON object")

@@ -180,7 +180,7 @@ class SegmentLog:
         fd = os.open(d / LOG_NAME, os.O_RDWR | os.O_CLOEXEC)
         try:
             meta: dict[str, Any] = {}
-            with contextlib.suppress(OSError, ValueError):
+            with contextlib.suppress(OSError, ValueError, RecursionError):
                 meta = dict(json.loads((d / META_NAME).read_text(encoding="utf-8")))
             slot_size = meta.get("slot_size")
             if not isinstance(slot_size, int):
@@ -382,7 +382,7 @@ class SegmentLog:
             n_idx, recorded = int(idx["n_slots"]), int(idx["file_size"])
             headers = {int(e["slot"]): _header_from_json(e) for e in idx["entries"]}
             corrupt = {int(k): str(v) for k, v in idx["corrupt"].items()}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
             return None
         self._claimed = n_idx
         if size < recorded or recorded > n_idx * self.slot_size:

@@ -79,7 +79,7 @@ def read_saved_state(log_dir: str | Path) -> dict[str, Any] | None:
     """The ``session.json`` of a saved session, or None when it is missing or unreadable."""
     try:
         state = json.loads((Path(log_dir) / SESSION_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     if not isinstance(state, dict) or state.get("format") != _FORMAT or state.get("version") != _VERSION:
         return None

@@ -123,6 +123,10 @@ def parse_line(
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise ValueError("not valid JSON (nested too deeply)") from None
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        raise ValueError(f"not valid JSON ({e})") from None
     return parse_object(obj, known_models, known_classes)
 
 

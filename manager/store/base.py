@@ -208,8 +208,8 @@ def decode_doc(url: str, key: str, text: str | bytes) -> dict[str, Any]:
     """Parse a stored document; StoreError naming `key` when it is not a JSON object."""
     try:
         doc = json.loads(text)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise StoreError(url, f"document {key!r} is corrupt: {e}") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise StoreError(url, f"document {key!r} is corrupt: {e or type(e).__name__}") from None
     if not isinstance(doc, dict):
         raise StoreError(url, f"document {key!r} is corrupt: not a JSON object")
     return doc

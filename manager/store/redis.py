@@ -249,7 +249,7 @@ class RedisStore:
         try:
             rec = json.loads(data)
             return normalize_record(rec)
-        except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError: ValueErrors
             raise StoreError(self.url, f"{where} is corrupt: {e}") from None
 
     def count_requests(self) -> int:

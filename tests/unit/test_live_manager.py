@@ -357,6 +357,34 @@ def test_a_killed_service_loses_no_served_request(tmp_path: Path) -> None:
     asyncio.run(restarted())
 
 
+def test_the_request_log_and_its_journal_hold_no_payloads(tmp_path: Path) -> None:
+    from manager.store.base import RECORD_FIELDS
+
+    config = load_config(CONFIG)
+    db, journal = tmp_path / "state.db", tmp_path / "requests.journal"
+    audio = np.full(1024, 1234.5678, dtype=np.float32)
+    sentence = b"the door code is 4711-secret"
+
+    async def body() -> None:
+        store = open_store(f"sqlite:///{db}")
+        lm, pool = await started(config, store, journal)
+        lm._next_flush = math.inf  # the records wait in the journal first
+        await lm.infer("voice", {"audio": audio})
+        await lm.infer("embed", {"text": np.array([sentence], dtype=object)})
+        written = journal.read_bytes()
+        assert written.count(b"\n") == 2
+        await lm.stop()  # flushes the log to the store
+        records = list(store.requests(0))
+        assert [r["model"] for r in records] == ["voice", "embed"]
+        assert all(set(r) <= set(RECORD_FIELDS) for r in records), records  # trace form + wait/outcome
+        pool.close()
+        store.close()
+        for blob in (written, db.read_bytes()):
+            assert audio[:4].tobytes() not in blob and sentence not in blob
+
+    asyncio.run(body())
+
+
 # ---- restarts: adoption and recorded intent; device hosts that die under a load or a request ----
 
 

@@ -372,3 +372,18 @@ class TestExport:
         with pytest.raises(StoreError, match="id=2"):
             export_trace(store, 3600, T0 + 10, out)
         assert list(tmp_path.glob("*week*")) == []
+
+
+def test_the_request_journal_skips_every_unreadable_line_and_keeps_the_rest(tmp_path: Path) -> None:
+    from manager.journal import RequestJournal
+
+    path = tmp_path / "requests.journal"
+    bad = ["[" * 100_000, '{"t": ' + "9" * 5000 + "}", "[1, 2]", '{"t": 1, "mod', "\x00\x01"]
+    good = [{"t": 1.0, "model": "voice"}, {"t": 2.0, "model": "llm"}]
+    path.write_text("\n".join([json.dumps(good[0]), *bad, json.dumps(good[1])]) + "\n", encoding="utf-8")
+    j = RequestJournal(path)
+    try:
+        assert j.read() == good
+        assert j.skipped == len(bad)
+    finally:
+        j.close()

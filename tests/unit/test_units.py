@@ -55,6 +55,13 @@ def test_parse_size_rejects_bad_numbers(bad: float) -> None:
         parse_size(bad)
 
 
+def test_parse_size_refuses_sizes_beyond_int64_fields() -> None:
+    assert parse_size("1024PiB") == parse_size(2**60) == 2**60
+    for bad in ("1025PiB", 2**60 + 1, 2**70):
+        with pytest.raises(ValueError, match="at most 1024PiB"):
+            parse_size(bad)
+
+
 def test_parse_size_error_quotes_the_input() -> None:
     with pytest.raises(ValueError) as info:
         parse_size("abc")

@@ -61,7 +61,7 @@ class SentenceEmbeddingAdapter(ModuleAdapter):
             if default is not None:
                 return default
             raise AdapterError(P.MISSING_CHECKPOINT, f"model {self.spec.name!r}: {p}: no such file") from None
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:
             raise AdapterError(P.BAD_CHECKPOINT, f"model {self.spec.name!r}: {p}: {e}") from None
         if not isinstance(doc, dict):
             raise AdapterError(P.BAD_CHECKPOINT, f"model {self.spec.name!r}: {p}: not a JSON object")
