@@ -286,10 +286,15 @@ def cmd_serve(a: argparse.Namespace) -> int:
         host = config.server.listen.rpartition(":")[0]
         err.print(f"residency: serving on {host}:{port} (config {a.config})", highlight=False, markup=False)
 
+    from manager.api.server import event_loop_factory
+
     try:
-        asyncio.run(
-            serve(config, config_path=a.config, in_process=a.in_process, cpu_fallback=fallback, ready=ready)
-        )
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+            runner.run(
+                serve(
+                    config, config_path=a.config, in_process=a.in_process, cpu_fallback=fallback, ready=ready
+                )
+            )
     except (ServeError, StoreError) as e:
         raise UsageError(str(e)) from None
     return 0

@@ -15,6 +15,7 @@ import logging
 import math
 import re
 import shutil
+import stat
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,22 @@ def worker_error(code: str | None, message: str) -> Exception:
     if code in (P.BAD_INPUT, P.NOT_AVAILABLE):
         return InvalidRequest(message)
     return WorkerUnavailable(message)
+
+
+def _du(d: Path) -> tuple[int, float]:
+    """Bytes in the files under `d`, and their latest modification time (`d`'s when it has none). A
+    file that goes while it is walked (a running session renames its `*.tmp` files into place) is
+    left out; FileNotFoundError when `d` itself goes."""
+    size, last = 0, -math.inf
+    for f in d.rglob("*"):
+        try:
+            st = f.lstat()
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            size += st.st_size
+            last = max(last, st.st_mtime)
+    return size, last if last > -math.inf else d.stat().st_mtime
 
 
 @dataclass
@@ -142,9 +159,10 @@ class WorldSessionsMixin:
         for d in self.session_dir.iterdir():
             if not d.is_dir() or not _SESSION_ID.fullmatch(d.name):
                 continue  # only what looks like a session of ours
-            files = [f for f in d.rglob("*") if f.is_file()]
-            size = sum(f.stat().st_size for f in files)
-            last = max((f.stat().st_mtime for f in files), default=d.stat().st_mtime)
+            try:
+                size, last = _du(d)
+            except FileNotFoundError:
+                continue  # deleted meanwhile
             saved.append((last, d.name, size, d))
         total = sum(size for _, _, size, _ in saved)
         gone = []

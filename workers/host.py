@@ -6,7 +6,8 @@ Plain Python and PyTorch (no Ray): `workers.actor` wraps it in a Ray actor; test
   one whose target already holds is a no-op; results are cached by `op_id`, so a retried command does
   nothing twice. A failure of any kind becomes an error result naming the model and the cause; the
   host keeps serving its other models.
-* `infer(model, inputs)` → `InferResult` (numpy arrays by name in, plain data out).
+* `infer(model, inputs)` → `InferResult` (numpy arrays by name in; out, each output as OIP wire data:
+  datatype, shape and raw bytes, which the service sends as they are).
 * `status()` → `WorkerStatus`: what is really resident, for the manager to reconcile with intent.
 
 Thread safety: commands run one at a time (a lock); `infer` may run beside a command on another model
@@ -337,7 +338,7 @@ class DeviceHost:
         return P.InferResult(
             model,
             True,
-            outputs={k: _plain(v) for k, v in out.items()},
+            outputs={k: P.encode_output(v) for k, v in out.items()},
             seconds=t1 - t0,
             # what the call would hold its caller's thread for, free of GIL waits behind other
             # threads: its CPU time on a CPU device; on CUDA the wall time (it may wait on the GPU)
@@ -420,8 +421,3 @@ class DeviceHost:
             },
             ops_done=self.ops_done, device_free_bytes=free, device_total_bytes=total, rss_bytes=rss_bytes(),
         )  # fmt: skip
-
-
-def _plain(a: np.ndarray) -> tuple[str, tuple[int, ...], list[Any]]:
-    """An output as plain data: its OIP datatype, shape and flat values."""
-    return P.OIP_BY_NUMPY.get(str(a.dtype), "FP32"), tuple(int(d) for d in a.shape), a.reshape(-1).tolist()

@@ -12,8 +12,11 @@ does the work twice.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import numpy as np
 
 TierName = Literal["gpu", "host", "disk"]
 OpName = Literal["load", "promote", "demote", "drop"]
@@ -194,6 +197,36 @@ OIP_DATATYPES: dict[str, str] = {
 OIP_BY_NUMPY: dict[str, str] = {v: k for k, v in OIP_DATATYPES.items()} | {"object": "BYTES"}
 
 
+def encode_bytes(a: np.ndarray) -> bytes:
+    """OIP BYTES elements: each a 4-byte little-endian length, then the bytes (str is UTF-8)."""
+    parts = []
+    for item in a.reshape(-1).tolist():
+        b = item if isinstance(item, bytes) else str(item).encode()
+        parts.append(struct.pack("<I", len(b)) + b)
+    return b"".join(parts)
+
+
+def encode_output(a: np.ndarray) -> tuple[str, tuple[int, ...], bytes]:
+    """An output as OIP wire data: its datatype, shape and raw bytes, as `raw_output_contents`
+    carries them (numbers little-endian; a dtype OIP lacks goes as FP32; strings as BYTES)."""
+    shape = tuple(int(d) for d in a.shape)
+    if a.dtype == object or a.dtype.kind in "SU":
+        return "BYTES", shape, encode_bytes(a)
+    name = OIP_BY_NUMPY.get(str(a.dtype))
+    if name is None:
+        a, name = a.astype(np.float32), "FP32"
+    return name, shape, np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")).tobytes()
+
+
+def output_array(entry: tuple[str, tuple[int, ...], bytes]) -> np.ndarray:
+    """The values of a numeric `InferResult` output (the inverse of `encode_output`)."""
+    datatype, shape, raw = entry
+    if datatype not in OIP_DATATYPES:
+        raise ValueError(f"output_array reads numeric outputs, not {datatype}")
+    dt = np.dtype(OIP_DATATYPES[datatype]).newbyteorder("<")
+    return np.frombuffer(raw, dtype=dt).reshape(shape)
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """One input or output of a model in Open Inference Protocol terms."""
@@ -207,11 +240,12 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class InferResult:
-    """Outputs by name as plain data: (datatype, shape, flat values). `ok=False` names the cause."""
+    """Outputs by name as OIP wire data: (datatype, shape, raw bytes), see `encode_output`; the
+    service sends the bytes as they are. `ok=False` names the cause."""
 
     model: str
     ok: bool
-    outputs: dict[str, tuple[str, tuple[int, ...], list[Any]]] = field(default_factory=dict)
+    outputs: dict[str, tuple[str, tuple[int, ...], bytes]] = field(default_factory=dict)
     error_code: str | None = None
     error: str | None = None
     seconds: float = 0.0

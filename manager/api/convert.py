@@ -52,14 +52,6 @@ def decode_bytes(name: str, raw: bytes, n: int) -> np.ndarray:
     return np.array(out, dtype=object)
 
 
-def encode_bytes(a: np.ndarray) -> bytes:
-    parts = []
-    for item in a.reshape(-1).tolist():
-        b = item if isinstance(item, bytes) else str(item).encode()
-        parts.append(struct.pack("<I", len(b)) + b)
-    return b"".join(parts)
-
-
 def decode_input(name: str, datatype: str, shape: list[int], raw: bytes | None, contents: Any) -> np.ndarray:
     """One input tensor as a numpy array of its shape."""
     n = _count(name, shape)
@@ -87,11 +79,3 @@ def decode_input(name: str, datatype: str, shape: list[int], raw: bytes | None, 
     if arr.size != n:
         raise InvalidRequest(f"input {name!r}: {arr.size} elements given, shape {shape} needs {n}")
     return arr.reshape(shape)
-
-
-def encode_output(datatype: str, shape: tuple[int, ...], values: list[Any]) -> bytes:
-    """An output's flat values as OIP raw bytes."""
-    if datatype == "BYTES":
-        return encode_bytes(np.array(values, dtype=object))
-    dt = np.dtype(DTYPES.get(datatype, np.float32)).newbyteorder("<")
-    return np.asarray(values, dtype=dt).reshape(shape).tobytes()

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from manager.api.convert import decode_input, encode_output
+from manager.api.convert import decode_input
 from manager.api.errors import mapped
 from manager.errors import InvalidRequest, ModelNotFound
 from manager.live import LiveManager
@@ -108,11 +108,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         )
         wanted = {o.name for o in request.outputs}
         resp = pb.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
-        for name, (dtype, shape, values) in served.result.outputs.items():
+        for name, (dtype, shape, raw) in served.result.outputs.items():
             if wanted and name not in wanted:
                 continue
             resp.outputs.add(name=name, datatype=dtype, shape=list(shape))
-            resp.raw_output_contents.append(encode_output(dtype, shape, values))
+            resp.raw_output_contents.append(raw)
         resp.parameters["residency_wait_s"].double_param = served.wait_s
         resp.parameters["residency_cold"].bool_param = served.cold
         return resp

@@ -93,6 +93,23 @@ def auth_token(config: Config) -> str | None:
     return token or None
 
 
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The server's event loop: uvloop's (the default where it is installed) or asyncio's, as the
+    environment variable RESIDENCY_EVENT_LOOP says (`uvloop` | `asyncio`). None: asyncio's own."""
+    choice = os.environ.get("RESIDENCY_EVENT_LOOP", "uvloop").strip().lower()
+    if choice not in ("uvloop", "asyncio"):
+        raise ServeError(f"RESIDENCY_EVENT_LOOP={choice!r}: use 'uvloop' or 'asyncio'")
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        logger.info("uvloop is not installed: serving on asyncio's event loop")
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
 def describer(manager: LiveManager) -> Callable[[str], Any]:
     from workers.adapters import AdapterError, make_adapter
 

@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 import pytest
 
-from manager.api.server import ServeError, auth_token
+from manager.api.server import ServeError, auth_token, event_loop_factory
 from manager.config import Config, load_config
 from residency_proto.inference import grpc_service_pb2 as oip
 from residency_proto.inference import grpc_service_pb2_grpc as oip_grpc
@@ -75,6 +75,33 @@ def test_beyond_loopback_without_a_token_is_refused(monkeypatch: pytest.MonkeyPa
     assert auth_token(config(listen="127.0.0.1:50051")) is None
     monkeypatch.setenv("RESIDENCY_TEST_TOKEN", TOKEN)
     assert auth_token(config(listen="0.0.0.0:50051", auth_token_env="RESIDENCY_TEST_TOKEN")) == TOKEN
+
+
+def test_the_server_runs_on_uvloop_unless_asyncio_is_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    import uvloop
+
+    monkeypatch.delenv("RESIDENCY_EVENT_LOOP", raising=False)
+    factory = event_loop_factory()
+    assert factory is uvloop.new_event_loop
+    monkeypatch.setenv("RESIDENCY_EVENT_LOOP", "asyncio")
+    assert event_loop_factory() is None
+    monkeypatch.setenv("RESIDENCY_EVENT_LOOP", "tokio")
+    with pytest.raises(ServeError, match="RESIDENCY_EVENT_LOOP='tokio'"):
+        event_loop_factory()
+
+    async def body() -> None:
+        assert isinstance(asyncio.get_running_loop(), uvloop.Loop)
+        async with (
+            serving(config(listen="127.0.0.1:0")) as (target, _),
+            grpc.aio.insecure_channel(target) as ch,
+        ):
+            stub = oip_grpc.GRPCInferenceServiceStub(ch)
+            assert (await stub.ServerLive(oip.ServerLiveRequest(), timeout=30)).live
+            index = await stub.RepositoryIndex(oip.RepositoryIndexRequest(), timeout=30)
+            assert {m.name for m in index.models} == {"voice", "world", "embed"}
+
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(body())
 
 
 def test_tls_with_a_generated_certificate(tmp_path: Path) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import shutil
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,8 +47,12 @@ class _Server:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         config = load_config(CONFIG)
+        self.tmp = tempfile.mkdtemp(prefix="rpc-fuzz-")  # world sessions and the journal: not in the checkout
+        store = config.store.model_copy(
+            update={"sessions": f"{self.tmp}/sessions", "journal": f"{self.tmp}/requests.journal"}
+        )
         config = config.model_copy(
-            update={"server": config.server.model_copy(update={"listen": "127.0.0.1:0"})}
+            update={"server": config.server.model_copy(update={"listen": "127.0.0.1:0"}), "store": store}
         )
         self.stack = contextlib.AsyncExitStack()
         target, _ = self.loop.run_until_complete(self.stack.enter_async_context(serving(config)))
@@ -59,6 +65,7 @@ class _Server:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(30)
         self.loop.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -771,3 +771,34 @@ def test_admin_pins_outlive_a_hot_reload_and_a_restart(tmp_path: Path) -> None:
     run(config, second, store=store)
     assert store.get_doc("pins") == {"embed": True}
     store.close()
+
+
+def test_pruning_saved_sessions_skips_files_that_go_while_it_walks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A running session renames its `*.tmp` files into place: one listed, then gone, is left out."""
+    sessions = tmp_path / "sessions"
+    cfg = tmp_path / "c.yaml"
+    store = f'store: {{url: "sqlite:///{tmp_path / "s.db"}", sessions: "{sessions}", sessions_keep: 1500}}\n'
+    cfg.write_text(store + CONFIG.read_text())
+    for age, sid in enumerate(["b00000000002", "b00000000001"]):
+        d = sessions / sid
+        d.mkdir(parents=True)
+        (d / "segments.log").write_bytes(b"x" * 1000)
+        (d / "session.json.tmp").write_bytes(b"{}")
+        for f in d.iterdir():
+            os.utime(f, (1e9 - age * 100, 1e9 - age * 100))
+    real_rglob = Path.rglob
+
+    def renaming(p: Path, pattern: str) -> Any:
+        for f in real_rglob(p, pattern):
+            yield f
+            if f.name == "session.json.tmp":  # the session renames it into place while the walk goes on
+                os.replace(f, f.with_name("session.json"))
+
+    monkeypatch.setattr(Path, "rglob", renaming)
+
+    async def body(lm: LiveManager) -> None:
+        assert lm._prune_sessions(keep=set()) == ["b00000000001"]  # the older of 2,000 bytes > 1,500
+
+    run(load_config(cfg), body)

