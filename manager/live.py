@@ -23,6 +23,7 @@ import logging
 import math
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +58,9 @@ SAVE_EVERY_S = 60.0
 LOG_EVERY_S = 1.0
 LOG_BATCH = 500
 INLINE_INFER_S = 0.0005
+WAIT_WINDOW = 10_000
+"""Stats' wait p99 per class is over the last this many requests of the class (a window, not the
+whole uptime: a service that runs for months keeps no per-request list)."""
 """In-process models whose recent inferences took less than this run on the event loop itself:
 handing them to a thread would cost more than the inference."""
 
@@ -111,7 +115,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self._subscribers: list[asyncio.Queue[dict[str, Any]]] = []
         self._task: asyncio.Task[None] | None = None
         self.started = False
-        self.waits: dict[str, list[float]] = {c.name: [] for c in config.classes}
+        self.waits: dict[str, deque[float]] = {c.name: deque(maxlen=WAIT_WINDOW) for c in config.classes}
+        self.wait_total_s = 0.0  # every served request's wait, summed since start
         self.rejected = 0
         self.served = 0
         self._next_save = 0.0
@@ -419,6 +424,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             cold = cold or again
         wait = start - arrival
         self.waits[cls_name].append(wait)
+        self.wait_total_s += wait
         self.metrics.child("wait", cls_name).observe(wait)
         self.metrics.child("requests", model, cls_name, "ok" if result.ok else "error").inc()
         live.requests += 1

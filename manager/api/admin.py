@@ -102,8 +102,8 @@ class AdminServicer(pb_grpc.ResidencyServicer):
         return pb.StatsResponse(
             requests=m.served, evictions=c.evictions, thrash=c.thrash, rejected=m.rejected,
             budget_violations=c.budget_violations, cold_starts=c.loads,
-            load_wait_s=sum(sum(v) for v in m.waits.values()),
-            wait_p99_s={k: p99(v) for k, v in m.waits.items()}, resident_bytes=resident,
+            load_wait_s=m.wait_total_s,
+            wait_p99_s={k: p99(list(v)) for k, v in m.waits.items()}, resident_bytes=resident,
         )  # fmt: skip
 
     async def Events(self, request: pb.EventsRequest, context: Any) -> AsyncIterator[pb.Event]:

@@ -802,3 +802,21 @@ def test_pruning_saved_sessions_skips_files_that_go_while_it_walks(
         assert lm._prune_sessions(keep=set()) == ["b00000000001"]  # the older of 2,000 bytes > 1,500
 
     run(load_config(cfg), body)
+
+
+def test_per_class_waits_are_a_bounded_window_and_the_total_counts_every_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import manager.live as live_mod
+
+    monkeypatch.setattr(live_mod, "WAIT_WINDOW", 5)
+
+    async def body(lm: LiveManager) -> None:
+        waits = []
+        for _ in range(8):
+            waits.append((await lm.infer("voice", AUDIO)).wait_s)
+        assert list(lm.waits["realtime"]) == waits[-5:]  # a service up for months keeps no growing list
+        assert lm.wait_total_s == pytest.approx(sum(waits))
+        assert lm.served == 8
+
+    run(load_config(CONFIG), body)
