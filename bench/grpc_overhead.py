@@ -95,6 +95,7 @@ TINY_MODEL = """\
     load_seconds: {{disk: 0.05, cached: 0.02, host: 0.01}}
     pin: true
     keep_alive: forever
+    max_batch: {max_batch}
     source: {{factory: "workers.demo:tiny_mlp", path: "{path}", kwargs: {{width: {width}}}}}
 """
 
@@ -123,14 +124,15 @@ def summarize(lat_s: list[float]) -> dict[str, float | int]:
 # ---- the server ------------------------------------------------------------------------------------
 
 
-def write_config(tmp: Path) -> Path:
-    """local-cpu.yaml + the tiny model (first under `models:`) + a SQLite store in `tmp`."""
+def write_config(tmp: Path, max_batch: int = 64) -> Path:
+    """local-cpu.yaml + the tiny model (first under `models:`, dynamic batching up to `max_batch`
+    rows) + a SQLite store in `tmp`."""
     write_tiny_mlp(tmp / "tiny.safetensors", WIDTH)
     base = BASE_CONFIG.read_text()
     head, sep, rest = base.partition("\nmodels:\n")
     if not sep:
         raise SystemExit(f"{BASE_CONFIG} has no top-level 'models:' list")
-    tiny = TINY_MODEL.format(path=tmp / "tiny.safetensors", width=WIDTH)
+    tiny = TINY_MODEL.format(path=tmp / "tiny.safetensors", width=WIDTH, max_batch=max_batch)
     cfg = tmp / "config.yaml"
     cfg.write_text(f'store: {{url: "sqlite:///{tmp}/state.db"}}\n{head}{sep}{tiny}{rest}')
     return cfg
@@ -528,6 +530,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seconds", type=float, default=10.0, help="length of each concurrent run")
     ap.add_argument("--clients", type=int, default=64, help="concurrent clients")
     ap.add_argument("--modes", default="in_process,ray", help="server modes: in_process, ray")
+    ap.add_argument("--max-batch", type=int, default=64,
+                    help="the tiny model's max_batch (dynamic batching; 1 = off)")  # fmt: skip
     a = ap.parse_args(argv)
     a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     if bad := set(a.modes) - {"in_process", "ray"}:
@@ -540,12 +544,13 @@ def main(argv: list[str] | None = None) -> int:
     t0, load1 = time.monotonic(), os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="grpc-overhead-") as d:
         tmp = Path(d)
-        cfg = write_config(tmp)
+        cfg = write_config(tmp, a.max_batch)
         direct = bench_direct(tmp, a.n)
         log(f"direct: p50 {direct['p50_ms']:.4f} ms p99 {direct['p99_ms']:.4f} ms")
         manager = bench_manager(cfg, tmp, a.clients, a.seconds)
         log(f"manager only: {manager['infer_per_s']:.0f}/s, {manager['cpu_us_per_infer']:.0f} us CPU each")
         result: dict[str, Any] = {"model": f"workers.demo:tiny_mlp width {WIDTH}, input FP32 [1, {WIDTH}]",
+                                  "max_batch": a.max_batch,
                                   "direct": direct, "manager_only": manager, "goals": GOALS}  # fmt: skip
         for mode in a.modes:
             result[mode] = bench_mode(cfg, mode, tmp, a, direct)

@@ -293,6 +293,11 @@ class ModelConfig(_Model):
     """KV lease range of an elastic tenant (e.g. a world model), on top of `memory`."""
     source: dict[str, Any] = Field(default_factory=dict)
     """Adapter-specific keys (paths, factories, package names)."""
+    max_batch: int = Field(1, ge=1, le=4096, strict=True)
+    """Dynamic batching: concurrent requests for this model with the same input dtypes and shapes
+    (but the first dimension) run as one call of up to this many rows, stacked along the first
+    dimension and split again. For models whose rows are independent (an MLP, an embedder); 1 (the
+    default) runs one request per call, as a stateful model (silero-vad) needs."""
 
     @property
     def footprint_min(self) -> int:

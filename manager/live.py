@@ -40,6 +40,7 @@ from manager.errors import (
     WorkerUnavailable,
 )
 from manager.journal import RequestJournal
+from manager.live_batch import LocalBatcher
 from manager.live_persist import PersistenceMixin
 from manager.live_sessions import WorldSessionsMixin, _World, worker_error
 from manager.metrics import Metrics
@@ -136,6 +137,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self._intents_stale = False
         self._stats_unread = False
         self._infer_s: dict[str, float] = {}
+        self._batchers: dict[str, LocalBatcher] = {}
         self.queued: dict[str, int] = {}  # requests of each class waiting for their model
         self._background: set[asyncio.Task[Any]] = set()
         self._lease_chain: dict[str, asyncio.Task[Any]] = {}  # device -> its last ordered lease step
@@ -485,8 +487,11 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         """The data path: awaited directly on Ray (no thread per request); in process, inline for
         models that take microseconds, else on a thread."""
         infer_async = getattr(self.pool, "infer_async", None)
+        batcher = None if infer_async is not None else self._batcher(device, model)
         if infer_async is not None:
             result: P.InferResult = await infer_async(device, model, inputs, timeout_s)
+        elif batcher is not None:
+            result = await batcher.submit(inputs, timeout_s)
         elif self._infer_s.get(model, 1.0) < INLINE_INFER_S:
             # a turn of the loop first: a request served from memory awaits nothing that suspends,
             # so a caller serving in a loop would hold the loop (and threads' results) to itself
@@ -499,6 +504,20 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             prev, took = self._infer_s.get(model), result.hold_seconds
             self._infer_s[model] = took if prev is None else 0.8 * prev + 0.2 * took
         return result
+
+    def _batcher(self, device: str, model: str) -> LocalBatcher | None:
+        """In process, the dynamic batcher of a model with `max_batch` > 1 (None for the others)."""
+        b = self._batchers.get(model)
+        if b is None:
+            cfg = self.config.model(model)
+            if cfg.max_batch <= 1 or not hasattr(self.pool, "infer_many"):
+                return None
+
+            def quick(n: int, model: str = model) -> bool:
+                return self._infer_s.get(model, 1.0) * n < INLINE_INFER_S
+
+            b = self._batchers[model] = LocalBatcher(self.pool, device, model, cfg.max_batch, quick)
+        return b
 
     def _raise_infer_error(self, r: P.InferResult) -> None:
         raise worker_error(r.error_code, r.error or "inference failed")

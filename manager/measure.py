@@ -78,7 +78,7 @@ def measure_model(config: Config, m: ModelConfig, repeats: int = 3) -> ModelMeas
     on = dev.name if kind == dev.kind else f"{dev.name} (CPU stand-in: no CUDA here)"
     out = ModelMeasure(m.name, m.adapter, dev.name, on)
     host = DeviceHost(dev.name, kind, index=dev.index)
-    spec = P.ModelSpec(m.name, m.adapter, dict(m.source), budget_bytes=dev.usable)
+    spec = P.ModelSpec(m.name, m.adapter, dict(m.source), budget_bytes=dev.usable, max_batch=m.max_batch)
     try:
         paths = make_adapter(spec, host.torch_device).disk_paths()
     except AdapterError as e:

@@ -1,7 +1,7 @@
 """Hot config reload: what a running service can take from a changed config, and what needs a restart.
 
 `plan_reload(old, new)` returns the fields that changed, or raises `RestartNeeded` naming the first
-structural change (devices, the set of models, a model's adapter/device/source/class/elastic range,
+structural change (devices, the set of models, a model's adapter/device/source/class/elastic range/max_batch,
 the classes' names or order, the policy's name). `apply_reload(engine, new)` then updates the
 engine in place — keep-alives, prewarm, pins, class reservations and rules, policy windows — so
 in-flight requests, resident models and learned statistics are untouched.
@@ -20,10 +20,11 @@ class RestartNeeded(ValueError):
 
 
 def _model_shape(config: Config) -> dict[str, tuple[object, ...]]:
-    return {
-        m.name: (m.adapter, m.device, m.source, m.class_, m.elastic.model_dump() if m.elastic else None)
-        for m in config.models
-    }
+    shapes: dict[str, tuple[object, ...]] = {}
+    for m in config.models:
+        elastic = m.elastic.model_dump() if m.elastic else None
+        shapes[m.name] = (m.adapter, m.device, m.source, m.class_, elastic, m.max_batch)
+    return shapes
 
 
 def plan_reload(old: Config, new: Config) -> list[str]:
@@ -39,7 +40,9 @@ def plan_reload(old: Config, new: Config) -> list[str]:
         raise RestartNeeded(f"models added {added} or removed {gone}")
     for name in before:
         if before[name] != after[name]:
-            raise RestartNeeded(f"model {name!r}: adapter, device, source, class or elastic range changed")
+            raise RestartNeeded(
+                f"model {name!r}: adapter, device, source, class, elastic range or max_batch changed"
+            )
     changes: list[str] = []
     olds = {m.name: m for m in old.models}
     for m in new.models:

@@ -43,7 +43,9 @@ def model_specs(config: Config) -> dict[str, Any]:
 
     usable = {d.name: d.usable for d in config.devices}
     return {
-        m.name: ModelSpec(m.name, m.adapter, dict(m.source), budget_bytes=usable[m.device])
+        m.name: ModelSpec(
+            m.name, m.adapter, dict(m.source), budget_bytes=usable[m.device], max_batch=m.max_batch
+        )
         for m in config.models
     }
 

@@ -163,7 +163,7 @@ class ChannelServer:
                 if body is None:
                     return
                 items = pickle.loads(body)
-                results = [self.host.infer(model, inputs) for model, inputs in items]
+                results = self.host.infer_many(items)
                 out = pickle.dumps(results, protocol=pickle.HIGHEST_PROTOCOL)
                 conn.sendall(_LEN.pack(len(out)) + out)
             except (OSError, EOFError):

@@ -32,6 +32,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from workers import batching
 from workers import protocol as P
 from workers.adapters import Adapter, AdapterError, HostCopy, make_adapter
 from workers.measure import CpuProbe, CudaProbe, MemoryProbe, Phases, nvml_power_w, rss_bytes, wait_released
@@ -59,6 +60,8 @@ class _Resident:
     inferences: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     """One inference at a time per model: models keep state (silero's) and modules are not thread-safe."""
+    max_batch: int | None = None
+    """Rows one call may take (dynamic batching); None until its first batch decides it."""
 
 
 class DeviceHost:
@@ -313,6 +316,86 @@ class DeviceHost:
 
     def infer(self, model: str, inputs: dict[str, np.ndarray]) -> P.InferResult:
         """Run one inference on a model in the gpu tier. Never raises."""
+        got = self._call(model, inputs)
+        if isinstance(got, P.InferResult):
+            return got
+        out, took, held = got
+        outputs = {k: P.encode_output(v) for k, v in out.items()}
+        return P.InferResult(model, True, outputs=outputs, seconds=took, hold_seconds=held)
+
+    def infer_many(self, items: list[tuple[str, dict[str, np.ndarray]]]) -> list[P.InferResult]:
+        """Run several requests (a batch that queued together), results in their order. For a model
+        with dynamic batching on (`max_batch` > 1), the requests that fit together run as one call
+        (`workers.batching`); the others, and every other model's, one by one. Never raises."""
+        results: list[P.InferResult | None] = [None] * len(items)
+        by_model: dict[str, list[int]] = {}
+        for i, (model, _) in enumerate(items):
+            by_model.setdefault(model, []).append(i)
+        for model, idx in by_model.items():
+            limit = self._max_batch(model) if len(idx) > 1 else 1
+            for group in batching.plan([items[i][1] for i in idx], limit):
+                ids = [idx[g] for g in group]
+                if len(ids) == 1:
+                    results[ids[0]] = self.infer(model, items[ids[0]][1])
+                    continue
+                for i, res in zip(ids, self._infer_batch(model, [items[i][1] for i in ids]), strict=True):
+                    results[i] = res
+        return [r for r in results if r is not None]
+
+    def _max_batch(self, model: str) -> int:
+        """Rows one call of `model` may take: its config's `max_batch` when its adapter batches and its
+        declared inputs and outputs all have a variable first dimension; else 1 (said once)."""
+        r = self.models.get(model)
+        if r is None or r.runnable is None:
+            return 1
+        if r.max_batch is None:
+            r.max_batch = 1
+            want = r.spec.max_batch
+            if want > 1:
+                specs = [*r.adapter.inputs(), *r.adapter.outputs()]
+                if not r.adapter.batchable:
+                    why = f"its adapter {r.adapter.name!r} does not batch requests"
+                elif any(not t.shape or t.shape[0] != -1 for t in specs):
+                    why = "not every declared input and output has a variable first (batch) dimension"
+                else:
+                    r.max_batch, why = want, ""
+                if why:
+                    logger.warning(
+                        "model %s: max_batch %d ignored: %s; one request per call", model, want, why
+                    )
+        return r.max_batch
+
+    def _infer_batch(self, model: str, inputs: list[dict[str, np.ndarray]]) -> list[P.InferResult]:
+        """`inputs` (one signature) stacked into one call and split again. When the call fails or its
+        outputs do not split by rows, each request runs alone, so each gets its own answer."""
+        stacked, rows = batching.stack(inputs)
+        got = self._call(model, stacked)
+        if isinstance(got, P.InferResult):
+            return [self.infer(model, x) for x in inputs]
+        parts = batching.split(got[0], rows)
+        r = self.models.get(model)
+        if parts is None:
+            if r is not None:
+                r.max_batch = 1
+            logger.warning(
+                "model %s: its outputs do not have one row per input row; dynamic batching off", model
+            )
+            return [self.infer(model, x) for x in inputs]
+        _, took, held = got
+        total = sum(rows)
+        if r is not None:
+            r.inferences += len(inputs) - 1  # one per request, not one per call
+        out = []
+        for part, n in zip(parts, rows, strict=True):
+            outputs = {k: P.encode_output(v) for k, v in part.items()}
+            share = held * n / total
+            out.append(P.InferResult(model, True, outputs=outputs, seconds=took, hold_seconds=share))
+        return out
+
+    def _call(
+        self, model: str, inputs: dict[str, np.ndarray]
+    ) -> tuple[dict[str, np.ndarray], float, float] | P.InferResult:
+        """One call of a model in the gpu tier: (outputs, wall seconds, seconds held), or an error."""
         r = self.models.get(model)
         if r is None or r.tier != "gpu" or r.runnable is None:
             where = "not resident" if r is None else f"in the {r.tier} tier"
@@ -335,15 +418,9 @@ class DeviceHost:
             return P.InferResult(model, False, error_code=P.INTERNAL, error=f"model {model!r}: {e!r}")
         r.last_used = self.clock()
         r.inferences += 1
-        return P.InferResult(
-            model,
-            True,
-            outputs={k: P.encode_output(v) for k, v in out.items()},
-            seconds=t1 - t0,
-            # what the call would hold its caller's thread for, free of GIL waits behind other
-            # threads: its CPU time on a CPU device; on CUDA the wall time (it may wait on the GPU)
-            hold_seconds=(c1 - c0) if self.kind == "cpu" else t1 - t0,
-        )
+        # what the call held its caller's thread for, free of GIL waits behind other threads: its
+        # CPU time on a CPU device; on CUDA the wall time (it may wait on the GPU)
+        return out, t1 - t0, (c1 - c0) if self.kind == "cpu" else t1 - t0
 
     # ---- world sessions (workers.world)
 

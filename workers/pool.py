@@ -108,6 +108,12 @@ class InProcessWorkerPool:
     ) -> P.InferResult:
         return self._host(device).infer(model, inputs)
 
+    def infer_many(
+        self, device: str, items: list[tuple[str, dict[str, np.ndarray]]], timeout_s: float = 30.0
+    ) -> list[P.InferResult]:
+        """Requests that queued together, in one call of the host (DeviceHost.infer_many batches)."""
+        return self._host(device).infer_many(items)
+
     def session(self, device: str, method: str, *args: object, timeout_s: float = 120.0) -> P.SessionReply:
         """World-session calls: method is open, step, resize or close (see DeviceHost.session_*)."""
         fn = getattr(self._host(device), f"session_{method}")

@@ -46,6 +46,8 @@ class ModelSpec:
     source: dict[str, Any] = field(default_factory=dict)
     budget_bytes: int | None = None
     """Largest footprint the model may take on its device (device memory minus its reserve)."""
+    max_batch: int = 1
+    """Rows one call may take when concurrent requests are stacked (dynamic batching); 1: off."""
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ class DeviceHostActor:
 
     @ray.method(concurrency_group="data")
     def infer_many(self, items: list[tuple[str, dict[str, np.ndarray]]]) -> list[P.InferResult]:
-        return [self.host.infer(model, inputs) for model, inputs in items]
+        return self.host.infer_many(items)
 
     @ray.method(concurrency_group="data")
     def status(self) -> P.WorkerStatus:

@@ -53,6 +53,9 @@ class Adapter(ABC):
     """One model's adapter instance, bound to a device. Subclasses set `name` and `inputs`/`outputs`."""
 
     name: ClassVar[str]
+    batchable: ClassVar[bool] = False
+    """Its `infer` takes a batch of independent rows along the first dimension of every input and
+    output, so a model config's `max_batch` > 1 may stack concurrent requests (workers.batching)."""
 
     def __init__(self, spec: P.ModelSpec, device: torch.device) -> None:
         self.spec = spec

@@ -29,6 +29,7 @@ MAX_TEXTS = 256
 
 class SentenceEmbeddingAdapter(ModuleAdapter):
     name = "sentence-transformers"
+    batchable = True
     ignore_prefixes = ("pooler.",)
 
     def __init__(self, spec: P.ModelSpec, device: torch.device) -> None:

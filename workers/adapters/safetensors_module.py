@@ -23,6 +23,7 @@ from workers.adapters.base import AdapterError, ModuleAdapter
 
 class SafetensorsModuleAdapter(ModuleAdapter):
     name = "safetensors-module"
+    batchable = True
 
     def checkpoint(self) -> Path:
         return Path(self.source_str("path"))

@@ -24,6 +24,7 @@ class TorchScriptAdapter(Adapter):
     """A TorchScript archive; one FP32 input `input`, one FP32 output `output` (any shape)."""
 
     name = "torchscript"
+    batchable = True
 
     def path(self) -> Path:
         return Path(self.source_str("path"))
@@ -111,6 +112,7 @@ class SileroVadAdapter(TorchScriptAdapter):
     """
 
     name = "silero-vad"
+    batchable = False  # stateful across chunks: one stream per call
     MAX_SAMPLES = 60 * SILERO_RATE
 
     def path(self) -> Path:
