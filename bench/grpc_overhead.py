@@ -1,9 +1,11 @@
 """What the gRPC front end costs: one tiny model served in-process vs through `residency serve`.
 
 usage: python bench/grpc_overhead.py [--n 2000] [--seconds 10] [--clients 64] [--modes in_process,ray]
+                                    [--max-batch 1]
 
 The model is `workers.demo:tiny_mlp` (width 16, input `input` FP32 [1, 16], output `output` FP32
 [1, 16]; well under a millisecond of compute), so what is measured is the serving path, not the model.
+`--max-batch N` turns on dynamic batching for it (its config's `max_batch`; default 1, off).
 All on loopback; JSON goes to stdout, progress to stderr.
 
   direct            `workers.host.DeviceHost("cpu0", "cpu")` in this process, the model loaded with
@@ -124,7 +126,7 @@ def summarize(lat_s: list[float]) -> dict[str, float | int]:
 # ---- the server ------------------------------------------------------------------------------------
 
 
-def write_config(tmp: Path, max_batch: int = 64) -> Path:
+def write_config(tmp: Path, max_batch: int = 1) -> Path:
     """local-cpu.yaml + the tiny model (first under `models:`, dynamic batching up to `max_batch`
     rows) + a SQLite store in `tmp`."""
     write_tiny_mlp(tmp / "tiny.safetensors", WIDTH)
@@ -530,7 +532,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seconds", type=float, default=10.0, help="length of each concurrent run")
     ap.add_argument("--clients", type=int, default=64, help="concurrent clients")
     ap.add_argument("--modes", default="in_process,ray", help="server modes: in_process, ray")
-    ap.add_argument("--max-batch", type=int, default=64,
+    ap.add_argument("--max-batch", type=int, default=1,
                     help="the tiny model's max_batch (dynamic batching; 1 = off)")  # fmt: skip
     a = ap.parse_args(argv)
     a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]

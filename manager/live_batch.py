@@ -88,6 +88,8 @@ class LocalBatcher:
 
     def _call(self, items: list[tuple[str, Inputs]]) -> list[P.InferResult]:
         try:
+            if len(items) == 1:  # nothing to stack: the plain call
+                return [self.pool.infer(self.device, self.model, items[0][1])]
             results: list[P.InferResult] = self.pool.infer_many(self.device, items)
         except Exception as e:  # the host never raises; a pool that does answers every waiter
             return [self._failed(f"{type(e).__name__}: {e}") for _ in items]
