@@ -137,7 +137,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self._intents_stale = False
         self._stats_unread = False
         self._infer_s: dict[str, float] = {}
-        self._batchers: dict[str, LocalBatcher] = {}
+        self._batchers: dict[str, LocalBatcher | None] = {}
         self.queued: dict[str, int] = {}  # requests of each class waiting for their model
         self._background: set[asyncio.Task[Any]] = set()
         self._lease_chain: dict[str, asyncio.Task[Any]] = {}  # device -> its last ordered lease step
@@ -491,7 +491,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         if infer_async is not None:
             result: P.InferResult = await infer_async(device, model, inputs, timeout_s)
         elif batcher is not None:
-            result = await batcher.submit(inputs, timeout_s)
+            result = await batcher.submit(inputs)
         elif self._infer_s.get(model, 1.0) < INLINE_INFER_S:
             # a turn of the loop first: a request served from memory awaits nothing that suspends,
             # so a caller serving in a loop would hold the loop (and threads' results) to itself
@@ -506,17 +506,19 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         return result
 
     def _batcher(self, device: str, model: str) -> LocalBatcher | None:
-        """In process, the dynamic batcher of a model with `max_batch` > 1 (None for the others)."""
-        b = self._batchers.get(model)
-        if b is None:
-            cfg = self.config.model(model)
-            if cfg.max_batch <= 1 or not hasattr(self.pool, "infer_many"):
-                return None
+        """In process, the dynamic batcher of a model with `max_batch` > 1 (None for the others);
+        decided once per model (max_batch changes need a restart), not on every request."""
+        if model in self._batchers:
+            return self._batchers[model]
+        cfg = self.config.model(model)
+        b = None
+        if cfg.max_batch > 1 and hasattr(self.pool, "infer_many"):
 
             def quick(n: int, model: str = model) -> bool:
                 return self._infer_s.get(model, 1.0) * n < INLINE_INFER_S
 
-            b = self._batchers[model] = LocalBatcher(self.pool, device, model, cfg.max_batch, quick)
+            b = LocalBatcher(self.pool, device, model, cfg.max_batch, quick)
+        self._batchers[model] = b
         return b
 
     def _raise_infer_error(self, r: P.InferResult) -> None:

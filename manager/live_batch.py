@@ -40,7 +40,7 @@ class LocalBatcher:
         self.batches = 0
         self.requests = 0
 
-    async def submit(self, inputs: Inputs, timeout_s: float) -> P.InferResult:
+    async def submit(self, inputs: Inputs) -> P.InferResult:
         loop = asyncio.get_running_loop()
         if loop is not self.loop:  # a new event loop (tests run several): the old one's futures are gone
             self.loop, self.queue, self.scheduled, self.running = loop, [], False, False
