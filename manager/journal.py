@@ -16,18 +16,24 @@ from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
 
 
 class RequestJournal:
     def __init__(self, path: Path) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = path.open("a", encoding="utf-8")
+        self._fd = self._open()
         self.skipped = 0
 
+    def _open(self) -> int:
+        return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
     def append(self, rec: dict[str, Any]) -> None:
-        self._f.write(json.dumps(rec, separators=(",", ":")) + "\n")
-        self._f.flush()
+        # one write(2) of the whole line on an O_APPEND descriptor: in the OS at once, no buffer
+        data = (_ENCODE(rec) + "\n").encode()
+        while data:  # a regular file takes it whole; a short write (disk filling up) goes on
+            data = data[os.write(self._fd, data) :]
 
     def read(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -55,9 +61,12 @@ class RequestJournal:
         with tmp.open("w", encoding="utf-8") as f:
             for rec in pending:
                 f.write(json.dumps(rec, separators=(",", ":")) + "\n")
-        self._f.close()
+        if self._fd >= 0:
+            os.close(self._fd)
         os.replace(tmp, self.path)
-        self._f = self.path.open("a", encoding="utf-8")
+        self._fd = self._open()
 
     def close(self) -> None:
-        self._f.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

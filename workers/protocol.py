@@ -13,6 +13,7 @@ does the work twice.
 from __future__ import annotations
 
 import struct
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -208,15 +209,27 @@ def encode_bytes(a: np.ndarray) -> bytes:
     return b"".join(parts)
 
 
+_OIP_NAME: dict[np.dtype[Any], str | None] = {}
+"""numpy dtype -> OIP datatype (None: not an OIP number type), filled as dtypes are met: `str(dtype)`
+costs microseconds on every output otherwise."""
+_LITTLE = sys.byteorder == "little"
+
+
 def encode_output(a: np.ndarray) -> tuple[str, tuple[int, ...], bytes]:
     """An output as OIP wire data: its datatype, shape and raw bytes, as `raw_output_contents`
     carries them (numbers little-endian; a dtype OIP lacks goes as FP32; strings as BYTES)."""
     shape = tuple(int(d) for d in a.shape)
-    if a.dtype == object or a.dtype.kind in "SU":
+    dt = a.dtype
+    if dt.kind in "OSU":
         return "BYTES", shape, encode_bytes(a)
-    name = OIP_BY_NUMPY.get(str(a.dtype))
+    try:
+        name = _OIP_NAME[dt]
+    except KeyError:
+        name = _OIP_NAME[dt] = OIP_BY_NUMPY.get(str(dt))
     if name is None:
         a, name = a.astype(np.float32), "FP32"
+    elif dt.isnative and _LITTLE:  # the common case: C-order bytes as they are
+        return name, shape, a.tobytes()
     return name, shape, np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")).tobytes()
 
 

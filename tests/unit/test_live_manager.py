@@ -16,6 +16,7 @@ from manager.config import load_config
 from manager.errors import InvalidRequest, ModelNotFound, WorkerUnavailable
 from manager.live import LiveManager
 from manager.policy.types import Tier
+from workers.protocol import output_array
 
 
 def test_requests_wait_for_the_confirmed_load_then_hit() -> None:
@@ -27,7 +28,11 @@ def test_requests_wait_for_the_confirmed_load_then_hit() -> None:
         emb = await lm.infer("embed", TEXT, cls="realtime")
         assert emb.result.outputs["embedding"][1] == (1, 384)
         many = await asyncio.gather(*(lm.infer("embed", TEXT) for _ in range(8)))
-        assert all(s.result.outputs == emb.result.outputs for s in many)
+        # the 8 may run as one batch (max_batch 64): a batched matmul may round the last bit apart
+        want = output_array(emb.result.outputs["embedding"])
+        for s in many:
+            assert s.result.outputs["embedding"][:2] == emb.result.outputs["embedding"][:2]
+            np.testing.assert_allclose(output_array(s.result.outputs["embedding"]), want, rtol=0, atol=1e-5)
         assert lm.engine.counters.budget_violations == 0
         assert lm.pool.status("cpu0").models["voice"].tier == "gpu"
         reg = lm.metrics.registry
