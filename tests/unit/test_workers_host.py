@@ -321,3 +321,26 @@ def test_string_outputs_travel_as_oip_bytes_elements() -> None:
     assert P.encode_output(np.array(["ab"]))[0] == "BYTES"
     with pytest.raises(ValueError, match="numeric outputs"):
         P.output_array(entry)
+
+
+def test_loading_silero_vad_leaves_torch_threads_as_they_were() -> None:
+    """silero_vad's import calls torch.set_num_threads(1) for the whole process; the adapter puts the
+    count back, so the other models of a CPU device host keep every core. Run in a fresh interpreter:
+    in this one silero_vad may already be imported."""
+    import subprocess
+
+    code = (
+        "import torch\n"
+        "from workers import protocol as P\n"
+        "from workers.host import DeviceHost\n"
+        "torch.set_num_threads(2)\n"
+        "h = DeviceHost('cpu0', 'cpu', node='test')\n"
+        "r = h.apply(P.Load(P.ModelSpec('voice', 'silero-vad')), 'op')\n"
+        "import silero_vad\n"
+        "print(r.ok, torch.get_num_threads())\n"
+    )
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=repo, timeout=120, check=True
+    )
+    assert out.stdout.split()[-2:] == ["True", "2"], out.stdout + out.stderr

@@ -118,6 +118,7 @@ class SileroVadAdapter(TorchScriptAdapter):
     def path(self) -> Path:
         if "path" in self.spec.source:
             return Path(self.source_str("path"))
+        threads = torch.get_num_threads()
         try:
             return Path(str(importlib.resources.files("silero_vad.data").joinpath("silero_vad.jit")))
         except ModuleNotFoundError:
@@ -125,6 +126,11 @@ class SileroVadAdapter(TorchScriptAdapter):
                 P.MISSING_CHECKPOINT,
                 f"model {self.spec.name!r}: the silero-vad package is not installed (pip install silero-vad)",
             ) from None
+        finally:
+            # importing silero_vad calls torch.set_num_threads(1) for the whole process: every other
+            # model on a CPU device host would run on one core from then on
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
 
     def inputs(self) -> list[P.TensorSpec]:
         return [P.TensorSpec("audio", "FP32", (-1,))]
