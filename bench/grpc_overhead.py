@@ -134,9 +134,9 @@ def summarize(lat_s: list[float]) -> dict[str, float | int]:
 # ---- the server ------------------------------------------------------------------------------------
 
 
-def write_config(tmp: Path, max_batch: int = 1) -> Path:
+def write_config(tmp: Path, max_batch: int = 1, frontends: int = 0) -> Path:
     """local-cpu.yaml + the tiny model (first under `models:`, dynamic batching up to `max_batch`
-    rows) + a SQLite store in `tmp`."""
+    rows) + a SQLite store in `tmp` + `server.frontends`."""
     write_tiny_mlp(tmp / "tiny.safetensors", WIDTH)
     base = BASE_CONFIG.read_text()
     head, sep, rest = base.partition("\nmodels:\n")
@@ -144,7 +144,8 @@ def write_config(tmp: Path, max_batch: int = 1) -> Path:
         raise SystemExit(f"{BASE_CONFIG} has no top-level 'models:' list")
     tiny = TINY_MODEL.format(path=tmp / "tiny.safetensors", width=WIDTH, max_batch=max_batch)
     cfg = tmp / "config.yaml"
-    cfg.write_text(f'store: {{url: "sqlite:///{tmp}/state.db"}}\n{head}{sep}{tiny}{rest}')
+    top = f'store: {{url: "sqlite:///{tmp}/state.db"}}\nserver: {{frontends: {frontends}}}\n'
+    cfg.write_text(f"{top}{head}{sep}{tiny}{rest}")
     return cfg
 
 
@@ -491,6 +492,7 @@ def bench_h2load(server: Server, clients: int, seconds: float, tmp: Path) -> dic
         return {"client": "h2load", "skipped": "h2load is not on PATH (Debian package nghttp2-client)"}
     body, logf = tmp / "h2load-request.bin", tmp / "h2load.tsv"
     body.write_bytes(h2load_frame(raw_request()))
+    logf.unlink(missing_ok=True)  # h2load appends to its log file; each run counts its own calls
     with grpc.insecure_channel(server.target) as ch:  # the size of one ok response message
         one = pb_grpc.GRPCInferenceServiceStub(ch).ModelInfer(raw_request(), timeout=30)
     frame = 5 + one.ByteSize()
@@ -601,6 +603,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seconds", type=float, default=10.0, help="length of each concurrent run")
     ap.add_argument("--clients", type=int, default=64, help="concurrent clients")
     ap.add_argument("--modes", default="in_process,ray", help="server modes: in_process, ray")
+    ap.add_argument("--frontends", type=int, default=0,
+                    help="server.frontends: gRPC front-end processes (0: none)")  # fmt: skip
     ap.add_argument("--max-batch", type=int, default=1,
                     help="the tiny model's max_batch (dynamic batching; 1 = off)")  # fmt: skip
     a = ap.parse_args(argv)
@@ -615,13 +619,13 @@ def main(argv: list[str] | None = None) -> int:
     t0, load1 = time.monotonic(), os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="grpc-overhead-") as d:
         tmp = Path(d)
-        cfg = write_config(tmp, a.max_batch)
+        cfg = write_config(tmp, a.max_batch, a.frontends)
         direct = bench_direct(tmp, a.n)
         log(f"direct: p50 {direct['p50_ms']:.4f} ms p99 {direct['p99_ms']:.4f} ms")
         manager = bench_manager(cfg, tmp, a.clients, a.seconds)
         log(f"manager only: {manager['infer_per_s']:.0f}/s, {manager['cpu_us_per_infer']:.0f} us CPU each")
         result: dict[str, Any] = {"model": f"workers.demo:tiny_mlp width {WIDTH}, input FP32 [1, {WIDTH}]",
-                                  "max_batch": a.max_batch,
+                                  "max_batch": a.max_batch, "frontends": a.frontends,
                                   "direct": direct, "manager_only": manager, "goals": GOALS}  # fmt: skip
         for mode in a.modes:
             result[mode] = bench_mode(cfg, mode, tmp, a, direct)

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from manager.api.convert import decode_input
-from manager.api.errors import mapped
-from manager.errors import InvalidRequest, ModelNotFound
+from manager.api.errors import mapped, status_of
+from manager.errors import InvalidRequest, ModelNotFound, ResidencyError
 from manager.live import LiveManager
 from residency_proto.inference import grpc_service_pb2 as pb
 from residency_proto.inference import grpc_service_pb2_grpc as pb_grpc
@@ -81,12 +83,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             return None if p == 0 else classes[min(p, len(classes)) - 1]
         return None
 
-    def _timeout(self, request: pb.ModelInferRequest, context: Any) -> float:
+    def _timeout(self, request: pb.ModelInferRequest, left: float | None) -> float:
         if "timeout" in request.parameters:
             us = _param(request.parameters["timeout"])
             if isinstance(us, int) and us > 0:
                 return us / 1e6
-        left = context.time_remaining()
         return DEFAULT_TIMEOUT_S if left is None else max(float(left) - 0.05, 0.01)
 
     def _inputs(self, request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
@@ -100,11 +101,35 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @mapped
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
+        return await self.infer(request, context.time_remaining())
+
+    async def infer_raw(self, raw: bytes, seconds_left: float | None) -> tuple[int, str, bytes]:
+        """ModelInfer for a gRPC front end (`manager.api.fastpath`): request bytes in, (status code,
+        details, response bytes) out, errors mapped to status codes as the gRPC method maps them."""
+        try:
+            request = pb.ModelInferRequest.FromString(raw)
+        except DecodeError as e:
+            return (
+                grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                (
+                    f"ModelInfer: the request is not a valid inference.ModelInferRequest message ({e}); "
+                    "send it with a client generated from this server's .proto files"
+                ),
+                b"",
+            )
+        try:
+            resp = await self.infer(request, seconds_left)
+        except ResidencyError as e:
+            return status_of(e).value[0], str(e), b""
+        return 0, "", resp.SerializeToString()
+
+    async def infer(self, request: pb.ModelInferRequest, seconds_left: float | None) -> pb.ModelInferResponse:
         if request.model_name not in self.manager.live:
             self.manager._model(request.model_name)
         inputs = self._inputs(request)
+        timeout_s = self._timeout(request, seconds_left)
         served = await self.manager.infer(
-            request.model_name, inputs, cls=self._class_of(request), timeout_s=self._timeout(request, context)
+            request.model_name, inputs, cls=self._class_of(request), timeout_s=timeout_s
         )
         wanted = {o.name for o in request.outputs}
         resp = pb.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)

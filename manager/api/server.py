@@ -132,8 +132,10 @@ def describer(manager: LiveManager) -> Callable[[str], Any]:
 
 
 async def build_server(
-    config: Config, manager: LiveManager, config_path: str | None = None
+    config: Config, manager: LiveManager, config_path: str | None = None, *, listen: str | None = None
 ) -> tuple[grpc.aio.Server, int, Any]:
+    """The gRPC server on `listen` (default `server.listen`; with front ends, a private Unix socket
+    that they relay to: no TLS there)."""
     token = auth_token(config)
     server = grpc.aio.server(
         interceptors=[AuthInterceptor(token)] if token else [],
@@ -158,8 +160,9 @@ async def build_server(
         reflection.SERVICE_NAME,
     )
     reflection.enable_server_reflection(names, server)
-    listen = config.server.listen
-    if config.server.tls_cert and config.server.tls_key:
+    private = listen is not None
+    listen = listen or config.server.listen
+    if config.server.tls_cert and config.server.tls_key and not private:
         creds = grpc.ssl_server_credentials(
             [(Path(config.server.tls_key).read_bytes(), Path(config.server.tls_cert).read_bytes())]
         )
@@ -169,6 +172,78 @@ async def build_server(
     if port == 0:
         raise ServeError(f"cannot listen on {listen!r} (address in use or not available)")
     return server, port, health_servicer
+
+
+class Frontends:
+    """`server.frontends` > 0: the manager's gRPC server listens on a private Unix socket, a fast
+    path for ModelInfer on another, and N front-end processes (`manager.api.front`) on the public
+    address. A port 0 in `server.listen` is chosen here first and held (SO_REUSEPORT, not listening)
+    so that every front end, and any restarted one, binds the same port."""
+
+    def __init__(self, config: Config, manager: LiveManager) -> None:
+        import tempfile
+
+        self.config = config
+        self.manager = manager
+        self.dir = tempfile.mkdtemp(prefix="residency-front-")  # 0700: only this user reaches it
+        self.backend = f"unix:{self.dir}/grpc.sock"
+        self.fast_path = f"{self.dir}/fast.sock"
+        self.hold: Any = None
+        self.procs: Any = None
+        self.fast: Any = None
+
+    def _reserve(self) -> tuple[str, int]:
+        import socket
+
+        host, _, port_s = self.config.server.listen.rpartition(":")
+        port = int(port_s)
+        if port:
+            return host, port
+        bare = host.strip("[]")
+        try:
+            family, kind, proto, _, addr = socket.getaddrinfo(
+                bare, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )[0]
+            s = socket.socket(family, kind, proto)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            s.bind(addr)
+        except OSError as e:
+            raise ServeError(f"cannot listen on {self.config.server.listen!r}: {e}") from None
+        self.hold = s
+        return host, int(s.getsockname()[1])
+
+    async def start(self) -> int:
+        from manager.api.fastpath import FastPathServer
+        from manager.api.front import FrontEnds
+        from manager.api.oip import InferenceServicer
+
+        host, port = self._reserve()
+        self.fast = FastPathServer(InferenceServicer(self.manager, describer(self.manager)).infer_raw)
+        await self.fast.start(self.fast_path)
+        srv = self.config.server
+        tls = (srv.tls_cert, srv.tls_key) if srv.tls_cert and srv.tls_key else None
+        self.procs = FrontEnds(
+            srv.frontends, f"{host}:{port}", self.backend[len("unix:") :], self.fast_path,
+            tls=tls, max_message_bytes=srv.max_request_bytes,
+        )  # fmt: skip
+        try:
+            await self.procs.start()
+        except RuntimeError as e:
+            await self.stop()
+            raise ServeError(str(e)) from None
+        logger.info("%d gRPC front ends on %s:%d (pids %s)", srv.frontends, host, port, self.procs.pids())
+        return port
+
+    async def stop(self) -> None:
+        import shutil
+
+        if self.procs is not None:
+            await self.procs.stop()
+        if self.fast is not None:
+            await self.fast.stop()
+        if self.hold is not None:
+            self.hold.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 async def watch_config(manager: LiveManager, path: str, every_s: float = 2.0) -> None:
@@ -229,10 +304,17 @@ async def serve(
     store = open_store(config.store.url)
     pool = create_pool(config, in_process=in_process, cpu_fallback=cpu_fallback)
     manager = LiveManager(config, pool, store=store, journal=config.store.journal)
-    server, port, health_servicer = await build_server(config, manager, config_path)
+    fronts: Frontends | None = None
+    if config.server.frontends:
+        fronts = Frontends(config, manager)
+        server, _, health_servicer = await build_server(config, manager, config_path, listen=fronts.backend)
+    else:
+        server, port, health_servicer = await build_server(config, manager, config_path)
     # grpc's health servicer answers SERVING for "" by default: say NOT_SERVING until the manager runs
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
+    if fronts is not None:
+        port = await fronts.start()
     if config.server.metrics_listen:
         from prometheus_client import start_http_server
 
@@ -263,6 +345,8 @@ async def serve(
         if task is not None:
             task.cancel()
     await health_servicer.enter_graceful_shutdown()
+    if fronts is not None:
+        await fronts.stop()
     await server.stop(grace=5)
     await manager.stop()
     pool.close()

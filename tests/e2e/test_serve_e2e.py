@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -36,9 +37,10 @@ def text_input(*texts: bytes) -> tc.InferInput:
     return i
 
 
-def drive(target: str) -> int:
+def drive(target: str, admin: dict[str, str] | None = None) -> int:
     """The stock client's whole surface; returns how many requests the request log must hold (the
-    three served ones and the one the model refused as bad input; an unknown model is never logged)."""
+    three served ones and the one the model refused as bad input; an unknown model is never logged).
+    `admin`: headers for the admin calls (repository load/unload), e.g. the bearer token."""
     c = tc.InferenceServerClient(target)
     assert c.is_server_live() and c.is_server_ready()
     assert c.get_server_metadata().name == "residency"
@@ -54,9 +56,9 @@ def drive(target: str) -> int:
     np.testing.assert_allclose(np.linalg.norm(emb, axis=1), 1.0, rtol=1e-5)
     np.testing.assert_allclose(emb[0], emb[1])
 
-    c.unload_model("embed")
+    c.unload_model("embed", headers=admin)
     assert not c.is_model_ready("embed")
-    c.load_model("embed")
+    c.load_model("embed", headers=admin)
     assert c.is_model_ready("embed")
     again = c.infer("embed", [text_input(b"hello")], parameters={"residency_class": "background"})
     np.testing.assert_allclose(again.as_numpy("embedding")[0], emb[0], atol=1e-6)
@@ -200,3 +202,57 @@ def test_the_example_home_config_serves_here(start_server: Callable[..., Server]
     assert models["voice"]["tier"] == "gpu" and models["embed"]["tier"] == "gpu"
     assert "no such file" in str(models["tts"]["lastError"]) and models["tts"]["tier"] == "disk"
     assert "lastError" not in models["voice"]
+
+
+def test_front_end_processes_serve_every_service(start_server: Callable[..., Server], tmp_path: Path) -> None:
+    """`server.frontends: 2`: two gRPC front-end processes share the address; ModelInfer goes to the
+    manager's process over the fast path, every other call is relayed (admin token included). The
+    same client surface works, reflection too; a killed front end is replaced; none outlives the
+    server."""
+    import psutil
+
+    token = "s3cret-front"
+    text = 'server: {frontends: 2, auth_token_env: "FRONT_TOKEN"}\n' + CONFIG.read_text()
+    url = f"sqlite:///{tmp_path / 'state.db'}"
+    server = start_server(url, "--in-process", config_text=text, env={"FRONT_TOKEN": token})
+
+    def fronts() -> list[psutil.Process]:
+        kids = psutil.Process(server.proc.pid).children(recursive=True)
+        return [p for p in kids if "manager.api.front" in " ".join(p.cmdline())]
+
+    first = fronts()
+    assert len(first) == 2
+    served = drive(server.target, admin={"authorization": f"Bearer {token}"})
+    c = tc.InferenceServerClient(server.target)
+    with pytest.raises(InferenceServerException) as e:  # relayed to the manager's interceptor
+        c.unload_model("embed")
+    assert e.value.status() == "StatusCode.UNAUTHENTICATED"
+    grpcurl = [str(BIN / "grpcurl"), "-plaintext", server.target, "list"]
+    listed = subprocess.run(grpcurl, capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    assert "inference.GRPCInferenceService" in listed.stdout.split()
+    # many connections: the kernel spreads them over both front ends; every call is answered
+    clients = [tc.InferenceServerClient(server.target) for _ in range(8)]
+    for k in clients:
+        assert k.infer("voice", [voice_input()]).as_numpy("speech_prob") is not None
+        k.close()
+    first[0].kill()
+    first[0].wait(10)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(fronts()) < 2:  # the manager starts a new one
+        time.sleep(0.1)
+    assert len(fronts()) == 2 and "starting a new one" in server.log.read_text()
+    after = [tc.InferenceServerClient(server.target) for _ in range(8)]
+    for k in after:
+        assert k.infer("voice", [voice_input()]).as_numpy("speech_prob") is not None
+        k.close()
+    c.close()
+    left = fronts()
+    assert server.stop() == 0
+    _, alive = psutil.wait_procs(left, timeout=10)
+    assert not alive, f"front ends outlived the server: {alive}"
+    store = open_store(url)
+    try:
+        assert store.count_requests() == served + 16  # the voice calls above, and not one call more
+    finally:
+        store.close()

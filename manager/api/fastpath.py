@@ -1,0 +1,187 @@
+"""The in-host link between gRPC front-end processes and the manager's process (`server.frontends`).
+
+One Python process serves about one core's worth of gRPC calls: the per-call work inside grpcio (its
+C core, the Cython glue and the event loop) is about as much as the service's own. With
+`server.frontends: N`, N front processes (`manager.api.front`) share the listening address
+(SO_REUSEPORT: the kernel spreads connections over them) and do that per-call work on the other
+cores. They send ModelInfer calls here over a Unix socket, many per frame, and relay every other call
+to the manager's own gRPC server on a private Unix socket (`front.Relay`).
+
+Wire format, both ways: frames of a 4-byte big-endian length and a pickle (both ends are this
+program, on one host, through a socket in a private 0700 directory):
+  front -> manager: [(call id, ModelInferRequest bytes, seconds left or None), ...]
+  manager -> front: [(call id, grpc status code (int), details, ModelInferResponse bytes), ...]
+Calls that arrive in one turn of a loop travel in one frame, and so do their answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import pickle
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+
+logger = logging.getLogger(__name__)
+
+MAX_FRAME = 1 << 31
+"""A frame larger than this is a broken peer (a message is at most `server.max_request_bytes`)."""
+
+Answer = tuple[int, str, bytes]
+"""(grpc status code, details, response bytes) - code 0 is OK."""
+
+Handler = Callable[[bytes, float | None], Awaitable[Answer]]
+
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+INTERNAL = grpc.StatusCode.INTERNAL.value[0]
+
+
+def frame(obj: Any) -> bytes:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return len(data).to_bytes(4, "big") + data
+
+
+async def read_frame(reader: asyncio.StreamReader) -> Any:
+    """The next frame's object; None at a clean end of the stream."""
+    try:
+        head = await reader.readexactly(4)
+    except asyncio.IncompleteReadError as e:
+        if e.partial:
+            raise ConnectionError("the peer closed in the middle of a frame header") from None
+        return None
+    n = int.from_bytes(head, "big")
+    if n > MAX_FRAME:
+        raise ConnectionError(f"a frame of {n} bytes: the peer is not a residency front end")
+    return pickle.loads(await reader.readexactly(n))
+
+
+class _Outbox:
+    """Items written as one frame at the end of the current turn of the event loop."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self.items: list[Any] = []
+        self.loop = asyncio.get_running_loop()
+
+    def put(self, item: Any) -> None:
+        if not self.items:
+            self.loop.call_soon(self.flush)
+        self.items.append(item)
+
+    def flush(self) -> None:
+        items, self.items = self.items, []
+        if items and not self.writer.is_closing():
+            self.writer.write(frame(items))
+
+
+class FastPathServer:
+    """The manager's end: runs `handler` for every call a front end sends, answers in frames."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self._server: asyncio.AbstractServer | None = None
+        self._links: set[asyncio.StreamWriter] = set()
+        self.calls = 0
+
+    async def start(self, path: str) -> None:
+        self._server = await asyncio.start_unix_server(self._serve, path)
+
+    async def stop(self) -> None:
+        """Stop listening and close every link: the front ends answer what is pending UNAVAILABLE."""
+        for w in list(self._links):
+            w.close()
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 5)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        out = _Outbox(writer)
+        loop = asyncio.get_running_loop()
+        tasks: set[asyncio.Task[None]] = set()
+        self._links.add(writer)
+
+        async def one(cid: int, raw: bytes, left: float | None) -> None:
+            try:
+                code, details, body = await self.handler(raw, left)
+            except Exception:
+                logger.exception("fast path: a ModelInfer call failed")
+                code, details, body = INTERNAL, "ModelInfer: internal error (see the server log)", b""
+            out.put((cid, code, details, body))
+
+        try:
+            while (batch := await read_frame(reader)) is not None:
+                for cid, raw, left in batch:
+                    self.calls += 1
+                    t = loop.create_task(one(cid, raw, left))
+                    tasks.add(t)
+                    t.add_done_callback(tasks.discard)
+                if writer.transport.get_write_buffer_size() > 1 << 24:
+                    await writer.drain()  # a front that stopped reading: do not buffer without end
+        except (ConnectionError, pickle.UnpicklingError, ValueError, TypeError) as e:
+            logger.warning("fast path: a front end's connection ended: %s", e)
+        finally:
+            self._links.discard(writer)
+            for t in list(tasks):
+                t.cancel()
+            writer.close()
+
+
+class FastPathClient:
+    """A front end's end: `call(raw, seconds_left)` -> (code, details, response bytes)."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count()
+        self._pending: dict[int, asyncio.Future[Answer]] = {}
+        self._out: _Outbox | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self.closed = asyncio.Event()
+
+    async def connect(self, path: str) -> None:
+        reader, writer = await asyncio.open_unix_connection(path)
+        self._out = _Outbox(writer)
+        self._reader_task = asyncio.get_running_loop().create_task(self._read(reader))
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        why = "the manager's process closed the link"
+        try:
+            while (batch := await read_frame(reader)) is not None:
+                for cid, code, details, body in batch:
+                    fut = self._pending.pop(cid, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result((code, details, body))
+        except (ConnectionError, pickle.UnpicklingError, ValueError, TypeError) as e:
+            why = f"the link to the manager's process broke: {e}"
+        finally:
+            self.closed.set()
+            for fut in self._pending.values():
+                if not fut.done():
+                    fut.set_result((UNAVAILABLE, f"{why}; retry", b""))
+            self._pending.clear()
+
+    async def call(self, raw: bytes, seconds_left: float | None) -> Answer:
+        if self._out is None or self.closed.is_set():
+            return UNAVAILABLE, "the manager's process is not reachable from this front end; retry", b""
+        cid = next(self._ids)
+        fut: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+        self._pending[cid] = fut
+        self._out.put((cid, raw, seconds_left))
+        try:
+            return await fut
+        finally:
+            self._pending.pop(cid, None)
+
+    async def close(self) -> None:
+        if self._out is not None:
+            self._out.writer.close()
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._reader_task
+
+
+__all__ = ["FastPathClient", "FastPathServer", "frame", "read_frame"]

@@ -1,0 +1,236 @@
+"""gRPC front-end processes (`server.frontends: N`): more cores for gRPC's per-call work.
+
+A front end listens on the service's address beside its siblings (SO_REUSEPORT: the kernel spreads
+connections over them), sends each ModelInfer call to the manager's process over the fast path
+(`manager.api.fastpath`: many calls per frame on a Unix socket) and relays every other call, as raw
+bytes with its metadata (the admin bearer token included) and deadline, to the manager's own gRPC
+server on a private Unix socket, where the usual interceptor, servicers and error mapping answer it.
+So every service (health, reflection, admin, world sessions, events) works through a front end as
+it does directly; only ModelInfer takes the short way.
+
+This module stays light (no torch, no manager state): a front end imports grpc and the fast path.
+`FrontEnds` is the manager's side: it starts them, waits for each to say it is listening, starts a
+new one when one dies, and stops them first at shutdown.
+
+Run by the manager as `python -m manager.api.front --listen HOST:PORT --backend SOCK --fast SOCK
+--parent PID [--tls-cert F --tls-key F] [--max-message-bytes N]`; it prints `ready` on stdout once
+it listens, and exits when the manager's process is gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from manager.api.fastpath import FastPathClient
+
+logger = logging.getLogger(__name__)
+
+MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+READY = "ready"
+START_TIMEOUT_S = 60.0
+_STATUS = {s.value[0]: s for s in grpc.StatusCode}
+_NOT_FORWARDED = frozenset({"user-agent", "content-type", "te", "host"})
+
+
+def forwarded(metadata: Sequence[Any] | None) -> tuple[tuple[str, Any], ...]:
+    """The call's own metadata (e.g. `authorization`), without the transport's headers."""
+    return tuple(
+        (k, v) for k, v in metadata or () if not k.startswith((":", "grpc-")) and k not in _NOT_FORWARDED
+    )
+
+
+class Front(grpc.GenericRpcHandler):
+    """Every method: ModelInfer over the fast path, the rest relayed to the manager's gRPC server."""
+
+    def __init__(self, fast: FastPathClient, backend: grpc.aio.Channel) -> None:
+        self.fast = fast
+        self.backend = backend
+
+    def service(self, handler_call_details: Any) -> grpc.RpcMethodHandler:
+        method = handler_call_details.method
+        if method == MODEL_INFER:
+            return grpc.unary_unary_rpc_method_handler(self._infer)
+        # A stream-stream relay serves any method: on the wire every call is a stream of messages.
+        return grpc.stream_stream_rpc_method_handler(functools.partial(self._relay, method))
+
+    async def _infer(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        code, details, body = await self.fast.call(raw, context.time_remaining())
+        if code:
+            await context.abort(_STATUS.get(code, grpc.StatusCode.UNKNOWN), details)
+        return body
+
+    async def _relay(
+        self, method: str, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[bytes]:
+        call = self.backend.stream_stream(method)(
+            requests, metadata=forwarded(context.invocation_metadata()), timeout=context.time_remaining()
+        )
+        try:
+            async for msg in call:
+                yield msg
+            trailing = forwarded(await call.trailing_metadata())
+            if trailing:
+                context.set_trailing_metadata(trailing)
+        except grpc.aio.AioRpcError as e:
+            trailing = forwarded(e.trailing_metadata())
+            if trailing:
+                context.set_trailing_metadata(trailing)
+            await context.abort(e.code(), e.details() or "")
+        finally:
+            call.cancel()  # the client went away (or it ended): end the relayed call too
+
+
+def _options(max_bytes: int) -> list[tuple[str, Any]]:
+    return [("grpc.max_receive_message_length", max_bytes), ("grpc.max_send_message_length", max_bytes)]
+
+
+async def run_front(a: argparse.Namespace) -> int:
+    fast = FastPathClient()
+    await fast.connect(a.fast)
+    backend = grpc.aio.insecure_channel(f"unix:{a.backend}", options=_options(a.max_message_bytes))
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 1), *_options(a.max_message_bytes)])
+    server.add_generic_rpc_handlers((Front(fast, backend),))
+    if a.tls_cert and a.tls_key:
+        creds = grpc.ssl_server_credentials([(Path(a.tls_key).read_bytes(), Path(a.tls_cert).read_bytes())])
+        port = server.add_secure_port(a.listen, creds)
+    else:
+        port = server.add_insecure_port(a.listen)
+    if port == 0:
+        print(f"residency front end: cannot listen on {a.listen!r}", file=sys.stderr, flush=True)
+        return 2
+    await server.start()
+    print(READY, flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def orphaned() -> None:  # the manager's process died without stopping us
+        while os.getppid() == a.parent:
+            await asyncio.sleep(1.0)
+
+    waits = [asyncio.ensure_future(w) for w in (stop.wait(), fast.closed.wait(), orphaned())]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()
+    await server.stop(grace=2)
+    await fast.close()
+    await backend.close()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m manager.api.front", description=__doc__.split("\n")[0])
+    ap.add_argument("--listen", required=True)
+    ap.add_argument("--backend", required=True, help="the manager's gRPC Unix socket")
+    ap.add_argument("--fast", required=True, help="the manager's fast-path Unix socket")
+    ap.add_argument("--parent", type=int, required=True, help="the manager's pid")
+    ap.add_argument("--tls-cert")
+    ap.add_argument("--tls-key")
+    ap.add_argument("--max-message-bytes", type=int, default=64 * 2**20)
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s front: %(message)s")
+    factory = None
+    if os.environ.get("RESIDENCY_EVENT_LOOP", "uvloop").strip().lower() == "uvloop":
+        with contextlib.suppress(ImportError):
+            import uvloop
+
+            factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(run_front(a))
+
+
+class FrontEnds:
+    """The manager's side: `n` front-end processes on `listen`, kept running until `stop()`."""
+
+    def __init__(
+        self,
+        n: int,
+        listen: str,
+        backend: str,
+        fast: str,
+        *,
+        tls: tuple[str, str] | None = None,
+        max_message_bytes: int = 64 * 2**20,
+    ) -> None:
+        self.n = n
+        self.args = ["--listen", listen, "--backend", backend, "--fast", fast, "--parent", str(os.getpid())]
+        self.args += ["--max-message-bytes", str(max_message_bytes)]
+        if tls is not None:
+            self.args += ["--tls-cert", tls[0], "--tls-key", tls[1]]
+        self.procs: list[asyncio.subprocess.Process | None] = [None] * n
+        self.restarts = 0
+        self._stopping = False
+        self._watchers: list[asyncio.Task[None]] = []
+
+    async def _spawn(self, i: int) -> None:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "manager.api.front", *self.args, stdout=asyncio.subprocess.PIPE
+        )
+        self.procs[i] = proc
+        assert proc.stdout is not None
+        try:
+            line = await asyncio.wait_for(proc.stdout.readline(), START_TIMEOUT_S)
+        except TimeoutError:
+            line = b""
+        if line.decode().strip() != READY:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+            raise RuntimeError(
+                f"gRPC front end {i} did not start (exit {proc.returncode}); its errors are in this log above"
+            )
+
+    async def start(self) -> None:
+        await asyncio.gather(*(self._spawn(i) for i in range(self.n)))
+        self._watchers = [asyncio.create_task(self._watch(i)) for i in range(self.n)]
+
+    async def _watch(self, i: int) -> None:
+        while not self._stopping:
+            proc = self.procs[i]
+            assert proc is not None
+            rc = await proc.wait()
+            if self._stopping:
+                return
+            self.restarts += 1
+            logger.warning("gRPC front end %d exited with %s; starting a new one", i, rc)
+            await asyncio.sleep(1.0)
+            try:
+                await self._spawn(i)
+            except RuntimeError as e:
+                logger.error("%s", e)
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs if p is not None and p.returncode is None]
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for w in self._watchers:
+            w.cancel()
+        live = [p for p in self.procs if p is not None and p.returncode is None]
+        for p in live:
+            with contextlib.suppress(ProcessLookupError):
+                p.terminate()
+        for p in live:
+            try:
+                await asyncio.wait_for(p.wait(), 10)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
+                await p.wait()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
