@@ -1,7 +1,7 @@
 """What the gRPC front end costs: one tiny model served in-process vs through `residency serve`.
 
 usage: python bench/grpc_overhead.py [--n 2000] [--seconds 10] [--clients 64] [--modes in_process,ray]
-                                    [--max-batch 1]
+                                    [--max-batch 1] [--frontends 1]
 
 The model is `workers.demo:tiny_mlp` (width 16, input `input` FP32 [1, 16], output `output` FP32
 [1, 16]; well under a millisecond of compute), so what is measured is the serving path, not the model.
@@ -30,13 +30,15 @@ All on loopback; JSON goes to stdout, progress to stderr.
                     the machine used meanwhile (`other_processes_cpu_pct`: well above 0 means the
                     figures were taken on a shared, busy machine).
   grpc_noop         the aio generator against `ServerLive` (no manager, no model): the floor of a bare
-                    gRPC call on this server.
+                    gRPC call on this server (with front ends, relayed to the manager's process: two
+                    gRPC hops; only ModelInfer takes the fast path).
   manager_only      no gRPC: `LiveManager.infer` from `--clients` tasks in this process for `--seconds`
                     (in-process host, SQLite store and journal): infers/s, latency, and CPU us per infer
                     (this process, all threads) - what the service costs besides gRPC.
 
-Each server mode gets a fresh `residency serve` (config: `configs/local-cpu.yaml` plus the tiny model
-and a SQLite store in a temporary directory): `in_process` (`--in-process`, device hosts in the server
+Each server mode gets a fresh `residency serve` (config: `configs/local-cpu.yaml` plus the tiny model,
+a SQLite store in a temporary directory and `server.frontends: --frontends`, default 1 as in
+configs/home.yaml): `in_process` (`--in-process`, device hosts in the server
 process) and `ray` (device hosts in Ray actors; the server starts a local Ray). Readiness is polled
 (grpc.health.v1 SERVING, then the model's OIP ModelReady), never slept for; then, as the other
 configured models load in the background for a few seconds, the server's CPU is polled until it is
@@ -603,8 +605,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seconds", type=float, default=10.0, help="length of each concurrent run")
     ap.add_argument("--clients", type=int, default=64, help="concurrent clients")
     ap.add_argument("--modes", default="in_process,ray", help="server modes: in_process, ray")
-    ap.add_argument("--frontends", type=int, default=0,
-                    help="server.frontends: gRPC front-end processes (0: none)")  # fmt: skip
+    ap.add_argument("--frontends", type=int, default=1,
+                    help="server.frontends (home.yaml: 1; 0: the manager's process serves)")  # fmt: skip
     ap.add_argument("--max-batch", type=int, default=1,
                     help="the tiny model's max_batch (dynamic batching; 1 = off)")  # fmt: skip
     a = ap.parse_args(argv)
