@@ -38,14 +38,15 @@ def with_server(cfg: Config, body: Callable[[str], Awaitable[None]]) -> None:
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("frontends", [0, 1], ids=["direct", "front-end"])
 def test_admin_calls_need_the_token_and_inference_does_not(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, frontends: int
 ) -> None:
     import logging
 
     caplog.set_level(logging.DEBUG)
     monkeypatch.setenv("RESIDENCY_TEST_TOKEN", TOKEN)
-    cfg = config(listen="127.0.0.1:0", auth_token_env="RESIDENCY_TEST_TOKEN")
+    cfg = config(listen="127.0.0.1:0", auth_token_env="RESIDENCY_TEST_TOKEN", frontends=frontends)
 
     async def body(target: str) -> None:
         async with grpc.aio.insecure_channel(target) as ch:
@@ -104,14 +105,15 @@ def test_the_server_runs_on_uvloop_unless_asyncio_is_asked_for(monkeypatch: pyte
         runner.run(body())
 
 
-def test_tls_with_a_generated_certificate(tmp_path: Path) -> None:
+@pytest.mark.parametrize("frontends", [0, 1], ids=["direct", "front-end"])
+def test_tls_with_a_generated_certificate(tmp_path: Path, frontends: int) -> None:
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(
         ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
          "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
         check=True, capture_output=True,
     )  # fmt: skip
-    cfg = config(listen="127.0.0.1:0", tls_cert=str(cert), tls_key=str(key))
+    cfg = config(listen="127.0.0.1:0", tls_cert=str(cert), tls_key=str(key), frontends=frontends)
 
     async def body(target: str) -> None:
         creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
@@ -126,8 +128,9 @@ def test_tls_with_a_generated_certificate(tmp_path: Path) -> None:
     with_server(cfg, body)
 
 
-def test_requests_over_the_size_limit_are_refused() -> None:
-    cfg = config(listen="127.0.0.1:0", max_request_bytes=2**20)
+@pytest.mark.parametrize("frontends", [0, 1], ids=["direct", "front-end"])
+def test_requests_over_the_size_limit_are_refused(frontends: int) -> None:
+    cfg = config(listen="127.0.0.1:0", max_request_bytes=2**20, frontends=frontends)
 
     async def body(target: str) -> None:
         async with grpc.aio.insecure_channel(
