@@ -67,12 +67,16 @@ def start_server(tmp_path: Path) -> Iterator[Callable[..., Server]]:
     servers: list[Server] = []
 
     def start(
-        store_url: str, *extra: str, config_text: str | None = None, env: dict[str, str] | None = None
+        store_url: str,
+        *extra: str,
+        config_text: str | None = None,
+        env: dict[str, str] | None = None,
+        listen: str | None = None,
     ) -> Server:
         cfg = tmp_path / f"config-{len(servers)}.yaml"
         text = config_text if config_text is not None else CONFIG.read_text()
         cfg.write_text(f'store: {{url: "{store_url}"}}\n' + text)
-        target = f"127.0.0.1:{free_port()}"
+        target = listen or f"127.0.0.1:{free_port()}"
         log = tmp_path / f"server-{len(servers)}.log"
         with log.open("wb") as out:
             proc = subprocess.Popen(

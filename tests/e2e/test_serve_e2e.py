@@ -256,3 +256,28 @@ def test_front_end_processes_serve_every_service(start_server: Callable[..., Ser
         assert store.count_requests() == served + 16  # the voice calls above, and not one call more
     finally:
         store.close()
+
+
+def test_front_ends_exit_with_a_killed_manager(start_server: Callable[..., Server], tmp_path: Path) -> None:
+    """A SIGKILLed manager cannot stop its front ends: they see the fast path close and exit, so none
+    keeps the port, and a new server on the same address serves."""
+    import os
+    import signal
+
+    import psutil
+
+    text = "server: {frontends: 1}\n" + CONFIG.read_text()
+    url = f"sqlite:///{tmp_path / 'state.db'}"
+    server = start_server(url, "--in-process", config_text=text)
+    kids = psutil.Process(server.proc.pid).children(recursive=True)
+    fronts = [p for p in kids if "manager.api.front" in " ".join(p.cmdline())]
+    assert len(fronts) == 1
+    os.kill(server.proc.pid, signal.SIGKILL)
+    server.proc.wait(10)
+    _, alive = psutil.wait_procs(fronts, timeout=15)
+    assert not alive, "a front end outlived its killed manager"
+    host, port = server.target.rsplit(":", 1)
+    again = start_server(url, "--in-process", config_text=text, listen=f"{host}:{port}")
+    c = tc.InferenceServerClient(again.target)
+    assert c.infer("voice", [voice_input()]).as_numpy("speech_prob") is not None
+    c.close()
