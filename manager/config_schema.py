@@ -111,10 +111,10 @@ class ServerConfig(_Model):
     tls_key: str | None = None
     """PEM private key for TLS (with tls_cert)."""
     frontends: int = Field(default=0, ge=0, le=16, strict=True)
-    """Extra gRPC front-end processes on `listen` (they share the address; the kernel spreads
-    connections over them): each does gRPC's per-call work on its own core, sends ModelInfer calls
-    to the manager's process in batches over a Unix socket and relays every other call to it. 0: the
-    manager's process serves every connection itself. A change takes effect at the next start."""
+    """Extra gRPC front-end processes on `listen` (they share the address with SO_REUSEPORT; Linux
+    spreads connections over them): each does gRPC's per-call work on its own core, sends ModelInfer
+    calls to the manager's process in batches over a Unix socket and relays every other call to it.
+    0: the manager's process serves every connection itself. A change takes effect at the next start."""
 
     @model_validator(mode="after")
     def _tls_pair(self) -> ServerConfig:
