@@ -261,7 +261,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from manager.api.server import ServeError, serve
+    from manager.api.runtime import ServeError, event_loop_factory
+    from manager.api.server import serve
     from manager.store import StoreError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -285,8 +286,6 @@ def cmd_serve(a: argparse.Namespace) -> int:
     def ready(port: int) -> None:
         host = config.server.listen.rpartition(":")[0]
         err.print(f"residency: serving on {host}:{port} (config {a.config})", highlight=False, markup=False)
-
-    from manager.api.server import event_loop_factory
 
     try:
         with asyncio.Runner(loop_factory=event_loop_factory()) as runner:

@@ -60,7 +60,7 @@ class RequestJournal:
         tmp = self.path.with_suffix(self.path.suffix + ".tmp")
         with tmp.open("w", encoding="utf-8") as f:
             for rec in pending:
-                f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+                f.write(_ENCODE(rec) + "\n")
         if self._fd >= 0:
             os.close(self._fd)
         os.replace(tmp, self.path)

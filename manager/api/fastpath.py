@@ -5,7 +5,7 @@ C core, the Cython glue and the event loop) is about as much as the service's ow
 `server.frontends: N`, N front processes (`manager.api.front`) share the listening address
 (SO_REUSEPORT: the kernel spreads connections over them) and do that per-call work on the other
 cores. They send ModelInfer calls here over a Unix socket, many per frame, and relay every other call
-to the manager's own gRPC server on a private Unix socket (`front.Relay`).
+to the manager's own gRPC server on a private Unix socket (`front.Front`).
 
 Wire format, both ways: frames of a 4-byte big-endian length and a pickle (both ends are this
 program, on one host, through a socket in a private 0700 directory):

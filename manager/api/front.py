@@ -9,7 +9,7 @@ So every service (health, reflection, admin, world sessions, events) works throu
 it does directly; only ModelInfer takes the short way.
 
 This module stays light (no torch, no manager state): a front end imports grpc and the fast path.
-`FrontEnds` is the manager's side: it starts them, waits for each to say it is listening, starts a
+`FrontEndProcesses` is the manager's side: it starts them, waits for each to say it is listening, starts a
 new one when one dies, and stops them first at shutdown.
 
 Run by the manager as `python -m manager.api.front --listen HOST:PORT --backend SOCK --fast SOCK
@@ -34,6 +34,7 @@ from typing import Any
 import grpc
 
 from manager.api.fastpath import FastPathClient
+from manager.api.runtime import event_loop_factory, message_options
 
 logger = logging.getLogger(__name__)
 
@@ -92,15 +93,11 @@ class Front(grpc.GenericRpcHandler):
             call.cancel()  # the client went away (or it ended): end the relayed call too
 
 
-def _options(max_bytes: int) -> list[tuple[str, Any]]:
-    return [("grpc.max_receive_message_length", max_bytes), ("grpc.max_send_message_length", max_bytes)]
-
-
 async def run_front(a: argparse.Namespace) -> int:
     fast = FastPathClient()
     await fast.connect(a.fast)
-    backend = grpc.aio.insecure_channel(f"unix:{a.backend}", options=_options(a.max_message_bytes))
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 1), *_options(a.max_message_bytes)])
+    backend = grpc.aio.insecure_channel(f"unix:{a.backend}", options=message_options(a.max_message_bytes))
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 1), *message_options(a.max_message_bytes)])
     server.add_generic_rpc_handlers((Front(fast, backend),))
     if a.tls_cert and a.tls_key:
         creds = grpc.ssl_server_credentials([(Path(a.tls_key).read_bytes(), Path(a.tls_cert).read_bytes())])
@@ -142,17 +139,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-message-bytes", type=int, default=64 * 2**20)
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s front: %(message)s")
-    factory = None
-    if os.environ.get("RESIDENCY_EVENT_LOOP", "uvloop").strip().lower() == "uvloop":
-        with contextlib.suppress(ImportError):
-            import uvloop
-
-            factory = uvloop.new_event_loop
-    with asyncio.Runner(loop_factory=factory) as runner:
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:  # as the manager's
         return runner.run(run_front(a))
 
 
-class FrontEnds:
+class FrontEndProcesses:
     """The manager's side: `n` front-end processes on `listen`, kept running until `stop()`."""
 
     def __init__(

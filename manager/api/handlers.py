@@ -20,7 +20,8 @@ from google.protobuf.message_factory import GetMessageClass
 from manager.errors import InvalidRequest
 
 
-def _bad(method: MethodDescriptor, e: DecodeError) -> str:
+def not_a_message(method: MethodDescriptor, e: DecodeError) -> str:
+    """What a client that sent bytes which do not parse as `method`'s request is told."""
     return (
         f"{method.name}: the request is not a valid {method.input_type.full_name} message ({e}); "
         "send it with a client generated from this server's .proto files"
@@ -41,7 +42,7 @@ def _handler(method: MethodDescriptor, fn: Callable[..., Any]) -> grpc.RpcMethod
                 try:
                     yield parse(raw)
                 except DecodeError as e:  # the servicer maps domain errors to their status
-                    raise InvalidRequest(_bad(method, e)) from None
+                    raise InvalidRequest(not_a_message(method, e)) from None
 
         async def stream_stream(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[Any]:
             async for out in fn(parsed(requests), context):
@@ -55,7 +56,7 @@ def _handler(method: MethodDescriptor, fn: Callable[..., Any]) -> grpc.RpcMethod
             try:
                 request = parse(raw)
             except DecodeError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _bad(method, e))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, not_a_message(method, e))
             async for out in fn(request, context):
                 yield out
 
@@ -65,7 +66,7 @@ def _handler(method: MethodDescriptor, fn: Callable[..., Any]) -> grpc.RpcMethod
         try:
             request = parse(raw)
         except DecodeError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _bad(method, e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, not_a_message(method, e))
         return await fn(request, context)
 
     return grpc.unary_unary_rpc_method_handler(unary, response_serializer=serialize)

@@ -16,10 +16,13 @@ from google.protobuf.message import DecodeError
 
 from manager.api.convert import decode_input
 from manager.api.errors import mapped, status_of
+from manager.api.handlers import not_a_message
 from manager.errors import InvalidRequest, ModelNotFound, ResidencyError
 from manager.live import LiveManager
 from residency_proto.inference import grpc_service_pb2 as pb
 from residency_proto.inference import grpc_service_pb2_grpc as pb_grpc
+
+MODEL_INFER = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods_by_name["ModelInfer"]
 
 VERSION = "0.1.0"
 EXTENSIONS = ["model_repository", "residency_class", "priority"]
@@ -109,14 +112,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         try:
             request = pb.ModelInferRequest.FromString(raw)
         except DecodeError as e:
-            return (
-                grpc.StatusCode.INVALID_ARGUMENT.value[0],
-                (
-                    f"ModelInfer: the request is not a valid inference.ModelInferRequest message ({e}); "
-                    "send it with a client generated from this server's .proto files"
-                ),
-                b"",
-            )
+            return grpc.StatusCode.INVALID_ARGUMENT.value[0], not_a_message(MODEL_INFER, e), b""
         try:
             resp = await self.infer(request, seconds_left)
         except ResidencyError as e:

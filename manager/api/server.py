@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from manager.api.admin import AdminServicer
 from manager.api.handlers import add_servicer
 from manager.api.oip import InferenceServicer
+from manager.api.runtime import ServeError, message_options
 from manager.api.world import WorldSessionServicer
 from manager.config import Config
 from manager.live import LiveManager
@@ -40,10 +41,6 @@ ADMIN_PREFIXES = (
     "/inference.GRPCInferenceService/RepositoryModelLoad",
     "/inference.GRPCInferenceService/RepositoryModelUnload",
 )
-
-
-class ServeError(Exception):
-    """The server cannot start as configured (printed, exit 2)."""
 
 
 def is_loopback(listen: str) -> bool:
@@ -93,23 +90,6 @@ def auth_token(config: Config) -> str | None:
     return token or None
 
 
-def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """The server's event loop: uvloop's (the default where it is installed) or asyncio's, as the
-    environment variable RESIDENCY_EVENT_LOOP says (`uvloop` | `asyncio`). None: asyncio's own."""
-    choice = os.environ.get("RESIDENCY_EVENT_LOOP", "uvloop").strip().lower()
-    if choice not in ("uvloop", "asyncio"):
-        raise ServeError(f"RESIDENCY_EVENT_LOOP={choice!r}: use 'uvloop' or 'asyncio'")
-    if choice == "asyncio":
-        return None
-    try:
-        import uvloop
-    except ImportError:
-        logger.info("uvloop is not installed: serving on asyncio's event loop")
-        return None
-    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
-    return factory
-
-
 def describer(manager: LiveManager) -> Callable[[str], Any]:
     from workers.adapters import AdapterError, make_adapter
 
@@ -139,10 +119,7 @@ async def build_server(
     token = auth_token(config)
     server = grpc.aio.server(
         interceptors=[AuthInterceptor(token)] if token else [],
-        options=[
-            ("grpc.max_receive_message_length", config.server.max_request_bytes),
-            ("grpc.max_send_message_length", config.server.max_request_bytes),
-        ],
+        options=message_options(config.server.max_request_bytes),
     )
     oip_service = grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     admin_service = residency_pb2.DESCRIPTOR.services_by_name["Residency"]
@@ -186,11 +163,16 @@ class Frontends:
         self.config = config
         self.manager = manager
         self.dir = tempfile.mkdtemp(prefix="residency-front-")  # 0700: only this user reaches it
-        self.backend = f"unix:{self.dir}/grpc.sock"
+        self.grpc_sock = f"{self.dir}/grpc.sock"
         self.fast_path = f"{self.dir}/fast.sock"
         self.hold: Any = None
         self.procs: Any = None
         self.fast: Any = None
+
+    @property
+    def backend(self) -> str:
+        """Where the manager's own gRPC server listens (the front ends relay there)."""
+        return f"unix:{self.grpc_sock}"
 
     def _reserve(self) -> tuple[str, int]:
         import socket
@@ -214,7 +196,7 @@ class Frontends:
 
     async def start(self) -> int:
         from manager.api.fastpath import FastPathServer
-        from manager.api.front import FrontEnds
+        from manager.api.front import FrontEndProcesses
         from manager.api.oip import InferenceServicer
 
         host, port = self._reserve()
@@ -222,8 +204,8 @@ class Frontends:
         await self.fast.start(self.fast_path)
         srv = self.config.server
         tls = (srv.tls_cert, srv.tls_key) if srv.tls_cert and srv.tls_key else None
-        self.procs = FrontEnds(
-            srv.frontends, f"{host}:{port}", self.backend[len("unix:") :], self.fast_path,
+        self.procs = FrontEndProcesses(
+            srv.frontends, f"{host}:{port}", self.grpc_sock, self.fast_path,
             tls=tls, max_message_bytes=srv.max_request_bytes,
         )  # fmt: skip
         try:

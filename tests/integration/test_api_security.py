@@ -12,7 +12,8 @@ from typing import Any
 import grpc
 import pytest
 
-from manager.api.server import ServeError, auth_token, event_loop_factory
+from manager.api.runtime import ServeError, event_loop_factory
+from manager.api.server import auth_token
 from manager.config import Config, load_config
 from residency_proto.inference import grpc_service_pb2 as oip
 from residency_proto.inference import grpc_service_pb2_grpc as oip_grpc
