@@ -61,6 +61,7 @@ test: lint typecheck pytest
 
 bench: $(STAMP)
 	$(BIN)/python bench/replay_quality.py > bench/results/replay_quality.json
+	$(BIN)/python bench/replay_quality.py --heldout 10 --heldout-start 401 --no-shipped > bench/results/replay_quality_heldout401.json
 	$(BIN)/python bench/replay_speed.py > bench/results/replay_speed.json
 	$(BIN)/python bench/tune_gain.py > bench/results/tune_gain.json
 	$(BIN)/python bench/results_tables.py

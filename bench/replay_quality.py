@@ -1,6 +1,7 @@
 """Replay quality: every policy on the shipped weeks and on held-out weeks (never used in design).
 
-usage: python bench/replay_quality.py [--config configs/home.yaml] [--heldout N] > out.json
+usage: python bench/replay_quality.py [--config configs/home.yaml] [--heldout N] [--heldout-start S]
+       [--no-shipped] > out.json
 Prints one JSON object: per trace, per policy the key figures, and the checks of the issue
 (residency load wait <= 1.5x the oracle's and below every baseline's, realtime p99 <= oracle's
 + 0.1 s, thrash <= the oracle's, 0 budget violations).
@@ -61,12 +62,15 @@ def run(config_path: str, traces: dict[str, list[Request]]) -> dict[str, object]
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="configs/home.yaml")
-    ap.add_argument("--heldout", type=int, default=5, help="held-out weeks per profile (seeds 301..)")
+    ap.add_argument("--heldout", type=int, default=5, help="held-out weeks per profile")
+    ap.add_argument("--heldout-start", type=int, default=301, help="first held-out seed")
+    ap.add_argument("--no-shipped", action="store_true", help="only the held-out weeks")
     a = ap.parse_args()
     here = Path(__file__).parent / "traces"
-    traces = {n: read_trace(here / f"{n}.jsonl", strict=True).requests for n in SHIPPED}
+    shipped = [] if a.no_shipped else SHIPPED
+    traces = {n: read_trace(here / f"{n}.jsonl", strict=True).requests for n in shipped}
     for prof in ("home", "studio"):
-        for s in range(301, 301 + a.heldout):
+        for s in range(a.heldout_start, a.heldout_start + a.heldout):
             traces[f"heldout-{prof}-seed{s}"] = synth(prof, 7, s)
     json.dump({"config": a.config, "traces": run(a.config, traces)}, sys.stdout, indent=1)
     print()

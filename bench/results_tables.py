@@ -12,8 +12,8 @@ HERE = Path(__file__).parent / "results"
 POLICIES = ["residency", "oracle", "lru-keepalive", "histogram", "gdsf"]
 
 
-def quality() -> None:
-    d = json.loads((HERE / "replay_quality.json").read_text())["traces"]
+def quality(fname: str = "replay_quality.json") -> None:
+    d = json.loads((HERE / fname).read_text())["traces"]
     print("| trace | " + " | ".join(POLICIES) + " | residency / oracle | realtime p99 s (res / oracle) |")
     print("|---|" + "---:|" * (len(POLICIES) + 2))
     for name, t in d.items():
@@ -28,6 +28,28 @@ def quality() -> None:
     print("|---|---:|")
     for k in keys:
         print(f"| {k} | {sum(1 for t in d.values() if t['checks'][k])} of {len(d)} |")
+    print()
+    aggregate(d)
+
+
+def aggregate(d: dict[str, dict[str, dict[str, dict[str, float]]]]) -> None:
+    """Whole-set sums per group of weeks (shipped, held out): load wait (thrash), and the ratio of
+    `residency`'s summed load wait to the oracle's."""
+    groups: dict[str, list[str]] = {}
+    for name in d:
+        groups.setdefault("held out" if name.startswith("heldout-") else "shipped", []).append(name)
+    print("| weeks | " + " | ".join(POLICIES) + " | residency / oracle (sums) |")
+    print("|---|" + "---:|" * (len(POLICIES) + 1))
+    for g, names in groups.items():
+        lw = {x: sum(d[n]["policies"][x]["load_wait_s"] for n in names) for x in POLICIES}
+        th = {x: sum(int(d[n]["policies"][x]["thrash"]) for n in names) for x in POLICIES}
+        ratio = f"{lw['residency'] / lw['oracle']:.2f}" if lw["oracle"] > 0 else "n/a (oracle 0)"
+        cells = " | ".join(f"{lw[x]:.1f} ({th[x]})" for x in POLICIES)
+        print(f"| {g} ({len(names)}) | {cells} | {ratio} |")
+
+
+def quality_heldout401() -> None:
+    quality("replay_quality_heldout401.json")
 
 
 def speed() -> None:
@@ -54,7 +76,7 @@ def tune() -> None:
 
 
 if __name__ == "__main__":
-    for f in (quality, speed, tune):
+    for f in (quality, quality_heldout401, speed, tune):
         print(f"<!-- {f.__name__} -->")
         f()
         print()
