@@ -8,6 +8,10 @@
   run in submission order) and `poll` uses `ray.wait(..., timeout=0)`, never blocking; an actor that
   died turns into `CommandResult(ok=False, error_code="worker_died")`. Re-submitting the same op id
   after a restart is safe: commands are declarative and results cached by op id.
+* A host's death is reported once (the first call that fails on it). A command that then finds the
+  host still restarting (Ray: `ActorUnavailableError`) is sent again every `UNAVAILABLE_RETRY_S`
+  until the host answers, for at most `UNAVAILABLE_MAX_S`: the reload the manager asks for after a
+  crash waits for the new host instead of failing a second time.
 * `ray.address` null starts a local Ray; "auto" or an address joins an existing cluster.
 """
 
@@ -22,7 +26,7 @@ from typing import Any
 
 import numpy as np
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayError
 
 from workers import protocol as P
 from workers.channel import ChannelAddress, ChannelClient, ChannelError, ChannelServer, same_machine
@@ -32,6 +36,10 @@ from workers.pool import DeviceSpec, UnknownDevice, new_op_id
 logger = logging.getLogger(__name__)
 
 NAMESPACE = "residency"
+UNAVAILABLE_RETRY_S = 0.5
+"""How often a command is sent again to a host that is restarting."""
+UNAVAILABLE_MAX_S = 60.0
+"""How long a command waits for a restarting host before it fails as `worker_died`."""
 ACTOR_PREFIX = "residency-device-"
 
 
@@ -117,6 +125,9 @@ class RayWorkerPool:
         # time keeps each device's commands in submission order.
         self._queued: dict[str, deque[tuple[str, P.Command]]] = {d: deque() for d in self.actors}
         self._inflight: dict[str, tuple[Any, str, P.Command] | None] = dict.fromkeys(self.actors)
+        self._not_before: dict[str, float] = dict.fromkeys(self.actors, 0.0)
+        self._unavailable_since: dict[str, float] = {}  # op id -> when its host first was unreachable
+        self._deaths = _Deaths()
         self._lock = threading.Lock()
         self._batchers: dict[str, _Batcher] = {}
 
@@ -159,12 +170,15 @@ class RayWorkerPool:
         return op
 
     def _pump(self, device: str) -> None:
-        if self._inflight[device] is None and self._queued[device]:
+        held = time.monotonic() < self._not_before[device]  # its host is restarting: wait a moment
+        if self._inflight[device] is None and self._queued[device] and not held:
             op, cmd = self._queued[device].popleft()
             self._inflight[device] = (self.actors[device].apply.remote(cmd, op), op, cmd)
 
     def poll(self) -> list[P.CommandResult]:
         with self._lock:
+            for device in self.actors:  # a command held back while its host restarts goes again
+                self._pump(device)
             flying = {v[0]: d for d, v in self._inflight.items() if v is not None}
             if not flying:
                 return []
@@ -178,10 +192,32 @@ class RayWorkerPool:
                 self._inflight[device] = None
                 try:
                     out.append(ray.get(ref, timeout=0))
+                    self._unavailable_since.pop(op, None)
+                    self._deaths.alive(device)
                 except RayError as e:
-                    out.append(_died(device, op, cmd, e))
+                    failed = self._failed(device, op, cmd, e, time.monotonic())
+                    if failed is not None:
+                        out.append(failed)
                 self._pump(device)
             return out
+
+    def _failed(
+        self, device: str, op: str, cmd: P.Command, e: Exception, now: float
+    ) -> P.CommandResult | None:
+        """The result of a command whose call raised `e`, or None when it is queued again (first in its
+        device's queue, sent after UNAVAILABLE_RETRY_S) because its host, whose death was already
+        reported, is still restarting."""
+        if isinstance(e, ActorUnavailableError) and self._deaths.reported(device, now):
+            first = self._unavailable_since.setdefault(op, now)
+            if now - first < UNAVAILABLE_MAX_S:
+                if first == now:
+                    logger.info("device %s is restarting; %s waits for it", device, P.command_op(cmd))
+                self._queued[device].appendleft((op, cmd))
+                self._not_before[device] = now + UNAVAILABLE_RETRY_S
+                return None
+        self._unavailable_since.pop(op, None)
+        self._deaths.seen(device, e, now)
+        return _died(device, op, cmd, e)
 
     def pending(self) -> int:
         with self._lock:
@@ -199,11 +235,14 @@ class RayWorkerPool:
     def _get(self, ref: Any, device: str, timeout_s: float, what: str) -> tuple[Any, str | None]:
         """`ray.get` with a deadline: (value, None), or (None, why) when the host died or was silent."""
         try:
-            return ray.get(ref, timeout=timeout_s), None
+            value = ray.get(ref, timeout=timeout_s)
         except GetTimeoutError:
             return None, _silent(what, device, timeout_s)
         except RayError as e:
+            self._deaths.seen(device, e)
             return None, _why(device, e)
+        self._deaths.alive(device)
+        return value, None
 
     def infer(
         self, device: str, model: str, inputs: dict[str, np.ndarray], timeout_s: float = 30.0
@@ -226,7 +265,7 @@ class RayWorkerPool:
 
         batcher = self._batchers.get(device)
         if batcher is None:
-            batcher = self._batchers[device] = _Batcher(self._handle(device), device)
+            batcher = self._batchers[device] = _Batcher(self._handle(device), device, self._deaths)
         try:
             return await asyncio.wait_for(batcher.submit(model, inputs), timeout=timeout_s)
         except TimeoutError:
@@ -257,6 +296,25 @@ class RayWorkerPool:
         self.actors.clear()
 
 
+class _Deaths:
+    """Per device: when a call first found its host dead (and said so), until a call succeeds again."""
+
+    def __init__(self) -> None:
+        self._at: dict[str, float] = {}
+
+    def seen(self, device: str, e: Exception, now: float | None = None) -> None:
+        if isinstance(e, RayActorError):
+            self._at.setdefault(device, time.monotonic() if now is None else now)
+
+    def alive(self, device: str) -> None:
+        self._at.pop(device, None)
+
+    def reported(self, device: str, now: float) -> bool:
+        """Was this host's death reported within UNAVAILABLE_MAX_S (and has it not answered since)?"""
+        t = self._at.get(device)
+        return t is not None and now - t < UNAVAILABLE_MAX_S
+
+
 def _silent(what: str, device: str, timeout_s: float) -> str:
     return f"{what}: no answer from device {device!r} within {timeout_s} s"
 
@@ -283,9 +341,10 @@ class _Batcher:
     MAX_BATCH = 64
     REDISCOVER_S = 1.0
 
-    def __init__(self, handle: Any, device: str) -> None:
+    def __init__(self, handle: Any, device: str, deaths: _Deaths) -> None:
         self.handle = handle
         self.device = device
+        self.deaths = deaths
         self.queue: list[tuple[str, dict[str, np.ndarray], Any]] = []
         self.inflight = 0
         self.channel: ChannelClient | None = None
@@ -358,7 +417,9 @@ class _Batcher:
                         self.close()
             if results is None:
                 results = await self.handle.infer_many.remote(items)
+            self.deaths.alive(self.device)
         except Exception as e:  # the actor died, or anything else: every waiter gets an answer
+            self.deaths.seen(self.device, e)
             why = _why(self.device, e)
             results = [P.InferResult(m, False, error_code=P.WORKER_DIED, error=why) for m, _, _ in batch]
         finally:

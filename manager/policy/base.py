@@ -35,6 +35,10 @@ class Policy:
     prewarm_min_residency = True
     """Does `min_residency` protect models from this policy's prewarms? (The oracle's prewarms are
     demand loads moved earlier, not predictions, so it is exempt.)"""
+    prewarm_yields = False
+    """May a request evict a model of its own class that this policy prewarmed and that has not
+    served yet, within `min_residency`? (False: the guess holds its room like a demand load; the
+    oracle's guesses are never wrong.)"""
     max_loaded: int | None = None
     """A cap on models per device (Ollama's OLLAMA_MAX_LOADED_MODELS), pinned models not counted
     (a pin always wins); None: memory decides."""

@@ -189,8 +189,11 @@ class Engine:
             # A higher class is never evicted; a model past its keep-alive holds no claim to its
             # room any more (an eager policy would have unloaded it already), whoever needs it.
             return expired
-        if c.rank == rank and now - c.gpu_since < self.min_residency and c.last_end < c.gpu_since:
-            return False  # loaded for a request (or a prediction) it has not served yet
+        unserved = c.rank == rank and now - c.gpu_since < self.min_residency and c.last_end < c.gpu_since
+        if unserved and not (c.prewarmed and self.policy.prewarm_yields):
+            # Loaded for a request (or a prediction) it has not served yet: it keeps its room, unless
+            # it was only a guess and the policy lets a real request win over its guesses.
+            return False
         return may_evict or expired
 
     @staticmethod

@@ -16,7 +16,14 @@ What it decides, and from what:
   for A, models that usually follow A within a minute (learned co-occurrence: voice -> LLM ->
   TTS chains) are loaded at once; (3) when a model that displaced others goes idle (its request
   ended), host residents worth `DISPLACE_MARGIN` times more than what they would displace are
-  promoted back (e.g. after a world session, the image model it pushed to host RAM).
+  promoted back (e.g. after a world session, the image model it pushed to host RAM); (4) turn
+  taking: when the room left cannot hold two models that are both in use (the LLM and the image
+  model during a world session), then as soon as X's request ends, Y is swapped in for X if the
+  learned odds that Y is asked for next outweigh, in reload seconds, the odds that it is not.
+  A prewarmed model that has not served yet gives way to a request of its class (a guess never
+  makes a request wait), see `Policy.prewarm_yields`.
+- **Rates** by hour are sparse in the first weeks (an hour with no arrival yet says "never"), so
+  the hour's rate is shrunk towards the model's mean hourly rate (`RATE_SMOOTH`).
 """
 
 from __future__ import annotations
@@ -42,12 +49,20 @@ FILL_MIN_P = 0.1
 """Restore a displaced host resident only when P(request within the horizon) is at least this."""
 DISPLACE_MARGIN = 4.0
 """A prewarm displaces a model only when the prewarmed one is worth this many times more."""
+RATE_SMOOTH = 0.3
+"""Weight of the model's mean hourly rate in the rate used for prediction (the rest: its hour's)."""
+TURN_ACTIVE_S = 45.0
+"""A model is "in use" for turn taking when it was asked for within this long."""
+TURN_MARGIN = 2.0
+"""Swap Y in for X only when P(Y next) x reload(Y) exceeds this times P(not Y) x reload(X)."""
 MAX_SUBSET = 10
 
 
 class ResidencyPolicy(Policy):
     name = "residency"
     uses_host_tier = True
+    prewarm_yields = True
+    prewarm_min_residency = False  # checked in may_displace: a turn-taking swap is exempt
 
     def __init__(self) -> None:
         self.t0 = math.nan
@@ -56,6 +71,11 @@ class ResidencyPolicy(Policy):
         self._weights: list[float] = []
         self._wake_on_idle: set[str] = set()
         self._ka_cache: dict[str, tuple[int, float]] = {}
+        # Turn taking: (x, y, y in use) -> [next swappable request was not y, was y], after x.
+        self._turns: dict[tuple[str, str, bool], list[int]] = {}
+        self._last_turn: ModelState | None = None
+        self._turn_checked = -math.inf
+        self._swap_out: ModelState | None = None
 
     def bind(self, engine: Engine) -> None:
         super().bind(engine)
@@ -71,8 +91,12 @@ class ResidencyPolicy(Policy):
             return 0.05
         idle = now - m.last_arrival if m.last_arrival > -math.inf else 0.0
         p_hist = h.p_reuse_within(max(0.0, idle), HORIZON_S)
-        weeks = max(1.0 / 7.0, (now - self.t0) / WEEK_S) if self.t0 == self.t0 else 1.0 / 7.0
-        rate = h.rate_per_hour(now, weeks)
+        # The statistics cover this run and, after a restart, what the store kept from before it.
+        since = min(self.t0, h.first_t) if self.t0 == self.t0 else h.first_t
+        seen = max(0.0, now - since)
+        weeks = max(1.0 / 7.0, seen / WEEK_S)
+        mean_rate = h.count / max(24.0, seen / 3600.0)
+        rate = (1.0 - RATE_SMOOTH) * h.rate_per_hour(now, weeks) + RATE_SMOOTH * mean_rate
         p_rate = 1.0 - math.exp(-rate * HORIZON_S / 3600.0)
         return 0.5 * (p_hist + p_rate)
 
@@ -109,6 +133,8 @@ class ResidencyPolicy(Policy):
     def on_request(self, m: ModelState, now: float) -> None:
         if self.t0 != self.t0:
             self.t0 = now
+        if self._swappable(m):
+            self._learn_turn(m, now)
         # Learn "m follows a": count each (a arrival, m) pair once.
         for a in self._order:
             if a is m or now - a.last_arrival > CHAIN_WINDOW_S:
@@ -156,10 +182,58 @@ class ResidencyPolicy(Policy):
         return v if self.value(v, now) < self.value(incoming, now) else None
 
     def may_displace(self, c: ModelState, m: ModelState, now: float) -> bool:
+        if self._swap_out is not None:
+            return c is self._swap_out  # a turn-taking swap moves out the model whose turn ended
+        if now - c.gpu_since < self.engine.min_residency:
+            return False
         return self.value(c, now) * DISPLACE_MARGIN < self.value(m, now)
 
+    # ---- turn taking ------------------------------------------------------------------------------
+    def _swappable(self, m: ModelState) -> bool:
+        """Models that trade places for the shared room: their class may evict and holds no
+        reservation, and they are neither pinned nor elastic (a session's lease is not swapped)."""
+        if m.pinned or m.elastic or not m.prewarm_ok:
+            return False
+        state = self.engine.state
+        return state.class_may_evict[m.rank] and state.devices[m.device].reserves[m.rank] == 0
+
+    def _learn_turn(self, m: ModelState, now: float) -> None:
+        """After the previous swappable request (x), was this one for y, given whether y was in use?"""
+        x = self._last_turn
+        if x is not None:
+            for y in self._order:
+                if y is x or not self._swappable(y):
+                    continue
+                c = self._turns.setdefault((x.name, y.name, now - y.last_arrival < TURN_ACTIVE_S), [0, 0])
+                c[1 if y is m else 0] += 1
+        self._last_turn = m
+
+    def _take_turns(self, now: float) -> None:
+        """The last swappable model's request has ended: swap in the host resident most likely to be
+        asked for next, when the odds pay for the reload of the one moved out."""
+        x = self._last_turn
+        if x is None or x.tier != Tier.GPU or x.busy_until > now or self._turn_checked == x.last_arrival:
+            return
+        self._turn_checked = x.last_arrival
+        best: tuple[float, ModelState] | None = None
+        for y in host_models(self.engine):
+            if not self._swappable(y):
+                continue
+            c = self._turns.get((x.name, y.name, now - y.last_arrival < TURN_ACTIVE_S), [0, 0])
+            p = (c[1] + 0.5) / (c[0] + c[1] + 1.0)
+            gain = p * self.engine.reload_s(y)
+            if gain > TURN_MARGIN * (1.0 - p) * self.engine.reload_s(x) and (best is None or gain > best[0]):
+                best = (gain, y)
+        if best is not None:
+            self._swap_out = x
+            try:
+                self.engine.prewarm(best[1], now)
+            finally:
+                self._swap_out = None
+
     def prewarm(self, now: float) -> list[ModelState]:
-        """Promote valuable host residents back when a displacing model went idle."""
+        """Turn taking, then promote valuable host residents back when a displacing model went idle."""
+        self._take_turns(now)
         if not self._wake_on_idle:
             return []
         busy = [n for n in self._wake_on_idle if self.engine.models[n].busy_until > now]
@@ -169,4 +243,4 @@ class ResidencyPolicy(Policy):
         return [h for v, h in scored if self.p_request(h, now) >= FILL_MIN_P]
 
     def wants_wakeup_after(self, m: ModelState) -> bool:
-        return m.name in self._wake_on_idle
+        return m.name in self._wake_on_idle or self._swappable(m)

@@ -74,7 +74,7 @@ def test_a_device_host_killed_under_a_load_and_under_a_request(
         events = lm.subscribe()
         await lm.start()
         live = lm.live["slow"]
-        pids = [pool.status(DEVICE).pid]
+        pids = [pool.status(DEVICE, timeout_s=60).pid]  # a loaded 2-core machine answers late
 
         async def kill_when(cond: Callable[[], bool], what: str) -> None:
             await until(cond, what)
@@ -88,7 +88,7 @@ def test_a_device_host_killed_under_a_load_and_under_a_request(
                     return False
 
             await until(new_pid, "the killed device host restarted")
-            pids.append(pool.status(DEVICE).pid)
+            pids.append(pool.status(DEVICE, timeout_s=60).pid)
 
         try:
             # 1. killed while the model loads for a request: one more load, then served

@@ -73,7 +73,7 @@ def test_a_world_session_continues_from_its_saved_index_after_its_host_is_killed
         lm = LiveManager(config, pool)
         events = lm.subscribe()
         await lm.start()
-        pids = [pool.status(DEVICE).pid]
+        pids = [pool.status(DEVICE, timeout_s=60).pid]  # a loaded 2-core machine answers late
 
         def restarted() -> bool:
             try:
@@ -88,7 +88,7 @@ def test_a_world_session_continues_from_its_saved_index_after_its_host_is_killed
             pool.kill(DEVICE)  # between two steps: the next step finds the host dead or restarted empty
             out.append(await lm.step_session(sid, POSES[FIRST_KILL]))
             await until(restarted, "the killed device host restarted")
-            pids.append(pool.status(DEVICE).pid)
+            pids.append(pool.status(DEVICE, timeout_s=60).pid)
             out += [await lm.step_session(sid, p) for p in POSES[FIRST_KILL + 1 : SECOND_KILL]]
 
             step = asyncio.create_task(lm.step_session(sid, POSES[SECOND_KILL]))

@@ -6,8 +6,9 @@
   histogram, its own keep-alive window.
 - gdsf: evicts the lowest H = L + cost x freq / size: a cheap-to-reload, large, rarely used model
   goes first, however recently it was used.
-- residency: demotes victims to host RAM, and prewarms a learned successor (A, then B seconds
-  later) as soon as A is requested.
+- residency: demotes victims to host RAM, prewarms a learned successor (A, then B seconds
+  later) as soon as A is requested, and lets two models in use take turns on a room too small for
+  both; a guess never makes a request wait; sparse hourly rates are not read as "never".
 - oracle: prewarms just in time, so a request after a long gap is warm; on the shipped traces no
   online policy waits less for loads than it does.
 
@@ -17,6 +18,7 @@ one class unless said otherwise, 12 GiB of host RAM for the host tier and the pa
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -59,6 +61,18 @@ def server(*models: dict[str, Any], memory: str = "10GiB") -> Config:
 
 def reqs(*items: tuple[str, float]) -> list[Request]:
     return [Request(t=t, model=name, busy_s=1.0) for name, t in items]
+
+
+def take_turns(sc: Any, rounds: int) -> float:
+    """chat, then img 20 s later, then chat, ... (each busy 5 s, ticked once its request ended: at
+    most 1 s of load + 5 s); returns the time of the next turn."""
+    t = 0.0
+    for _ in range(rounds):
+        for name in ("chat", "img"):
+            assert sc.request(name, t, busy=5.0).status in ADMITTED
+            sc.tick(t + 10.0)
+            t += 20.0
+    return t
 
 
 class TestLruKeepAlive:
@@ -198,6 +212,94 @@ class TestResidency:
         res = replay(cfg, trace, "gdsf", record=True)
         assert res.prewarm_loads == 0
         assert res.cold_starts == 2  # wake and reply, once each (gdsf keeps both: no pressure)
+
+    def test_models_in_use_take_turns_on_a_shared_room(self, drive):
+        # chat and img (5 GiB each) cannot share the 9 GiB, and someone uses both in turn: chat, then
+        # img 20 s later, then chat, ... (each 5 s). Once the policy has seen a few turns, the end of
+        # chat's request swaps img in from host RAM, so img's request finds it warm; and back.
+        cfg = server(model("chat", "5GiB"), model("img", "5GiB"))
+        sc = drive(cfg, "residency")
+        sc.start()
+        t = take_turns(sc, rounds=4)  # learning: every request after chat is img and after img is chat
+        sc.clear()
+        assert sc.request("chat", t, busy=5.0).status == "hit"  # chat came back at the last turn
+        sc.tick(t + 10.0)  # chat's request ended: its turn is over
+        assert sc.tier("img") == Tier.GPU and sc.tier("chat") == Tier.HOST
+        promote = [a for _, a in sc.actions if a.model == "img"]
+        assert [(a.kind, a.prewarm) for a in promote] == [(ActionKind.PROMOTE, True)]
+        assert sc.request("img", t + 20.0, busy=5.0).status == "hit"  # warm when it is asked for
+
+    def test_no_turn_is_taken_for_a_model_not_in_use(self, drive):
+        # The same pair, but img was last asked for an hour ago and chat keeps being asked alone:
+        # after chat's requests img stays in host RAM (the next request is chat again).
+        cfg = server(model("chat", "5GiB"), model("img", "5GiB"))
+        sc = drive(cfg, "residency")
+        sc.start()
+        assert sc.request("img", 0.0).status == "load"
+        for i in range(6):
+            t = 3600.0 + 60.0 * i
+            assert sc.request("chat", t, busy=5.0).status in ADMITTED
+            sc.tick(t + 10.0)
+            assert sc.tier("chat") == Tier.GPU and sc.tier("img") == Tier.HOST
+
+    def test_a_guess_gives_way_to_a_request(self, drive):
+        # A turn-taking swap prewarmed img; before img is asked for, doc (5 GiB) is: doc does not
+        # wait for img's min_residency (a guess never makes a request wait), img goes to host RAM.
+        cfg = server(model("chat", "5GiB"), model("img", "5GiB"), model("doc", "5GiB"))
+        sc = drive(cfg, "residency")
+        sc.start()
+        t = take_turns(sc, rounds=4)
+        sc.request("chat", t, busy=5.0)
+        sc.tick(t + 10.0)
+        assert sc.tier("img") == Tier.GPU and sc.m("img").prewarmed  # swapped in, not used yet
+        adm = sc.request("doc", t + 11.0)  # 1 s later: well within the 1-minute min_residency
+        assert adm.status == "load"
+        assert sc.tier("img") == Tier.HOST and sc.tier("doc") == Tier.GPU
+
+    def test_an_hour_without_arrivals_yet_is_not_taken_for_never(self):
+        # In its first days a model's hour-of-day counts are sparse: `daily` was asked for at 08:00
+        # only. At 20:00 its hour has no arrival yet, but the model is used every day: P > 0.
+        from manager.policy.engine import Engine
+        from manager.policy.residency import HORIZON_S, RATE_SMOOTH, ResidencyPolicy
+
+        cfg = server(model("daily", "2GiB"))
+        eng = Engine(cfg, ResidencyPolicy())
+        monday = 1793577600.0  # Monday 2026-11-02 00:00 (wall clock as UTC)
+        eng.start(monday)
+        m = eng.models["daily"]
+        for day in range(3):
+            eng.observe(m, monday + day * 86400.0 + 8 * 3600.0)
+        pol = eng.policy
+        assert isinstance(pol, ResidencyPolicy)
+        assert m.hist.rate_per_hour(monday + 2 * 86400.0 + 20 * 3600.0, 3 / 7) == 0.0  # the hour alone
+        # Shrunk towards the mean: 3 arrivals in the 68 h since start; half of P comes from the rate.
+        rate = RATE_SMOOTH * 3 / 68.0
+        expected = 0.5 * (1.0 - math.exp(-rate * HORIZON_S / 3600.0))
+        assert pol.p_request(m, monday + 2 * 86400.0 + 20 * 3600.0) == pytest.approx(expected)
+        assert expected > 0.003
+
+    def test_restored_statistics_are_not_read_as_one_busy_day(self):
+        # A restarted manager restores a week of arrivals (the store kept them). Its rates are per
+        # hour over the whole time the statistics cover, not over the minutes since the restart.
+        from manager.policy.engine import Engine
+        from manager.policy.residency import ResidencyPolicy
+
+        cfg = server(model("daily", "2GiB"))
+        monday = 1793577600.0
+        week = [monday + day * 86400.0 + 8 * 3600.0 for day in range(7)]
+        now = monday + 7 * 86400.0 + 8.5 * 3600.0  # next Monday, 08:30 (no arrival yet today)
+        before = Engine(cfg, ResidencyPolicy())
+        before.start(monday - 600.0)
+        for t in week:
+            before.observe(before.models["daily"], t)
+        after = Engine(cfg, ResidencyPolicy())
+        after.start(now - 60.0)  # restarted a minute ago
+        after.models["daily"].hist.restore(before.models["daily"].hist.capture())
+        after.models["daily"].last_arrival = week[-1]
+        p_before = before.policy.p_request(before.models["daily"], now)  # type: ignore[attr-defined]
+        p_after = after.policy.p_request(after.models["daily"], now)  # type: ignore[attr-defined]
+        assert p_before > 0.1  # the hour of Monday 08:00 saw one arrival in one week
+        assert p_after == pytest.approx(p_before, rel=0.1)  # (read as 7 in one day, P would be ~0.46)
 
 
 class TestOracle:
