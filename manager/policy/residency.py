@@ -62,7 +62,6 @@ class ResidencyPolicy(Policy):
     name = "residency"
     uses_host_tier = True
     prewarm_yields = True
-    prewarm_min_residency = False  # checked in may_displace: a turn-taking swap is exempt
 
     def __init__(self) -> None:
         self.t0 = math.nan
@@ -181,11 +180,15 @@ class ResidencyPolicy(Policy):
         v = min(hosted, key=lambda h: self.value(h, now))
         return v if self.value(v, now) < self.value(incoming, now) else None
 
+    @property
+    def prewarm_min_residency(self) -> bool:  # type: ignore[override]
+        """`min_residency` protects models from prewarms, except the model a turn-taking swap moves
+        out: its turn has just ended."""
+        return self._swap_out is None
+
     def may_displace(self, c: ModelState, m: ModelState, now: float) -> bool:
         if self._swap_out is not None:
             return c is self._swap_out  # a turn-taking swap moves out the model whose turn ended
-        if now - c.gpu_since < self.engine.min_residency:
-            return False
         return self.value(c, now) * DISPLACE_MARGIN < self.value(m, now)
 
     # ---- turn taking ------------------------------------------------------------------------------
