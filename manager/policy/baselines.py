@@ -52,8 +52,8 @@ class HistogramPolicy(Policy):
         h = m.hist
         if h.intervals < MIN_SAMPLES or h.cdf(HIST_RANGE_S) < 0.5:
             return (0.0, self.default_keep_alive)
-        head = h.quantile(0.05)
-        tail = min(h.quantile(0.99), HIST_RANGE_S)
+        head, tail = h.quantiles(0.05, 0.99)
+        tail = min(tail, HIST_RANGE_S)
         pre = head * 0.9 if head >= 60.0 else 0.0  # 1-minute bins: a head below one bin means none
         return (pre, max(60.0, tail * 1.1 - pre))
 

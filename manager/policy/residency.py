@@ -65,7 +65,7 @@ class ResidencyPolicy(Policy):
 
     def __init__(self) -> None:
         self.t0 = math.nan
-        self._follow: dict[str, dict[str, int]] = {}
+        self._follow: dict[str, dict[ModelState, int]] = {}
         self._counted: dict[tuple[str, str], float] = {}
         self._weights: list[float] = []
         self._wake_on_idle: set[str] = set()
@@ -135,26 +135,22 @@ class ResidencyPolicy(Policy):
         if self._swappable(m):
             self._learn_turn(m, now)
         # Learn "m follows a": count each (a arrival, m) pair once.
+        counted = self._counted
         for a in self._order:
-            if a is m or now - a.last_arrival > CHAIN_WINDOW_S:
+            if now - a.last_arrival > CHAIN_WINDOW_S or a is m:
                 continue
             key = (a.name, m.name)
-            if self._counted.get(key) != a.last_arrival:
-                self._counted[key] = a.last_arrival
+            if counted.get(key) != a.last_arrival:
+                counted[key] = a.last_arrival
                 f = self._follow.setdefault(a.name, {})
-                f[m.name] = f.get(m.name, 0) + 1
+                f[m] = f.get(m, 0) + 1
 
     def after_request(self, m: ModelState, now: float) -> list[ModelState]:
         f = self._follow.get(m.name)
         if not f:
             return []
         n = m.hist.count
-        out = []
-        for name, k in f.items():
-            s = self.engine.models[name]
-            if s.tier != Tier.GPU and s.prewarm_ok and k / n >= CHAIN_MIN_P:
-                out.append(s)
-        return out
+        return [s for s, k in f.items() if k / n >= CHAIN_MIN_P and s.tier != Tier.GPU and s.prewarm_ok]
 
     def choose_victims(
         self, m: ModelState, cands: list[ModelState], enough: Enough, now: float
@@ -195,7 +191,7 @@ class ResidencyPolicy(Policy):
     def _swappable(self, m: ModelState) -> bool:
         """Models that trade places for the shared room: their class may evict and holds no
         reservation, and they are neither pinned nor elastic (a session's lease is not swapped)."""
-        if m.pinned or m.elastic or not m.prewarm_ok:
+        if m.pinned or m.lease_max or not m.prewarm_ok:  # lease_max: elastic
             return False
         state = self.engine.state
         return state.class_may_evict[m.rank] and state.devices[m.device].reserves[m.rank] == 0

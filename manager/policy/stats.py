@@ -11,8 +11,9 @@ Thread safety: none; the engine owns these objects and calls them from one threa
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections import deque
+from itertools import accumulate
 
 WEEK_S = 7 * 24 * 3600.0
 # Log-spaced bin edges from 1 s to 8 days (ratio 1.25, ~60 bins). Bin i holds [edge[i-1], edge[i]).
@@ -32,7 +33,7 @@ def hour_of_week(t: float) -> int:
 class ReuseHistogram:
     """Reuse intervals and arrival counts for one model."""
 
-    __slots__ = ("arrivals_hod", "arrivals_how", "bins", "count", "first_t", "how_bins", "last_t")
+    __slots__ = ("arrivals_hod", "arrivals_how", "bins", "count", "first_t", "how_bins", "last_how", "last_t")
 
     def __init__(self) -> None:
         self.bins = [0] * N_BINS
@@ -41,6 +42,7 @@ class ReuseHistogram:
         self.arrivals_hod = [0] * 24
         self.count = 0
         self.last_t = -math.inf
+        self.last_how = 0  # hour_of_week(last_t), kept to spare its recomputation per arrival
         self.first_t = math.inf
 
     def capture(self) -> dict[str, object]:
@@ -64,6 +66,7 @@ class ReuseHistogram:
         self.count = int(doc["count"])  # type: ignore[call-overload]
         last, first = doc.get("last_t"), doc.get("first_t")
         self.last_t = float(last) if isinstance(last, int | float) else -math.inf
+        self.last_how = hour_of_week(self.last_t) if self.last_t > -math.inf else 0
         self.first_t = float(first) if isinstance(first, int | float) else math.inf
 
     def observe(self, t: float) -> None:
@@ -74,11 +77,12 @@ class ReuseHistogram:
         if self.count:
             gap = t - self.last_t
             self.bins[bisect_right(EDGES, gap)] += 1
-            self.how_bins[hour_of_week(self.last_t)][bisect_right(HOW_EDGES, gap)] += 1
+            self.how_bins[self.last_how][bisect_right(HOW_EDGES, gap)] += 1
         else:
             self.first_t = t
         self.count += 1
         self.last_t = t
+        self.last_how = h
 
     @property
     def intervals(self) -> int:
@@ -93,16 +97,21 @@ class ReuseHistogram:
 
     def quantile(self, q: float) -> float:
         """Upper edge of the bin holding quantile `q` of the reuse intervals (inf when none)."""
+        return self.quantiles(q)[0]
+
+    def quantiles(self, *qs: float) -> list[float]:
+        """`quantile` of each of `qs`, from one pass over the bins."""
         n = self.intervals
         if n == 0:
-            return math.inf
-        target = q * n
-        acc = 0
-        for i, c in enumerate(self.bins):
-            acc += c
-            if acc >= target and c:
-                return EDGES[i] if i < len(EDGES) else math.inf
-        return math.inf
+            return [math.inf] * len(qs)
+        running = list(accumulate(self.bins))
+        out = []
+        for q in qs:
+            # The first bin whose running total reaches q * n; a target above 0 makes it a bin that
+            # holds a sample (q <= 0: the smallest interval seen).
+            i = bisect_left(running, max(q * n, 0.5))
+            out.append(EDGES[i] if i < len(EDGES) else math.inf)
+        return out
 
     def p_reuse_within(self, idle: float, horizon: float) -> float:
         """P(next arrival within `horizon` | already idle for `idle`), from the interval histogram.

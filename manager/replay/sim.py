@@ -170,7 +170,7 @@ class Simulator:
             if m.waiting:
                 self._wait(_Waiting(r, m, rank, now), now)
             else:
-                self._handle(_Waiting(r, m, rank, now), now)
+                self._handle(r, m, rank, now, now)
             if eng.wakeups:
                 self._push_wakeups()
             if self.progress is not None and i % 2000 == 0:
@@ -208,19 +208,20 @@ class Simulator:
         self.engine.wakeups.clear()
 
     # ---- one request ------------------------------------------------------------------------------
-    def _handle(self, w: _Waiting, now: float) -> bool:
-        eng, m = self.engine, w.m
-        adm = eng.admit(m, w.rank, now)
+    def _handle(self, req: Request, m: ModelState, rank: int, arrival: float, now: float) -> bool:
+        """Serve `req` (arrived at `arrival`) now if the engine admits it; False if it must wait."""
+        eng = self.engine
+        adm = eng.admit(m, rank, now)
         if adm.status == "reject":
             self._reject(adm.reason)
             return True
         if adm.status == "wait":
-            self._wait(w, now)
+            self._wait(_Waiting(req, m, rank, arrival), now)
             return False
         ready = adm.ready_at
         start = max(now, ready, m.busy_until)
-        cold = ready > w.arrival
-        lw = ready - w.arrival if cold else 0.0
+        cold = ready > arrival
+        lw = ready - arrival if cold else 0.0
         res, fig = self.res, self.figs[m.name]
         res.served += 1
         fig.requests += 1
@@ -229,10 +230,10 @@ class Simulator:
             res.load_wait_s += lw
             fig.cold_starts += 1
             fig.load_wait_s += lw
-        self.waits[self.class_names[w.rank]].append(start - w.arrival)
+        self.waits[self.class_names[rank]].append(start - arrival)
         if res.served_log is not None:
-            res.served_log.append((w.arrival, m.name, cold, lw))
-        eng.finish(m, start, w.req.busy_s)
+            res.served_log.append((arrival, m.name, cold, lw))
+        eng.finish(m, start, req.busy_s)
         eng.after_request(m, now)
         return True
 
@@ -257,7 +258,7 @@ class Simulator:
             w.m.waiting -= 1
             if w.m.name in blocked:
                 self._wait(w, now)
-            elif not self._handle(w, now):
+            elif not self._handle(w.req, w.m, w.rank, w.arrival, now):
                 blocked.add(w.m.name)
 
     def _reject(self, reason: str) -> None:

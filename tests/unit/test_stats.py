@@ -5,11 +5,13 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from manager.config import load_config
 from manager.policy.engine import Engine
 from manager.policy.factory import create_policy
-from manager.policy.stats import LoadCost, ReuseHistogram, hour_of_week
+from manager.policy.stats import EDGES, N_BINS, LoadCost, ReuseHistogram, hour_of_week
 from manager.policy.types import Tier
 
 MONDAY = 1793577600.0  # 2026-11-02 00:00 UTC, a Monday
@@ -46,6 +48,37 @@ class TestReuseHistogram:
         assert h.arrivals_how[8] == 6 and h.arrivals_hod[8] == 6
         assert h.rate_per_hour(MONDAY + 8 * 3600 + 1800, weeks_seen=1.0) == 6.0
         assert h.rate_per_hour(MONDAY + 9 * 3600, weeks_seen=1.0) == 0.0
+
+    @settings(max_examples=300, deadline=None)
+    @given(
+        st.dictionaries(st.integers(0, N_BINS - 1), st.integers(1, 50), min_size=1, max_size=8),
+        st.floats(0.0, 1.0),
+    )
+    def test_quantile_is_the_upper_edge_of_the_bin_holding_it(self, counts: dict[int, int], q: float) -> None:
+        """By definition: the first bin holding a sample where at least q of the intervals lie at or below
+        it (q = 0: the smallest interval seen)."""
+        h = ReuseHistogram()
+        h.bins = [counts.get(i, 0) for i in range(N_BINS)]
+        h.count = sum(h.bins) + 1
+
+        def by_definition(q: float) -> float:
+            acc = 0
+            for i, c in enumerate(h.bins):
+                acc += c
+                if c and acc >= q * h.intervals:
+                    return EDGES[i] if i < len(EDGES) else math.inf
+            return math.inf
+
+        assert h.quantile(q) == by_definition(q)
+        assert h.quantiles(q, 1.0 - q) == [by_definition(q), by_definition(1.0 - q)]
+
+    def test_restored_histogram_files_the_next_interval_under_the_last_arrival_hour(self) -> None:
+        h = ReuseHistogram()
+        h.observe(MONDAY + 8 * 3600 + 10)  # Monday 08:00
+        h2 = ReuseHistogram()
+        h2.restore(h.capture())
+        h2.observe(MONDAY + 9 * 3600 + 10)  # an hour later: the interval began in hour 8
+        assert sum(h2.how_bins[8]) == 1 and sum(h2.how_bins[0]) == 0
 
     def test_empty_histogram_is_uninformed(self) -> None:
         h = ReuseHistogram()
