@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from manager.policy.state import ModelState
-from manager.policy.types import Tier
+from manager.policy.types import HOST
 
 if TYPE_CHECKING:
     from manager.policy.engine import Engine
@@ -107,4 +107,4 @@ class Policy:
 
 
 def host_models(engine: Engine) -> list[ModelState]:
-    return [m for m in engine.models.values() if m.tier == Tier.HOST]
+    return [m for m in engine.models.values() if m.tier == HOST]

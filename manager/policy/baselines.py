@@ -18,7 +18,7 @@ import math
 
 from manager.policy.base import Enough, Policy
 from manager.policy.state import ModelState
-from manager.policy.types import Tier
+from manager.policy.types import GPU
 
 MIN_SAMPLES = 10
 """Intervals needed before the histogram policy trusts its histogram (the paper's scarce-data rule)."""
@@ -81,7 +81,7 @@ class HistogramPolicy(Policy):
         out = []
         for m in self.engine.models.values():
             pre, _ = self._windows.get(m.name, (0.0, 0.0))
-            if pre <= 0 or m.tier == Tier.GPU or m.name in self._prewarm_at:
+            if pre <= 0 or m.tier == GPU or m.name in self._prewarm_at:
                 continue
             if m.last_end + pre <= now < m.last_end + pre + 60.0:
                 self._prewarm_at[m.name] = now
@@ -104,7 +104,7 @@ class GDSF(Policy):
         return m.cost.get(self.engine.load_source(m))
 
     def on_request(self, m: ModelState, now: float) -> None:
-        f = self._freq.get(m.name, 0) + 1 if m.tier == Tier.GPU else 1
+        f = self._freq.get(m.name, 0) + 1 if m.tier == GPU else 1
         self._freq[m.name] = f
         self._h[m.name] = self.inflation + self._cost(m) * f / max(1, m.weights) * 2**30
 

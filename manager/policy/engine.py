@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from manager.policy.outcomes import Admission, Counters
 from manager.policy.state import NEVER, ClusterState, DeviceState, ModelState
-from manager.policy.types import Action, ActionKind, Tier
+from manager.policy.types import DISK, GPU, HOST, Action, ActionKind, Tier
 from manager.units import format_size as fmt_bytes
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ class Engine:
     def load_pinned(self, now: float) -> None:
         """Load the pinned models that are not on their device yet (an adopted one already is)."""
         for m in self.models.values():
-            if not m.pinned or m.tier == Tier.GPU:
+            if not m.pinned or m.tier == GPU:
                 continue
             if self.make_room(m, m.rank, now, may_evict=False, prewarm=True):
                 self.load(m, now, prewarm=False, reason="pinned")
@@ -74,9 +74,9 @@ class Engine:
         """Put `m` on the books in `tier` without a load: its device host already holds it there
         (a restarted manager reattaching). No action, no load counted. False when the books have no
         room for it within the rules (nothing evicted for it): then nothing changes."""
-        if m.tier != Tier.DISK or tier == Tier.DISK:
+        if m.tier != DISK or tier == DISK:
             return False
-        if tier == Tier.HOST:
+        if tier == HOST:
             if self.host.usable - self.host.used < m.weights:
                 return False
             self.host.used += m.weights
@@ -101,7 +101,7 @@ class Engine:
         m.last_arrival = now
 
     def admit(self, m: ModelState, rank: int, now: float) -> Admission:
-        if m.tier == Tier.GPU:
+        if m.tier == GPU:
             if m.prewarmed:
                 m.prewarmed = False
             return Admission("hit" if m.ready_at <= now else "load", m.ready_at)
@@ -130,7 +130,7 @@ class Engine:
         """Keep-alive expiry (eager policies), elastic leases, then the policy's prewarm."""
         pol = self.policy
         for m in self.models.values():
-            if m.tier != Tier.GPU or m.ready_at > now:
+            if m.tier != GPU or m.ready_at > now:
                 continue
             if not m.pinned and pol.is_eager(m) and m.idle(now) and pol.expiry(m, now) <= now:
                 self.evict(m, now, "keep-alive expired", expiry=True)
@@ -147,7 +147,7 @@ class Engine:
     def prewarm(self, m: ModelState, now: float) -> bool:
         """Load `m` before a predicted request, displacing only what the policy values less.
         A model with `prewarm: false` is never loaded ahead of its request, by any policy."""
-        if m.tier == Tier.GPU or self.never_fits[m.name] or not m.prewarm_ok:
+        if m.tier == GPU or self.never_fits[m.name] or not m.prewarm_ok:
             return False
         if not self.make_room(m, m.rank, now, may_evict=True, prewarm=True):
             return False
@@ -179,7 +179,7 @@ class Engine:
     def _eligible(
         self, c: ModelState, m: ModelState, rank: int, now: float, may_evict: bool, prewarm: bool
     ) -> bool:
-        if c is m or c.tier != Tier.GPU or c.pinned or c.ready_at > now or not c.idle(now):
+        if c is m or c.tier != GPU or c.pinned or c.ready_at > now or not c.idle(now):
             return False
         if prewarm:
             young = now - c.gpu_since < self.min_residency and self.policy.prewarm_min_residency
@@ -214,7 +214,7 @@ class Engine:
     def _at_model_cap(self, dev: DeviceState) -> bool:
         """The policy's cap on unpinned models loaded per device is reached on `dev`."""
         cap = self.policy.max_loaded
-        return cap is not None and sum(1 for c in dev.models if c.tier == Tier.GPU and not c.pinned) >= cap
+        return cap is not None and sum(1 for c in dev.models if c.tier == GPU and not c.pinned) >= cap
 
     def make_room(
         self, m: ModelState, rank: int, now: float, *, may_evict: bool, prewarm: bool = False
@@ -233,9 +233,7 @@ class Engine:
             # A lease above its minimum is free room lent to the tenant: any request may take it
             # back (nothing is evicted), a background one included.
             tenants = [
-                t
-                for t in dev.models
-                if t is not m and t.tier == Tier.GPU and t.elastic and t.lease > t.lease_min
+                t for t in dev.models if t is not m and t.tier == GPU and t.elastic and t.lease > t.lease_min
             ]
             if self._room_after(dev, m.rank, [], tenants) >= need:
                 self._shrink_leases(dev, m, tenants, need, now)
@@ -299,7 +297,7 @@ class Engine:
     def load_source(self, m: ModelState) -> str:
         """Where a load of `m` to the GPU reads from now: "host", "cached" (the OS page cache) or
         "disk"."""
-        if m.tier == Tier.HOST:
+        if m.tier == HOST:
             return "host"
         return "cached" if m.name in self.host.cache else "disk"
 
@@ -307,7 +305,7 @@ class Engine:
         """Estimated seconds to bring `m` back to the GPU if it left it now: from host RAM when the
         host tier could take it (or holds it), else from where its file is."""
         host = self.host
-        if m.tier == Tier.HOST or m.weights <= host.usable - host.used:
+        if m.tier == HOST or m.weights <= host.usable - host.used:
             return m.cost.get("host")
         return m.cost.get(self.load_source(m))
 
@@ -324,7 +322,7 @@ class Engine:
         start = max(now, dev.loader_free_at, m.ready_at if source == "host" else now)
         m.ready_at = m.gpu_since = start + dur
         dev.loader_free_at = m.ready_at
-        m.tier = Tier.GPU
+        m.tier = GPU
         m.lease = m.lease_min
         dev.add(m, m.gpu_bytes)
         if source != "host":
@@ -345,12 +343,12 @@ class Engine:
     def load_host(self, m: ModelState, now: float, reason: str) -> bool:
         """Read `m`'s checkpoint into the host tier (disk -> host), if host RAM has room."""
         host = self.host
-        if m.tier != Tier.DISK or host.usable - host.used < m.weights:
+        if m.tier != DISK or host.usable - host.used < m.weights:
             return False
         # A disk -> host read costs what a disk -> GPU load costs less the host -> GPU copy.
         dur = max(0.0, self.load_time(m, self.load_source(m)) - self.load_time(m, "host"))
         m.cost.measure("disk_host", dur)
-        m.tier = Tier.HOST
+        m.tier = HOST
         m.ready_at = now + dur
         host.used += m.weights
         host.cache_shrink()
@@ -371,7 +369,7 @@ class Engine:
         self.gpu_time[c.name] += now - self._on_gpu_at.pop(c.name, now)
         if failed:
             c.prewarmed = False
-            c.tier = Tier.DISK
+            c.tier = DISK
             self._log(now, Action(ActionKind.DROP, c.name, c.device, nbytes, reason))
             return
         c.left_gpu_at = now
@@ -384,13 +382,13 @@ class Engine:
             c.prewarmed = False
         to_host = self.policy.uses_host_tier and self._host_make_room(c, now)
         if to_host:
-            c.tier = Tier.HOST
+            c.tier = HOST
             self.host.used += c.weights
             self.host.cache_shrink()
             self._check_budget(dev)
             self._log(now, Action(ActionKind.DEMOTE, c.name, c.device, nbytes, reason))
         else:
-            c.tier = Tier.DISK
+            c.tier = DISK
             self._log(now, Action(ActionKind.DROP, c.name, c.device, nbytes, reason))
 
     def _host_make_room(self, c: ModelState, now: float) -> bool:
@@ -406,17 +404,17 @@ class Engine:
 
     def drop_host(self, v: ModelState, now: float, reason: str) -> None:
         self.host.used -= v.weights
-        v.tier = Tier.DISK
+        v.tier = DISK
         self._log(now, Action(ActionKind.DROP, v.name, "host", v.weights, reason))
 
     def measured_footprint(self, m: ModelState, nbytes: int, now: float) -> None:
         """A worker measured `m`'s real footprint: it replaces the estimate (and the accounting)."""
         delta = nbytes - m.weights
-        if m.tier == Tier.GPU:
+        if m.tier == GPU:
             dev = self.state.devices[m.device]
             dev.add(m, delta)
             self._check_budget(dev)
-        elif m.tier == Tier.HOST:
+        elif m.tier == HOST:
             self.host.used += delta
             self.host.cache_shrink()
         m.weights = nbytes
@@ -447,7 +445,7 @@ class Engine:
         t = math.inf
         pol = self.policy
         for m in self.models.values():
-            if m.tier != Tier.GPU:
+            if m.tier != GPU:
                 continue
             for x in (m.busy_until, m.ready_at, pol.expiry(m, now), m.gpu_since + self.min_residency):
                 if now < x < t:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from manager.policy.base import Enough, Policy, host_models
 from manager.policy.state import ModelState
-from manager.policy.types import Request, Tier
+from manager.policy.types import GPU, Request
 
 if TYPE_CHECKING:
     from manager.policy.engine import Engine
@@ -65,7 +65,7 @@ class OraclePolicy(Policy):
         """How long before its next request a prewarm of `m` must start: its reload time if it is on
         the GPU (were it evicted), else the load time from where it is now."""
         eng = self.engine
-        load_s = eng.reload_s(m) if m.tier == Tier.GPU else m.cost.get(eng.load_source(m))
+        load_s = eng.reload_s(m) if m.tier == GPU else m.cost.get(eng.load_source(m))
         return load_s + self.slack_s
 
     def penalty(self, c: ModelState, now: float) -> float:
@@ -88,7 +88,7 @@ class OraclePolicy(Policy):
 
     def start(self, now: float) -> None:
         for m in sorted(self.engine.models.values(), key=self.next_use):
-            if m.tier != Tier.GPU and self.next_use(m) < math.inf:
+            if m.tier != GPU and self.next_use(m) < math.inf:
                 self.engine.prewarm(m, now)
             self._wake_for(m, now)
 
@@ -130,15 +130,20 @@ class OraclePolicy(Policy):
     def prewarm(self, now: float) -> list[ModelState]:
         """Just-in-time loads, then (loader idle) fill free room with the next-needed models."""
         out = []
+        devices = self.engine.state.devices
         for m in self.engine.models.values():
-            if m.tier == Tier.GPU:
+            if m.tier == GPU:
                 continue
-            dev = self.engine.state.devices[m.device]
-            backlog = max(0.0, dev.loader_free_at - now)
             ahead = self.next_use(m) - now
+            if ahead == math.inf:
+                continue  # never asked for again
+            dev = devices[m.device]
+            backlog = max(0.0, dev.loader_free_at - now)
             just_in_time = ahead <= self.lead(m) + WAKE_EARLY_S + backlog
-            fits = dev.room(m.rank) >= m.weights + m.lease_min
-            if just_in_time or (ahead <= FILL_AHEAD_S and backlog == 0.0 and fits):
+            # (room is read only when it decides: the loader is idle and the request is near)
+            if just_in_time or (
+                ahead <= FILL_AHEAD_S and backlog == 0.0 and dev.room(m.rank) >= m.weights + m.lease_min
+            ):
                 out.append(m)
         out.sort(key=self.next_use)
         return out

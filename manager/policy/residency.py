@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 from manager.policy.base import Enough, Policy, host_models
 from manager.policy.state import ModelState
 from manager.policy.stats import WEEK_S
-from manager.policy.types import Tier
+from manager.policy.types import DISK, GPU
 
 if TYPE_CHECKING:
     from manager.policy.engine import Engine
@@ -123,10 +123,10 @@ class ResidencyPolicy(Policy):
     def start(self, now: float) -> None:
         self.t0 = now
         for m in sorted(self._order, key=lambda m: m.rank):
-            if m.prewarm_ok and m.tier != Tier.GPU:
+            if m.prewarm_ok and m.tier != GPU:
                 self.engine.prewarm(m, now)
         for m in sorted(self._order, key=lambda m: m.rank):
-            if m.prewarm_ok and m.tier == Tier.DISK:
+            if m.prewarm_ok and m.tier == DISK:
                 self.engine.load_host(m, now, "boot: warm in host RAM")
 
     def on_request(self, m: ModelState, now: float) -> None:
@@ -150,7 +150,7 @@ class ResidencyPolicy(Policy):
         if not f:
             return []
         n = m.hist.count
-        return [s for s, k in f.items() if k / n >= CHAIN_MIN_P and s.tier != Tier.GPU and s.prewarm_ok]
+        return [s for s, k in f.items() if k / n >= CHAIN_MIN_P and s.tier != GPU and s.prewarm_ok]
 
     def choose_victims(
         self, m: ModelState, cands: list[ModelState], enough: Enough, now: float
@@ -191,7 +191,7 @@ class ResidencyPolicy(Policy):
     def _swappable(self, m: ModelState) -> bool:
         """Models that trade places for the shared room: their class may evict and holds no
         reservation, and they are neither pinned nor elastic (a session's lease is not swapped)."""
-        if m.pinned or m.lease_max or not m.prewarm_ok:  # lease_max: elastic
+        if m.pinned or m.elastic or not m.prewarm_ok:
             return False
         state = self.engine.state
         return state.class_may_evict[m.rank] and state.devices[m.device].reserves[m.rank] == 0
@@ -211,7 +211,7 @@ class ResidencyPolicy(Policy):
         """The last swappable model's request has ended: swap in the host resident most likely to be
         asked for next, when the odds pay for the reload of the one moved out."""
         x = self._last_turn
-        if x is None or x.tier != Tier.GPU or x.busy_until > now or self._turn_checked == x.last_arrival:
+        if x is None or x.tier != GPU or x.busy_until > now or self._turn_checked == x.last_arrival:
             return
         self._turn_checked = x.last_arrival
         best: tuple[float, ModelState] | None = None

@@ -27,6 +27,7 @@ class ModelState:
         "cfg",
         "cost",
         "device",
+        "elastic",
         "gpu_since",
         "hist",
         "keep_alive_cfg",
@@ -56,6 +57,8 @@ class ModelState:
         self.weights = cfg.memory
         self.lease_min = cfg.elastic.min if cfg.elastic else 0
         self.lease_max = cfg.elastic.max if cfg.elastic else 0
+        # Has an elastic KV lease (the range is fixed for the process: changing it needs a restart).
+        self.elastic = self.lease_max > 0
         self.lease = 0
         self.keep_alive_cfg = cfg.keep_alive
         self.prewarm_ok = cfg.prewarm
@@ -76,10 +79,6 @@ class ModelState:
     def gpu_bytes(self) -> int:
         """Bytes this model holds on its device while on the GPU tier (weights + KV lease)."""
         return self.weights + self.lease
-
-    @property
-    def elastic(self) -> bool:
-        return self.lease_max > 0
 
     def idle(self, now: float) -> bool:
         return self.busy_until <= now and self.waiting == 0

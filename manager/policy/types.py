@@ -36,6 +36,11 @@ class Tier(enum.IntEnum):
     GPU = 2
 
 
+# The members under plain names, for the engine's and the policies' hot paths: reading `Tier.GPU`
+# is a lookup on the enum's metaclass (about 0.1 us in CPython 3.11, several per replayed request).
+DISK, HOST, GPU = Tier.DISK, Tier.HOST, Tier.GPU
+
+
 class ActionKind(enum.Enum):
     LOAD = "load"  # disk -> gpu (from the OS page cache when the file is cached)
     PROMOTE = "promote"  # host -> gpu
