@@ -167,10 +167,8 @@ class Simulator:
                 self._reject(what)
                 continue
             eng.observe(m, now)
-            if m.waiting:
+            if m.waiting or not self._handle(r, m, rank, now, now):  # behind others, or no room yet
                 self._wait(_Waiting(r, m, rank, now), now)
-            else:
-                self._handle(r, m, rank, now, now)
             if eng.wakeups:
                 self._push_wakeups()
             if self.progress is not None and i % 2000 == 0:
@@ -209,14 +207,14 @@ class Simulator:
 
     # ---- one request ------------------------------------------------------------------------------
     def _handle(self, req: Request, m: ModelState, rank: int, arrival: float, now: float) -> bool:
-        """Serve `req` (arrived at `arrival`) now if the engine admits it; False if it must wait."""
+        """Serve `req` (arrived at `arrival`) now if the engine admits it; False if it must wait (the
+        caller queues it)."""
         eng = self.engine
         adm = eng.admit(m, rank, now)
         if adm.status == "reject":
             self._reject(adm.reason)
             return True
         if adm.status == "wait":
-            self._wait(_Waiting(req, m, rank, arrival), now)
             return False
         ready = adm.ready_at
         start = max(now, ready, m.busy_until)
@@ -256,9 +254,8 @@ class Simulator:
         blocked: set[str] = set()
         for w in pending:
             w.m.waiting -= 1
-            if w.m.name in blocked:
-                self._wait(w, now)
-            elif not self._handle(w.req, w.m, w.rank, w.arrival, now):
+            if w.m.name in blocked or not self._handle(w.req, w.m, w.rank, w.arrival, now):
+                self._wait(w, now)  # still no room: the later requests for its model stay behind it
                 blocked.add(w.m.name)
 
     def _reject(self, reason: str) -> None:
