@@ -65,7 +65,7 @@ class ResidencyPolicy(Policy):
 
     def __init__(self) -> None:
         self.t0 = math.nan
-        self._follow: dict[str, dict[ModelState, int]] = {}
+        self._follow: dict[ModelState, dict[ModelState, int]] = {}
         self._counted: dict[tuple[str, str], float] = {}
         self._weights: list[float] = []
         self._wake_on_idle: set[str] = set()
@@ -142,11 +142,11 @@ class ResidencyPolicy(Policy):
             key = (a.name, m.name)
             if counted.get(key) != a.last_arrival:
                 counted[key] = a.last_arrival
-                f = self._follow.setdefault(a.name, {})
+                f = self._follow.setdefault(a, {})
                 f[m] = f.get(m, 0) + 1
 
     def after_request(self, m: ModelState, now: float) -> list[ModelState]:
-        f = self._follow.get(m.name)
+        f = self._follow.get(m)
         if not f:
             return []
         n = m.hist.count
