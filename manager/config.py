@@ -140,7 +140,7 @@ def _message(err: Any, loc: Loc) -> str:
     msg = str(err["msg"]).replace("Input should be ", "expected ", 1)
     scalar = isinstance(value, str | int | float | bool) or value is None
     got = f", got {value!r}" if scalar else f", got a {type(value).__name__}"
-    if kind == "extra_forbidden":
+    if kind == "extra_forbidden" and loc:
         known = _fields_at(loc[:-1])
         close = difflib.get_close_matches(str(loc[-1]), known, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else f" (known fields: {', '.join(known)})"
@@ -156,12 +156,29 @@ def _message(err: Any, loc: Loc) -> str:
     return msg + got
 
 
-def _readable_errors(exc: ValidationError) -> list[tuple[Loc, str]]:
+def _user_loc(data: Any, raw: tuple[str | int, ...]) -> Loc:
+    """`raw` (a pydantic error location) without the type tags pydantic adds inside unions and
+    validators ("function-before[...]"). A part that is a key of the user's mapping at that point
+    is the user's, whatever its characters (a key may well be "(" or "a[1]")."""
+    node: Any = data
+    out: list[str | int] = []
+    for part in raw:
+        in_dict = isinstance(node, dict) and part in node
+        if in_dict or (isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)):
+            node = node[part]
+        elif isinstance(part, str) and ("[" in part or "(" in part):
+            continue
+        else:
+            node = None
+        out.append(part)
+    return tuple(out)
+
+
+def _readable_errors(exc: ValidationError, data: Any) -> list[tuple[Loc, str]]:
     """pydantic's errors as (location, message); cross-check errors expand into their own paths."""
     out: list[tuple[Loc, str]] = []
     for err in exc.errors(include_url=False):
-        # Drop the type tags pydantic adds inside unions / validators ("function-before[...]").
-        loc: Loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or "(" in p)))
+        loc = _user_loc(data, err["loc"])
         inner = err.get("ctx", {}).get("error")
         if isinstance(inner, _FieldErrors):
             out.extend(((*loc, *sub), msg) for sub, msg in inner.errors)
@@ -208,12 +225,13 @@ def _validate(data: Any, file: str) -> Config:
         raise ConfigError(
             file, [("", f"expected a mapping at the top level (devices, host, ...), got {got}")]
         )
+    plain = _plain(data)
     try:
-        return Config.model_validate(_plain(data))
+        return Config.model_validate(plain)
     except RecursionError:
         raise ConfigError(file, [("", "YAML nested too deeply")]) from None
     except ValidationError as exc:
-        errors = _readable_errors(exc)
+        errors = _readable_errors(exc, plain)
         raise ConfigError(
             file, [(_fmt_loc(loc), msg) for loc, msg in errors], [_line_of(data, loc) for loc, _ in errors]
         ) from None

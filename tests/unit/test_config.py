@@ -268,6 +268,30 @@ def test_unknown_top_level_field(tmp_path: Path) -> None:
     assert str(err).startswith(f"{tmp_path / 'c.yaml'}:14: polcy: ")
 
 
+@pytest.mark.parametrize(
+    ("extra", "path"),
+    [
+        ("'(': 1\n", "("),  # found by the fuzz test: once a traceback (IndexError)
+        ("'function-after[x]': 1\n", "function-after[x]"),  # looks like a pydantic type tag
+    ],
+)
+def test_unknown_keys_that_look_like_type_tags_are_named(tmp_path: Path, extra: str, path: str) -> None:
+    err = error_of(write(tmp_path, BASE + extra))
+    assert err.errors == [
+        (
+            path,
+            f"unknown field {path!r} (known fields: server, store, ray, devices, host, "
+            "classes, models, policy, tuning)",
+        )
+    ]
+    assert str(err).startswith(f"{tmp_path / 'c.yaml'}:14: {path}: ")
+
+
+def test_unknown_nested_key_with_brackets_keeps_its_path(tmp_path: Path) -> None:
+    err = error_of(write(tmp_path, BASE.replace("host: {memory: 32GiB,", "host: {'x[1]': 2, memory: 32GiB,")))
+    assert err.errors == [("host.x[1]", "unknown field 'x[1]' (known fields: memory, reserve)")]
+
+
 def test_missing_top_level_field_has_no_line(tmp_path: Path) -> None:
     err = error_of(write(tmp_path, BASE.replace("host: {memory: 32GiB, reserve: 4GiB}\n", "")))
     assert str(err) == f"{tmp_path / 'c.yaml'}: host: required field is missing"
