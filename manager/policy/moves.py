@@ -1,0 +1,195 @@
+"""Tier moves and leases: how the engine changes where a model's bytes are (pure Python).
+
+`Engine` (engine.py) decides *whether* something moves: admission, room, expiry, prewarm.
+`TierMoves` carries the moves out on the books and counts them:
+  load (disk or page cache -> GPU) / promote (host -> GPU), load_host (disk -> host),
+  evict (GPU -> host, or drop to disk), drop_host (host -> disk), and an elastic tenant's lease
+  growing or shrinking. Each move is logged as an `Action`; the thrash clock, loads by source,
+  wasted prewarms and budget checks are counted here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from manager.policy.outcomes import Counters
+from manager.policy.state import ClusterState, DeviceState, HostState, ModelState
+from manager.policy.types import DISK, GPU, HOST, Action, ActionKind
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from manager.policy.base import Policy
+
+
+class TierMoves:
+    """The moves of `Engine` (a mixin: the engine owns the state these methods change)."""
+
+    state: ClusterState
+    host: HostState
+    policy: Policy
+    counters: Counters
+    actions: list[tuple[float, Action]] | None
+    thrash_window: float
+    load_time: Callable[[ModelState, str], float]
+    gpu_time: dict[str, float]
+    _on_gpu_at: dict[str, float]
+
+    # ---- elastic leases ---------------------------------------------------------------------
+    def _shrink_leases(
+        self, dev: DeviceState, m: ModelState, tenants: list[ModelState], need: int, now: float
+    ) -> None:
+        for t in tenants:
+            short = need - dev.room(m.rank)
+            if short <= 0:
+                return
+            give = min(t.lease - t.lease_min, short)
+            self._set_lease(t, t.lease - give, now, reason=f"room for '{m.name}'")
+            # WorldPager spills the KV pages to host RAM at PCIe speed before the bytes are free.
+            spill_s = give / max(1.0, t.weights / max(1e-6, t.cost.get("host")))
+            dev.loader_free_at = max(dev.loader_free_at, now) + spill_s
+
+    def _refresh_lease(self, m: ModelState, now: float) -> None:
+        dev = self.state.devices[m.device]
+        if m.busy_until > now:  # in session: grow into free room, up to the maximum
+            room = dev.room(m.rank)
+            if m.lease < m.lease_max and room > 0:
+                self._set_lease(m, min(m.lease_max, m.lease + room), now, reason="session wants KV")
+        elif m.lease > m.lease_min:
+            self._set_lease(m, m.lease_min, now, reason="session ended")
+
+    def _set_lease(self, m: ModelState, new: int, now: float, reason: str) -> None:
+        dev = self.state.devices[m.device]
+        delta = new - m.lease
+        dev.add(m, delta)
+        m.lease = new
+        kind = ActionKind.GROW_LEASE if delta > 0 else ActionKind.SHRINK_LEASE
+        if delta > 0:
+            self.counters.lease_grows += 1
+        else:
+            self.counters.lease_shrinks += 1
+        self._check_budget(dev)
+        self._log(now, Action(kind, m.name, m.device, new, reason))
+
+    # ---- tier moves -------------------------------------------------------------------------
+    def load_source(self, m: ModelState) -> str:
+        """Where a load of `m` to the GPU reads from now: "host", "cached" (the OS page cache) or
+        "disk"."""
+        if m.tier == HOST:
+            return "host"
+        return "cached" if m.name in self.host.cache else "disk"
+
+    def reload_s(self, m: ModelState) -> float:
+        """Estimated seconds to bring `m` back to the GPU if it left it now: from host RAM when the
+        host tier could take it (or holds it), else from where its file is."""
+        host = self.host
+        if m.tier == HOST or m.weights <= host.usable - host.used:
+            return m.cost.get("host")
+        return m.cost.get(self.load_source(m))
+
+    def load(self, m: ModelState, now: float, *, prewarm: bool, reason: str) -> None:
+        dev = self.state.devices[m.device]
+        host = self.host
+        source = self.load_source(m)
+        if source == "host":
+            kind = ActionKind.PROMOTE
+            host.used -= m.weights
+        else:
+            kind = ActionKind.LOAD
+        dur = self.load_time(m, source)
+        start = max(now, dev.loader_free_at, m.ready_at if source == "host" else now)
+        m.ready_at = m.gpu_since = start + dur
+        dev.loader_free_at = m.ready_at
+        m.tier = GPU
+        m.lease = m.lease_min
+        dev.add(m, m.gpu_bytes)
+        if source != "host":
+            host.cache_touch(m.name, m.weights)
+        m.cost.measure(source, dur)
+        c = self.counters
+        c.loads += 1
+        c.loads_by_source[source] += 1
+        if now - m.left_gpu_at <= self.thrash_window:
+            c.thrash += 1
+        if prewarm:
+            c.prewarm_loads += 1
+            m.prewarmed = True
+        self._on_gpu_at[m.name] = now
+        self._check_budget(dev)
+        self._log(now, Action(kind, m.name, m.device, m.gpu_bytes, reason, prewarm))
+
+    def load_host(self, m: ModelState, now: float, reason: str) -> bool:
+        """Read `m`'s checkpoint into the host tier (disk -> host), if host RAM has room."""
+        host = self.host
+        if m.tier != DISK or host.usable - host.used < m.weights:
+            return False
+        # A disk -> host read costs what a disk -> GPU load costs less the host -> GPU copy.
+        dur = max(0.0, self.load_time(m, self.load_source(m)) - self.load_time(m, "host"))
+        m.cost.measure("disk_host", dur)
+        m.tier = HOST
+        m.ready_at = now + dur
+        host.used += m.weights
+        host.cache_shrink()
+        self._check_budget(self.state.devices[m.device])
+        self._log(now, Action(ActionKind.LOAD_HOST, m.name, "host", m.weights, reason, prewarm=True))
+        return True
+
+    def evict(
+        self, c: ModelState, now: float, reason: str, *, expiry: bool = False, failed: bool = False
+    ) -> None:
+        """Take `c` off the GPU: demote to the host tier when the policy wants it and it fits
+        (dropping host residents the policy values less), else drop to disk. `failed`: its load
+        failed, so nothing was resident: dropped to disk, not counted as an eviction, no thrash clock."""
+        dev = self.state.devices[c.device]
+        dev.add(c, -c.gpu_bytes)
+        nbytes = c.gpu_bytes
+        c.lease = 0
+        self.gpu_time[c.name] += now - self._on_gpu_at.pop(c.name, now)
+        if failed:
+            c.prewarmed = False
+            c.tier = DISK
+            self._log(now, Action(ActionKind.DROP, c.name, c.device, nbytes, reason))
+            return
+        c.left_gpu_at = now
+        cnt = self.counters
+        cnt.evictions += 1
+        if expiry:
+            cnt.expiries += 1
+        if c.prewarmed:
+            cnt.wasted_loads += 1
+            c.prewarmed = False
+        to_host = self.policy.uses_host_tier and self._host_make_room(c, now)
+        if to_host:
+            c.tier = HOST
+            self.host.used += c.weights
+            self.host.cache_shrink()
+            self._check_budget(dev)
+            self._log(now, Action(ActionKind.DEMOTE, c.name, c.device, nbytes, reason))
+        else:
+            c.tier = DISK
+            self._log(now, Action(ActionKind.DROP, c.name, c.device, nbytes, reason))
+
+    def _host_make_room(self, c: ModelState, now: float) -> bool:
+        host = self.host
+        if c.weights > host.usable:
+            return False
+        while host.usable - host.used < c.weights:
+            v = self.policy.host_victim(c, now)
+            if v is None:
+                return False
+            self.drop_host(v, now, f"host room for '{c.name}'")
+        return True
+
+    def drop_host(self, v: ModelState, now: float, reason: str) -> None:
+        self.host.used -= v.weights
+        v.tier = DISK
+        self._log(now, Action(ActionKind.DROP, v.name, "host", v.weights, reason))
+
+    # ---- accounting -------------------------------------------------------------------------
+    def _check_budget(self, dev: DeviceState) -> None:
+        if dev.used > dev.usable or self.host.used > self.host.usable or min(dev.class_used) < 0:
+            self.counters.budget_violations += 1
+
+    def _log(self, now: float, a: Action) -> None:
+        if self.actions is not None:
+            self.actions.append((now, a))
