@@ -139,7 +139,10 @@ def _message(err: Any, loc: Loc) -> str:
     kind, value = err["type"], err.get("input")
     msg = str(err["msg"]).replace("Input should be ", "expected ", 1)
     scalar = isinstance(value, str | int | float | bool) or value is None
-    got = f", got {value!r}" if scalar else f", got a {type(value).__name__}"
+    kind_of = (
+        "a mapping" if isinstance(value, dict) else "a list" if isinstance(value, list | tuple) else "a value"
+    )
+    got = f", got {value!r}" if scalar else f", got {kind_of}"
     if kind == "extra_forbidden" and loc:
         known = _fields_at(loc[:-1])
         close = difflib.get_close_matches(str(loc[-1]), known, n=1)

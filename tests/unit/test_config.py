@@ -233,6 +233,8 @@ def test_field_errors_name_file_and_path(tmp_path: Path, old: str, new: str, pat
         ("ray: {address: 'nowhere'}", "ray.address", "expected null, 'auto'"),
         ("policy: {name: fifo}", "policy.name", "expected 'residency', 'lru-keepalive'"),
         ("policy: {thrash_window: soon}", "policy.thrash_window", "expected a duration like '30m'"),
+        ("server: [1]", "server", "expected a mapping, got a list"),  # YAML words, not Python types
+        ("policy: {name: {a: 1}}", "policy.name", "got a mapping"),
     ],
 )
 def test_section_errors(tmp_path: Path, section: str, value: str, message: str) -> None:
