@@ -16,7 +16,10 @@ What it decides, and from what:
   for A, models that usually follow A within a minute (learned co-occurrence: voice -> LLM ->
   TTS chains) are loaded at once; (3) when a model that displaced others goes idle (its request
   ended), host residents worth `DISPLACE_MARGIN` times more than what they would displace are
-  promoted back (e.g. after a world session, the image model it pushed to host RAM); (4) turn
+  promoted back (e.g. after a world session, the image model it pushed to host RAM); the same
+  review runs once an hour (at the first request after each hour boundary, when the hourly rates
+  change), so a model left in host RAM by a displacement comes back when its hour comes round
+  (e.g. the image model the afternoon after a weekday-evening world session); (4) turn
   taking: when the room left cannot hold two models that are both in use (the LLM and the image
   model during a world session), then as soon as X's request ends, Y is swapped in for X if the
   learned odds that Y is asked for next outweigh, in reload seconds, the odds that it is not.
@@ -55,6 +58,8 @@ TURN_ACTIVE_S = 45.0
 """A model is "in use" for turn taking when it was asked for within this long."""
 TURN_MARGIN = 2.0
 """Swap Y in for X only when P(Y next) x reload(Y) exceeds this times P(not Y) x reload(X)."""
+REVIEW_S = 3600.0
+"""Host residents are weighed against the GPU's idle residents at least this often (see (3) above)."""
 MAX_SUBSET = 10
 
 
@@ -75,6 +80,7 @@ class ResidencyPolicy(Policy):
         self._last_turn: ModelState | None = None
         self._turn_checked = -math.inf
         self._swap_out: ModelState | None = None
+        self._next_review = -math.inf
 
     def bind(self, engine: Engine) -> None:
         super().bind(engine)
@@ -146,11 +152,16 @@ class ResidencyPolicy(Policy):
                 f[m] = f.get(m, 0) + 1
 
     def after_request(self, m: ModelState, now: float) -> list[ModelState]:
+        """m's usual successors; and, at the first request after an hour boundary, the review."""
+        out = []
         f = self._follow.get(m)
-        if not f:
-            return []
-        n = m.hist.count
-        return [s for s, k in f.items() if k / n >= CHAIN_MIN_P and s.tier != GPU and s.prewarm_ok]
+        if f:
+            n = m.hist.count
+            out = [s for s, k in f.items() if k / n >= CHAIN_MIN_P and s.tier != GPU and s.prewarm_ok]
+        if now >= self._next_review:
+            self._next_review = (math.floor(now / REVIEW_S) + 1.0) * REVIEW_S
+            out += self._restorable(now)
+        return out
 
     def choose_victims(
         self, m: ModelState, cands: list[ModelState], enough: Enough, now: float
@@ -237,6 +248,11 @@ class ResidencyPolicy(Policy):
             return []
         busy = [n for n in self._wake_on_idle if self.engine.models[n].busy_until > now]
         self._wake_on_idle = set(busy)
+        return self._restorable(now)
+
+    def _restorable(self, now: float) -> list[ModelState]:
+        """Host residents likely to be asked for, most valuable first; the engine promotes each only
+        where it displaces models worth `DISPLACE_MARGIN` times less (`may_displace`)."""
         hosted = [h for h in host_models(self.engine) if h.prewarm_ok]
         scored = sorted(((self.value(h, now), h) for h in hosted), key=lambda x: -x[0])
         return [h for v, h in scored if self.p_request(h, now) >= FILL_MIN_P]

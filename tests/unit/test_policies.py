@@ -256,6 +256,31 @@ class TestResidency:
         assert adm.status == "load"
         assert sc.tier("img") == Tier.HOST and sc.tier("doc") == Tier.GPU
 
+    def test_a_displaced_model_comes_back_when_its_hour_comes_round(self, drive):
+        # img is busy every afternoon at 14:00. On day 1 a world session at 20:00 pushes it to host
+        # RAM; when the session ends, img is not likely before its next afternoon, so it stays there.
+        # The hourly review at the first request after 14:00 on day 2 (any model's: here `clock`)
+        # promotes img back, displacing the idle world model, before img is asked for.
+        H, D = 3600.0, 86400.0
+        cfg = server(model("world", "5GiB"), model("img", "5GiB"), model("clock", "1GiB"))
+        sc = drive(cfg, "residency")
+        sc.start()
+        for i in range(12):  # day 1, 14:00-14:55: img every 5 minutes
+            assert sc.request("img", 14 * H + 300.0 * i, busy=10.0).status in ADMITTED
+        assert sc.request("world", 20 * H, busy=H).status == "load"
+        assert sc.tier("img") == Tier.HOST  # the session needed its room
+        sc.tick(21 * H)  # the session ended: img is not worth restoring at night
+        assert sc.tier("img") == Tier.HOST and sc.tier("world") == Tier.GPU
+        for t in (D + 9 * H, D + 13.5 * H):  # day 2, morning: still not img's hour
+            assert sc.request("clock", t).status in ADMITTED
+            assert sc.tier("img") == Tier.HOST
+        sc.clear()
+        assert sc.request("clock", D + 14 * H + 120.0).status in ADMITTED  # 14:02: the review
+        assert sc.tier("img") == Tier.GPU and sc.tier("world") == Tier.HOST
+        img_moves = [(a.kind, a.prewarm) for _, a in sc.actions if a.model == "img"]
+        assert img_moves == [(ActionKind.PROMOTE, True)]
+        assert sc.request("img", D + 14 * H + 600.0, busy=10.0).status == "hit"  # warm at 14:10
+
     def test_an_hour_without_arrivals_yet_is_not_taken_for_never(self):
         # In its first days a model's hour-of-day counts are sparse: `daily` was asked for at 08:00
         # only. At 20:00 its hour has no arrival yet, but the model is used every day: P > 0.
