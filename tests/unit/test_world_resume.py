@@ -96,7 +96,8 @@ def test_segments_missing_from_a_cut_log_are_reported_and_never_attended_to(tmp_
     n, seg = 10, _seg()
     with Session(TinyCausalWan(CFG), log_dir=tmp_path / "a", host_budget_bytes=3 * seg) as a:
         a.run(POSES[:n])
-        slots = {sid: a.handler.log_slot(sid) for sid in range(n)}
+        # Wait out each segment's write-behind: read before it lands, the last one has no slot yet.
+        slots = {sid: a.handler.wait_written(sid) for sid in range(n)}
         slot_size = a.log.slot_size
     cut = sorted(sid for sid in range(n) if (slots[sid] or 0) >= 6)
     assert cut, "some segments should sit in the last slots"

@@ -281,7 +281,7 @@ def test_resume_reports_corrupt_slots_and_never_uses_them(tmp_path: Path) -> Non
     n, poses = 10, _poses(18)
     with _session(tmp_path, log_dir=tmp_path / "a", host_budget_bytes=3 * SEG) as a:
         a.run(poses[:n])
-        slots = {sid: a.handler.log_slot(sid) for sid in range(n)}
+        slots = {sid: a.handler.wait_written(sid) for sid in range(n)}  # after each write-behind
         slot_size = a.log.slot_size
     # slot of segment 2: header damaged, found when the index is rebuilt on reopen
     _flip(tmp_path / "a", slots[2] or 0, 64, slot_size)
@@ -298,7 +298,7 @@ def test_resume_reports_corrupt_slots_and_never_uses_them(tmp_path: Path) -> Non
     # when wanted) are damaged; both are reported and never attended to
     with _session(tmp_path, log_dir=tmp_path / "c", host_budget_bytes=3 * SEG) as c:
         c.run(poses[:n])
-        slots = {sid: c.handler.log_slot(sid) for sid in range(n)}
+        slots = {sid: c.handler.wait_written(sid) for sid in range(n)}  # after each write-behind
     for sid in (1, 8):
         _flip(tmp_path / "c", slots[sid] or 0, HEADER_SIZE + 100, slot_size)
     with Session.resume(
