@@ -12,7 +12,8 @@ What it decides, and from what:
   eagerly (demote to host when it expires). `auto` (unset) is lazy: the model stays while nobody
   needs its room, and after the histogram's tail (95th percentile of its reuse intervals) it
   becomes available to classes that may not evict (background batches).
-- **Prewarm**: (1) at start, models are preloaded into free room by class; (2) after a request
+- **Prewarm**: (1) at start, models are preloaded into free room by class; within a class in
+  the config's order on a first boot, by value after a restart with statistics; (2) after a request
   for A, models that usually follow A within a minute (learned co-occurrence: voice -> LLM ->
   TTS chains) are loaded at once; (3) when a model that displaced others goes idle (its request
   ended), host residents worth `DISPLACE_MARGIN` times more than what they would displace are
@@ -128,10 +129,14 @@ class ResidencyPolicy(Policy):
 
     def start(self, now: float) -> None:
         self.t0 = now
-        for m in sorted(self._order, key=lambda m: m.rank):
+        if any(m.hist.count for m in self._order):  # a restart with statistics: the likeliest first
+            order = sorted(self._order, key=lambda m: (m.rank, -self.value(m, now)))
+        else:  # a first boot: nothing is known, the config's order stands
+            order = sorted(self._order, key=lambda m: m.rank)
+        for m in order:
             if m.prewarm_ok and m.tier != GPU:
                 self.engine.prewarm(m, now)
-        for m in sorted(self._order, key=lambda m: m.rank):
+        for m in order:
             if m.prewarm_ok and m.tier == DISK:
                 self.engine.load_host(m, now, "boot: warm in host RAM")
 

@@ -256,6 +256,18 @@ class TestResidency:
         assert adm.status == "load"
         assert sc.tier("img") == Tier.HOST and sc.tier("doc") == Tier.GPU
 
+    def test_with_statistics_boot_preloads_the_likeliest(self, drive):
+        # Only one of the two fits. After a restart with statistics (here: arrivals seen before the
+        # start), `used` was asked for every 10 minutes, so it is worth more on the GPU than
+        # `costly`, which nobody has asked for, though its miss costs twice as much and it is listed
+        # first. (On a first boot, with nothing known, the config's order stands.)
+        cfg = server(model("costly", "5GiB", host=1.0), model("used", "5GiB", host=0.5))
+        sc = drive(cfg, "residency")
+        for i in range(18):
+            sc.engine.observe(sc.m("used"), -3 * 3600.0 + 600.0 * i)
+        sc.start(-60.0)
+        assert sc.tier("used") == Tier.GPU and sc.tier("costly") == Tier.HOST
+
     def test_a_displaced_model_comes_back_when_its_hour_comes_round(self, drive):
         # img is busy every afternoon at 14:00. On day 1 a world session at 20:00 pushes it to host
         # RAM; when the session ends, img is not likely before its next afternoon, so it stays there.
