@@ -107,6 +107,8 @@ class PersistenceMixin:
                 continue
             try:
                 m.hist.restore(d["hist"])
+                # How long it has been idle counts from its last arrival, before the restart too.
+                m.last_arrival = max(m.last_arrival, m.hist.last_t)
                 m.cost.restore(d["cost"])
                 m.weights = int(d.get("weights", m.weights))
                 self.live[name].requests = int(d.get("requests", 0))
@@ -126,6 +128,7 @@ class PersistenceMixin:
                 continue
             try:
                 m.hist.restore(_merge_hist(d["hist"], m.hist.capture()))
+                m.last_arrival = max(m.last_arrival, m.hist.last_t)
                 m.cost.restore(d["cost"])
                 self.live[name].requests += int(d.get("requests", 0))
                 self.live[name].last_used = max(self.live[name].last_used, float(d.get("last_used", 0.0)))

@@ -22,29 +22,32 @@ def test_statistics_and_the_request_log_survive_a_restart(tmp_path: Path) -> Non
     config = load_config(CONFIG)
     url = f"sqlite:///{tmp_path / 'state.db'}"
 
-    async def serve_some(lm: LiveManager) -> tuple[int, dict[str, float]]:
+    async def serve_some(lm: LiveManager) -> tuple[int, dict[str, float], float]:
         for _ in range(3):
             await lm.infer("voice", AUDIO)
-        return lm.engine.models["voice"].hist.count, lm.engine.models["voice"].cost.as_dict()
+        voice = lm.engine.models["voice"]
+        return voice.hist.count, voice.cost.as_dict(), voice.last_arrival
 
     store = open_store(url)
-    count, cost = run(config, serve_some, store)
+    count, cost, last = run(config, serve_some, store)
     store.close()
 
-    async def look(lm: LiveManager) -> tuple[int, dict[str, float], int]:
+    async def look(lm: LiveManager) -> tuple[int, dict[str, float], int, float]:
         return (
             lm.engine.models["voice"].hist.count,
             lm.engine.models["voice"].cost.as_dict(),
             lm.live["voice"].requests,
+            lm.engine.models["voice"].last_arrival,
         )
 
     store = open_store(url)
     assert store.intents()["voice"] == "gpu"  # intent kept for reconciliation
-    count2, cost2, requests = run(config, look, store)
+    count2, cost2, requests, last2 = run(config, look, store)
     assert store.count_requests() == 3
     assert [r["model"] for r in store.requests(0)] == ["voice"] * 3
     store.close()
     assert (count2, requests) == (count, 3)
+    assert last2 == last  # idle since the last request before the restart, not "never asked"
     assert cost2["disk"] == pytest.approx(cost["disk"], rel=0.5)
 
 
