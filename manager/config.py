@@ -150,6 +150,8 @@ def _message(err: Any, loc: Loc) -> str:
         return f"unknown field {loc[-1]!r}" + (hint if known else "")
     if kind == "value_error":
         return str(err["ctx"]["error"])
+    if kind == "invalid_key":  # reported at the mapping that holds the key
+        return f"keys must be names (strings), got {value!r}"
     if kind in ("missing", "too_short"):
         return _FIXED_MESSAGES[kind]
     if kind in _FIXED_MESSAGES:
@@ -182,6 +184,8 @@ def _readable_errors(exc: ValidationError, data: Any) -> list[tuple[Loc, str]]:
     out: list[tuple[Loc, str]] = []
     for err in exc.errors(include_url=False):
         loc = _user_loc(data, err["loc"])
+        if err["type"] == "invalid_key":
+            loc = loc[:-1]
         inner = err.get("ctx", {}).get("error")
         if isinstance(inner, _FieldErrors):
             out.extend(((*loc, *sub), msg) for sub, msg in inner.errors)

@@ -235,6 +235,7 @@ def test_field_errors_name_file_and_path(tmp_path: Path, old: str, new: str, pat
         ("policy: {thrash_window: soon}", "policy.thrash_window", "expected a duration like '30m'"),
         ("server: [1]", "server", "expected a mapping, got a list"),  # YAML words, not Python types
         ("policy: {name: {a: 1}}", "policy.name", "got a mapping"),
+        ("server: {1: 2}", "server", "keys must be names (strings), got 1"),  # at the mapping, not "[1]"
     ],
 )
 def test_section_errors(tmp_path: Path, section: str, value: str, message: str) -> None:
