@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).parent / "results"
 POLICIES = ["residency", "oracle", "lru-keepalive", "histogram", "gdsf"]
@@ -52,6 +53,37 @@ def quality_heldout401() -> None:
     quality("replay_quality_heldout401.json")
 
 
+def gaps() -> None:
+    """Summed load wait by part, per group of weeks, for `residency`, the oracle and the oracle that
+    does not foresee world-session starts; and how many weeks are within 1.5x of each reference."""
+    groups: dict[str, dict[str, Any]] = {}
+    files = {
+        "gap_decomposition.json": "held out 301-305",
+        "gap_decomposition_heldout401.json": "held out 401-410",
+    }
+    for fname, held in files.items():
+        for name, t in json.loads((HERE / fname).read_text())["traces"].items():
+            groups.setdefault(held if name.startswith("heldout-") else "shipped", {})[name] = t
+    refs = ["oracle", "oracle-session-blind"]
+    head = ["weeks", "policy", "session starts", "other requests in sessions", "requests outside sessions"]
+    print("| " + " | ".join([*head, "total (thrash)", "residency within 1.5x of it"]) + " |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for g, d in groups.items():
+        for x in ["residency", *refs]:
+            rows = [t["policies"][x] for t in d.values()]
+            part = {k: sum(r["by_part"][k] for r in rows) for k in ("session_starts", "in_session", "other")}
+            total = sum(r["load_wait_s"] for r in rows)
+            thrash = sum(r["thrash"] for r in rows)
+            within = ""
+            if x in refs:
+                ok = sum(1 for t in d.values() if (q := t["residency_ratio_to"][x]) is not None and q <= 1.5)
+                within = f"{ok} of {len(d)}"
+            print(
+                f"| {g} ({len(d)}) | {x} | {part['session_starts']:.1f} | {part['in_session']:.1f} | "
+                f"{part['other']:.1f} | {total:.1f} ({thrash}) | {within} |"
+            )
+
+
 def speed() -> None:
     d = json.loads((HERE / "replay_speed.json").read_text())
     print(f"{d['requests']:,} requests ({d['weeks']} weeks)\n")
@@ -76,7 +108,7 @@ def tune() -> None:
 
 
 if __name__ == "__main__":
-    for f in (quality, quality_heldout401, speed, tune):
+    for f in (quality, quality_heldout401, gaps, speed, tune):
         print(f"<!-- {f.__name__} -->")
         f()
         print()

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from manager.config import Config
+from manager.policy.base import Policy
 from manager.policy.engine import Engine
 from manager.policy.factory import create_policy
 from manager.policy.state import ModelState
@@ -115,13 +116,14 @@ class _Waiting:
 
 
 class Simulator:
-    """One replay: `Simulator(config, requests, policy).run()`."""
+    """One replay: `Simulator(config, requests, policy).run()`; `policy` is a name of the policy
+    family, or a fresh `Policy` object (e.g. a variant built for an analysis)."""
 
     def __init__(
         self,
         config: Config,
         requests: Sequence[Request],
-        policy: str,
+        policy: str | Policy,
         *,
         record: bool = False,
         progress: Callable[[int, int], None] | None = None,
@@ -132,10 +134,11 @@ class Simulator:
             m.name: (m.load_seconds.disk, m.load_seconds.cached_s, m.load_seconds.host) for m in config.models
         }
         idx = {"disk": 0, "cached": 1, "host": 2}
-        self.engine = Engine(config, create_policy(policy, requests), lambda m, src: truth[m.name][idx[src]])
+        pol = policy if isinstance(policy, Policy) else create_policy(policy, requests)
+        self.engine = Engine(config, pol, lambda m, src: truth[m.name][idx[src]])
         if record:
             self.engine.actions = []
-        self.res = ReplayResult(policy=policy)
+        self.res = ReplayResult(policy=pol.name)
         self.res.served_log = [] if record else None
         self.progress = progress
         self.class_names = self.engine.state.class_names
@@ -286,10 +289,11 @@ class Simulator:
 def replay(
     config: Config,
     requests: Sequence[Request],
-    policy: str,
+    policy: str | Policy,
     *,
     record: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> ReplayResult:
-    """Replay `requests` through `policy` on the server described by `config`."""
+    """Replay `requests` through `policy` (a name, or a fresh `Policy` object) on the server
+    described by `config`."""
     return Simulator(config, requests, policy, record=record, progress=progress).run()
