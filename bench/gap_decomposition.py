@@ -16,7 +16,6 @@ the LLM and the image model take turns), and the requests outside sessions. Prin
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Sequence
@@ -27,10 +26,7 @@ from manager.policy.oracle import OraclePolicy
 from manager.policy.state import ModelState
 from manager.policy.types import DISK, Request
 from manager.replay.sim import ReplayResult, replay
-from manager.replay.synth import synth
-from manager.replay.trace import read_trace
 
-SHIPPED = ["home-week-seed1", "home-week-seed2", "home-week-seed3", "studio-week-seed1"]
 PARTS = ("session_starts", "in_session", "other")
 
 
@@ -95,21 +91,13 @@ def one(cfg: Config, reqs: list[Request]) -> dict[str, object]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--config", default="configs/home.yaml")
-    ap.add_argument("--heldout", type=int, default=5, help="held-out weeks per profile")
-    ap.add_argument("--heldout-start", type=int, default=301, help="first held-out seed")
-    ap.add_argument("--no-shipped", action="store_true", help="only the held-out weeks")
-    a = ap.parse_args()
-    cfg = load_config(a.config)
-    here = Path(__file__).parent / "traces"
-    shipped = [] if a.no_shipped else SHIPPED
-    traces = {n: read_trace(here / f"{n}.jsonl", strict=True).requests for n in shipped}
-    for prof in ("home", "studio"):
-        for s in range(a.heldout_start, a.heldout_start + a.heldout):
-            traces[f"heldout-{prof}-seed{s}"] = synth(prof, 7, s)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling scripts of bench/
+    from replay_quality import selected_traces
+
+    config, traces = selected_traces("where residency's load wait above the oracle's comes from")
+    cfg = load_config(config)
     out = {name: one(cfg, reqs) for name, reqs in traces.items()}
-    json.dump({"config": a.config, "traces": out}, sys.stdout, indent=1)
+    json.dump({"config": config, "traces": out}, sys.stdout, indent=1)
     print()
     return 0
 

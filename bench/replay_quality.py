@@ -59,8 +59,10 @@ def run(config_path: str, traces: dict[str, list[Request]]) -> dict[str, object]
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
+def selected_traces(description: str) -> tuple[str, dict[str, list[Request]]]:
+    """The command line's config path and traces: the shipped weeks (unless --no-shipped) and
+    --heldout synthetic weeks of each profile from seed --heldout-start."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--config", default="configs/home.yaml")
     ap.add_argument("--heldout", type=int, default=5, help="held-out weeks per profile")
     ap.add_argument("--heldout-start", type=int, default=301, help="first held-out seed")
@@ -72,7 +74,12 @@ def main() -> int:
     for prof in ("home", "studio"):
         for s in range(a.heldout_start, a.heldout_start + a.heldout):
             traces[f"heldout-{prof}-seed{s}"] = synth(prof, 7, s)
-    json.dump({"config": a.config, "traces": run(a.config, traces)}, sys.stdout, indent=1)
+    return a.config, traces
+
+
+def main() -> int:
+    config, traces = selected_traces("replay quality of every policy")
+    json.dump({"config": config, "traces": run(config, traces)}, sys.stdout, indent=1)
     print()
     return 0
 
