@@ -4,6 +4,8 @@ Whatever the server and the trace:
 - no budget is ever exceeded (device, host, class accounting): `budget_violations == 0`;
 - a pinned model is loaded at start, never demoted or dropped, and still resident at the end;
 - an eviction made as "room for 'X'" never takes a model of a higher class than X's requests;
+- a request whose class may not evict (background) causes no eviction: "room for 'X'" for such an
+  X comes only from a prewarm of X, within X's class;
 - a load (or a lease growth) never takes bytes a higher class has reserved and not used.
 
 Configs: one cuda device of 6-24 GiB, three classes (realtime with a random reserve >
@@ -32,6 +34,7 @@ MiB = 1 << 20
 GiB = 1 << 30
 CLASSES = ("realtime", "interactive", "background")
 ROOM_FOR = re.compile(r"^room for '(.+)'$")
+LOADS = (ActionKind.LOAD, ActionKind.PROMOTE)
 
 SETTINGS = settings(
     max_examples=40,
@@ -194,3 +197,27 @@ def test_reservations_are_never_given_to_lower_classes(case):
             unused_above = sum(max(0, reserves[i] - by_class[i]) for i in range(r))
             if a.kind != ActionKind.SHRINK_LEASE:
                 assert sum(by_class) + unused_above <= dev.usable, (policy, t, a)
+
+
+@SETTINGS
+@given(case=cases())
+def test_a_request_that_may_not_evict_never_causes_an_eviction(case):
+    # A background request (its class has `may_evict: false`) only takes free room, room lent to a
+    # lease (a lease shrink, not an eviction) and room held past its keep-alive (evictions logged as
+    # "keep-alive expired"). A "room for 'X'" eviction for such an X can only come from a policy's
+    # prewarm of X, and then only from X's own class.
+    cfg, trace = case
+    rank = {m.name: cfg.class_rank(m.class_) for m in cfg.models}
+    no_evict = {m.name for m in cfg.models if not cfg.classes[rank[m.name]].may_evict}
+    assume(len(no_evict) >= 2 and len({r.model for r in trace} & no_evict) >= 2)  # they may compete
+    for policy in POLICY_NAMES:
+        res = replay(cfg, trace, policy, record=True)
+        assert res.actions is not None
+        for t, a in gpu_evictions(res):
+            match = ROOM_FOR.match(a.reason)
+            if match is None or match.group(1) not in no_evict:
+                continue
+            x = match.group(1)
+            assert rank[a.model] == rank[x], (policy, t, a)
+            loads = [b for u, b in res.actions if u == t and b.model == x and b.kind in LOADS]
+            assert any(b.prewarm for b in loads), (policy, t, a)
