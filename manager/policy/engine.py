@@ -253,8 +253,11 @@ class Engine(TierMoves):
         victims = self.policy.choose_victims(m, cands, enough, now)
         if victims is None or not enough(victims):
             return False
-        for c in victims:
-            if self.policy.expired(c, now):
+        # Why each goes is decided before any goes: an eviction changes host room, and with it
+        # what a policy thinks the next victim would cost to bring back (so whether it "expired").
+        expired = [self.policy.expired(c, now) for c in victims]
+        for c, gone in zip(victims, expired, strict=True):
+            if gone:
                 self.evict(c, now, "keep-alive expired", expiry=True)
             else:
                 self.evict(c, now, f"room for '{m.name}'")

@@ -252,6 +252,43 @@ class TestMayNotEvict:
         assert all(a.reason == "keep-alive expired" for _, a in sc.actions if a.model == "chat")
 
 
+def test_a_victims_reason_is_decided_before_any_victim_goes():
+    # The oracle calls a model expired when its next request is further off than its reload. Here
+    # photos (9.5 GiB) is next asked for at 13; at 9 it reloads from host RAM in 1 s (+ 2 s slack):
+    # expired, so the waiting background batch may take its room. But the batch's room also takes
+    # voice, whose demotion fills host RAM so that photos could only be dropped (reload from disk,
+    # 2 s): judged after that, photos would look unexpired and its eviction would be logged as
+    # "room for 'batch'" - an eviction a background request may not cause.
+    def entry(name: str, cls: str, memory: str, disk: float, host: float, **extra: Any) -> dict[str, Any]:
+        return model(name, cls, memory, disk=disk, host=host, **extra)
+
+    cfg = Config.model_validate(
+        {
+            "devices": [{"name": "gpu0", "kind": "cuda", "memory": "19GiB", "reserve": 0}],
+            "host": {"memory": "12GiB", "reserve": "2GiB"},  # 10 GiB: photos, or voice + most of it
+            "classes": [
+                {"name": "realtime"},
+                {"name": "interactive"},
+                {"name": "background", "may_evict": False},
+            ],
+            "models": [
+                entry("voice", "realtime", "600MiB", 9.0, 9.0),  # loads until 9: the batch waits
+                entry("batch", "background", "18.5GiB", 1.0, 1.0),  # needs voice's and photos' room
+                entry("photos", "background", "9.5GiB", 2.0, 1.0, prewarm=True),
+            ],
+            "policy": {"thrash_window": "10m", "min_residency": 0},
+        }
+    )
+    t0 = 1_800_000_000.0
+    reqs = [Request(t=t0, model="voice", busy_s=0.0), Request(t=t0, model="batch", busy_s=0.0)]
+    reqs.append(Request(t=t0 + 13.0, model="photos", busy_s=0.0))
+    res = replay(cfg, reqs, "oracle", record=True)
+    assert res.actions is not None
+    gone = [(t - t0, a.model, a.reason) for t, a in res.actions if a.kind == ActionKind.DEMOTE]
+    assert gone == [(9.0, "voice", "keep-alive expired"), (9.0, "photos", "keep-alive expired")]
+    assert res.served == 3 and res.rejected == 0
+
+
 @policies
 class TestReservation:
     """(e) Class reservations are never given away to lower classes."""
