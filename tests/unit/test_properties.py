@@ -6,7 +6,9 @@ Whatever the server and the trace:
 - an eviction made as "room for 'X'" never takes a model of a higher class than X's requests;
 - a request whose class may not evict (background) causes no eviction: "room for 'X'" for such an
   X comes only from a prewarm of X, within X's class;
-- a load (or a lease growth) never takes bytes a higher class has reserved and not used.
+- a load (or a lease growth) never takes bytes a higher class has reserved and not used;
+- the action log is a valid history (each move starts from the tier it names, leases change only on
+  the GPU and within their range), and the thrash counter can be recomputed from it.
 
 Configs: one cuda device of 6-24 GiB, three classes (realtime with a random reserve >
 interactive > background, may_evict false), 2-6 models with random sizes that fit their class,
@@ -221,3 +223,43 @@ def test_a_request_that_may_not_evict_never_causes_an_eviction(case):
             assert rank[a.model] == rank[x], (policy, t, a)
             loads = [b for u, b in res.actions if u == t and b.model == x and b.kind in LOADS]
             assert any(b.prewarm for b in loads), (policy, t, a)
+
+
+@SETTINGS
+@given(case=cases())
+def test_the_action_log_is_a_valid_history_and_thrash_is_counted_from_it(case):
+    # Replaying the log move by move: each move starts from the tier it names (a load from disk, a
+    # promote from host RAM, a demote or drop from the GPU...), a lease changes only on the GPU and
+    # within its range, and the thrash counter equals the loads made within `thrash_window` of the
+    # same model's last departure from the GPU.
+    cfg, trace = case
+    spec = {m.name: m for m in cfg.models}
+    window = cfg.policy.thrash_window
+    for policy in POLICY_NAMES:
+        res = replay(cfg, trace, policy, record=True)
+        assert res.actions is not None
+        tier = dict.fromkeys(spec, "disk")
+        left: dict[str, float] = {}
+        thrash = 0
+        for t, a in res.actions:
+            where, k = tier[a.model], a.kind
+            if k == ActionKind.LOAD_HOST:
+                assert where == "disk", (policy, t, a)
+                tier[a.model] = "host"
+            elif k in LOADS:
+                assert where == ("host" if k == ActionKind.PROMOTE else "disk"), (policy, t, a)
+                thrash += a.model in left and t - left[a.model] <= window
+                tier[a.model] = "gpu"
+            elif k == ActionKind.DEMOTE:
+                assert where == "gpu" and a.device != "host", (policy, t, a)
+                tier[a.model], left[a.model] = "host", t
+            elif k == ActionKind.DROP:
+                assert where == ("host" if a.device == "host" else "gpu"), (policy, t, a)
+                if where == "gpu":
+                    left[a.model] = t
+                tier[a.model] = "disk"
+            else:  # a lease change: `bytes` is the new lease
+                elastic = spec[a.model].elastic
+                assert where == "gpu" and elastic is not None, (policy, t, a)
+                assert elastic.min <= a.bytes <= elastic.max, (policy, t, a)
+        assert res.thrash == thrash, policy
