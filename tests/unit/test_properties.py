@@ -7,6 +7,8 @@ Whatever the server and the trace:
 - a request whose class may not evict (background) causes no eviction: "room for 'X'" for such an
   X comes only from a prewarm of X, within X's class;
 - a load (or a lease growth) never takes bytes a higher class has reserved and not used;
+- a request evicts weights only when shrinking every other lease to its minimum would not make
+  its room;
 - the action log is a valid history (each move starts from the tier it names, leases change only on
   the GPU and within their range), and the thrash counter can be recomputed from it.
 
@@ -28,7 +30,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from manager.config import Config
-from manager.policy.factory import POLICY_NAMES
+from manager.policy.factory import POLICY_NAMES, create_policy
 from manager.policy.types import Action, ActionKind, Request
 from manager.replay.sim import ReplayResult, replay
 
@@ -263,3 +265,55 @@ def test_the_action_log_is_a_valid_history_and_thrash_is_counted_from_it(case):
                 assert where == "gpu" and elastic is not None, (policy, t, a)
                 assert elastic.min <= a.bytes <= elastic.max, (policy, t, a)
         assert res.thrash == thrash, policy
+
+
+def room_with_leases_at_min(cfg: Config, held: dict[str, int], x: str) -> int:
+    """From the bytes each model `held` on the GPU: the room a load of `x` could take once every other
+    lease is at its minimum - free bytes less the unused reservations of higher classes (bytes a
+    higher class's lease gives back refill that class's reservation first)."""
+    spec = {m.name: m for m in cfg.models}
+    reserves = [c.reserve for c in cfg.classes]
+    by_class = [0] * len(reserves)
+    for n, b in held.items():
+        elastic = spec[n].elastic
+        at_min = spec[n].memory + elastic.min if elastic is not None and n != x else b
+        by_class[cfg.class_rank(spec[n].class_)] += at_min
+    higher = range(cfg.class_rank(spec[x].class_))
+    return cfg.devices[0].usable - sum(by_class) - sum(max(0, reserves[i] - by_class[i]) for i in higher)
+
+
+@SETTINGS
+@given(case=cases())
+def test_leases_shrink_before_a_request_evicts_weights(case):
+    # When a request's load evicts models ("room for 'X'", then X's own load at the same instant,
+    # not a prewarm), shrinking every other lease to its minimum would not have made the room.
+    cfg, trace = case
+    spec = {m.name: m for m in cfg.models}
+    assume(any(m.elastic is not None and m.elastic.max > m.elastic.min for m in cfg.models))
+    for policy in POLICY_NAMES:
+        cap = create_policy(policy, trace).max_loaded
+        res = replay(cfg, trace, policy, record=True)
+        assert res.actions is not None
+        held: dict[str, int] = {}  # model -> bytes on the GPU, as the log says
+        before: dict[str, int] | None = None  # `held` just before the current batch of evictions
+        for t, a in res.actions:
+            if a.device == "host" or a.kind == ActionKind.LOAD_HOST:
+                continue  # host RAM only (a victim's demotion may first drop a host resident)
+            leaving = a.kind in (ActionKind.DEMOTE, ActionKind.DROP)
+            if leaving and ROOM_FOR.match(a.reason):
+                before = dict(held) if before is None else before
+            elif a.kind in LOADS and before is not None and a.reason == "request" and not a.prewarm:
+                # (lru-keepalive may evict to stay under its count cap, whatever the bytes)
+                if cap is None or sum(1 for n in before if not spec[n].pin) < cap:
+                    room = room_with_leases_at_min(cfg, before, a.model)
+                    x = spec[a.model]
+                    assert room < x.memory + (x.elastic.min if x.elastic else 0), (policy, t, a)
+                before = None
+            elif not leaving:
+                before = None
+            if leaving:
+                del held[a.model]
+            elif a.kind in LOADS:
+                held[a.model] = a.bytes
+            else:  # a lease change: `bytes` is the new lease
+                held[a.model] = spec[a.model].memory + a.bytes
