@@ -365,6 +365,12 @@ class Config(_Model):
         """Rank of class `name`: 0 is the highest priority (KeyError if none)."""
         return {c.name: i for i, c in reversed(list(enumerate(self.classes)))}[name]
 
+    def class_reserves(self, device: str) -> list[int]:
+        """Each class's reservation on `device`, in class order: the classes' `reserve` on a GPU
+        (cuda) device, none on a cpu one (see `ClassConfig.reserve`)."""
+        cuda = self.device(device).kind == "cuda"
+        return [c.reserve if cuda else 0 for c in self.classes]
+
     def model_names(self) -> list[str]:
         """Model names in config order."""
         return [m.name for m in self.models]
@@ -403,9 +409,8 @@ def _budgets(cfg: Config) -> list[tuple[Loc, str]]:
     for di, d in enumerate(cfg.devices):
         parts: list[str] = []
         total = 0
-        for c in cfg.classes:
+        for c, reserve in zip(cfg.classes, cfg.class_reserves(d.name), strict=True):
             pinned = [m for m in cfg.models if m.pin and m.device == d.name and m.class_ == c.name]
-            reserve = c.reserve if d.kind == "cuda" else 0
             need = max(reserve, sum(m.footprint_min for m in pinned))
             total += need
             if need:
@@ -423,15 +428,16 @@ def _budgets(cfg: Config) -> list[tuple[Loc, str]]:
     for i, m in enumerate(cfg.models):
         d = cfg.device(m.device)
         rank = cfg.class_rank(m.class_)
-        higher = [c for c in cfg.classes[:rank] if c.reserve] if d.kind == "cuda" else []
-        room = d.usable - sum(c.reserve for c in higher)
+        reserves = cfg.class_reserves(d.name)
+        higher = [(c, r) for c, r in zip(cfg.classes[:rank], reserves, strict=False) if r]
+        room = d.usable - sum(r for _, r in higher)
         if m.footprint_min > room:
             el = (
                 f" (= {format_size(m.memory)} + elastic.min {format_size(m.elastic.min)})"
                 if m.elastic
                 else ""
             )
-            held = "".join(f" - {c.name} reserve {format_size(c.reserve)}" for c in higher)
+            held = "".join(f" - {c.name} reserve {format_size(r)}" for c, r in higher)
             errors.append(
                 (
                     ("models", i, "memory"),

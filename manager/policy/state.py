@@ -158,8 +158,9 @@ class ClusterState:
     """All of it, built from a validated config."""
 
     def __init__(self, config: Config) -> None:
-        reserves = [c.reserve for c in config.classes]
-        self.devices = {d.name: DeviceState(d.name, d.usable, list(reserves)) for d in config.devices}
+        self.devices = {
+            d.name: DeviceState(d.name, d.usable, config.class_reserves(d.name)) for d in config.devices
+        }
         self.host = HostState(config.host.usable)
         self.class_names = [c.name for c in config.classes]
         self.class_may_evict = [c.may_evict for c in config.classes]

@@ -92,3 +92,23 @@ class TestBadRequests:
         r = replay(cfg, [req(0, "nope"), Request(t=T0 + 1, model="a", busy_s=1.0, cls="vip")], "residency")
         assert r.rejected == 2 and r.served == 0
         assert set(r.reject_reasons) == {"unknown model 'nope'", "unknown class 'vip'"}
+
+
+def test_class_reservations_hold_on_gpu_devices_only_as_the_config_says() -> None:
+    # `ClassConfig.reserve` is "bytes on each GPU (cuda) device"; the config's cross-checks ignore it
+    # on cpu devices, and so does the engine: a 700 MiB interactive model fits a 1 GiB cpu device
+    # beside a 512 MiB realtime reservation (it was rejected, "can never give it more than 512MiB").
+    def config(kind: str) -> Config:
+        return Config.model_validate(
+            {
+                "devices": [{"name": "dev0", "kind": kind, "memory": "1GiB"}],
+                "host": {"memory": "8GiB", "reserve": "1GiB"},
+                "classes": [{"name": "realtime", "reserve": "512MiB"}, {"name": "interactive"}],
+                "models": [{**m("chat", "interactive", "700MiB"), "adapter": "test", "device": "dev0"}],
+            }
+        )
+
+    assert config("cpu").class_reserves("dev0") == [0, 0]
+    assert replay(config("cpu"), [req(0, "chat")], "residency").served == 1
+    with pytest.raises(ValueError, match="can never fit"):  # on a GPU the reservation holds
+        config("cuda")
