@@ -365,12 +365,18 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         empty) costs one more load, within the deadline; past it the caller gets UNAVAILABLE."""
         live = self.live[m.name]
         died = ""
+        no_room = False  # taken off its device meanwhile, and no room to load it again yet
         while not live.ready.is_set() or live.loads_pending:
             left = deadline - self.clock()
             if left <= 0 and died:
                 raise WorkerUnavailable(
                     f"model {m.name!r}: its device host died during the load ({died}); "
                     "the reload did not finish before the deadline"
+                )
+            if left <= 0 and no_room:
+                raise DeadlineExceeded(
+                    f"model {m.name!r} was taken off its device while the request waited for its load, "
+                    "and no room became free again before the deadline"
                 )
             if left <= 0:
                 raise DeadlineExceeded(f"model {m.name!r} did not finish loading before the deadline")
@@ -388,6 +394,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                 self._flush()
                 if adm.status == "reject":
                     raise InsufficientCapacity(f"model {m.name!r} cannot be served: {adm.reason}")
+                no_room = adm.status == "wait"
 
     async def infer(
         self, model: str, inputs: dict[str, np.ndarray], *, cls: str | None = None, timeout_s: float = 30.0
@@ -584,6 +591,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         hot reloads and restarts (kept in the store's "pins" document)."""
         m = self._model(model)
         m.pinned = pinned
+        self.engine.recheck_fit()  # a pinned model's bytes are no one else's room, and vice versa
         if pinned == m.cfg.pin:
             self.pin_overrides.pop(model, None)
         else:
@@ -597,6 +605,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
     def _apply_pins(self) -> None:
         for name, pinned in self.pin_overrides.items():
             self.engine.models[name].pinned = pinned
+        self.engine.recheck_fit()
 
     def _restore_pins(self) -> None:
         if self.store is None:

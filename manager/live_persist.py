@@ -194,7 +194,7 @@ class PersistenceMixin:
                     continue
                 if tier == Tier.GPU and ms.device_bytes > 0:
                     m.weights = int(ms.device_bytes)  # the host's measure, before the books count it
-                    self.engine.never_fits[name] = self.engine._never_fits_reason(m)
+                    self.engine.recheck_fit()
                 if not self.engine.adopt(m, tier, now):
                     logger.warning("device %s holds %s, which does not fit the books: dropped", device, name)
                     self.pool.submit(device, P.Drop(name))

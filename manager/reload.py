@@ -70,9 +70,10 @@ def apply_reload(engine: Engine, new: Config) -> None:
         m.pinned = mc.pin
     state.class_may_evict = [c.may_evict for c in new.classes]
     state.class_max_wait = [c.max_wait if c.max_wait is not None else math.inf for c in new.classes]
-    for dev in state.devices.values():
-        dev.reserves = [c.reserve for c in new.classes]
+    for name, dev in state.devices.items():
+        dev.reserves = new.class_reserves(name)
     engine.thrash_window = new.policy.thrash_window
     engine.min_residency = new.policy.min_residency
     engine.policy.default_keep_alive = new.policy.default_keep_alive
     engine.config = new
+    engine.recheck_fit()  # pins and reservations may have changed

@@ -57,7 +57,8 @@ class Engine(TierMoves):
         self._on_gpu_at: dict[str, float] = {}
         self.policy = policy
         policy.bind(self)
-        self.never_fits = {m.name: self._never_fits_reason(m) for m in self.models.values()}
+        self.never_fits: dict[str, str] = {}
+        self.recheck_fit()
 
     # ---- requests ---------------------------------------------------------------------------
     def start(self, now: float) -> None:
@@ -158,6 +159,11 @@ class Engine(TierMoves):
         return True
 
     # ---- room -----------------------------------------------------------------------------
+    def recheck_fit(self) -> None:
+        """Work out again which models can never be loaded. Call it after anything it depends on
+        changes: a pin (an admin's or the config's), a class reservation, a measured footprint."""
+        self.never_fits = {m.name: self._never_fits_reason(m) for m in self.models.values()}
+
     def _never_fits_reason(self, m: ModelState) -> str:
         """Why `m` can never be loaded (empty if it can): with every other unpinned model gone,
         the room left is the usable bytes less the pinned models and the higher classes'
@@ -275,7 +281,7 @@ class Engine(TierMoves):
             self.host.used += delta
             self.host.cache_shrink()
         m.weights = nbytes
-        self.never_fits[m.name] = self._never_fits_reason(m)
+        self.recheck_fit()  # a pinned model's bytes count against every other model's room
 
     # ---- accounting -------------------------------------------------------------------------
     def close(self, now: float) -> None:

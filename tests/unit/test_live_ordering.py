@@ -17,9 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from manager.config import load_config
+from manager.errors import DeadlineExceeded, InsufficientCapacity
 from manager.live import LiveManager
+from manager.policy.types import Tier
 from manager.workers_bridge import create_pool
 from workers import protocol as P
 from workers.demo import write_tiny_mlp
@@ -164,5 +167,90 @@ def test_a_load_waits_for_the_shrunk_lease_and_a_grown_lease_for_the_freed_room(
             pool.close()
         c = lm.engine.counters
         assert c.thrash == 0 and c.budget_violations == 0 and c.lease_shrinks >= 1 and c.lease_grows >= 2
+
+    asyncio.run(main())
+
+
+def test_a_request_whose_model_is_evicted_during_its_load_says_why_it_timed_out(tmp_path: Path) -> None:
+    # Found by a chaos run (random requests, pins, evicts and preloads): a request waiting for its
+    # model's load, when an admin evicted the model and another took the room, timed out saying
+    # the model "did not finish loading" - it was waiting for room, not for a load.
+    path = write_tiny_mlp(tmp_path / "mlp.safetensors", WIDTH)
+    nbytes = 2 * (WIDTH * WIDTH + WIDTH) * 4
+
+    def entry(name: str, cls: str, load_s: float, pin: bool) -> str:
+        return (
+            f"  - {{name: {name}, class: {cls}, adapter: safetensors-module, device: cpu0, "
+            f"memory: {nbytes}, load_seconds: {{disk: 0.05, host: 0.01}}, prewarm: false, "
+            f"pin: {str(pin).lower()}, source: {{factory: 'workers.demo:slow_mlp', path: '{path}', "
+            f"kwargs: {{width: {WIDTH}, load_s: {load_s}, infer_s: 0.0}}}}}}"
+        )
+
+    models = entry("batch", "background", 1.0, False) + "\n" + entry("chat", "interactive", 0.0, True)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        f"devices:\n  - {{name: cpu0, kind: cpu, memory: {nbytes + nbytes // 2 + 2**20}, reserve: {2**20}}}\n"
+        "host: {memory: 8GiB, reserve: 1GiB}\n"
+        "classes:\n  - {name: interactive}\n  - {name: background, may_evict: false}\n"
+        f"models:\n{models}\npolicy: {{name: residency, min_residency: 0}}\n"
+    )
+    config = load_config(cfg)  # the device holds one of the two; chat is pinned but not loaded yet
+
+    async def main() -> None:
+        pool = create_pool(config, in_process=True)
+        lm = LiveManager(config, pool)
+        await lm.start()
+        try:
+            assert lm.engine.models["chat"].tier == Tier.GPU  # a pinned model is loaded at start
+            lm.set_pin("chat", False)
+            lm.evict("chat")
+            request = asyncio.create_task(lm.infer("batch", X, timeout_s=3.0))
+            await until(lambda: lm.engine.models["batch"].tier == Tier.GPU)  # its load (1 s) begins
+            lm.evict("batch")  # the admin takes it off while the request waits for the load
+            await lm.preload("chat")  # and chat takes the room; a background request may not evict
+            with pytest.raises(DeadlineExceeded, match="taken off its device while the request waited"):
+                await request
+        finally:
+            await lm.stop()
+            pool.close()
+
+    asyncio.run(main())
+
+
+def test_an_admin_unpin_lets_a_model_that_could_never_fit_be_served(tmp_path: Path) -> None:
+    # The device holds one of the two models. While chat is pinned, other can never be loaded and is
+    # rejected with the reason; once an admin unpins chat, other is served (chat makes room). Before,
+    # the verdict worked out at start-up stood until a restart.
+    path = write_tiny_mlp(tmp_path / "mlp.safetensors", WIDTH)
+    nbytes = 2 * (WIDTH * WIDTH + WIDTH) * 4
+    src = f"source: {{factory: 'workers.demo:tiny_mlp', path: '{path}', kwargs: {{width: {WIDTH}}}}}"
+    models = "".join(
+        f"  - {{name: {name}, class: interactive, adapter: safetensors-module, device: cpu0, "
+        f"memory: {nbytes}, load_seconds: {{disk: 0.05, host: 0.01}}, prewarm: false, pin: {pin}, {src}}}\n"
+        for name, pin in (("chat", "true"), ("other", "false"))
+    )
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        f"devices:\n  - {{name: cpu0, kind: cpu, memory: {nbytes + nbytes // 2 + 2**20}, reserve: {2**20}}}\n"
+        "host: {memory: 8GiB, reserve: 1GiB}\nclasses:\n  - {name: interactive}\n"
+        f"models:\n{models}policy: {{name: residency, min_residency: 0}}\n"
+    )
+    config = load_config(cfg)
+
+    async def main() -> None:
+        pool = create_pool(config, in_process=True)
+        lm = LiveManager(config, pool)
+        await lm.start()
+        try:
+            with pytest.raises(InsufficientCapacity, match="can never give it more than"):
+                await lm.infer("other", X, timeout_s=5.0)
+            lm.set_pin("chat", False)
+            served = await lm.infer("other", X, timeout_s=5.0)
+            assert served.result.ok and lm.engine.models["chat"].tier != Tier.GPU
+            lm.set_pin("chat", True)  # pinned again (on the host tier now): other cannot be loaded
+            assert "can never" in lm.engine.never_fits["other"]
+        finally:
+            await lm.stop()
+            pool.close()
 
     asyncio.run(main())

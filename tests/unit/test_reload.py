@@ -81,3 +81,24 @@ def test_reload_applies_in_place_without_dropping_requests() -> None:
             pool.close()
 
     asyncio.run(main())
+
+
+def test_a_reload_works_out_again_which_models_can_never_fit() -> None:
+    # home.yaml: 22.5 GiB usable. A realtime reservation of 14 GiB leaves the interactive class at
+    # most 8.5 GiB, less than the LLM's 9 GiB: from that reload on the LLM is rejected with the reason,
+    # and the reload back makes it loadable again (before, the check from start-up stood).
+    from manager.policy.engine import Engine
+    from manager.policy.factory import create_policy
+    from manager.reload import apply_reload
+
+    base = load_config(HOME)
+    big = [c.model_copy(update={"reserve": 14 * 2**30}) if c.name == "realtime" else c for c in base.classes]
+    tight = base.model_copy(update={"classes": big})
+    engine = Engine(base, create_policy("lru-keepalive"))
+    engine.start(0.0)
+    llm = engine.models["llm"]
+    apply_reload(engine, tight)
+    adm = engine.admit(llm, llm.rank, 10.0)
+    assert adm.status == "reject" and "can never give it more than 8.5GiB" in adm.reason
+    apply_reload(engine, base)
+    assert engine.admit(llm, llm.rank, 20.0).status == "load"
