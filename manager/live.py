@@ -588,10 +588,29 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
 
     def set_pin(self, model: str, pinned: bool) -> None:
         """An admin's pin or unpin: it overrides the config's `pin` until the opposite call, across
-        hot reloads and restarts (kept in the store's "pins" document)."""
+        hot reloads and restarts (kept in the store's "pins" document). A pinned model is loaded as
+        soon as there is free room for it (as the config's pins are at start) and never evicted.
+        InvalidRequest: the pinned models would no longer fit their device together."""
         m = self._model(model)
+        was = m.pinned
         m.pinned = pinned
         self.engine.recheck_fit()  # a pinned model's bytes are no one else's room, and vice versa
+        if pinned and not was:
+            crowded = [
+                f"{o.name}: {self.engine.never_fits[o.name]}"
+                for o in self.engine.models.values()
+                if o.pinned and o.device == m.device and self.engine.never_fits[o.name]
+            ]
+            if crowded:
+                m.pinned = was
+                self.engine.recheck_fit()
+                raise InvalidRequest(
+                    f"cannot pin {model!r}: the pinned models would no longer fit {m.device!r} together "
+                    f"({'; '.join(crowded)})"
+                )
+        if pinned and m.tier != Tier.GPU:
+            self.engine.load_pinned(self.clock())  # into free room (or room past its keep-alive)
+            self._flush()
         if pinned == m.cfg.pin:
             self.pin_overrides.pop(model, None)
         else:

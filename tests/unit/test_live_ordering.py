@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from manager.config import load_config
-from manager.errors import DeadlineExceeded, InsufficientCapacity
+from manager.errors import DeadlineExceeded, InsufficientCapacity, InvalidRequest
 from manager.live import LiveManager
 from manager.policy.types import Tier
 from manager.workers_bridge import create_pool
@@ -217,25 +217,30 @@ def test_a_request_whose_model_is_evicted_during_its_load_says_why_it_timed_out(
     asyncio.run(main())
 
 
-def test_an_admin_unpin_lets_a_model_that_could_never_fit_be_served(tmp_path: Path) -> None:
-    # The device holds one of the two models. While chat is pinned, other can never be loaded and is
-    # rejected with the reason; once an admin unpins chat, other is served (chat makes room). Before,
-    # the verdict worked out at start-up stood until a restart.
+def one_of_two(tmp_path: Path, *, chat_pinned: bool, device_models: float = 1.5) -> Any:
+    """Two interactive tiny MLPs, chat and other, on a cpu device that holds `device_models` of them."""
     path = write_tiny_mlp(tmp_path / "mlp.safetensors", WIDTH)
     nbytes = 2 * (WIDTH * WIDTH + WIDTH) * 4
     src = f"source: {{factory: 'workers.demo:tiny_mlp', path: '{path}', kwargs: {{width: {WIDTH}}}}}"
     models = "".join(
         f"  - {{name: {name}, class: interactive, adapter: safetensors-module, device: cpu0, "
         f"memory: {nbytes}, load_seconds: {{disk: 0.05, host: 0.01}}, prewarm: false, pin: {pin}, {src}}}\n"
-        for name, pin in (("chat", "true"), ("other", "false"))
+        for name, pin in (("chat", str(chat_pinned).lower()), ("other", "false"))
     )
     cfg = tmp_path / "c.yaml"
     cfg.write_text(
-        f"devices:\n  - {{name: cpu0, kind: cpu, memory: {nbytes + nbytes // 2 + 2**20}, reserve: {2**20}}}\n"
-        "host: {memory: 8GiB, reserve: 1GiB}\nclasses:\n  - {name: interactive}\n"
+        f"devices:\n  - {{name: cpu0, kind: cpu, memory: {int(nbytes * device_models) + 2**20}, "
+        f"reserve: {2**20}}}\nhost: {{memory: 8GiB, reserve: 1GiB}}\nclasses:\n  - {{name: interactive}}\n"
         f"models:\n{models}policy: {{name: residency, min_residency: 0}}\n"
     )
-    config = load_config(cfg)
+    return load_config(cfg)
+
+
+def test_an_admin_unpin_lets_a_model_that_could_never_fit_be_served(tmp_path: Path) -> None:
+    # The device holds one of the two models. While chat is pinned, other can never be loaded and is
+    # rejected with the reason; once an admin unpins chat, other is served (chat makes room). Before,
+    # the verdict worked out at start-up stood until a restart.
+    config = one_of_two(tmp_path, chat_pinned=True)
 
     async def main() -> None:
         pool = create_pool(config, in_process=True)
@@ -249,6 +254,48 @@ def test_an_admin_unpin_lets_a_model_that_could_never_fit_be_served(tmp_path: Pa
             assert served.result.ok and lm.engine.models["chat"].tier != Tier.GPU
             lm.set_pin("chat", True)  # pinned again (on the host tier now): other cannot be loaded
             assert "can never" in lm.engine.never_fits["other"]
+        finally:
+            await lm.stop()
+            pool.close()
+
+    asyncio.run(main())
+
+
+def test_an_admin_pin_is_refused_when_the_pins_would_not_fit_together(tmp_path: Path) -> None:
+    config = one_of_two(tmp_path, chat_pinned=True)  # chat is pinned; the device holds one of two
+
+    async def main() -> None:
+        pool = create_pool(config, in_process=True)
+        lm = LiveManager(config, pool)
+        await lm.start()
+        try:
+            with pytest.raises(
+                InvalidRequest, match="cannot pin 'other': the pinned models would no longer fit"
+            ):
+                lm.set_pin("other", True)
+            assert not lm.engine.models["other"].pinned and lm.pin_overrides == {}
+            assert lm.engine.never_fits["chat"] == ""  # chat's own verdict is back as it was
+        finally:
+            await lm.stop()
+            pool.close()
+
+    asyncio.run(main())
+
+
+def test_an_admin_pin_loads_the_model_into_free_room(tmp_path: Path) -> None:
+    config = one_of_two(tmp_path, chat_pinned=False, device_models=2.5)  # room for both
+
+    async def main() -> None:
+        pool = create_pool(config, in_process=True)
+        lm = LiveManager(config, pool)
+        await lm.start()
+        try:
+            other = lm.engine.models["other"]
+            assert other.tier != Tier.GPU  # prewarm: false, nothing asked for it
+            lm.set_pin("other", True)
+            assert other.tier == Tier.GPU  # on the books at once, and on the device once confirmed
+            await until(lambda: "other" in pool.status("cpu0").models)
+            assert pool.status("cpu0").models["other"].tier == "gpu"
         finally:
             await lm.stop()
             pool.close()
