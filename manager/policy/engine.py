@@ -180,7 +180,7 @@ class Engine(TierMoves):
         if need > cap:
             return (
                 f"model '{m.name}' needs {fmt_bytes(need)} but device '{dev.name}' can never give it "
-                f"more than {fmt_bytes(cap)} (usable {fmt_bytes(dev.usable)}, less pinned models and "
+                f"more than {fmt_bytes(max(cap, 0))} (usable {fmt_bytes(dev.usable)}, less pinned models and "
                 f"higher classes' reservations {fmt_bytes(held)})"
             )
         return ""

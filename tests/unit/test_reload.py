@@ -102,3 +102,18 @@ def test_a_reload_works_out_again_which_models_can_never_fit() -> None:
     assert adm.status == "reject" and "can never give it more than 8.5GiB" in adm.reason
     apply_reload(engine, base)
     assert engine.admit(llm, llm.rank, 20.0).status == "load"
+
+
+def test_pins_that_overfill_a_device_give_reasons_not_a_crash() -> None:
+    # An admin may try to pin more than a device holds (the live manager then refuses the pin): the
+    # engine's verdict says so in bytes instead of failing to print a negative room (a ValueError
+    # escaped from an admin Pin, found by a chaos run).
+    from manager.policy.engine import Engine
+    from manager.policy.factory import create_policy
+
+    engine = Engine(load_config(HOME), create_policy("lru-keepalive"))
+    for name in ("llm", "image", "world", "photos"):  # 9 + 7 + 5 + 2.5 GiB pinned, 22.5 usable
+        engine.models[name].pinned = True
+    engine.recheck_fit()
+    assert "can never give it more than 0B" in engine.never_fits["tts"]  # 0.9 GiB, nothing left
+    assert "needs 9GiB" in engine.never_fits["llm"]
