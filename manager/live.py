@@ -79,6 +79,7 @@ class _Live:
     requests: int = 0
     last_used: float = 0.0
     inflight: int = 0
+    evict_to: str | None = None  # an admin's evict, waiting for the requests in flight to end
 
 
 @dataclass(frozen=True)
@@ -421,6 +422,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                 self.engine.finish(m, start, end - start)
                 self.engine.after_request(m, end)
                 self._flush()
+                self._deferred_evict(m)
             lost = not result.ok and result.error_code in (P.WORKER_DIED, P.BAD_TRANSITION)
             if not lost or attempt == 1 or self.clock() > deadline - 0.1:
                 break
@@ -552,6 +554,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             return
         if tier != "gpu":
             raise InvalidRequest(f"preload tier must be gpu or host, not {tier!r}")
+        self.live[model].evict_to = None  # the admin wants it on the GPU after all
         if m.tier != Tier.GPU:
             if not self.engine.make_room(m, m.rank, now, may_evict=True):
                 raise InsufficientCapacity(
@@ -562,11 +565,33 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         await self._ready(m, now + timeout_s)
 
     def evict(self, model: str, to: str = "disk") -> None:
+        """An admin's evict to host RAM or disk. A model serving requests (or a world session) goes
+        when the last of them ends, as Triton's unload and Ollama's stop do: taken off under a
+        request, the request would fail or load it again."""
         m = self._model(model)
         if m.pinned:
             raise InvalidRequest(f"model {model!r} is pinned; unpin it first")
         if to not in ("disk", "host"):
             raise InvalidRequest(f"evict to must be disk or host, not {to!r}")
+        live = self.live[model]
+        if live.inflight > 0:
+            live.evict_to = to
+            detail = f"to {to} when its {live.inflight} request(s) in flight end"
+            self._publish("evict_deferred", model, detail, m.device, self.clock())
+            return
+        self._evict_now(m, to)
+
+    def _deferred_evict(self, m: Any) -> None:
+        """Carry out an admin's evict that waited for `m`'s requests in flight, once none is left
+        (unless the model was pinned or preloaded since: then it stays)."""
+        live = self.live[m.name]
+        if live.evict_to is None or live.inflight > 0:
+            return
+        to, live.evict_to = live.evict_to, None
+        if not m.pinned:
+            self._evict_now(m, to)
+
+    def _evict_now(self, m: Any, to: str) -> None:
         if m.tier == Tier.GPU:
             self.engine.evict(m, self.clock(), "admin evict")
             if to == "disk" and m.tier == Tier.HOST:

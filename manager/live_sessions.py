@@ -112,6 +112,7 @@ class WorldSessionsMixin:
             self, m: Any, rank: int, cls_name: str, deadline: float, *, retry: bool = False
         ) -> tuple[float, bool]: ...
         def _lost(self, m: Any, why: str) -> None: ...
+        def _deferred_evict(self, m: Any) -> None: ...
         def _log(self, rec: dict[str, Any]) -> None: ...
         def _publish(
             self, kind: str, model: str, detail: str, device: str, t: float, **extra: Any
@@ -295,6 +296,7 @@ class WorldSessionsMixin:
             m.busy_until = end
         self.engine.finish(m, start, end - start)
         self._flush()
+        self._deferred_evict(m)
 
     async def step_session(
         self,

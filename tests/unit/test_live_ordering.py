@@ -301,3 +301,44 @@ def test_an_admin_pin_loads_the_model_into_free_room(tmp_path: Path) -> None:
             pool.close()
 
     asyncio.run(main())
+
+
+class SlowToStart(Recording):
+    """A pool whose inferences start `delay_s` late (a busy thread pool, a GIL-bound host)."""
+
+    def __init__(self, inner: Any, delay_s: float) -> None:
+        super().__init__(inner)
+        self.delay_s = delay_s
+
+    def infer(self, device: str, model: str, inputs: Any, timeout_s: float) -> Any:
+        time.sleep(self.delay_s)
+        self._note("infer", model)
+        return self.inner.infer(device, model, inputs, timeout_s)
+
+
+def test_an_admin_evict_waits_for_the_requests_in_flight(tmp_path: Path) -> None:
+    # Found by a chaos run: an evict that came after a request was admitted but before its device
+    # host ran it dropped the model under it; the request failed ("not resident"), or loaded it again.
+    # Now the evict waits for the requests in flight, as Triton's unload and Ollama's stop do.
+    config = one_of_two(tmp_path, chat_pinned=False, device_models=2.5)
+
+    async def main() -> None:
+        pool = SlowToStart(create_pool(config, in_process=True), delay_s=0.5)
+        lm = LiveManager(config, pool)
+        await lm.start()
+        try:
+            await lm.preload("other")
+            request = asyncio.create_task(lm.infer("other", X, timeout_s=10.0))
+            await until(lambda: lm.live["other"].inflight == 1)
+            lm.evict("other", "host")  # while the request is in flight
+            assert lm.engine.models["other"].tier == Tier.GPU  # not yet
+            served = await request
+            assert served.result.ok and not served.cold
+            assert lm.engine.models["other"].tier == Tier.HOST  # then it went
+            moves = [e for e in pool.log if e[-1] == "other" and e[0] in ("submit", "infer")]
+            assert moves == [("submit", "Load", "other"), ("infer", "other"), ("submit", "Demote", "other")]
+        finally:
+            await lm.stop()
+            pool.close()
+
+    asyncio.run(main())
