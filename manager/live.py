@@ -608,6 +608,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         apply_reload(self.engine, new)
         self.config = new
         self._apply_pins()  # an admin's pin or unpin outlives a reload of the file
+        self.engine.load_pinned(self.clock())  # a model pinned now is loaded into free room
+        self._flush()
         self._publish("config_reloaded", "", ", ".join(changes) or "no changes", "", self.clock())
         return changes
 

@@ -342,3 +342,23 @@ def test_an_admin_evict_waits_for_the_requests_in_flight(tmp_path: Path) -> None
             pool.close()
 
     asyncio.run(main())
+
+
+def test_a_model_pinned_by_a_reload_is_loaded_into_free_room(tmp_path: Path) -> None:
+    config = one_of_two(tmp_path, chat_pinned=False, device_models=2.5)  # room for both
+
+    async def main() -> None:
+        pool = create_pool(config, in_process=True)
+        lm = LiveManager(config, pool)
+        await lm.start()
+        try:
+            assert lm.engine.models["other"].tier != Tier.GPU
+            models = [m.model_copy(update={"pin": True}) if m.name == "other" else m for m in config.models]
+            assert lm.reload(config.model_copy(update={"models": models})) == ["models.other.pin"]
+            assert lm.engine.models["other"].tier == Tier.GPU  # as the config's pins are at start
+            await until(lambda: "other" in pool.status("cpu0").models)
+        finally:
+            await lm.stop()
+            pool.close()
+
+    asyncio.run(main())
