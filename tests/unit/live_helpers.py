@@ -19,9 +19,18 @@ AUDIO = {"audio": np.zeros(1024, dtype=np.float32)}
 TEXT = {"text": np.array([b"turn on the lights"], dtype=object)}
 
 
-def run(config: Config, body: Callable[[LiveManager], Awaitable[Any]], store: Any = None) -> Any:
+def run(
+    config: Config,
+    body: Callable[[LiveManager], Awaitable[Any]],
+    store: Any = None,
+    wrap: Callable[[Any], Any] | None = None,
+) -> Any:
+    """`await body(manager)` on a started live manager over in-process hosts (its pool is
+    `manager.pool`, wrapped by `wrap` when given, e.g. in a recording pool), then stop both."""
+
     async def main() -> Any:
         pool = create_pool(config, in_process=True)
+        pool = wrap(pool) if wrap is not None else pool
         manager = LiveManager(config, pool, store=store)
         await manager.start()
         try:

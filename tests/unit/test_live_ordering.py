@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from live_helpers import run
 
 from manager.config import load_config
 from manager.errors import DeadlineExceeded, InsufficientCapacity, InvalidRequest
@@ -196,25 +197,18 @@ def test_a_request_whose_model_is_evicted_during_its_load_says_why_it_timed_out(
     )
     config = load_config(cfg)  # the device holds one of the two; chat is pinned but not loaded yet
 
-    async def main() -> None:
-        pool = create_pool(config, in_process=True)
-        lm = LiveManager(config, pool)
-        await lm.start()
-        try:
-            assert lm.engine.models["chat"].tier == Tier.GPU  # a pinned model is loaded at start
-            lm.set_pin("chat", False)
-            lm.evict("chat")
-            request = asyncio.create_task(lm.infer("batch", X, timeout_s=3.0))
-            await until(lambda: lm.engine.models["batch"].tier == Tier.GPU)  # its load (1 s) begins
-            lm.evict("batch")  # the admin takes it off while the request waits for the load
-            await lm.preload("chat")  # and chat takes the room; a background request may not evict
-            with pytest.raises(DeadlineExceeded, match="taken off its device while the request waited"):
-                await request
-        finally:
-            await lm.stop()
-            pool.close()
+    async def body(lm: LiveManager) -> None:
+        assert lm.engine.models["chat"].tier == Tier.GPU  # a pinned model is loaded at start
+        lm.set_pin("chat", False)
+        lm.evict("chat")
+        request = asyncio.create_task(lm.infer("batch", X, timeout_s=3.0))
+        await until(lambda: lm.engine.models["batch"].tier == Tier.GPU)  # its load (1 s) begins
+        lm.evict("batch")  # the admin takes it off while the request waits for the load
+        await lm.preload("chat")  # and chat takes the room; a background request may not evict
+        with pytest.raises(DeadlineExceeded, match="taken off its device while the request waited"):
+            await request
 
-    asyncio.run(main())
+    run(config, body)
 
 
 def one_of_two(tmp_path: Path, *, chat_pinned: bool, device_models: float = 1.5) -> Any:
@@ -242,65 +236,43 @@ def test_an_admin_unpin_lets_a_model_that_could_never_fit_be_served(tmp_path: Pa
     # the verdict worked out at start-up stood until a restart.
     config = one_of_two(tmp_path, chat_pinned=True)
 
-    async def main() -> None:
-        pool = create_pool(config, in_process=True)
-        lm = LiveManager(config, pool)
-        await lm.start()
-        try:
-            with pytest.raises(InsufficientCapacity, match="can never give it more than"):
-                await lm.infer("other", X, timeout_s=5.0)
-            lm.set_pin("chat", False)
-            served = await lm.infer("other", X, timeout_s=5.0)
-            assert served.result.ok and lm.engine.models["chat"].tier != Tier.GPU
-            lm.set_pin("chat", True)  # pinned again (on the host tier now): other cannot be loaded
-            assert "can never" in lm.engine.never_fits["other"]
-        finally:
-            await lm.stop()
-            pool.close()
+    async def body(lm: LiveManager) -> None:
+        with pytest.raises(InsufficientCapacity, match="can never give it more than"):
+            await lm.infer("other", X, timeout_s=5.0)
+        lm.set_pin("chat", False)
+        served = await lm.infer("other", X, timeout_s=5.0)
+        assert served.result.ok and lm.engine.models["chat"].tier != Tier.GPU
+        lm.set_pin("chat", True)  # pinned again (on the host tier now): other cannot be loaded
+        assert "can never" in lm.engine.never_fits["other"]
 
-    asyncio.run(main())
+    run(config, body)
 
 
 def test_an_admin_pin_is_refused_when_the_pins_would_not_fit_together(tmp_path: Path) -> None:
     config = one_of_two(tmp_path, chat_pinned=True)  # chat is pinned; the device holds one of two
 
-    async def main() -> None:
-        pool = create_pool(config, in_process=True)
-        lm = LiveManager(config, pool)
-        await lm.start()
-        try:
-            with pytest.raises(
-                InvalidRequest, match="cannot pin 'other': the pinned models would no longer fit"
-            ):
-                lm.set_pin("other", True)
-            assert not lm.engine.models["other"].pinned and lm.pin_overrides == {}
-            assert lm.engine.never_fits["chat"] == ""  # chat's own verdict is back as it was
-        finally:
-            await lm.stop()
-            pool.close()
+    async def body(lm: LiveManager) -> None:
+        with pytest.raises(InvalidRequest, match="cannot pin 'other': the pinned models would no longer fit"):
+            lm.set_pin("other", True)
+        assert not lm.engine.models["other"].pinned and lm.pin_overrides == {}
+        assert lm.engine.never_fits["chat"] == ""  # chat's own verdict is back as it was
 
-    asyncio.run(main())
+    run(config, body)
 
 
 def test_an_admin_pin_loads_the_model_into_free_room(tmp_path: Path) -> None:
     config = one_of_two(tmp_path, chat_pinned=False, device_models=2.5)  # room for both
 
-    async def main() -> None:
-        pool = create_pool(config, in_process=True)
-        lm = LiveManager(config, pool)
-        await lm.start()
-        try:
-            other = lm.engine.models["other"]
-            assert other.tier != Tier.GPU  # prewarm: false, nothing asked for it
-            lm.set_pin("other", True)
-            assert other.tier == Tier.GPU  # on the books at once, and on the device once confirmed
-            await until(lambda: "other" in pool.status("cpu0").models)
-            assert pool.status("cpu0").models["other"].tier == "gpu"
-        finally:
-            await lm.stop()
-            pool.close()
+    async def body(lm: LiveManager) -> None:
+        pool = lm.pool
+        other = lm.engine.models["other"]
+        assert other.tier != Tier.GPU  # prewarm: false, nothing asked for it
+        lm.set_pin("other", True)
+        assert other.tier == Tier.GPU  # on the books at once, and on the device once confirmed
+        await until(lambda: "other" in pool.status("cpu0").models)
+        assert pool.status("cpu0").models["other"].tier == "gpu"
 
-    asyncio.run(main())
+    run(config, body)
 
 
 class SlowToStart(Recording):
@@ -322,43 +294,31 @@ def test_an_admin_evict_waits_for_the_requests_in_flight(tmp_path: Path) -> None
     # Now the evict waits for the requests in flight, as Triton's unload and Ollama's stop do.
     config = one_of_two(tmp_path, chat_pinned=False, device_models=2.5)
 
-    async def main() -> None:
-        pool = SlowToStart(create_pool(config, in_process=True), delay_s=0.5)
-        lm = LiveManager(config, pool)
-        await lm.start()
-        try:
-            await lm.preload("other")
-            request = asyncio.create_task(lm.infer("other", X, timeout_s=10.0))
-            await until(lambda: lm.live["other"].inflight == 1)
-            lm.evict("other", "host")  # while the request is in flight
-            assert lm.engine.models["other"].tier == Tier.GPU  # not yet
-            served = await request
-            assert served.result.ok and not served.cold
-            assert lm.engine.models["other"].tier == Tier.HOST  # then it went
-            moves = [e for e in pool.log if e[-1] == "other" and e[0] in ("submit", "infer")]
-            assert moves == [("submit", "Load", "other"), ("infer", "other"), ("submit", "Demote", "other")]
-        finally:
-            await lm.stop()
-            pool.close()
+    async def body(lm: LiveManager) -> None:
+        pool = lm.pool
+        await lm.preload("other")
+        request = asyncio.create_task(lm.infer("other", X, timeout_s=10.0))
+        await until(lambda: lm.live["other"].inflight == 1)
+        lm.evict("other", "host")  # while the request is in flight
+        assert lm.engine.models["other"].tier == Tier.GPU  # not yet
+        served = await request
+        assert served.result.ok and not served.cold
+        assert lm.engine.models["other"].tier == Tier.HOST  # then it went
+        moves = [e for e in pool.log if e[-1] == "other" and e[0] in ("submit", "infer")]
+        assert moves == [("submit", "Load", "other"), ("infer", "other"), ("submit", "Demote", "other")]
 
-    asyncio.run(main())
+    run(config, body, wrap=lambda p: SlowToStart(p, delay_s=0.5))
 
 
 def test_a_model_pinned_by_a_reload_is_loaded_into_free_room(tmp_path: Path) -> None:
     config = one_of_two(tmp_path, chat_pinned=False, device_models=2.5)  # room for both
 
-    async def main() -> None:
-        pool = create_pool(config, in_process=True)
-        lm = LiveManager(config, pool)
-        await lm.start()
-        try:
-            assert lm.engine.models["other"].tier != Tier.GPU
-            models = [m.model_copy(update={"pin": True}) if m.name == "other" else m for m in config.models]
-            assert lm.reload(config.model_copy(update={"models": models})) == ["models.other.pin"]
-            assert lm.engine.models["other"].tier == Tier.GPU  # as the config's pins are at start
-            await until(lambda: "other" in pool.status("cpu0").models)
-        finally:
-            await lm.stop()
-            pool.close()
+    async def body(lm: LiveManager) -> None:
+        pool = lm.pool
+        assert lm.engine.models["other"].tier != Tier.GPU
+        models = [m.model_copy(update={"pin": True}) if m.name == "other" else m for m in config.models]
+        assert lm.reload(config.model_copy(update={"models": models})) == ["models.other.pin"]
+        assert lm.engine.models["other"].tier == Tier.GPU  # as the config's pins are at start
+        await until(lambda: "other" in pool.status("cpu0").models)
 
-    asyncio.run(main())
+    run(config, body)
