@@ -29,6 +29,7 @@ from workers import protocol as P
 from workers.demo import write_tiny_mlp
 
 WIDTH = 512
+MLP_BYTES = 2 * (WIDTH * WIDTH + WIDTH) * 4  # tiny_mlp's two fp32 Linear layers
 CONFIG = """
 devices:
   - {{name: cpu0, kind: cpu, memory: 1GiB, reserve: 128MiB}}
@@ -96,7 +97,7 @@ class Recording:
 def setup(tmp_path: Path) -> Any:
     path = write_tiny_mlp(tmp_path / "mlp.safetensors", WIDTH)
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(CONFIG.format(mlp_bytes=2 * (WIDTH * WIDTH + WIDTH) * 4, path=path, width=WIDTH))
+    cfg.write_text(CONFIG.format(mlp_bytes=MLP_BYTES, path=path, width=WIDTH))
     return load_config(cfg)
 
 
@@ -177,12 +178,11 @@ def test_a_request_whose_model_is_evicted_during_its_load_says_why_it_timed_out(
     # model's load, when an admin evicted the model and another took the room, timed out saying
     # the model "did not finish loading" - it was waiting for room, not for a load.
     path = write_tiny_mlp(tmp_path / "mlp.safetensors", WIDTH)
-    nbytes = 2 * (WIDTH * WIDTH + WIDTH) * 4
 
     def entry(name: str, cls: str, load_s: float, pin: bool) -> str:
         return (
             f"  - {{name: {name}, class: {cls}, adapter: safetensors-module, device: cpu0, "
-            f"memory: {nbytes}, load_seconds: {{disk: 0.05, host: 0.01}}, prewarm: false, "
+            f"memory: {MLP_BYTES}, load_seconds: {{disk: 0.05, host: 0.01}}, prewarm: false, "
             f"pin: {str(pin).lower()}, source: {{factory: 'workers.demo:slow_mlp', path: '{path}', "
             f"kwargs: {{width: {WIDTH}, load_s: {load_s}, infer_s: 0.0}}}}}}"
         )
@@ -190,7 +190,8 @@ def test_a_request_whose_model_is_evicted_during_its_load_says_why_it_timed_out(
     models = entry("batch", "background", 1.0, False) + "\n" + entry("chat", "interactive", 0.0, True)
     cfg = tmp_path / "c.yaml"
     cfg.write_text(
-        f"devices:\n  - {{name: cpu0, kind: cpu, memory: {nbytes + nbytes // 2 + 2**20}, reserve: {2**20}}}\n"
+        f"devices:\n  - {{name: cpu0, kind: cpu, memory: {int(MLP_BYTES * 1.5) + 2**20}, "
+        f"reserve: {2**20}}}\n"
         "host: {memory: 8GiB, reserve: 1GiB}\n"
         "classes:\n  - {name: interactive}\n  - {name: background, may_evict: false}\n"
         f"models:\n{models}\npolicy: {{name: residency, min_residency: 0}}\n"
@@ -214,16 +215,16 @@ def test_a_request_whose_model_is_evicted_during_its_load_says_why_it_timed_out(
 def one_of_two(tmp_path: Path, *, chat_pinned: bool, device_models: float = 1.5) -> Any:
     """Two interactive tiny MLPs, chat and other, on a cpu device that holds `device_models` of them."""
     path = write_tiny_mlp(tmp_path / "mlp.safetensors", WIDTH)
-    nbytes = 2 * (WIDTH * WIDTH + WIDTH) * 4
     src = f"source: {{factory: 'workers.demo:tiny_mlp', path: '{path}', kwargs: {{width: {WIDTH}}}}}"
     models = "".join(
         f"  - {{name: {name}, class: interactive, adapter: safetensors-module, device: cpu0, "
-        f"memory: {nbytes}, load_seconds: {{disk: 0.05, host: 0.01}}, prewarm: false, pin: {pin}, {src}}}\n"
+        f"memory: {MLP_BYTES}, load_seconds: {{disk: 0.05, host: 0.01}}, prewarm: false, pin: {pin}, "
+        f"{src}}}\n"
         for name, pin in (("chat", str(chat_pinned).lower()), ("other", "false"))
     )
     cfg = tmp_path / "c.yaml"
     cfg.write_text(
-        f"devices:\n  - {{name: cpu0, kind: cpu, memory: {int(nbytes * device_models) + 2**20}, "
+        f"devices:\n  - {{name: cpu0, kind: cpu, memory: {int(MLP_BYTES * device_models) + 2**20}, "
         f"reserve: {2**20}}}\nhost: {{memory: 8GiB, reserve: 1GiB}}\nclasses:\n  - {{name: interactive}}\n"
         f"models:\n{models}policy: {{name: residency, min_residency: 0}}\n"
     )
