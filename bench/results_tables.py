@@ -82,6 +82,25 @@ def gaps() -> None:
                 f"| {g} ({len(d)}) | {x} | {part['session_starts']:.1f} | {part['in_session']:.1f} | "
                 f"{part['other']:.1f} | {total:.1f} ({thrash}) | {within} |"
             )
+    print()
+    cols = [
+        "weeks",
+        "the blind oracle within 1.5x of the oracle",
+        "residency within 1.5x of the oracle on those weeks",
+    ]
+    print("| " + " | ".join(cols) + " |")
+    print("|---|---:|---:|")
+    for g, d in groups.items():
+        feasible = [t for t in d.values() if near_oracle(t, "oracle-session-blind")]
+        met = sum(1 for t in feasible if near_oracle(t, "residency"))
+        print(f"| {g} ({len(d)}) | {len(feasible)} of {len(d)} | {met} of {len(feasible)} |")
+
+
+def near_oracle(t: dict[str, Any], policy: str, factor: float = 1.5) -> bool:
+    """Whether `policy`'s load wait on a week of gap_decomposition.json is within `factor` times the
+    oracle's (never, when the oracle waits 0 s and `policy` does not)."""
+    wait = {p: r["load_wait_s"] for p, r in t["policies"].items()}
+    return wait[policy] <= factor * wait["oracle"] if wait["oracle"] > 0 else wait[policy] == 0
 
 
 def speed() -> None:
