@@ -408,31 +408,12 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         live = self.live[model]
         cls_name = self.config.classes[rank].name
         arrival, cold = await self._queue_for(m, rank, cls_name, deadline)
-        retry_failed = ""
-        for attempt in range(2):
-            start = self.clock()
-            m.busy_until = math.inf  # busy while it runs: never evicted under a request
-            live.inflight += 1
-            try:
-                result = await self._run_infer(m.device, model, inputs, max(deadline - start, 0.1))
-            finally:
-                live.inflight -= 1
-                end = self.clock()
-                m.busy_until = end if live.inflight == 0 else m.busy_until
-                self.engine.finish(m, start, end - start)
-                self.engine.after_request(m, end)
-                self._flush()
-                self._deferred_evict(m)
-            lost = not result.ok and result.error_code in (P.WORKER_DIED, P.BAD_TRANSITION)
-            if not lost or attempt == 1 or self.clock() > deadline - 0.1:
-                break
-            self._lost(m, result.error or "the device host lost the model")
-            try:
-                _, again = await self._queue_for(m, rank, cls_name, deadline, retry=True)
-            except (DeadlineExceeded, InsufficientCapacity, WorkerUnavailable) as e:
-                retry_failed = str(e)  # the request ends with its first attempt's error, logged
-                break
-            cold = cold or again
+        try:
+            result, start, end, cold, retry_failed = await self._attempts(
+                m, rank, cls_name, inputs, deadline, cold
+            )
+        finally:
+            self._deferred_evict(m)  # an admin's evict waits for the request's end, its retry included
         wait = start - arrival
         self.waits[cls_name].append(wait)
         self.wait_total_s += wait
@@ -447,6 +428,38 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         if not result.ok:
             self._raise_infer_error(result)
         return Served(result, wait, cold)
+
+    async def _attempts(
+        self, m: Any, rank: int, cls_name: str, inputs: dict[str, np.ndarray], deadline: float, cold: bool
+    ) -> tuple[P.InferResult, float, float, bool, str]:
+        """Run an admitted request on its device host, once more if the host lost the model under it
+        (result, start and end of the last attempt, cold, why the retry failed)."""
+        live = self.live[m.name]
+        retry_failed = ""
+        for attempt in range(2):
+            start = self.clock()
+            m.busy_until = math.inf  # busy while it runs: never evicted under a request
+            live.inflight += 1
+            try:
+                result = await self._run_infer(m.device, m.name, inputs, max(deadline - start, 0.1))
+            finally:
+                live.inflight -= 1
+                end = self.clock()
+                m.busy_until = end if live.inflight == 0 else m.busy_until
+                self.engine.finish(m, start, end - start)
+                self.engine.after_request(m, end)
+                self._flush()
+            lost = not result.ok and result.error_code in (P.WORKER_DIED, P.BAD_TRANSITION)
+            if not lost or attempt == 1 or self.clock() > deadline - 0.1:
+                break
+            self._lost(m, result.error or "the device host lost the model")
+            try:
+                _, again = await self._queue_for(m, rank, cls_name, deadline, retry=True)
+            except (DeadlineExceeded, InsufficientCapacity, WorkerUnavailable) as e:
+                retry_failed = str(e)  # the request ends with its first attempt's error, logged
+                break
+            cold = cold or again
+        return result, start, end, cold, retry_failed
 
     async def _queue_for(
         self, m: Any, rank: int, cls_name: str, deadline: float, *, retry: bool = False

@@ -311,6 +311,48 @@ def test_an_admin_evict_waits_for_the_requests_in_flight(tmp_path: Path) -> None
     run(config, body, wrap=lambda p: SlowToStart(p, delay_s=0.5))
 
 
+class DiesUnderTheFirstRequest(SlowToStart):
+    """Its device host dies under the first inference: the model is gone from it, and the result
+    says so (as a Ray actor's death does); later inferences run as usual."""
+
+    def __init__(self, inner: Any, delay_s: float) -> None:
+        super().__init__(inner, delay_s)
+        self.died = False
+
+    def infer(self, device: str, model: str, inputs: Any, timeout_s: float) -> Any:
+        if self.died:
+            return super().infer(device, model, inputs, timeout_s)
+        time.sleep(self.delay_s)
+        self.died = True
+        self.inner.hosts[device].apply(P.Drop(model), "died")
+        self._note("died", model)
+        return P.InferResult(model, False, error_code=P.WORKER_DIED, error="the device host died")
+
+
+def test_an_admin_evict_that_waits_is_not_undone_by_the_requests_retry(tmp_path: Path) -> None:
+    # The evict that waits for the requests in flight was carried out after the first attempt of a
+    # request that the device host then retried (it had died under it): the retry loaded the model
+    # again, and the admin's evict was lost. It waits for the request's end, retries included.
+    config = one_of_two(tmp_path, chat_pinned=False, device_models=2.5)
+
+    async def body(lm: LiveManager) -> None:
+        pool = lm.pool
+        await lm.preload("other")
+        request = asyncio.create_task(lm.infer("other", X, timeout_s=10.0))
+        await until(lambda: lm.live["other"].inflight == 1)
+        lm.evict("other", "host")
+        served = await request
+        assert served.result.ok and served.cold  # lost under the request, reloaded, served
+        assert lm.engine.models["other"].tier == Tier.HOST  # and then the evict was carried out
+        assert lm.live["other"].evict_to is None
+        moves = [e[:2] for e in pool.log if e[-1] == "other" and e[0] in ("submit", "infer", "died")]
+        lost = [("submit", "Demote"), ("submit", "Drop")]  # the lost model taken off the books
+        assert moves == [("submit", "Load"), ("died", "other"), *lost, ("submit", "Load"), ("infer", "other"),
+                         ("submit", "Demote")]  # fmt: skip
+
+    run(config, body, wrap=lambda p: DiesUnderTheFirstRequest(p, delay_s=0.5))
+
+
 def test_a_model_pinned_by_a_reload_is_loaded_into_free_room(tmp_path: Path) -> None:
     config = one_of_two(tmp_path, chat_pinned=False, device_models=2.5)  # room for both
 
