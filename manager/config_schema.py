@@ -325,8 +325,9 @@ class TuningConfig(_Model):
     schedule: Literal["off", "daily", "weekly"] = "off"
     """How often the running service re-tunes itself from its own request log."""
     apply: Literal["propose", "auto"] = "propose"
-    """propose: write the tuned config and its report only; auto: also hot-apply it when it beats the
-    running config on the most recent days, held out from the search."""
+    """propose: write the tuned config and its report only; auto: also, when it beats the running
+    config on the most recent days (held out from the search), write the tuned fields into the config
+    file (comments kept; the replaced file is kept beside the proposal as previous.yaml) and hot-reload it."""
     since: Duration = 7 * 86400
     """How much of the request log to tune on."""
     out_dir: str = ".residency/tuning"

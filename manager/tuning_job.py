@@ -2,12 +2,15 @@
 report, and say whether it beats the running config on the most recent days (held out from the search).
 
 `run_tuning` is what `tuning.schedule` runs inside the service (and what `residency tune --from-store`
-does by hand). Applying is the caller's business: the service hot-reloads the proposal only with
-`tuning.apply: auto` and only when `better` is true.
+does by hand). Applying is the caller's business: with `tuning.apply: auto`, and only when `better` is
+true, the service writes the tuned fields into its config file (the file it replaced is kept beside the
+proposal, as `previous.yaml`), so that they outlive a restart, and hot-reloads it. A run that fails is
+recorded and tried again after `RETRY_S`, not at every check of the schedule.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +23,8 @@ from manager.replay.tune import objective, split_holdout, tune
 from manager.store.export import export_trace
 
 PERIOD_S = {"daily": 86400.0, "weekly": 7 * 86400.0}
+RETRY_S = 3600.0
+"""A scheduled run that failed is tried again after this long."""
 
 
 @dataclass
@@ -32,6 +37,8 @@ class TuningOutcome:
     holdout_before: dict[str, Any] | None = None
     holdout_after: dict[str, Any] | None = None
     reason: str = ""
+    model_updates: dict[str, dict[str, Any]] = field(default_factory=dict)
+    class_updates: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def run_tuning(config: Config, config_path: Path, store: Any, now: float | None = None) -> TuningOutcome:
@@ -58,8 +65,9 @@ def run_tuning(config: Config, config_path: Path, store: Any, now: float | None 
     better = bool(res.changes) and objective(after) < objective(before)
     why = "beats the running config on the held-out days" if better else "no improvement on the held-out days"
     return TuningOutcome(
-        proposal, report, n, list(res.changes), better, before.to_json(), after.to_json(), reason=why
-    )
+        proposal, report, n, list(res.changes), better, before.to_json(), after.to_json(), why,
+        res.model_updates, res.class_updates,
+    )  # fmt: skip
 
 
 def _report(out: Path, config: Config, res: Any, reqs: list[Any]) -> Path:
@@ -76,24 +84,50 @@ def _report(out: Path, config: Config, res: Any, reqs: list[Any]) -> Path:
 
 
 def due(config: Config, store: Any, now: float) -> bool:
-    """Whether the schedule says a tuning run is due (the last run's time is kept in the store)."""
+    """Whether the schedule says a tuning run is due (the last run's time is kept in the store); a run
+    that failed is tried again `RETRY_S` after its failure."""
     period = PERIOD_S.get(config.tuning.schedule)
     if period is None:
         return False
-    last = (store.get_doc("tuning") or {}).get("last_run", 0.0)
-    return bool(now - float(last) >= period)
+    doc = store.get_doc("tuning") or {}
+    failed = doc.get("failed_at")
+    if failed is not None and now - float(failed) < RETRY_S:
+        return False
+    return bool(now - float(doc.get("last_run", 0.0)) >= period)
+
+
+def write_back(config_path: Path, outcome: TuningOutcome) -> str:
+    """Write the tuned fields into the config file itself (comments kept; the replaced file kept as
+    `previous.yaml` beside the proposal). Returns "" when written, else why not."""
+    assert outcome.proposal is not None
+    tmp = config_path.with_name(f".{config_path.name}.tuned")
+    try:
+        (outcome.proposal.parent / "previous.yaml").write_bytes(config_path.read_bytes())
+        write_config_with_updates(config_path, tmp, outcome.model_updates, outcome.class_updates)
+        os.replace(tmp, config_path)
+    except (OSError, ValueError) as e:  # ConfigError is a ValueError: the file changed under us
+        tmp.unlink(missing_ok=True)
+        return f"not written into {config_path}: {e}"
+    return ""
 
 
 def tuning_step(manager: Any, config_path: Path, store: Any, now: float) -> TuningOutcome:
-    """One scheduled run: tune, record it in the store, and hot-apply it when `apply: auto` and better."""
-    from manager.config import load_config
+    """One scheduled run: tune, record it in the store, and apply it when `apply: auto` and better
+    (written into the config file, then hot-reloaded; the proposal alone if the file cannot be written)."""
+    from manager.config import ConfigError, load_config
+    from manager.reload import RestartNeeded
 
     config: Config = manager.config
     outcome = run_tuning(config, config_path, store, now)
     applied = False
     if outcome.better and config.tuning.apply == "auto" and outcome.proposal is not None:
-        manager.reload(load_config(outcome.proposal))
-        applied = True
+        unwritten = write_back(config_path, outcome)
+        try:
+            manager.reload(load_config(outcome.proposal if unwritten else config_path))
+            applied = True
+            outcome.reason += "; applied" + (f", but {unwritten}: a restart reverts it" if unwritten else "")
+        except (ConfigError, RestartNeeded) as e:
+            outcome.reason += f"; not applied: {e}"
     store.put_doc(
         "tuning",
         {
@@ -105,3 +139,22 @@ def tuning_step(manager: Any, config_path: Path, store: Any, now: float) -> Tuni
         },
     )  # fmt: skip
     return outcome
+
+
+def scheduled_tuning(manager: Any, config_path: Path, store: Any, now: float) -> str | None:
+    """What the service's schedule runs at each check: a tuning run when one is due (None when none
+    is). Never raises: a failure (the store down, the output folder not writable, a bug) is recorded,
+    when the store allows, and tried again after `RETRY_S`. Returns what to say of the run."""
+    try:
+        if not due(manager.config, store, now):
+            return None
+        out = tuning_step(manager, config_path, store, now)
+    except Exception as e:
+        why = f"{type(e).__name__}: {e}"
+        try:
+            doc = store.get_doc("tuning") or {}
+            store.put_doc("tuning", {**doc, "failed_at": now, "error": why})
+        except Exception:
+            return f"failed ({why}); the store could not record it: retried at the next check"
+        return f"failed ({why}); retried in {RETRY_S / 3600:g} h"
+    return f"{out.reason}; changes: {', '.join(out.changes) or 'none'}; proposal: {out.proposal}"

@@ -254,21 +254,38 @@ async def watch_config(manager: LiveManager, path: str, every_s: float = 2.0) ->
             manager._publish("config_rejected", "", str(e), "", manager.clock())
 
 
-async def tuning_loop(manager: LiveManager, path: str, store: Any, check_s: float = 60.0) -> None:
-    """Run the built-in tuning when its schedule says it is due (in a thread: it replays weeks)."""
-    from manager.tuning_job import due, tuning_step
+class _ReloadOnLoop:
+    """The manager as the tuning thread sees it: its config, and a reload that runs on the event
+    loop's thread (the manager is not thread-safe), waiting for its result."""
 
+    def __init__(self, manager: LiveManager, loop: asyncio.AbstractEventLoop) -> None:
+        self.manager = manager
+        self.loop = loop
+
+    @property
+    def config(self) -> Config:
+        return self.manager.config
+
+    def reload(self, new: Config) -> list[str]:
+        async def on_loop() -> list[str]:
+            return self.manager.reload(new)
+
+        return asyncio.run_coroutine_threadsafe(on_loop(), self.loop).result()
+
+
+async def tuning_loop(manager: LiveManager, path: str, store: Any, check_s: float = 60.0) -> None:
+    """Run the built-in tuning when its schedule says it is due (in a thread: it replays weeks). A
+    failed run is logged, said in a "tuning" event and tried again later (`scheduled_tuning`)."""
+    from manager.tuning_job import scheduled_tuning
+
+    on_loop = _ReloadOnLoop(manager, asyncio.get_running_loop())
     while True:
         now = manager.clock()
-        if due(manager.config, store, now):
-            try:
-                out = await asyncio.to_thread(tuning_step, manager, Path(path), store, now)
-                detail = (
-                    f"{out.reason}; changes: {', '.join(out.changes) or 'none'}; proposal: {out.proposal}"
-                )
-                manager._publish("tuning", "", detail, "", now)
-            except Exception:
-                logger.exception("scheduled tuning failed")
+        detail = await asyncio.to_thread(scheduled_tuning, on_loop, Path(path), store, now)
+        if detail is not None:
+            if detail.startswith("failed"):
+                logger.warning("scheduled tuning %s", detail)
+            manager._publish("tuning", "", detail, "", now)
         await asyncio.sleep(check_s)
 
 

@@ -11,7 +11,7 @@ from manager.config import Config, load_config
 from manager.replay.synth import synth
 from manager.replay.trace import write_trace
 from manager.store import open_store
-from manager.tuning_job import due, run_tuning, tuning_step
+from manager.tuning_job import RETRY_S, due, run_tuning, scheduled_tuning, tuning_step
 
 ROOT = Path(__file__).resolve().parents[2]
 HANDWRITTEN = ROOT / "configs" / "examples" / "home-handwritten.yaml"
@@ -68,10 +68,17 @@ def test_the_schedule_applies_only_when_auto_and_better(filled: tuple[Any, float
     store, now, cfg = filled
     manager = _Manager(load_config(cfg))
     assert due(manager.config, store, now)
+    original = cfg.read_text()
     out = tuning_step(manager, cfg, store, now)
     assert out.better and len(manager.reloaded) == 1
     doc = store.get_doc("tuning")
     assert doc is not None and doc["applied"] and doc["last_run"] == now
+    # applied into the config file itself, so that a restart keeps it; the replaced file is kept
+    assert out.proposal is not None and (out.proposal.parent / "previous.yaml").read_text() == original
+    assert load_config(cfg) == manager.config and load_config(cfg).models == load_config(out.proposal).models
+    assert manager.config.models != load_config(out.proposal.parent / "previous.yaml").models
+    comments = [line.strip() for line in original.splitlines() if line.strip().startswith("#")]
+    assert comments and all(c in cfg.read_text() for c in comments)  # the file's comments are kept
     assert not due(manager.config, store, now + 3600)  # weekly: not again within the week
     propose = _Manager(
         load_config(cfg).model_copy(
@@ -93,3 +100,101 @@ def test_too_little_history_is_said_not_guessed(tmp_path: Path) -> None:
     out = run_tuning(config, HANDWRITTEN, store, 2000.0)
     assert out.proposal is None and not out.better and "too few days" in out.reason
     store.close()
+
+
+def test_a_config_file_that_cannot_be_written_is_applied_until_a_restart_and_says_so(
+    filled: tuple[Any, float, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, now, cfg = filled
+    original = cfg.read_text()
+
+    import os
+
+    replace = os.replace
+
+    def read_only(src: Any, dst: Any) -> None:  # the config's folder is read-only (as root, chmod is not)
+        if Path(dst) == cfg:
+            raise PermissionError(13, "Permission denied", str(dst))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", read_only)
+    manager = _Manager(load_config(cfg))
+    out = tuning_step(manager, cfg, store, now)
+    assert out.better and len(manager.reloaded) == 1 and out.proposal is not None
+    assert manager.config.models == load_config(out.proposal).models  # applied from the proposal
+    assert cfg.read_text() == original and not list(cfg.parent.glob(f".{cfg.name}*"))  # no leftovers
+    assert f"not written into {cfg}" in out.reason and "Permission denied" in out.reason
+    assert "a restart reverts it" in out.reason
+    doc = store.get_doc("tuning")
+    assert doc is not None and doc["applied"] and doc["reason"] == out.reason
+    store.close()
+
+
+def test_a_failed_run_is_recorded_and_tried_again_later_not_at_every_check(
+    filled: tuple[Any, float, Path],
+) -> None:
+    store, now, cfg = filled
+    config = load_config(cfg)
+    blocked = Path(config.tuning.out_dir)
+    blocked.parent.mkdir(parents=True, exist_ok=True)
+    blocked.write_text("a file where the output folder should be")
+    manager = _Manager(config)
+    said = scheduled_tuning(manager, cfg, store, now)
+    assert (
+        said is not None and said.startswith("failed (") and str(blocked) in said and "retried in 1 h" in said
+    )
+    doc = store.get_doc("tuning")
+    assert doc is not None and doc["failed_at"] == now and str(blocked) in doc["error"]
+    assert scheduled_tuning(manager, cfg, store, now + 60) is None  # the next check does not rerun it
+    assert not due(config, store, now + RETRY_S - 1) and due(config, store, now + RETRY_S)
+    blocked.unlink()  # fixed: the retry runs, and a success clears the failure
+    said = scheduled_tuning(manager, cfg, store, now + RETRY_S)
+    assert said is not None and "applied" in said and manager.reloaded
+    doc = store.get_doc("tuning")
+    assert doc is not None and "failed_at" not in doc and doc["last_run"] == now + RETRY_S
+    store.close()
+
+
+def test_a_store_that_is_down_does_not_stop_the_schedule(filled: tuple[Any, float, Path]) -> None:
+    store, now, cfg = filled
+
+    class Down:
+        def get_doc(self, key: str) -> Any:
+            raise ConnectionError("redis at 127.0.0.1:6379 is down")
+
+        put_doc = get_doc
+
+    said = scheduled_tuning(_Manager(load_config(cfg)), cfg, Down(), now)
+    assert (
+        said is not None
+        and "redis at 127.0.0.1:6379 is down" in said
+        and "the store could not record it" in said
+    )
+    store.close()
+
+
+def test_the_services_tuning_thread_reloads_on_the_event_loops_thread(
+    filled: tuple[Any, float, Path],
+) -> None:
+    import asyncio
+    import threading
+
+    from manager.api.server import _ReloadOnLoop
+
+    store, _now, cfg = filled
+    store.close()
+    threads: list[int] = []
+
+    class Recording(_Manager):
+        def reload(self, new: Config) -> list[str]:
+            threads.append(threading.get_ident())
+            return super().reload(new)
+
+    async def main() -> None:
+        manager = Recording(load_config(cfg))
+        proxy = _ReloadOnLoop(manager, asyncio.get_running_loop())  # type: ignore[arg-type]
+        assert await asyncio.to_thread(lambda: proxy.config) is manager.config
+        assert await asyncio.to_thread(proxy.reload, load_config(HANDWRITTEN)) == []
+        assert threads == [threading.get_ident()] and manager.config == load_config(HANDWRITTEN)
+
+    asyncio.run(main())
