@@ -211,15 +211,54 @@ class WorldSessionsMixin:
         deadline = self.clock() + timeout_s
         arrival = await self._admit(m, rank, deadline)
         await self._ready(m, deadline)
-        live = self.live[model]
         m.busy_until = math.inf
-        live.inflight += 1
+        self.live[model].inflight += 1
         sid = resume_id or uuid.uuid4().hex[:12]
-        resume = resume_id is not None
+        # shielded: a client that hangs up mid-open (its RPC cancelled) must not leave the model busy
+        # and the session open on its host with nobody to close it; it is closed once it has opened
+        opening = asyncio.ensure_future(self._open_on_host(m, rank, sid, codec, resume_id, arrival, deadline))
+        try:
+            return await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            opening.add_done_callback(lambda _: self._abandoned(sid))
+            raise
+
+    def _abandoned(self, sid: str) -> None:
+        """The client of a session that was opening hung up: close the session if it opened."""
+        if sid in self.sessions:
+            task = asyncio.get_running_loop().create_task(self.close_session(sid))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _open_on_host(
+        self, m: Any, rank: int, sid: str, codec: str, resume_id: str | None, arrival: float, deadline: float
+    ) -> tuple[str, dict[str, Any]]:
+        """Open (or resume) session `sid` on `m`'s device host, `m` already counted busy for it; it is
+        counted idle again on any failure."""
+        try:
+            reply = await self._open_reply(m, rank, sid, codec, resume_id is not None, deadline)
+        except BaseException:
+            self._end_busy(m, arrival)
+            raise
+        if not reply.ok:
+            self._end_busy(m, arrival)
+            if reply.error_code == P.NO_SESSION:
+                raise ModelNotFound(f"no saved world session {sid!r} to resume")
+            raise worker_error(reply.error_code, f"world session on {m.name!r} could not open: {reply.error}")
+        data = dict(reply.data)
+        self.sessions[sid] = (m.name, arrival, rank)
+        self._world[sid] = _World(str(data.get("codec", codec)), int(data.get("next_segment", 0)))
+        kind = "session_resumed" if resume_id is not None else "session_opened"
+        self._publish(kind, m.name, f"session {sid}", m.device, self.clock(), lease=m.lease)
+        return sid, data
+
+    async def _open_reply(
+        self, m: Any, rank: int, sid: str, codec: str, resume: bool, deadline: float
+    ) -> P.SessionReply:
         await asyncio.to_thread(self._prune_sessions, keep={*self.sessions, sid})
         for attempt in range(2):  # a host that lost the model (it restarted) loads it again, in time
-            reply = await asyncio.to_thread(
-                self.pool.session, m.device, "open", model, sid, int(m.lease or m.lease_min),
+            reply: P.SessionReply = await asyncio.to_thread(
+                self.pool.session, m.device, "open", m.name, sid, int(m.lease or m.lease_min),
                 (codec or None) if resume else codec, str(self.session_dir / sid), resume,
             )  # fmt: skip
             lost = reply.error_code in (P.WORKER_DIED, P.BAD_TRANSITION)
@@ -230,17 +269,7 @@ class WorldSessionsMixin:
             with contextlib.suppress(DeadlineExceeded, InsufficientCapacity, WorkerUnavailable):
                 await self._queue_for(m, rank, self.config.classes[rank].name, deadline, retry=True)
             m.busy_until = math.inf
-        if not reply.ok:
-            self._end_busy(m, arrival)
-            if reply.error_code == P.NO_SESSION:
-                raise ModelNotFound(f"no saved world session {sid!r} to resume")
-            raise worker_error(reply.error_code, f"world session on {model!r} could not open: {reply.error}")
-        data = dict(reply.data)
-        self.sessions[sid] = (model, arrival, rank)
-        self._world[sid] = _World(str(data.get("codec", codec)), int(data.get("next_segment", 0)))
-        kind = "session_resumed" if resume_id is not None else "session_opened"
-        self._publish(kind, model, f"session {sid}", m.device, self.clock(), lease=m.lease)
-        return sid, data
+        return reply
 
     async def _reopen_session(self, sid: str, why: str, deadline: float) -> dict[str, Any]:
         """The device host lost session `sid` (it died, or restarted empty): load the model again if the

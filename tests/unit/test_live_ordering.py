@@ -311,6 +311,47 @@ def test_an_admin_evict_waits_for_the_requests_in_flight(tmp_path: Path) -> None
     run(config, body, wrap=lambda p: SlowToStart(p, delay_s=0.5))
 
 
+class SlowToOpen(Recording):
+    """A pool whose device host takes `open_s` to open a world session (a cold codec, a slow disk)."""
+
+    def __init__(self, inner: Any, open_s: float) -> None:
+        super().__init__(inner)
+        self.open_s = open_s
+
+    def session(self, device: str, method: str, *args: Any, timeout_s: float = 120.0) -> P.SessionReply:
+        if method == "open":
+            time.sleep(self.open_s)
+        reply = super().session(device, method, *args, timeout_s=timeout_s)
+        self._note("session", method, str(args[1] if method == "open" else args[0]))
+        return reply
+
+
+def test_a_session_open_cancelled_by_its_client_leaves_nothing_open_or_busy(tmp_path: Path) -> None:
+    # A client that hung up while the device host opened its world session (the RPC's task is
+    # cancelled) left the world model busy for good (never evicted, its evicts deferred forever),
+    # and the session open on the host, holding its KV lease, with nobody to close it.
+    config = setup(tmp_path)
+
+    async def body(lm: LiveManager) -> None:
+        pool, world = lm.pool, lm.engine.models["world"]
+        opening = asyncio.create_task(lm.open_session("world"))
+        await until(lambda: lm.live["world"].inflight == 1)
+        await asyncio.sleep(0.2)  # the host is opening it
+        opening.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await opening
+        await until(lambda: lm.live["world"].inflight == 0)
+        opened = [e[2] for e in pool.log if e[:2] == ("session", "open")]
+        assert len(opened) == 1 and ("session", "close", opened[0]) in pool.log  # closed once opened
+        assert lm.sessions == {} and world.busy_until < float("inf")
+        lm.evict("world", "host")  # not deferred: nothing holds it
+        assert world.tier == Tier.HOST
+        sid, _ = await lm.open_session("world")  # and the next session opens as usual
+        await lm.close_session(sid)
+
+    run(config, body, wrap=lambda p: SlowToOpen(p, open_s=0.6))
+
+
 class DiesUnderTheFirstRequest(SlowToStart):
     """Its device host dies under the first inference: the model is gone from it, and the result
     says so (as a Ray actor's death does); later inferences run as usual."""
