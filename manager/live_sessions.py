@@ -370,14 +370,16 @@ class WorldSessionsMixin:
         model, opened, rank = self.sessions.pop(sid)
         self._world.pop(sid, None)
         m = self.engine.models[model]
-        reply = await asyncio.to_thread(self.pool.session, m.device, "close", sid)
-        self._end_busy(m, opened)
-        live = self.live[model]
-        live.requests += 1
-        self.served += 1
-        if self.store is not None:
-            rec = {"t": opened, "model": model, "busy_s": round(self.clock() - opened, 6), "kind": "session",
-                   "class": self.config.classes[rank].name}  # fmt: skip
-            self._log(rec)
-        self._publish("session_closed", model, f"session {sid}", m.device, self.clock())
+        try:  # the books are closed even when this is cancelled (or the host fails) midway
+            reply = await asyncio.to_thread(self.pool.session, m.device, "close", sid)
+        finally:
+            self._end_busy(m, opened)
+            live = self.live[model]
+            live.requests += 1
+            self.served += 1
+            if self.store is not None:
+                rec = {"t": opened, "model": model, "busy_s": round(self.clock() - opened, 6),
+                       "kind": "session", "class": self.config.classes[rank].name}  # fmt: skip
+                self._log(rec)
+            self._publish("session_closed", model, f"session {sid}", m.device, self.clock())
         return dict(reply.data)

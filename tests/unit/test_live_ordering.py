@@ -311,16 +311,16 @@ def test_an_admin_evict_waits_for_the_requests_in_flight(tmp_path: Path) -> None
     run(config, body, wrap=lambda p: SlowToStart(p, delay_s=0.5))
 
 
-class SlowToOpen(Recording):
-    """A pool whose device host takes `open_s` to open a world session (a cold codec, a slow disk)."""
+class SlowSessions(Recording):
+    """A pool whose device host takes `delays[method]` seconds to open or close a world session (a
+    cold codec, a slow disk)."""
 
-    def __init__(self, inner: Any, open_s: float) -> None:
+    def __init__(self, inner: Any, **delays: float) -> None:
         super().__init__(inner)
-        self.open_s = open_s
+        self.delays = delays
 
     def session(self, device: str, method: str, *args: Any, timeout_s: float = 120.0) -> P.SessionReply:
-        if method == "open":
-            time.sleep(self.open_s)
+        time.sleep(self.delays.get(method, 0.0))
         reply = super().session(device, method, *args, timeout_s=timeout_s)
         self._note("session", method, str(args[1] if method == "open" else args[0]))
         return reply
@@ -349,7 +349,27 @@ def test_a_session_open_cancelled_by_its_client_leaves_nothing_open_or_busy(tmp_
         sid, _ = await lm.open_session("world")  # and the next session opens as usual
         await lm.close_session(sid)
 
-    run(config, body, wrap=lambda p: SlowToOpen(p, open_s=0.6))
+    run(config, body, wrap=lambda p: SlowSessions(p, open=0.6))
+
+
+def test_a_session_close_cancelled_midway_still_frees_the_model(tmp_path: Path) -> None:
+    # The stream's end closes its session; a second cancellation of that task (a server shutting
+    # down with grace, a client gone) during the host's close left the model busy for good.
+    config = setup(tmp_path)
+
+    async def body(lm: LiveManager) -> None:
+        pool, world = lm.pool, lm.engine.models["world"]
+        sid, _ = await lm.open_session("world")
+        closing = asyncio.create_task(lm.close_session(sid))
+        await asyncio.sleep(0.2)  # the host is closing it
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        assert lm.live["world"].inflight == 0 and world.busy_until < float("inf") and lm.sessions == {}
+        assert lm.served == 1  # the session counts as served, and is logged as one
+        await until(lambda: ("session", "close", sid) in pool.log)  # the host still closes it
+
+    run(config, body, wrap=lambda p: SlowSessions(p, close=0.6))
 
 
 class DiesUnderTheFirstRequest(SlowToStart):
