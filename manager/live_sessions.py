@@ -97,6 +97,7 @@ class WorldSessionsMixin:
     sessions: dict[str, tuple[str, float, int]]
     session_dir: Path
     _world: dict[str, _World]
+    _world_opening: set[str]
     _ops: dict[str, tuple[str, ActionKind]]
     _background: set[asyncio.Task[Any]]
     _lease_chain: dict[str, asyncio.Task[Any]]
@@ -207,21 +208,36 @@ class WorldSessionsMixin:
             raise InvalidRequest(f"resume_session_id {resume_id!r} is not a session id (12 hex digits)")
         if resume_id is not None and resume_id in self.sessions:
             raise InvalidRequest(f"world session {resume_id!r} is open: end its stream first")
+        running = next((sid for sid, (name, _, _) in self.sessions.items() if name == model), None)
+        if running is not None or model in self._world_opening:
+            raise InsufficientCapacity(
+                f"world model {model!r} runs a session ({running or 'opening'}); a world model runs one at "
+                "a time (its rolling KV window is the model's): retry when it ends"
+            )
         rank = self.rank_of(m, cls)
         deadline = self.clock() + timeout_s
-        arrival = await self._admit(m, rank, deadline)
-        await self._ready(m, deadline)
-        m.busy_until = math.inf
-        self.live[model].inflight += 1
-        sid = resume_id or uuid.uuid4().hex[:12]
-        # shielded: a client that hangs up mid-open (its RPC cancelled) must not leave the model busy
-        # and the session open on its host with nobody to close it; it is closed once it has opened
-        opening = asyncio.ensure_future(self._open_on_host(m, rank, sid, codec, resume_id, arrival, deadline))
+        self._world_opening.add(model)  # until the open below is over, even for a client gone
+        opening: asyncio.Future[tuple[str, dict[str, Any]]] | None = None
         try:
-            return await asyncio.shield(opening)
-        except asyncio.CancelledError:
-            opening.add_done_callback(lambda _: self._abandoned(sid))
-            raise
+            arrival = await self._admit(m, rank, deadline)
+            await self._ready(m, deadline)
+            m.busy_until = math.inf
+            self.live[model].inflight += 1
+            sid = resume_id or uuid.uuid4().hex[:12]
+            # shielded: a client that hangs up mid-open (its RPC cancelled) must not leave the model
+            # busy and the session open on its host with nobody to close it: it is closed once open
+            opening = asyncio.ensure_future(
+                self._open_on_host(m, rank, sid, codec, resume_id, arrival, deadline)
+            )
+            opening.add_done_callback(lambda _: self._world_opening.discard(model))
+            try:
+                return await asyncio.shield(opening)
+            except asyncio.CancelledError:
+                opening.add_done_callback(lambda _: self._abandoned(sid))
+                raise
+        finally:
+            if opening is None:
+                self._world_opening.discard(model)
 
     def _abandoned(self, sid: str) -> None:
         """The client of a session that was opening hung up: close the session if it opened."""

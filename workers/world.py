@@ -6,9 +6,10 @@ continuing at ``resume_at`` at the latest); `step(session_id, pose)` per segment
 segment's latents and its stall and tier figures as plain data); `resize(session_id, kv_bytes)`
 whenever the manager changes the model's elastic lease; `close(session_id)`. On the CPU stand-in
 the lease is the session's host KV budget (its "device" memory is RAM); on CUDA it is the GPU
-retrieval budget. A lease below what the runtime needs to keep working (three segments) is raised to
-that floor, and the result says so. One lock per session: a resize may arrive from the manager while
-a step runs.
+retrieval budget. A world model runs one session at a time: its rolling KV window lives on the module
+(as MG2's `kv_cache` does), so a second session would reset it under the first. A lease below what
+the runtime needs to keep working (three segments) is raised to that floor, and the result says so.
+One lock per session: a resize may arrive from the manager while a step runs.
 
 Durability: a step returns only once its segment is in the session's log (written, not fsynced: it
 survives the host process, not the machine), and the log's index is saved every `INDEX_EVERY`
@@ -47,6 +48,7 @@ class WorldSessions:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.open_sessions: dict[str, _Open] = {}
+        self._opening = threading.Lock()
 
     def _floor(self, o: _Open, kv_bytes: int) -> int:
         return max(int(kv_bytes), MIN_SEGMENTS * o.segment_bytes)
@@ -66,11 +68,31 @@ class WorldSessions:
         """Open a new session in ``log_dir``, or (``resume``) reopen the one saved there. The reply
         says where it continues (``next_segment``) and, on a resume, what was found unusable: slots
         (``corrupt_slots``: slot -> reason) and segments (``missing_segments``), never attended to."""
+        with self._opening:  # one open at a time: the check below holds until the session is in
+            if session_id in self.open_sessions:
+                raise ValueError(f"session {session_id!r} is already open")
+            running = next((sid for sid, o in self.open_sessions.items() if o.model == model), None)
+            if running is not None:
+                raise ValueError(
+                    f"model {model!r} runs world session {running!r}: one session at a time per world "
+                    "model (its rolling KV window is the model's)"
+                )
+            return self._open(model, module, session_id, kv_bytes, log_dir, codec, resume, resume_at)
+
+    def _open(
+        self,
+        model: str,
+        module: Any,
+        session_id: str,
+        kv_bytes: int,
+        log_dir: Path,
+        codec: str | None,
+        resume: bool,
+        resume_at: int | None,
+    ) -> dict[str, Any]:
         from worldpager.layout import SegmentLayout
         from worldpager.session import CorruptSlot, MissingSegment, Session, read_saved_state
 
-        if session_id in self.open_sessions:
-            raise ValueError(f"session {session_id!r} is already open")
         saved = read_saved_state(log_dir) if resume else None
         if resume:
             if saved is None:

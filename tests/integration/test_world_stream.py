@@ -72,6 +72,18 @@ def test_world_session_stream(tmp_path: Path, frontends: int) -> None:
             again = [o async for o in stub.Run(inputs(resume, *more))]
             assert [o.segment for o in again] == [-1, 3, 4] and {o.session_id for o in again} == {sid}
             assert again[0].resumed and again[0].next_segment == 3 and list(again[0].unusable) == []
+
+            # one session at a time per world model: a second start while one runs is refused
+            held = stub.Run()
+            await held.write(start)
+            running = await held.read()
+            assert isinstance(running, pb.WorldOutput) and running.segment == -1
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                _ = [o async for o in stub.Run(inputs(start))]
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert f"runs a session ({running.session_id})" in (e.value.details() or "")
+            await held.done_writing()
+            assert await held.read() == grpc.aio.EOF and await held.code() == grpc.StatusCode.OK
             for msgs, code, words in [
                 ((pb.WorldInput(start=pb.WorldStart(model="world", resume_session_id="0" * 12)),),
                  grpc.StatusCode.NOT_FOUND, "no saved world session"),

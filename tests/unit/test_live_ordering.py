@@ -340,6 +340,8 @@ def test_a_session_open_cancelled_by_its_client_leaves_nothing_open_or_busy(tmp_
         opening.cancel()
         with pytest.raises(asyncio.CancelledError):
             await opening
+        with pytest.raises(InsufficientCapacity, match=r"runs a session \(opening\)"):
+            await lm.open_session("world")  # the abandoned open still runs on the host
         await until(lambda: lm.live["world"].inflight == 0)
         opened = [e[2] for e in pool.log if e[:2] == ("session", "open")]
         assert len(opened) == 1 and ("session", "close", opened[0]) in pool.log  # closed once opened
@@ -370,6 +372,30 @@ def test_a_session_close_cancelled_midway_still_frees_the_model(tmp_path: Path) 
         await until(lambda: ("session", "close", sid) in pool.log)  # the host still closes it
 
     run(config, body, wrap=lambda p: SlowSessions(p, close=0.6))
+
+
+def test_a_second_world_session_on_the_same_model_is_refused_not_run_over_the_first(tmp_path: Path) -> None:
+    # The model's rolling KV window holds one session: a second one, opened while the first ran,
+    # reset the window under it. The manager now refuses it (RESOURCE_EXHAUSTED on the wire), also
+    # while the first is still opening, and takes it once the first has ended.
+    config = setup(tmp_path)
+
+    async def body(lm: LiveManager) -> None:
+        opening = asyncio.create_task(lm.open_session("world"))
+        await until(lambda: lm.live["world"].inflight == 1)  # the first is opening on the host
+        with pytest.raises(InsufficientCapacity, match=r"world model 'world' runs a session .*one at a time"):
+            await lm.open_session("world")
+        sid, _ = await opening
+        with pytest.raises(InsufficientCapacity, match=rf"runs a session \({sid}\)"):
+            await lm.open_session("world")
+        await lm.step_session(sid, (0.0, 0.0, 0.0, 0.0, 0.0))
+        assert (await lm.step_session(sid, (0.0, 0.0, 0.0, 0.0, 10.0)))["step"] == 1  # undisturbed
+        await lm.close_session(sid)
+        again, _ = await lm.open_session("world")
+        await lm.close_session(again)
+        assert lm.live["world"].inflight == 0 and lm.rejected == 0  # a busy world model is not a full queue
+
+    run(config, body, wrap=lambda p: SlowSessions(p, open=0.4))
 
 
 class DiesUnderTheFirstRequest(SlowToStart):

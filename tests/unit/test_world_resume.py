@@ -183,3 +183,19 @@ def test_the_manager_reopens_a_session_on_a_restarted_host_or_says_how_to_resume
     import asyncio
 
     asyncio.run(main())
+
+
+def test_a_world_model_runs_one_session_at_a_time(tmp_path: Path) -> None:
+    # The rolling KV window is the model's (MG2's kv_cache lives on the module): a second session
+    # opened on the same model reset it under the first, whose next step then failed ("not
+    # contiguous with the cached window") or, had the window lined up, attended to the other's frames.
+    ws, model = WorldSessions(torch.device("cpu")), TinyCausalWan(CFG)
+    ws.open("world", model, "a", 3 * _seg(), tmp_path / "a")
+    first = [ws.step("a", _pose(p)) for p in POSES[:3]]
+    with pytest.raises(ValueError, match=r"model 'world' runs world session 'a'.*one session at a time"):
+        ws.open("world", model, "b", 3 * _seg(), tmp_path / "b")
+    assert not (tmp_path / "b").exists() and list(ws.open_sessions) == ["a"]
+    assert ws.step("a", _pose(POSES[3]))["step"] == first[-1]["step"] + 1  # a goes on undisturbed
+    ws.close("a")
+    assert ws.open("world", model, "b", 3 * _seg(), tmp_path / "b")["next_segment"] == 0  # then b may
+    ws.close("b")
