@@ -233,14 +233,17 @@ class WorldSessionsMixin:
             try:
                 return await asyncio.shield(opening)
             except asyncio.CancelledError:
-                opening.add_done_callback(lambda _: self._abandoned(sid))
+                opening.add_done_callback(lambda t: self._abandoned(sid, t))
                 raise
         finally:
             if opening is None:
                 self._world_opening.discard(model)
 
-    def _abandoned(self, sid: str) -> None:
-        """The client of a session that was opening hung up: close the session if it opened."""
+    def _abandoned(self, sid: str, opening: asyncio.Future[Any]) -> None:
+        """The client of a session that was opening hung up: close the session if it opened (a
+        failed open has nobody left to tell: its error is taken here, not left unretrieved)."""
+        if not opening.cancelled() and opening.exception() is not None:
+            return
         if sid in self.sessions:
             task = asyncio.get_running_loop().create_task(self.close_session(sid))
             self._background.add(task)
@@ -386,8 +389,12 @@ class WorldSessionsMixin:
         model, opened, rank = self.sessions.pop(sid)
         self._world.pop(sid, None)
         m = self.engine.models[model]
+        # shielded: cancelled while the call still waited for a worker thread, the close would be
+        # dropped from the pool's queue and the host would keep the session (and its KV) open
+        host_close = asyncio.ensure_future(asyncio.to_thread(self.pool.session, m.device, "close", sid))
+        host_close.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved, if nobody waits
         try:  # the books are closed even when this is cancelled (or the host fails) midway
-            reply = await asyncio.to_thread(self.pool.session, m.device, "close", sid)
+            reply = await asyncio.shield(host_close)
         finally:
             self._end_busy(m, opened)
             live = self.live[model]

@@ -374,6 +374,36 @@ def test_a_session_close_cancelled_midway_still_frees_the_model(tmp_path: Path) 
     run(config, body, wrap=lambda p: SlowSessions(p, close=0.6))
 
 
+def test_a_session_close_cancelled_while_it_waits_for_a_thread_still_reaches_the_host(tmp_path: Path) -> None:
+    # Found by a chaos run with world sessions: a close cancelled while its call to the host still
+    # waited for a free worker thread (all busy with requests) was dropped from the thread pool's
+    # queue, so the host kept the session open (and its KV), and every later session on the model
+    # was refused.
+    from concurrent.futures import ThreadPoolExecutor
+
+    config = setup(tmp_path)
+
+    async def body(lm: LiveManager) -> None:
+        pool = lm.pool
+        sid, _ = await lm.open_session("world")
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(1))
+        release = threading.Event()
+        busy = loop.run_in_executor(None, release.wait)  # the one worker thread is taken
+        closing = asyncio.create_task(lm.close_session(sid))
+        await asyncio.sleep(0.1)  # the close waits in the thread pool's queue
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        release.set()
+        await busy
+        await until(lambda: ("session", "close", sid) in pool.log)  # it still reached the host
+        again, _ = await lm.open_session("world")  # so the model takes a new session
+        await lm.close_session(again)
+
+    run(config, body, wrap=SlowSessions)
+
+
 def test_a_second_world_session_on_the_same_model_is_refused_not_run_over_the_first(tmp_path: Path) -> None:
     # The model's rolling KV window holds one session: a second one, opened while the first ran,
     # reset the window under it. The manager now refuses it (RESOURCE_EXHAUSTED on the wire), also
