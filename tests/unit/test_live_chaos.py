@@ -16,10 +16,12 @@ stale never-fits verdict after an unpin, and a ValueError from a Pin that overfi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -133,3 +135,153 @@ def test_random_requests_and_admin_moves_keep_the_books_true(tmp_path: Path, pol
     held = {name: status.models[name].tier if name in status.models else "disk" for name in books}
     assert books == held
     assert lm.engine.counters.budget_violations == 0
+
+
+def world_config(tmp_path: Path, rng: random.Random) -> Config:
+    """The world model (WorldPager's "micro" stand-in, elastic KV lease) and three MLP stand-ins on a
+    cpu device that holds the world model at its minimum lease and two of the MLPs."""
+    path = write_tiny_mlp(tmp_path / "mlp.safetensors", WIDTH)
+    models = [
+        "  - {name: world, class: interactive, adapter: worldpager-mg2, device: cpu0, memory: 4MiB,\n"
+        "     elastic: {min: 16MiB, max: 64MiB}, load_seconds: {disk: 0.2, host: 0.05}, keep_alive: 3s,\n"
+        "     source: {preset: micro}}"
+    ]
+    for i, cls in enumerate(["interactive", "interactive", "background"]):
+        load_s, infer_s = rng.choice([0.0, 0.05, 0.2]), rng.choice([0.0, 0.02, 0.1])
+        keep = rng.choice(["1s", "auto", "3s"])
+        models.append(
+            f"  - {{name: m{i}, class: {cls}, adapter: safetensors-module, device: cpu0,\n"
+            f"     memory: {MLP_BYTES}, load_seconds: {{disk: 0.05, host: 0.01}}, keep_alive: {keep},\n"
+            f"     source: {{factory: 'workers.demo:slow_mlp', path: '{path}',\n"
+            f"              kwargs: {{width: {WIDTH}, load_s: {load_s}, infer_s: {infer_s}}}}}}}"
+        )
+    room = 20 * 2**20 + int(MLP_BYTES * 2.2) + 40 * 2**20
+    text = (
+        f"devices:\n  - {{name: cpu0, kind: cpu, memory: {room + 2**26}, reserve: {2**26}}}\n"
+        "host: {memory: 8GiB, reserve: 1GiB}\n"
+        "classes:\n  - {name: interactive}\n  - {name: background, may_evict: false}\n"
+        f"store: {{sessions: '{tmp_path / 'sessions'}'}}\n"
+        "models:\n" + "\n".join(models) + "\npolicy: {name: residency, min_residency: 0.2s}\n"
+    )
+    (tmp_path / "c.yaml").write_text(text)
+    return load_config(tmp_path / "c.yaml")
+
+
+async def cancel_after(task: asyncio.Task[Any], seconds: float | None) -> bool:
+    """Await `task`, or cancel it after `seconds` (a client hanging up); True if it was cancelled."""
+    if seconds is not None:
+        done, _ = await asyncio.wait({task}, timeout=seconds)
+        if not done:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return True
+    await task
+    return False
+
+
+def leftovers(lm: LiveManager, pool: Any) -> list[str]:
+    """What a quiet manager should not have: books that differ from what the host holds, a model
+    still busy, a session open on the books or on the host, a budget broken."""
+    out = []
+    status = pool.status("cpu0")
+    tiers = {Tier.GPU: "gpu", Tier.HOST: "host", Tier.DISK: "disk"}
+    books = {m.name: tiers[m.tier] for m in lm.engine.models.values()}
+    held = {name: status.models[name].tier if name in status.models else "disk" for name in books}
+    if books != held:
+        out.append(f"the books {books} are not what the host holds {held}")
+    for name, live in lm.live.items():
+        if live.inflight or lm.engine.models[name].busy_until == float("inf"):
+            out.append(f"{name} still busy: {live.inflight} in flight")
+    if lm.sessions or pool.hosts["cpu0"].world.open_sessions:
+        out.append(f"sessions left open: {lm.sessions} {list(pool.hosts['cpu0'].world.open_sessions)}")
+    if lm.engine.counters.budget_violations:
+        out.append(f"{lm.engine.counters.budget_violations} budget violations")
+    return out
+
+
+async def world_chaos(config: Config, rng: random.Random) -> tuple[Counter[str], list[str]]:
+    pool = create_pool(config, in_process=True)
+    lm = LiveManager(config, pool)
+    await lm.start()
+    outcomes: Counter[str] = Counter()
+    unexpected: list[str] = []
+    names = ["m0", "m1", "m2"]
+
+    def check(e: ResidencyError, what: str) -> None:
+        outcomes[type(e).__name__] += 1
+        if not any(words in str(e) for words in (*EXPECTED, "runs a session")):
+            unexpected.append(f"{what}: {type(e).__name__}: {e}")
+
+    async def session(at: float, steps: int, hang_up: float | None) -> None:
+        await asyncio.sleep(at)
+        sid: str | None = None
+
+        async def stream() -> None:  # what the WorldSession RPC does, its client's stream ending
+            nonlocal sid
+            try:
+                sid, _ = await lm.open_session("world", timeout_s=5.0)
+                for i in range(steps):
+                    await lm.step_session(sid, (float(i), 0.0, 0.0, 0.0, 10.0 * i))
+            finally:
+                if sid is not None and sid in lm.sessions:
+                    await lm.close_session(sid)
+
+        try:
+            gone = await cancel_after(asyncio.ensure_future(stream()), hang_up)
+            outcomes["session hung up" if gone else "session"] += 1
+        except ResidencyError as e:
+            check(e, "session")
+
+    async def one(at: float, op: float, name: str, coin: float, hang_up: float | None) -> None:
+        await asyncio.sleep(at)
+        target = name if coin < 0.75 else "world"
+        try:
+            if op < 0.7:
+                gone = await cancel_after(asyncio.ensure_future(lm.infer(name, X, timeout_s=3.0)), hang_up)
+                outcomes["hung up" if gone else "served"] += 1
+            elif op < 0.78:
+                lm.set_pin(target, coin < 0.5)
+                outcomes["pin"] += 1
+            elif op < 0.88:
+                lm.evict(target, "disk" if coin < 0.5 else "host")
+                outcomes["evict"] += 1
+            else:
+                await lm.preload(target, "gpu" if coin < 0.5 else "host", timeout_s=3.0)
+                outcomes["preload"] += 1
+        except ResidencyError as e:
+            check(e, name)
+
+    hang_ups = [None, None, 0.01, 0.05, 0.2]
+    plan = [one(rng.uniform(0, 5), rng.random(), rng.choice(names), rng.random(), rng.choice(hang_ups))
+            for _ in range(100)]  # fmt: skip
+    plan += [
+        session(rng.uniform(0, 5), rng.randint(0, 6), rng.choice([*hang_ups, 0.5, 1.0])) for _ in range(10)
+    ]
+    try:
+        await asyncio.wait_for(asyncio.gather(*plan), 90)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # quiet: nothing on its way to or from the host
+            busy = pool.pending() or any(live.loads_pending for live in lm.live.values())
+            if not busy and all(m.ready_at <= lm.clock() for m in lm.engine.models.values()):
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)
+        unexpected += leftovers(lm, pool)
+        return outcomes, unexpected
+    finally:
+        await lm.stop()
+        pool.close()
+
+
+@pytest.mark.parametrize("seed", [3, 13])
+def test_world_sessions_and_clients_that_hang_up_leave_nothing_behind(tmp_path: Path, seed: int) -> None:
+    """World sessions (0-6 segments) among the requests and admin moves, and clients that hang up at
+    random points (opening, stepping, closing, waiting for a request). Runs of this found four bugs
+    (see test_live_ordering.py): a second session on the world model reset the first's KV window;
+    a session whose client hung up while it opened, or while it closed, left the model busy for good;
+    and a close cancelled while it waited for a worker thread never reached the host."""
+    rng = random.Random(seed)
+    outcomes, unexpected = asyncio.run(world_chaos(world_config(tmp_path, rng), rng))
+    assert unexpected == []
+    assert outcomes["served"] > 0 and outcomes["session"] > 0 and sum(outcomes.values()) == 110
