@@ -10,7 +10,9 @@ recorded and tried again after `RETRY_S`, not at every check of the schedule.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,13 +102,16 @@ def write_back(config_path: Path, outcome: TuningOutcome) -> str:
     """Write the tuned fields into the config file itself (comments kept; the replaced file kept as
     `previous.yaml` beside the proposal). Returns "" when written, else why not."""
     assert outcome.proposal is not None
-    tmp = config_path.with_name(f".{config_path.name}.tuned")
+    target = config_path.resolve()  # a symlinked config stays a symlink: its target is rewritten
+    tmp = target.with_name(f".{target.name}.tuned")
     try:
-        (outcome.proposal.parent / "previous.yaml").write_bytes(config_path.read_bytes())
-        write_config_with_updates(config_path, tmp, outcome.model_updates, outcome.class_updates)
-        os.replace(tmp, config_path)
+        (outcome.proposal.parent / "previous.yaml").write_bytes(target.read_bytes())
+        write_config_with_updates(target, tmp, outcome.model_updates, outcome.class_updates)
+        shutil.copymode(target, tmp)
+        os.replace(tmp, target)
     except (OSError, ValueError) as e:  # ConfigError is a ValueError: the file changed under us
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
         return f"not written into {config_path}: {e}"
     return ""
 

@@ -69,8 +69,13 @@ def test_the_schedule_applies_only_when_auto_and_better(filled: tuple[Any, float
     manager = _Manager(load_config(cfg))
     assert due(manager.config, store, now)
     original = cfg.read_text()
+    real = cfg.with_name("real.yaml")  # the config is a symlink, with its own file mode
+    cfg.rename(real)
+    cfg.symlink_to(real.name)
+    real.chmod(0o640)
     out = tuning_step(manager, cfg, store, now)
     assert out.better and len(manager.reloaded) == 1
+    assert cfg.is_symlink() and (real.stat().st_mode & 0o777) == 0o640  # rewritten where it points
     doc = store.get_doc("tuning")
     assert doc is not None and doc["applied"] and doc["last_run"] == now
     # applied into the config file itself, so that a restart keeps it; the replaced file is kept
