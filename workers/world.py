@@ -68,6 +68,9 @@ class WorldSessions:
         """Open a new session in ``log_dir``, or (``resume``) reopen the one saved there. The reply
         says where it continues (``next_segment``) and, on a resume, what was found unusable: slots
         (``corrupt_slots``: slot -> reason) and segments (``missing_segments``), never attended to."""
+        from worldpager.layout import SegmentLayout
+        from worldpager.session import CorruptSlot, MissingSegment, Session, read_saved_state
+
         with self._opening:  # one open at a time: the check below holds until the session is in
             if session_id in self.open_sessions:
                 raise ValueError(f"session {session_id!r} is already open")
@@ -77,51 +80,37 @@ class WorldSessions:
                     f"model {model!r} runs world session {running!r}: one session at a time per world "
                     "model (its rolling KV window is the model's)"
                 )
-            return self._open(model, module, session_id, kv_bytes, log_dir, codec, resume, resume_at)
-
-    def _open(
-        self,
-        model: str,
-        module: Any,
-        session_id: str,
-        kv_bytes: int,
-        log_dir: Path,
-        codec: str | None,
-        resume: bool,
-        resume_at: int | None,
-    ) -> dict[str, Any]:
-        from worldpager.layout import SegmentLayout
-        from worldpager.session import CorruptSlot, MissingSegment, Session, read_saved_state
-
-        saved = read_saved_state(log_dir) if resume else None
-        if resume:
-            if saved is None:
-                raise SessionNotOpen(f"no saved world session {session_id!r} to resume")
-            owner = (saved.get("metadata") or {}).get("model", model)
-            if owner != model:
-                raise ValueError(f"world session {session_id!r} belongs to model {owner!r}, not {model!r}")
-            codec = codec or str(saved.get("codec", "bf16"))  # none given: the saved one
-        codec = codec or "bf16"
-        seg = SegmentLayout.from_config(module.cfg, codec, module.head.weight.dtype).payload_nbytes
-        kind = self.device.type
-        host = max(int(kv_bytes), MIN_SEGMENTS * seg) if kind == "cpu" else 64 * seg
-        opts: dict[str, Any] = {"host_budget_bytes": host, "device": self.device, "keep_outputs": True}
-        if resume:
-            session = Session.resume(log_dir, module, codec=codec, resume_at=resume_at, **opts)
-        else:
-            session = Session(module, codec=codec, log_dir=log_dir, metadata={"model": model}, **opts)
-        o = _Open(session, model, seg, kind, lease=host)
-        if kind != "cpu":
-            session.resize_lease(gpu_budget_bytes=self._floor(o, kv_bytes))
-            o.lease = self._floor(o, kv_bytes)
-        self.open_sessions[session_id] = o
-        events = session.events if resume else []
-        return {
-            "session_id": session_id, "segment_bytes": seg, "lease_bytes": o.lease, "codec": codec,
-            "resumed": resume, "next_segment": session.step_index,
-            "corrupt_slots": {e.slot: e.reason for e in events if isinstance(e, CorruptSlot)},
-            "missing_segments": [e.segment_id for e in events if isinstance(e, MissingSegment)],
-        }  # fmt: skip
+            saved = read_saved_state(log_dir) if resume else None
+            if resume:
+                if saved is None:
+                    raise SessionNotOpen(f"no saved world session {session_id!r} to resume")
+                owner = (saved.get("metadata") or {}).get("model", model)
+                if owner != model:
+                    raise ValueError(
+                        f"world session {session_id!r} belongs to model {owner!r}, not {model!r}"
+                    )
+                codec = codec or str(saved.get("codec", "bf16"))  # none given: the saved one
+            codec = codec or "bf16"
+            seg = SegmentLayout.from_config(module.cfg, codec, module.head.weight.dtype).payload_nbytes
+            kind = self.device.type
+            host = max(int(kv_bytes), MIN_SEGMENTS * seg) if kind == "cpu" else 64 * seg
+            opts: dict[str, Any] = {"host_budget_bytes": host, "device": self.device, "keep_outputs": True}
+            if resume:
+                session = Session.resume(log_dir, module, codec=codec, resume_at=resume_at, **opts)
+            else:
+                session = Session(module, codec=codec, log_dir=log_dir, metadata={"model": model}, **opts)
+            o = _Open(session, model, seg, kind, lease=host)
+            if kind != "cpu":
+                session.resize_lease(gpu_budget_bytes=self._floor(o, kv_bytes))
+                o.lease = self._floor(o, kv_bytes)
+            self.open_sessions[session_id] = o
+            events = session.events if resume else []
+            return {
+                "session_id": session_id, "segment_bytes": seg, "lease_bytes": o.lease, "codec": codec,
+                "resumed": resume, "next_segment": session.step_index,
+                "corrupt_slots": {e.slot: e.reason for e in events if isinstance(e, CorruptSlot)},
+                "missing_segments": [e.segment_id for e in events if isinstance(e, MissingSegment)],
+            }  # fmt: skip
 
     def get(self, session_id: str) -> _Open:
         if session_id not in self.open_sessions:

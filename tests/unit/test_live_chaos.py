@@ -72,6 +72,28 @@ def chaos_config(tmp_path: Path, rng: random.Random, policy: str) -> Config:
     return load_config(tmp_path / "c.yaml")
 
 
+async def quiet(lm: LiveManager, pool: Any, settle_s: float) -> None:
+    """Wait until nothing is on its way to or from the host (20 s at most), then `settle_s` more."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        busy = pool.pending() or any(live.loads_pending for live in lm.live.values())
+        if not busy and all(m.ready_at <= lm.clock() for m in lm.engine.models.values()):
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(settle_s)
+
+
+async def admin_move(lm: LiveManager, move: str, name: str, coin: float) -> None:
+    """An admin's pin or unpin, evict (to disk or host RAM) or preload (to gpu or host RAM) of `name`,
+    the alternative chosen by `coin`."""
+    if move == "pin":
+        lm.set_pin(name, coin < 0.5)
+    elif move == "evict":
+        lm.evict(name, "disk" if coin < 0.5 else "host")
+    else:
+        await lm.preload(name, "gpu" if coin < 0.5 else "host", timeout_s=3.0)
+
+
 Outcome = tuple[Counter[str], list[str], LiveManager, P.WorkerStatus]
 
 
@@ -91,15 +113,9 @@ async def chaos(config: Config, rng: random.Random) -> Outcome:
                 served = await lm.infer(name, X, timeout_s=3.0)
                 assert served.result.ok
                 outcomes["served"] += 1
-            elif op < 0.85:
-                lm.set_pin(name, coin < 0.5)
-                outcomes["pin" if coin < 0.5 else "unpin"] += 1
-            elif op < 0.92:
-                lm.evict(name, "disk" if coin < 0.5 else "host")
-                outcomes["evict"] += 1
             else:
-                await lm.preload(name, "gpu" if coin < 0.5 else "host", timeout_s=3.0)
-                outcomes["preload"] += 1
+                await admin_move(lm, "pin" if op < 0.85 else "evict" if op < 0.92 else "preload", name, coin)
+                outcomes["admin"] += 1
         except (DeadlineExceeded, InsufficientCapacity, InvalidRequest) as e:
             outcomes[type(e).__name__] += 1
             if not any(words in str(e) for words in EXPECTED):
@@ -109,13 +125,7 @@ async def chaos(config: Config, rng: random.Random) -> Outcome:
 
     try:
         await asyncio.wait_for(asyncio.gather(*(one(*p) for p in plan)), 60)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:  # quiet: nothing on its way to or from the host
-            busy = pool.pending() or any(live.loads_pending for live in lm.live.values())
-            if not busy and all(m.ready_at <= lm.clock() for m in lm.engine.models.values()):
-                break
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(0.3)
+        await quiet(lm, pool, settle_s=0.3)
         return outcomes, unexpected, lm, pool.status("cpu0")
     finally:
         await lm.stop()
@@ -240,15 +250,11 @@ async def world_chaos(config: Config, rng: random.Random) -> tuple[Counter[str],
             if op < 0.7:
                 gone = await cancel_after(asyncio.ensure_future(lm.infer(name, X, timeout_s=3.0)), hang_up)
                 outcomes["hung up" if gone else "served"] += 1
-            elif op < 0.78:
-                lm.set_pin(target, coin < 0.5)
-                outcomes["pin"] += 1
-            elif op < 0.88:
-                lm.evict(target, "disk" if coin < 0.5 else "host")
-                outcomes["evict"] += 1
             else:
-                await lm.preload(target, "gpu" if coin < 0.5 else "host", timeout_s=3.0)
-                outcomes["preload"] += 1
+                await admin_move(
+                    lm, "pin" if op < 0.78 else "evict" if op < 0.88 else "preload", target, coin
+                )
+                outcomes["admin"] += 1
         except ResidencyError as e:
             check(e, name)
 
@@ -260,13 +266,7 @@ async def world_chaos(config: Config, rng: random.Random) -> tuple[Counter[str],
     ]
     try:
         await asyncio.wait_for(asyncio.gather(*plan), 90)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:  # quiet: nothing on its way to or from the host
-            busy = pool.pending() or any(live.loads_pending for live in lm.live.values())
-            if not busy and all(m.ready_at <= lm.clock() for m in lm.engine.models.values()):
-                break
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(0.5)
+        await quiet(lm, pool, settle_s=0.5)
         unexpected += leftovers(lm, pool)
         return outcomes, unexpected
     finally:

@@ -289,6 +289,15 @@ class SlowToStart(Recording):
         return self.inner.infer(device, model, inputs, timeout_s)
 
 
+async def evicted_in_flight(lm: LiveManager) -> asyncio.Task[Any]:
+    """A request for "other" (preloaded), and an admin's evict to host RAM while it is in flight."""
+    await lm.preload("other")
+    request = asyncio.create_task(lm.infer("other", X, timeout_s=10.0))
+    await until(lambda: lm.live["other"].inflight == 1)
+    lm.evict("other", "host")
+    return request
+
+
 def test_an_admin_evict_waits_for_the_requests_in_flight(tmp_path: Path) -> None:
     # Found by a chaos run: an evict that came after a request was admitted but before its device
     # host ran it dropped the model under it; the request failed ("not resident"), or loaded it again.
@@ -297,10 +306,7 @@ def test_an_admin_evict_waits_for_the_requests_in_flight(tmp_path: Path) -> None
 
     async def body(lm: LiveManager) -> None:
         pool = lm.pool
-        await lm.preload("other")
-        request = asyncio.create_task(lm.infer("other", X, timeout_s=10.0))
-        await until(lambda: lm.live["other"].inflight == 1)
-        lm.evict("other", "host")  # while the request is in flight
+        request = await evicted_in_flight(lm)
         assert lm.engine.models["other"].tier == Tier.GPU  # not yet
         served = await request
         assert served.result.ok and not served.cold
@@ -454,11 +460,7 @@ def test_an_admin_evict_that_waits_is_not_undone_by_the_requests_retry(tmp_path:
 
     async def body(lm: LiveManager) -> None:
         pool = lm.pool
-        await lm.preload("other")
-        request = asyncio.create_task(lm.infer("other", X, timeout_s=10.0))
-        await until(lambda: lm.live["other"].inflight == 1)
-        lm.evict("other", "host")
-        served = await request
+        served = await (await evicted_in_flight(lm))
         assert served.result.ok and served.cold  # lost under the request, reloaded, served
         assert lm.engine.models["other"].tier == Tier.HOST  # and then the evict was carried out
         assert lm.live["other"].evict_to is None
