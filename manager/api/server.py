@@ -270,7 +270,7 @@ class _ReloadOnLoop:
         async def on_loop() -> list[str]:
             return self.manager.reload(new)
 
-        return asyncio.run_coroutine_threadsafe(on_loop(), self.loop).result()
+        return asyncio.run_coroutine_threadsafe(on_loop(), self.loop).result(timeout=60.0)  # never hangs
 
 
 async def tuning_loop(manager: LiveManager, path: str, store: Any, check_s: float = 60.0) -> None:
