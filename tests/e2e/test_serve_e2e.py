@@ -54,7 +54,9 @@ def drive(target: str, admin: dict[str, str] | None = None) -> int:
     emb = c.infer("embed", [text_input(b"hello", b"hello")], priority=1).as_numpy("embedding")
     assert emb is not None and emb.shape == (2, 384)
     np.testing.assert_allclose(np.linalg.norm(emb, axis=1), 1.0, rtol=1e-5)
-    np.testing.assert_allclose(emb[0], emb[1])
+    # one text twice in one batch: equal to float32 rounding (a batched matmul's rows may be summed in
+    # different orders by the CPU kernels' threads)
+    np.testing.assert_allclose(emb[0], emb[1], atol=1e-6)
 
     c.unload_model("embed", headers=admin)
     assert not c.is_model_ready("embed")
