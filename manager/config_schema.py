@@ -110,6 +110,11 @@ class ServerConfig(_Model):
     """PEM certificate chain for TLS (with tls_key); null serves plaintext."""
     tls_key: str | None = None
     """PEM private key for TLS (with tls_cert)."""
+    keepalive: Duration = Field(default=30, gt=0)
+    """How often the server pings each client connection (gRPC keepalive). A client that does not
+    answer within this long (20 s at most) is dropped and its calls are cancelled, so the world session
+    of a client that vanished (a laptop asleep, a dropped Wi-Fi link) is closed and frees its model.
+    A change takes effect at the next start."""
     frontends: int = Field(default=0, ge=0, le=16, strict=True)
     """Extra gRPC front-end processes on `listen` (they share the address with SO_REUSEPORT; Linux
     spreads connections over them): each does gRPC's per-call work on its own core, sends ModelInfer

@@ -174,6 +174,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        if self._background:  # session closes and lease changes on their way to a host (5 s at most)
+            await asyncio.wait(set(self._background), timeout=5.0)
         await self.flush_log()
         self.save_stats()
         if self.journal is not None:

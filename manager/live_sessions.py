@@ -393,6 +393,8 @@ class WorldSessionsMixin:
         # dropped from the pool's queue and the host would keep the session (and its KV) open
         host_close = asyncio.ensure_future(asyncio.to_thread(self.pool.session, m.device, "close", sid))
         host_close.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved, if nobody waits
+        self._background.add(host_close)  # a stop waits for it
+        host_close.add_done_callback(self._background.discard)
         try:  # the books are closed even when this is cancelled (or the host fails) midway
             reply = await asyncio.shield(host_close)
         finally:

@@ -13,8 +13,8 @@ This module stays light (no torch, no manager state): a front end imports grpc a
 new one when one dies, and stops them first at shutdown.
 
 Run by the manager as `python -m manager.api.front --listen HOST:PORT --backend SOCK --fast SOCK
---parent PID [--tls-cert F --tls-key F] [--max-message-bytes N]`; it prints `ready` on stdout once
-it listens, and exits when the manager's process is gone.
+--parent PID [--tls-cert F --tls-key F] [--max-message-bytes N] [--keepalive-s S]`; it prints `ready`
+on stdout once it listens, and exits when the manager's process is gone.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 import grpc
 
 from manager.api.fastpath import FastPathClient
-from manager.api.runtime import event_loop_factory, message_options
+from manager.api.runtime import event_loop_factory, keepalive_options, message_options
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,13 @@ async def run_front(a: argparse.Namespace) -> int:
     fast = FastPathClient()
     await fast.connect(a.fast)
     backend = grpc.aio.insecure_channel(f"unix:{a.backend}", options=message_options(a.max_message_bytes))
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 1), *message_options(a.max_message_bytes)])
+    server = grpc.aio.server(
+        options=[
+            ("grpc.so_reuseport", 1),
+            *message_options(a.max_message_bytes),
+            *keepalive_options(a.keepalive_s),
+        ]
+    )
     server.add_generic_rpc_handlers((Front(fast, backend),))
     if a.tls_cert and a.tls_key:
         creds = grpc.ssl_server_credentials([(Path(a.tls_key).read_bytes(), Path(a.tls_cert).read_bytes())])
@@ -137,6 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--tls-cert")
     ap.add_argument("--tls-key")
     ap.add_argument("--max-message-bytes", type=int, default=64 * 2**20)
+    ap.add_argument("--keepalive-s", type=float, default=30.0, help="server.keepalive")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s front: %(message)s")
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:  # as the manager's
@@ -155,10 +162,11 @@ class FrontEndProcesses:
         *,
         tls: tuple[str, str] | None = None,
         max_message_bytes: int = 64 * 2**20,
+        keepalive_s: float = 30.0,
     ) -> None:
         self.n = n
         self.args = ["--listen", listen, "--backend", backend, "--fast", fast, "--parent", str(os.getpid())]
-        self.args += ["--max-message-bytes", str(max_message_bytes)]
+        self.args += ["--max-message-bytes", str(max_message_bytes), "--keepalive-s", str(keepalive_s)]
         if tls is not None:
             self.args += ["--tls-cert", tls[0], "--tls-key", tls[1]]
         self.procs: list[asyncio.subprocess.Process | None] = [None] * n

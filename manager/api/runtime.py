@@ -33,6 +33,19 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return factory
 
 
+def keepalive_options(every_s: float) -> list[tuple[str, Any]]:
+    """Server-side gRPC keepalive (`server.keepalive`): ping each connection every `every_s`, with or
+    without data flowing (a paused world session sends none), and drop it if a ping goes unanswered
+    for `every_s` (20 s at most): its calls are cancelled."""
+    ms = max(int(every_s * 1000), 1)
+    return [
+        ("grpc.keepalive_time_ms", ms),
+        ("grpc.keepalive_timeout_ms", min(ms, 20_000)),
+        ("grpc.http2.ping_timeout_ms", min(ms, 20_000)),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
 def message_options(max_bytes: int) -> list[tuple[str, Any]]:
     """gRPC options: messages up to `max_bytes` either way (`server.max_request_bytes`)."""
     return [("grpc.max_receive_message_length", max_bytes), ("grpc.max_send_message_length", max_bytes)]

@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from manager.api.admin import AdminServicer
 from manager.api.handlers import add_servicer
 from manager.api.oip import InferenceServicer
-from manager.api.runtime import ServeError, message_options
+from manager.api.runtime import ServeError, keepalive_options, message_options
 from manager.api.world import WorldSessionServicer
 from manager.config import Config
 from manager.live import LiveManager
@@ -119,7 +119,10 @@ async def build_server(
     token = auth_token(config)
     server = grpc.aio.server(
         interceptors=[AuthInterceptor(token)] if token else [],
-        options=message_options(config.server.max_request_bytes),
+        options=[
+            *message_options(config.server.max_request_bytes),
+            *keepalive_options(config.server.keepalive),
+        ],
     )
     oip_service = grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     admin_service = residency_pb2.DESCRIPTOR.services_by_name["Residency"]
@@ -206,7 +209,7 @@ class Frontends:
         tls = (srv.tls_cert, srv.tls_key) if srv.tls_cert and srv.tls_key else None
         self.procs = FrontEndProcesses(
             srv.frontends, f"{host}:{port}", self.grpc_sock, self.fast_path,
-            tls=tls, max_message_bytes=srv.max_request_bytes,
+            tls=tls, max_message_bytes=srv.max_request_bytes, keepalive_s=srv.keepalive,
         )  # fmt: skip
         try:
             await self.procs.start()

@@ -4,6 +4,7 @@ start, one pose per segment, latents and stall/tier figures back; bad streams ge
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -112,3 +113,91 @@ def test_world_session_stream(tmp_path: Path, frontends: int) -> None:
                 assert e.value.code() == code and words in (e.value.details() or "")
 
     asyncio.run(main())
+
+
+class Blackhole:
+    """A TCP proxy between a client and the server that, once `vanish()` is called, stops passing
+    bytes either way without closing anything: the client is gone as a laptop that fell asleep or
+    a dropped Wi-Fi link is (no FIN, no RST reaches the server)."""
+
+    def __init__(self, target: str) -> None:
+        self.host, port = target.rsplit(":", 1)
+        self.port = int(port)
+        self.vanished = asyncio.Event()
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._client, "127.0.0.1", 0)
+        return f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    def vanish(self) -> None:
+        self.vanished.set()
+
+    async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while not self.vanished.is_set():
+            data = await r.read(65536)
+            if not data or self.vanished.is_set():
+                break
+            w.write(data)
+            await w.drain()
+        await asyncio.Event().wait()  # vanished: hold both sockets open, pass nothing
+
+    async def _client(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        sr, sw = await asyncio.open_connection(self.host, self.port)
+        self.writers += [cw, sw]
+        await asyncio.gather(self._pipe(cr, sw), self._pipe(sr, cw))
+
+    def close(self) -> None:
+        for w in self.writers:
+            w.transport.abort()
+        self.server.close()
+
+
+@pytest.mark.parametrize("frontends", [0, 1], ids=["direct", "front-end"])
+def test_a_vanished_clients_world_session_is_closed_by_the_keepalive(tmp_path: Path, frontends: int) -> None:
+    # A world model runs one session at a time, so a client that vanished without closing its stream
+    # (no FIN, no RST) would hold the world model for good: nothing else reads or writes on that
+    # stream while the session waits for the next pose. The server's keepalive pings find it gone.
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(CONFIG)
+    config = load_config(cfg_path)
+    config = config.model_copy(
+        update={
+            "server": config.server.model_copy(
+                update={"listen": "127.0.0.1:0", "keepalive": 1.0, "frontends": frontends}
+            ),
+            "store": config.store.model_copy(update={"sessions": str(tmp_path / "sessions")}),
+        }
+    )
+
+    async def main() -> None:
+        async with serving(config) as (target, manager):
+            proxy = Blackhole(target)
+            via = await proxy.start()
+            ch = grpc.aio.insecure_channel(via)
+            try:
+                call = pb_grpc.WorldSessionStub(ch).Run()
+                await call.write(pb.WorldInput(start=pb.WorldStart(model="world")))
+                first = await call.read()
+                assert isinstance(first, pb.WorldOutput) and first.session_id in manager.sessions
+                await asyncio.sleep(3.0)  # an idle stream of a client that is still there: kept
+                assert first.session_id in manager.sessions
+                proxy.vanish()
+                t0 = time.monotonic()
+                while manager.sessions and time.monotonic() - t0 < 15:
+                    await asyncio.sleep(0.1)
+                assert manager.sessions == {}, "the vanished client's session was not closed"
+                assert manager.live["world"].inflight == 0
+            finally:
+                proxy.close()
+                await ch.close(grace=None)
+            async with grpc.aio.insecure_channel(target) as direct:  # the world model takes a new one
+                start = pb.WorldInput(start=pb.WorldStart(model="world"))
+                outs = [o async for o in pb_grpc.WorldSessionStub(direct).Run(_one(start))]
+                assert [o.segment for o in outs] == [-1]
+
+    asyncio.run(main())
+
+
+async def _one(msg: pb.WorldInput) -> AsyncIterator[pb.WorldInput]:
+    yield msg
