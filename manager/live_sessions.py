@@ -34,7 +34,7 @@ from manager.policy.types import ActionKind
 from workers import protocol as P
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Coroutine
 
     from manager.live import _Live
 
@@ -138,16 +138,21 @@ class WorldSessionsMixin:
                 await asyncio.sleep(self.poll_s)
             await coro
 
-        task = asyncio.get_running_loop().create_task(run())
+        task = self._in_background(run())
         self._lease_chain[device] = task
-        self._background.add(task)
 
         def done(t: asyncio.Task[Any]) -> None:
-            self._background.discard(t)
             if self._lease_chain.get(device) is t:
                 del self._lease_chain[device]
 
         task.add_done_callback(done)
+
+    def _in_background(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Run `coro` as a task of its own, which a stop waits for (5 s at most)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
 
     async def _submit(self, device: str, cmd: P.Command, op: str) -> None:
         self.pool.submit(device, cmd, op)
@@ -245,9 +250,7 @@ class WorldSessionsMixin:
         if not opening.cancelled() and opening.exception() is not None:
             return
         if sid in self.sessions:
-            task = asyncio.get_running_loop().create_task(self.close_session(sid))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._in_background(self.close_session(sid))
 
     async def _open_on_host(
         self, m: Any, rank: int, sid: str, codec: str, resume_id: str | None, arrival: float, deadline: float
@@ -391,10 +394,8 @@ class WorldSessionsMixin:
         m = self.engine.models[model]
         # shielded: cancelled while the call still waited for a worker thread, the close would be
         # dropped from the pool's queue and the host would keep the session (and its KV) open
-        host_close = asyncio.ensure_future(asyncio.to_thread(self.pool.session, m.device, "close", sid))
+        host_close = self._in_background(asyncio.to_thread(self.pool.session, m.device, "close", sid))
         host_close.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved, if nobody waits
-        self._background.add(host_close)  # a stop waits for it
-        host_close.add_done_callback(self._background.discard)
         try:  # the books are closed even when this is cancelled (or the host fails) midway
             reply = await asyncio.shield(host_close)
         finally:
