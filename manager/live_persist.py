@@ -51,6 +51,7 @@ class PersistenceMixin:
     clock: Callable[[], float]
     engine: Engine
     live: dict[str, _Live]
+    specs: dict[str, Any]
     metrics: Metrics
     journal: RequestJournal | None
     _log_buf: list[dict[str, Any]]
@@ -190,6 +191,15 @@ class PersistenceMixin:
                 tier = {"gpu": Tier.GPU, "host": Tier.HOST}.get(ms.tier)
                 if m is None or m.device != device or tier is None:
                     logger.info("device %s holds %s, which is not configured there: dropped", device, name)
+                    self.pool.submit(device, P.Drop(name))
+                    continue
+                if ms.spec is not None and ms.spec != self.specs.get(name):
+                    logger.info(
+                        "device %s holds %s loaded with another adapter, source or budget than the "
+                        "config's: dropped (it loads again from the configured source)",
+                        device,
+                        name,
+                    )
                     self.pool.submit(device, P.Drop(name))
                     continue
                 if tier == Tier.GPU and ms.device_bytes > 0:

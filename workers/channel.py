@@ -49,6 +49,10 @@ class ChannelError(Exception):
     """The channel broke (the host died or closed it): fall back to Ray."""
 
 
+class FrameTooLarge(ChannelError):
+    """A batch too large for one frame: it goes through Ray instead; the channel stays up."""
+
+
 @dataclass(frozen=True)
 class ChannelAddress:
     path: str
@@ -181,6 +185,8 @@ class ChannelServer:
             with contextlib.suppress(OSError):
                 c.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept thread (a close alone does not)
+        with contextlib.suppress(OSError):
             self.sock.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
@@ -253,10 +259,14 @@ class ChannelClient:
     async def infer_many(self, items: list[tuple[str, dict[str, np.ndarray]]]) -> list[P.InferResult]:
         if self.broken:
             raise ChannelError("channel broken")
+        body = pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL)
+        if len(body) > MAX_FRAME:  # the host would refuse it; the channel itself is fine
+            raise FrameTooLarge(
+                f"a {len(body)}-byte batch is over the channel's {MAX_FRAME}-byte frame limit"
+            )
         sock = await self._conn()
         loop = asyncio.get_running_loop()
         try:
-            body = pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL)
             await loop.sock_sendall(sock, _LEN.pack(len(body)) + body)
             (n,) = _LEN.unpack(await self._recv(sock, _LEN.size))
             if n > MAX_FRAME:

@@ -37,7 +37,7 @@ from workers import protocol as P
 from workers.adapters import Adapter, AdapterError, HostCopy, make_adapter
 from workers.measure import CpuProbe, CudaProbe, MemoryProbe, Phases, nvml_power_w, rss_bytes, wait_released
 from workers.st_io import cached_fraction
-from workers.world import SessionNotOpen, WorldSessions
+from workers.world import NotResident, SessionNotOpen, WorldSessions
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +139,12 @@ class DeviceHost:
         name = P.command_model(cmd)
         r = self.models.get(name)
         if isinstance(cmd, P.Load):
+            if r is not None and r.spec != cmd.model:
+                # another checkpoint, adapter or budget under the same name (a config changed across a
+                # manager restart, while this host kept running): the old weights go, the new ones load
+                logger.info("device %s: model %s changed its spec; reloading it", self.name, name)
+                self._drop(r, op_id)
+                r = None
             if r is None:
                 return self._load(cmd, op_id)
             if r.tier == cmd.tier:
@@ -211,16 +217,24 @@ class DeviceHost:
         r = _Resident(spec, adapter, "host", host=host, tensor_bytes=host.nbytes, host_bytes=host.nbytes)
         if cmd.tier == "gpu":
             self._to_gpu(r, ph)
-        self._check_budget(r, used0)
+        try:
+            self._check_budget(r, used0)
+        except AdapterError:
+            r.runnable = None  # unloaded: its memory goes now, not when the error is let go
+            raise
         self.models[spec.name] = r
         return self._result(r, op_id, "load", "disk", ph, t0, used0, rss0, moved=host.nbytes, source=source)
 
     def _to_gpu(self, r: _Resident, ph: Phases) -> None:
-        assert r.host is not None
-        r.runnable = r.adapter.materialize(r.host, ph)
-        r.host = None  # the host copy goes: on CUDA its pinned memory is freed, on CPU the module owns it
+        """Materialize the host copy on the device and warm it up. Only once both have worked does the
+        model change tier; if either fails, it stays in the host tier as it was."""
+        if r.host is None:
+            raise AdapterError(P.INTERNAL, f"model {r.spec.name!r}: no host copy to promote on {self.name}")
+        runnable = r.adapter.materialize(r.host, ph)
         with ph.phase("warmup"):
-            r.adapter.warmup(r.runnable)
+            r.adapter.warmup(runnable)
+        r.runnable = runnable
+        r.host = None  # the host copy goes: on CUDA its pinned memory is freed, on CPU the module owns it
         r.tier = "gpu"
         r.tensor_bytes = r.adapter.runnable_bytes(r.runnable)
         r.host_bytes = 0
@@ -231,7 +245,6 @@ class DeviceHost:
             return
         took = self.probe.used() - used0 if self.kind == "cuda" else r.tensor_bytes
         if r.tier == "gpu" and max(took, r.tensor_bytes) > budget:
-            r.runnable = None
             raise AdapterError(
                 P.TOO_LARGE,
                 f"model {r.spec.name!r}: takes {max(took, r.tensor_bytes)} bytes on {self.name}, more than "
@@ -242,18 +255,27 @@ class DeviceHost:
         ph, t0, used0, rss0 = Phases(), time.perf_counter(), self.probe.used(), rss_bytes()
         moved = r.host_bytes
         self._to_gpu(r, ph)
-        self._check_budget(r, used0)
+        try:
+            self._check_budget(r, used0)
+        except AdapterError:
+            # too large on the device: back to the host tier, as the model was before the promote (if
+            # even that fails, it is forgotten: the error result says what happened)
+            runnable, r.runnable = r.runnable, None
+            r.host = r.adapter.to_host(runnable, ph)
+            del runnable
+            r.tier, r.host_bytes, r.tensor_bytes, r.device_bytes = "host", r.host.nbytes, r.host.nbytes, 0
+            raise
         return self._result(r, op_id, op, "host", ph, t0, used0, rss0, moved=moved, source="host")
 
     def _demote(self, r: _Resident, op_id: str, op: P.OpName) -> P.CommandResult:
-        self.world.close_model(r.spec.name)  # its sessions end before its weights leave the gpu tier
-        ph, t0, used0, rss0 = Phases(), time.perf_counter(), self.probe.used(), rss_bytes()
-        freed = r.device_bytes
-        r.host = r.adapter.to_host(r.runnable, ph)
-        r.runnable = None
-        r.tier = "host"
-        r.host_bytes = r.host.nbytes
-        r.tensor_bytes = r.host_bytes
+        with self.world.closing(r.spec.name):  # its sessions end, and none opens, before it leaves
+            ph, t0, used0, rss0 = Phases(), time.perf_counter(), self.probe.used(), rss_bytes()
+            freed = r.device_bytes
+            r.host = r.adapter.to_host(r.runnable, ph)
+            r.runnable = None
+            r.tier = "host"
+            r.host_bytes = r.host.nbytes
+            r.tensor_bytes = r.host_bytes
         released: bool | None = None
         if self.kind == "cuda":
             with ph.phase("release"):
@@ -261,11 +283,11 @@ class DeviceHost:
         return self._result(r, op_id, op, "gpu", ph, t0, used0, rss0, moved=r.host_bytes, released=released)
 
     def _drop(self, r: _Resident, op_id: str) -> P.CommandResult:
-        self.world.close_model(r.spec.name)
         ph, t0, used0, rss0 = Phases(), time.perf_counter(), self.probe.used(), rss_bytes()
         name, before, expected = r.spec.name, r.tier, r.tensor_bytes
-        del self.models[name]
-        r.runnable = r.host = None
+        with self.world.closing(name):  # its sessions end, and none opens, while its weights go
+            del self.models[name]
+            r.runnable = r.host = None
         del r
         with ph.phase("release"):
             released, _ = wait_released(self.probe, used0, expected, timeout_s=self.release_timeout_s)
@@ -447,9 +469,27 @@ class DeviceHost:
                 False, error_code=P.BAD_TRANSITION, error=f"model {model!r} is {why} on {self.name}"
             )
         path = Path(log_dir) if log_dir else self.session_root / session_id
+        module = r.runnable
+
+        def resident() -> bool:  # still this module in the gpu tier (a drop or demote may have run)
+            return (
+                module is not None
+                and self.models.get(model) is r
+                and r.tier == "gpu"
+                and r.runnable is module
+            )
+
         return self._session_call(
             lambda: self.world.open(
-                model, r.runnable, session_id, kv_bytes, path, codec, resume=resume, resume_at=resume_at
+                model,
+                module,
+                session_id,
+                kv_bytes,
+                path,
+                codec,
+                resume=resume,
+                resume_at=resume_at,
+                resident=resident,
             )
         )
 
@@ -467,6 +507,8 @@ class DeviceHost:
             return P.SessionReply(True, fn())
         except SessionNotOpen as e:
             return P.SessionReply(False, error_code=P.NO_SESSION, error=str(e.args[0] if e.args else e))
+        except NotResident as e:
+            return P.SessionReply(False, error_code=P.BAD_TRANSITION, error=str(e))
         except (KeyError, ValueError) as e:
             return P.SessionReply(False, error_code=P.BAD_INPUT, error=str(e.args[0] if e.args else e))
         except Exception as e:  # a failed session call never kills the host
@@ -492,9 +534,9 @@ class DeviceHost:
             models={
                 n: P.ModelStatus(
                     n, r.spec.adapter, r.tier, r.tensor_bytes, r.device_bytes, r.host_bytes, r.last_used,
-                    r.inferences,
+                    r.inferences, spec=r.spec,
                 )
-                for n, r in self.models.items()
+                for n, r in list(self.models.items())  # a copy: commands change it on their thread
             },
             ops_done=self.ops_done, device_free_bytes=free, device_total_bytes=total, rss_bytes=rss_bytes(),
         )  # fmt: skip

@@ -173,6 +173,8 @@ class ModelStatus:
     last_used: float | None
     """Unix time of its last inference on this host (None: never)."""
     inferences: int
+    spec: ModelSpec | None = None
+    """What the model was loaded from (its adapter, source and budget); None from an older host."""
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,14 @@ import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayError
 
 from workers import protocol as P
-from workers.channel import ChannelAddress, ChannelClient, ChannelError, ChannelServer, same_machine
+from workers.channel import (
+    ChannelAddress,
+    ChannelClient,
+    ChannelError,
+    ChannelServer,
+    FrameTooLarge,
+    same_machine,
+)
 from workers.host import DeviceHost
 from workers.pool import DeviceSpec, UnknownDevice, new_op_id
 
@@ -411,6 +418,8 @@ class _Batcher:
                 try:
                     results = await channel.infer_many(items)
                     self.channel_batches += 1
+                except FrameTooLarge as e:
+                    logger.info("device %s: %s; going through Ray", self.device, e)
                 except ChannelError as e:
                     logger.warning("device %s: data channel broke (%s); going through Ray", self.device, e)
                     if self.channel is channel:  # (not one found again meanwhile)

@@ -64,6 +64,11 @@ class Header:
     metadata: dict[str, str]
 
 
+def _count(v: object) -> bool:
+    """A JSON integer >= 0 (not a bool, a float or a string)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
 def parse_header(path: str | Path) -> Header:
     """Read and check a safetensors header; CheckpointError names the file and what is wrong."""
     p = Path(path)
@@ -81,6 +86,8 @@ def parse_header(path: str | Path) -> Header:
         raise CheckpointError(f"{p}: no such file") from None
     except IsADirectoryError:
         raise CheckpointError(f"{p}: is a directory, not a safetensors file") from None
+    except OSError as e:  # permission denied, an I/O error of the disk
+        raise CheckpointError(f"{p}: cannot be read ({e.strerror or e})") from None
     try:
         doc = json.loads(raw)
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -88,6 +95,8 @@ def parse_header(path: str | Path) -> Header:
     if not isinstance(doc, dict):
         raise CheckpointError(f"{p}: header is not a JSON object")
     meta = doc.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{p}: __metadata__ is not a JSON object")
     entries = []
     data_bytes = size - 8 - n
     for name, info in doc.items():
@@ -95,7 +104,15 @@ def parse_header(path: str | Path) -> Header:
             dtype, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{p}: tensor {name!r}: malformed entry") from None
-        if dtype not in DTYPES:
+        if not isinstance(info["shape"], list) or not all(_count(d) for d in shape):
+            raise CheckpointError(
+                f"{p}: tensor {name!r}: shape {info['shape']!r} is not a list of sizes >= 0"
+            )
+        if not (_count(start) and _count(end)):
+            raise CheckpointError(
+                f"{p}: tensor {name!r}: data offsets {[start, end]!r} are not integers >= 0"
+            )
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise CheckpointError(f"{p}: tensor {name!r}: unsupported dtype {dtype!r}")
         numel = 1
         for d in shape:
@@ -134,12 +151,15 @@ def read_safetensors(
     header = parse_header(path)
     buf = torch.empty(header.data_bytes, dtype=torch.uint8, pin_memory=pin)
     if header.data_bytes:
-        with open(path, "rb") as f:
-            if method == "mmap":
-                _copy_mmap(f.fileno(), header, buf)
-            else:
-                f.seek(header.data_offset)
-                _readinto(f, buf)
+        try:
+            with open(path, "rb") as f:
+                if method == "mmap":
+                    _copy_mmap(f.fileno(), header, buf)
+                else:
+                    f.seek(header.data_offset)
+                    _readinto(f, buf)
+        except OSError as e:
+            raise CheckpointError(f"{Path(path)}: cannot be read ({e.strerror or e})") from None
     return _views(buf, header), header
 
 
@@ -194,7 +214,10 @@ _libc: Any = None
 def cached_fraction(path: str | Path) -> float | None:
     """Share of a file's pages in the OS page cache (mincore), or None where it cannot be read."""
     global _libc
-    size = os.path.getsize(path)
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        return None
     if size == 0:
         return 1.0
     if _libc is None:
@@ -204,7 +227,11 @@ def cached_fraction(path: str | Path) -> float | None:
         return None
     page = mmap.PAGESIZE
     pages = (size + page - 1) // page
-    with open(path, "rb") as f:
+    try:
+        f = open(path, "rb")  # noqa: SIM115 (closed below)
+    except OSError:  # unreadable: the read that follows says why
+        return None
+    with f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         try:
             anchor = ctypes.c_char.from_buffer(mm)

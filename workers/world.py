@@ -19,6 +19,8 @@ segments, so a host that dies loses no segment it returned, and the session reop
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,10 @@ INDEX_EVERY = 8
 
 class SessionNotOpen(KeyError):
     """No open session by that id on this host (it never opened here, or the host restarted)."""
+
+
+class NotResident(RuntimeError):
+    """The world model left the gpu tier (a drop or demote) before its session could open."""
 
 
 @dataclass
@@ -64,14 +70,21 @@ class WorldSessions:
         *,
         resume: bool = False,
         resume_at: int | None = None,
+        resident: Callable[[], bool] | None = None,
     ) -> dict[str, Any]:
         """Open a new session in ``log_dir``, or (``resume``) reopen the one saved there. The reply
         says where it continues (``next_segment``) and, on a resume, what was found unusable: slots
-        (``corrupt_slots``: slot -> reason) and segments (``missing_segments``), never attended to."""
+        (``corrupt_slots``: slot -> reason) and segments (``missing_segments``), never attended to.
+        ``resident`` (checked under the lock `closing` holds while a model leaves the gpu tier) says
+        whether ``module`` is still the model's; NotResident when it is not."""
         from worldpager.layout import SegmentLayout
         from worldpager.session import CorruptSlot, MissingSegment, Session, read_saved_state
 
         with self._opening:  # one open at a time: the check below holds until the session is in
+            if resident is not None and not resident():
+                raise NotResident(
+                    f"model {model!r} left the gpu tier before its session {session_id!r} opened"
+                )
             if session_id in self.open_sessions:
                 raise ValueError(f"session {session_id!r} is already open")
             running = next((sid for sid, o in self.open_sessions.items() if o.model == model), None)
@@ -160,7 +173,15 @@ class WorldSessions:
 
     def close_model(self, model: str) -> list[str]:
         """Close every session of `model` (before its weights leave the gpu tier)."""
-        ids = [sid for sid, o in self.open_sessions.items() if o.model == model]
-        for sid in ids:
-            self.close(sid)
-        return ids
+        with self.closing(model) as ids:
+            return ids
+
+    @contextmanager
+    def closing(self, model: str) -> Iterator[list[str]]:
+        """Close every session of `model` and hold off new opens until the block ends, so the model
+        can leave the gpu tier with no session opening on it meanwhile. Yields the ids closed."""
+        with self._opening:
+            ids = [sid for sid, o in list(self.open_sessions.items()) if o.model == model]
+            for sid in ids:
+                self.close(sid)
+            yield ids

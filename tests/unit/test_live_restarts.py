@@ -102,6 +102,37 @@ def test_a_restarted_manager_adopts_what_is_held_and_loads_back_what_was_intende
     store.close()
 
 
+def test_a_model_held_with_another_spec_is_dropped_not_adopted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The config changed a model's source across a manager restart while its device host kept
+    running: adopting it would serve the old weights for good (found in review, 2026-12-01)."""
+    from dataclasses import replace
+
+    from manager.workers_bridge import model_specs
+    from workers import protocol as P
+
+    config = lru_config(tmp_path)
+
+    async def main() -> None:
+        pool = create_pool(config, in_process=True)
+        old = replace(model_specs(config)["voice"], budget_bytes=123 * 2**20)  # the old config's spec
+        assert pool.hosts["cpu0"].apply(P.Load(old), "old").ok
+        lm = LiveManager(config, pool)
+        await lm.start()
+        try:
+            assert (await lm.infer("voice", AUDIO)).result.outputs
+            held = pool.status("cpu0").models["voice"]
+            assert held.spec == model_specs(config)["voice"] != old  # served by the configured weights
+        finally:
+            await lm.stop()
+            pool.close()
+        assert "holds voice loaded with another adapter, source or budget" in caplog.text
+
+    with caplog.at_level("INFO", logger="manager.live"):
+        asyncio.run(main())
+
+
 def test_recorded_intent_is_restored_only_within_the_rules(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

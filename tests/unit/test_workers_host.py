@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import types
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -344,3 +345,213 @@ def test_loading_silero_vad_leaves_torch_threads_as_they_were() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=repo, timeout=120, check=True
     )
     assert out.stdout.split()[-2:] == ["True", "2"], out.stdout + out.stderr
+
+
+class TestSpecAndHalfStates:
+    """Found in review (2026-12-01, seventh session); each failed before its fix."""
+
+    def test_a_load_with_another_spec_replaces_the_weights(
+        self, host: DeviceHost, factories: str, tmp_path: Path
+    ) -> None:
+        """The manager restarted with a changed source while this host kept running: the Load used to
+        be a no-op, and the old weights kept serving."""
+        one, two = tmp_path / "one.safetensors", tmp_path / "two.safetensors"
+        write_safetensors({"weight": torch.full((2, 2), 1.0), "bias": torch.zeros(2)}, one)
+        write_safetensors({"weight": torch.full((2, 2), 5.0), "bias": torch.zeros(2)}, two)
+        kw = {"in_features": 2, "out_features": 2}
+        spec1 = P.ModelSpec(
+            "m", "safetensors-module", {"factory": "torch.nn:Linear", "path": str(one), "kwargs": kw}
+        )
+        spec2 = replace(spec1, source={**spec1.source, "path": str(two)})
+        x = {"input": np.ones((1, 2), np.float32)}
+        ok(host, P.Load(spec1), "1")
+        assert P.output_array(host.infer("m", x).outputs["output"]).tolist() == [[2.0, 2.0]]
+        assert host.status().models["m"].spec == spec1
+        r = ok(host, P.Load(spec2), "2")
+        assert not r.noop and host.status().models["m"].spec == spec2
+        assert P.output_array(host.infer("m", x).outputs["output"]).tolist() == [[10.0, 10.0]]
+        too_small = host.apply(P.Load(replace(spec2, budget_bytes=10)), "3")  # a new budget holds too
+        assert not too_small.ok and too_small.error_code == P.TOO_LARGE and tiers(host) == {}
+
+    def test_a_promote_whose_warmup_fails_leaves_the_model_in_the_host_tier(
+        self, factories: str, tmp_path: Path
+    ) -> None:
+        from workers.adapters.safetensors_module import SafetensorsModuleAdapter
+
+        fail = {"on": False}
+
+        class FlakyWarmup(SafetensorsModuleAdapter):
+            """Fake (unit tests only; the real adapter is its base class) whose warmup can fail."""
+
+            def warmup(self, runnable: Any) -> None:
+                if fail["on"]:
+                    raise RuntimeError("CUDA error: out of memory (simulated in warmup)")
+
+        def factory(spec: P.ModelSpec, device: torch.device) -> Adapter:
+            return FlakyWarmup(spec, device) if spec.adapter == "flaky" else make_adapter(spec, device)
+
+        host = DeviceHost("cpu0", "cpu", node="t", adapter_factory=factory)
+        spec = P.ModelSpec("a", "flaky", {"factory": f"{factories}:mlp", "path": str(mlp_file(tmp_path))})
+        ok(host, P.Load(spec, "host"), "1")
+        fail["on"] = True
+        r = host.apply(P.Promote("a"), "2")
+        assert not r.ok and r.transition == "host->host"
+        st = host.status().models["a"]
+        assert st.tier == "host" and st.host_bytes > 0
+        assert host.models["a"].host is not None and host.models["a"].runnable is None
+        fail["on"] = False
+        assert ok(host, P.Promote("a"), "3").transition == "host->gpu"  # used to fail: no host copy
+
+    def test_a_promote_over_the_budget_goes_back_to_the_host_tier(
+        self, host: DeviceHost, tmp_path: Path
+    ) -> None:
+        """The file fits the budget, the built module (a computed buffer) does not. It used to vanish
+        from the host while the result said host->host."""
+        mod = types.ModuleType("residency_test_big")
+
+        class Big(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.lin = nn.Linear(8, 8)
+                self.register_buffer("table", torch.zeros(100_000))  # not in the checkpoint
+
+        mod.Big = Big  # type: ignore[attr-defined]
+        sys.modules[mod.__name__] = mod
+        try:
+            ck = tmp_path / "big.safetensors"
+            write_safetensors({f"lin.{k}": v for k, v in nn.Linear(8, 8).state_dict().items()}, ck)
+            spec = P.ModelSpec(
+                "b",
+                "safetensors-module",
+                {"factory": f"{mod.__name__}:Big", "path": str(ck)},
+                budget_bytes=10_000,
+            )
+            ok(host, P.Load(spec, "host"), "1")
+            r = host.apply(P.Promote("b"), "2")
+            assert not r.ok and r.error_code == P.TOO_LARGE and r.transition == "host->host"
+            assert tiers(host) == {"b": "host"} and host.models["b"].host is not None
+        finally:
+            del sys.modules[mod.__name__]
+
+    def test_status_while_commands_add_and_remove_models(self) -> None:
+        """status() runs on a data thread beside commands (a Ray actor's concurrency groups); it
+        iterated the live dict and failed with 'dictionary changed size during iteration'."""
+        import threading
+
+        class Cheap(_Exploding):
+            """Fake adapter (unit tests only) that loads instantly."""
+
+            name = "cheap"
+
+            def read(self, ph: Phases) -> HostCopy:
+                return HostCopy()
+
+            def materialize(self, host: HostCopy, ph: Phases) -> Any:
+                return object()
+
+        class NoProbe:
+            """Fake memory probe (unit tests only; real: CpuProbe) that reads nothing."""
+
+            def used(self) -> int:
+                return 0
+
+            def free_total(self) -> tuple[int | None, int | None]:
+                return 1, 2
+
+            def release(self) -> None:
+                pass
+
+        host = DeviceHost("cpu0", "cpu", node="t", probe=NoProbe(), adapter_factory=lambda s, d: Cheap(s, d))
+        for i in range(300):
+            ok(host, P.Load(P.ModelSpec(f"m{i}", "cheap")), f"pre{i}")
+        errors: list[str] = []
+        stop = threading.Event()
+
+        def poll() -> None:
+            while not stop.is_set():
+                try:
+                    host.status()
+                except Exception as e:
+                    errors.append(repr(e))
+
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-4)  # switch threads often: the race shows within a few hundred loads
+        t = threading.Thread(target=poll)
+        t.start()
+        try:
+            for i in range(1000):
+                ok(host, P.Load(P.ModelSpec("x", "cheap")), f"l{i}")
+                ok(host, P.Drop("x"), f"d{i}")
+        finally:
+            stop.set()
+            t.join()
+            sys.setswitchinterval(interval)
+        assert errors == []
+
+    def test_a_drop_during_a_session_open_leaves_no_session_on_a_dropped_model(
+        self, host: DeviceHost, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        import threading
+        import time
+
+        import worldpager.session as ws
+
+        ok(host, P.Load(P.ModelSpec("world", "worldpager-mg2", {"preset": "tiny"})), "1")
+        real_init = ws.Session.__init__
+
+        def slow_init(self: Any, *a: Any, **k: Any) -> None:
+            time.sleep(0.3)  # a real open creates its log directory and files here
+            real_init(self, *a, **k)
+
+        monkeypatch.setattr(ws.Session, "__init__", slow_init)
+        got: dict[str, P.SessionReply] = {}
+        t = threading.Thread(
+            target=lambda: got.setdefault(
+                "open", host.session_open("world", "s1", 1 << 20, "bf16", str(tmp_path))
+            )
+        )
+        t.start()
+        time.sleep(0.1)
+        ok(host, P.Drop("world"), "2")
+        t.join()
+        assert tiers(host) == {} and host.world.open_sessions == {}
+        assert host.session_step("s1", (0, 0, 0, 0, 0)).error_code == P.NO_SESSION
+
+    def test_a_session_cannot_open_on_a_module_that_left_the_gpu_tier(self, tmp_path: Path) -> None:
+        from workers.world import NotResident, WorldSessions
+
+        with pytest.raises(NotResident, match="left the gpu tier"):
+            WorldSessions(torch.device("cpu")).open(
+                "w", object(), "s", 1 << 20, tmp_path, resident=lambda: False
+            )
+
+
+def test_declared_inputs_and_outputs_are_known_before_the_module_is_built(tmp_path: Path) -> None:
+    """ModelMetadata of a model on disk or in the host tier said the default input/output."""
+    mod = types.ModuleType("residency_test_declared")
+
+    class Declared(nn.Module):
+        residency_inputs = (("tokens", "INT64", (-1, 16)), ("mask", "BOOL", (-1, 16)))
+        residency_outputs = (("logits", "FP32", (-1, 4)),)
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 4)
+
+    mod.Declared = Declared  # type: ignore[attr-defined]
+    sys.modules[mod.__name__] = mod
+    try:
+        ck = tmp_path / "d.safetensors"
+        write_safetensors(nn.Linear(16, 4).state_dict(), ck)
+        spec = P.ModelSpec(
+            "d", "safetensors-module", {"factory": f"{mod.__name__}:Declared", "path": str(ck)}
+        )
+        adapter = make_adapter(spec, torch.device("cpu"))
+        assert [t.name for t in adapter.inputs()] == ["tokens", "mask"]
+        assert [t.name for t in adapter.outputs()] == ["logits"]
+        host = DeviceHost("cpu0", "cpu", node="t")
+        ok(host, P.Load(spec, "host"), "1")
+        ins, outs = host.describe(spec)
+        assert [t.name for t in ins] == ["tokens", "mask"] and outs[0].shape == (-1, 4)
+    finally:
+        del sys.modules[mod.__name__]

@@ -83,3 +83,70 @@ def test_page_cache_can_be_measured_and_dropped(tmp_path: Path) -> None:
     drop_file_cache(p)
     frac = cached_fraction(p)
     assert frac is not None and frac < 0.5
+
+
+def _with_header(tmp_path: Path, header: dict[str, object]) -> Path:
+    import json
+    import struct
+
+    raw = json.dumps(header).encode()
+    p = tmp_path / "fields.safetensors"
+    p.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * 16)
+    return p
+
+
+@pytest.mark.parametrize(
+    ("header", "words"),
+    [
+        ({"w": {"dtype": "F32", "shape": [4], "data_offsets": ["0", "16"]}}, "are not integers"),
+        ({"w": {"dtype": "F32", "shape": "ab", "data_offsets": [0, 16]}}, "not a list of sizes"),
+        ({"w": {"dtype": "F32", "shape": [None], "data_offsets": [0, 16]}}, "not a list of sizes"),
+        ({"w": {"dtype": "F32", "shape": [-2, -2], "data_offsets": [0, 16]}}, "not a list of sizes"),
+        ({"w": {"dtype": "F32", "shape": [4.5], "data_offsets": [0, 16]}}, "not a list of sizes"),
+        ({"w": {"dtype": "F32", "shape": [True, 4], "data_offsets": [0, 16]}}, "not a list of sizes"),
+        ({"w": {"dtype": ["F32"], "shape": [4], "data_offsets": [0, 16]}}, "unsupported dtype"),
+        (
+            {"__metadata__": ["x"], "w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}},
+            "__metadata__",
+        ),
+    ],
+)
+def test_malformed_header_fields_are_named_not_raised_raw(
+    tmp_path: Path, header: dict[str, object], words: str
+) -> None:
+    """Each of these escaped as a TypeError or RuntimeError (an INTERNAL error on the host, the file
+    unnamed); negative dims with an even count passed the size check and failed in reshape."""
+    p = _with_header(tmp_path, header)
+    with pytest.raises(CheckpointError) as e:
+        read_safetensors(p)
+    assert str(p) in str(e.value) and words in str(e.value)
+
+
+def test_a_well_formed_header_still_reads(tmp_path: Path) -> None:
+    p = _with_header(
+        tmp_path,
+        {"__metadata__": {"a": "b"}, "w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}},
+    )
+    tensors, header = read_safetensors(p)
+    assert tensors["w"].shape == (2, 2) and header.metadata == {"a": "b"}
+
+
+def test_an_unreadable_file_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Permission denied (a mode-000 file; root reads it anyway, so the refusal is simulated here)."""
+    import builtins
+
+    p = tmp_path / "locked.safetensors"
+    write_safetensors({"w": torch.zeros(2)}, p)
+    real_open = builtins.open
+
+    def refuse(file: object, *a: object, **k: object) -> object:
+        if str(file) == str(p):
+            raise PermissionError(13, "Permission denied", str(p))
+        return real_open(file, *a, **k)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(builtins, "open", refuse)
+    monkeypatch.setattr(Path, "open", lambda self, *a, **k: refuse(self, *a, **k))
+    with pytest.raises(CheckpointError) as e:
+        read_safetensors(p)
+    assert str(p) in str(e.value) and "cannot be read (Permission denied)" in str(e.value)
+    assert cached_fraction(p) is None  # unknown, not an exception: the read says why

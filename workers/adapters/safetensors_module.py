@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from workers import protocol as P
-from workers.adapters.base import AdapterError, ModuleAdapter
+from workers.adapters.base import AdapterError, ModuleAdapter, params_on_meta
 
 
 class SafetensorsModuleAdapter(ModuleAdapter):
@@ -68,6 +68,14 @@ class SafetensorsModuleAdapter(ModuleAdapter):
         return module
 
     def _specs(self, which: int, default: P.TensorSpec) -> list[P.TensorSpec]:
+        if not hasattr(self, "_declared"):
+            # not built yet (a model in the host or disk tier, or asked for its metadata only): build
+            # it once on the meta device, which takes no memory, to read what it declares
+            try:
+                with params_on_meta():
+                    self.build()
+            except Exception:  # a factory that fails here fails its load too, with the reason
+                return [default]
         declared = getattr(self, "_declared", (None, None))[which]
         if not declared:
             return [default]

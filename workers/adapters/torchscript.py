@@ -54,6 +54,10 @@ class TorchScriptAdapter(Adapter):
                 raise AdapterError(
                     P.BAD_CHECKPOINT, f"model {self.spec.name!r}: {path} is a directory"
                 ) from None
+            except OSError as e:  # permission denied, an I/O error of the disk
+                raise AdapterError(
+                    P.BAD_CHECKPOINT, f"model {self.spec.name!r}: {path}: cannot be read ({e.strerror or e})"
+                ) from None
             if got != size:
                 raise AdapterError(P.BAD_CHECKPOINT, f"model {self.spec.name!r}: {path}: short read")
         return HostCopy(blob=blob)
