@@ -114,6 +114,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self.class_rank = {c.name: i for i, c in enumerate(config.classes)}
         self.live = {name: _Live() for name in self.engine.models}
         self._ops: dict[str, tuple[str, ActionKind]] = {}
+        self._drop_retries: set[str] = set()  # op ids of drops sent again after a failed one
         self._subscribers: list[asyncio.Queue[dict[str, Any]]] = []
         self._task: asyncio.Task[None] | None = None
         self.started = False
@@ -278,6 +279,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
 
     def _on_result(self, r: P.CommandResult) -> None:
         model, kind = self._ops.pop(r.op_id, (r.model, None))
+        retried = r.op_id in self._drop_retries
+        self._drop_retries.discard(r.op_id)
         live = self.live.get(model)
         if live is None:
             return
@@ -324,6 +327,17 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         elif kind == ActionKind.LOAD_HOST and m.tier == Tier.HOST:
             self.engine.drop_host(m, now, f"load to host RAM failed: {r.error}")
             self._flush()
+        elif kind == ActionKind.DEMOTE and r.to_tier == "gpu" and m.tier == Tier.HOST:
+            # the host kept it on the device (its copy out failed), and the books gave that room
+            # away: it is dropped there, so the room is really free (the books: on disk)
+            self.engine.drop_host(m, now, f"demote failed: {r.error}")
+            self._flush()
+        elif kind == ActionKind.DROP and r.to_tier != "disk" and not retried:
+            # the host still holds it (a session's close failed, say): once more, its books said gone
+            op = uuid.uuid4().hex
+            self._ops[op] = (model, ActionKind.DROP)
+            self._drop_retries.add(op)
+            self.pool.submit(r.device or m.device, P.Drop(model), op)
 
     # ---- requests -------------------------------------------------------------------------------
     def _model(self, name: str) -> Any:
@@ -417,7 +431,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             )
         finally:
             self._deferred_evict(m)  # an admin's evict waits for the request's end, its retry included
-        wait = start - arrival
+        wait = max(0.0, start - arrival)  # the wall clock may step back (NTP) between the two
         self.waits[cls_name].append(wait)
         self.wait_total_s += wait
         self.metrics.child("wait", cls_name).observe(wait)
@@ -425,7 +439,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         live.requests += 1
         live.last_used = end
         self.served += 1
-        self._log_request(arrival, model, end - start, cls, wait, result)
+        self._log_request(arrival, model, max(0.0, end - start), cls, wait, result)
         if retry_failed:
             raise WorkerUnavailable(f"{result.error}; retried once: {retry_failed}")
         if not result.ok:

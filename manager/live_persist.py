@@ -18,6 +18,7 @@ from manager.journal import RequestJournal
 from manager.metrics import Metrics
 from manager.policy.engine import Engine
 from manager.policy.types import Action, ActionKind, Tier
+from manager.store.base import normalize_record
 from workers import protocol as P
 
 if TYPE_CHECKING:
@@ -298,6 +299,15 @@ class PersistenceMixin:
             # shielded: a cancelled caller (the reconciler at stop) must not leave a written batch
             # in the journal, or the next start would log it twice
             await asyncio.shield(self._write_batch(batch))
+        except ValueError:  # a record the store refuses (the store answers): those go, the rest stay
+            good = self._valid_records(batch)
+            if len(good) < len(batch):
+                self._keep_log(good)  # written at the next flush; the journal loses the bad ones then
+                return
+            logger.warning("could not write %d requests to the store; kept for a retry", len(batch))
+            self._log_failing = True
+            self._keep_log(batch)
+            return
         except Exception:  # the store is down: keep the records (bounded) and try again later
             logger.warning("could not write %d requests to the store; kept for a retry", len(batch))
             self._log_failing = True
@@ -307,6 +317,20 @@ class PersistenceMixin:
         self._log_failing = False
         if self._intents_stale or self._stats_unread:  # the store answers again: what else it missed
             self.save_stats()
+
+    def _valid_records(self, batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The records of `batch` the store can take; each other one is dropped, said and counted (a
+        record it refuses would otherwise hold back every later one, retried for good)."""
+        good = []
+        for rec in batch:
+            try:
+                normalize_record(rec)
+            except ValueError as e:
+                logger.warning("request record %.200r dropped: the store cannot take it (%s)", rec, e)
+                self.metrics.log_dropped.inc()
+                continue
+            good.append(rec)
+        return good
 
     async def _store_answers(self) -> bool:
         try:

@@ -42,7 +42,8 @@ logger = logging.getLogger("manager.live")  # the live manager's one logger (ope
 
 
 LEASE_WAIT_S = 10.0
-"""A grown lease waits at most this long for the commands that free its room to finish."""
+"""A grown lease that has waited this long for the commands that free its room is logged (it goes on
+waiting: applied earlier, the device would hold more than it has)."""
 SESSION_RECOVER_S = 60.0
 """A world session whose device host died has this long to be reopened (model reload included)."""
 
@@ -91,6 +92,7 @@ class WorldSessionsMixin:
     store: Any
     clock: Callable[[], float]
     poll_s: float
+    started: bool
     engine: Engine
     live: dict[str, _Live]
     served: int
@@ -133,8 +135,14 @@ class WorldSessionsMixin:
             if prev is not None:
                 with contextlib.suppress(Exception):
                     await prev
-            until = self.clock() + LEASE_WAIT_S
-            while any(op in self._ops for op in before) and self.clock() < until:
+            warn_at = self.clock() + LEASE_WAIT_S
+            while any(op in self._ops for op in before):  # a grown lease never outruns its room
+                if not self.started:  # stopping: the results will not come; the lease is not grown
+                    coro.close()
+                    return
+                if warn_at and self.clock() >= warn_at:
+                    logger.warning("device %s: a grown lease still waits for the room it needs", device)
+                    warn_at = 0.0
                 await asyncio.sleep(self.poll_s)
             await coro
 
@@ -224,8 +232,9 @@ class WorldSessionsMixin:
         self._world_opening.add(model)  # until the open below is over, even for a client gone
         opening: asyncio.Future[tuple[str, dict[str, Any]]] | None = None
         try:
-            arrival = await self._admit(m, rank, deadline)
-            await self._ready(m, deadline)
+            # as a request: waited for (never expired or evicted while its load is unconfirmed), and
+            # under its class's queue limit
+            arrival, _ = await self._queue_for(m, rank, self.config.classes[rank].name, deadline)
             m.busy_until = math.inf
             self.live[model].inflight += 1
             sid = resume_id or uuid.uuid4().hex[:12]
@@ -404,7 +413,7 @@ class WorldSessionsMixin:
             live.requests += 1
             self.served += 1
             if self.store is not None:
-                rec = {"t": opened, "model": model, "busy_s": round(self.clock() - opened, 6),
+                rec = {"t": opened, "model": model, "busy_s": round(max(0.0, self.clock() - opened), 6),
                        "kind": "session", "class": self.config.classes[rank].name}  # fmt: skip
                 self._log(rec)
             self._publish("session_closed", model, f"session {sid}", m.device, self.clock())

@@ -484,3 +484,108 @@ def test_a_model_pinned_by_a_reload_is_loaded_into_free_room(tmp_path: Path) -> 
         await until(lambda: "other" in pool.status("cpu0").models)
 
     run(config, body)
+
+
+def test_a_failed_demote_drops_the_model_so_the_device_holds_what_the_books_say(tmp_path: Path) -> None:
+    """The host could not copy chat out (host RAM exhausted, say) and kept it on the device; the books
+    had already moved it to host RAM and given its room to the next load, so the device held two models
+    where one and a half fit (found in review, 2026-12-01)."""
+    config = one_of_two(tmp_path, chat_pinned=False, device_models=1.5)
+
+    async def main() -> None:
+        pool = create_pool(config, in_process=True)
+        host = pool.hosts["cpu0"]
+
+        def failing_demote(r: Any, op_id: str, op: str) -> Any:
+            raise RuntimeError("cannot allocate memory")
+
+        host._demote = failing_demote
+        lm = LiveManager(config, pool)
+        await lm.start()
+        try:
+            await lm.preload("chat")
+            lm.evict("chat", "host")
+            await until(lambda: pool.pending() == 0 and not lm._ops)
+            assert lm.engine.models["chat"].tier == Tier.DISK and "chat" not in pool.status("cpu0").models
+            await lm.infer("other", X, timeout_s=5)
+            st = pool.status("cpu0")
+            held = sum(s.device_bytes for s in st.models.values() if s.tier == "gpu")
+            assert held <= lm.engine.state.devices["cpu0"].usable and set(st.models) == {"other"}
+        finally:
+            await lm.stop()
+            pool.close()
+
+    asyncio.run(main())
+
+
+def test_a_session_waiting_for_its_models_unconfirmed_load_does_not_expire_it(tmp_path: Path) -> None:
+    """open_session admitted without counting the model as waited for, so while its load was
+    unconfirmed (a busy host) the engine expired the world model under the open, again and again."""
+    path = write_tiny_mlp(tmp_path / "mlp.safetensors", WIDTH)
+    text = CONFIG.format(mlp_bytes=MLP_BYTES, path=path, width=WIDTH).replace(
+        "keep_alive: 10m", "keep_alive: 1s"
+    )
+    (tmp_path / "c.yaml").write_text(text + f"store: {{sessions: '{tmp_path / 'sessions'}'}}\n")
+    config = load_config(tmp_path / "c.yaml")
+
+    async def main() -> None:
+        pool = Recording(create_pool(config, in_process=True), hold={"world:load": 3.0})
+        lm = LiveManager(config, pool)
+        await lm.start()
+        try:
+            sid, _ = await lm.open_session("world", timeout_s=15)
+            await lm.close_session(sid)
+            loads = [e for e in pool.log if e[:2] == ("submit", "Load") and e[2] == "world"]
+            assert len(loads) == 1 and lm.engine.counters.expiries == 0 and lm.engine.counters.thrash == 0
+        finally:
+            await lm.stop()
+            pool.close()
+
+    asyncio.run(main())
+
+
+def test_a_grown_lease_waits_for_a_slow_demote_past_the_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After LEASE_WAIT_S a grown lease was applied anyway, into room the device still held while a
+    slow demote (a long copy out, a big load ahead of it) was under way."""
+    import manager.live_sessions as ls
+
+    monkeypatch.setattr(ls, "LEASE_WAIT_S", 0.3)
+    path = write_tiny_mlp(tmp_path / "mlp.safetensors", WIDTH)
+    text = CONFIG.format(mlp_bytes=MLP_BYTES, path=path, width=WIDTH)
+    (tmp_path / "c.yaml").write_text(text + f"store: {{sessions: '{tmp_path / 'sessions'}'}}\n")
+    config = load_config(tmp_path / "c.yaml")
+
+    async def main() -> None:
+        pool = Recording(create_pool(config, in_process=True))
+        host = pool.inner.hosts["cpu0"]
+        real_demote = host._demote
+
+        def slow_demote(r: Any, op_id: str, op: str) -> Any:
+            if r.spec.name == "mlp":
+                time.sleep(1.5)
+            return real_demote(r, op_id, op)
+
+        host._demote = slow_demote
+        lm = LiveManager(config, pool)
+        await lm.start()
+        world = lm.engine.models["world"]
+        try:
+            sid, _ = await lm.open_session("world")
+            await lm.step_session(sid, (0.0,) * 5)
+            await until(lambda: world.lease > 500 * 2**20)
+            await lm.infer("mlp", X, timeout_s=10)  # shrinks the lease; mlp expires a second later
+            await until(lambda: lm.engine.models["mlp"].tier != Tier.GPU and world.lease > 500 * 2**20)
+            await until(lambda: any(e[0] == "resize-done" for e in pool.log[-3:]) and not lm._lease_chain)
+            demoted = pool.log.index(("result", "demote", "mlp"))
+            grows = [i for i, e in enumerate(pool.log) if e[0] == "resize-start" and int(e[1]) > 500 * 2**20]
+            assert grows[-1] > demoted  # the grow reached the host only once mlp had left
+            await lm.close_session(sid)
+        finally:
+            await lm.stop()
+            pool.close()
+
+    with caplog.at_level("WARNING", logger="manager.live"):
+        asyncio.run(main())
+    assert "a grown lease still waits for the room it needs" in caplog.text

@@ -275,3 +275,67 @@ def test_a_killed_service_keeps_its_statistics_up_to_date(tmp_path: Path) -> Non
     assert store.count_requests() == 5
     assert store.get_doc("stats")["voice"]["requests"] == 5  # type: ignore[index]
     store.close()
+
+
+def test_a_record_the_store_refuses_is_dropped_and_the_rest_are_written(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One bad record (a journal line from an older or damaged run, say) made the store refuse the
+    whole batch, which was kept and retried for good: nothing after it reached the store."""
+    config = load_config(CONFIG)
+    store = open_store(f"sqlite:///{tmp_path / 'state.db'}")
+
+    async def body(lm: LiveManager) -> None:
+        lm._log({"t": 1.0, "model": "voice", "busy_s": -1.0})  # negative: the store refuses it
+        for _ in range(3):
+            await lm.infer("voice", AUDIO)
+        await lm.flush_log()
+        await lm.flush_log()  # the good ones, put back by the first
+        assert store.count_requests() == 3 and lm._log_buf == []
+        assert lm.metrics.registry.get_sample_value("residency_request_log_dropped_total") == 1.0
+
+    with caplog.at_level("WARNING", logger="manager.live"):
+        run(config, body, store)
+    assert "dropped: the store cannot take it" in caplog.text
+    store.close()
+
+
+def test_a_wall_clock_step_back_logs_no_negative_wait(tmp_path: Path) -> None:
+    """A step back between a request's arrival and its start gave a negative wait_s, which the store
+    refuses (and, before the fix above, held back every later record)."""
+    import time
+
+    config = load_config(CONFIG)
+    store = open_store(f"sqlite:///{tmp_path / 'state.db'}")
+    offset = [0.0]
+
+    def clock() -> float:
+        return time.time() + offset[0]
+
+    async def main() -> None:
+        from manager.workers_bridge import create_pool
+
+        pool = create_pool(config, in_process=True)
+        lm = LiveManager(config, pool, store=store, clock=clock)
+        await lm.start()
+        try:
+            await lm.infer("voice", AUDIO)
+            real_queue = lm._queue_for
+
+            async def queue_then_step_back(*a: Any, **k: Any) -> Any:
+                got = await real_queue(*a, **k)
+                offset[0] -= 0.5  # NTP steps the wall clock back after the arrival is taken
+                return got
+
+            lm._queue_for = queue_then_step_back  # type: ignore[method-assign]
+            served = await lm.infer("voice", AUDIO)
+            assert served.wait_s >= 0.0
+            await lm.flush_log()
+        finally:
+            await lm.stop()
+            pool.close()
+        recs = list(store.requests(0))
+        assert len(recs) == 2 and all(r["wait_s"] >= 0 and r["busy_s"] >= 0 for r in recs)
+
+    asyncio.run(main())
+    store.close()
