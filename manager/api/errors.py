@@ -32,6 +32,21 @@ STATUS: dict[type[ResidencyError], grpc.StatusCode] = {
 
 T = TypeVar("T")
 
+MAX_DETAILS_BYTES = 2000
+"""Status details longer than this (UTF-8) are cut: they travel in a header, percent-encoded, and a
+client drops a response whose headers pass its metadata limit (16 KiB for grpcio), so an echoed
+4 KiB model name would turn NOT_FOUND into RESOURCE_EXHAUSTED."""
+TRUNCATED = "… (truncated)"
+
+
+def details_of(e: BaseException | str) -> str:
+    """What a client is told: the error's message, cut to `MAX_DETAILS_BYTES`."""
+    msg = str(e)
+    raw = msg.encode()
+    if len(raw) <= MAX_DETAILS_BYTES:
+        return msg
+    return raw[:MAX_DETAILS_BYTES].decode(errors="ignore") + TRUNCATED
+
 
 def status_of(e: ResidencyError) -> grpc.StatusCode:
     for cls in type(e).__mro__:
@@ -49,7 +64,7 @@ def mapped(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
         try:
             return await fn(self, request, context)
         except ResidencyError as e:
-            await context.abort(status_of(e), str(e))
+            await context.abort(status_of(e), details_of(e))
         except Exception:
             logger.exception("%s failed", fn.__name__)
             await context.abort(

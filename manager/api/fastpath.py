@@ -11,7 +11,10 @@ Wire format, both ways: frames of a 4-byte big-endian length and a pickle (both 
 program, on one host, through a socket in a private 0700 directory):
   front -> manager: [(call id, ModelInferRequest bytes, seconds left or None), ...]
   manager -> front: [(call id, grpc status code (int), details, ModelInferResponse bytes), ...]
-Calls that arrive in one turn of a loop travel in one frame, and so do their answers.
+Calls that arrive in one turn of a loop travel in one frame, and so do their answers, up to
+`FLUSH_BYTES` a frame: past it the frame goes at once and the next begins, so many large calls never
+add up to a frame over `MAX_FRAME`. A single message too large for a frame is answered
+RESOURCE_EXHAUSTED to its caller, never sent.
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ logger = logging.getLogger(__name__)
 
 MAX_FRAME = 1 << 31
 """A frame larger than this is a broken peer (a message is at most `server.max_request_bytes`)."""
+FLUSH_BYTES = 1 << 24
+"""An outbox holding this much writes its frame at once, not at the end of the loop's turn."""
+ITEM_OVERHEAD = 256
+"""What one item costs in a frame besides its bytes and details (pickle's framing of the tuple)."""
 
 Answer = tuple[int, str, bytes]
 """(grpc status code, details, response bytes) - code 0 is OK."""
@@ -38,6 +45,19 @@ Handler = Callable[[bytes, float | None], Awaitable[Answer]]
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 INTERNAL = grpc.StatusCode.INTERNAL.value[0]
+RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+
+
+def fits(nbytes: int) -> bool:
+    """Whether an item carrying `nbytes` fits in a frame (on its own)."""
+    return nbytes + ITEM_OVERHEAD <= MAX_FRAME
+
+
+def too_large(what: str, nbytes: int) -> str:
+    return (
+        f"ModelInfer: the {what} of {nbytes} bytes is larger than the front end's link to the manager "
+        f"carries ({MAX_FRAME - ITEM_OVERHEAD} bytes); send a smaller one"
+    )
 
 
 def frame(obj: Any) -> bytes:
@@ -60,20 +80,30 @@ async def read_frame(reader: asyncio.StreamReader) -> Any:
 
 
 class _Outbox:
-    """Items written as one frame at the end of the current turn of the event loop."""
+    """Items written as one frame at the end of the current turn of the event loop, or as soon as
+    they add up to `FLUSH_BYTES`: a frame is at most that, or one larger item (which `fits`)."""
 
     def __init__(self, writer: asyncio.StreamWriter) -> None:
         self.writer = writer
         self.items: list[Any] = []
+        self.size = 0
         self.loop = asyncio.get_running_loop()
 
-    def put(self, item: Any) -> None:
+    def put(self, item: Any, nbytes: int) -> None:
+        """Queue `item`, which carries `nbytes` of messages and details (the caller checked `fits`)."""
+        limit = min(FLUSH_BYTES, MAX_FRAME)
+        nbytes += ITEM_OVERHEAD
+        if self.items and self.size + nbytes > limit:
+            self.flush()
         if not self.items:
             self.loop.call_soon(self.flush)
         self.items.append(item)
+        self.size += nbytes
+        if self.size >= limit:
+            self.flush()
 
     def flush(self) -> None:
-        items, self.items = self.items, []
+        items, self.items, self.size = self.items, [], 0
         if items and not self.writer.is_closing():
             self.writer.write(frame(items))
 
@@ -111,7 +141,9 @@ class FastPathServer:
             except Exception:
                 logger.exception("fast path: a ModelInfer call failed")
                 code, details, body = INTERNAL, "ModelInfer: internal error (see the server log)", b""
-            out.put((cid, code, details, body))
+            if not fits(len(body) + len(details.encode())):
+                code, details, body = RESOURCE_EXHAUSTED, too_large("response", len(body)), b""
+            out.put((cid, code, details, body), len(body) + len(details.encode()))
 
         try:
             while (batch := await read_frame(reader)) is not None:
@@ -166,10 +198,12 @@ class FastPathClient:
     async def call(self, raw: bytes, seconds_left: float | None) -> Answer:
         if self._out is None or self.closed.is_set():
             return UNAVAILABLE, "the manager's process is not reachable from this front end; retry", b""
+        if not fits(len(raw)):
+            return RESOURCE_EXHAUSTED, too_large("request", len(raw)), b""
         cid = next(self._ids)
         fut: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         self._pending[cid] = fut
-        self._out.put((cid, raw, seconds_left))
+        self._out.put((cid, raw, seconds_left), len(raw))
         try:
             return await fut
         finally:

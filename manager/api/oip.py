@@ -4,18 +4,25 @@ Liveness/readiness, server and model metadata, infer (the request's class from i
 parameter — 1 is the highest class — or a `residency_class` string parameter; its timeout from the
 `timeout` parameter in microseconds or the call's deadline), and the model-repository extension:
 index, load (= preload to the GPU tier), unload (= drop to disk).
+
+Every model has one version, "1" ("" names it too). An infer request is checked against the model's
+declared inputs and outputs before any of its data is decoded, as Triton checks it: each declared
+input given once with the declared datatype, rank and fixed dimensions, no other input, and only
+declared outputs asked for - INVALID_ARGUMENT naming the input, what was expected and what came.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from manager.api.convert import decode_input
-from manager.api.errors import mapped, status_of
+from manager.api.convert import decode_input, typed_count
+from manager.api.errors import details_of, mapped, status_of
 from manager.api.handlers import not_a_message
 from manager.errors import InvalidRequest, ModelNotFound, ResidencyError
 from manager.live import LiveManager
@@ -27,11 +34,65 @@ MODEL_INFER = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods_by_
 VERSION = "0.1.0"
 EXTENSIONS = ["model_repository", "residency_class", "priority"]
 DEFAULT_TIMEOUT_S = 60.0
+VERSIONS = ("1",)
+INLINE_DECODE_BYTES = 1 << 20
+"""A request carrying more data than this is decoded in a worker thread, not on the event loop (16 MiB
+of BYTES elements takes seconds of Python)."""
 
 
 def _param(p: Any) -> Any:
     which = p.WhichOneof("parameter_choice")
     return None if which is None else getattr(p, which)
+
+
+def check_version(model: str, version: str) -> None:
+    """An empty version (the model's latest) or one of `VERSIONS`; any other is not found, as Triton
+    answers it."""
+    if version and version not in VERSIONS:
+        raise ModelNotFound(f"model {model!r} has no version {version!r}; versions: {', '.join(VERSIONS)}")
+
+
+def _spec_str(t: Any) -> str:
+    return f"{t.name} ({t.datatype} {list(t.shape)})"
+
+
+def check_request(request: pb.ModelInferRequest, inputs: Sequence[Any], outputs: Sequence[Any]) -> None:
+    """The request's input names, datatypes and shapes and its requested outputs against the model's
+    declared TensorSpecs (shape -1: any size); the element counts are checked as the data decodes."""
+    model = request.model_name
+    declared = {t.name: t for t in inputs}
+    seen: set[str] = set()
+    for t in request.inputs:
+        spec = declared.get(t.name)
+        if spec is None:
+            raise InvalidRequest(
+                f"model {model!r} has no input {t.name!r}; its inputs: "
+                + (", ".join(_spec_str(s) for s in inputs) or "none")
+            )
+        if t.name in seen:
+            raise InvalidRequest(f"model {model!r}: input {t.name!r} is given more than once")
+        seen.add(t.name)
+        if t.datatype != spec.datatype:
+            raise InvalidRequest(
+                f"model {model!r} input {t.name!r}: datatype {t.datatype!r}, expected {spec.datatype!r}"
+            )
+        shape = list(t.shape)
+        if len(shape) != len(spec.shape) or any(
+            d != -1 and d != s for d, s in zip(spec.shape, shape, strict=True)
+        ):
+            raise InvalidRequest(
+                f"model {model!r} input {t.name!r}: shape {shape}, expected {list(spec.shape)} (-1: any)"
+            )
+    missing = [s for s in inputs if s.name not in seen]
+    if missing:
+        raise InvalidRequest(f"model {model!r}: missing input {', '.join(_spec_str(s) for s in missing)}")
+    known = {t.name for t in outputs}
+    unknown = [o.name for o in request.outputs if o.name not in known]
+    if unknown:
+        raise InvalidRequest(
+            f"model {model!r} has no output {', '.join(map(repr, unknown))}; its outputs: "
+            + (", ".join(t.name for t in outputs) or "none")
+        )
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
@@ -51,6 +112,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     @mapped
     async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
         self.manager._model(request.name)
+        check_version(request.name, request.version)
         return pb.ModelReadyResponse(ready=self.manager.live[request.name].ready.is_set())
 
     @mapped
@@ -62,11 +124,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     @mapped
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any) -> pb.ModelMetadataResponse:
         m = self.manager._model(request.name)
+        check_version(request.name, request.version)
         inputs, outputs = self.describe(request.name)
         meta = pb.ModelMetadataResponse.TensorMetadata
         return pb.ModelMetadataResponse(
             name=request.name,
-            versions=["1"],
+            versions=list(VERSIONS),
             platform=f"residency/{m.cfg.adapter}",
             inputs=[meta(name=t.name, datatype=t.datatype, shape=list(t.shape)) for t in inputs],
             outputs=[meta(name=t.name, datatype=t.datatype, shape=list(t.shape)) for t in outputs],
@@ -102,6 +165,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             out[t.name] = decode_input(t.name, t.datatype, list(t.shape), raw[i] if raw else None, t.contents)
         return out
 
+    async def _decoded(self, request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
+        """The inputs as arrays; a large request's off the event loop, which would stall every other
+        call meanwhile (the thread still shares the GIL, but the loop gets its turns)."""
+        size = sum(len(r) for r in request.raw_input_contents)
+        size += 8 * sum(typed_count(t.contents) for t in request.inputs)
+        if size > INLINE_DECODE_BYTES:
+            return await asyncio.to_thread(self._inputs, request)
+        return self._inputs(request)
+
     @mapped
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
         return await self.infer(request, context.time_remaining())
@@ -116,19 +188,21 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         try:
             resp = await self.infer(request, seconds_left)
         except ResidencyError as e:
-            return status_of(e).value[0], str(e), b""
+            return status_of(e).value[0], details_of(e), b""
         return 0, "", resp.SerializeToString()
 
     async def infer(self, request: pb.ModelInferRequest, seconds_left: float | None) -> pb.ModelInferResponse:
         if request.model_name not in self.manager.live:
             self.manager._model(request.model_name)
-        inputs = self._inputs(request)
+        check_version(request.model_name, request.model_version)
+        check_request(request, *self.describe(request.model_name))
+        inputs = await self._decoded(request)
         timeout_s = self._timeout(request, seconds_left)
         served = await self.manager.infer(
             request.model_name, inputs, cls=self._class_of(request), timeout_s=timeout_s
         )
         wanted = {o.name for o in request.outputs}
-        resp = pb.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
+        resp = pb.ModelInferResponse(model_name=request.model_name, model_version=VERSIONS[0], id=request.id)
         for name, (dtype, shape, raw) in served.result.outputs.items():
             if wanted and name not in wanted:
                 continue

@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 
-from manager.api.errors import status_of
+from manager.api.errors import details_of, status_of
 from manager.errors import InvalidRequest, ResidencyError
 from manager.live import LiveManager
 from residency_proto.v1 import residency_pb2 as pb
@@ -71,7 +71,7 @@ class WorldSessionServicer(pb_grpc.WorldSessionServicer):
                 data = await self.manager.step_session(sid, (a.x, a.y, a.z, a.pitch, a.yaw))
                 yield _output(sid, data)
         except ResidencyError as e:
-            await context.abort(status_of(e), str(e))
+            await context.abort(status_of(e), details_of(e))
         except Exception:
             logger.exception("world session failed")
             await context.abort(

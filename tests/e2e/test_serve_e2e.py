@@ -194,8 +194,8 @@ def test_the_example_home_config_serves_here(start_server: Callable[..., Server]
     assert probs is not None and probs.shape == (2,)
     emb = c.infer("embed", [text_input(b"hello")]).as_numpy("embedding")
     assert emb is not None and emb.shape == (1, 384)
-    tts_in = tc.InferInput("x", [1], "FP32")
-    tts_in.set_data_from_numpy(np.zeros(1, np.float32))
+    tts_in = tc.InferInput("input", [1, 1], "FP32")  # as it declares (ModelMetadata)
+    tts_in.set_data_from_numpy(np.zeros((1, 1), np.float32))
     with pytest.raises(InferenceServerException, match=r"models/tts\.pt: no such file") as e:
         c.infer("tts", [tts_in])
     assert e.value.status() == "StatusCode.UNAVAILABLE"

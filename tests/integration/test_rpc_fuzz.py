@@ -128,6 +128,98 @@ def test_random_infer_requests_get_a_proper_status(server: _Server, d: dict[str,
         assert stub.ServerLive(oip.ServerLiveRequest(), timeout=10).live
 
 
+def _infer(
+    model: str, *inputs: tuple[str, str, list[int], Any], version: str = "", outputs: tuple[str, ...] = ()
+) -> Any:
+    req = oip.ModelInferRequest(model_name=model, model_version=version)
+    for name, datatype, shape, data in inputs:
+        t = req.inputs.add(name=name, datatype=datatype, shape=shape)
+        if isinstance(data, bytes):
+            req.raw_input_contents.append(data)
+        elif data is not None:
+            t.contents.CopyFrom(data)
+    for o in outputs:
+        req.outputs.add(name=o)
+    return req
+
+
+AUDIO = np.zeros(512, "<f4").tobytes()
+
+
+def test_requests_that_do_not_match_the_model_get_invalid_argument_or_not_found(server: _Server) -> None:
+    """As Triton answers them: the declared datatype, rank, input names and outputs, and version "1"
+    (before, these were converted silently, dropped, or answered UNAVAILABLE from the device host)."""
+    bad = [
+        (_infer("voice", ("audio", "BYTES", [1], oip.InferTensorContents(bytes_contents=[b"hi"]))),
+         "INVALID_ARGUMENT", "input 'audio': datatype 'BYTES', expected 'FP32'"),
+        (_infer("voice", ("audio", "INT64", [512], oip.InferTensorContents(int64_contents=[1] * 512))),
+         "INVALID_ARGUMENT", "datatype 'INT64', expected 'FP32'"),
+        (_infer("voice", ("audio", "FP32", [0, 2**40, 2**40], b"")),
+         "INVALID_ARGUMENT", "shape [0, 1099511627776, 1099511627776], expected [-1]"),
+        (_infer("voice", ("audio", "FP32", [512], AUDIO), ("bogus", "FP32", [1], b"\0" * 4)),
+         "INVALID_ARGUMENT", "has no input 'bogus'; its inputs: audio (FP32 [-1])"),
+        (_infer("voice", ("audio", "FP32", [512], AUDIO), ("audio", "FP32", [1], b"\0" * 4)),
+         "INVALID_ARGUMENT", "input 'audio' is given more than once"),
+        (_infer("voice", ("audio", "FP32", [512], AUDIO), outputs=("nope",)),
+         "INVALID_ARGUMENT", "has no output 'nope'; its outputs: speech_prob"),
+        (_infer("embed", ("text", "BYTES", [1, 1], oip.InferTensorContents(bytes_contents=[b"hi"]))),
+         "INVALID_ARGUMENT", "input 'text': shape [1, 1], expected [-1]"),
+        (_infer("voice", ("audio", "FP32", [512], AUDIO), version="7"),
+         "NOT_FOUND", "model 'voice' has no version '7'; versions: 1"),
+    ]  # fmt: skip
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        stub = oip_grpc.GRPCInferenceServiceStub(ch)
+        for req, code, message in bad:
+            with pytest.raises(grpc.RpcError) as e:
+                stub.ModelInfer(req, timeout=30)
+            assert (e.value.code().name, message in (e.value.details() or "")) == (code, True), (
+                e.value.details()
+            )
+        for call, req in [
+            (stub.ModelReady, oip.ModelReadyRequest(name="voice", version="42")),
+            (stub.ModelMetadata, oip.ModelMetadataRequest(name="voice", version="42")),
+        ]:
+            with pytest.raises(grpc.RpcError) as e:
+                call(req, timeout=30)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND and "no version '42'" in (
+                e.value.details() or ""
+            )
+        good = stub.ModelInfer(
+            _infer("voice", ("audio", "FP32", [512], AUDIO), version="1", outputs=("speech_prob",))
+        )
+        assert [o.name for o in good.outputs] == ["speech_prob"] and good.model_version == "1"
+        assert stub.ModelReady(oip.ModelReadyRequest(name="voice", version="1"), timeout=30).ready
+
+
+def test_long_names_get_their_own_status_with_the_details_cut(server: _Server) -> None:
+    """A 100k-character name echoed whole overflowed the client's metadata limit: RESOURCE_EXHAUSTED."""
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        stub = oip_grpc.GRPCInferenceServiceStub(ch)
+        long = "x" * 100_000
+        for call, req, code in [
+            (stub.ModelInfer, oip.ModelInferRequest(model_name=long), grpc.StatusCode.NOT_FOUND),
+            (stub.ModelReady, oip.ModelReadyRequest(name=long), grpc.StatusCode.NOT_FOUND),
+            (
+                stub.ModelInfer,
+                _infer("voice", (long, "FP32", [1], b"\0" * 4)),
+                grpc.StatusCode.INVALID_ARGUMENT,
+            ),
+        ]:
+            with pytest.raises(grpc.RpcError) as e:
+                call(req, timeout=30)
+            assert e.value.code() == code, (e.value.code(), (e.value.details() or "")[:200])
+            assert (e.value.details() or "").endswith("(truncated)")
+        with pytest.raises(grpc.RpcError) as e:
+            list(
+                adm_grpc.WorldSessionStub(ch).Run(
+                    iter([adm.WorldInput(start=adm.WorldStart(model=long))]), timeout=30
+                )
+            )
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and (e.value.details() or "").endswith(
+            "(truncated)"
+        )
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(name=st.text(max_size=50), tier=st.text(max_size=10))
 def test_random_admin_requests_get_a_proper_status(server: _Server, name: str, tier: str) -> None:

@@ -8,10 +8,13 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import pytest
 from live_helpers import CONFIG, run
 
+import manager.api.fastpath as fastpath
 from manager.api.fastpath import FastPathClient, FastPathServer, frame
 from manager.api.oip import InferenceServicer
+from manager.api.server import describer
 from manager.config import load_config
 from manager.live import LiveManager
 from residency_proto.inference import grpc_service_pb2 as pb
@@ -21,6 +24,7 @@ NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
 INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 INTERNAL = grpc.StatusCode.INTERNAL.value[0]
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 
 
 def voice_request() -> bytes:
@@ -32,18 +36,23 @@ def voice_request() -> bytes:
 
 def test_model_infer_over_the_fast_path_answers_as_the_grpc_method_does(tmp_path: Path) -> None:
     async def body(lm: LiveManager) -> None:
-        servicer = InferenceServicer(lm, lambda name: ([], []))
+        servicer = InferenceServicer(lm, describer(lm))
         server = FastPathServer(servicer.infer_raw)
         await server.start(str(tmp_path / "fast.sock"))
         client = FastPathClient()
         await client.connect(str(tmp_path / "fast.sock"))
         try:
             unknown = pb.ModelInferRequest(model_name="nope").SerializeToString()
+            as_int64 = pb.ModelInferRequest(model_name="voice")
+            as_int64.inputs.add(name="audio", datatype="INT64", shape=[512]).contents.int64_contents[:] = [
+                0
+            ] * 512
             # concurrent calls travel together and each gets its own answer
             answers = await asyncio.gather(
                 *(client.call(voice_request(), 30.0) for _ in range(5)),
                 client.call(unknown, 30.0),
                 client.call(b"\xff\xff not protobuf", None),
+                client.call(as_int64.SerializeToString(), 30.0),
             )
             for code, details, body in answers[:5]:
                 assert (code, details) == (OK, "")
@@ -53,8 +62,10 @@ def test_model_infer_over_the_fast_path_answers_as_the_grpc_method_does(tmp_path
                 assert list(resp.outputs[0].shape) == [2]
             assert answers[5][0] == NOT_FOUND and "unknown model 'nope'" in answers[5][1]
             assert answers[6][0] == INVALID and "not a valid inference.ModelInferRequest" in answers[6][1]
-            assert server.calls == 7
-            assert lm.served == 5  # the two bad calls never reached a model
+            # the fast path checks the request against the model's declared inputs as the method does
+            assert answers[7][0] == INVALID and "datatype 'INT64', expected 'FP32'" in answers[7][1]
+            assert server.calls == 8
+            assert lm.served == 5  # the three bad calls never reached a model
         finally:
             await client.close()
             await server.stop()
@@ -131,5 +142,73 @@ def test_a_peer_sending_garbage_is_cut_off_and_the_server_keeps_serving(tmp_path
         writer.close()
         await writer.wait_closed()
         await server.stop()
+
+    asyncio.run(main())
+
+
+def test_many_large_calls_in_one_turn_travel_in_several_frames(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Scaled down: a 1 MiB frame limit and calls of 400 KB each, legal one by one, which in one frame
+    together would pass the limit (the manager then cut the link and every call got UNAVAILABLE)."""
+    monkeypatch.setattr(fastpath, "MAX_FRAME", 1 << 20)
+    sizes: list[int] = []
+    real_frame = fastpath.frame
+
+    def recording_frame(obj: object) -> bytes:
+        data = real_frame(obj)
+        sizes.append(len(data))
+        return data
+
+    monkeypatch.setattr(fastpath, "frame", recording_frame)
+
+    async def handler(raw: bytes, left: float | None) -> tuple[int, str, bytes]:
+        return OK, "", raw[:8] + str(len(raw)).encode()
+
+    async def main() -> None:
+        server = FastPathServer(handler)
+        await server.start(str(tmp_path / "f.sock"))
+        client = FastPathClient()
+        await client.connect(str(tmp_path / "f.sock"))
+        try:
+            answers = await asyncio.gather(*(client.call(bytes([i]) * 400_000, 5.0) for i in range(6)))
+            assert answers == [(OK, "", bytes([i]) * 8 + b"400000") for i in range(6)]
+            assert not client.closed.is_set()
+            assert max(sizes) <= fastpath.MAX_FRAME
+        finally:
+            await client.close()
+            await server.stop()
+
+    asyncio.run(main())
+
+
+def test_a_message_too_large_for_a_frame_gets_resource_exhausted_and_the_link_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Scaled down (a 1 MiB frame limit): a request, or an answer, larger than one frame is refused to
+    its own caller with RESOURCE_EXHAUSTED, never sent (an oversized frame broke the link or, past
+    4 GiB, failed to encode in a callback and left its callers waiting for ever)."""
+    monkeypatch.setattr(fastpath, "MAX_FRAME", 1 << 20)
+
+    async def handler(raw: bytes, left: float | None) -> tuple[int, str, bytes]:
+        return OK, "", raw * (2 << 20) if raw == b"big answer" else raw
+
+    async def main() -> None:
+        server = FastPathServer(handler)
+        await server.start(str(tmp_path / "f.sock"))
+        client = FastPathClient()
+        await client.connect(str(tmp_path / "f.sock"))
+        try:
+            big, big_answer, small = await asyncio.gather(
+                client.call(b"x" * (2 << 20), 5.0), client.call(b"big answer", 5.0), client.call(b"ok", 5.0)
+            )
+            assert big[0] == RESOURCE_EXHAUSTED and "request of 2097152 bytes" in big[1]
+            assert big_answer[0] == RESOURCE_EXHAUSTED and "response of" in big_answer[1]
+            assert small == (OK, "", b"ok")
+            assert not client.closed.is_set()
+            assert await client.call(b"again", 5.0) == (OK, "", b"again")
+        finally:
+            await client.close()
+            await server.stop()
 
     asyncio.run(main())
