@@ -146,6 +146,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self._lease_chain: dict[str, asyncio.Task[Any]] = {}  # device -> its last ordered lease step
         self._thrash_seen = 0
         self.pin_overrides: dict[str, bool] = {}  # admin pin/unpin over the config's `pin`
+        self._pins_set: set[str] = set()  # pinned or unpinned by an admin since this start
+        self._pins_unread = False  # the store was down at start: its pins are still to be read
         self._flush_lock = asyncio.Lock()
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -200,6 +202,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                     await self.flush_log()
                     self._next_flush = now + LOG_EVERY_S
                 if now >= self._next_save:
+                    if self._pins_unread:
+                        self._restore_pins(late=True)
                     self.save_stats()
                     self._next_save = now + SAVE_EVERY_S
             except Exception:  # the reconciler must outlive any one bad result
@@ -672,7 +676,13 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             self.pin_overrides.pop(model, None)
         else:
             self.pin_overrides[model] = pinned
+        self._pins_set.add(model)
         if self.store is not None:
+            if self._pins_unread:  # first the saved ones (writing without them would lose them)
+                self._restore_pins(late=True)
+            if self._pins_unread:
+                logger.warning("the store is down: the pin of %s is not saved across a restart", model)
+                return
             try:
                 self.store.put_doc("pins", dict(self.pin_overrides))
             except Exception:  # the store is down: the pin holds now; saved with the next call
@@ -683,21 +693,32 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             self.engine.models[name].pinned = pinned
         self.engine.recheck_fit()
 
-    def _restore_pins(self) -> None:
+    def _restore_pins(self, *, late: bool = False) -> None:
+        """The admin pins saved in the store, over the config's. `late`: the store was down at start
+        and answers now; a pin an admin set since the start holds over the saved one."""
         if self.store is None:
             return
         try:
             doc = self.store.get_doc("pins") or {}
         except Exception:
-            logger.warning("could not read the admin pins from the store; the config's pins hold")
+            if not self._pins_unread:
+                logger.warning("could not read the admin pins from the store; the config's pins hold")
+            self._pins_unread = True
             return
+        self._pins_unread = False
         for name, pinned in doc.items():
             if name not in self.engine.models or not isinstance(pinned, bool):
                 logger.info("admin pin of %s ignored: the model is not configured", name)
                 continue
+            if name in self._pins_set:
+                continue
             if pinned != self.engine.models[name].cfg.pin:
                 self.pin_overrides[name] = pinned
         self._apply_pins()
+        if late:
+            logger.info("admin pins read from the store: %s", dict(self.pin_overrides) or "none")
+            self.engine.load_pinned(self.clock())
+            self._flush()
 
     # ---- events -------------------------------------------------------------------------------
     def subscribe(self) -> asyncio.Queue[dict[str, Any]]:

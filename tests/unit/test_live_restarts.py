@@ -329,3 +329,46 @@ def test_admin_pins_outlive_a_hot_reload_and_a_restart(tmp_path: Path) -> None:
     run(config, second, store=store)
     assert store.get_doc("pins") == {"embed": True}
     store.close()
+
+
+def test_admin_pins_saved_before_a_start_with_the_store_down_are_not_lost(tmp_path: Path) -> None:
+    """The store was down at start, so the saved pins were not read; the next admin pin wrote the
+    whole "pins" document from memory, and an earlier unpin was lost (found in review, 2026-12-01)."""
+    config = load_config(CONFIG)  # voice: pin: true in the config
+    url = f"sqlite:///{tmp_path / 'state.db'}"
+
+    class DownAtStart:
+        """Fake outage (unit tests only) around the real SQLite store: every call fails while down."""
+
+        def __init__(self, inner: Any) -> None:
+            self.inner, self.down = inner, True
+
+        def __getattr__(self, name: str) -> Any:
+            attr = getattr(self.inner, name)
+            if not callable(attr):
+                return attr
+
+            def call(*a: Any, **k: Any) -> Any:
+                if self.down:
+                    raise ConnectionError("store down")
+                return attr(*a, **k)
+
+            return call
+
+    async def unpin_voice(lm: LiveManager) -> None:
+        lm.set_pin("voice", False)
+
+    store = open_store(url)
+    run(config, unpin_voice, store)
+    store.close()
+
+    async def pin_embed(lm: LiveManager) -> None:
+        assert lm.engine.models["voice"].pinned  # the saved unpin could not be read
+        lm.store.down = False  # the store is back
+        lm.set_pin("embed", True)
+        assert not lm.engine.models["voice"].pinned  # read before writing, and applied
+
+    down = DownAtStart(open_store(url))
+    run(config, pin_embed, down)
+    assert down.inner.get_doc("pins") == {"voice": False, "embed": True}
+    down.inner.close()
