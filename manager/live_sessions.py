@@ -100,6 +100,7 @@ class WorldSessionsMixin:
     session_dir: Path
     _world: dict[str, _World]
     _world_opening: set[str]
+    _reopening: dict[str, asyncio.Task[Any]]
     _ops: dict[str, tuple[str, ActionKind]]
     _background: set[asyncio.Task[Any]]
     _lease_chain: dict[str, asyncio.Task[Any]]
@@ -267,7 +268,7 @@ class WorldSessionsMixin:
         """Open (or resume) session `sid` on `m`'s device host, `m` already counted busy for it; it is
         counted idle again on any failure."""
         try:
-            reply = await self._open_reply(m, rank, sid, codec, resume_id is not None, deadline)
+            reply, sent = await self._open_reply(m, rank, sid, codec, resume_id is not None, deadline)
         except BaseException:
             self._end_busy(m, arrival)
             raise
@@ -279,17 +280,20 @@ class WorldSessionsMixin:
         data = dict(reply.data)
         self.sessions[sid] = (m.name, arrival, rank)
         self._world[sid] = _World(str(data.get("codec", codec)), int(data.get("next_segment", 0)))
+        await self._lease_caught_up(m, sid, sent)
         kind = "session_resumed" if resume_id is not None else "session_opened"
         self._publish(kind, m.name, f"session {sid}", m.device, self.clock(), lease=m.lease)
         return sid, data
 
     async def _open_reply(
         self, m: Any, rank: int, sid: str, codec: str, resume: bool, deadline: float
-    ) -> P.SessionReply:
+    ) -> tuple[P.SessionReply, int]:
+        """The host's reply to the open, and the lease the open was sent with."""
         await asyncio.to_thread(self._prune_sessions, keep={*self.sessions, sid})
         for attempt in range(2):  # a host that lost the model (it restarted) loads it again, in time
+            sent = int(m.lease or m.lease_min)
             reply: P.SessionReply = await asyncio.to_thread(
-                self.pool.session, m.device, "open", m.name, sid, int(m.lease or m.lease_min),
+                self.pool.session, m.device, "open", m.name, sid, sent,
                 (codec or None) if resume else codec, str(self.session_dir / sid), resume,
             )  # fmt: skip
             lost = reply.error_code in (P.WORKER_DIED, P.BAD_TRANSITION)
@@ -300,7 +304,17 @@ class WorldSessionsMixin:
             with contextlib.suppress(DeadlineExceeded, InsufficientCapacity, WorkerUnavailable):
                 await self._queue_for(m, rank, self.config.classes[rank].name, deadline, retry=True)
             m.busy_until = math.inf
-        return reply
+        return reply, sent
+
+    async def _lease_caught_up(self, m: Any, sid: str, sent: int) -> None:
+        """Session `sid` opened with lease `sent`; a lease change the engine decided meanwhile had no
+        session to go to yet: it goes now, a shrink before the open's reply (so before any step
+        fills the session's KV), a grow in order behind the commands that free its room."""
+        lease = int(m.lease or m.lease_min)
+        if lease < sent:
+            await self._resize_session(m.device, sid, lease)
+        elif lease > sent:
+            self._in_order(m.device, self._resize_session(m.device, sid, lease), after_ops=True)
 
     async def _reopen_session(self, sid: str, why: str, deadline: float) -> dict[str, Any]:
         """The device host lost session `sid` (it died, or restarted empty): load the model again if the
@@ -320,12 +334,26 @@ class WorldSessionsMixin:
         except (DeadlineExceeded, InsufficientCapacity, WorkerUnavailable) as e:
             raise unavailable(str(e)) from e
         m.busy_until = math.inf
-        reply = await asyncio.to_thread(
-            self.pool.session, m.device, "open", model, sid, int(m.lease or m.lease_min), w.codec,
+        # shielded, and known to close_session: a client that hangs up meanwhile has its session
+        # closed on the host after the reopen, not before it (which would leave it open there)
+        sent = int(m.lease or m.lease_min)
+        call = self._in_background(asyncio.to_thread(
+            self.pool.session, m.device, "open", model, sid, sent, w.codec,
             str(self.session_dir / sid), True, w.next_segment,
-        )  # fmt: skip
+        ))  # fmt: skip
+        self._reopening[sid] = call
+
+        def done(t: asyncio.Task[Any]) -> None:
+            if self._reopening.get(sid) is t:
+                del self._reopening[sid]
+            if not t.cancelled():
+                t.exception()  # retrieved, if nobody waits
+
+        call.add_done_callback(done)
+        reply = await asyncio.shield(call)
         if not reply.ok:
             raise unavailable(reply.error or "the reopen failed")
+        await self._lease_caught_up(m, sid, sent)
         w.resumes += 1
         data = dict(reply.data)
         detail = f"session {sid}: reopened at segment {data.get('next_segment')}"
@@ -403,7 +431,14 @@ class WorldSessionsMixin:
         m = self.engine.models[model]
         # shielded: cancelled while the call still waited for a worker thread, the close would be
         # dropped from the pool's queue and the host would keep the session (and its KV) open
-        host_close = self._in_background(asyncio.to_thread(self.pool.session, m.device, "close", sid))
+        reopening = self._reopening.get(sid)
+
+        async def close_on_host() -> P.SessionReply:
+            if reopening is not None:  # a reopen under way: the session is closed once it is open
+                await asyncio.wait([reopening])
+            return await asyncio.to_thread(self.pool.session, m.device, "close", sid)
+
+        host_close = self._in_background(close_on_host())
         host_close.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved, if nobody waits
         try:  # the books are closed even when this is cancelled (or the host fails) midway
             reply = await asyncio.shield(host_close)

@@ -11,6 +11,7 @@ hosts; a pool wrapper only delays results or resizes, as a busy host or a long s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from pathlib import Path
@@ -589,3 +590,113 @@ def test_a_grown_lease_waits_for_a_slow_demote_past_the_warning(
     with caplog.at_level("WARNING", logger="manager.live"):
         asyncio.run(main())
     assert "a grown lease still waits for the room it needs" in caplog.text
+
+
+def test_a_client_gone_during_a_session_reopen_leaves_no_session_open_on_the_host(tmp_path: Path) -> None:
+    """The host lost the session under a step, and the manager reopened it; the client hung up during
+    the reopen. The close reached the host before the reopen ended, so the reopened session stayed open
+    there, and every later session on the model was refused (found in review, 2026-12-01)."""
+    path = write_tiny_mlp(tmp_path / "mlp.safetensors", WIDTH)
+    text = CONFIG.format(mlp_bytes=MLP_BYTES, path=path, width=WIDTH)
+    (tmp_path / "c.yaml").write_text(text + f"store: {{sessions: '{tmp_path / 'sessions'}'}}\n")
+    config = load_config(tmp_path / "c.yaml")
+
+    class LosesSessionOnce(Recording):
+        """The host restarts empty of sessions under the second step; a reopen takes 0.8 s."""
+
+        steps = 0
+
+        def session(self, device: str, method: str, *args: Any, timeout_s: float = 120.0) -> P.SessionReply:
+            if method == "step":
+                self.steps += 1
+                if self.steps == 2:
+                    self.inner.hosts[device].world.close(args[0])
+                    return P.SessionReply(False, error_code=P.NO_SESSION, error="host restarted")
+            if method == "open" and args[4]:  # a resume
+                time.sleep(0.8)
+            return super().session(device, method, *args, timeout_s=timeout_s)
+
+    async def main() -> None:
+        pool = LosesSessionOnce(create_pool(config, in_process=True))
+        lm = LiveManager(config, pool)
+        await lm.start()
+        host_sessions = pool.inner.hosts["cpu0"].world.open_sessions
+        try:
+            sid = None
+
+            async def stream() -> None:  # as manager/api/world.py's Run does
+                nonlocal sid
+                try:
+                    sid, _ = await lm.open_session("world")
+                    for i in range(3):
+                        await lm.step_session(sid, (float(i), 0, 0, 0, 0))
+                finally:
+                    if sid is not None and sid in lm.sessions:
+                        await lm.close_session(sid)
+
+            task = asyncio.create_task(stream())
+            await until(lambda: pool.steps >= 2)
+            await asyncio.sleep(0.3)  # the reopen is under way on the host
+            task.cancel()  # the client hangs up
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await asyncio.sleep(1.0)  # the reopen ends (0.8 s), and what follows it
+            await until(lambda: not lm._background)
+            assert lm.sessions == {} and host_sessions == {}
+            again, _ = await lm.open_session("world", timeout_s=5)  # the world model is free again
+            await lm.close_session(again)
+        finally:
+            await lm.stop()
+            pool.close()
+
+    asyncio.run(main())
+
+
+def test_lease_changes_decided_while_a_session_opens_reach_it(tmp_path: Path) -> None:
+    """A lease change went only to the sessions already open: one decided while a session was being
+    opened on its host was lost. A grow left the session at its minimum; a shrink (a client that
+    reconnects at once, the lease still grown) left the host's session at the big lease while the
+    books gave that room to another model (found in review, 2026-12-01)."""
+    path = write_tiny_mlp(tmp_path / "mlp.safetensors", WIDTH)
+    text = CONFIG.format(mlp_bytes=MLP_BYTES, path=path, width=WIDTH)
+    (tmp_path / "c.yaml").write_text(text + f"store: {{sessions: '{tmp_path / 'sessions'}'}}\n")
+    config = load_config(tmp_path / "c.yaml")
+
+    class SlowOpen(Recording):
+        """Opens take `slow` seconds on the host (a resume reading its log, a busy disk)."""
+
+        slow = 0.0
+
+        def session(self, device: str, method: str, *args: Any, timeout_s: float = 120.0) -> P.SessionReply:
+            if method == "open":
+                time.sleep(self.slow)
+            return super().session(device, method, *args, timeout_s=timeout_s)
+
+    async def main() -> None:
+        pool = SlowOpen(create_pool(config, in_process=True))
+        lm = LiveManager(config, pool)
+        await lm.start()
+        world, dev = lm.engine.models["world"], lm.engine.state.devices["cpu0"]
+        on_host = pool.inner.hosts["cpu0"].world.open_sessions
+        try:
+            pool.slow = 1.5  # the engine grows the lease while the session opens
+            a, _ = await lm.open_session("world")
+            await lm.step_session(a, (0.0,) * 5)
+            await until(lambda: not lm._lease_chain)
+            assert world.lease > 500 * 2**20 and on_host[a].lease == world.lease
+            await lm.close_session(a)
+
+            pool.slow = 0.8  # a client reconnects at once, the lease still grown; mlp comes meanwhile
+            opening = asyncio.create_task(lm.open_session("world"))
+            await asyncio.sleep(0.2)
+            await lm.infer("mlp", X, timeout_s=10)  # the books take lease room back for it
+            c, _ = await opening
+            assert on_host[c].lease == world.lease  # shrunk before the open's reply
+            held = world.weights + on_host[c].lease + lm.engine.models["mlp"].weights
+            assert held <= dev.usable
+            await lm.close_session(c)
+        finally:
+            await lm.stop()
+            pool.close()
+
+    asyncio.run(main())
