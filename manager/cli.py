@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress, TaskID
 from rich.table import Table
 
@@ -21,7 +22,7 @@ from manager.config import Config, ConfigError, config_json_schema, load_config,
 from manager.policy.factory import POLICY_NAMES
 from manager.policy.types import Request
 from manager.replay.sim import ReplayResult, replay
-from manager.replay.synth import PROFILES, synth
+from manager.replay.synth import MAX_DAYS, PROFILES, synth
 from manager.replay.trace import TraceError, read_trace, write_trace
 
 err = Console(stderr=True, soft_wrap=True)
@@ -40,14 +41,17 @@ def _load_trace(path: str, config: Config, strict: bool) -> tuple[list[Request],
         known_classes=[c.name for c in config.classes],
     )
     for line, reason in res.bad_lines[:MAX_BAD_LINES_SHOWN]:
-        err.print(f"[yellow]skipped[/] {path}:{line}: {reason}", highlight=False)
+        # a reason quotes the user's text ("model": "[/x]"): escaped, it is printed, not parsed as markup
+        err.print(f"[yellow]skipped[/] {escape(f'{path}:{line}: {reason}')}", highlight=False)
     if len(res.bad_lines) > MAX_BAD_LINES_SHOWN:
         err.print(
             f"[yellow]skipped[/] {len(res.bad_lines) - MAX_BAD_LINES_SHOWN} more bad lines", highlight=False
         )
     if res.bad_lines:
         err.print(
-            f"{path}: {len(res.bad_lines)} bad line(s) skipped (--strict makes them fatal)", highlight=False
+            f"{path}: {len(res.bad_lines)} bad line(s) skipped (--strict makes them fatal)",
+            highlight=False,
+            markup=False,
         )
     return res.requests, len(res.bad_lines)
 
@@ -102,18 +106,22 @@ def cmd_replay(a: argparse.Namespace) -> int:
         return 0
     policies = [a.policy] if a.policy else list(POLICY_NAMES)
     results = _replay_all(config, reqs, policies, bad)
-    Console().print(_table(results, f"{a.trace} through {a.config}"))
+    Console().print(_table(results, escape(f"{a.trace} through {a.config}")))
     return 0
 
 
 def cmd_synth(a: argparse.Namespace) -> int:
+    if not 0 < a.days <= MAX_DAYS:
+        raise UsageError(f"--days must be between 1 and {MAX_DAYS} (ten years), got {a.days}")
     try:
         reqs = synth(a.profile, a.days, a.seed)
     except ValueError as e:
         raise UsageError(str(e)) from None
     n = write_trace(a.out, reqs)
     err.print(
-        f"wrote {n} requests ({a.days} days, profile {a.profile}, seed {a.seed}) to {a.out}", highlight=False
+        f"wrote {n} requests ({a.days} days, profile {a.profile}, seed {a.seed}) to {a.out}",
+        highlight=False,
+        markup=False,
     )
     return 0
 
@@ -125,7 +133,11 @@ def cmd_schema(a: argparse.Namespace) -> int:
 
 def cmd_check(a: argparse.Namespace) -> int:
     c = load_config(a.config)
-    err.print(f"{a.config}: ok ({len(c.devices)} devices, {len(c.classes)} classes, {len(c.models)} models)")
+    err.print(
+        f"{a.config}: ok ({len(c.devices)} devices, {len(c.classes)} classes, {len(c.models)} models)",
+        highlight=False,
+        markup=False,
+    )
     return 0
 
 
@@ -155,7 +167,9 @@ def _trace_from_store(config: Config, since: str) -> str:
 
     out = Path(tempfile.mkdtemp(prefix="residency-tune-")) / "requests.jsonl"
     n = _export(config, since, out)
-    err.print(f"tuning on {n} requests of the last {since} from {config.store.url}", highlight=False)
+    err.print(
+        f"tuning on {n} requests of the last {since} from {config.store.url}", highlight=False, markup=False
+    )
     return str(out)
 
 
@@ -174,6 +188,17 @@ def cmd_tune(a: argparse.Namespace) -> int:
         search, holdout = split_holdout(reqs)
     if not search:
         raise UsageError(f"{a.trace}: no valid requests to tune on")
+    if a.holdout and not holdout:
+        raise UsageError(f"--holdout {a.holdout}: no valid requests to judge the result on")
+    shown = holdout or search  # what the report replays
+    if a.report and shown[-1].t <= shown[0].t:
+        which = f"--holdout {a.holdout}" if a.holdout else "the held-out part of the trace"
+        raise UsageError(
+            f"--report needs requests over a period of time; {which} has {len(shown)} request(s), "
+            f"all at t={shown[0].t}"
+        )
+    # checked before the search, not after it: a missing folder is made, as `trace synth` does
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     with Progress(console=err, transient=True, disable=not err.is_terminal) as prog:
         task = prog.add_task("tuning", total=None)
         res = tune(
@@ -193,7 +218,7 @@ def cmd_tune(a: argparse.Namespace) -> int:
     if res.holdout_before is not None and res.holdout_after is not None:
         fig["holdout"] = {"before": res.holdout_before.to_json(), "after": res.holdout_after.to_json()}
     if a.report:
-        _report(a, config, res, holdout or search)
+        _report(a, config, res, shown)
         fig["report"] = str(Path(a.report) / "index.html")
     if a.json:
         print(json.dumps(fig))
@@ -203,7 +228,9 @@ def cmd_tune(a: argparse.Namespace) -> int:
         after = res.holdout_after if res.holdout_after else res.search_after
         title = f"{which} trace, policy {a.policy}: before vs after tuning"
         Console().print(_table([before, after], title, names=["before", "after"]))
-        err.print(f"wrote {a.out}; changes: {'; '.join(res.changes) or 'none'}", highlight=False)
+        err.print(
+            f"wrote {a.out}; changes: {'; '.join(res.changes) or 'none'}", highlight=False, markup=False
+        )
     return 0
 
 
@@ -246,13 +273,15 @@ def _measure_table(results: list[Any]) -> Table:
         t.add_column(col, justify="left" if col in ("model", "transition") else "right", no_wrap=True)
     for r in results:
         if not r.ok:
-            t.add_row(r.name, f"[red]{r.error}[/red]", *[""] * 6)
+            t.add_row(r.name, f"[red]{escape(str(r.error))}[/red]", *[""] * 6)
             continue
         for i, (k, x) in enumerate(r.transitions.items()):
             phases = [
                 f"{x[p]:.3f}" for p in ("total_s", "read_s", "deserialize_s", "to_device_s", "warmup_s")
             ]
-            label = [r.name, f"{r.footprint_bytes / 2**20:.1f} MiB", r.measured_on][i] if i < 3 else ""
+            label = (
+                escape([r.name, f"{r.footprint_bytes / 2**20:.1f} MiB", r.measured_on][i]) if i < 3 else ""
+            )
             t.add_row(label, k, *phases, f"{x['bytes'] / 2**20:.1f}", end_section=i == len(r.transitions) - 1)
     return t
 
@@ -304,16 +333,28 @@ def cmd_ps(a: argparse.Namespace) -> int:
 
     from manager.api.client import ClientError, as_dict, list_models
 
-    target = a.target or (load_config(a.config).server.listen if a.config else "127.0.0.1:50051")
-    token = os.environ.get(a.token_env) if a.token_env else None
+    server = load_config(a.config).server if a.config else None
+    target = a.target or (server.listen if server else "127.0.0.1:50051")
+    # the config's TLS certificate and token variable are the defaults: a TLS server speaks only TLS
+    cert_path = a.tls_cert or (server.tls_cert if server else None)
+    root_cert = None
+    if cert_path:
+        try:
+            root_cert = Path(cert_path).read_bytes()
+        except OSError as e:
+            raise UsageError(f"cannot read the TLS certificate {cert_path}: {e.strerror or e}") from None
+    token_env = a.token_env or (server.auth_token_env if server else None)
+    token = os.environ.get(token_env) if token_env else None
+    if a.token_env and token is None:
+        raise UsageError(f"--token-env {a.token_env}: no such environment variable")
     try:
-        resp = list_models(target, token)
+        resp = list_models(target, token, root_cert=root_cert)
     except ClientError as e:
         raise UsageError(str(e)) from None
     if a.json:
         print(json.dumps(as_dict(resp), indent=2))
         return 0
-    t = Table(title=f"Residency on {target}")
+    t = Table(title=escape(f"Residency on {target}"))
     for col in (
         "model",
         "tier",
@@ -336,7 +377,8 @@ def cmd_ps(a: argparse.Namespace) -> int:
         )
         last = f"{_time.time() - m.last_used:.0f} s ago" if m.last_used else "never"
         ls = m.load_seconds
-        t.add_row(m.name, m.tier, m.device, m.class_name, "yes" if m.pinned else "", f"{m.bytes / 2**20:.1f}",
+        names = [escape(x) for x in (m.name, m.tier, m.device, m.class_name)]  # the server's text, not markup
+        t.add_row(*names, "yes" if m.pinned else "", f"{m.bytes / 2**20:.1f}",
                   left, last, f"{ls.disk:.3f}/{ls.cached:.3f}/{ls.host:.3f}")  # fmt: skip
     console = Console()
     console.print(t)
@@ -411,7 +453,13 @@ def build_parser() -> argparse.ArgumentParser:
     ps = sub.add_parser("ps", help="what a running server holds: tier, bytes, keep-alive, load times")
     ps.add_argument("--config", help="read server.listen from this config")
     ps.add_argument("--target", help="host:port of the server (default: the config's server.listen)")
-    ps.add_argument("--token-env", help="environment variable holding the admin bearer token")
+    ps.add_argument(
+        "--token-env",
+        help="environment variable holding the admin bearer token (default: the config's auth_token_env)",
+    )
+    ps.add_argument(
+        "--tls-cert", help="PEM certificate of a TLS server, to trust (default: the config's server.tls_cert)"
+    )
     ps.add_argument("--json", action="store_true")
     ps.set_defaults(fn=cmd_ps)
 

@@ -6,6 +6,7 @@ problem as `file:line: field.path: what was expected` through `ConfigError`.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import io
 from pathlib import Path
@@ -92,12 +93,28 @@ def _yaml() -> YAML:
     return yaml
 
 
-def _plain(node: Any) -> Any:
-    """ruamel's round-trip nodes as plain Python values (dict, list, str, int, float, bool, None)."""
+MAX_NODES = 100_000
+"""The most values a config may expand to. YAML aliases can repeat a list inside a list (a 1 kB
+"billion laughs" file is 10^9 values): counting them as they are copied stops that early."""
+
+
+class _TooManyNodes(Exception):
+    pass
+
+
+def _plain(node: Any, budget: list[int] | None = None) -> Any:
+    """ruamel's round-trip nodes as plain Python values (dict, list, str, int, float, bool, None).
+
+    Raises _TooManyNodes past MAX_NODES values (aliases counted once per use)."""
+    if budget is None:
+        budget = [MAX_NODES]
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise _TooManyNodes
     if isinstance(node, dict):
-        return {_plain(k): _plain(v) for k, v in node.items()}
+        return {_plain(k, budget): _plain(v, budget) for k, v in node.items()}
     if isinstance(node, list):
-        return [_plain(v) for v in node]
+        return [_plain(v, budget) for v in node]
     if isinstance(node, bool) or node is None:
         return node
     for kind in (str, int, float):
@@ -232,7 +249,13 @@ def _validate(data: Any, file: str) -> Config:
         raise ConfigError(
             file, [("", f"expected a mapping at the top level (devices, host, ...), got {got}")]
         )
-    plain = _plain(data)
+    try:
+        plain = _plain(data)
+    except _TooManyNodes:
+        msg = f"more than {MAX_NODES} values once YAML aliases are expanded (an alias bomb?)"
+        raise ConfigError(file, [("", msg)]) from None
+    except RecursionError:
+        raise ConfigError(file, [("", "YAML nested too deeply")]) from None
     try:
         return Config.model_validate(plain)
     except RecursionError:
@@ -284,6 +307,43 @@ def _apply(data: Any, section: str, updates: dict[str, dict[str, Any]], file: st
             _set_path(items[index], key, value, f"{section}[{index}]")
 
 
+def _dump(data: Any) -> str:
+    out = io.StringIO()
+    yaml = _yaml()
+    yaml.indent(mapping=2, sequence=4, offset=2)
+    yaml.dump(data, out)
+    return out.getvalue()
+
+
+def _dump_unshared(data: Any, expected: Any, file: str) -> str:
+    """`data` as YAML text that reads back as `expected` (the plain data with only the updates).
+
+    A mapping that YAML shares (`&base` merged with `<<: *base` into another model, or a
+    `load_seconds: *ls` alias) is written once: a field set in it reaches every entry that uses it.
+    Each entry of models/classes whose field reads back different from `expected` gets its own copy
+    of that field, so the sharing ends for that field only. Raises ValueError if the text still reads
+    back different (a share this cannot undo)."""
+    for _ in range(3):
+        text = _dump(data)
+        got = _plain(_yaml().load(text))
+        if got == expected:
+            return text
+        for section in ("models", "classes"):
+            items = data.get(section) if isinstance(data, dict) else None
+            now = got.get(section) if isinstance(got, dict) else None
+            want = expected.get(section) if isinstance(expected, dict) else None
+            for entry, have, should in zip(items or [], now or [], want or [], strict=False):
+                if not (isinstance(entry, dict) and isinstance(have, dict) and isinstance(should, dict)):
+                    continue
+                for key, value in should.items():
+                    if have.get(key) != value:
+                        entry[key] = copy.deepcopy(value)
+    raise ValueError(
+        f"{file}: the update would also change entries that share a YAML anchor with the updated "
+        "one; give that entry its own copy of the field by hand"
+    )
+
+
 def write_config_with_updates(
     src: Path,
     dst: Path,
@@ -299,13 +359,15 @@ def write_config_with_updates(
     unknown model or class names raise ValueError.
     """
     data = _parse_yaml(Path(src).read_text(encoding="utf-8"), str(src))
+    try:
+        expected = _plain(data)  # every alias its own copy: what the updates alone should give
+    except (_TooManyNodes, RecursionError):
+        raise ConfigError(str(src), [("", "too many values once YAML aliases are expanded")]) from None
+    _apply(expected, "models", model_updates, str(src))
+    _apply(expected, "classes", class_updates or {}, str(src))
     _apply(data, "models", model_updates, str(src))
     _apply(data, "classes", class_updates or {}, str(src))
-    out = io.StringIO()
-    yaml = _yaml()
-    yaml.indent(mapping=2, sequence=4, offset=2)
-    yaml.dump(data, out)
-    text = out.getvalue()
+    text = _dump_unshared(data, expected, str(src))
     if header_comment:
         text = "".join(f"# {line}".rstrip() + "\n" for line in header_comment.splitlines()) + text
     config = _validate(_parse_yaml(text, str(dst)), str(dst))

@@ -93,6 +93,12 @@ KeepAlive = Annotated[
 """Seconds; None ("auto") lets the policy decide from reuse intervals; inf is "forever"."""
 
 
+MAX_GRPC_MESSAGE = 2**31 - 1
+"""gRPC's largest message length: its channel options are C ints."""
+MAX_KEEPALIVE_S = 86400
+"""The longest `server.keepalive`: a day is far below gRPC's C-int milliseconds (24.8 days)."""
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
@@ -102,19 +108,20 @@ class ServerConfig(_Model):
     """Address the gRPC service listens on, as host:port."""
     auth_token_env: str | None = None
     """Name of the environment variable holding the bearer token (optional on loopback)."""
-    max_request_bytes: ByteSize = Field(default=64 * 2**20, gt=0)
-    """Largest gRPC message accepted (and sent); larger requests get RESOURCE_EXHAUSTED."""
+    max_request_bytes: ByteSize = Field(default=64 * 2**20, gt=0, le=MAX_GRPC_MESSAGE)
+    """Largest gRPC message accepted (and sent); larger requests get RESOURCE_EXHAUSTED. At most
+    2147483647 bytes (2GiB less one byte): gRPC keeps the limit in a C int."""
     metrics_listen: str | None = None
     """host:port for Prometheus metrics over HTTP (/metrics); null: no metrics endpoint."""
     tls_cert: str | None = None
     """PEM certificate chain for TLS (with tls_key); null serves plaintext."""
     tls_key: str | None = None
     """PEM private key for TLS (with tls_cert)."""
-    keepalive: Duration = Field(default=30, gt=0)
+    keepalive: Duration = Field(default=30, gt=0, le=MAX_KEEPALIVE_S)
     """How often the server pings each client connection (gRPC keepalive). A client that does not
     answer within this long (20 s at most) is dropped and its calls are cancelled, so the world session
     of a client that vanished (a laptop asleep, a dropped Wi-Fi link) is closed and frees its model.
-    A change takes effect at the next start."""
+    At most 1d (gRPC keeps it in milliseconds in a C int). A change takes effect at the next start."""
     frontends: int = Field(default=0, ge=0, le=16, strict=True)
     """Extra gRPC front-end processes on `listen` (they share the address with SO_REUSEPORT; Linux
     spreads connections over them): each does gRPC's per-call work on its own core, sends ModelInfer

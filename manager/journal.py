@@ -4,7 +4,8 @@ Each served request is appended as one JSON line (flushed to the OS at once: a p
 keeps it; a power cut may lose the last moment). When a batch reaches the store, the journal is
 rewritten with what is still waiting. At start, the journal's records go to the store first. A crash
 between the store write and the rewrite can log a batch twice (at most one second of requests).
-A line that cannot be read (a torn write at a crash) is skipped and counted.
+A line that cannot be read (a torn write at a crash, a damaged byte, a record the store would refuse)
+is skipped, counted and logged with its line number: one bad line must not hold up the others.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import logging
 import os
 from pathlib import Path
 from typing import Any
+
+from manager.store.base import normalize_record
 
 logger = logging.getLogger(__name__)
 _ENCODE = json.JSONEncoder(separators=(",", ":")).encode
@@ -25,6 +28,18 @@ class RequestJournal:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = self._open()
         self.skipped = 0
+        self._end_line()
+
+    def _end_line(self) -> None:
+        """End a torn last line (a kill mid-write) so the next record starts a line of its own
+        instead of being glued to the torn one and lost with it."""
+        with self.path.open("rb") as f:
+            if f.seek(0, os.SEEK_END) == 0:
+                return
+            f.seek(-1, os.SEEK_END)
+            torn = f.read(1) != b"\n"
+        if torn:
+            os.write(self._fd, b"\n")
 
     def _open(self) -> int:
         return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -38,21 +53,20 @@ class RequestJournal:
     def read(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         try:
-            text = self.path.read_text(encoding="utf-8")
+            data = self.path.read_bytes()
         except FileNotFoundError:
             return out
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
+        for n, raw in enumerate(data.split(b"\n"), 1):
+            if not raw.strip():
                 continue
             try:
-                rec = json.loads(line)
-                if isinstance(rec, dict):
-                    out.append(rec)
-                    continue
-            except (ValueError, RecursionError):  # not JSON, or nested too deeply
-                pass
+                # the store's own check: a record it would refuse would block the whole log
+                out.append(normalize_record(json.loads(raw.decode("utf-8"))))
+                continue
+            except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, too deep, not a record
+                reason = str(e) or type(e).__name__
             self.skipped += 1
-            logger.warning("%s:%d: unreadable journal line skipped", self.path, n)
+            logger.warning("%s:%d: unreadable journal line skipped (%s)", self.path, n, reason[:200])
         return out
 
     def rewrite(self, pending: list[dict[str, Any]]) -> None:

@@ -103,9 +103,9 @@ def parse_duration(v: int | float | str) -> float:
     NaN values are errors; `forever` is the keep-alive's business, not a duration).
     """
     if not isinstance(v, str):
-        return float(_number(v, _DURATION_EXPECTED))
+        return _finite(float(_number(v, _DURATION_EXPECTED)), v)
     if _PLAIN_NUMBER_RE.match(v):
-        return float(Decimal(v.strip()))
+        return _finite(float(Decimal(v.strip())), v)
     total = Decimal(0)
     pos = 0
     for m in _DURATION_PART_RE.finditer(v):
@@ -115,7 +115,15 @@ def parse_duration(v: int | float | str) -> float:
         pos = m.end()
     if pos == 0 or pos != len(v):
         raise ValueError(f"{_DURATION_EXPECTED}, got {v!r}")
-    return float(total)
+    return _finite(float(total), v)
+
+
+def _finite(seconds: float, v: int | float | str) -> float:
+    """`seconds`, unless it is too large for a float (a 400-digit number would become infinity)."""
+    if not math.isfinite(seconds):
+        shown = repr(v) if len(repr(v)) <= 40 else repr(v)[:37] + "..."
+        raise ValueError(f"{_DURATION_EXPECTED}; this one is too large, got {shown}")
+    return seconds
 
 
 def _decimal_str(d: Decimal) -> str:

@@ -14,9 +14,18 @@ class ClientError(Exception):
     pass
 
 
-def list_models(target: str, token: str | None, timeout_s: float = 10.0) -> Any:
+def list_models(
+    target: str, token: str | None, timeout_s: float = 10.0, *, root_cert: bytes | None = None
+) -> Any:
+    """The server's List answer. `root_cert` (PEM): talk TLS, trusting that certificate (a server
+    with `server.tls_cert` serves nothing else); None: plaintext."""
     meta = [("authorization", f"Bearer {token}")] if token else None
-    with grpc.insecure_channel(target) as ch:
+    ch = (
+        grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=root_cert))
+        if root_cert is not None
+        else grpc.insecure_channel(target)
+    )
+    with ch:
         try:
             return residency_pb2_grpc.ResidencyStub(ch).List(
                 residency_pb2.ListRequest(), timeout=timeout_s, metadata=meta

@@ -267,9 +267,9 @@ class Simulator:
 
     def _finish(self, t_start: float, t_end: float) -> ReplayResult:
         res, c = self.res, self.engine.counters
-        span = t_end - t_start
+        span = t_end - t_start  # 0 only where t is so large that adding a second changes nothing
         for name, fig in self.figs.items():
-            fig.resident_fraction = min(1.0, self.engine.gpu_time[name] / span)
+            fig.resident_fraction = min(1.0, self.engine.gpu_time[name] / span) if span > 0 else 0.0
         res.models = self.figs
         res.wait_p99_s = {k: p99(v) for k, v in self.waits.items()}
         res.evictions, res.thrash, res.expiries = c.evictions, c.thrash, c.expiries

@@ -323,6 +323,10 @@ _WEEK_PLANNERS: dict[str, Callable[[random.Random, list[tuple[float, int]], Out]
 }
 
 
+MAX_DAYS = 3660
+"""The longest synthetic trace: ten years is plenty, and the trace is built in memory."""
+
+
 def synth(profile: str, days: int = 7, seed: int = 0, start: float | None = None) -> list[Request]:
     """A synthetic trace of `days` days for `profile`, sorted by time.
 
@@ -333,12 +337,12 @@ def synth(profile: str, days: int = 7, seed: int = 0, start: float | None = None
         start: Unix time of the first day's midnight (local wall clock); default DEFAULT_START.
 
     Raises:
-        ValueError: unknown profile, or days < 0.
+        ValueError: unknown profile, or days < 0 or > MAX_DAYS.
     """
     if profile not in _WEEK_PLANNERS:
         raise ValueError(f"unknown profile {profile!r} (known: {', '.join(sorted(PROFILES))})")
-    if days < 0:
-        raise ValueError(f"days must be ≥ 0, got {days}")
+    if not 0 <= days <= MAX_DAYS:
+        raise ValueError(f"days must be between 0 and {MAX_DAYS} (ten years), got {days}")
     rng = random.Random(seed)
     t0 = DEFAULT_START if start is None else float(start)
     wd0 = datetime.fromtimestamp(t0, UTC).weekday()

@@ -42,6 +42,9 @@ __all__ = [
 ]
 
 ALLOWED_FIELDS: tuple[str, ...] = ("t", "model", "busy_s", "class", "kind", "client")
+MAX_T = 1e11
+"""The latest `t` accepted (the year 5138 in Unix seconds): a larger one is almost surely in
+milliseconds, and times near float's limits break the replay's arithmetic."""
 KINDS: frozenset[str] = frozenset({"infer", "session"})
 _ALLOWED_SET = frozenset(ALLOWED_FIELDS)
 
@@ -149,8 +152,12 @@ def parse_object(
     model = obj["model"]
     if not isinstance(model, str) or not model:
         raise ValueError(f"'model' must be a non-empty string, got {_show(model)}")
+    if t > MAX_T:
+        raise ValueError(f"'t' must be Unix seconds ≤ 1e11, got {_show(obj['t'])} (milliseconds?)")
     busy_s = _number(obj, "busy_s")
-    kind = obj.get("kind", "infer")
+    kind = obj.get("kind")
+    if kind is None:  # null is absent, as for class and client
+        kind = "infer"
     if not isinstance(kind, str) or kind not in KINDS:
         raise ValueError(f"'kind' must be one of 'infer', 'session', got {_show(kind)}")
     cls = _optional_str(obj, "class")
@@ -191,6 +198,8 @@ def read_trace(
         raise TraceError(p, 0, e.strerror or str(e)) from None
     with f:
         for line_no, text in enumerate(f, start=1):
+            if line_no == 1:
+                text = text.removeprefix("\ufeff")  # a byte-order mark some editors write
             if not text.strip():
                 continue
             try:

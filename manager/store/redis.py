@@ -9,17 +9,18 @@ Keys, under a prefix (default `residency`, or `?prefix=` in the url):
   <prefix>:intents       a Hash, model -> tier.
 
 Late records: a stream's ids only grow, so a record whose t is earlier than the newest entry (two
-threads finishing out of order) gets the newest entry's ms instead, and the largest such lateness
-is kept in `:requests:lag` (ZADD GT). `requests()` widens its XRANGE by that lateness, filters on the
-exact t, and re-orders through a small heap: entries come back in time order all the same, and when
-nothing was late the heap holds at most one page.
+threads finishing out of order, or out of order in one batch) gets the newest entry's ms instead, and
+the largest such lateness is kept in `:requests:lag` (ZADD GT). `requests()` widens its XRANGE by
+that lateness, filters on the exact t, and re-orders through a small heap: entries come back in time
+order all the same, and when nothing was late the heap holds at most one page.
 
 Primitives: parse_redis_url (url -> connection settings, display url, prefix), open_redis (url ->
 RedisStore; connects lazily), RedisStore (the `Store` protocol over an injected redis client).
 
 Errors: any Redis or socket failure is a StoreError whose url has the password replaced by ***;
 `ping()` returns False instead. Thread safety: redis-py clients are thread-safe (a connection pool);
-the only read-modify-write (placing a late record) is retried when another writer races it.
+a batch is one Lua script (read the newest id, place the ids, add the entries), which Redis runs
+whole: all of it is written or none, and racing writers cannot interleave with it.
 """
 
 from __future__ import annotations
@@ -53,8 +54,34 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "residency"
 PAGE = 1000
-_LATE_RETRIES = 8
-_LATE_ERROR = "equal or smaller"  # Redis: "The ID specified in XADD is equal or smaller than ..."
+
+
+# One batch of the request log, as one script: Redis runs it whole, with no other command between,
+# so a batch is written all or none and its ids need no retry when writers race. KEYS: the stream and
+# the lag set; ARGV: ms, json, ms, json, ... Every id is placed before anything is written: an XADD
+# at an id >= the newest one cannot fail, so an error (a key of the wrong type) comes before any write.
+_APPEND_LUA = """
+local last = 0
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  local info = redis.call('XINFO', 'STREAM', KEYS[1])
+  for i = 1, #info, 2 do
+    if info[i] == 'last-generated-id' then last = tonumber(string.match(info[i + 1], '^(%d+)')) end
+  end
+end
+local late, ids = 0, {}
+for i = 1, #ARGV, 2 do
+  local ms = tonumber(ARGV[i])
+  if ms > last then last = ms end
+  if last - ms > late then late = last - ms end
+  ids[#ids + 1] = last
+end
+redis.call('ZSCORE', KEYS[2], 'late_ms')  -- a lag key of the wrong type fails here, before any write
+if late > 0 then redis.call('ZADD', KEYS[2], 'GT', late, 'late_ms') end
+for k = 1, #ids do
+  redis.call('XADD', KEYS[1], string.format('%.0f-*', ids[k]), 'data', ARGV[2 * k])
+end
+return late
+"""
 
 
 def _ms(t: float) -> int:
@@ -155,6 +182,7 @@ class RedisStore:
         self._lag_key = f"{prefix}:requests:lag"
         self._docs_key = f"{prefix}:docs"
         self._intents_key = f"{prefix}:intents"
+        self._append = client.register_script(_APPEND_LUA)
 
     @contextmanager
     def _errors(self, what: str) -> Iterator[redis.Redis]:
@@ -172,35 +200,11 @@ class RedisStore:
         rows = [(_ms(rec["t"]), json.dumps(rec)) for rec in map(normalize_record, records)]
         if not rows:
             return
+        args: list[str | int] = [x for row in rows for x in row]
         with self._errors("append requests") as r:
-            pipe = r.pipeline(transaction=False)
-            for ms, data in rows:
-                pipe.xadd(self._requests_key, {"data": data}, id=f"{ms}-*")
-            results = pipe.execute(raise_on_error=False)
-            for (ms, data), res in zip(rows, results, strict=True):
-                if isinstance(res, redis.ResponseError) and _LATE_ERROR in str(res):
-                    self._append_late(r, ms, data)
-                elif isinstance(res, Exception):
-                    raise res
-
-    def _append_late(self, r: redis.Redis, ms: int, data: str) -> None:
-        """Append a record whose ms is behind the stream's newest id, at that id's ms."""
-        for _ in range(_LATE_RETRIES):
-            last = _text(r.xinfo_stream(self._requests_key)["last-generated-id"])
-            last_ms = int(last.split("-", 1)[0])
-            pipe = r.pipeline(transaction=True)
-            # The lateness is recorded even if the XADD loses a race: an over-estimate only widens reads.
-            pipe.zadd(self._lag_key, {"late_ms": max(last_ms - ms, 0)}, gt=True)
-            pipe.xadd(self._requests_key, {"data": data}, id=f"{last_ms}-*")
-            _, res = pipe.execute(raise_on_error=False)
-            if not isinstance(res, Exception):
-                logger.debug("request at %s ms stored late as %s", ms, _text(res))
-                return
-            if not (isinstance(res, redis.ResponseError) and _LATE_ERROR in str(res)):
-                raise res
-        raise StoreError(
-            self.url, f"append requests: could not place a late record after {_LATE_RETRIES} tries"
-        )
+            late = self._append(keys=[self._requests_key, self._lag_key], args=args, client=r)
+        if late:
+            logger.debug("records up to %s ms late stored at later ids", late)
 
     def _lag_ms(self, r: redis.Redis) -> int:
         lag = r.zscore(self._lag_key, "late_ms")

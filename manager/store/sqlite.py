@@ -63,6 +63,9 @@ PRAGMA user_version = {SCHEMA_VERSION};
 """
 _INSERT = f"INSERT INTO requests ({_COLUMNS}) VALUES ({', '.join('?' for _ in RECORD_FIELDS)})"
 _SELECT_PAGE = f"SELECT id, {_COLUMNS} FROM requests WHERE (t, id) > (?, ?) AND t < ? ORDER BY t, id LIMIT ?"
+# SQLite sorts text and blobs after every number, so a row whose t is not a number (a damaged file, a
+# hand edit) is in no time range: this finds one through the index, which the pages would pass over.
+_SELECT_NOT_A_TIME = "SELECT id, t FROM requests WHERE t >= ? ORDER BY t LIMIT 1"
 
 
 def parse_sqlite_url(url: str) -> str:
@@ -156,6 +159,10 @@ class SQLiteStore:
             raise ValueError(f"requests: since and until must be numbers, got {since!r}, {until!r}")
         hi = math.inf if until is None else float(until)
         key: tuple[float, int] = (float(since), -1)
+        with self._db("read requests") as db:
+            bad = db.execute(_SELECT_NOT_A_TIME, (math.inf,)).fetchone()
+        if bad is not None:
+            raise StoreError(self.url, f"requests row id={bad[0]} is corrupt: 't' is {bad[1]!r}, not a time")
         while True:
             with self._db("read requests") as db:
                 page = db.execute(_SELECT_PAGE, (*key, hi, PAGE)).fetchall()

@@ -415,3 +415,46 @@ def test_missing_file(tmp_path: Path) -> None:
 def test_top_level_must_be_a_mapping(tmp_path: Path, text: str, got: str) -> None:
     err = error_of(write(tmp_path, text))
     assert "expected a mapping at the top level" in str(err) and str(err).endswith(f"got {got}")
+
+
+# --- limits the service's libraries impose ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("server", "field"),
+    [("{keepalive: 30d}", "server.keepalive"), ("{max_request_bytes: 4GiB}", "server.max_request_bytes")],
+)
+def test_server_values_grpc_cannot_hold_are_config_errors(tmp_path: Path, server: str, field: str) -> None:
+    e = error_of(write(tmp_path, BASE + f"server: {server}\n"))
+    assert [p for p, _ in e.errors] == [field]
+    assert "less than or equal" in e.errors[0][1]
+
+
+def test_the_largest_server_values_accepted_start_a_grpc_server(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from manager.api.runtime import keepalive_options, message_options
+
+    cfg = load_config(write(tmp_path, BASE + "server: {keepalive: 1d, max_request_bytes: 2147483647}\n"))
+    opts = [*message_options(cfg.server.max_request_bytes), *keepalive_options(cfg.server.keepalive)]
+    with ThreadPoolExecutor(1) as pool:
+        server = grpc.server(pool, options=opts)
+        server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        server.stop(None)
+
+
+def test_a_huge_duration_is_a_config_error_and_forever_still_a_keep_alive(tmp_path: Path) -> None:
+    e = error_of(write(tmp_path, BASE + f"policy: {{thrash_window: {'9' * 400}}}\n"))
+    assert e.errors[0][0] == "policy.thrash_window" and "too large" in e.errors[0][1]
+    cfg = load_config(write(tmp_path, BASE + "    keep_alive: forever\n", "f.yaml"))
+    assert cfg.model("a").keep_alive == math.inf
+
+
+def test_a_yaml_alias_bomb_is_refused_quickly(tmp_path: Path) -> None:
+    lines = ["l0: &l0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 10) + "]" for i in range(1, 9)]
+    e = error_of(write(tmp_path, "\n".join(lines) + "\n" + BASE))  # 10^9 values once expanded
+    assert "aliases" in e.errors[0][1]

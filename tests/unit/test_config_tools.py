@@ -68,3 +68,60 @@ def test_write_config_refuses_invalid_results(tmp_path: Path) -> None:
     assert not dst.exists()
     with pytest.raises(ValueError, match="no entry named 'nope' in models"):
         write_config_with_updates(HOME, dst, {"nope": {"pin": True}})
+
+
+ANCHORED = """\
+devices:
+  - {name: gpu0, kind: cuda, index: 0, memory: 24GiB, reserve: 1536MiB}
+host: {memory: 32GiB, reserve: 4GiB}
+classes:
+  - {name: interactive}
+models:
+  - &base
+    name: llm
+    class: interactive
+    adapter: x
+    device: gpu0
+    memory: 9GiB
+    load_seconds: &ls {disk: 7.0, host: 1.0}
+    keep_alive: 10m
+  - <<: *base
+    name: image
+    memory: 7GiB
+  - name: tts
+    class: interactive
+    adapter: x
+    device: gpu0
+    memory: 1GiB
+    load_seconds: *ls
+"""
+
+
+@pytest.mark.parametrize(
+    ("updates", "changed"),
+    [
+        ({"llm": {"keep_alive": "2h"}}, {"llm": ("keep_alive", 7200.0)}),
+        ({"image": {"keep_alive": "1h"}}, {"image": ("keep_alive", 3600.0)}),
+        ({"llm": {"load_seconds.disk": 3.0}}, {"llm": ("load_seconds", 3.0)}),
+        ({"image": {"load_seconds.disk": 2.0}}, {"image": ("load_seconds", 2.0)}),
+        ({"tts": {"load_seconds.disk": 1.0}}, {"tts": ("load_seconds", 1.0)}),
+    ],
+)
+def test_an_update_of_an_anchored_model_changes_no_other_model(
+    tmp_path: Path, updates: dict[str, dict[str, object]], changed: dict[str, tuple[str, float]]
+) -> None:
+    src, dst = tmp_path / "anchored.yaml", tmp_path / "tuned.yaml"
+    src.write_text(ANCHORED, encoding="utf-8")
+    before = load_config(src)
+    cfg = write_config_with_updates(src, dst, updates)  # type: ignore[arg-type]
+    assert load_config(dst) == cfg
+    for m in cfg.models:
+        if m.name not in changed:
+            assert m == before.model(m.name), m.name
+            continue
+        field, value = changed[m.name]
+        got = m.keep_alive if field == "keep_alive" else m.load_seconds.disk
+        assert got == value
+        # everything else of the updated model is as before
+        rest = {"keep_alive", "load_seconds"}
+        assert m.model_dump(exclude=rest) == before.model(m.name).model_dump(exclude=rest)

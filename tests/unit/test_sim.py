@@ -112,3 +112,11 @@ def test_class_reservations_hold_on_gpu_devices_only_as_the_config_says() -> Non
     assert replay(config("cpu"), [req(0, "chat")], "residency").served == 1
     with pytest.raises(ValueError, match="can never fit"):  # on a GPU the reservation holds
         config("cuda")
+
+
+def test_times_so_large_that_a_second_is_lost_in_rounding_replay_without_dividing_by_zero() -> None:
+    # The trace reader refuses t > 1e11; replay itself, given such Requests directly, still finishes.
+    cfg = server([m("a", "interactive", "2GiB")])
+    res = replay(cfg, [Request(t=1e19, model="a", busy_s=1.0)], "residency")
+    assert res.served == 1
+    assert res.models["a"].resident_fraction == 0.0

@@ -227,6 +227,18 @@ class TestCorruption:
         assert url in str(e.value)
         assert store.count_requests() == 3
 
+    @pytest.mark.parametrize("bad_t", ["'abc'", "X'00'"])
+    def test_a_row_whose_time_is_not_a_number_is_named_not_skipped(
+        self, store: Store, url: str, bad_t: str
+    ) -> None:
+        # SQLite sorts text and blobs after every number: no time range would ever reach this row
+        store.append_requests([req(T0), req(T0 + 1), req(T0 + 2)])
+        with closing(raw(url)) as db, db:
+            db.execute(f"UPDATE requests SET t = {bad_t} WHERE id = 2")
+        for since, until in ((0, None), (T0, T0 + 5)):
+            with pytest.raises(StoreError, match=r"requests row id=2 is corrupt: 't' is"):
+                list(store.requests(since, until))
+
     def test_corrupt_doc_and_intent_name_their_key(self, store: Store, url: str) -> None:
         store.put_doc("stats", {"n": 1})
         store.set_intent("voice", "gpu")
@@ -379,11 +391,64 @@ def test_the_request_journal_skips_every_unreadable_line_and_keeps_the_rest(tmp_
 
     path = tmp_path / "requests.journal"
     bad = ["[" * 100_000, '{"t": ' + "9" * 5000 + "}", "[1, 2]", '{"t": 1, "mod', "\x00\x01"]
-    good = [{"t": 1.0, "model": "voice"}, {"t": 2.0, "model": "llm"}]
+    good = [{"t": 1.0, "model": "voice", "busy_s": 0.5}, {"t": 2.0, "model": "llm", "busy_s": 1.0}]
     path.write_text("\n".join([json.dumps(good[0]), *bad, json.dumps(good[1])]) + "\n", encoding="utf-8")
     j = RequestJournal(path)
     try:
         assert j.read() == good
         assert j.skipped == len(bad)
+    finally:
+        j.close()
+
+
+def test_a_journal_line_that_is_not_utf8_is_skipped_not_fatal(tmp_path: Path) -> None:
+    from manager.journal import RequestJournal
+
+    path = tmp_path / "requests.journal"
+    good = {"t": 1.0, "model": "voice", "busy_s": 0.5}
+    path.write_bytes(json.dumps(good).encode() + b"\n\xff\xfe garbage\n" + json.dumps(good).encode() + b"\n")
+    j = RequestJournal(path)
+    try:
+        assert j.read() == [good, good]
+        assert j.skipped == 1
+    finally:
+        j.close()
+
+
+def test_a_journal_record_the_store_would_refuse_is_skipped_so_the_rest_reach_the_store(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from manager.journal import RequestJournal
+
+    path = tmp_path / "requests.journal"
+    good = {"t": 2.0, "model": "voice", "busy_s": 0.5, "outcome": "ok"}
+    lines = ['{"t": 1, "model": "voice"}', '{"t": 1, "model": "voice", "busy_s": 1, "payload": "x"}']
+    path.write_text("\n".join([*lines, json.dumps(good)]) + "\n", encoding="utf-8")
+    j = RequestJournal(path)
+    try:
+        recs = j.read()
+        assert recs == [good] and j.skipped == 2
+        assert "requests.journal:1:" in caplog.text and "busy_s" in caplog.text
+        store = open_store(f"sqlite:///{tmp_path / 'state.db'}")
+        try:
+            store.append_requests(recs)  # the batch goes through whole
+            assert store.count_requests() == 1
+        finally:
+            store.close()
+    finally:
+        j.close()
+
+
+def test_a_torn_last_journal_line_does_not_swallow_the_next_runs_first_record(tmp_path: Path) -> None:
+    from manager.journal import RequestJournal
+
+    path = tmp_path / "requests.journal"
+    first = {"t": 1.0, "model": "voice", "busy_s": 0.5}
+    path.write_text(json.dumps(first) + "\n" + json.dumps(first)[:15], encoding="utf-8")  # killed mid-write
+    j = RequestJournal(path)
+    try:
+        j.append({"t": 2.0, "model": "voice", "busy_s": 0.25})
+        assert [r["t"] for r in j.read()] == [1.0, 2.0]
+        assert j.skipped == 1
     finally:
         j.close()

@@ -194,3 +194,10 @@ def test_format_duration_round_trips_whole_seconds(s: int) -> None:
 @given(st.floats(min_value=0, max_value=1e7, allow_nan=False, allow_infinity=False))
 def test_format_duration_round_trips_floats(s: float) -> None:
     assert parse_duration(format_duration(s)) == pytest.approx(s, rel=1e-12, abs=1e-9)
+
+
+@pytest.mark.parametrize("huge", ["9" * 400, "9" * 400 + "w", "9" * 310 + "h30m", 10**400])
+def test_parse_duration_refuses_numbers_too_large_for_a_float(huge: int | str) -> None:
+    # float() of these is inf: a duration must stay finite ("forever" is the keep-alive's own word)
+    with pytest.raises(ValueError, match="too large"):
+        parse_duration(huge)
