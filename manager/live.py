@@ -190,7 +190,10 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         while True:
             try:
                 for r in self.pool.poll():
-                    self._on_result(r)
+                    try:
+                        self._on_result(r)
+                    except Exception:  # the batch's other results are taken already: not lost
+                        logger.exception("handling the result of %s %s failed", r.op, r.model)
                 now = self.clock()
                 wake = [t for t in self.engine.wakeups if t <= now]
                 if wake or now >= next_tick:
@@ -584,7 +587,12 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         m = self._model(model)
         now = self.clock()
         if tier == "host":
-            self.engine.load_host(m, now, "preload")
+            if m.tier == Tier.DISK and not self.engine.load_host(m, now, "preload"):
+                host = self.engine.host
+                raise InsufficientCapacity(
+                    f"model {model!r}: no room in host RAM ({max(host.usable - host.used, 0)} bytes free, "
+                    f"it needs {m.weights}); nothing is evicted for a preload to host RAM"
+                )
             self._flush()
             return
         if tier != "gpu":

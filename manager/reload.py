@@ -1,7 +1,8 @@
 """Hot config reload: what a running service can take from a changed config, and what needs a restart.
 
-`plan_reload(old, new)` returns the fields that changed, or raises `RestartNeeded` naming the first
-structural change (devices, the set of models, a model's adapter/device/source/class/elastic range/max_batch,
+`plan_reload(old, new)` returns the fields that changed (a model's `memory` and `load_seconds`,
+which only seed what the running service measures, marked as taking effect at the next restart), or
+raises `RestartNeeded` naming the first structural change (devices, the set of models, a model's adapter/device/source/class/elastic range/max_batch,
 the classes' names or order, the policy's name). `apply_reload(engine, new)` then updates the
 engine in place — keep-alives, prewarm, pins, class reservations and rules, policy windows — so
 in-flight requests, resident models and learned statistics are untouched.
@@ -47,9 +48,12 @@ def plan_reload(old: Config, new: Config) -> list[str]:
     olds = {m.name: m for m in old.models}
     for m in new.models:
         o = olds[m.name]
-        for f in ("keep_alive", "prewarm", "pin", "memory", "load_seconds"):
+        for f in ("keep_alive", "prewarm", "pin"):
             if getattr(o, f) != getattr(m, f):
                 changes.append(f"models.{m.name}.{f}")
+        for f in ("memory", "load_seconds"):  # seeds of what the running service measures itself
+            if getattr(o, f) != getattr(m, f):
+                changes.append(f"models.{m.name}.{f} (at the next restart)")
     for oc, nc in zip(old.classes, new.classes, strict=True):
         for f in ("reserve", "may_evict", "max_wait", "max_queue"):
             if getattr(oc, f) != getattr(nc, f):

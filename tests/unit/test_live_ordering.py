@@ -700,3 +700,22 @@ def test_lease_changes_decided_while_a_session_opens_reach_it(tmp_path: Path) ->
             pool.close()
 
     asyncio.run(main())
+
+
+def test_a_preload_to_host_ram_without_room_says_so(tmp_path: Path) -> None:
+    """It returned as if done, and nothing was loaded."""
+    config = one_of_two(tmp_path, chat_pinned=False)
+    text = (
+        (tmp_path / "c.yaml")
+        .read_text()
+        .replace("host: {memory: 8GiB, reserve: 1GiB}", "host: {memory: 2MiB, reserve: 1MiB}")
+    )
+    (tmp_path / "c.yaml").write_text(text)
+    config = load_config(tmp_path / "c.yaml")
+
+    async def body(lm: LiveManager) -> None:
+        with pytest.raises(InsufficientCapacity, match=r"model 'chat': no room in host RAM"):
+            await lm.preload("chat", "host")
+        assert lm.engine.models["chat"].tier == Tier.DISK
+
+    run(config, body)

@@ -38,6 +38,15 @@ def test_tunable_changes_are_listed() -> None:
     assert plan_reload(base, base) == []
 
 
+def test_changes_that_seed_measurements_are_said_to_wait_for_a_restart() -> None:
+    """A model's memory and load seconds seed what the service measures; a reload does not apply them
+    (the books hold the measured footprint). They were listed as applied."""
+    base = load_config(HOME)
+    llm = next(m for m in base.models if m.name == "llm")
+    new = edited(base, "llm", memory=llm.memory + 2**20)
+    assert plan_reload(base, new) == ["models.llm.memory (at the next restart)"]
+
+
 @pytest.mark.parametrize(
     ("change", "words"),
     [
