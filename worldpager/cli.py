@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import re
 import sys
 from collections.abc import Sequence
@@ -123,6 +124,9 @@ def cmd_sizing(args: argparse.Namespace) -> int:
         result = sizing(dims, host_bytes, args.codec, usable)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if not all(math.isfinite(v) for v in result.values() if isinstance(v, float)):
+        # a tiny (e.g. denormal) --fps: the durations overflow, and JSON has no infinity
+        raise UsageError(f"--fps {args.fps}: too small, the durations overflow (expected frames per second)")
     if args.json:
         print(json.dumps(result))
     else:
@@ -168,6 +172,19 @@ def _positive(flag: str, text: str, kind: type[int] | type[float]) -> float:
     return value
 
 
+def _check_plot_path(path: str) -> None:
+    """UsageError unless a plot can be written to ``path`` (its folder exists and matplotlib is there)."""
+    parent = Path(path).parent
+    if not parent.is_dir():
+        raise UsageError(f"--plot {path}: no folder {str(parent)!r}")
+    if Path(path).is_dir():
+        raise UsageError(f"--plot {path}: a folder, expected a file name")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        raise UsageError(f"--plot {path}: needs matplotlib ({e})") from None
+
+
 def cmd_bench_stall(args: argparse.Namespace) -> int:
     """`worldpager bench-stall`: stall vs throttled NVMe bandwidth, prefetch vs on-demand."""
     from worldpager import stall  # torch: imported only when needed
@@ -190,12 +207,17 @@ def cmd_bench_stall(args: argparse.Namespace) -> int:
         opts["k"] = int(_positive("--k", args.k, int))
     if args.multipliers is not None:
         opts["multipliers"] = [_positive("--multipliers", m, float) for m in args.multipliers.split(",")]
+    if args.plot:  # checked before the benchmark runs, not after
+        _check_plot_path(args.plot)
     try:
         result = stall.run_bench(**opts)
     except ValueError as e:
         raise UsageError(str(e)) from None
     if args.plot:
-        stall.plot(result, args.plot)
+        try:
+            stall.plot(result, args.plot)
+        except (OSError, ImportError, ValueError) as e:
+            raise UsageError(f"--plot {args.plot}: {e}") from None
         result["plot"] = str(args.plot)
     print(json.dumps(result) if args.json else stall.text_table(result))
     return 0
@@ -253,16 +275,29 @@ def cmd_session(args: argparse.Namespace) -> int:
     if args.resume:
         if not args.log_dir:
             raise UsageError("--resume needs --log-dir (the saved session's directory)")
-        saved = read_saved_state(args.log_dir)
+        try:
+            saved = read_saved_state(args.log_dir)
+        except ValueError as e:  # a damaged session.json: named, not a traceback
+            raise UsageError(f"--resume: {e}") from None
         if saved is None:
-            raise UsageError(f"--resume: no saved session in {args.log_dir} ({SESSION_FILE} missing)")
+            raise UsageError(
+                f"--resume: no saved session in {args.log_dir} ({SESSION_FILE} missing or unreadable)"
+            )
         saved_preset = (saved.get("metadata") or {}).get("preset")
+        if saved_preset is not None and saved_preset not in SESSION_PRESETS:
+            raise UsageError(
+                f"--resume: {Path(args.log_dir) / SESSION_FILE}: metadata.preset is {saved_preset!r}, "
+                f"expected one of {', '.join(SESSION_PRESETS)}"
+            )
         if preset is not None and saved_preset is not None and preset != saved_preset:
             raise UsageError(f"--preset {preset}: the saved session ran --preset {saved_preset}")
         preset, codec = preset or saved_preset or "tiny", codec or saved.get("codec")
     preset, codec = preset or "tiny", codec or "bf16"
     cfg = SESSION_PRESETS[preset].on_the_fly()
-    seg_bytes = SegmentLayout.from_config(cfg, codec).payload_nbytes
+    try:
+        seg_bytes = SegmentLayout.from_config(cfg, codec).payload_nbytes
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     budget = min(host_memory, cap * seg_bytes) if cap else host_memory
     if budget < seg_bytes:
         raise UsageError(f"--host-memory {args.host_memory} is smaller than one segment ({seg_bytes} bytes)")

@@ -202,9 +202,11 @@ class PageManager:
         self.host_used_bytes += nbytes
         return [self._issue_write_back(seg_id)] if self.nvme_enabled else []
 
-    def prepare_step(self, step: int, wanted: Iterable[SegId]) -> StepPlan:
-        """Plan buffer ``step % 2`` for ``step``'s retrieval set (in order, duplicates ignored).
+    def prepare_step(self, step: int, wanted: Iterable[SegId], *, place_by_id: bool = False) -> StepPlan:
+        """Plan buffer ``step % 2`` for ``step``'s retrieval set (best first, duplicates ignored).
 
+        The first ``slots_per_buffer`` available segments are placed (the rest are ``dropped``), in
+        ``wanted`` order or, with ``place_by_id``, in id order (slot order is placement order).
         Host hits get an Upload now; NVMe misses a Read (room from evicting clean LRU segments no
         unreleased step wants), and their Upload when it lands. Placed segments stay protected until
         ``release_step(step)``. ProtocolError if ``step`` is prepared, or its buffer is held by
@@ -228,6 +230,8 @@ class PageManager:
                 unavailable.append(sid)
             else:
                 (placed if len(placed) < self.slots_per_buffer else dropped).append(sid)
+        if place_by_id:
+            placed.sort()
         for sid in placed:  # protect them all first: a miss's room never evicts another wanted one
             self._protect[sid] = self._protect.get(sid, 0) + 1
         st = self._steps[step] = _Step(buffer, {}, set(), set())

@@ -9,12 +9,14 @@ One directory per session holds three files:
   per-page offsets and crc32s, the payload crc32 and, in its last 4 bytes, a crc32 of the header block
   itself.
 * ``meta.json`` -- immutable settings (slot size, optional ``max_bytes`` budget), written at create().
+  open() checks them (a slot size that is no multiple of 4 KiB, or differs from slot 0's header, is a
+  `SegmentLogError`); when meta.json is lost, slot 0's header gives the slot size.
 * ``index.json`` -- slot -> header, written atomically (tmp + fsync + rename + dir fsync) by flush(),
   close() and open() after a recovery. open() trusts a flushed index (data was fsynced before it) once
   the file is no shorter than it says and the last indexed header on disk matches; slots past the index
   (appended after the last flush) are verified in full (header and payload). A missing or stale index
-  is rebuilt by scanning every slot. Corrupt or truncated slots are reported (corrupt_slots()), never
-  indexed; their slot numbers are not reused.
+  (or one whose slots are not exactly ``0 .. n_slots-1``) is rebuilt by scanning every slot. Corrupt
+  or truncated slots are reported (corrupt_slots()), never indexed; their slot numbers are not reused.
 
 Writes: append() does one ``os.pwritev`` of header + payload (a torn write fails the header or payload
 checksum), then extends the file to the slot boundary; no fsync per append (flush() does that). Reads
@@ -130,6 +132,48 @@ def _pwrite_all(fd: int, parts: Iterable[bytes | memoryview], offset: int) -> No
             views[0] = views[0][n:]
 
 
+def _valid_slot_size(value: object) -> bool:
+    return (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and value >= HEADER_SIZE
+        and value % SLOT_ALIGN == 0
+    )
+
+
+def _read_meta(d: Path, fd: int) -> tuple[int, int | None]:
+    """(slot size, max_bytes) of the log in ``d``: from meta.json, cross-checked against slot 0's header
+    (a wrong slot size would misplace every slot); from slot 0's header when meta.json is lost or
+    unreadable. SegmentLogError naming the file for a meta.json value that cannot be right."""
+    path = d / META_NAME
+    meta: object = None
+    with contextlib.suppress(OSError, ValueError, RecursionError):
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    first: tuple[SegmentHeader, int] | CorruptSlotError | None = None
+    if os.fstat(fd).st_size:
+        try:
+            first = decode_header(os.pread(fd, HEADER_SIZE, 0), 0)
+        except CorruptSlotError as e:
+            first = e
+    if not isinstance(meta, dict):  # meta.json lost: every header names its slot size
+        if first is None:
+            raise SegmentLogError(f"{path}: missing or unreadable, and the log is empty")
+        if isinstance(first, CorruptSlotError):
+            raise SegmentLogError(f"{path}: missing or unreadable, and {first}") from first
+        meta = {"slot_size": first[1]}
+    slot_size, budget = meta.get("slot_size"), meta.get("max_bytes")
+    if not _valid_slot_size(slot_size):
+        raise SegmentLogError(
+            f"{path}: slot_size {slot_size!r} is not a multiple of {SLOT_ALIGN} bytes >= {HEADER_SIZE}"
+        )
+    assert isinstance(slot_size, int)
+    if isinstance(first, tuple) and first[1] != slot_size:
+        raise SegmentLogError(f"{path}: slot_size {slot_size} differs from slot 0's header ({first[1]})")
+    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
+        raise SegmentLogError(f"{path}: max_bytes {budget!r} is not a number of bytes >= 0 (or null)")
+    return slot_size, budget
+
+
 class SegmentLog:
     """Append-only log of fixed-size segment slots in ``directory``; build with create() or open()."""
 
@@ -143,7 +187,7 @@ class SegmentLog:
         self._by_id: dict[int, int] = {}
         self._corrupt: dict[int, str] = {}
         self._n_slots = 0
-        self._claimed = 0  # slots the index file named when the log was reopened (trusted or not)
+        self._claimed = 0  # slots a consistent index file named when the log was reopened (trusted or not)
         self.bytes_written = 0  # header + payload bytes appended by this object
         self.bytes_read = 0  # bytes read from the log file by this object, recovery scans included
 
@@ -176,20 +220,13 @@ class SegmentLog:
     def open(cls, directory: str | os.PathLike[str], *, max_bytes: int | None = None) -> SegmentLog:
         """Reopen an existing log (after a restart), recovering the index as described in the module
         docstring. ``max_bytes`` None keeps the budget given to create()."""
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         d = Path(directory)
         fd = os.open(d / LOG_NAME, os.O_RDWR | os.O_CLOEXEC)
         try:
-            meta: dict[str, Any] = {}
-            with contextlib.suppress(OSError, ValueError, RecursionError):
-                meta = dict(json.loads((d / META_NAME).read_text(encoding="utf-8")))
-            slot_size = meta.get("slot_size")
-            if not isinstance(slot_size, int):
-                try:  # meta.json lost: every header names its slot size
-                    _, slot_size = decode_header(os.pread(fd, HEADER_SIZE, 0), 0)
-                except CorruptSlotError as e:
-                    raise SegmentLogError(f"{d}: meta.json unreadable and {e}") from e
-            budget = meta.get("max_bytes") if max_bytes is None else max_bytes
-            log = cls(d, fd, slot_size, budget if isinstance(budget, int) else None)
+            slot_size, budget = _read_meta(d, fd)
+            log = cls(d, fd, slot_size, budget if max_bytes is None else max_bytes)
             log._recover()
         except BaseException:
             os.close(fd)
@@ -384,10 +421,14 @@ class SegmentLog:
             corrupt = {int(k): str(v) for k, v in idx["corrupt"].items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
             return None
-        self._claimed = n_idx
-        if size < recorded or recorded > n_idx * self.slot_size:
+        # Its slots must be exactly 0..n_slots-1, each indexed or corrupt: checked by count first, so a
+        # corrupt n_slots costs nothing (no range of it is ever built).
+        if n_idx < 0 or n_idx != len(headers) + len(corrupt) or set(headers) & set(corrupt):
             return None
-        if set(headers) | set(corrupt) != set(range(n_idx)) or set(headers) & set(corrupt):
+        if set(headers) | set(corrupt) != set(range(n_idx)):
+            return None
+        self._claimed = n_idx  # a consistent index, though maybe stale: its slots are not reused
+        if size < recorded or recorded > n_idx * self.slot_size:
             return None
         if any(s * self.slot_size + HEADER_SIZE + h.payload_len > size for s, h in headers.items()):
             return None  # an indexed slot no longer fits in the file

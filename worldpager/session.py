@@ -177,6 +177,7 @@ class Session:
         self.meter = RssMeter(warmup, buffers_in_ram=torch.device(device).type == "cpu")
         self._last_read = self._last_written = 0
         self.window_source: str | None = None  # resumed: "checkpoint" (window.bin) or "log"
+        self._rollbacks: list[tuple[int, int]] = []  # (segment, slots) of each roll-back: store.abandoned
         model.reset_cache()
         self._first = self._next = 0
         try:
@@ -269,8 +270,10 @@ class Session:
         return self.rule.select(cands, predict_pose(history, 1), now, self.k)
 
     def _prepare(self, step: int) -> None:
-        # placed oldest first, so virtual positions keep true-time order (segment id = time order)
-        self._plans[step] = self.handler.prepare(step, sorted(self.wanted(step)), self._window_start(step))
+        # the rule's best first: with fewer slots than wanted the best are kept; placed oldest first,
+        # so virtual positions keep true-time order (segment id = time order)
+        wanted, start = self.wanted(step), self._window_start(step)
+        self._plans[step] = self.handler.prepare(step, wanted, start, place_by_id=True)
 
     # ---- stepping -------------------------------------------------------------------------------
     def step(self, pose: Pose) -> StepRecord:
@@ -384,13 +387,21 @@ class Session:
         self.close()
 
     def _save_window(self) -> dict[str, Any]:
-        """Write the rolling window's K/V (every layer, exactly as cached) to ``window.bin``."""
-        return store.save_window(self.model, self.log_dir)
+        """Write the rolling window's K/V (every layer, exactly as cached) to ``window.bin``, with the
+        log slots of the segments it holds (None: not in the log), so a resume can tell whether the
+        log still holds those copies."""
+        segments = []
+        for sid in store.window_segments(self.cfg, self._next):
+            slot = self.log.find(sid)
+            if slot is not None and store.abandoned(sid, slot, self._rollbacks):
+                slot = None  # the new copy never reached the log; the old one is not the window's
+            segments.append((sid, slot))
+        return store.save_window(self.model, self.log_dir, segments)
 
     def _save_state(self, window: dict[str, Any] | None) -> None:
         store.save_state(
             self.log_dir, seed=self.seed, codec=self.layout.codec, cfg=self.cfg, next_step=self._next,
-            poses=self._poses, window=window, metadata=self.metadata,
+            poses=self._poses, window=window, metadata=self.metadata, rollbacks=self._rollbacks,
         )  # fmt: skip
 
     # ---- resume ---------------------------------------------------------------------------------
@@ -398,11 +409,14 @@ class Session:
         """Reopen the saved session: corrupt slots, stored segments, rolling window, last poses."""
         for slot, reason in sorted(self.log.corrupt_slots().items()):
             self._events.record(CorruptSlot(slot, reason))
-        stored = store.stored_segments(self.log, self.layout, self.cfg, self.log_dir)
-        if resume_at is not None:
+        self._rollbacks = [(at, slots) for at, slots in (saved or {}).get("rollbacks", [])]
+        stored = store.stored_segments(self.log, self.layout, self.cfg, self.log_dir, self._rollbacks)
+        if resume_at is not None and any(sid >= resume_at for sid in stored):
+            # every copy written so far of a segment from resume_at on is of the abandoned timeline
+            self._rollbacks.append((resume_at, self.log.n_slots))
             stored = {sid: v for sid, v in stored.items() if sid < resume_at}
         nxt = max(stored, default=-1) + 1
-        window = store.checkpoint_window(saved, nxt, self.model, self.log_dir)
+        window = store.checkpoint_window(saved, nxt, self.model, self.log_dir, stored)
         if window is not None and saved is not None:
             if resume_at is None or int(saved["next_step"]) == nxt:
                 nxt = int(saved["next_step"])
@@ -428,6 +442,9 @@ class Session:
                 self._poses[i] = Pose(*stored[i][1].pose)
         self._first = self._next = nxt
         self._max_position = nxt * self.cfg.frames_per_block - 1
+        # The checkpoint is spent: from here the log moves on (after a roll-back it holds other copies
+        # of the window's segments), so a crash before close() must rebuild the window from the log.
+        self._save_state(window=None)
 
     # ---- summary --------------------------------------------------------------------------------
     def summary(self) -> dict[str, object]:

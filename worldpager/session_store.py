@@ -10,6 +10,14 @@ segments in the log at codec precision: keys are stored post-RoPE at their true 
 holds them) and continues at the next frame. Slots found corrupt when the log is reopened are reported
 as `CorruptSlot` events and never indexed, so never attended to.
 
+``window.bin`` matches the log when ``session.json`` names the step it was saved at and no segment it
+holds has another copy in the log than the one recorded with it (``window.segments``). A resume
+rewrites ``session.json`` without the window at once: a crash before the next ``close()`` rebuilds the
+window from the log. A roll-back (``resume_at``) is recorded in ``session.json`` (``rollbacks``: the
+segment and the log's slot count then): the copies it abandoned, generated again or not yet, are never
+taken for history by a later resume (`abandoned`). `read_saved_state` refuses (ValueError naming the
+file and field) a ``session.json`` whose values are not what `save_state` writes.
+
 This module does not import `worldpager.session` (the session calls into it).
 """
 
@@ -27,11 +35,12 @@ from typing import Any
 
 import torch
 
+from worldpager.codecs import CODECS
 from worldpager.layout import SegmentLayout
 from worldpager.model import KV, TinyCausalWan, TinyConfig
 from worldpager.page_types import SegState
 from worldpager.pages import PageManager
-from worldpager.retrieval import Pose, SegmentInfo
+from worldpager.retrieval import Pose, SegmentInfo, check_pose
 from worldpager.segment_log import CorruptSlotError, SegmentHeader, SegmentLog, SegmentLogError, slot_size_for
 from worldpager.session_records import CorruptSlot
 from worldpager.transfer import TransferHandler
@@ -39,6 +48,7 @@ from worldpager.transfer import TransferHandler
 __all__ = [
     "SESSION_FILE",
     "WINDOW_FILE",
+    "abandoned",
     "checkpoint_window",
     "config_dict",
     "open_log",
@@ -49,6 +59,7 @@ __all__ = [
     "set_window",
     "stored_segments",
     "window_from_log",
+    "window_segments",
 ]
 
 SESSION_FILE, WINDOW_FILE = "session.json", "window.bin"
@@ -76,14 +87,71 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 
 def read_saved_state(log_dir: str | Path) -> dict[str, Any] | None:
-    """The ``session.json`` of a saved session, or None when it is missing or unreadable."""
+    """The ``session.json`` of a saved session, or None when it is missing, unreadable or of another
+    format. ValueError naming the file and the field when a value in it is not what `save_state`
+    writes (a hand-edited or damaged file): resuming on it would fail later, or continue wrongly."""
+    path = Path(log_dir) / SESSION_FILE
     try:
-        state = json.loads((Path(log_dir) / SESSION_FILE).read_text(encoding="utf-8"))
+        state = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
         return None
     if not isinstance(state, dict) or state.get("format") != _FORMAT or state.get("version") != _VERSION:
         return None
+    _check_state(state, path)
     return state
+
+
+def _is_int(v: object, low: int | None = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and (low is None or v >= low)
+
+
+def _check_state(state: dict[str, Any], path: Path) -> None:
+    """ValueError unless every field of a ``session.json`` has the type and range `save_state` writes."""
+
+    def bad(field: str, want: str) -> ValueError:
+        return ValueError(f"{path}: {field} is {state.get(field)!r}, expected {want}")
+
+    if not _is_int(state.get("next_step")):
+        raise bad("next_step", "a whole number >= 0")
+    if not _is_int(state.get("seed"), None):
+        raise bad("seed", "a whole number")
+    if state.get("codec") not in CODECS:
+        raise bad("codec", f"one of {', '.join(CODECS)}")
+    if not isinstance(state.get("config"), dict):
+        raise bad("config", "an object (the model's config)")
+    if not isinstance(state.get("metadata", {}), dict):
+        raise bad("metadata", "an object")
+    poses = state.get("poses", {})
+    if not isinstance(poses, dict):
+        raise bad("poses", "an object: step -> [x, y, z, pitch, yaw]")
+    for key, pose in poses.items():
+        ok = key.isdigit() and isinstance(pose, list) and len(pose) == 5
+        if not ok or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in pose):
+            raise ValueError(f"{path}: poses[{key!r}] is {pose!r}, expected [x, y, z, pitch, yaw] numbers")
+        try:
+            check_pose(Pose(*pose))
+        except ValueError as e:
+            raise ValueError(f"{path}: poses[{key!r}]: {e}") from None
+    w = state.get("window")
+    if w is not None:
+        if not isinstance(w, dict):
+            raise bad("window", "an object or null")
+        for name in ("tokens", "global_end", "nbytes", "crc32"):
+            if not _is_int(w.get(name)):
+                raise ValueError(f"{path}: window.{name} is {w.get(name)!r}, expected a whole number >= 0")
+        if not isinstance(w.get("dtype"), str):
+            raise ValueError(f"{path}: window.dtype is {w.get('dtype')!r}, expected a dtype name")
+        segs = w.get("segments", [])
+        if not isinstance(segs, list) or not all(
+            isinstance(e, list) and len(e) == 2 and _is_int(e[0]) and (e[1] is None or _is_int(e[1]))
+            for e in segs
+        ):
+            raise ValueError(f"{path}: window.segments is {segs!r}, expected [[segment, slot or null], ...]")
+    rollbacks = state.get("rollbacks", [])
+    if not isinstance(rollbacks, list) or not all(
+        isinstance(e, list) and len(e) == 2 and _is_int(e[0]) and _is_int(e[1]) for e in rollbacks
+    ):
+        raise bad("rollbacks", "[[segment, slots], ...] of whole numbers >= 0")
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
@@ -95,8 +163,17 @@ def config_dict(cfg: TinyConfig) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def save_window(model: TinyCausalWan, log_dir: Path) -> dict[str, Any]:
-    """Write the rolling window's K/V (every layer, exactly as cached) to ``window.bin``."""
+def window_segments(cfg: TinyConfig, nxt: int) -> range:
+    """The ids of the segments whose K/V the rolling window holds before step ``nxt``."""
+    tokens = min(cfg.window_tokens, nxt * cfg.frames_per_block * cfg.tokens_per_frame)
+    return range(nxt - -(-tokens // (cfg.frames_per_block * cfg.tokens_per_frame)), nxt)
+
+
+def save_window(
+    model: TinyCausalWan, log_dir: Path, segments: Sequence[tuple[int, int | None]]
+) -> dict[str, Any]:
+    """Write the rolling window's K/V (every layer, exactly as cached) to ``window.bin``; ``segments``:
+    (segment id, log slot or None) of the copies the window holds (checked on resume)."""
     caches = model.kv_cache
     tokens = int(caches[0]["local_end_index"].item()) if caches else 0
     global_end = int(caches[0]["global_end_index"].item()) if caches else 0
@@ -112,7 +189,10 @@ def save_window(model: TinyCausalWan, log_dir: Path) -> dict[str, Any]:
         os.fsync(f.fileno())
     os.replace(tmp, log_dir / WINDOW_FILE)
     dtype = str(model.head.weight.dtype).removeprefix("torch.")
-    return {"tokens": tokens, "global_end": global_end, "dtype": dtype, "nbytes": nbytes, "crc32": crc}
+    return {
+        "tokens": tokens, "global_end": global_end, "dtype": dtype, "nbytes": nbytes, "crc32": crc,
+        "segments": [[sid, slot] for sid, slot in segments],
+    }  # fmt: skip
 
 
 def save_state(
@@ -125,8 +205,10 @@ def save_state(
     poses: Mapping[int, Pose],
     window: dict[str, Any] | None,
     metadata: dict[str, Any],
+    rollbacks: Sequence[tuple[int, int]] = (),
 ) -> None:
-    """Write ``session.json`` (atomically)."""
+    """Write ``session.json`` (atomically). ``rollbacks``: (segment, slots) of each roll-back
+    (`abandoned`)."""
     state = {
         "format": _FORMAT,
         "version": _VERSION,
@@ -137,6 +219,7 @@ def save_state(
         "poses": {str(i): dataclasses.astuple(p) for i, p in sorted(poses.items())},
         "window": window,
         "metadata": metadata,
+        "rollbacks": [[at, slots] for at, slots in rollbacks],
     }
     _atomic_write(log_dir / SESSION_FILE, json.dumps(state).encode("utf-8"))
 
@@ -158,14 +241,28 @@ def open_log(log_dir: Path, segment_bytes: int, max_bytes: int | None, *, resume
     return log
 
 
-def stored_segments(log: SegmentLog, layout: SegmentLayout, cfg: TinyConfig, log_dir: Path) -> Stored:
-    """segment id -> (slot, header) of every readable stored segment (the latest copy of each)."""
+def abandoned(segment_id: int, slot: int, rollbacks: Sequence[Sequence[int]]) -> bool:
+    """Whether the copy of ``segment_id`` in ``slot`` belongs to a timeline a roll-back abandoned: a
+    resume at segment ``at`` when the log had ``slots`` slots drops every copy of a segment >= ``at``
+    written before, including those not generated again yet."""
+    return any(segment_id >= at and slot < slots for at, slots in rollbacks)
+
+
+def stored_segments(
+    log: SegmentLog,
+    layout: SegmentLayout,
+    cfg: TinyConfig,
+    log_dir: Path,
+    rollbacks: Sequence[Sequence[int]] = (),
+) -> Stored:
+    """segment id -> (slot, header) of every readable stored segment (the latest copy of each, unless
+    a roll-back abandoned it: see `abandoned`)."""
     fpb = cfg.frames_per_block
     stored: Stored = {}
     for slot in log.slots():
         h = log.header(slot)
-        if log.find(h.segment_id) != slot:
-            continue  # superseded by a later copy
+        if log.find(h.segment_id) != slot or abandoned(h.segment_id, slot, rollbacks):
+            continue  # superseded by a later copy, or of an abandoned timeline (so are older copies)
         if (
             h.payload_len != layout.payload_nbytes
             or h.codec != layout.codec
@@ -218,12 +315,20 @@ def register_stored(
 
 
 def checkpoint_window(
-    saved: dict[str, Any] | None, nxt: int, model: TinyCausalWan, log_dir: Path
+    saved: dict[str, Any] | None, nxt: int, model: TinyCausalWan, log_dir: Path, stored: Stored
 ) -> list[KV] | None:
-    """The rolling window from ``window.bin`` if it matches the log and the model, else None."""
+    """The rolling window from ``window.bin`` if it matches the log and the model, else None. It
+    matches the log when no segment it holds has another copy in ``stored`` than the one it was
+    saved with (a roll-back generates segments again: the window of the old ones is stale)."""
     w = (saved or {}).get("window")
     if saved is None or not isinstance(w, dict) or int(saved.get("next_step", -1)) < nxt:
         return None
+    segments = w.get("segments")
+    if not isinstance(segments, list):
+        return None  # written before the segments were recorded: cannot be checked
+    for sid, slot in segments:
+        if sid in stored and stored[sid][0] != slot:
+            return None
     cfg, p = model.cfg, model.head.weight
     tokens = int(w.get("tokens", -1))
     expect = int(saved["next_step"]) * cfg.frames_per_block * cfg.tokens_per_frame
@@ -253,9 +358,8 @@ def window_from_log(
 ) -> list[KV]:
     """The rolling window rebuilt from the last segments in the log (codec precision)."""
     tokens = min(cfg.window_tokens, nxt * cfg.frames_per_block * cfg.tokens_per_frame)
-    n_segs = -(-tokens // (cfg.frames_per_block * cfg.tokens_per_frame))
     per_layer: list[list[KV]] = [[] for _ in range(cfg.layers)]
-    for sid in range(nxt - n_segs, nxt):
+    for sid in window_segments(cfg, nxt):
         if sid not in stored:
             raise SegmentLogError(
                 f"{log_dir}: cannot rebuild the rolling window: segment {sid} is not in the log "

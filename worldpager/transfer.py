@@ -237,12 +237,15 @@ class TransferHandler:
     def _wait_jobs(self, ids: set[int]) -> None:
         self._cond.wait_for(lambda: not ids & self._outstanding or self.error is not None, 5.0)
 
-    def prepare(self, step: int, wanted: Iterable[int], window_start_frame: int) -> StepPlan:
+    def prepare(
+        self, step: int, wanted: Iterable[int], window_start_frame: int, *, place_by_id: bool = False
+    ) -> StepPlan:
         """Plan ``step``'s retrieval buffer and start its transfers; memory lands at virtual frames just
-        before ``window_start_frame`` (slot order = ``wanted`` order = oldest-to-newest placement)."""
+        before ``window_start_frame`` (slot order = oldest-to-newest placement: ``wanted`` order, or id
+        order with ``place_by_id``; ``wanted`` is best first: see `PageManager.prepare_step`)."""
         with self._cond:
             self._raise_error()
-            plan = self.pm.prepare_step(step, wanted)
+            plan = self.pm.prepare_step(step, wanted, place_by_id=place_by_id)
             starts = rope.virtual_positions(window_start_frame, len(plan.slots), self.layout.frames)
             slot_seg = {slot: sid for sid, slot in plan.slots.items()}
             self._steps[step] = _StepBuf(slot_seg, {slot: starts[slot] for slot in slot_seg})
