@@ -2,10 +2,11 @@
 
 `plan_reload(old, new)` returns the fields that changed (a model's `memory` and `load_seconds`,
 which only seed what the running service measures, marked as taking effect at the next restart), or
-raises `RestartNeeded` naming the first structural change (devices, the set of models, a model's adapter/device/source/class/elastic range/max_batch,
-the classes' names or order, the policy's name). `apply_reload(engine, new)` then updates the
-engine in place — keep-alives, prewarm, pins, class reservations and rules, policy windows — so
-in-flight requests, resident models and learned statistics are untouched.
+raises `RestartNeeded` naming the first structural change (devices, the set of models, a model's
+adapter/device/source/class/elastic range/max_batch, the classes' names or order, the policy's name).
+`apply_reload(engine, new)` then updates the engine in place — keep-alives, prewarm, pins, class
+reservations and rules, policy windows — so in-flight requests, resident models and learned
+statistics are untouched.
 """
 
 from __future__ import annotations
