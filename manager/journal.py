@@ -28,6 +28,8 @@ class RequestJournal:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = self._open()
         self.skipped = 0
+        self.lines = 0
+        """Records in the file (as far as this process knows: read, appended, rewritten)."""
         self._end_line()
 
     def _end_line(self) -> None:
@@ -49,6 +51,7 @@ class RequestJournal:
         data = (_ENCODE(rec) + "\n").encode()
         while data:  # a regular file takes it whole; a short write (disk filling up) goes on
             data = data[os.write(self._fd, data) :]
+        self.lines += 1
 
     def read(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -59,6 +62,7 @@ class RequestJournal:
         for n, raw in enumerate(data.split(b"\n"), 1):
             if not raw.strip():
                 continue
+            self.lines += 1
             try:
                 # the store's own check: a record it would refuse would block the whole log
                 out.append(normalize_record(json.loads(raw.decode("utf-8"))))
@@ -79,6 +83,7 @@ class RequestJournal:
             os.close(self._fd)
         os.replace(tmp, self.path)
         self._fd = self._open()
+        self.lines = len(pending)
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -312,6 +313,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                 m.cost.measure(src, max(r.timing.total_s, 1e-4))
                 if r.footprint.device_bytes > 0:
                     self.engine.measured_footprint(m, r.footprint.device_bytes, now)
+                    self._flush()  # measured larger: what made room for it leaves now
                 m.ready_at = min(m.ready_at, now)
             if r.to_tier == "gpu" and live.loads_pending == 0 and m.tier == Tier.GPU:
                 live.ready.set()
@@ -465,15 +467,20 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             start = self.clock()
             m.busy_until = math.inf  # busy while it runs: never evicted under a request
             live.inflight += 1
+            call = asyncio.ensure_future(
+                self._run_infer(m.device, m.name, inputs, max(deadline - start, 0.1))
+            )
             try:
-                result = await self._run_infer(m.device, m.name, inputs, max(deadline - start, 0.1))
-            finally:
-                live.inflight -= 1
-                end = self.clock()
-                m.busy_until = end if live.inflight == 0 else m.busy_until
-                self.engine.finish(m, start, end - start)
-                self.engine.after_request(m, end)
-                self._flush()
+                result = await asyncio.shield(call)
+            except asyncio.CancelledError:
+                # the caller gave up (a client that hung up) but the device host still runs it: the
+                # model stays busy, never evicted under it, until the call really ends
+                call.add_done_callback(functools.partial(self._call_ended, m, start))
+                raise
+            except BaseException:
+                self._call_ended(m, start)
+                raise
+            end = self._call_ended(m, start)
             lost = not result.ok and result.error_code in (P.WORKER_DIED, P.BAD_TRANSITION)
             if not lost or attempt == 1 or self.clock() > deadline - 0.1:
                 break
@@ -485,6 +492,23 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                 break
             cold = cold or again
         return result, start, end, cold, retry_failed
+
+    def _call_ended(self, m: Any, start: float, abandoned: asyncio.Future[Any] | None = None) -> float:
+        """A request's call on its device host ended (started at `start`): the model is idle again when
+        no other is in flight. `abandoned`: the call of a request whose caller gave up meanwhile (its
+        admin evict, deferred, goes now). Returns the end time."""
+        if abandoned is not None and not abandoned.cancelled():
+            abandoned.exception()  # retrieved: nobody waits for it
+        live = self.live[m.name]
+        live.inflight -= 1
+        end = self.clock()
+        m.busy_until = end if live.inflight == 0 else m.busy_until
+        self.engine.finish(m, start, end - start)
+        self.engine.after_request(m, end)
+        self._flush()
+        if abandoned is not None:
+            self._deferred_evict(m)
+        return end
 
     async def _queue_for(
         self, m: Any, rank: int, cls_name: str, deadline: float, *, retry: bool = False

@@ -347,6 +347,9 @@ class PersistenceMixin:
             kept = kept[-LOG_KEEP:]
         self._log_buf = kept
         self.metrics.log_buffered.set(len(self._log_buf))
+        if self.journal is not None and self.journal.lines > 2 * LOG_KEEP:
+            # a long outage: the journal keeps what the buffer keeps, not every request since
+            self.journal.rewrite(self._log_buf)
 
     async def _write_batch(self, batch: list[dict[str, Any]]) -> None:
         await asyncio.to_thread(self.store.append_requests, batch)

@@ -273,15 +273,33 @@ class Engine(TierMoves):
     def measured_footprint(self, m: ModelState, nbytes: int, now: float) -> None:
         """A worker measured `m`'s real footprint: it replaces the estimate (and the accounting)."""
         delta = nbytes - m.weights
+        m.weights = nbytes
         if m.tier == GPU:
             dev = self.state.devices[m.device]
             dev.add(m, delta)
+            self._fit_back(dev, m, now)
             self._check_budget(dev)
         elif m.tier == HOST:
             self.host.used += delta
             self.host.cache_shrink()
-        m.weights = nbytes
         self.recheck_fit()  # a pinned model's bytes count against every other model's room
+
+    def _fit_back(self, dev: DeviceState, m: ModelState, now: float) -> None:
+        """`m`, measured larger than its estimate, left `dev` over its usable bytes: other leases
+        shrink, then idle models (not `m`, not pinned) leave, the longest idle first, until it fits.
+        What is busy or pinned stays (the budget counter then says so)."""
+        why = f"room after '{m.name}' measured larger than its estimate"
+        for t in dev.models:
+            over = dev.used - dev.usable
+            if over <= 0:
+                return
+            if t is not m and t.tier == GPU and t.elastic and t.lease > t.lease_min:
+                self._set_lease(t, t.lease - min(t.lease - t.lease_min, over), now, reason=why)
+        idle = [c for c in dev.models if c is not m and c.tier == GPU and not c.pinned and c.idle(now)]
+        for c in sorted(idle, key=lambda c: (self.idle_since(c), c.name)):
+            if dev.used <= dev.usable:
+                return
+            self.evict(c, now, why)
 
     # ---- accounting -------------------------------------------------------------------------
     def close(self, now: float) -> None:

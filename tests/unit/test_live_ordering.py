@@ -719,3 +719,45 @@ def test_a_preload_to_host_ram_without_room_says_so(tmp_path: Path) -> None:
         assert lm.engine.models["chat"].tier == Tier.DISK
 
     run(config, body)
+
+
+def test_a_request_whose_client_hung_up_keeps_its_model_busy_until_the_call_ends(tmp_path: Path) -> None:
+    """The caller's cancellation ended the request's bookkeeping at once while the device host still
+    ran the call: the model counted idle, and an admin's evict (or the policy) took it off the device
+    under a running inference (found in review, 2026-12-01)."""
+    config = one_of_two(tmp_path, chat_pinned=False)
+
+    class SlowInfer(Recording):
+        """Inferences take 0.8 s on the host (a big model)."""
+
+        def infer(self, device: str, model: str, inputs: Any, timeout_s: float = 60.0) -> P.InferResult:
+            self._note("infer-start", model)
+            time.sleep(0.8)
+            result: P.InferResult = self.inner.infer(device, model, inputs, timeout_s)
+            self._note("infer-end", model)
+            return result
+
+    async def main() -> None:
+        pool = SlowInfer(create_pool(config, in_process=True))
+        lm = LiveManager(config, pool)
+        await lm.start()
+        try:
+            await lm.preload("chat")
+            request = asyncio.create_task(lm.infer("chat", X, timeout_s=10))
+            await until(lambda: ("infer-start", "chat") in pool.log)
+            request.cancel()  # the client hangs up mid-inference
+            with contextlib.suppress(asyncio.CancelledError):
+                await request
+            assert lm.live["chat"].inflight == 1  # still running on the host
+            lm.evict("chat", "disk")  # deferred: the call is still running
+            assert lm.engine.models["chat"].tier == Tier.GPU
+            await until(lambda: ("infer-end", "chat") in pool.log)
+            await until(lambda: lm.engine.models["chat"].tier == Tier.DISK)  # the evict, once it ended
+            ended = pool.log.index(("infer-end", "chat"))
+            assert all(e != ("submit", "Drop", "chat") for e in pool.log[:ended])
+            assert lm.live["chat"].inflight == 0
+        finally:
+            await lm.stop()
+            pool.close()
+
+    asyncio.run(main())

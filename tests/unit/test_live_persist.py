@@ -4,6 +4,7 @@ statistics and the request log across restarts and kills, the journal, and store
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -339,3 +340,31 @@ def test_a_wall_clock_step_back_logs_no_negative_wait(tmp_path: Path) -> None:
 
     asyncio.run(main())
     store.close()
+
+
+def test_the_journal_stays_bounded_through_a_long_store_outage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The buffer kept the newest LOG_KEEP records, but the journal kept every request of the outage,
+    all of it read back into memory at the next start (found in review, 2026-12-01)."""
+    import manager.live_persist as persist_mod
+
+    monkeypatch.setattr(persist_mod, "LOG_KEEP", 4)
+    store = _FlakyStore(open_store(f"sqlite:///{tmp_path / 'state.db'}"))
+    journal = tmp_path / "requests.journal"
+
+    async def main() -> None:
+        lm, pool = await started(load_config(CONFIG), store, journal)
+        try:
+            for _ in range(20):
+                await lm.infer("voice", AUDIO)
+                await lm.flush_log()  # the store is down: kept, the oldest dropped past 4
+            lines = [x for x in journal.read_text().splitlines() if x.strip()]
+            assert len(lines) <= 2 * 4 + 1 and len(lm._log_buf) == 4
+            assert [json.loads(x)["t"] for x in lines[-4:]] == [r["t"] for r in lm._log_buf]
+        finally:
+            await lm.stop()
+            pool.close()
+
+    asyncio.run(main())
+    store.real.close()

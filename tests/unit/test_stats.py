@@ -115,3 +115,22 @@ class TestMeasuredFootprint:
             voice.weights == 1000 * 2**20 and dev.used == 1000 * 2**20 and dev.free == dev.usable - dev.used
         )
         assert eng.counters.budget_violations == 0
+
+    def test_a_model_measured_larger_than_its_estimate_makes_idle_models_leave(self) -> None:
+        """The device was left over its budget on the books (and for real) until models left on
+        their own; only the violation counter said so (found in review, 2026-12-01)."""
+        cfg = load_config("configs/home.yaml")
+        eng = Engine(cfg, create_policy("gdsf"))
+        eng.start(MONDAY)
+        dev = eng.state.devices["gpu0"]
+        voice, llm, image = eng.models["voice"], eng.models["llm"], eng.models["image"]
+        for m in (llm, image):
+            if m.tier != Tier.GPU:
+                assert eng.make_room(m, m.rank, MONDAY, may_evict=True)
+                eng.load(m, MONDAY, prewarm=False, reason="test")
+        now = MONDAY + 600
+        llm.busy_until = now + 60  # serving: it stays
+        grow = dev.usable - dev.used + 2**30  # voice measured 1 GiB more than the device has free
+        eng.measured_footprint(voice, voice.weights + grow, now)
+        assert dev.used <= dev.usable and eng.counters.budget_violations == 0
+        assert image.tier != Tier.GPU and llm.tier == Tier.GPU and voice.tier == Tier.GPU
