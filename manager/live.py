@@ -129,6 +129,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self.session_dir = Path(config.store.sessions).resolve()  # one saved-state directory per session
         self._world: dict[str, _World] = {}  # open session -> what a reopen needs
         self._world_opening: set[str] = set()  # world models whose session is being opened
+        self._opening_ids: set[str] = set()  # ids of the sessions being opened
         self._reopening: dict[str, asyncio.Task[Any]] = {}  # session id -> its reopen on the host
         # The request log is written in batches off the event loop (once a second, or sooner when
         # LOG_BATCH records wait), and at stop: a per-request write would cost more than the request.

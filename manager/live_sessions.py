@@ -100,6 +100,7 @@ class WorldSessionsMixin:
     session_dir: Path
     _world: dict[str, _World]
     _world_opening: set[str]
+    _opening_ids: set[str]
     _reopening: dict[str, asyncio.Task[Any]]
     _ops: dict[str, tuple[str, ActionKind]]
     _background: set[asyncio.Task[Any]]
@@ -244,7 +245,9 @@ class WorldSessionsMixin:
             opening = asyncio.ensure_future(
                 self._open_on_host(m, rank, sid, codec, resume_id, arrival, deadline)
             )
+            self._opening_ids.add(sid)
             opening.add_done_callback(lambda _: self._world_opening.discard(model))
+            opening.add_done_callback(lambda _: self._opening_ids.discard(sid))
             try:
                 return await asyncio.shield(opening)
             except asyncio.CancelledError:
@@ -289,7 +292,8 @@ class WorldSessionsMixin:
         self, m: Any, rank: int, sid: str, codec: str, resume: bool, deadline: float
     ) -> tuple[P.SessionReply, int]:
         """The host's reply to the open, and the lease the open was sent with."""
-        await asyncio.to_thread(self._prune_sessions, keep={*self.sessions, sid})
+        # not one open, nor one opening (another world model may be resuming one this moment)
+        await asyncio.to_thread(self._prune_sessions, keep={*self.sessions, *self._opening_ids, sid})
         for attempt in range(2):  # a host that lost the model (it restarted) loads it again, in time
             sent = int(m.lease or m.lease_min)
             reply: P.SessionReply = await asyncio.to_thread(

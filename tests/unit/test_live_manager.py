@@ -155,6 +155,29 @@ def test_saved_world_sessions_beyond_the_disk_bound_go_oldest_first(tmp_path: Pa
     run(load_config(cfg), body)
 
 
+def test_a_session_another_world_model_is_opening_is_not_pruned(tmp_path: Path) -> None:
+    """The prune at a session's open kept the open sessions and its own; one that another world model
+    was resuming that moment (not open yet) could be deleted under it (found in review, 2026-12-01)."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f'store: {{sessions: "{tmp_path / "sessions"}"}}\n' + CONFIG.read_text())
+    kept: list[set[str]] = []
+
+    async def body(lm: LiveManager) -> None:
+        real = lm._prune_sessions
+
+        def spy(keep: set[str]) -> list[str]:
+            kept.append(set(keep))
+            return real(keep)
+
+        lm._prune_sessions = spy  # type: ignore[method-assign]
+        lm._opening_ids.add("b00000000009")  # another model's resume, under way
+        sid, _ = await lm.open_session("world")
+        await lm.close_session(sid)
+        assert kept and {"b00000000009", sid} <= kept[0]
+
+    run(load_config(cfg), body)
+
+
 def test_a_microsecond_model_is_judged_by_its_own_time_not_the_wait_for_the_gil() -> None:
     async def body(lm: LiveManager) -> None:
         served = await lm.infer("voice", AUDIO)
