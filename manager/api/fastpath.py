@@ -9,7 +9,8 @@ to the manager's own gRPC server on a private Unix socket (`front.Front`).
 
 Wire format, both ways: frames of a 4-byte big-endian length and a pickle (both ends are this
 program, on one host, through a socket in a private 0700 directory):
-  front -> manager: [(call id, ModelInferRequest bytes, seconds left or None), ...]
+  front -> manager: [(call id, ModelInferRequest bytes, seconds left or None), ...]; a call whose
+                    client went away: (call id, None, None), and the manager cancels it
   manager -> front: [(call id, grpc status code (int), details, ModelInferResponse bytes), ...]
 Calls that arrive in one turn of a loop travel in one frame, and so do their answers, up to
 `FLUSH_BYTES` a frame: past it the frame goes at once and the next begins, so many large calls never
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import pickle
@@ -108,6 +110,10 @@ class _Outbox:
             self.writer.write(frame(items))
 
 
+def _forget(tasks: dict[int, asyncio.Task[None]], cid: int, _: asyncio.Task[None]) -> None:
+    tasks.pop(cid, None)
+
+
 class FastPathServer:
     """The manager's end: runs `handler` for every call a front end sends, answers in frames."""
 
@@ -132,7 +138,7 @@ class FastPathServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         out = _Outbox(writer)
         loop = asyncio.get_running_loop()
-        tasks: set[asyncio.Task[None]] = set()
+        tasks: dict[int, asyncio.Task[None]] = {}
         self._links.add(writer)
 
         async def one(cid: int, raw: bytes, left: float | None) -> None:
@@ -148,17 +154,22 @@ class FastPathServer:
         try:
             while (batch := await read_frame(reader)) is not None:
                 for cid, raw, left in batch:
+                    if raw is None:  # its client went away: the call ends here too
+                        gone = tasks.get(cid)
+                        if gone is not None:
+                            gone.cancel()
+                        continue
                     self.calls += 1
                     t = loop.create_task(one(cid, raw, left))
-                    tasks.add(t)
-                    t.add_done_callback(tasks.discard)
+                    tasks[cid] = t
+                    t.add_done_callback(functools.partial(_forget, tasks, cid))
                 if writer.transport.get_write_buffer_size() > 1 << 24:
                     await writer.drain()  # a front that stopped reading: do not buffer without end
         except (ConnectionError, pickle.UnpicklingError, ValueError, TypeError) as e:
             logger.warning("fast path: a front end's connection ended: %s", e)
         finally:
             self._links.discard(writer)
-            for t in list(tasks):
+            for t in list(tasks.values()):
                 t.cancel()
             writer.close()
 
@@ -206,6 +217,11 @@ class FastPathClient:
         self._out.put((cid, raw, seconds_left), len(raw))
         try:
             return await fut
+        except asyncio.CancelledError:  # the client went away: so does its call in the manager
+            # (still pending: not answered meanwhile; awaiting it, the task's cancel cancelled it)
+            if cid in self._pending and self._out is not None and not self.closed.is_set():
+                self._out.put((cid, None, None), 0)
+            raise
         finally:
             self._pending.pop(cid, None)
 

@@ -95,6 +95,40 @@ def test_a_failing_handler_answers_internal_and_the_link_goes_on(tmp_path: Path)
     asyncio.run(main())
 
 
+def test_a_call_whose_client_went_away_is_cancelled_in_the_manager(tmp_path: Path) -> None:
+    """A front end's caller that hung up left its call running in the manager until its timeout
+    (queued for its model, then run, for nobody); now the front end says so and the call ends."""
+    started, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def handler(raw: bytes, left: float | None) -> tuple[int, str, bytes]:
+        if raw != b"slow":
+            return OK, "", raw
+        started.set()
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return OK, "", raw
+
+    async def main() -> None:
+        server = FastPathServer(handler)
+        await server.start(str(tmp_path / "f.sock"))
+        client = FastPathClient()
+        await client.connect(str(tmp_path / "f.sock"))
+        try:
+            call = asyncio.ensure_future(client.call(b"slow", None))
+            await asyncio.wait_for(started.wait(), 10)
+            call.cancel()
+            await asyncio.wait_for(cancelled.wait(), 10)  # the manager's side ended it
+            assert await client.call(b"next", 1.0) == (OK, "", b"next")  # and the link goes on
+        finally:
+            await client.close()
+            await server.stop()
+
+    asyncio.run(main())
+
+
 def test_calls_pending_when_the_manager_goes_away_get_unavailable(tmp_path: Path) -> None:
     release = asyncio.Event()
 
