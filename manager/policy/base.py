@@ -39,6 +39,10 @@ class Policy:
     """May a request evict a model of its own class that this policy prewarmed and that has not
     served yet, within `min_residency`? (False: the guess holds its room like a demand load; the
     oracle's guesses are never wrong.)"""
+    prewarm_reclaims_lease = False
+    """May this policy's prewarms take back room lent to an elastic lease, as requests may? (False:
+    a guess does not shrink a running session's KV; the oracle's prewarms are demand loads moved
+    earlier, which would shrink it a moment later anyway.)"""
     max_loaded: int | None = None
     """A cap on models per device (Ollama's OLLAMA_MAX_LOADED_MODELS), pinned models not counted
     (a pin always wins); None: memory decides."""
@@ -107,4 +111,6 @@ class Policy:
 
 
 def host_models(engine: Engine) -> list[ModelState]:
-    return [m for m in engine.models.values() if m.tier == HOST]
+    """The host tier's models, less the one being loaded to the GPU from there this moment (a victim
+    chosen among them would drop it, and it would load again from disk)."""
+    return [m for m in engine.models.values() if m.tier == HOST and m is not engine.incoming]

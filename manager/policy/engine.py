@@ -58,6 +58,8 @@ class Engine(TierMoves):
         self.policy = policy
         policy.bind(self)
         self.never_fits: dict[str, str] = {}
+        self.incoming: ModelState | None = None
+        """The model `make_room` is making room for (not a host-tier victim meanwhile)."""
         self.recheck_fit()
 
     # ---- requests ---------------------------------------------------------------------------
@@ -238,7 +240,7 @@ class Engine(TierMoves):
         if not over_count and dev.room(m.rank) >= need:
             return True
         tenants = []
-        if not prewarm and not over_count:
+        if (not prewarm or self.policy.prewarm_reclaims_lease) and not over_count:
             # A lease above its minimum is free room lent to the tenant: any request may take it
             # back (nothing is evicted), a background one included.
             tenants = [
@@ -262,11 +264,15 @@ class Engine(TierMoves):
         # Why each goes is decided before any goes: an eviction changes host room, and with it
         # what a policy thinks the next victim would cost to bring back (so whether it "expired").
         expired = [self.policy.expired(c, now) for c in victims]
-        for c, gone in zip(victims, expired, strict=True):
-            if gone:
-                self.evict(c, now, "keep-alive expired", expiry=True)
-            else:
-                self.evict(c, now, f"room for '{m.name}'")
+        self.incoming = m
+        try:
+            for c, gone in zip(victims, expired, strict=True):
+                if gone:
+                    self.evict(c, now, "keep-alive expired", expiry=True)
+                else:
+                    self.evict(c, now, f"room for '{m.name}'")
+        finally:
+            self.incoming = None
         self._shrink_leases(dev, m, [t for t in tenants if t not in victims], need, now)
         return True
 

@@ -172,6 +172,8 @@ class Simulator:
             eng.observe(m, now)
             if m.waiting or not self._handle(r, m, rank, now, now):  # behind others, or no room yet
                 self._wait(_Waiting(r, m, rank, now), now)
+            elif self.waiting:  # what this request moved (an eviction) may have made room for them
+                self._retry(now)
             if eng.wakeups:
                 self._push_wakeups()
             if self.progress is not None and i % 2000 == 0:

@@ -120,3 +120,60 @@ def test_times_so_large_that_a_second_is_lost_in_rounding_replay_without_dividin
     res = replay(cfg, [Request(t=1e19, model="a", busy_s=1.0)], "residency")
     assert res.served == 1
     assert res.models["a"].resident_fraction == 0.0
+
+
+class TestFoundInReview:
+    """Found in the review of 2026-12-01 (seventh session); each failed before its fix."""
+
+    @staticmethod
+    def config(
+        models: list[dict[str, Any]], host: str, classes: list[dict[str, Any]] | None = None
+    ) -> Config:
+        return Config.model_validate(
+            {
+                "devices": [{"name": "gpu0", "kind": "cuda", "memory": "10GiB", "reserve": "1GiB"}],
+                "host": {"memory": host, "reserve": "4GiB"},
+                "classes": classes or [{"name": "interactive"}],
+                "models": [{"adapter": "test", "device": "gpu0", **x} for x in models],
+                "policy": {"min_residency": 0, "thrash_window": "10m", "default_keep_alive": "5m"},
+            }
+        )
+
+    def test_the_oracle_prewarms_into_room_lent_to_a_session(self) -> None:
+        """In a world session the lease grows into all free room at each tick; the oracle's
+        just-in-time prewarm could not take lent room back, so the request it knew of waited."""
+        world = {**m("world", "interactive", "2GiB"), "elastic": {"min": "512MiB", "max": "6GiB"}}
+        cfg = self.config([world, m("chat", "interactive", "6GiB"), m("img", "interactive", "5GiB")], "10GiB")
+        trace = [
+            req(0, "chat", busy=5),
+            Request(t=T0 + 100, model="world", busy_s=1000, kind="session"),
+            req(200, "img", busy=5),
+            req(500, "chat", busy=5),
+        ]
+        r = replay(cfg, trace, "oracle")
+        assert r.models["chat"].load_wait_s == 0.0 and r.budget_violations == 0
+
+    def test_a_promote_never_drops_its_own_host_copy_to_make_host_room(self) -> None:
+        """Promoting M evicted X; X's demote asked for a host victim and got M itself (on the host
+        tier that moment), which then loaded from disk (5 s instead of 2)."""
+        cfg = self.config([m("M", "interactive", "5GiB"), m("X", "interactive", "5GiB")], "10GiB")
+        trace = [req(0, "M"), req(10, "X", busy=100.0), req(109, "M"), req(10000, "X")]
+        for policy in ("oracle", "residency"):
+            r = replay(cfg, trace, policy, record=True)
+            drops = [a for _, a in r.actions or [] if a.kind.value == "drop" and a.model == "M"]
+            assert not any("host room for 'X'" in a.reason for a in drops), policy
+
+    def test_a_waiting_request_is_retried_when_another_request_makes_room(self) -> None:
+        """A waiting request was retried only at the event scheduled when it queued (for gdsf, Z's
+        expiry, ten minutes on), not when another request's eviction left room at t=30."""
+        cfg = self.config(
+            [
+                {**m("Z", "interactive", "8GiB"), "keep_alive": "10m", "prewarm": False},
+                {**m("Y", "interactive", "3GiB"), "keep_alive": "10m", "prewarm": False},
+                {**m("batch", "background", "2GiB"), "keep_alive": "10m", "prewarm": False},
+            ],
+            "10GiB",
+            [{"name": "interactive"}, {"name": "background", "may_evict": False}],
+        )
+        r = replay(cfg, [req(0, "Z"), req(20, "batch"), req(30, "Y")], "gdsf")
+        assert r.models["batch"].load_wait_s == pytest.approx(18.0)
