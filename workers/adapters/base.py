@@ -12,6 +12,7 @@ Protocol terms (`TensorSpec`), and `infer` takes and returns numpy arrays by nam
 from __future__ import annotations
 
 import contextlib
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -125,24 +126,34 @@ class Adapter(ABC):
 # ---- nn.Module helpers: build without weights, then assign tensors read elsewhere
 
 
+_meta = threading.local()
+"""This thread's depth of `params_on_meta` blocks (other threads build real modules meanwhile)."""
+_register_parameter = nn.Module.register_parameter
+
+
+def _register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    _register_parameter(module, name, param)
+    if getattr(_meta, "depth", 0) and param is not None and param.device.type != "meta":
+        module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+
 @contextlib.contextmanager
 def params_on_meta() -> Iterator[None]:
     """Build modules with parameters on the meta device (no memory, no init); buffers stay real.
 
     Buffers are small and often computed (position ids, rotary tables) and not in checkpoints.
+    Only this thread's builds are affected: `nn.Module.register_parameter` is wrapped once, for good,
+    by a wrapper that checks a thread-local flag (swapping the class attribute per build, as
+    before, gave meta weights to modules another thread built meanwhile, and two overlapping builds
+    could leave the swap in place for the whole process).
     """
-    original = nn.Module.register_parameter
-
-    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(module, name, param)
-        if param is not None and param.device.type != "meta":
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-
-    nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
+    if nn.Module.register_parameter is not _register_on_meta:
+        nn.Module.register_parameter = _register_on_meta  # type: ignore[method-assign,assignment]
+    _meta.depth = getattr(_meta, "depth", 0) + 1
     try:
         yield
     finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
+        _meta.depth -= 1
 
 
 def assign_tensors(
@@ -158,9 +169,14 @@ def assign_tensors(
     Parameters missing from `tensors` are an error; buffers missing from it keep their computed values
     and move to `device`; tensors the module does not have are an error unless ignored by prefix.
     """
-    params = dict(module.named_parameters())
+    # every name of each parameter: a tied one (an LM head sharing the embedding's weight) has several,
+    # and a checkpoint holds it under one of them (safetensors' save_model keeps one)
+    aliases: dict[int, list[str]] = {}
+    for n, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(n)
+    params = {n: names for names in aliases.values() for n in names}
     buffers = dict(module.named_buffers())
-    missing = sorted(n for n in params if n not in tensors)
+    missing = sorted(names[0] for names in aliases.values() if not any(n in tensors for n in names))
     unexpected = sorted(
         n for n in tensors if n not in params and n not in buffers and not n.startswith(ignore_prefixes)
     )
@@ -170,27 +186,37 @@ def assign_tensors(
             f"model {model!r}: checkpoint does not match the module: {len(missing)} missing "
             f"{missing[:4]}, {len(unexpected)} unexpected {unexpected[:4]}",
         )
+    shapes = {n: tuple(p.shape) for n, p in module.named_parameters(remove_duplicate=False)}
+    shapes.update({n: tuple(b.shape) for n, b in buffers.items()})
+    done: set[str] = set()
     for name, t in tensors.items():
-        if name not in params and name not in buffers:
+        if (name not in params and name not in buffers) or name in done:
             continue
-        old = params.get(name, buffers.get(name))
-        assert old is not None
-        if tuple(old.shape) != tuple(t.shape):
+        if shapes[name] != tuple(t.shape):
             raise AdapterError(
                 P.BAD_CHECKPOINT,
                 f"model {model!r}: tensor {name!r} has shape {list(t.shape)} in the checkpoint, "
-                f"{list(old.shape)} in the module",
+                f"{list(shapes[name])} in the module",
             )
-        owner_name, _, attr = name.rpartition(".")
-        owner = module.get_submodule(owner_name)
         if name in params:
-            owner._parameters[attr] = nn.Parameter(t, requires_grad=False)
+            shared = nn.Parameter(t, requires_grad=False)
+            for alias in params[name]:  # one Parameter for every name of a tied one
+                owner_name, _, attr = alias.rpartition(".")
+                module.get_submodule(owner_name)._parameters[attr] = shared
+                done.add(alias)
         else:
-            owner._buffers[attr] = t
+            owner_name, _, attr = name.rpartition(".")
+            module.get_submodule(owner_name)._buffers[attr] = t
     for name, b in buffers.items():
         if name not in tensors and b.device != device:
             owner_name, _, attr = name.rpartition(".")
             module.get_submodule(owner_name)._buffers[attr] = b.to(device)
+    empty = [n for n, p in module.named_parameters(remove_duplicate=False) if p.device.type == "meta"]
+    empty += [n for n, b in module.named_buffers() if b.device.type == "meta"]
+    if empty:  # a module that would compute on no weights at all
+        raise AdapterError(
+            P.BAD_CHECKPOINT, f"model {model!r}: no weights in the checkpoint for {sorted(empty)[:4]}"
+        )
 
 
 def module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:

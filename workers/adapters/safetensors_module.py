@@ -96,7 +96,22 @@ class SafetensorsModuleAdapter(ModuleAdapter):
         with torch.inference_mode():
             try:
                 y = runnable(*args)
-            except (RuntimeError, ValueError, TypeError) as e:
+            except (
+                RuntimeError,
+                ValueError,
+                TypeError,
+                IndexError,
+            ) as e:  # IndexError: an id past a vocabulary
                 raise AdapterError(P.BAD_INPUT, f"model {self.spec.name!r}: inference failed: {e}") from None
         ys = y if isinstance(y, tuple | list) else (y,)
-        return {s.name: t.detach().cpu().numpy() for s, t in zip(self.outputs(), ys, strict=False)}
+        return {s.name: self._as_declared(s, t) for s, t in zip(self.outputs(), ys, strict=False)}
+
+    def _as_declared(self, spec: P.TensorSpec, t: torch.Tensor) -> np.ndarray:
+        """An output in its declared datatype (a bf16 or fp16 module still answers FP32 when it says
+        FP32; numpy has no bf16 at all)."""
+        t = t.detach().cpu()
+        if t.dtype == torch.bfloat16:
+            t = t.float()
+        a = t.numpy()
+        want = P.OIP_DATATYPES.get(spec.datatype)
+        return a.astype(want, copy=False) if want is not None and a.dtype != np.dtype(want) else a
