@@ -1,8 +1,9 @@
 """Hot config reload: what a running service can take from a changed config, and what needs a restart.
 
 `plan_reload(old, new)` returns the fields that changed (a model's `memory` and `load_seconds`,
-which only seed what the running service measures, marked as taking effect at the next restart), or
-raises `RestartNeeded` naming the first structural change (devices, the set of models, a model's
+which only seed what the running service measures, and the `server`, `store`, `ray` and
+`tuning.schedule` settings, read at start, marked as taking effect at the next restart), or raises
+`RestartNeeded` naming the first structural change (devices, host memory, the set of models, a model's
 adapter/device/source/class/elastic range/max_batch, the classes' names or order, the policy's name).
 `apply_reload(engine, new)` then updates the engine in place — keep-alives, prewarm, pins, class
 reservations and rules, policy windows — so in-flight requests, resident models and learned
@@ -32,6 +33,8 @@ def _model_shape(config: Config) -> dict[str, tuple[object, ...]]:
 def plan_reload(old: Config, new: Config) -> list[str]:
     if [d.model_dump() for d in old.devices] != [d.model_dump() for d in new.devices]:
         raise RestartNeeded("devices changed")
+    if old.host != new.host:  # the books of host RAM are built once, around what it holds now
+        raise RestartNeeded("host memory or reserve changed")
     if [c.name for c in old.classes] != [c.name for c in new.classes]:
         raise RestartNeeded("class names or their order changed")
     if old.policy.name != new.policy.name:
@@ -62,6 +65,26 @@ def plan_reload(old: Config, new: Config) -> list[str]:
     for f in ("thrash_window", "min_residency", "default_keep_alive"):
         if getattr(old.policy, f) != getattr(new.policy, f):
             changes.append(f"policy.{f}")
+    return changes + _service_changes(old, new)
+
+
+def _service_changes(old: Config, new: Config) -> list[str]:
+    """The tuning settings read at each run, and the settings read once, at start (listed, so a
+    reload never says "no changes" while it ignores them)."""
+    changes = [
+        f"tuning.{f}"
+        for f in ("apply", "since", "out_dir")
+        if getattr(old.tuning, f) != getattr(new.tuning, f)
+    ]
+    for section in ("server", "store", "ray"):
+        o, n = getattr(old, section), getattr(new, section)
+        changes += [
+            f"{section}.{f} (at the next restart)"
+            for f in type(o).model_fields
+            if getattr(o, f) != getattr(n, f)
+        ]
+    if old.tuning.schedule != new.tuning.schedule:
+        changes.append("tuning.schedule (at the next restart)")
     return changes
 
 

@@ -14,6 +14,7 @@ import contextlib
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from typing import Any
 from manager.config import Config, write_config_with_updates
 from manager.replay.sim import replay
 from manager.replay.trace import read_trace
-from manager.replay.tune import objective, split_holdout, tune
+from manager.replay.tune import TuningStopped, objective, split_holdout, tune
 from manager.store.export import export_trace
 
 PERIOD_S = {"daily": 86400.0, "weekly": 7 * 86400.0}
@@ -43,7 +44,13 @@ class TuningOutcome:
     class_updates: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
-def run_tuning(config: Config, config_path: Path, store: Any, now: float | None = None) -> TuningOutcome:
+def run_tuning(
+    config: Config,
+    config_path: Path,
+    store: Any,
+    now: float | None = None,
+    stop: Callable[[], bool] | None = None,
+) -> TuningOutcome:
     now = time.time() if now is None else now
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now))
     out_dir = Path(config.tuning.out_dir) / stamp
@@ -55,7 +62,7 @@ def run_tuning(config: Config, config_path: Path, store: Any, now: float | None 
     search, holdout = split_holdout(reqs)
     if not search or not holdout:
         return TuningOutcome(None, None, n, reason=f"{n} requests logged: too few days to tune and hold out")
-    res = tune(config, search, holdout, policy=config.policy.name)
+    res = tune(config, search, holdout, policy=config.policy.name, stop=stop)
     proposal = out_dir / "proposed.yaml"
     header = f"Proposed by the service's tuning on {stamp} from {len(search)} requests; changes: " + (
         "; ".join(res.changes) or "none"
@@ -116,14 +123,18 @@ def write_back(config_path: Path, outcome: TuningOutcome) -> str:
     return ""
 
 
-def tuning_step(manager: Any, config_path: Path, store: Any, now: float) -> TuningOutcome:
+def tuning_step(
+    manager: Any, config_path: Path, store: Any, now: float, stop: Callable[[], bool] | None = None
+) -> TuningOutcome:
     """One scheduled run: tune, record it in the store, and apply it when `apply: auto` and better
     (written into the config file, then hot-reloaded; the proposal alone if the file cannot be written)."""
     from manager.config import ConfigError, load_config
     from manager.reload import RestartNeeded
 
     config: Config = manager.config
-    outcome = run_tuning(config, config_path, store, now)
+    outcome = run_tuning(config, config_path, store, now, stop)
+    if stop is not None and stop():  # the service is stopping: nothing is written or reloaded now
+        raise TuningStopped("the tuning run was stopped (the service is stopping)")
     applied = False
     if outcome.better and config.tuning.apply == "auto" and outcome.proposal is not None:
         unwritten = write_back(config_path, outcome)
@@ -146,14 +157,19 @@ def tuning_step(manager: Any, config_path: Path, store: Any, now: float) -> Tuni
     return outcome
 
 
-def scheduled_tuning(manager: Any, config_path: Path, store: Any, now: float) -> str | None:
+def scheduled_tuning(
+    manager: Any, config_path: Path, store: Any, now: float, stop: Callable[[], bool] | None = None
+) -> str | None:
     """What the service's schedule runs at each check: a tuning run when one is due (None when none
     is). Never raises: a failure (the store down, the output folder not writable, a bug) is recorded,
-    when the store allows, and tried again after `RETRY_S`. Returns what to say of the run."""
+    when the store allows, and tried again after `RETRY_S`. `stop` (the service stopping) ends a run
+    at its next replay, recording nothing. Returns what to say of the run."""
     try:
         if not due(manager.config, store, now):
             return None
-        out = tuning_step(manager, config_path, store, now)
+        out = tuning_step(manager, config_path, store, now, stop)
+    except TuningStopped as e:
+        return f"stopped: {e}"
     except Exception as e:
         why = f"{type(e).__name__}: {e}"
         try:

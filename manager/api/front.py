@@ -105,11 +105,16 @@ async def run_front(a: argparse.Namespace) -> int:
         ]
     )
     server.add_generic_rpc_handlers((Front(fast, backend),))
-    if a.tls_cert and a.tls_key:
-        creds = grpc.ssl_server_credentials([(Path(a.tls_key).read_bytes(), Path(a.tls_cert).read_bytes())])
-        port = server.add_secure_port(a.listen, creds)
-    else:
-        port = server.add_insecure_port(a.listen)
+    try:
+        if a.tls_cert and a.tls_key:
+            creds = grpc.ssl_server_credentials(
+                [(Path(a.tls_key).read_bytes(), Path(a.tls_cert).read_bytes())]
+            )
+            port = server.add_secure_port(a.listen, creds)
+        else:
+            port = server.add_insecure_port(a.listen)
+    except RuntimeError:  # grpcio raises "Failed to bind" (older ones returned 0)
+        port = 0
     if port == 0:
         print(f"residency front end: cannot listen on {a.listen!r}", file=sys.stderr, flush=True)
         return 2

@@ -10,6 +10,7 @@ without one is refused at start. TLS from `server.tls_cert`/`tls_key`.
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import hmac
 import ipaddress
@@ -117,11 +118,16 @@ async def build_server(
     """The gRPC server on `listen` (default `server.listen`; with front ends, a private Unix socket
     that they relay to: no TLS there)."""
     token = auth_token(config)
+    private = listen is not None
     server = grpc.aio.server(
         interceptors=[AuthInterceptor(token)] if token else [],
         options=[
             *message_options(config.server.max_request_bytes),
             *keepalive_options(config.server.keepalive),
+            # never share the public port (grpc turns SO_REUSEPORT on by default on Linux): a second
+            # `serve` on it would start and split the connections with the first, each manager
+            # believing it has the whole GPU
+            *([] if private else [("grpc.so_reuseport", 0)]),
         ],
     )
     oip_service = grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
@@ -140,15 +146,17 @@ async def build_server(
         reflection.SERVICE_NAME,
     )
     reflection.enable_server_reflection(names, server)
-    private = listen is not None
     listen = listen or config.server.listen
-    if config.server.tls_cert and config.server.tls_key and not private:
-        creds = grpc.ssl_server_credentials(
-            [(Path(config.server.tls_key).read_bytes(), Path(config.server.tls_cert).read_bytes())]
-        )
-        port = server.add_secure_port(listen, creds)
-    else:
-        port = server.add_insecure_port(listen)
+    try:
+        if config.server.tls_cert and config.server.tls_key and not private:
+            creds = grpc.ssl_server_credentials(
+                [(Path(config.server.tls_key).read_bytes(), Path(config.server.tls_cert).read_bytes())]
+            )
+            port = server.add_secure_port(listen, creds)
+        else:
+            port = server.add_insecure_port(listen)
+    except RuntimeError:  # grpcio raises "Failed to bind" (older ones returned 0)
+        port = 0
     if port == 0:
         raise ServeError(f"cannot listen on {listen!r} (address in use or not available)")
     return server, port, health_servicer
@@ -182,18 +190,25 @@ class Frontends:
 
         host, _, port_s = self.config.server.listen.rpartition(":")
         port = int(port_s)
-        if port:
-            return host, port
         bare = host.strip("[]")
         try:
             family, kind, proto, _, addr = socket.getaddrinfo(
-                bare, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+                bare, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
             )[0]
+            if port:
+                # a plain bind first: it fails if anything else holds the port (another `serve`, its
+                # front ends), which SO_REUSEPORT alone would share with it
+                with socket.socket(family, kind, proto) as probe:
+                    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT only
+                    probe.bind(addr)
             s = socket.socket(family, kind, proto)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             s.bind(addr)
         except OSError as e:
-            raise ServeError(f"cannot listen on {self.config.server.listen!r}: {e}") from None
+            raise ServeError(
+                f"cannot listen on {self.config.server.listen!r}: {e.strerror or e}"
+                + (" (another server holds it?)" if e.errno == errno.EADDRINUSE else "")
+            ) from None
         self.hold = s
         return host, int(s.getsockname()[1])
 
@@ -257,6 +272,10 @@ async def watch_config(manager: LiveManager, path: str, every_s: float = 2.0) ->
             manager._publish("config_rejected", "", str(e), "", manager.clock())
 
 
+STOP_TUNING_S = 30.0
+"""How long a stop waits for a tuning run under way to end (it ends at its next replay, well within)."""
+
+
 class _ReloadOnLoop:
     """The manager as the tuning thread sees it: its config, and a reload that runs on the event
     loop's thread (the manager is not thread-safe), waiting for its result."""
@@ -278,13 +297,26 @@ class _ReloadOnLoop:
 
 async def tuning_loop(manager: LiveManager, path: str, store: Any, check_s: float = 60.0) -> None:
     """Run the built-in tuning when its schedule says it is due (in a thread: it replays weeks). A
-    failed run is logged, said in a "tuning" event and tried again later (`scheduled_tuning`)."""
+    failed run is logged, said in a "tuning" event and tried again later (`scheduled_tuning`).
+    Cancelled (the service stopping), a run under way ends at its next replay, writing nothing, and
+    the cancellation waits for that (at most STOP_TUNING_S), so the store it uses is still open."""
+    import threading
+
     from manager.tuning_job import scheduled_tuning
 
     on_loop = _ReloadOnLoop(manager, asyncio.get_running_loop())
+    stopping = threading.Event()
     while True:
         now = manager.clock()
-        detail = await asyncio.to_thread(scheduled_tuning, on_loop, Path(path), store, now)
+        run = asyncio.ensure_future(
+            asyncio.to_thread(scheduled_tuning, on_loop, Path(path), store, now, stopping.is_set)
+        )
+        try:
+            detail = await asyncio.shield(run)
+        except asyncio.CancelledError:
+            stopping.set()
+            await asyncio.wait([run], timeout=STOP_TUNING_S)
+            raise
         if detail is not None:
             if detail.startswith("failed"):
                 logger.warning("scheduled tuning %s", detail)
@@ -303,53 +335,71 @@ async def serve(
     from manager.store import open_store
     from manager.workers_bridge import create_pool
 
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # first: a Ctrl-C during start-up stops it cleanly
+        loop.add_signal_handler(sig, stop.set)
     store = open_store(config.store.url)
     pool = create_pool(config, in_process=in_process, cpu_fallback=cpu_fallback)
     manager = LiveManager(config, pool, store=store, journal=config.store.journal)
     fronts: Frontends | None = None
-    if config.server.frontends:
-        fronts = Frontends(config, manager)
-        server, _, health_servicer = await build_server(config, manager, config_path, listen=fronts.backend)
-    else:
-        server, port, health_servicer = await build_server(config, manager, config_path)
-    # grpc's health servicer answers SERVING for "" by default: say NOT_SERVING until the manager runs
-    await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-    await server.start()
-    if fronts is not None:
-        port = await fronts.start()
-    if config.server.metrics_listen:
-        from prometheus_client import start_http_server
+    server: grpc.aio.Server | None = None
+    watcher = tuner = None
+    try:
+        if config.server.frontends:
+            fronts = Frontends(config, manager)
+            server, _, health_servicer = await build_server(
+                config, manager, config_path, listen=fronts.backend
+            )
+        else:
+            server, port, health_servicer = await build_server(config, manager, config_path)
+        # grpc's health servicer answers SERVING for "" by default: NOT_SERVING until the manager runs
+        await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        await server.start()
+        if fronts is not None:
+            port = await fronts.start()
+        if config.server.metrics_listen:
+            from prometheus_client import start_http_server
 
-        host, _, mport = config.server.metrics_listen.rpartition(":")
-        start_http_server(int(mport), addr=host, registry=manager.metrics.registry)
-    await manager.start()
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    for name in ("inference.GRPCInferenceService", "residency.v1.Residency", "residency.v1.WorldSession"):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    import gc
+            host, _, mport = config.server.metrics_listen.rpartition(":")
+            try:
+                start_http_server(int(mport), addr=host, registry=manager.metrics.registry)
+            except OSError as e:
+                where = config.server.metrics_listen
+                raise ServeError(
+                    f"server.metrics_listen {where!r}: cannot listen: {e.strerror or e}"
+                ) from None
+        if stop.is_set():
+            return
+        await manager.start()
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        for name in ("inference.GRPCInferenceService", "residency.v1.Residency", "residency.v1.WorldSession"):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        import gc
 
-    gc.collect()
-    gc.freeze()  # what start-up built stays: the collector no longer walks it on every request burst
-    watcher = asyncio.create_task(watch_config(manager, config_path)) if config_path else None
-    tuner = (
-        asyncio.create_task(tuning_loop(manager, config_path, store))
-        if config_path and config.tuning.schedule != "off"
-        else None
-    )
-    if ready is not None:
-        ready(port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    for task in (watcher, tuner):
-        if task is not None:
+        gc.collect()
+        gc.freeze()  # what start-up built stays: the collector no longer walks it on every request burst
+        watcher = asyncio.create_task(watch_config(manager, config_path)) if config_path else None
+        tuner = (
+            asyncio.create_task(tuning_loop(manager, config_path, store))
+            if config_path and config.tuning.schedule != "off"
+            else None
+        )
+        if ready is not None:
+            ready(port)
+        await stop.wait()
+        await health_servicer.enter_graceful_shutdown()
+    finally:
+        tasks = [t for t in (watcher, tuner) if t is not None]
+        for task in tasks:
             task.cancel()
-    await health_servicer.enter_graceful_shutdown()
-    if fronts is not None:
-        await fronts.stop()
-    await server.stop(grace=5)
-    await manager.stop()
-    pool.close()
-    store.close()
+        if tasks:  # a tuning run under way ends at its next replay, before the store closes
+            await asyncio.wait(tasks, timeout=STOP_TUNING_S + 1.0)
+        if fronts is not None:
+            await fronts.stop()
+        if server is not None:
+            await server.stop(grace=5)
+        if manager.started:
+            await manager.stop()
+        pool.close()
+        store.close()

@@ -27,6 +27,10 @@ MIN_GAIN = 0.005
 HOLDOUT_DAYS = 2.0
 
 
+class TuningStopped(Exception):
+    """A tuning run ended early on request: nothing was written."""
+
+
 def objective(r: ReplayResult) -> float:
     """What tuning minimises: load wait, plus the realtime tail and rejections at a high price."""
     return r.load_wait_s + 10.0 * r.wait_p99_s.get("realtime", 0.0) + 60.0 * r.rejected + r.thrash
@@ -82,7 +86,9 @@ def tune(
     *,
     policy: str = "residency",
     progress: Callable[[str], None] | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> TuneResult:
+    """The search; `stop` (checked before each replay) ends it early with TuningStopped."""
     models: dict[str, dict[str, Any]] = {}
     classes: dict[str, dict[str, Any]] = {}
     evals = 0
@@ -91,6 +97,8 @@ def tune(
         ms: dict[str, dict[str, Any]], cs: dict[str, dict[str, Any]]
     ) -> tuple[float, ReplayResult] | None:
         nonlocal evals
+        if stop is not None and stop():
+            raise TuningStopped("the tuning run was stopped (the service is stopping)")
         try:
             cfg = with_settings(config, ms, cs)
         except ValidationError:

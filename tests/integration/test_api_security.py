@@ -169,3 +169,36 @@ def test_the_token_compare_sees_only_fixed_length_digests(monkeypatch: pytest.Mo
                   "s3cret-token", "bearer s3cret-token"):  # fmt: skip
         assert not auth.allows(wrong), wrong
     assert seen == [(32, 32)] * 8
+
+
+@pytest.mark.parametrize(("first", "second"), [(0, 0), (0, 1), (1, 0), (1, 1)])
+def test_a_second_server_on_a_port_in_use_is_refused_not_sharing_it(first: int, second: int) -> None:
+    """grpc turns SO_REUSEPORT on by default, and the front ends set it: a second `serve` on the same
+    port started and split the connections with the first, two managers each believing they had the
+    whole GPU (found in review, 2026-12-01). Now it is a ServeError naming the address."""
+
+    async def body(target: str) -> None:
+        from manager.api.server import Frontends, build_server
+        from manager.live import LiveManager
+        from manager.workers_bridge import create_pool
+
+        cfg2 = config(listen=target, frontends=second)
+        pool = create_pool(cfg2, in_process=True)
+        try:
+            manager = LiveManager(cfg2, pool)
+            with pytest.raises(ServeError, match=f"cannot listen on '{target}'"):
+                if second:
+                    fronts = Frontends(cfg2, manager)
+                    server, _, _ = await build_server(cfg2, manager, listen=fronts.backend)
+                    try:
+                        await fronts.start()
+                    finally:
+                        await fronts.stop()
+                        await server.stop(None)
+                else:
+                    server, _, _ = await build_server(cfg2, manager)
+                    await server.stop(None)
+        finally:
+            pool.close()
+
+    with_server(config(listen="127.0.0.1:0", frontends=first), body)

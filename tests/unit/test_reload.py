@@ -126,3 +126,20 @@ def test_pins_that_overfill_a_device_give_reasons_not_a_crash() -> None:
     engine.recheck_fit()
     assert "can never give it more than 0B" in engine.never_fits["tts"]  # 0.9 GiB, nothing left
     assert "needs 9GiB" in engine.never_fits["llm"]
+
+
+def test_settings_read_at_start_are_listed_and_host_memory_needs_a_restart() -> None:
+    """A reload said "no changes" for a new admin token variable or tuning schedule, which it did
+    not apply, and took a new host RAM budget on paper while the books kept the old one."""
+    base = load_config(HOME)
+    server = base.server.model_copy(update={"auth_token_env": "ADMIN_TOKEN"})
+    tuning = base.tuning.model_copy(update={"schedule": "daily", "apply": "auto"})
+    new = base.model_copy(update={"server": server, "tuning": tuning})
+    assert plan_reload(base, new) == [
+        "tuning.apply",
+        "server.auth_token_env (at the next restart)",
+        "tuning.schedule (at the next restart)",
+    ]
+    host = base.model_copy(update={"host": base.host.model_copy(update={"memory": base.host.memory // 2})})
+    with pytest.raises(RestartNeeded, match="host memory"):
+        plan_reload(base, host)

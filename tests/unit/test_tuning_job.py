@@ -203,3 +203,24 @@ def test_the_services_tuning_thread_reloads_on_the_event_loops_thread(
         assert threads == [threading.get_ident()] and manager.config == load_config(HANDWRITTEN)
 
     asyncio.run(main())
+
+
+def test_a_run_stopped_by_the_service_stopping_writes_and_records_nothing(
+    filled: tuple[Any, float, Path],
+) -> None:
+    """A stop waited for a whole run (minutes of replays), which then used the closed store and could
+    rewrite the config after the service had stopped (found in review, 2026-12-01)."""
+    store, now, cfg = filled
+    manager = _Manager(load_config(cfg))
+    original = cfg.read_text()
+    calls = [0]
+
+    def stop() -> bool:  # the service stops after the run's third replay
+        calls[0] += 1
+        return calls[0] > 3
+
+    said = scheduled_tuning(manager, cfg, store, now, stop)
+    assert said is not None and said.startswith("stopped") and calls[0] == 4
+    assert manager.reloaded == [] and cfg.read_text() == original
+    assert store.get_doc("tuning") is None  # not recorded as a run, nor as a failure
+    store.close()
