@@ -213,8 +213,8 @@ class FrontEndProcesses:
             await asyncio.sleep(1.0)
             try:
                 await self._spawn(i)
-            except RuntimeError as e:
-                logger.error("%s", e)
+            except (RuntimeError, OSError) as e:  # tried again a second later (EMFILE, ENOMEM pass)
+                logger.error("front end %d could not be started again: %s", i, e)
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs if p is not None and p.returncode is None]

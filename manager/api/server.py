@@ -62,7 +62,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
     def allows(self, authorization: str) -> bool:
         """Constant time in what matches: both sides are hashed to 32 bytes first, so neither a
-        shared prefix nor the presented token's length changes the time `compare_digest` takes."""
+        shared prefix nor the presented token's length changes the time `compare_digest` takes. The
+        scheme's name is case-insensitive (RFC 6750: `bearer tok` is `Bearer tok`)."""
+        scheme, sep, rest = authorization.partition(" ")
+        if sep and scheme.lower() == "bearer":
+            authorization = f"Bearer {rest}"
         return hmac.compare_digest(hashlib.sha256(authorization.encode()).digest(), self.expected)
 
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: Any) -> Any:
@@ -337,7 +341,9 @@ async def serve(
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # first: a Ctrl-C during start-up stops it cleanly
+    # first: a Ctrl-C during start-up stops it cleanly; SIGHUP (its terminal closed) stops it as
+    # cleanly, the request log flushed, instead of killing it
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, stop.set)
     store = open_store(config.store.url)
     pool = create_pool(config, in_process=in_process, cpu_fallback=cpu_fallback)

@@ -164,11 +164,12 @@ def test_the_token_compare_sees_only_fixed_length_digests(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(hmac, "compare_digest", spy)
     auth = AuthInterceptor("s3cret-token")
-    assert auth.allows("Bearer s3cret-token")
+    for right in ("Bearer s3cret-token", "bearer s3cret-token", "BEARER s3cret-token"):  # RFC 6750
+        assert auth.allows(right), right
     for wrong in ("", "Bearer ", "Bearer s3cret-toke", "Bearer s3cret-tokeX", "Bearer s3cret-token-and-more",
-                  "s3cret-token", "bearer s3cret-token"):  # fmt: skip
+                  "s3cret-token", "bearer  s3cret-token", "Basic s3cret-token"):  # fmt: skip
         assert not auth.allows(wrong), wrong
-    assert seen == [(32, 32)] * 8
+    assert seen == [(32, 32)] * 11
 
 
 @pytest.mark.parametrize(("first", "second"), [(0, 0), (0, 1), (1, 0), (1, 1)])
