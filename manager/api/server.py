@@ -341,12 +341,17 @@ async def serve(
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    # first: a Ctrl-C during start-up stops it cleanly; SIGHUP (its terminal closed) stops it as
-    # cleanly, the request log flushed, instead of killing it
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        loop.add_signal_handler(sig, stop.set)
+
+    def on_signals() -> None:
+        # a Ctrl-C during start-up stops it cleanly; SIGHUP (its terminal closed) stops it as
+        # cleanly, the request log flushed, instead of killing it
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            loop.add_signal_handler(sig, stop.set)
+
+    on_signals()
     store = open_store(config.store.url)
     pool = create_pool(config, in_process=in_process, cpu_fallback=cpu_fallback)
+    on_signals()  # again: ray.init installs its own SIGTERM handler (which exits at once)
     manager = LiveManager(config, pool, store=store, journal=config.store.journal)
     fronts: Frontends | None = None
     server: grpc.aio.Server | None = None
