@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from .ray_head import head_node  # noqa: F401  (fixture: a private Ray head)
-from .redis_server import redis_clean, redis_url  # noqa: F401  (fixtures: a private redis-server)
+from .redis_server import client, redis_clean, redis_url, rstore  # noqa: F401  (fixtures: a private redis-server)
 
 TEST_NAMESPACE = "residency-test"
 

@@ -22,6 +22,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -117,3 +118,25 @@ def redis_clean(redis_url: str) -> str:
     reply = redis_command(port, "FLUSHALL")
     assert reply == b"+OK", reply
     return redis_url
+
+
+@pytest.fixture
+def rstore(redis_clean: str) -> Iterator[Any]:
+    """A RedisStore on the flushed private server."""
+    from manager.store import open_store
+    from manager.store.redis import RedisStore
+
+    s = open_store(redis_clean)
+    assert isinstance(s, RedisStore)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def client(redis_clean: str) -> Iterator[Any]:
+    """A plain client on the same server, to look at (or damage) what the store wrote."""
+    import redis
+
+    c = redis.Redis.from_url(redis_clean)
+    yield c
+    c.close()

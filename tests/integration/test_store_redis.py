@@ -48,22 +48,6 @@ def store(store_url: str) -> Iterator[Store]:
     s.close()
 
 
-@pytest.fixture
-def rstore(redis_clean: str) -> Iterator[RedisStore]:  # noqa: F811 - the imported fixture
-    s = open_store(redis_clean)
-    assert isinstance(s, RedisStore)
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def client(redis_clean: str) -> Iterator[redis.Redis]:  # noqa: F811 - the imported fixture
-    """A plain client on the same server, to look at (or damage) what the store wrote."""
-    c = redis.Redis.from_url(redis_clean)
-    yield c
-    c.close()
-
-
 class TestContract:
     """The same behaviour from both backends."""
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
 
-from manager.store import StoreError, open_store
+from manager.store import StoreError
 from manager.store.redis import RedisStore
 
 from .redis_server import redis_clean, redis_url  # noqa: F401
@@ -18,21 +17,6 @@ T0 = 1764547200.0
 
 def req(t: float, model: str = "voice") -> dict[str, Any]:
     return {"t": t, "model": model, "busy_s": 0.4}
-
-
-@pytest.fixture
-def rstore(redis_clean: str) -> Iterator[RedisStore]:  # noqa: F811 - the imported fixture
-    s = open_store(redis_clean)
-    assert isinstance(s, RedisStore)
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def client(redis_clean: str) -> Iterator[redis.Redis]:  # noqa: F811 - the imported fixture
-    c = redis.Redis.from_url(redis_clean)
-    yield c
-    c.close()
 
 
 def test_a_batch_with_a_time_beyond_stream_ids_writes_nothing(rstore: RedisStore) -> None:
