@@ -536,7 +536,7 @@ class DeviceHost:
                     n, r.spec.adapter, r.tier, r.tensor_bytes, r.device_bytes, r.host_bytes, r.last_used,
                     r.inferences, spec=r.spec,
                 )
-                for n, r in list(self.models.items())  # a copy: commands change it on their thread
+                for n, r in self.models.copy().items()  # a copy, in one C call: commands change it
             },
             ops_done=self.ops_done, device_free_bytes=free, device_total_bytes=total, rss_bytes=rss_bytes(),
         )  # fmt: skip
