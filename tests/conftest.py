@@ -138,3 +138,17 @@ def drive() -> type[Scenario]:
     """`drive(config, policy, plan)` -> a `Scenario` (a fixture, so test modules need not import
     conftest)."""
     return Scenario
+
+
+@pytest.fixture
+def tls_pair(tmp_path: Path) -> tuple[Path, Path]:
+    """A fresh self-signed certificate for localhost and 127.0.0.1, and its key: (cert, key) files."""
+    import subprocess
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, key

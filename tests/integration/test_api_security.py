@@ -4,7 +4,6 @@ inference does not; listening beyond loopback without a token is refused; TLS wi
 from __future__ import annotations
 
 import asyncio
-import subprocess
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -107,13 +106,8 @@ def test_the_server_runs_on_uvloop_unless_asyncio_is_asked_for(monkeypatch: pyte
 
 
 @pytest.mark.parametrize("frontends", [0, 1], ids=["direct", "front-end"])
-def test_tls_with_a_generated_certificate(tmp_path: Path, frontends: int) -> None:
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
+def test_tls_with_a_generated_certificate(tls_pair: tuple[Path, Path], frontends: int) -> None:
+    cert, key = tls_pair
     cfg = config(listen="127.0.0.1:0", tls_cert=str(cert), tls_key=str(key), frontends=frontends)
 
     async def body(target: str) -> None:

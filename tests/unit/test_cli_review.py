@@ -4,8 +4,6 @@ range, and `ps` against a TLS server whose config names a token variable."""
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -99,16 +97,9 @@ class FakeResidency(residency_pb2_grpc.ResidencyServicer):
 
 
 @pytest.fixture
-def tls_server(tmp_path: Path) -> Iterator[tuple[int, Path]]:
+def tls_server(tls_pair: tuple[Path, Path]) -> Iterator[tuple[int, Path]]:
     """The fake on 127.0.0.1 over TLS with a fresh self-signed certificate: (port, cert file)."""
-    if shutil.which("openssl") is None:
-        pytest.skip("no openssl to make a certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
+    cert, key = tls_pair
     with futures.ThreadPoolExecutor(2) as pool:
         server = grpc.server(pool)
         residency_pb2_grpc.add_ResidencyServicer_to_server(FakeResidency(), server)

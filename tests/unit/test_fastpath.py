@@ -4,7 +4,10 @@ Unix sockets, the real ModelInfer servicer on a live manager with in-process dev
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -32,6 +35,20 @@ def voice_request() -> bytes:
     req.inputs.add(name="audio", datatype="FP32", shape=[1024])
     req.raw_input_contents.append(np.zeros(1024, np.float32).tobytes())
     return req.SerializeToString()
+
+
+@contextlib.asynccontextmanager
+async def linked(tmp_path: Path, handler: Any) -> AsyncIterator[FastPathClient]:
+    """A client connected to a fast-path server running `handler`, both closed after."""
+    server = FastPathServer(handler)
+    await server.start(str(tmp_path / "f.sock"))
+    client = FastPathClient()
+    await client.connect(str(tmp_path / "f.sock"))
+    try:
+        yield client
+    finally:
+        await client.close()
+        await server.stop()
 
 
 def test_model_infer_over_the_fast_path_answers_as_the_grpc_method_does(tmp_path: Path) -> None:
@@ -80,17 +97,10 @@ def test_a_failing_handler_answers_internal_and_the_link_goes_on(tmp_path: Path)
         return OK, "", raw.upper() + str(left).encode()
 
     async def main() -> None:
-        server = FastPathServer(handler)
-        await server.start(str(tmp_path / "f.sock"))
-        client = FastPathClient()
-        await client.connect(str(tmp_path / "f.sock"))
-        try:
+        async with linked(tmp_path, handler) as client:
             bad, good = await asyncio.gather(client.call(b"boom", None), client.call(b"ok", 1.5))
             assert bad[0] == INTERNAL and "internal error" in bad[1]
             assert good == (OK, "", b"OK1.5")
-        finally:
-            await client.close()
-            await server.stop()
 
     asyncio.run(main())
 
@@ -112,19 +122,12 @@ def test_a_call_whose_client_went_away_is_cancelled_in_the_manager(tmp_path: Pat
         return OK, "", raw
 
     async def main() -> None:
-        server = FastPathServer(handler)
-        await server.start(str(tmp_path / "f.sock"))
-        client = FastPathClient()
-        await client.connect(str(tmp_path / "f.sock"))
-        try:
+        async with linked(tmp_path, handler) as client:
             call = asyncio.ensure_future(client.call(b"slow", None))
             await asyncio.wait_for(started.wait(), 10)
             call.cancel()
             await asyncio.wait_for(cancelled.wait(), 10)  # the manager's side ended it
             assert await client.call(b"next", 1.0) == (OK, "", b"next")  # and the link goes on
-        finally:
-            await client.close()
-            await server.stop()
 
     asyncio.run(main())
 
@@ -200,18 +203,11 @@ def test_many_large_calls_in_one_turn_travel_in_several_frames(
         return OK, "", raw[:8] + str(len(raw)).encode()
 
     async def main() -> None:
-        server = FastPathServer(handler)
-        await server.start(str(tmp_path / "f.sock"))
-        client = FastPathClient()
-        await client.connect(str(tmp_path / "f.sock"))
-        try:
+        async with linked(tmp_path, handler) as client:
             answers = await asyncio.gather(*(client.call(bytes([i]) * 400_000, 5.0) for i in range(6)))
             assert answers == [(OK, "", bytes([i]) * 8 + b"400000") for i in range(6)]
             assert not client.closed.is_set()
             assert max(sizes) <= fastpath.MAX_FRAME
-        finally:
-            await client.close()
-            await server.stop()
 
     asyncio.run(main())
 
@@ -228,11 +224,7 @@ def test_a_message_too_large_for_a_frame_gets_resource_exhausted_and_the_link_go
         return OK, "", raw * (2 << 20) if raw == b"big answer" else raw
 
     async def main() -> None:
-        server = FastPathServer(handler)
-        await server.start(str(tmp_path / "f.sock"))
-        client = FastPathClient()
-        await client.connect(str(tmp_path / "f.sock"))
-        try:
+        async with linked(tmp_path, handler) as client:
             big, big_answer, small = await asyncio.gather(
                 client.call(b"x" * (2 << 20), 5.0), client.call(b"big answer", 5.0), client.call(b"ok", 5.0)
             )
@@ -241,8 +233,5 @@ def test_a_message_too_large_for_a_frame_gets_resource_exhausted_and_the_link_go
             assert small == (OK, "", b"ok")
             assert not client.closed.is_set()
             assert await client.call(b"again", 5.0) == (OK, "", b"again")
-        finally:
-            await client.close()
-            await server.stop()
 
     asyncio.run(main())

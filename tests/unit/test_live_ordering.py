@@ -95,10 +95,13 @@ class Recording:
         return reply
 
 
-def setup(tmp_path: Path) -> Any:
+def setup(tmp_path: Path, *, sessions: bool = False, world_keep_alive: str = "10m") -> Any:
+    """The config above; `sessions`: saved world sessions under `tmp_path` (not the default folder)."""
     path = write_tiny_mlp(tmp_path / "mlp.safetensors", WIDTH)
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(CONFIG.format(mlp_bytes=MLP_BYTES, path=path, width=WIDTH))
+    text = CONFIG.format(mlp_bytes=MLP_BYTES, path=path, width=WIDTH)
+    text = text.replace("keep_alive: 10m", f"keep_alive: {world_keep_alive}")
+    cfg.write_text(text + (f"store: {{sessions: '{tmp_path / 'sessions'}'}}\n" if sessions else ""))
     return load_config(cfg)
 
 
@@ -522,12 +525,7 @@ def test_a_failed_demote_drops_the_model_so_the_device_holds_what_the_books_say(
 def test_a_session_waiting_for_its_models_unconfirmed_load_does_not_expire_it(tmp_path: Path) -> None:
     """open_session admitted without counting the model as waited for, so while its load was
     unconfirmed (a busy host) the engine expired the world model under the open, again and again."""
-    path = write_tiny_mlp(tmp_path / "mlp.safetensors", WIDTH)
-    text = CONFIG.format(mlp_bytes=MLP_BYTES, path=path, width=WIDTH).replace(
-        "keep_alive: 10m", "keep_alive: 1s"
-    )
-    (tmp_path / "c.yaml").write_text(text + f"store: {{sessions: '{tmp_path / 'sessions'}'}}\n")
-    config = load_config(tmp_path / "c.yaml")
+    config = setup(tmp_path, sessions=True, world_keep_alive="1s")
 
     async def main() -> None:
         pool = Recording(create_pool(config, in_process=True), hold={"world:load": 3.0})
@@ -553,10 +551,7 @@ def test_a_grown_lease_waits_for_a_slow_demote_past_the_warning(
     import manager.live_sessions as ls
 
     monkeypatch.setattr(ls, "LEASE_WAIT_S", 0.3)
-    path = write_tiny_mlp(tmp_path / "mlp.safetensors", WIDTH)
-    text = CONFIG.format(mlp_bytes=MLP_BYTES, path=path, width=WIDTH)
-    (tmp_path / "c.yaml").write_text(text + f"store: {{sessions: '{tmp_path / 'sessions'}'}}\n")
-    config = load_config(tmp_path / "c.yaml")
+    config = setup(tmp_path, sessions=True)
 
     async def main() -> None:
         pool = Recording(create_pool(config, in_process=True))
@@ -596,10 +591,7 @@ def test_a_client_gone_during_a_session_reopen_leaves_no_session_open_on_the_hos
     """The host lost the session under a step, and the manager reopened it; the client hung up during
     the reopen. The close reached the host before the reopen ended, so the reopened session stayed open
     there, and every later session on the model was refused (found in review, 2026-12-01)."""
-    path = write_tiny_mlp(tmp_path / "mlp.safetensors", WIDTH)
-    text = CONFIG.format(mlp_bytes=MLP_BYTES, path=path, width=WIDTH)
-    (tmp_path / "c.yaml").write_text(text + f"store: {{sessions: '{tmp_path / 'sessions'}'}}\n")
-    config = load_config(tmp_path / "c.yaml")
+    config = setup(tmp_path, sessions=True)
 
     class LosesSessionOnce(Recording):
         """The host restarts empty of sessions under the second step; a reopen takes 0.8 s."""
@@ -657,10 +649,7 @@ def test_lease_changes_decided_while_a_session_opens_reach_it(tmp_path: Path) ->
     opened on its host was lost. A grow left the session at its minimum; a shrink (a client that
     reconnects at once, the lease still grown) left the host's session at the big lease while the
     books gave that room to another model (found in review, 2026-12-01)."""
-    path = write_tiny_mlp(tmp_path / "mlp.safetensors", WIDTH)
-    text = CONFIG.format(mlp_bytes=MLP_BYTES, path=path, width=WIDTH)
-    (tmp_path / "c.yaml").write_text(text + f"store: {{sessions: '{tmp_path / 'sessions'}'}}\n")
-    config = load_config(tmp_path / "c.yaml")
+    config = setup(tmp_path, sessions=True)
 
     class SlowOpen(Recording):
         """Opens take `slow` seconds on the host (a resume reading its log, a busy disk)."""
