@@ -299,16 +299,13 @@ class PersistenceMixin:
             # shielded: a cancelled caller (the reconciler at stop) must not leave a written batch
             # in the journal, or the next start would log it twice
             await asyncio.shield(self._write_batch(batch))
-        except ValueError:  # a record the store refuses (the store answers): those go, the rest stay
-            good = self._valid_records(batch)
-            if len(good) < len(batch):
-                self._keep_log(good)  # written at the next flush; the journal loses the bad ones then
-                return
-            logger.warning("could not write %d requests to the store; kept for a retry", len(batch))
-            self._log_failing = True
-            self._keep_log(batch)
-            return
-        except Exception:  # the store is down: keep the records (bounded) and try again later
+        except Exception as e:
+            if isinstance(e, ValueError):  # records the store refuses (it answers): those go, the rest stay
+                good = self._valid_records(batch)
+                if len(good) < len(batch):
+                    self._keep_log(good)  # written at the next flush; the journal loses the bad ones then
+                    return
+            # the store is down: keep the records (bounded) and try again later
             logger.warning("could not write %d requests to the store; kept for a retry", len(batch))
             self._log_failing = True
             self._keep_log(batch)

@@ -84,6 +84,12 @@ class _World:
 _SESSION_ID = re.compile(r"[0-9a-f]{12}")
 
 
+def session_lease(m: Any) -> int:
+    """The KV lease a session of world model `m` runs with now: its elastic lease, or its minimum when
+    the books hold none yet."""
+    return int(m.lease or m.lease_min)
+
+
 class WorldSessionsMixin:
     """World sessions of `LiveManager` (see the module's docstring)."""
 
@@ -295,7 +301,7 @@ class WorldSessionsMixin:
         # not one open, nor one opening (another world model may be resuming one this moment)
         await asyncio.to_thread(self._prune_sessions, keep={*self.sessions, *self._opening_ids, sid})
         for attempt in range(2):  # a host that lost the model (it restarted) loads it again, in time
-            sent = int(m.lease or m.lease_min)
+            sent = session_lease(m)
             reply: P.SessionReply = await asyncio.to_thread(
                 self.pool.session, m.device, "open", m.name, sid, sent,
                 (codec or None) if resume else codec, str(self.session_dir / sid), resume,
@@ -314,7 +320,7 @@ class WorldSessionsMixin:
         """Session `sid` opened with lease `sent`; a lease change the engine decided meanwhile had no
         session to go to yet: it goes now, a shrink before the open's reply (so before any step
         fills the session's KV), a grow in order behind the commands that free its room."""
-        lease = int(m.lease or m.lease_min)
+        lease = session_lease(m)
         if lease < sent:
             await self._resize_session(m.device, sid, lease)
         elif lease > sent:
@@ -340,7 +346,7 @@ class WorldSessionsMixin:
         m.busy_until = math.inf
         # shielded, and known to close_session: a client that hangs up meanwhile has its session
         # closed on the host after the reopen, not before it (which would leave it open there)
-        sent = int(m.lease or m.lease_min)
+        sent = session_lease(m)
         call = self._in_background(asyncio.to_thread(
             self.pool.session, m.device, "open", model, sid, sent, w.codec,
             str(self.session_dir / sid), True, w.next_segment,

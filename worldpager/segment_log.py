@@ -39,7 +39,7 @@ from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeGuard
 
 from worldpager.segment_header import (
     FORMAT_VERSION,
@@ -132,13 +132,13 @@ def _pwrite_all(fd: int, parts: Iterable[bytes | memoryview], offset: int) -> No
             views[0] = views[0][n:]
 
 
-def _valid_slot_size(value: object) -> bool:
-    return (
-        isinstance(value, int)
-        and not isinstance(value, bool)
-        and value >= HEADER_SIZE
-        and value % SLOT_ALIGN == 0
-    )
+def whole(value: object, low: int | None = 0) -> TypeGuard[int]:
+    """A JSON whole number (not a bool, a float or a string), at least `low` unless that is None."""
+    return isinstance(value, int) and not isinstance(value, bool) and (low is None or value >= low)
+
+
+def _valid_slot_size(value: object) -> TypeGuard[int]:
+    return whole(value, HEADER_SIZE) and value % SLOT_ALIGN == 0
 
 
 def _read_meta(d: Path, fd: int) -> tuple[int, int | None]:
@@ -166,10 +166,9 @@ def _read_meta(d: Path, fd: int) -> tuple[int, int | None]:
         raise SegmentLogError(
             f"{path}: slot_size {slot_size!r} is not a multiple of {SLOT_ALIGN} bytes >= {HEADER_SIZE}"
         )
-    assert isinstance(slot_size, int)
     if isinstance(first, tuple) and first[1] != slot_size:
         raise SegmentLogError(f"{path}: slot_size {slot_size} differs from slot 0's header ({first[1]})")
-    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
+    if budget is not None and not whole(budget):
         raise SegmentLogError(f"{path}: max_bytes {budget!r} is not a number of bytes >= 0 (or null)")
     return slot_size, budget
 

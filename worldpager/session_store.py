@@ -41,7 +41,14 @@ from worldpager.model import KV, TinyCausalWan, TinyConfig
 from worldpager.page_types import SegState
 from worldpager.pages import PageManager
 from worldpager.retrieval import Pose, SegmentInfo, check_pose
-from worldpager.segment_log import CorruptSlotError, SegmentHeader, SegmentLog, SegmentLogError, slot_size_for
+from worldpager.segment_log import (
+    CorruptSlotError,
+    SegmentHeader,
+    SegmentLog,
+    SegmentLogError,
+    slot_size_for,
+    whole,
+)
 from worldpager.session_records import CorruptSlot
 from worldpager.transfer import TransferHandler
 
@@ -101,19 +108,15 @@ def read_saved_state(log_dir: str | Path) -> dict[str, Any] | None:
     return state
 
 
-def _is_int(v: object, low: int | None = 0) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and (low is None or v >= low)
-
-
 def _check_state(state: dict[str, Any], path: Path) -> None:
     """ValueError unless every field of a ``session.json`` has the type and range `save_state` writes."""
 
     def bad(field: str, want: str) -> ValueError:
         return ValueError(f"{path}: {field} is {state.get(field)!r}, expected {want}")
 
-    if not _is_int(state.get("next_step")):
+    if not whole(state.get("next_step")):
         raise bad("next_step", "a whole number >= 0")
-    if not _is_int(state.get("seed"), None):
+    if not whole(state.get("seed"), None):
         raise bad("seed", "a whole number")
     if state.get("codec") not in CODECS:
         raise bad("codec", f"one of {', '.join(CODECS)}")
@@ -137,19 +140,19 @@ def _check_state(state: dict[str, Any], path: Path) -> None:
         if not isinstance(w, dict):
             raise bad("window", "an object or null")
         for name in ("tokens", "global_end", "nbytes", "crc32"):
-            if not _is_int(w.get(name)):
+            if not whole(w.get(name)):
                 raise ValueError(f"{path}: window.{name} is {w.get(name)!r}, expected a whole number >= 0")
         if not isinstance(w.get("dtype"), str):
             raise ValueError(f"{path}: window.dtype is {w.get('dtype')!r}, expected a dtype name")
         segs = w.get("segments", [])
         if not isinstance(segs, list) or not all(
-            isinstance(e, list) and len(e) == 2 and _is_int(e[0]) and (e[1] is None or _is_int(e[1]))
+            isinstance(e, list) and len(e) == 2 and whole(e[0]) and (e[1] is None or whole(e[1]))
             for e in segs
         ):
             raise ValueError(f"{path}: window.segments is {segs!r}, expected [[segment, slot or null], ...]")
     rollbacks = state.get("rollbacks", [])
     if not isinstance(rollbacks, list) or not all(
-        isinstance(e, list) and len(e) == 2 and _is_int(e[0]) and _is_int(e[1]) for e in rollbacks
+        isinstance(e, list) and len(e) == 2 and whole(e[0]) and whole(e[1]) for e in rollbacks
     ):
         raise bad("rollbacks", "[[segment, slots], ...] of whole numbers >= 0")
 

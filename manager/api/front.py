@@ -28,13 +28,12 @@ import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import grpc
 
 from manager.api.fastpath import FastPathClient
-from manager.api.runtime import event_loop_factory, keepalive_options, message_options
+from manager.api.runtime import add_port, event_loop_factory, keepalive_options, message_options
 
 logger = logging.getLogger(__name__)
 
@@ -105,16 +104,7 @@ async def run_front(a: argparse.Namespace) -> int:
         ]
     )
     server.add_generic_rpc_handlers((Front(fast, backend),))
-    try:
-        if a.tls_cert and a.tls_key:
-            creds = grpc.ssl_server_credentials(
-                [(Path(a.tls_key).read_bytes(), Path(a.tls_cert).read_bytes())]
-            )
-            port = server.add_secure_port(a.listen, creds)
-        else:
-            port = server.add_insecure_port(a.listen)
-    except RuntimeError:  # grpcio raises "Failed to bind" (older ones returned 0)
-        port = 0
+    port = add_port(server, a.listen, (a.tls_cert, a.tls_key) if a.tls_cert and a.tls_key else None)
     if port == 0:
         print(f"residency front end: cannot listen on {a.listen!r}", file=sys.stderr, flush=True)
         return 2

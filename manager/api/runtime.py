@@ -1,5 +1,6 @@
-"""What the server and its gRPC front-end processes set up alike: the event loop and gRPC's message
-limits. Light on purpose (asyncio and the stdlib): a front end imports it without the manager."""
+"""What the server and its gRPC front-end processes set up alike: the event loop, gRPC's message
+limits and keepalive, and binding the listening port. Light on purpose (asyncio and the stdlib; grpc
+only where a port is bound): a front end imports it without the manager."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -31,6 +33,21 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
         return None
     factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
     return factory
+
+
+def add_port(server: Any, listen: str, tls: tuple[str, str] | None = None) -> int:
+    """Bind the gRPC `server` to `listen`, with TLS from the (cert, key) files when given. Returns the
+    port bound, or 0 where it cannot bind (grpcio raises "Failed to bind"; older ones returned 0)."""
+    import grpc
+
+    try:
+        if tls is None:
+            return int(server.add_insecure_port(listen))
+        cert, key = tls
+        creds = grpc.ssl_server_credentials([(Path(key).read_bytes(), Path(cert).read_bytes())])
+        return int(server.add_secure_port(listen, creds))
+    except RuntimeError:
+        return 0
 
 
 def keepalive_options(every_s: float) -> list[tuple[str, Any]]:

@@ -28,7 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from manager.api.admin import AdminServicer
 from manager.api.handlers import add_servicer
 from manager.api.oip import InferenceServicer
-from manager.api.runtime import ServeError, keepalive_options, message_options
+from manager.api.runtime import ServeError, add_port, keepalive_options, message_options
 from manager.api.world import WorldSessionServicer
 from manager.config import Config
 from manager.live import LiveManager
@@ -151,16 +151,10 @@ async def build_server(
     )
     reflection.enable_server_reflection(names, server)
     listen = listen or config.server.listen
-    try:
-        if config.server.tls_cert and config.server.tls_key and not private:
-            creds = grpc.ssl_server_credentials(
-                [(Path(config.server.tls_key).read_bytes(), Path(config.server.tls_cert).read_bytes())]
-            )
-            port = server.add_secure_port(listen, creds)
-        else:
-            port = server.add_insecure_port(listen)
-    except RuntimeError:  # grpcio raises "Failed to bind" (older ones returned 0)
-        port = 0
+    srv = config.server
+    port = add_port(
+        server, listen, (srv.tls_cert, srv.tls_key) if srv.tls_cert and srv.tls_key and not private else None
+    )
     if port == 0:
         raise ServeError(f"cannot listen on {listen!r} (address in use or not available)")
     return server, port, health_servicer

@@ -56,17 +56,23 @@ class SentenceEmbeddingAdapter(ModuleAdapter):
     def checkpoint(self) -> Path:
         return self.model_dir() / "model.safetensors"
 
-    def _json(self, rel: str, default: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _read_json(self, rel: str, default: Any = None) -> Any:
+        """The JSON document `rel` in the model's directory; `default` when it is missing and one is
+        given. AdapterError naming the file when it is unreadable or not JSON."""
         p = self.model_dir() / rel
         try:
-            doc = json.loads(p.read_text())
+            return json.loads(p.read_text())
         except FileNotFoundError:
             if default is not None:
                 return default
             raise AdapterError(P.MISSING_CHECKPOINT, f"model {self.spec.name!r}: {p}: no such file") from None
         except (OSError, ValueError, RecursionError) as e:
             raise AdapterError(P.BAD_CHECKPOINT, f"model {self.spec.name!r}: {p}: {e}") from None
+
+    def _json(self, rel: str, default: dict[str, Any] | None = None) -> dict[str, Any]:
+        doc = self._read_json(rel, default)
         if not isinstance(doc, dict):
+            p = self.model_dir() / rel
             raise AdapterError(P.BAD_CHECKPOINT, f"model {self.spec.name!r}: {p}: not a JSON object")
         return doc
 
@@ -111,14 +117,9 @@ class SentenceEmbeddingAdapter(ModuleAdapter):
         return self._pooling
 
     def _json_list(self, rel: str) -> list[dict[str, Any]]:
-        p = self.model_dir() / rel
-        try:
-            doc = json.loads(p.read_text())
-        except FileNotFoundError:
-            return []  # a plain transformers directory: the transformer, mean pooling
-        except (OSError, ValueError, RecursionError) as e:
-            raise AdapterError(P.BAD_CHECKPOINT, f"model {self.spec.name!r}: {p}: {e}") from None
+        doc = self._read_json(rel, [])  # missing: a plain transformers directory (mean pooling)
         if not isinstance(doc, list) or not all(isinstance(x, dict) for x in doc):
+            p = self.model_dir() / rel
             raise AdapterError(P.BAD_CHECKPOINT, f"model {self.spec.name!r}: {p}: not a list of modules")
         return doc
 
