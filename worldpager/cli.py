@@ -1,6 +1,6 @@
 """`worldpager` command line.
 
-    worldpager sizing --model {mg2,tiny} --host-memory SIZE --codec {bf16,int8,int4}
+    worldpager sizing --model {mg2,tiny,micro} --host-memory SIZE --codec {bf16,int8,int4}
                       [--usable 0.85] [--fps F] [--json]
     worldpager bench-stall [--quick] [--compute-s S] [--steps N] [--segment-size SIZE] [--codec C]
                            [--json] [--plot FILE.png]

@@ -17,6 +17,7 @@ fp16 scale and an fp16 zero point per group of 128 values).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -26,6 +27,7 @@ __all__ = [
     "CODEC_BITS",
     "DEFAULT_USABLE",
     "MG2",
+    "MICRO",
     "PRESETS",
     "TINY",
     "ModelDims",
@@ -132,7 +134,7 @@ MG2: Final = ModelDims(
 """Matrix-Game 2.0 (universal/templerun distilled configs): Wan2.1-1.3B backbone, 352×640 video →
 44×80 latents → 880 tokens per latent frame; 16 fps (Wan's native rate, the paper's)."""
 
-TINY: Final = ModelDims(
+MICRO: Final = ModelDims(
     layers=2,
     dim=64,
     heads=4,
@@ -145,10 +147,16 @@ TINY: Final = ModelDims(
     vae_time_ratio=4,
     fps=16.0,
 )
-"""A CPU-sized stand-in with MG2's KV structure (same block/window shape, tiny tables so that the
-positional limits are reached within a short test session)."""
+"""The unit tests' CPU-sized stand-in (`worldpager session --preset micro`): MG2's KV structure
+(same block/window shape) with tiny tables, so that the positional limits are reached within a
+short test session."""
 
-PRESETS: Final[dict[str, ModelDims]] = {"mg2": MG2, "tiny": TINY}
+TINY: Final = dataclasses.replace(MICRO, layers=32, dim=256, head_dim=64, tokens_per_frame=36)
+"""The stand-in `worldpager session` runs by default (`--preset tiny`): MICRO's structure, deeper and
+wider (32 layers, dim 256, 6 x 6 latent tokens per frame: 3.375 MiB per bf16 segment)."""
+
+PRESETS: Final[dict[str, ModelDims]] = {"mg2": MG2, "tiny": TINY, "micro": MICRO}
+"""`worldpager sizing --model`: MG2, and the stand-ins `worldpager session --preset` runs."""
 
 
 def _codec_bits(codec: str) -> float:

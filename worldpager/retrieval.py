@@ -2,8 +2,8 @@
 
 WorldPager does not invent a retrieval rule; it runs the model's own rule one step early, on the
 *predicted* pose of the next segment, so the chosen segments can be prefetched while the current
-segment computes. This module is pure Python (stdlib `math` and `random` only) and has no tiers,
-tensors or clocks in it: a rule gets the pose index of stored segments and returns segment ids.
+segment computes. This module is plain Python and numpy (no torch) and has no tiers, tensors or
+clocks in it: a rule gets the pose index of stored segments and returns segment ids.
 
 Primitives, in the order a caller uses them:
 
@@ -30,8 +30,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import numpy as np
+import numpy.typing as npt
+
 __all__ = [
     "POSE_LIMIT",
+    "WORLDMEM_POINTS",
     "FovOverlapRule",
     "Pose",
     "RecencyRule",
@@ -168,15 +172,17 @@ class RecencyRule:
         return [c.segment_id for c in ranked[:k]]
 
 
-# bytes(list[bool]) is b"\x00\x01..."; translated to b"01..." it parses as a base-2 int in C.
-_BITS = bytes.maketrans(b"\x00\x01", b"01")
-
 _Point = tuple[float, float, float]
+_Points = npt.NDArray[np.float64]  # (n, 3)
+_Flags = npt.NDArray[np.bool_]
+
+WORLDMEM_POINTS = 10_000
+"""WorldMem's `_generate_condition_indices` samples 10,000 points in the sphere."""
 
 
-def _to_bitset(flags: list[bool]) -> int:
-    """Flags as an int bitset (flags[0] is the most significant bit; only AND/popcount matter)."""
-    return int(bytes(flags).translate(_BITS), 2) if flags else 0
+def _to_bitset(flags: _Flags) -> int:
+    """Flags as an int bitset: flags[i] is bit i, so n flags fit in `(1 << n) - 1`."""
+    return int.from_bytes(np.packbits(flags, bitorder="little").tobytes(), "little")
 
 
 def _angle_diff(a: float, b: float) -> float:
@@ -205,11 +211,14 @@ class FovOverlapRule:
     confidence ties go to the newer segment (larger `frame_start`), then the smaller `segment_id`,
     independent of the order of `candidates`.
 
+    Points: WorldMem's 10,000 by default (`WORLDMEM_POINTS`); an overlap is a share of the query's
+    FOV points (about 1,800 of them with the defaults), so fewer points make it coarser.
+
     Cost: only the query's FOV points (about 18 % of the sphere with the defaults) are tested per
-    candidate, each candidate's set is computed once per query and kept as a Python int bitset, so
-    the greedy loop is AND + `int.bit_count()`. Sets are cached by segment id while the query pose
-    stays the same (a repeated or re-planned call costs only the greedy loop); a new query pose
-    clears the cache. Not thread-safe: give each thread its own instance.
+    candidate, in one numpy pass; each candidate's set is computed once per query and kept as a
+    Python int bitset, so the greedy loop is AND + `int.bit_count()`. Sets are cached by segment id
+    while the query pose stays the same (a repeated or re-planned call costs only the greedy loop);
+    a new query pose clears the cache. Not thread-safe: give each thread its own instance.
 
     Raises:
         ValueError: a parameter is out of range (`k_points >= 1`, `radius > 0`,
@@ -218,7 +227,7 @@ class FovOverlapRule:
 
     def __init__(
         self,
-        k_points: int = 2000,
+        k_points: int = WORLDMEM_POINTS,
         radius: float = 30.0,
         h_fov: float = 105.0,
         v_fov: float = 75.0,
@@ -245,9 +254,10 @@ class FovOverlapRule:
         self._half_v = self.v_fov / 2.0
         self._tan_half_h = math.tan(math.radians(self._half_h))
         self._offsets = _sphere_points(k_points, self.radius, random.Random(seed))
+        self._points: _Points = np.array(self._offsets, dtype=np.float64).reshape(-1, 3)
         # Per-query cache: the query's FOV points and, by segment id, (pose, bitset over them).
         self._query: Pose | None = None
-        self._query_points: list[_Point] = []
+        self._query_points: _Points = self._points[:0]
         self._sets: dict[int, tuple[Pose, int]] = {}
 
     @property
@@ -257,7 +267,7 @@ class FovOverlapRule:
 
     # ---- FOV sets ---------------------------------------------------------------------------
 
-    def _flags(self, points: Sequence[_Point], dx: float, dy: float, dz: float, pose: Pose) -> list[bool]:
+    def _flags(self, points: _Points, dx: float, dy: float, dz: float, pose: Pose) -> _Flags:
         """For each offset `o`, whether the point `o + d` (camera at the origin) is in `pose`'s FOV.
 
         `d` is query position − camera position. Trig-free per point: the horizontal test is
@@ -268,18 +278,18 @@ class FovOverlapRule:
         s, c = math.sin(yaw), math.cos(yaw)
         f0 = dx * s + dz * c
         r0 = dx * c - dz * s
-        th = self._tan_half_h
         lo = pose.pitch - self._half_v
         hi = pose.pitch + self._half_v
         t_lo = math.tan(math.radians(lo)) if lo > -90.0 else -math.inf
         t_hi = math.tan(math.radians(hi)) if hi < 90.0 else math.inf
-        # forward > 0 guarantees rho > 0, so ±inf·rho never meets 0.
-        return [
-            (f := ox * s + oz * c + f0) > 0.0
-            and abs(r := ox * c - oz * s + r0) < th * f
-            and t_lo * (rho := math.sqrt(f * f + r * r)) < oy + dy < t_hi * rho
-            for ox, oy, oz in points
-        ]
+        ox, oy, oz = points[:, 0], points[:, 1], points[:, 2]
+        f = ox * s + oz * c + f0
+        r = ox * c - oz * s + r0
+        rho = np.sqrt(f * f + r * r)
+        y = oy + dy
+        with np.errstate(invalid="ignore"):  # ±inf·0 where rho is 0: there forward <= 0 already fails
+            out: _Flags = (f > 0.0) & (np.abs(r) < self._tan_half_h * f) & (t_lo * rho < y) & (y < t_hi * rho)
+        return out
 
     def _may_see_sphere(self, dx: float, dz: float, pose: Pose) -> bool:
         """False only when the whole sphere lies outside `pose`'s horizontal FOV (cheap cull)."""
@@ -293,7 +303,7 @@ class FovOverlapRule:
     def _set_for(self, query: Pose, pose: Pose) -> int:
         """`pose`'s FOV set as a bitset over the current query's FOV points."""
         dx, dy, dz = query.x - pose.x, query.y - pose.y, query.z - pose.z
-        if not self._query_points or not self._may_see_sphere(dx, dz, pose):
+        if not len(self._query_points) or not self._may_see_sphere(dx, dz, pose):
             return 0
         return _to_bitset(self._flags(self._query_points, dx, dy, dz, pose))
 
@@ -301,9 +311,9 @@ class FovOverlapRule:
         """Switch the per-query cache to `query` (a no-op if it is already there)."""
         if self._query == query:
             return
-        inside = self._flags(self._offsets, 0.0, 0.0, 0.0, query)
+        inside = self._flags(self._points, 0.0, 0.0, 0.0, query)
         self._query = query
-        self._query_points = [p for p, keep in zip(self._offsets, inside, strict=True) if keep]
+        self._query_points = self._points[inside]
         self._sets = {}
 
     def fov_size(self, query: Pose) -> int:

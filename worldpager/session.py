@@ -157,7 +157,7 @@ class Session:
         self.handler = TransferHandler(
             self.pm, self.log, self.layout, throttle=Throttle(throttle_bps), device=device
         )
-        self.rule: RetrievalRule = rule if rule is not None else FovOverlapRule(k_points=500, seed=seed)
+        self.rule: RetrievalRule = rule if rule is not None else FovOverlapRule(seed=seed)
         self.max_records = max_records
         self.records: list[StepRecord] = []  # the last `max_records` steps of this run
         self.outputs: list[torch.Tensor] | None = [] if keep_outputs else None  # denoised preds

@@ -39,10 +39,11 @@ class Policy:
     """May a request evict a model of its own class that this policy prewarmed and that has not
     served yet, within `min_residency`? (False: the guess holds its room like a demand load; the
     oracle's guesses are never wrong.)"""
-    prewarm_reclaims_lease = False
-    """May this policy's prewarms take back room lent to an elastic lease, as requests may? (False:
-    a guess does not shrink a running session's KV; the oracle's prewarms are demand loads moved
-    earlier, which would shrink it a moment later anyway.)"""
+    prewarm_as_demand = False
+    """Are this policy's prewarms demand loads moved earlier? Then they take what the request would
+    take a moment later: room lent to an elastic lease, and the room of a higher class's model past
+    its keep-alive. (False: a guess does not shrink a running session's KV nor touch a higher
+    class; True for the oracle, whose prewarms are never wrong.)"""
     max_loaded: int | None = None
     """A cap on models per device (Ollama's OLLAMA_MAX_LOADED_MODELS), pinned models not counted
     (a pin always wins); None: memory decides."""

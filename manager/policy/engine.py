@@ -193,8 +193,11 @@ class Engine(TierMoves):
         if c is m or c.tier != GPU or c.pinned or c.ready_at > now or not c.idle(now):
             return False
         if prewarm:
-            young = now - c.gpu_since < self.min_residency and self.policy.prewarm_min_residency
-            return c.rank >= rank and not young and self.policy.may_displace(c, m, now)
+            if c.rank < rank:  # a higher class: only as the request itself could, when it expired
+                ok = self.policy.prewarm_as_demand and self.policy.expired(c, now)
+            else:
+                ok = not (now - c.gpu_since < self.min_residency and self.policy.prewarm_min_residency)
+            return ok and self.policy.may_displace(c, m, now)
         expired = self.policy.expired(c, now)
         if c.rank < rank:
             # A higher class is never evicted; a model past its keep-alive holds no claim to its
@@ -240,7 +243,7 @@ class Engine(TierMoves):
         if not over_count and dev.room(m.rank) >= need:
             return True
         tenants = []
-        if (not prewarm or self.policy.prewarm_reclaims_lease) and not over_count:
+        if (not prewarm or self.policy.prewarm_as_demand) and not over_count:
             # A lease above its minimum is free room lent to the tenant: any request may take it
             # back (nothing is evicted), a background one included.
             tenants = [

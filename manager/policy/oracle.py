@@ -38,7 +38,7 @@ class OraclePolicy(Policy):
     name = "oracle"
     uses_host_tier = True
     prewarm_min_residency = False
-    prewarm_reclaims_lease = True
+    prewarm_as_demand = True
 
     def __init__(
         self, requests: Sequence[Request], slack_s: float = SLACK_S, class_weighted: bool = True

@@ -153,6 +153,18 @@ class TestFoundInReview:
         r = replay(cfg, trace, "oracle")
         assert r.models["chat"].load_wait_s == 0.0 and r.budget_violations == 0
 
+    def test_the_oracle_prewarms_into_the_room_of_an_expired_higher_class(self) -> None:
+        """A prewarm could displace only models of its own class or lower, so the oracle could not
+        move a night batch's load before its first request while an idle interactive model (not
+        needed for a day) held the room: the request it knew of waited for the load."""
+        cfg = self.config(
+            [m("chat", "interactive", "8GiB"), m("batch", "background", "3GiB")],
+            "5GiB",
+            [{"name": "interactive"}, {"name": "background", "may_evict": False}],
+        )
+        r = replay(cfg, [req(0, "chat"), req(1000, "batch"), req(100_000, "chat")], "oracle")
+        assert r.models["batch"].load_wait_s == 0.0 and r.budget_violations == 0
+
     def test_a_promote_never_drops_its_own_host_copy_to_make_host_room(self) -> None:
         """Promoting M evicted X; X's demote asked for a host victim and got M itself (on the host
         tier that moment), which then loaded from disk (5 s instead of 2)."""

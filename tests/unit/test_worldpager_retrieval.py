@@ -6,6 +6,7 @@ Axes as in WorldMem: y up, yaw 0 looks north (+z), yaw 90 east (+x), yaw 45 nort
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -13,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from worldpager.retrieval import (
+    WORLDMEM_POINTS,
     FovOverlapRule,
     Pose,
     RecencyRule,
@@ -231,3 +233,43 @@ def test_selections_are_distinct_bounded_and_from_the_candidates(
         assert set(picks) <= ids
     fresh = FovOverlapRule(k_points=300, seed=1).select(candidates[::-1], query, now_frame, k)
     assert fresh == _PROPERTY_RULE.select(candidates, query, now_frame, k)
+
+
+def scalar_in_fov(point: tuple[float, float, float], cam: Pose, h_fov: float, v_fov: float) -> bool:
+    """WorldMem's `is_inside_fov_3d_hv` for one point, with trigonometry (the reference the
+    vectorised, trig-free test in `FovOverlapRule` must agree with)."""
+    x, y, z = point[0] - cam.x, point[1] - cam.y, point[2] - cam.z
+    azimuth = math.degrees(math.atan2(x, z))
+    elevation = math.degrees(math.atan2(y, math.hypot(x, z)))
+    return abs(wrap_degrees(azimuth - cam.yaw)) < h_fov / 2 and abs(elevation - cam.pitch) < v_fov / 2
+
+
+def test_worldmems_point_count_by_default() -> None:
+    """Found in review: the rule sampled 2,000 points (the session 500), WorldMem samples 10,000."""
+    assert WORLDMEM_POINTS == 10_000
+    assert FovOverlapRule().k_points == len(FovOverlapRule().offsets) == WORLDMEM_POINTS
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10_000))
+def test_overlap_counts_points_as_worldmems_per_point_test_does(seed: int) -> None:
+    """The numpy pass counts the same points as a per-point test with atan2 (away from the FOV's
+    edges, where the two formulas may round differently)."""
+    rng = random.Random(seed)
+    h_fov, v_fov = rng.uniform(30.0, 170.0), rng.uniform(20.0, 170.0)
+    rule = FovOverlapRule(k_points=400, h_fov=h_fov, v_fov=v_fov, seed=seed)
+    query, cam = random_pose(rng, 10.0), random_pose(rng, 20.0)
+    world = [(query.x + ox, query.y + oy, query.z + oz) for ox, oy, oz in rule.offsets]
+    in_query = [p for p in world if scalar_in_fov(p, query, h_fov, v_fov)]
+    both = [p for p in in_query if scalar_in_fov(p, cam, h_fov, v_fov)]
+    # Points within 1e-6 degrees of an edge are where float rounding may differ: skip such draws.
+    for p in world:
+        for c in (query, cam):
+            x, y, z = p[0] - c.x, p[1] - c.y, p[2] - c.z
+            az = abs(wrap_degrees(math.degrees(math.atan2(x, z)) - c.yaw))
+            el = abs(math.degrees(math.atan2(y, math.hypot(x, z))) - c.pitch)
+            if min(abs(az - h_fov / 2), abs(el - v_fov / 2)) < 1e-6:
+                return
+    assert rule.fov_size(query) == len(in_query)
+    expected = len(both) / len(in_query) if in_query else 0.0
+    assert rule.overlap(cam, query) == pytest.approx(expected, abs=1e-12)

@@ -20,7 +20,7 @@ from worldpager.cli import main
 from worldpager.layout import SegmentLayout
 from worldpager.model import TINY, TinyCausalWan
 from worldpager.pages import Corrupt, DiskFull, Evicted
-from worldpager.retrieval import Pose, SegmentInfo
+from worldpager.retrieval import WORLDMEM_POINTS, FovOverlapRule, Pose, SegmentInfo
 from worldpager.segment_log import HEADER_SIZE, INDEX_NAME, SegmentLog
 from worldpager.session import SESSION_PRESETS, WINDOW_FILE, CorruptSlot, Session, stall_stats
 from worldpager.trajectory import block_inputs, yaw_sweep_trajectory
@@ -58,6 +58,8 @@ def test_layout_round_trips_a_segment_payload() -> None:
 
 def test_short_session_uses_all_tiers(tmp_path: Path) -> None:
     with _session(tmp_path) as s:
+        # WorldMem's rule with WorldMem's 10,000 sphere points (found in review: it sampled 500)
+        assert isinstance(s.rule, FovOverlapRule) and s.rule.k_points == WORLDMEM_POINTS
         for pose in yaw_sweep_trajectory(20):
             rec = s.step(pose)
             s.pm.check()

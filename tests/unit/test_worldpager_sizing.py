@@ -19,6 +19,7 @@ from worldpager.cli import main, parse_size
 from worldpager.mg2 import (
     CODEC_BITS,
     MG2,
+    MICRO,
     PRESETS,
     TINY,
     ModelDims,
@@ -53,14 +54,15 @@ def test_mg2_segment_shape() -> None:
     assert MG2.video_frames_per_segment == 12
     assert MG2.segment_seconds == 0.75
     assert MG2.heads * MG2.head_dim == MG2.dim
-    assert PRESETS == {"mg2": MG2, "tiny": TINY}
+    assert PRESETS == {"mg2": MG2, "tiny": TINY, "micro": MICRO}
 
 
 def test_tiny_has_mg2s_block_structure() -> None:
-    assert (TINY.frames_per_block, TINY.window_frames, TINY.vae_time_ratio) == (3, 6, 4)
-    assert (TINY.layers, TINY.dim, TINY.heads, TINY.head_dim, TINY.tokens_per_frame) == (2, 64, 4, 16, 24)
-    assert (TINY.rope_table_frames, TINY.action_rope_table_frames) == (16, 40)
-    assert TINY.kv_values_per_segment == 2 * 2 * 72 * 64
+    assert (MICRO.frames_per_block, MICRO.window_frames, MICRO.vae_time_ratio) == (3, 6, 4)
+    m = MICRO
+    assert (m.layers, m.dim, m.heads, m.head_dim, m.tokens_per_frame) == (2, 64, 4, 16, 24)
+    assert (MICRO.rope_table_frames, MICRO.action_rope_table_frames) == (16, 40)
+    assert MICRO.kv_values_per_segment == 2 * 2 * 72 * 64
 
 
 def test_bf16_segment_is_486_6_mb() -> None:
@@ -77,7 +79,7 @@ def test_quantized_segment_bytes_include_group_metadata() -> None:
 
 
 def test_segment_bytes_round_up() -> None:
-    dims = dataclasses.replace(TINY, layers=1, tokens_per_frame=1, frames_per_block=1, dim=4, head_dim=1)
+    dims = dataclasses.replace(MICRO, layers=1, tokens_per_frame=1, frames_per_block=1, dim=4, head_dim=1)
     assert dims.kv_values_per_segment == 8
     assert segment_bytes(dims, "int4") == math.ceil(8 * 4.25 / 8) == 5
 
@@ -270,6 +272,27 @@ def test_cli_text_summary(capsys: pytest.CaptureFixture[str]) -> None:
 def test_cli_tiny(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sizing", "--model", "tiny", "--host-memory", "1MiB", "--codec", "int8", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == sizing(TINY, MiB, "int8")
+
+
+@pytest.mark.parametrize("name", ["tiny", "micro"])
+def test_sizing_presets_are_the_session_presets(name: str) -> None:
+    """Found in review: `sizing --model tiny` described the 2-layer unit-test stand-in while
+    `session --preset tiny` ran a 32-layer one, so its segment count was 96x off. Each stand-in
+    `worldpager session` runs has a `sizing` preset with its dimensions, and their bf16 segment is
+    the session's segment payload, byte for byte."""
+    from worldpager.layout import SegmentLayout
+    from worldpager.session import SESSION_PRESETS
+
+    cfg, dims = SESSION_PRESETS[name], PRESETS[name]
+    got = (dims.layers, dims.dim, dims.heads, dims.head_dim, dims.tokens_per_frame)
+    assert got == (cfg.layers, cfg.dim, cfg.heads, cfg.head_dim, cfg.tokens_per_frame)
+    assert (dims.frames_per_block, dims.window_frames) == (cfg.frames_per_block, cfg.window_frames)
+    assert (dims.rope_table_frames, dims.action_rope_table_frames) == (
+        cfg.rope_table_frames,
+        cfg.action_rope_table_frames,
+    )
+    assert segment_bytes(dims, "bf16") == SegmentLayout.from_config(cfg, "bf16").payload_nbytes
+    assert set(SESSION_PRESETS) <= set(PRESETS)
 
 
 @pytest.mark.parametrize(
