@@ -110,6 +110,11 @@ class Policy:
         """Models to load now, before a predicted request."""
         return []
 
+    def lease_headroom(self, m: ModelState, now: float) -> int:
+        """Free bytes the elastic lease of `m` leaves ungrown in a session (room the policy expects
+        a model back in soon: shrinking a lease spills KV pages first, which delays that load)."""
+        return 0
+
 
 def host_models(engine: Engine) -> list[ModelState]:
     """The host tier's models, less the one being loaded to the GPU from there this moment (a victim

@@ -52,7 +52,7 @@ class TierMoves:
     def _refresh_lease(self, m: ModelState, now: float) -> None:
         dev = self.state.devices[m.device]
         if m.busy_until > now:  # in session: grow into free room, up to the maximum
-            room = dev.room(m.rank)
+            room = dev.room(m.rank) - self.policy.lease_headroom(m, now)
             if m.lease < m.lease_max and room > 0:
                 self._set_lease(m, min(m.lease_max, m.lease + room), now, reason="session wants KV")
         elif m.lease > m.lease_min:

@@ -8,6 +8,9 @@ It may use every action: host tier, eviction and prewarm.
   its next request, displacing only models whose own next request comes later.
 - **Host tier**: evicted models are demoted when host RAM has room, else the host resident whose
   next request is farthest is dropped (if further than the incoming one's).
+- **Lease headroom**: a session's KV lease does not grow into the room a model needed within
+  `FILL_AHEAD_S` will take back (after displacing the models needed later than it), so its load
+  does not wait for KV pages to spill.
 - **Expiry**: a model is "expired" (free for classes that may not evict) while its next request is
   further than its reload time.
 It is a strong heuristic, not a proven optimum (with sizes, tiers and a shared loader the exact
@@ -127,6 +130,22 @@ class OraclePolicy(Policy):
         # A JIT prewarm is a demand load moved earlier: displacing what is needed later than `m`
         # costs no more than the demand eviction would at `m`'s request.
         return self.next_use(c) > self.next_use(m)
+
+    def lease_headroom(self, m: ModelState, now: float) -> int:
+        dev = self.engine.state.devices[m.device]
+        need = 0
+        for x in dev.models:
+            if x.tier == GPU or x.elastic or x.pinned or self.next_use(x) - now > FILL_AHEAD_S:
+                continue
+            later = self.next_use(x)
+            freed = sum(
+                c.gpu_bytes
+                for c in dev.models
+                if c.tier == GPU and not (c.elastic or c.pinned) and c.rank >= x.rank
+                if self.next_use(c) > later
+            )
+            need = max(need, x.weights - freed)
+        return need
 
     def prewarm(self, now: float) -> list[ModelState]:
         """Just-in-time loads, then (loader idle) fill free room with the next-needed models."""

@@ -26,6 +26,10 @@ What it decides, and from what:
   learned odds that Y is asked for next outweigh, in reload seconds, the odds that it is not.
   A prewarmed model that has not served yet gives way to a request of its class (a guess never
   makes a request wait), see `Policy.prewarm_yields`.
+- **Lease headroom**: in a world session the KV lease grows into free room, but not into the room a
+  model taking turns needs to come back (a host resident it would share the room with, with
+  P(request within the horizon) >= `FILL_MIN_P`): shrinking a lease first spills KV pages to host
+  RAM, which would delay that model's load (and a swap in by turn taking could not take the room).
 - **Rates** by hour are sparse in the first weeks (an hour with no arrival yet says "never"), so
   the hour's rate is shrunk towards the model's mean hourly rate (`RATE_SMOOTH`).
 """
@@ -261,6 +265,21 @@ class ResidencyPolicy(Policy):
         hosted = [h for h in host_models(self.engine) if h.prewarm_ok]
         scored = sorted(((self.value(h, now), h) for h in hosted), key=lambda x: -x[0])
         return [h for v, h in scored if self.p_request(h, now) >= FILL_MIN_P]
+
+    def lease_headroom(self, m: ModelState, now: float) -> int:
+        """The most bytes a likely host resident that takes turns would miss to come back, after
+        displacing the models that take turns on the GPU now."""
+        need = 0
+        on_gpu: list[ModelState] | None = None
+        for x in host_models(self.engine):
+            if x.device != m.device or not self._swappable(x) or self.p_request(x, now) < FILL_MIN_P:
+                continue
+            if on_gpu is None:
+                dev = self.engine.state.devices[m.device]
+                on_gpu = [c for c in dev.models if c.tier == GPU and self._swappable(c)]
+            freed = sum(c.gpu_bytes for c in on_gpu if c.rank >= x.rank)
+            need = max(need, x.weights - freed)
+        return need
 
     def wants_wakeup_after(self, m: ModelState) -> bool:
         return m.name in self._wake_on_idle or self._swappable(m)

@@ -363,24 +363,27 @@ class TestElasticLease:
 
     def test_lease_shrinks_and_nothing_is_evicted(self, policy, drive):
         # world: 2 GiB weights + lease 1..6 GiB. chat (3 GiB) fills the room at first, so img is
-        # not loaded at start by anyone (the oracle included); then chat is unloaded and the busy
-        # world model's lease grows into all the free room.
+        # not loaded at start by anyone (the oracle included); then chat is unloaded (to disk) and
+        # the busy world model's lease grows into all the free room, since no model is expected
+        # back soon (one that is keeps its room: see TestLeaseHeadroom in test_sim.py).
         cfg = server(
             model("chat", "interactive", "3GiB"),
             model("world", "interactive", "2GiB", elastic={"min": "1GiB", "max": "6GiB"}),
             model("img", "interactive", "3GiB"),
         )
-        sc = drive(cfg, policy, plan(("chat", 0.0), ("world", 10.0), ("img", 100.0)))
+        sc = drive(cfg, policy, plan(("chat", 0.0), ("world", 10.0), ("img", 4000.0)))
         sc.start()
         assert sc.request("chat", 0.0).status in ADMITTED  # chat: 3 GiB
         assert sc.request("world", 10.0, busy=5000.0).status in ADMITTED  # world: 2 + 1 GiB, in session
         assert sc.tier("img") != Tier.GPU  # 1 GiB left: img (3 GiB) is not on the GPU
         sc.engine.evict(sc.m("chat"), 20.0, "unloaded by the user")  # 4 GiB free for interactive
+        if sc.tier("chat") == Tier.HOST:
+            sc.engine.drop_host(sc.m("chat"), 20.0, "unloaded by the user")
         sc.tick(30.0)  # the session wants KV: the lease grows into the free room
         assert sc.m("world").lease == 5 * GiB
         assert sc.dev.room(1) == 0  # nothing left for another interactive model
         sc.clear()
-        adm = sc.request("img", 100.0)  # img needs 3 GiB
+        adm = sc.request("img", 4000.0)  # img needs 3 GiB
         assert adm.status == "load"  # admitted ...
         assert sc.kinds()[0] == ActionKind.SHRINK_LEASE  # ... after the lease shrank first
         assert sc.actions[0][1].model == "world"
@@ -395,13 +398,14 @@ class TestElasticLease:
             model("world", "interactive", "2GiB", elastic={"min": "1GiB", "max": "6GiB"}),
             model("batch", "background", "2GiB"),
         )
-        sc = drive(cfg, policy, plan(("world", 0.0), ("batch", 100.0)))
+        # (batch comes after the oracle's look-ahead, so it keeps no room for it: TestLeaseHeadroom)
+        sc = drive(cfg, policy, plan(("world", 0.0), ("batch", 4000.0)))
         sc.start()
         assert sc.request("world", 0.0, busy=5000.0).status in ADMITTED  # world: 2 + 1 GiB, in session
         sc.tick(30.0)  # the session wants KV: the lease grows into the free room
         assert sc.m("world").lease == 5 * GiB
         sc.clear()
-        adm = sc.request("batch", 100.0)  # batch needs 2 GiB
+        adm = sc.request("batch", 4000.0)  # batch needs 2 GiB
         assert adm.status == "load"  # admitted at once ...
         assert sc.kinds()[0] == ActionKind.SHRINK_LEASE  # ... the lease gave back 2 GiB
         assert sc.m("world").lease == 3 * GiB
@@ -415,14 +419,14 @@ class TestElasticLease:
             model("world", "interactive", "2GiB", elastic={"min": "1GiB", "max": "6GiB"}),
             model("img", "interactive", "4GiB"),
         )
-        sc = drive(cfg, policy, plan(("chat", 0.0), ("world", 1.0), ("img", 100.0)))
+        sc = drive(cfg, policy, plan(("chat", 0.0), ("world", 1.0), ("img", 4000.0)))
         sc.start()
         assert sc.request("chat", 0.0, busy=5000.0).status in ADMITTED  # chat busy: 2 GiB
         assert sc.request("world", 1.0, busy=5000.0).status in ADMITTED  # world busy: 2 + 1 GiB
         sc.tick(20.0)  # the session's lease grows into the 2 GiB left
         assert sc.m("world").lease == 3 * GiB
         sc.clear()
-        assert sc.request("img", 100.0).status == "wait"  # img cannot be admitted ...
+        assert sc.request("img", 4000.0).status == "wait"  # img cannot be admitted ...
         assert sc.m("world").lease == 3 * GiB  # ... so the session keeps its KV
         assert sc.actions == []  # nothing changed
 

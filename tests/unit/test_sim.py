@@ -189,3 +189,40 @@ class TestFoundInReview:
         )
         r = replay(cfg, [req(0, "Z"), req(20, "batch"), req(30, "Y")], "gdsf")
         assert r.models["batch"].load_wait_s == pytest.approx(18.0)
+
+
+class TestLeaseHeadroom:
+    """In a world session the KV lease grows into free room; shrinking it again spills KV pages to
+    host RAM first, which delays the load that needed the room. `residency` and the oracle keep
+    the room a model taking turns needs to come back (without that, the lease took 3.5 GiB and chat
+    waited 1.25 s: 0.25 s of spill before its 1 s promote)."""
+
+    @staticmethod
+    def run(policy: str) -> tuple[float, list[tuple[float, str, int, str]]]:
+        world = {**m("world", "interactive", "2GiB"), "elastic": {"min": "512MiB", "max": "6GiB"}}
+        img = m("img", "interactive", "3584MiB", host=0.8)
+        cfg = TestFoundInReview.config([world, m("chat", "interactive", "4GiB"), img], "16GiB")
+        # 9 GiB usable: the world model (2 GiB + 0.5 GiB lease) leaves room for chat or img, not both.
+        trace = [
+            *(req(t, "chat", busy=3) for t in (0, 60, 120, 180)),
+            Request(t=T0 + 200, model="world", busy_s=2000, kind="session"),
+            req(300, "img", busy=5),  # chat goes to host RAM, and is likely back soon
+            req(330, "img", busy=5),
+            req(400, "chat", busy=3),
+        ]
+        r = replay(cfg, trace, policy, record=True)
+        assert r.budget_violations == 0
+        leases = [(t - T0, a.kind.value, a.bytes, a.reason) for t, a in r.actions or [] if a.model == "world"]
+        return r.models["chat"].load_wait_s, leases
+
+    def test_residency_leaves_room_for_the_model_taking_turns(self) -> None:
+        wait, leases = self.run("residency")
+        grown = max(b for _, kind, b, _ in leases if kind == "grow_lease")
+        assert grown == 3 << 30  # 9 - 2 - 3.5 = 3.5 GiB free, less 0.5 GiB chat needs beyond img's room
+        assert not [x for x in leases if x[3] == "room for 'chat'"]
+        assert wait == pytest.approx(1.0)  # its promote from host RAM, no spill before it
+
+    def test_the_oracle_leaves_room_for_the_next_model(self) -> None:
+        wait, leases = self.run("oracle")
+        assert not [x for x in leases if x[3] == "room for 'chat'"]
+        assert wait == 0.0
