@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import types
+import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -725,3 +726,34 @@ def test_a_directory_with_a_module_the_adapter_does_not_run_is_refused(tmp_path:
         P.Load(P.ModelSpec("e", "sentence-transformers", {"path": str(d)})), "1"
     )
     assert not r.ok and r.error_code == P.BAD_CHECKPOINT and "Dense" in (r.error or "")
+
+
+def test_torchscript_constants_land_on_the_models_device(tmp_path: Path) -> None:
+    """Found in review: the archive was loaded on the CPU, then `Module.to(device)`, which moves
+    parameters and buffers but not the tensor constants a traced graph holds; on a GPU such a model
+    mixed devices at its first infer. Loading with the device as `map_location` moves them too (the
+    meta device stands in for a GPU here: it shows where each tensor lands without one)."""
+    from workers.adapters.torchscript import TorchScriptAdapter
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.k = torch.full((3,), 2.0)  # a plain attribute: traced as a graph constant
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * self.k
+
+    path = tmp_path / "scaled.pt"
+    with warnings.catch_warnings():  # torch 2.13 marks TorchScript deprecated; it still works
+        warnings.simplefilter("ignore")
+        torch.jit.save(torch.jit.trace(Scaled(), torch.ones(1, 3)), str(path))  # type: ignore[no-untyped-call]
+    ad = TorchScriptAdapter(P.ModelSpec("s", "torchscript", {"path": str(path)}), torch.device("meta"))
+    module = ad.materialize(ad.read(Phases()), Phases())
+    consts = [
+        n.output().toIValue()
+        for n in module.graph.nodes()
+        if n.kind() == "prim::Constant" and n.output().type().kind() == "TensorType"
+    ]
+    assert consts and {c.device.type for c in consts} == {"meta"}
+    assert {p.device.type for p in module.parameters()} == {"meta"}

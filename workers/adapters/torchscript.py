@@ -1,7 +1,8 @@
 """TorchScript models (`adapter: torchscript`, `source: {path: model.pt}`), and silero-vad.
 
-The host tier holds the archive's bytes; materialize deserializes it on the CPU (`deserialize`) and
-moves the module to the device (`to_device`); demote serializes the module back into bytes.
+The host tier holds the archive's bytes; materialize deserializes it straight onto the device
+(`deserialize`, with `map_location`: a traced module's tensor constants live in its graph, where
+`Module.to` never moves them); demote serializes the module back into bytes.
 """
 
 from __future__ import annotations
@@ -69,16 +70,15 @@ class TorchScriptAdapter(Adapter):
                 with warnings.catch_warnings():  # torch 2.13 marks TorchScript deprecated; it still loads
                     warnings.simplefilter("ignore")
                     data = io.BytesIO(host.blob.numpy().tobytes())
-                    module = torch.jit.load(data, map_location="cpu")  # type: ignore[no-untyped-call]
+                    module = torch.jit.load(data, map_location=self.device)  # type: ignore[no-untyped-call]
             except Exception as e:
                 raise AdapterError(
                     P.BAD_CHECKPOINT, f"model {self.spec.name!r}: not a TorchScript archive: {e}"
                 ) from None
             module.eval()
         with ph.phase("to_device"):
-            if self.device.type != "cpu":
-                module = module.to(self.device)
-                torch.cuda.synchronize(self.device)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the copies map_location queued
         return module
 
     def to_host(self, runnable: Any, ph: Phases) -> HostCopy:
