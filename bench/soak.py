@@ -5,7 +5,8 @@ usage: python bench/soak.py [--minutes 60] [--seed 1] [--ray] [--cycle-seconds 6
 One `LiveManager` (manager/live.py) drives real models through the in-process worker pool (`--ray`: the
 Ray pool, one device-host actor) on a CPU stand-in home whose device budget is tight: a world
 session, an LLM stand-in and the embedding model cannot all hold their room at once, so the world's
-KV lease shrinks and grows, background batches wait for room, and models leave on their keep-alive.
+KV lease grows into the room the others leave (less what the LLM stand-in, back every cycle, keeps)
+and gives it back, background batches wait for room, and models leave on their keep-alive.
 The manager is driven directly (no gRPC server: on the shared 2-core machine the server's own CPU
 would only slow the schedule; the gRPC path has its own tests and `bench/load.py`).
 

@@ -38,10 +38,12 @@ def test_soak_short() -> None:
     # reloads applied under load, with requests in flight, and nothing dropped (errors == 0 above)
     assert r["reloads"] >= 3, summary
     assert set(r["reload_changes"]) == {"models.llm-standin.keep_alive", "classes.realtime.reserve"}
-    # the budget really bound: the world lease shrank for the others and grew back, models left the
-    # device on their keep-alive, and the background batches waited for room
+    # the budget really bound: the world lease grew into the room the others left (less the room
+    # the LLM stand-in, back every cycle, keeps: residency's lease headroom, so the lease need not
+    # shrink for it; a background request taking lent room back is test_live_ordering's), models
+    # left the device on their keep-alive, and the background batches waited for room
     e = r["engine"]
-    assert e["lease_shrinks"] >= 1 and e["lease_grows"] >= 1 and e["expiries"] >= 1, e
+    assert e["lease_grows"] >= 1 and e["expiries"] >= 1, e
     assert r["world"]["lease_changes_applied"] >= 1, r["world"]
     assert r["budget"]["max_booked_mib"] <= r["budget"]["usable_mib"]
     assert r["budget"]["max_real_mib"] <= r["budget"]["usable_mib"]
