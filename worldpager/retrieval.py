@@ -253,8 +253,8 @@ class FovOverlapRule:
         self._half_h = self.h_fov / 2.0
         self._half_v = self.v_fov / 2.0
         self._tan_half_h = math.tan(math.radians(self._half_h))
-        self._offsets = _sphere_points(k_points, self.radius, random.Random(seed))
-        self._points: _Points = np.array(self._offsets, dtype=np.float64).reshape(-1, 3)
+        points = _sphere_points(k_points, self.radius, random.Random(seed))
+        self._points: _Points = np.array(points, dtype=np.float64).reshape(-1, 3)
         # Per-query cache: the query's FOV points and, by segment id, (pose, bitset over them).
         self._query: Pose | None = None
         self._query_points: _Points = self._points[:0]
@@ -263,7 +263,7 @@ class FovOverlapRule:
     @property
     def offsets(self) -> tuple[_Point, ...]:
         """The sampled sphere points, relative to the query position."""
-        return self._offsets
+        return tuple((x, y, z) for x, y, z in self._points.tolist())
 
     # ---- FOV sets ---------------------------------------------------------------------------
 

@@ -135,9 +135,9 @@ class OraclePolicy(Policy):
         dev = self.engine.state.devices[m.device]
         need = 0
         for x in dev.models:
-            if x.tier == GPU or x.elastic or x.pinned or self.next_use(x) - now > FILL_AHEAD_S:
-                continue
             later = self.next_use(x)
+            if x.tier == GPU or x.elastic or x.pinned or later - now > FILL_AHEAD_S:
+                continue
             freed = sum(
                 c.gpu_bytes
                 for c in dev.models

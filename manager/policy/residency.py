@@ -269,14 +269,12 @@ class ResidencyPolicy(Policy):
     def lease_headroom(self, m: ModelState, now: float) -> int:
         """The most bytes a likely host resident that takes turns would miss to come back, after
         displacing the models that take turns on the GPU now."""
+        dev = self.engine.state.devices[m.device]
+        on_gpu = [c for c in dev.models if c.tier == GPU and self._swappable(c)]
         need = 0
-        on_gpu: list[ModelState] | None = None
         for x in host_models(self.engine):
             if x.device != m.device or not self._swappable(x) or self.p_request(x, now) < FILL_MIN_P:
                 continue
-            if on_gpu is None:
-                dev = self.engine.state.devices[m.device]
-                on_gpu = [c for c in dev.models if c.tier == GPU and self._swappable(c)]
             freed = sum(c.gpu_bytes for c in on_gpu if c.rank >= x.rank)
             need = max(need, x.weights - freed)
         return need

@@ -58,11 +58,11 @@ def test_mg2_segment_shape() -> None:
 
 
 def test_tiny_has_mg2s_block_structure() -> None:
-    assert (MICRO.frames_per_block, MICRO.window_frames, MICRO.vae_time_ratio) == (3, 6, 4)
     m = MICRO
+    assert (m.frames_per_block, m.window_frames, m.vae_time_ratio) == (3, 6, 4)
     assert (m.layers, m.dim, m.heads, m.head_dim, m.tokens_per_frame) == (2, 64, 4, 16, 24)
-    assert (MICRO.rope_table_frames, MICRO.action_rope_table_frames) == (16, 40)
-    assert MICRO.kv_values_per_segment == 2 * 2 * 72 * 64
+    assert (m.rope_table_frames, m.action_rope_table_frames) == (16, 40)
+    assert m.kv_values_per_segment == 2 * 2 * 72 * 64
 
 
 def test_bf16_segment_is_486_6_mb() -> None:
