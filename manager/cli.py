@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +33,86 @@ MAX_BAD_LINES_SHOWN = 10
 
 class UsageError(Exception):
     """Bad input from the user: printed, exit 2."""
+
+
+def _nonfinite_at(obj: Any, where: str = "") -> str | None:
+    """The path (`holdout.before.load_wait_s`) of the first NaN or infinity in `obj`, or None."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return where or "the value"
+    if isinstance(obj, dict):
+        items: Any = obj.items()
+    elif isinstance(obj, list | tuple):
+        items = enumerate(obj)
+    else:
+        return None
+    for k, v in items:
+        at = f"{where}[{k}]" if isinstance(k, int) else f"{where}.{k}" if where else str(k)
+        found = _nonfinite_at(v, at)
+        if found:
+            return found
+    return None
+
+
+def _print_json(obj: Any, indent: int | None = None) -> None:
+    """`obj` as strict JSON on stdout. NaN and infinity are not JSON (Python would print `Infinity`):
+    such a value is an error naming where it is, and nothing is printed."""
+    try:
+        text = json.dumps(obj, indent=indent, allow_nan=False)
+    except ValueError:
+        where = _nonfinite_at(obj) or "a value"
+        raise UsageError(
+            f"cannot print the result as JSON: {where} is not a finite number (the inputs hold "
+            "times too large to add up)"
+        ) from None
+    print(text)
+
+
+def _check_host_port(flag: str, value: str) -> str:
+    """`value` checked by the rule `server.listen` is checked by in a config; UsageError naming `flag`."""
+    from manager.config_schema import check_host_port
+
+    try:
+        return check_host_port(value)
+    except ValueError as e:
+        raise UsageError(f"{flag}: {e}") from None
+
+
+def _prepare_dir(path: Path, flag: str, *, create: bool = True, for_file: str | None = None) -> None:
+    """Check the folder `path` for `flag`'s output and create it (and its parents); with `create`
+    False only check that it could be: nothing is made. `for_file`: the flag's value, when `path`
+    is the folder of the file it names. UsageError naming `flag` and its value."""
+    head = f"{flag} {for_file if for_file is not None else path}"
+    if path.exists() and not path.is_dir():
+        raise UsageError(
+            f"{head}: {path} is not a directory" if for_file else f"{head}: exists and is not a directory"
+        )
+    if not create:
+        first = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+        if not first.is_dir():
+            raise UsageError(f"{head}: {first} is not a directory")
+        if not os.access(first, os.W_OK | os.X_OK):
+            raise UsageError(f"{head}: the folder {first} is not writable")
+        return
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        where = e.filename or path
+        raise UsageError(f"{head}: cannot create the folder {where}: {e.strerror or e}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"{head}: the folder {path} is not writable")
+
+
+def _prepare_out_file(value: str, flag: str, *, create: bool = True) -> Path:
+    """The file `flag` names, checked before any work is done: not a directory, its folder made
+    (as `trace synth` does; with `create` False only checked) and writable, an existing file
+    writable. UsageError naming `flag`."""
+    path = Path(value)
+    if path.is_dir() or not path.name:
+        raise UsageError(f"{flag} {value}: is a directory; give the path of a file to write")
+    _prepare_dir(path.parent, flag, create=create, for_file=value)
+    if path.exists() and not os.access(path, os.W_OK):
+        raise UsageError(f"{flag} {value}: the file is not writable")
+    return path
 
 
 def _load_trace(path: str, config: Config, strict: bool) -> tuple[list[Request], int]:
@@ -102,7 +184,7 @@ def cmd_replay(a: argparse.Namespace) -> int:
     reqs, bad = _load_trace(a.trace, config, a.strict)
     if a.json:
         r = _replay_all(config, reqs, [a.policy or config.policy.name], bad)[0]
-        print(json.dumps(r.to_json()))
+        _print_json(r.to_json())
         return 0
     policies = [a.policy] if a.policy else list(POLICY_NAMES)
     results = _replay_all(config, reqs, policies, bad)
@@ -127,7 +209,7 @@ def cmd_synth(a: argparse.Namespace) -> int:
 
 
 def cmd_schema(a: argparse.Namespace) -> int:
-    print(json.dumps(config_json_schema(), indent=2))
+    _print_json(config_json_schema(), indent=2)
     return 0
 
 
@@ -142,50 +224,80 @@ def cmd_check(a: argparse.Namespace) -> int:
 
 
 def _export(config: Config, since: str, out: Path) -> int:
-    """Write the store's requests of the last `since` to `out` (user errors as UsageError)."""
+    """Write the store's requests of the last `since` to `out` (user errors as UsageError).
+
+    Read-only: a store that does not exist yet is an error, never created (a mistyped path in the
+    config must not become a new, empty store)."""
     import time
 
     from manager.store import StoreError, open_store
-    from manager.store.export import export_trace, parse_since
+    from manager.store.export import check_out_path, export_trace, parse_since
 
     try:
         seconds = parse_since(since)
     except ValueError as e:
         raise UsageError(str(e)) from None
     try:
-        store = open_store(config.store.url)
+        check_out_path(out)
+    except IsADirectoryError:
+        raise UsageError(f"--out {out}: is a directory; give the path of a file to write") from None
+    try:
+        store = open_store(config.store.url, create=False)
         try:
             return export_trace(store, seconds, time.time(), out)
         finally:
             store.close()
     except StoreError as e:
         raise UsageError(str(e)) from None
+    except OSError as e:
+        raise UsageError(f"--out {out}: {e.strerror or e}") from None
 
 
-def _trace_from_store(config: Config, since: str) -> str:
+def _load_store_trace(config: Config, since: str, strict: bool) -> list[Request]:
+    """The store's requests of the last `since`, through a trace file in a temporary folder that is
+    removed whatever happens."""
     import tempfile
 
-    out = Path(tempfile.mkdtemp(prefix="residency-tune-")) / "requests.jsonl"
-    n = _export(config, since, out)
-    err.print(
-        f"tuning on {n} requests of the last {since} from {config.store.url}", highlight=False, markup=False
-    )
-    return str(out)
+    from manager.store.base import redact
+
+    with tempfile.TemporaryDirectory(prefix="residency-tune-") as tmp:
+        out = Path(tmp) / "requests.jsonl"
+        n = _export(config, since, out)
+        err.print(
+            f"tuning on {n} requests of the last {since} from {redact(config.store.url)}",
+            highlight=False,
+            markup=False,
+        )
+        return _load_trace(str(out), config, strict)[0]
 
 
 def cmd_tune(a: argparse.Namespace) -> int:
     from manager.replay.tune import split_holdout, tune
 
     config = load_config(a.config)
-    if a.from_store:
-        a.trace = _trace_from_store(config, a.since)
-    elif not a.trace:
+    if not a.from_store and not a.trace:
         raise UsageError("give --trace FILE, or --from-store to tune on the service's request log")
-    reqs, _ = _load_trace(a.trace, config, a.strict)
+    # the outputs are checked first, not after the (long) search: a bad --out or --report fails now
+    _prepare_out_file(a.out, "--out", create=False)
+    if a.report:
+        _prepare_dir(Path(a.report), "--report", create=False)
+    if a.from_store:
+        from manager.store.base import redact
+
+        reqs = _load_store_trace(config, a.since, a.strict)
+        a.trace = f"the store's last {a.since} ({redact(config.store.url)})"
+    else:
+        reqs, _ = _load_trace(a.trace, config, a.strict)
     if a.holdout:
         search, holdout = reqs, _load_trace(a.holdout, config, a.strict)[0]
     else:
         search, holdout = split_holdout(reqs)
+    if not search and reqs:
+        span = reqs[-1].t - reqs[0].t
+        raise UsageError(
+            f"{a.trace}: trace too short to split into search and holdout ({len(reqs)} request(s) over "
+            f"{span:g} s); give --holdout or a longer trace"
+        )
     if not search:
         raise UsageError(f"{a.trace}: no valid requests to tune on")
     if a.holdout and not holdout:
@@ -197,8 +309,10 @@ def cmd_tune(a: argparse.Namespace) -> int:
             f"--report needs requests over a period of time; {which} has {len(shown)} request(s), "
             f"all at t={shown[0].t}"
         )
-    # checked before the search, not after it: a missing folder is made, as `trace synth` does
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    # the inputs are good: the folders are made now, before the search (as `trace synth` does)
+    _prepare_out_file(a.out, "--out")
+    if a.report:
+        _prepare_dir(Path(a.report), "--report")
     with Progress(console=err, transient=True, disable=not err.is_terminal) as prog:
         task = prog.add_task("tuning", total=None)
         res = tune(
@@ -221,7 +335,7 @@ def cmd_tune(a: argparse.Namespace) -> int:
         _report(a, config, res, shown)
         fig["report"] = str(Path(a.report) / "index.html")
     if a.json:
-        print(json.dumps(fig))
+        _print_json(fig)
     else:
         which = "holdout" if "holdout" in fig else "search"
         before = res.holdout_before if res.holdout_before else res.search_before
@@ -257,11 +371,13 @@ def cmd_measure(a: argparse.Namespace) -> int:
         raise UsageError(f"--model {unknown[0]}: not in {a.config} (models: {', '.join(sorted(names))})")
     if a.repeats < 1:
         raise UsageError("--repeats must be at least 1")
+    if a.write_config:  # checked (and its folder made) before measuring, not after
+        _prepare_out_file(a.write_config, "--write-config")
     results = measure.measure_all(config, a.model or None, a.repeats)
     if a.write_config:
         measure.write_measured_config(Path(a.config), Path(a.write_config), results)
     if a.json:
-        print(json.dumps(measure.as_json(results), indent=2))
+        _print_json(measure.as_json(results), indent=2)
     else:
         Console().print(_measure_table(results))
     return 0 if all(r.ok for r in results) or a.allow_missing else 1
@@ -296,8 +412,17 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = load_config(a.config)
-    if a.listen:
-        config = config.model_copy(update={"server": config.server.model_copy(update={"listen": a.listen})})
+    if a.listen is not None:
+        from pydantic import ValidationError
+
+        from manager.config import ServerConfig
+
+        _check_host_port("--listen", a.listen)
+        try:  # model_copy(update=...) would skip validation: the server section is validated again
+            server = ServerConfig.model_validate({**config.server.model_dump(), "listen": a.listen})
+        except ValidationError as e:
+            raise UsageError(f"--listen {a.listen}: {e.errors(include_url=False)[0]['msg']}") from None
+        config = config.model_copy(update={"server": server})
 
     from manager.workers_bridge import cuda_missing_here
 
@@ -334,6 +459,8 @@ def cmd_ps(a: argparse.Namespace) -> int:
     from manager.api.client import ClientError, as_dict, list_models
 
     server = load_config(a.config).server if a.config else None
+    if a.target is not None:
+        _check_host_port("--target", a.target)
     target = a.target or (server.listen if server else "127.0.0.1:50051")
     # the config's TLS certificate and token variable are the defaults: a TLS server speaks only TLS
     cert_path = a.tls_cert or (server.tls_cert if server else None)
@@ -352,7 +479,7 @@ def cmd_ps(a: argparse.Namespace) -> int:
     except ClientError as e:
         raise UsageError(str(e)) from None
     if a.json:
-        print(json.dumps(as_dict(resp), indent=2))
+        _print_json(as_dict(resp), indent=2)
         return 0
     t = Table(title=escape(f"Residency on {target}"))
     for col in (
@@ -414,7 +541,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--from-store", action="store_true", help="tune on the service's request log (store.url)")
     t.add_argument("--since", default="7d", help="with --from-store: how far back (default 7d)")
     t.add_argument("--out", required=True)
-    t.add_argument("--holdout", help="trace to judge the result on (default: the last 2 days of --trace)")
+    from manager.replay.tune import HOLDOUT_DAYS
+
+    t.add_argument(
+        "--holdout",
+        help=f"trace to judge the result on (default: the last {HOLDOUT_DAYS:g} days of --trace, held "
+        f"out from the search; the last 30%% of its time span when it spans less than "
+        f"{2 * HOLDOUT_DAYS:g} days)",
+    )
     t.add_argument("--report", help="directory for an HTML report with plots")
     t.add_argument("--policy", choices=POLICY_NAMES, default="residency")
     t.add_argument("--json", action="store_true")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import difflib
 import io
+import re
 from pathlib import Path
 from typing import Any, get_args
 
@@ -36,6 +37,7 @@ from manager.config_schema import (
     _FieldErrors,
     _fmt_loc,
 )
+from manager.units import shown
 
 __all__ = [
     "ByteSize",
@@ -159,7 +161,7 @@ def _message(err: Any, loc: Loc) -> str:
     kind_of = (
         "a mapping" if isinstance(value, dict) else "a list" if isinstance(value, list | tuple) else "a value"
     )
-    got = f", got {value!r}" if scalar else f", got {kind_of}"
+    got = f", got {shown(value)}" if scalar else f", got {kind_of}"
     if kind == "extra_forbidden" and loc:
         known = _fields_at(loc[:-1])
         close = difflib.get_close_matches(str(loc[-1]), known, n=1)
@@ -168,7 +170,7 @@ def _message(err: Any, loc: Loc) -> str:
     if kind == "value_error":
         return str(err["ctx"]["error"])
     if kind == "invalid_key":  # reported at the mapping that holds the key
-        return f"keys must be names (strings), got {value!r}"
+        return f"keys must be names (strings), got {shown(value)}"
     if kind in ("missing", "too_short"):
         return _FIXED_MESSAGES[kind]
     if kind in _FIXED_MESSAGES:
@@ -227,6 +229,17 @@ def _line_of(data: Any, loc: Loc) -> int | None:
     return None if line is None else line + 1
 
 
+_LONG_NUMBER = re.compile(r"[0-9][0-9_]{4299,}")
+
+
+def _line_of_long_number(text: str) -> int | None:
+    """1-based line of the first run of more than 4300 digits in `text` (None if there is none)."""
+    for m in _LONG_NUMBER.finditer(text):
+        if len(m.group().replace("_", "")) > 4300:
+            return text.count("\n", 0, m.start()) + 1
+    return None
+
+
 def _parse_yaml(text: str, file: str) -> Any:
     try:
         return _yaml().load(text)
@@ -241,11 +254,18 @@ def _parse_yaml(text: str, file: str) -> Any:
         raise ConfigError(file, [("", f"YAML error: {exc}")]) from None
     except RecursionError:
         raise ConfigError(file, [("", "YAML nested too deeply")]) from None
+    except ValueError as exc:  # a value YAML cannot turn into Python, e.g. an integer of 5000 digits
+        line = _line_of_long_number(text)
+        if line is not None:
+            msg = "a number of more than 4300 digits; no setting takes one that large"
+        else:
+            msg = f"YAML value that cannot be read: {shown(str(exc), 200)}"
+        raise ConfigError(file, [("", msg)], [line]) from None
 
 
 def _validate(data: Any, file: str) -> Config:
     if not isinstance(data, dict):
-        got = "an empty file" if data is None else "a list" if isinstance(data, list) else repr(data)
+        got = "an empty file" if data is None else "a list" if isinstance(data, list) else shown(data)
         raise ConfigError(
             file, [("", f"expected a mapping at the top level (devices, host, ...), got {got}")]
         )

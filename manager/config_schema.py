@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from typing import Annotated, Any, Literal
+from urllib.parse import parse_qs, urlsplit
 
 from pydantic import (
     BaseModel,
@@ -21,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from manager.units import format_size, parse_duration, parse_size
+from manager.units import format_size, parse_duration, parse_size, shown
 
 Loc = tuple[str | int, ...]
 
@@ -54,10 +55,24 @@ _DURATION_SCHEMA: dict[str, Any] = {
     "examples": ["30m", "2h", "45s", "1h30m", 90],
 }
 
+MAX_DURATION_S = 10 * 365 * 86400
+"""The longest duration a config takes (ten years; keep_alive: forever is the way to say "never"):
+times near float's limits would turn the replay's sums into infinity."""
+MAX_LOAD_S = 86400
+"""The longest load time a config takes (a day): a load is seconds to minutes."""
+
+
+def _parse_config_duration(v: Any) -> float:
+    seconds = parse_duration(v)
+    if seconds > MAX_DURATION_S:
+        raise ValueError(f"expected a duration of at most 3650d (ten years), got {shown(v)}")
+    return seconds
+
+
 ByteSize = Annotated[int, BeforeValidator(parse_size), WithJsonSchema(_SIZE_SCHEMA)]
 """Bytes; accepts `24GiB`, `512MiB`, `10GB` or an integer."""
-Duration = Annotated[float, BeforeValidator(parse_duration), WithJsonSchema(_DURATION_SCHEMA)]
-"""Seconds; accepts `30m`, `2h`, `45s`, `1h30m` or a number."""
+Duration = Annotated[float, BeforeValidator(_parse_config_duration), WithJsonSchema(_DURATION_SCHEMA)]
+"""Seconds; accepts `30m`, `2h`, `45s`, `1h30m` or a number; at most ten years (MAX_DURATION_S)."""
 
 
 def _parse_keep_alive(v: Any) -> float | None:
@@ -68,11 +83,16 @@ def _parse_keep_alive(v: Any) -> float | None:
     if isinstance(v, float) and math.isinf(v) and v > 0:
         return math.inf
     try:
-        return parse_duration(v)
+        seconds = parse_duration(v)
     except ValueError:
         raise ValueError(
-            f"expected 'auto', 'forever', a duration like '30m', '2h', '45s' or seconds, got {v!r}"
+            f"expected 'auto', 'forever', a duration like '30m', '2h', '45s' or seconds, got {shown(v)}"
         ) from None
+    if seconds > MAX_DURATION_S:
+        raise ValueError(
+            f"expected a duration of at most 3650d (ten years), or 'forever' for no expiry, got {shown(v)}"
+        )
+    return seconds
 
 
 def _dump_keep_alive(v: float | None) -> float | str | None:
@@ -97,6 +117,20 @@ MAX_GRPC_MESSAGE = 2**31 - 1
 """gRPC's largest message length: its channel options are C ints."""
 MAX_KEEPALIVE_S = 86400
 """The longest `server.keepalive`: a day is far below gRPC's C-int milliseconds (24.8 days)."""
+
+
+def check_host_port(v: str) -> str:
+    """`v` if it is host:port with an ASCII decimal port 0-65535; ValueError saying what was expected.
+    (`server.listen`, `server.metrics_listen`, and the `--listen` / `--target` flags.)"""
+    host, sep, port = v.rpartition(":")
+    if not sep or not host or not _ascii_port(port):
+        raise ValueError(f"expected host:port with a port 0-65535, like '127.0.0.1:50051', got {shown(v)}")
+    return v
+
+
+def _ascii_port(port: str) -> bool:
+    """0-65535 in ASCII digits (str.isdigit also takes '５' and '²', which no socket API does)."""
+    return 0 < len(port) <= 5 and port.isascii() and port.isdigit() and int(port) <= 65535
 
 
 class _Model(BaseModel):
@@ -137,12 +171,7 @@ class ServerConfig(_Model):
     @field_validator("listen", "metrics_listen")
     @classmethod
     def _host_port(cls, v: str | None) -> str | None:
-        if v is None:
-            return v
-        host, sep, port = v.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-            raise ValueError(f"expected host:port with a port 0-65535, like '127.0.0.1:50051', got {v!r}")
-        return v
+        return v if v is None else check_host_port(v)
 
 
 class StoreConfig(_Model):
@@ -165,9 +194,51 @@ class StoreConfig(_Model):
         if not v.startswith(("sqlite:///", "redis://", "rediss://")):
             raise ValueError(
                 f"expected a URL starting with sqlite:///, redis:// or rediss://, like "
-                f"'sqlite:///.residency/state.db', got {v!r}"
+                f"'sqlite:///.residency/state.db', got {shown(v)}"
             )
+        if v.startswith("sqlite:"):
+            problem = _sqlite_url_problem(v)
+            if problem:
+                raise ValueError(f"{problem}, got {shown(v)}")
+        else:
+            problem = _redis_url_problem(v)
+            if problem:
+                raise ValueError(problem)
         return v
+
+
+def _sqlite_url_problem(url: str) -> str | None:
+    """What `open_store` refuses in a sqlite:/// url (the rules of store/sqlite.py), or None."""
+    parts = urlsplit(url)
+    if parts.query or parts.fragment:
+        return "a sqlite url takes no ?query or #fragment"
+    path = parts.path[1:]
+    if not path or path.endswith("/"):
+        return "no database file in the url; expected sqlite:///PATH/TO/FILE.db"
+    return None
+
+
+def _redis_url_problem(url: str) -> str | None:
+    """What `open_store` refuses in a redis(s):// url (the rules of store/redis.py), or None. The
+    message never quotes the url: it may hold a password."""
+    parts = urlsplit(url)
+    try:
+        parts.port  # noqa: B018 - raises ValueError unless the port is ASCII digits 0-65535
+    except ValueError:
+        return "the port must be a number 0-65535 (ASCII digits); expected redis://HOST:PORT/DB"
+    if not parts.hostname:
+        return "no host; expected redis://HOST:PORT/DB"
+    path = parts.path.lstrip("/")
+    if parts.fragment or not (path == "" or (path.isascii() and path.isdigit())):
+        return "the database must be a number, like redis://HOST:PORT/0"
+    params = parse_qs(parts.query, keep_blank_values=True)
+    unknown = sorted(params.keys() - {"prefix"})
+    if unknown:
+        return f"unknown url parameter {shown(unknown[0])} (allowed: prefix)"
+    values = params.get("prefix", ["residency"])
+    if len(values) != 1 or not values[0] or values[0].strip() != values[0]:
+        return "prefix must be one non-empty name without spaces"
+    return None
 
 
 class RayConfig(_Model):
@@ -248,11 +319,11 @@ class ClassConfig(_Model):
 
 
 class LoadSeconds(_Model):
-    disk: float = Field(gt=0, allow_inf_nan=False, strict=True)
-    """Seconds to load from disk into the GPU (cold file)."""
-    cached: float | None = Field(default=None, gt=0, allow_inf_nan=False, strict=True)
+    disk: float = Field(gt=0, le=MAX_LOAD_S, allow_inf_nan=False, strict=True)
+    """Seconds to load from disk into the GPU (cold file); at most a day."""
+    cached: float | None = Field(default=None, gt=0, le=MAX_LOAD_S, allow_inf_nan=False, strict=True)
     """Seconds to load from the OS page cache into the GPU; null: halfway between host and disk."""
-    host: float = Field(gt=0, allow_inf_nan=False, strict=True)
+    host: float = Field(gt=0, le=MAX_LOAD_S, allow_inf_nan=False, strict=True)
     """Seconds to move from host RAM to the GPU."""
 
     @model_validator(mode="after")

@@ -10,7 +10,7 @@ import math
 import re
 from decimal import Decimal, InvalidOperation
 
-__all__ = ["format_duration", "format_size", "parse_duration", "parse_size"]
+__all__ = ["format_duration", "format_size", "parse_duration", "parse_size", "shown"]
 
 _SIZE_EXPECTED = "expected a size like '24GiB', '512MiB' or a number of bytes"
 MAX_SIZE = 2**60
@@ -62,14 +62,27 @@ _DURATION_PART_RE = re.compile(rf"\s*({_NUMBER})\s*(ms|s|m|h|d|w)\s*", re.IGNORE
 _PLAIN_NUMBER_RE = re.compile(rf"^\s*{_NUMBER}\s*$")
 
 
+SHOWN_MAX = 60
+"""The longest value an error message quotes; longer ones are cut short."""
+
+
+def shown(v: object, limit: int = SHOWN_MAX) -> str:
+    """`repr(v)` for an error message, at most `limit` characters. An integer too large to print
+    (Python refuses to turn one of more than 4300 digits into text) is described, never converted."""
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 3 * limit:
+        return f"an integer of about {int(v.bit_length() * math.log10(2)) + 1} digits"
+    text = repr(v)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _number(v: int | float, expected: str) -> Decimal:
     """A non-negative finite number given as int/float (bool is not a number here)."""
     if isinstance(v, bool) or not isinstance(v, int | float):
-        raise ValueError(f"{expected}, got {v!r}")
+        raise ValueError(f"{expected}, got {shown(v)}")
     if isinstance(v, float) and not math.isfinite(v):
-        raise ValueError(f"{expected}, got {v!r}")
+        raise ValueError(f"{expected}, got {shown(v)}")
     if v < 0:
-        raise ValueError(f"{expected}; it must not be negative, got {v!r}")
+        raise ValueError(f"{expected}; it must not be negative, got {shown(v)}")
     return Decimal(v) if isinstance(v, int) else Decimal(repr(v))
 
 
@@ -83,16 +96,16 @@ def parse_size(v: int | float | str) -> int:
         m = _SIZE_RE.match(v)
         unit = _SIZE_UNITS.get(m.group(2).lower()) if m else None
         if m is None or unit is None:
-            raise ValueError(f"{_SIZE_EXPECTED}, got {v!r}")
+            raise ValueError(f"{_SIZE_EXPECTED}, got {shown(v)}")
         try:
             value = Decimal(m.group(1)) * unit
         except InvalidOperation as exc:  # pragma: no cover - the regex admits only valid numbers
-            raise ValueError(f"{_SIZE_EXPECTED}, got {v!r}") from exc
+            raise ValueError(f"{_SIZE_EXPECTED}, got {shown(v)}") from exc
     else:
         value = _number(v, _SIZE_EXPECTED)
     size = int(value.to_integral_value())
     if size > MAX_SIZE:
-        raise ValueError(f"expected a size of at most 1024PiB, got {v!r}")
+        raise ValueError(f"expected a size of at most 1024PiB, got {shown(v)}")
     return size
 
 
@@ -114,15 +127,14 @@ def parse_duration(v: int | float | str) -> float:
         total += Decimal(m.group(1)) * _DURATION_UNITS[m.group(2).lower()]
         pos = m.end()
     if pos == 0 or pos != len(v):
-        raise ValueError(f"{_DURATION_EXPECTED}, got {v!r}")
+        raise ValueError(f"{_DURATION_EXPECTED}, got {shown(v)}")
     return _finite(float(total), v)
 
 
 def _finite(seconds: float, v: int | float | str) -> float:
     """`seconds`, unless it is too large for a float (a 400-digit number would become infinity)."""
     if not math.isfinite(seconds):
-        shown = repr(v) if len(repr(v)) <= 40 else repr(v)[:37] + "..."
-        raise ValueError(f"{_DURATION_EXPECTED}; this one is too large, got {shown}")
+        raise ValueError(f"{_DURATION_EXPECTED}; this one is too large, got {shown(v, 40)}")
     return seconds
 
 

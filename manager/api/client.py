@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import grpc
-from google.protobuf.json_format import MessageToDict
 
 from residency_proto.v1 import residency_pb2, residency_pb2_grpc
 
@@ -35,5 +34,27 @@ def list_models(
 
 
 def as_dict(msg: Any) -> dict[str, Any]:
-    out: dict[str, Any] = MessageToDict(msg)
-    return out
+    """`msg` as plain JSON values, like the other `--json` outputs: the proto's snake_case field
+    names, every field present (defaults included: `pinned: false`, `last_error: ""`), 64-bit
+    integers as numbers (not the strings of protobuf's JSON mapping), enums by name."""
+    return {f.name: _field(f, getattr(msg, f.name)) for f in msg.DESCRIPTOR.fields}
+
+
+def _field(f: Any, v: Any) -> Any:
+    if f.type == f.TYPE_MESSAGE and f.message_type.GetOptions().map_entry:
+        vf = f.message_type.fields_by_name["value"]
+        return {str(k): _scalar(vf, x) for k, x in v.items()}
+    if f.is_repeated:
+        return [_scalar(f, x) for x in v]
+    return _scalar(f, v)
+
+
+def _scalar(f: Any, v: Any) -> Any:
+    if f.type == f.TYPE_MESSAGE:
+        return as_dict(v)
+    if f.type == f.TYPE_ENUM:
+        value = f.enum_type.values_by_number.get(v)
+        return value.name if value is not None else v
+    if f.type == f.TYPE_BYTES:
+        return v.hex()
+    return v

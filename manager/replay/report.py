@@ -127,8 +127,48 @@ def _mark_days(
     ax.set_xlim(*xlim)
 
 
+MAX_DAY_MARKS = 31
+"""Periods up to this many days get a gridline per midnight and day names; longer ones a coarser step."""
+MAX_DATE_MARKS = 16
+"""The most dated gridlines on a longer period (week, month or year steps): labels stay readable and
+drawing stays quick whatever the span (a holdout line at t=0 makes it 56 years)."""
+_WEEK_STEPS = (1, 2)
+_MONTH_STEPS = (1, 2, 3, 6, 12, 24, 60, 120, 240, 600, 1200, 2400, 6000)
+_MONDAY0 = 4 * DAY  # 1970-01-05, the first Monday of Unix time
+
+
+def date_marks(t_start: float, t_end: float, most: int = MAX_DATE_MARKS) -> tuple[list[float], str]:
+    """Unix times of at most `most` gridlines in [t_start, t_end] and the strftime format of their
+    labels: Mondays every week or two, else the first of every k months (k = 1, 2, 3, 6, 12,
+    24, 60, ... so that years line up)."""
+    span = t_end - t_start
+    for weeks in _WEEK_STEPS:
+        step = 7 * weeks * DAY
+        if span / step <= most:
+            first = math.ceil((t_start - _MONDAY0) / step) * step + _MONDAY0
+            return [first + i * step for i in range(int((t_end - first) // step) + 1)], "%d %b"
+    start = datetime.fromtimestamp(t_start, tz=UTC)
+    end = datetime.fromtimestamp(t_end, tz=UTC)
+    m0, m1 = start.year * 12 + start.month - 1, end.year * 12 + end.month - 1
+    k = next((k for k in _MONTH_STEPS if (m1 - m0) / k <= most), _MONTH_STEPS[-1])
+    marks = []
+    for m in range(math.ceil(m0 / k) * k, m1 + 1, k):
+        t = datetime(m // 12, m % 12 + 1, 1, tzinfo=UTC).timestamp()
+        if t_start <= t <= t_end:
+            marks.append(t)
+    return marks, ("%b %Y" if k < 12 else "%Y")
+
+
 def _day_axis(ax: Any, t_start: float, t_end: float) -> None:
-    """x axis in days since t_start: gridlines at midnights (UTC), day names at noons."""
+    """x axis in days since t_start: gridlines at midnights (UTC), day names at noons; over more
+    than MAX_DAY_MARKS days, dated gridlines every week, month(s) or year(s) (`date_marks`)."""
+    if t_end - t_start > MAX_DAY_MARKS * DAY:
+        marks, fmt = date_marks(t_start, t_end)
+        labels = [datetime.fromtimestamp(t, tz=UTC).strftime(fmt) for t in marks]
+        ax.set_xticks([(t - t_start) / DAY for t in marks], labels)
+        ax.grid(axis="x", which="major", color="#999999", linewidth=0.6)
+        ax.set_xlim(0.0, (t_end - t_start) / DAY)
+        return
     first = math.ceil(t_start / DAY) * DAY
     edges = [(first + i * DAY - t_start) / DAY for i in range(max(0, int((t_end - first) // DAY) + 1))]
     noon0 = math.floor(t_start / DAY) * DAY + DAY / 2

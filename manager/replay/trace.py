@@ -13,6 +13,10 @@ Primitives, in the order a trace meets them:
   write_trace     - Requests -> a file.
 
 Notes:
+  A field given twice on one line (`"model": "voice", "model": "llm"`) makes the line bad, as a
+  duplicate key does in a config: JSON would silently keep the last one.
+  busy_s is at most MAX_BUSY_S (a year): a larger one is a broken exporter, and sums of times near
+  float's limits become infinity in the replay's figures.
   Line numbers are 1-based and count blank lines (which are skipped silently), so they match what an
   editor shows. A line whose `t` is earlier than the previous good line's is bad: replay needs time
   order, and silently re-sorting would hide a broken exporter.
@@ -33,6 +37,7 @@ from manager.policy.types import Request
 __all__ = [
     "ALLOWED_FIELDS",
     "KINDS",
+    "MAX_BUSY_S",
     "TraceError",
     "TraceReadResult",
     "parse_line",
@@ -45,6 +50,8 @@ ALLOWED_FIELDS: tuple[str, ...] = ("t", "model", "busy_s", "class", "kind", "cli
 MAX_T = 1e11
 """The latest `t` accepted (the year 5138 in Unix seconds): a larger one is almost surely in
 milliseconds, and times near float's limits break the replay's arithmetic."""
+MAX_BUSY_S = 365 * 86400.0
+"""The longest `busy_s` accepted (a year; a world-model session is hours)."""
 KINDS: frozenset[str] = frozenset({"infer", "session"})
 _ALLOWED_SET = frozenset(ALLOWED_FIELDS)
 
@@ -130,7 +137,36 @@ def parse_line(
         raise ValueError("not valid JSON (nested too deeply)") from None
     except ValueError as e:  # e.g. an integer of more digits than Python converts
         raise ValueError(f"not valid JSON ({e})") from None
+    # Each key is followed by a ':', so a line with no more ':' than fields has no key twice; only
+    # the rare line with more (a ':' inside a string, a nested object) is parsed again to check.
+    if type(obj) is dict and text.count(":") > len(obj):
+        _check_duplicate_fields(text)
     return parse_object(obj, known_models, known_classes)
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateField(f"duplicate field {_show(key)} (each field may appear once)")
+            seen.add(key)
+    return obj
+
+
+class _DuplicateField(ValueError):
+    pass
+
+
+def _check_duplicate_fields(text: str) -> None:
+    """ValueError naming the first field that `text` (valid JSON) gives twice in one object."""
+    try:
+        json.loads(text, object_pairs_hook=_no_duplicates)
+    except _DuplicateField:
+        raise
+    except (ValueError, RecursionError):  # pragma: no cover - parsed once already
+        pass
 
 
 def parse_object(
@@ -155,6 +191,8 @@ def parse_object(
     if t > MAX_T:
         raise ValueError(f"'t' must be Unix seconds ≤ 1e11, got {_show(obj['t'])} (milliseconds?)")
     busy_s = _number(obj, "busy_s")
+    if busy_s > MAX_BUSY_S:
+        raise ValueError(f"'busy_s' must be at most {MAX_BUSY_S:.0f} s (a year), got {_show(obj['busy_s'])}")
     kind = obj.get("kind")
     if kind is None:  # null is absent, as for class and client
         kind = "infer"

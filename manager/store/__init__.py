@@ -1,8 +1,10 @@
 """The service's store (`store.url` in the config): request log, JSON documents, tier intents.
 
-  open_store(url) -> Store
+  open_store(url, create=True) -> Store
     sqlite:///PATH                              embedded default; a relative PATH is from the cwd,
-                                                parent folders are created (sqlite.py)
+                                                parent folders are created (sqlite.py); with
+                                                create=False (read-only commands) a missing file is
+                                                a StoreError and nothing is created
     redis://[:PASSWORD@]HOST:PORT/DB[?prefix=P]  Redis Streams + hashes under prefix P, default
                                                 "residency"; rediss:// for TLS (redis.py)
   Store, StoreError - the protocol and its error (base.py); export.py turns a time range of the
@@ -21,8 +23,9 @@ __all__ = ["Store", "StoreError", "open_store"]
 _EXPECTED = "expected sqlite:///PATH or redis://HOST:PORT/DB"
 
 
-def open_store(url: str) -> Store:
-    """Open the store at `url`.
+def open_store(url: str, *, create: bool = True) -> Store:
+    """Open the store at `url`; `create` False (for read-only commands): a missing SQLite file is
+    a StoreError ("no store at PATH") and nothing is created.
 
     Raises:
         StoreError: unknown scheme or malformed url (the message names the url, password hidden,
@@ -35,7 +38,7 @@ def open_store(url: str) -> Store:
     if scheme == "sqlite":
         from manager.store.sqlite import open_sqlite
 
-        return open_sqlite(url)
+        return open_sqlite(url, create=create)
     if scheme in ("redis", "rediss"):
         from manager.store.redis import open_redis
 

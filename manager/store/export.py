@@ -7,23 +7,29 @@ Primitives, in the order the command uses them:
                `manager.replay.trace.write_trace` (so only t, model, busy_s, class, kind, client,
                t and busy_s rounded to ms); the service extras (wait_s, outcome, source) are dropped.
 
-The file is written to a temporary sibling and renamed into place, so a failed export (an
-unreachable or corrupt store) never leaves a half-written trace behind.
+A regular file is written to a temporary sibling and renamed into place, so a failed export (an
+unreachable or corrupt store) never leaves a half-written trace behind. A symlink is followed: the
+file it points to is replaced, the link stays. An existing target that is not a regular file (a FIFO,
+/dev/stdout, a device) is written to directly, never replaced; a directory is refused before anything
+is created.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import shutil
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
 from manager.policy.types import Request
-from manager.replay.trace import write_trace
+from manager.replay.trace import request_to_json, write_trace
 from manager.store.base import Store
 from manager.units import parse_duration
 
-__all__ = ["export_trace", "parse_since"]
+__all__ = ["check_out_path", "export_trace", "parse_since"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,21 +60,71 @@ def _trace_requests(store: Store, since: float, until: float) -> Iterator[Reques
         )
 
 
+def check_out_path(out: Path) -> None:
+    """Raise IsADirectoryError when `out` (followed through symlinks) is a directory (or has no
+    file name), before anything is read or created."""
+    out = Path(out)
+    if out.is_dir() or not out.name:
+        raise IsADirectoryError(errno.EISDIR, "is a directory; give the path of a file", str(out))
+
+
+def _via_proc(path: Path) -> bool:
+    """True when `path` reaches its file through /proc (/dev/stdout, /dev/fd/1, /proc/self/fd/1):
+    a link the kernel follows to an already open file, whose name must not be replaced."""
+    p = Path(os.path.abspath(path))
+    for _ in range(40):
+        parent = Path(os.path.realpath(p.parent))
+        if parent.parts[1:2] == ("proc",):
+            return True
+        p = parent / p.name
+        if not p.is_symlink():
+            return False
+        p = Path(os.path.abspath(parent / os.readlink(p)))
+    return False  # a symlink loop: opening it reports that
+
+
+def _write_into(path: Path, requests: Iterator[Request], mode: str) -> int:
+    n = 0
+    with open(path, mode, encoding="utf-8") as f:
+        for r in requests:
+            f.write(request_to_json(r) + "\n")
+            n += 1
+    return n
+
+
 def export_trace(store: Store, since_s: float, now: float, out: Path) -> int:
     """Write the requests of [now - since_s, now) to `out` as a trace; return how many.
 
-    `out`'s parent folders are created; an existing `out` is replaced only when the export succeeds.
+    `out`'s parent folders are created. A symlink is followed: the file it points to is replaced,
+    the link is kept. An existing regular file is replaced only when the export succeeds (its
+    permission bits kept). An existing FIFO or device is written to directly, never replaced, and
+    so is a file reached through /proc (`/dev/stdout` redirected to a file: appended to).
 
     Raises:
-        StoreError: the store cannot be read (nothing is written).
+        StoreError: the store cannot be read (nothing is written to a regular file).
+        IsADirectoryError: `out` is a directory (nothing is created).
         OSError: `out` cannot be written.
     """
     out = Path(out)
-    tmp = out.with_name(f".{out.name}.partial")
+    check_out_path(out)
     try:
-        n = write_trace(tmp, _trace_requests(store, now - since_s, now))
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
+        st: os.stat_result | None = os.stat(out)  # through symlinks, as open() goes
+    except FileNotFoundError:
+        st = None
+    requests = _trace_requests(store, now - since_s, now)
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        n = _write_into(out, requests, "w")  # a FIFO, a terminal, /dev/null: never replaced
+    elif st is not None and _via_proc(out):
+        n = _write_into(out, requests, "a")  # an open file (`--out /dev/stdout > f`): not truncated
+    else:
+        real = Path(os.path.realpath(out))  # a symlink's target is replaced, not the link
+        tmp = real.with_name(f".{real.name}.partial")
+        try:
+            n = write_trace(tmp, requests)
+            if st is not None:
+                shutil.copymode(real, tmp)
+            os.replace(tmp, real)
+        finally:
+            tmp.unlink(missing_ok=True)
     logger.info("exported %s requests from %s to %s", n, store.url, out)
     return n

@@ -3,7 +3,8 @@
 Primitives:
   parse_sqlite_url - `sqlite:///PATH` -> PATH (`sqlite:///rel/x.db` is relative to the cwd,
                      `sqlite:////abs/x.db` absolute, `sqlite:///:memory:` a private in-memory db).
-  open_sqlite      - url -> SQLiteStore (creates parent folders and the schema).
+  open_sqlite      - url -> SQLiteStore (creates parent folders and the schema; with create=False,
+                     as read-only commands open it, a missing file is a StoreError instead).
   SQLiteStore      - the `Store` protocol over three tables:
                        requests(id, t, model, busy_s, class, kind, client, wait_s, outcome, source)
                                 with an index on t;
@@ -83,24 +84,31 @@ def parse_sqlite_url(url: str) -> str:
     return path
 
 
-def open_sqlite(url: str) -> SQLiteStore:
-    """Open (creating if needed) the SQLite store at `url`. StoreError when it cannot be opened."""
-    return SQLiteStore(parse_sqlite_url(url), url=url)
+def open_sqlite(url: str, *, create: bool = True) -> SQLiteStore:
+    """Open (creating if needed, unless `create` is False) the SQLite store at `url`.
+
+    StoreError when it cannot be opened, or when `create` is False and there is no file yet."""
+    return SQLiteStore(parse_sqlite_url(url), url=url, create=create)
 
 
 class SQLiteStore:
     """The `Store` protocol on one SQLite file (see the module docstring)."""
 
-    def __init__(self, path: str | Path, *, url: str | None = None) -> None:
+    def __init__(self, path: str | Path, *, url: str | None = None, create: bool = True) -> None:
         """Open `path` (":memory:" for a private in-memory database), creating folders and schema.
+        With `create` False a missing file is an error and nothing is created (a mistyped path given
+        to a read-only command must not become a new, empty store).
 
         Raises:
-            StoreError: the folder cannot be created, or the file is not a usable database.
+            StoreError: the folder cannot be created, the file is not a usable database, or it does
+                not exist and `create` is False.
         """
         self.path = str(path)
         self.url = url if url is not None else f"sqlite:///{self.path}"
         self._lock = threading.Lock()
         self._closed = False
+        if not create and self.path != ":memory:" and not Path(self.path).exists():
+            raise StoreError(self.url, f"no store at {self.path} (nothing recorded yet?)")
         if self.path != ":memory:":
             try:
                 Path(self.path).parent.mkdir(parents=True, exist_ok=True)
