@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import re
@@ -32,6 +33,22 @@ _DECIMAL_UNITS = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS: dict[str, int] = {"": 1, "b": 1, **_BINARY_UNITS, **_DECIMAL_UNITS}
 _SIZE_RE = re.compile(r"\s*(?P<num>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[A-Za-z]*)\s*")
 _SIZE_HELP = "KiB/MiB/GiB/TiB (binary), kB/MB/GB/TB (decimal) or plain bytes, e.g. 32GiB, 1.5GiB, 30GB"
+MAX_SIZE = 2**60
+"""The largest size accepted (1,048,576 TiB), as in Residency's configs: sizes stay exact as floats
+and int64s, so no arithmetic on them overflows."""
+MAX_COUNT = 10**12
+"""The largest count (segments, steps, k) accepted."""
+MAX_COMPUTE_S = 86_400.0
+"""The longest calibrated compute per step `bench-stall` accepts (a day)."""
+
+
+def _shown(text: object) -> str:
+    """``repr`` of a given string (``str`` of a number), cut short when long: a value of hundreds of
+    digits stays readable in a message."""
+    if isinstance(text, str) and len(text) <= 40:
+        return repr(text)
+    shown = str(text)
+    return shown if len(shown) <= 40 else f"{shown[:24]}... ({len(shown)} characters)"
 
 
 class UsageError(Exception):
@@ -43,20 +60,26 @@ def parse_size(text: str) -> int:
 
     Binary units (KiB, MiB, GiB, TiB) are powers of 1024, decimal ones (kB, MB, GB, TB) powers of
     1000; unit names are case-insensitive. A fractional size is rounded down to whole bytes. Raises
-    ValueError unless the result is at least one byte.
+    ValueError unless the result is at least one byte and at most `MAX_SIZE`.
     """
     m = _SIZE_RE.fullmatch(text) if isinstance(text, str) else None
     if m is None:
-        raise ValueError(f"bad size {text!r}: expected a number and a unit ({_SIZE_HELP})")
+        raise ValueError(f"bad size {_shown(text)}: expected a number and a unit ({_SIZE_HELP})")
     unit = m["unit"].lower()
     if unit not in _UNITS:
-        raise ValueError(f"bad size {text!r}: unknown unit {m['unit']!r} (expected {_SIZE_HELP})")
+        raise ValueError(f"bad size {_shown(text)}: unknown unit {m['unit']!r} (expected {_SIZE_HELP})")
+    too_big = f"bad size {_shown(text)}: expected at most {MAX_SIZE:,} bytes (1,048,576 TiB)"
     try:
-        value = int(Decimal(m["num"]) * _UNITS[unit])
+        num = Decimal(m["num"])
+        if num > MAX_SIZE:  # (before multiplying: a huge number of digits must not overflow Decimal)
+            raise ValueError(too_big)
+        value = int(num * _UNITS[unit])
     except InvalidOperation:  # pragma: no cover - the regex admits only plain decimals
-        raise ValueError(f"bad size {text!r}: expected a number and a unit ({_SIZE_HELP})") from None
+        raise ValueError(f"bad size {_shown(text)}: expected a number and a unit ({_SIZE_HELP})") from None
     if value < 1:
-        raise ValueError(f"bad size {text!r}: expected at least 1 byte")
+        raise ValueError(f"bad size {_shown(text)}: expected at least 1 byte")
+    if value > MAX_SIZE:
+        raise ValueError(too_big)
     return value
 
 
@@ -118,9 +141,12 @@ def cmd_sizing(args: argparse.Namespace) -> int:
         raise UsageError(f"--host-memory: {e}") from None
     usable = _float_arg("--usable", args.usable)
     dims = PRESETS[args.model]
-    try:
-        if args.fps is not None:
+    if args.fps is not None:
+        try:
             dims = dataclasses.replace(dims, fps=_float_arg("--fps", args.fps))
+        except ValueError as e:
+            raise UsageError(f"--fps {_shown(args.fps)}: {e}") from None
+    try:
         result = sizing(dims, host_bytes, args.codec, usable)
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -162,13 +188,21 @@ def _add_sizing(sub: argparse._SubParsersAction[_Parser]) -> None:
 # ---- bench-stall ----------------------------------------------------------------------------------
 
 
-def _positive(flag: str, text: str, kind: type[int] | type[float]) -> float:
+def _positive(flag: str, text: str, kind: type[int] | type[float], maximum: float | None = None) -> float:
+    """A positive finite number (a whole one for ``kind`` int), at most ``maximum`` (ints:
+    `MAX_COUNT` by default); UsageError naming ``flag`` otherwise."""
+    if maximum is None and kind is int:
+        maximum = MAX_COUNT
+    expected = "a positive whole number" if kind is int else "a positive finite number"
+    if maximum is not None:
+        expected += f" <= {maximum:,g}" if kind is float else f" <= {int(maximum):,}"
     try:
         value = kind(text)
-    except ValueError:
-        raise UsageError(f"{flag} {text!r}: expected a positive number") from None
-    if not value > 0:
-        raise UsageError(f"{flag} {text!r}: expected a positive number")
+    except ValueError:  # (also an int of more digits than Python converts)
+        raise UsageError(f"{flag} {_shown(text)}: expected {expected}") from None
+    finite = kind is int or math.isfinite(value)  # (isfinite overflows on a huge int)
+    if not (value > 0 and finite) or (maximum is not None and value > maximum):
+        raise UsageError(f"{flag} {_shown(text)}: expected {expected}")
     return value
 
 
@@ -185,13 +219,69 @@ def _check_plot_path(path: str) -> None:
         raise UsageError(f"--plot {path}: needs matplotlib ({e})") from None
 
 
+def _size_arg(text: str | None, opts: dict[str, Any]) -> str:
+    return text if text is not None else f"{opts['segment_bytes']}B (the default)"
+
+
+def _check_bandwidths(opts: dict[str, Any]) -> None:
+    """UsageError naming --compute-s / --multipliers when a swept bandwidth (multiplier x L) is 0 or
+    infinite as a float (L = bytes fetched per step / compute time per step)."""
+    from worldpager import stall
+
+    limit = stall.limit_bytes_per_s(opts["segment_bytes"], opts["codec"], opts["k"], opts["compute_s"])
+    if not 0 < limit < math.inf:
+        raise UsageError(
+            f"--compute-s {opts['compute_s']:g}: the bandwidth limit L (bytes per step / compute time) "
+            "is not a finite positive number; use a larger --compute-s"
+        )
+    for m in opts.get("multipliers", stall.DEFAULT_MULTIPLIERS):
+        if not 0 < m * limit < math.inf:
+            raise UsageError(
+                f"--multipliers {m:g}: {m:g} x L (L = {limit:g} bytes/s) is not a finite positive bandwidth"
+            )
+
+
+def _check_bench_room(args: argparse.Namespace, opts: dict[str, Any]) -> None:
+    """UsageError naming --segment-size when the benchmark's segments cannot fit the memory available
+    (the address-space limit included) or the temporary folder's free disk space."""
+    import resource
+    import shutil
+    import tempfile
+
+    import psutil
+
+    from worldpager import stall
+
+    memory, disk = stall.bench_needs(opts["segment_bytes"], opts["codec"], opts["segments"], opts["k"])
+    available = int(psutil.virtual_memory().available)
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:  # ulimit -v
+        available = min(available, max(0, soft - int(psutil.Process().memory_info().vms)))
+    size = _size_arg(args.segment_size, opts)
+    if memory > available:
+        raise UsageError(
+            f"--segment-size {size}: the benchmark needs about {_fmt_bytes(memory)} of memory "
+            f"({opts['segments']} segments in RAM plus buffers), only {_fmt_bytes(available)} is "
+            "available; use a smaller --segment-size or fewer --segments"
+        )
+    folder = tempfile.gettempdir()
+    free = shutil.disk_usage(folder).free
+    if disk > free:
+        raise UsageError(
+            f"--segment-size {size}: the benchmark's segment log needs about {_fmt_bytes(disk)} of "
+            f"disk in {folder}, only {_fmt_bytes(free)} is free; use a smaller --segment-size or "
+            "fewer --segments"
+        )
+
+
 def cmd_bench_stall(args: argparse.Namespace) -> int:
     """`worldpager bench-stall`: stall vs throttled NVMe bandwidth, prefetch vs on-demand."""
     from worldpager import stall  # torch: imported only when needed
+    from worldpager.segment_log import SegmentLogError
 
     opts: dict[str, Any] = dict(stall.QUICK if args.quick else stall.DEFAULTS)
     if args.compute_s is not None:
-        opts["compute_s"] = _positive("--compute-s", args.compute_s, float)
+        opts["compute_s"] = _positive("--compute-s", args.compute_s, float, MAX_COMPUTE_S)
     if args.steps is not None:
         opts["steps"] = int(_positive("--steps", args.steps, int))
     if args.segments is not None:
@@ -207,12 +297,28 @@ def cmd_bench_stall(args: argparse.Namespace) -> int:
         opts["k"] = int(_positive("--k", args.k, int))
     if args.multipliers is not None:
         opts["multipliers"] = [_positive("--multipliers", m, float) for m in args.multipliers.split(",")]
+    if opts["segments"] < 4 * opts["k"]:
+        raise UsageError(
+            f"--segments {opts['segments']}: expected at least 4 x --k = {4 * opts['k']} (so that every "
+            "retrieved segment misses host)"
+        )
+    _check_bandwidths(opts)
+    _check_bench_room(args, opts)
     if args.plot:  # checked before the benchmark runs, not after
         _check_plot_path(args.plot)
     try:
         result = stall.run_bench(**opts)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    except (MemoryError, RuntimeError) as e:  # torch's CPU allocator fails with a RuntimeError
+        if isinstance(e, RuntimeError) and "allocat" not in str(e):
+            raise
+        raise UsageError(
+            f"--segment-size {_size_arg(args.segment_size, opts)}: out of memory building the "
+            f"benchmark's segments ({e}); use a smaller --segment-size or fewer --segments"
+        ) from None
+    except (SegmentLogError, OSError) as e:  # a full or unwritable temporary folder
+        raise UsageError(f"bench-stall: cannot write the benchmark's segment log: {e}") from None
     if args.plot:
         try:
             stall.plot(result, args.plot)
@@ -246,6 +352,69 @@ def _add_bench_stall(sub: argparse._SubParsersAction[_Parser]) -> None:
 # ---- session --------------------------------------------------------------------------------------
 
 
+def _resume_settings(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """--resume: the preset and codec to run (the saved session's unless given; UsageError when the
+    saved session is missing, damaged, or ran another preset)."""
+    from worldpager.session import SESSION_FILE, SESSION_PRESETS, read_saved_state
+
+    preset, codec = args.preset, args.codec
+    if not args.log_dir:
+        raise UsageError("--resume needs --log-dir (the saved session's directory)")
+    try:
+        saved = read_saved_state(args.log_dir)
+    except ValueError as e:  # a damaged session.json: named, not a traceback
+        raise UsageError(f"--resume: {e}") from None
+    if saved is None:
+        raise UsageError(
+            f"--resume: no saved session in {args.log_dir} ({SESSION_FILE} missing or unreadable)"
+        )
+    saved_preset = (saved.get("metadata") or {}).get("preset")
+    if saved_preset is not None and saved_preset not in SESSION_PRESETS:
+        raise UsageError(
+            f"--resume: {Path(args.log_dir) / SESSION_FILE}: metadata.preset is {saved_preset!r}, "
+            f"expected one of {', '.join(SESSION_PRESETS)}"
+        )
+    if preset is not None and saved_preset is not None and preset != saved_preset:
+        raise UsageError(f"--preset {preset}: the saved session ran --preset {saved_preset}")
+    return preset or saved_preset or "tiny", codec or saved.get("codec")
+
+
+def _host_budget(args: argparse.Namespace, host_memory: int, cap: int, seg_bytes: int) -> int:
+    """The host tier's budget in bytes; UsageError when it cannot hold what one step needs there: the
+    next step's retrieval set (protected while it is prepared) and the new segment. With less, new
+    segments would go straight to the log and retrieved ones find no room to be read back."""
+    budget = min(host_memory, cap * seg_bytes) if cap else host_memory
+    if budget < seg_bytes:
+        raise UsageError(f"--host-memory {args.host_memory} is smaller than one segment ({seg_bytes} bytes)")
+    need = args.retrieval_k + 1
+    if budget // seg_bytes < need:
+        given = f"--host-memory {args.host_memory}"
+        if cap and cap * seg_bytes < host_memory:
+            given = f"--host-segments {cap}"
+        raise UsageError(
+            f"{given}: the host tier holds {budget // seg_bytes} segment(s) of {seg_bytes} B; "
+            f"--retrieval-k {args.retrieval_k} needs at least {need} (the next step's "
+            f"{args.retrieval_k} retrieved segments and the new one): give at least {need * seg_bytes} bytes"
+        )
+    return budget
+
+
+def _no_read_back(result: dict[str, Any], budget: int, seg_bytes: int, total: int) -> str:
+    """Why no step read from NVMe (the CLI's ``read_back``), truthful about a resume's read-back."""
+    held = f"{budget // seg_bytes} segments of {seg_bytes} B"
+    if result["resume_bytes_read"]:  # the reopening read saved segments back; no step did
+        return (
+            f"on resume only: {result['resume_bytes_read']} B of saved segments read back from the log "
+            f"when the session reopened; no step read from NVMe after that ({held} in host)"
+        )
+    fits = budget // seg_bytes >= total
+    why = "the host budget holds the whole session" if fits else "every revisit found its segment in host"
+    return (
+        f"none: {why} ({held}); use a smaller --host-memory "
+        "or a preset with larger segments (--preset tiny: 18 segments per 64 MiB)"
+    )
+
+
 def cmd_session(args: argparse.Namespace) -> int:
     """`worldpager session`: a real stand-in session through GPU buffers, host and the NVMe log."""
     import tempfile
@@ -253,8 +422,8 @@ def cmd_session(args: argparse.Namespace) -> int:
     from worldpager.layout import SegmentLayout
     from worldpager.model import TinyCausalWan
     from worldpager.segment_log import SegmentLogError
-    from worldpager.session import SESSION_FILE, SESSION_PRESETS, Session, read_saved_state
-    from worldpager.trajectory import yaw_sweep_trajectory
+    from worldpager.session import SESSION_PRESETS, Session
+    from worldpager.trajectory import yaw_sweep
 
     try:
         host_memory = parse_size(args.host_memory)
@@ -265,42 +434,24 @@ def cmd_session(args: argparse.Namespace) -> int:
     warmup = args.warmup_segments
     if warmup is not None and warmup < 0:
         raise UsageError(f"--warmup-segments {warmup}: expected a number >= 0")
+    if not 0 <= args.retrieval_k <= MAX_COUNT:
+        raise UsageError(
+            f"--retrieval-k {_shown(args.retrieval_k)}: expected a whole number in [0, {MAX_COUNT:,}]"
+        )
     throttle = None
     if args.read_bandwidth is not None:
         try:
             throttle = float(parse_size(args.read_bandwidth))
         except ValueError as e:
             raise UsageError(f"--read-bandwidth: {e}") from None
-    preset, codec = args.preset, args.codec
-    if args.resume:
-        if not args.log_dir:
-            raise UsageError("--resume needs --log-dir (the saved session's directory)")
-        try:
-            saved = read_saved_state(args.log_dir)
-        except ValueError as e:  # a damaged session.json: named, not a traceback
-            raise UsageError(f"--resume: {e}") from None
-        if saved is None:
-            raise UsageError(
-                f"--resume: no saved session in {args.log_dir} ({SESSION_FILE} missing or unreadable)"
-            )
-        saved_preset = (saved.get("metadata") or {}).get("preset")
-        if saved_preset is not None and saved_preset not in SESSION_PRESETS:
-            raise UsageError(
-                f"--resume: {Path(args.log_dir) / SESSION_FILE}: metadata.preset is {saved_preset!r}, "
-                f"expected one of {', '.join(SESSION_PRESETS)}"
-            )
-        if preset is not None and saved_preset is not None and preset != saved_preset:
-            raise UsageError(f"--preset {preset}: the saved session ran --preset {saved_preset}")
-        preset, codec = preset or saved_preset or "tiny", codec or saved.get("codec")
+    preset, codec = _resume_settings(args) if args.resume else (args.preset, args.codec)
     preset, codec = preset or "tiny", codec or "bf16"
     cfg = SESSION_PRESETS[preset].on_the_fly()
     try:
         seg_bytes = SegmentLayout.from_config(cfg, codec).payload_nbytes
     except ValueError as e:
         raise UsageError(str(e)) from None
-    budget = min(host_memory, cap * seg_bytes) if cap else host_memory
-    if budget < seg_bytes:
-        raise UsageError(f"--host-memory {args.host_memory} is smaller than one segment ({seg_bytes} bytes)")
+    budget = _host_budget(args, host_memory, cap, seg_bytes)
     model = TinyCausalWan(cfg)
     opts: dict[str, Any] = {
         "host_budget_bytes": budget, "mode": args.mode, "retrieval_k": args.retrieval_k,
@@ -317,7 +468,7 @@ def cmd_session(args: argparse.Namespace) -> int:
             raise UsageError(str(e)) from None
         first = session.step_index
         try:
-            for pose in yaw_sweep_trajectory(first + segments, seed=session.seed)[first:]:
+            for pose in itertools.islice(yaw_sweep(seed=session.seed), first, first + segments):
                 session.step(pose)  # (not run(): that would collect every step's record)
         finally:
             session.close()
@@ -341,12 +492,7 @@ def cmd_session(args: argparse.Namespace) -> int:
     result["total_segments"] = session.step_index
     result["log_dir"] = str(log_dir) if args.log_dir else None
     if not result["nvme_bytes_read"]:
-        fits = budget // seg_bytes >= session.step_index
-        why = "the host budget holds the whole session" if fits else "every revisit found its segment in host"
-        result["read_back"] = (
-            f"none: {why} ({budget // seg_bytes} segments of {seg_bytes} B); use a smaller --host-memory "
-            f"or a preset with larger segments (--preset tiny: 18 segments per 64 MiB)"
-        )
+        result["read_back"] = _no_read_back(result, budget, seg_bytes, session.step_index)
     if args.json:
         print(json.dumps(result))
     else:

@@ -381,7 +381,7 @@ class TinyCausalWan(nn.Module):
         `(k, v)` of shape `[1, frames * tokens, heads, head_dim]`, keys post-RoPE at the block's frames.
         """
         seed = noise_seed if noise_seed is not None else self.cfg.seed * 1_000_003 + start_frame
-        gen = torch.Generator().manual_seed(seed)
+        gen = torch.Generator().manual_seed(seed % 2**64)  # torch's range; any whole number seeds
         x = pred = latent
         steps = denoising_timesteps(self.cfg.passes_per_block - 1)
         with torch.no_grad():

@@ -148,7 +148,10 @@ class Backpressure:
 
     Host never exceeds its budget and a dirty segment is never dropped, so the caller keeps the bytes
     (staging), waits for ``spills`` (their completion evicts them) or a ``release_step``, and retries.
-    ``spills`` is empty when write-backs cannot help (host-only mode): then the caller decides.
+    ``spills`` is empty when write-backs cannot help (no dirty segment: host holds only protected or
+    reading bytes; or host-only mode): then the caller decides. `TransferHandler` writes the segment
+    straight to the log (``PageManager.add_on_nvme``) while the log is usable, and drops it only in
+    host-only mode.
     """
 
     seg_id: SegId

@@ -8,7 +8,9 @@ log. A transfer side runs the jobs handed out here (frozen dataclasses, unique `
 Protocol (per step ``n``, all calls from the runtime):
 
 1. ``add_segment(seg, nbytes)`` when a block's KV is final -> ``[WriteBack]`` (the segment is dirty
-   in host), or ``Backpressure`` (NOT added; see there).
+   in host), or ``Backpressure`` (NOT added; see there). When no spill can make room (every host byte
+   protected or reading), the transfer side writes the segment to the log itself and registers it
+   with ``add_on_nvme``; ``disk_full`` if the log refuses it.
 2. ``prepare_step(n + 1, wanted)`` at the start of step n -> ``StepPlan``: ``Read`` (NVMe->host) for
    host misses, ``Upload`` (host->GPU slot) for host hits.
 3. The transfer side starts I/O jobs in ``io_queue()`` order (prefetch reads > spills > write-backs;
@@ -202,6 +204,25 @@ class PageManager:
         self.host_used_bytes += nbytes
         return [self._issue_write_back(seg_id)] if self.nvme_enabled else []
 
+    def add_on_nvme(self, seg_id: SegId, nbytes: int) -> None:
+        """A finished segment that is only on NVMe: written straight to the log by the transfer side
+        (a write-through) because ``add_segment`` found no host room it could make (``Backpressure``
+        with no spills: host holds only protected or reading bytes). It is read back when wanted,
+        like a spilled segment. Raises ValueError for a duplicate id, or a size <= 0 or over the
+        host budget (it could never be read back)."""
+        if seg_id in self._segs or nbytes <= 0:
+            raise ValueError(f"add_on_nvme({seg_id}, {nbytes}): duplicate id or nbytes <= 0")
+        _check_fits("host_budget_bytes", self.host_budget_bytes, nbytes)
+        self._largest = max(self._largest, nbytes)
+        self._segs[seg_id] = _Seg(nbytes, SegState.NVME)
+
+    def disk_full(self, seg_id: SegId) -> None:
+        """The log refused a write made outside a WriteBack job (a write-through of ``seg_id``, which
+        was not added): host-only mode, as after a write-back failing with ``DISK_FULL`` (a
+        DiskFull event, the outstanding write-backs cancelled). Nothing happens in host-only mode."""
+        if self.nvme_enabled:
+            self._host_only(seg_id)
+
     def prepare_step(self, step: int, wanted: Iterable[SegId], *, place_by_id: bool = False) -> StepPlan:
         """Plan buffer ``step % 2`` for ``step``'s retrieval set (best first, duplicates ignored).
 
@@ -344,14 +365,7 @@ class PageManager:
             return []
         if failure is Failure.TRANSIENT:
             return [self._issue_write_back(sid)]
-        self.nvme_enabled = False
-        cancelled = [j for j in self._jobs.values() if isinstance(j, WriteBack)]
-        for wb in cancelled:
-            self._cancelled[wb.job_id] = self._jobs.pop(wb.job_id)  # type: ignore[assignment]
-            self._segs[wb.seg_id].job = None
-        for s in self._dirty:
-            self._segs[s].spill = False
-        self._events.append(DiskFull(sid, tuple(wb.job_id for wb in cancelled)))
+        self._host_only(sid)
         return []
 
     def _upload_done(self, job: Upload, ok: bool) -> list[Job]:
@@ -363,6 +377,17 @@ class PageManager:
         return [] if ok else [self._issue_upload(job.step, st, job.seg_id)]
 
     # ---- internals ----------------------------------------------------------------------------
+    def _host_only(self, sid: SegId) -> None:
+        """The log is full: no more write-backs (the outstanding ones are cancelled), a DiskFull event."""
+        self.nvme_enabled = False
+        cancelled = [j for j in self._jobs.values() if isinstance(j, WriteBack)]
+        for wb in cancelled:
+            self._cancelled[wb.job_id] = self._jobs.pop(wb.job_id)  # type: ignore[assignment]
+            self._segs[wb.seg_id].job = None
+        for s in self._dirty:
+            self._segs[s].spill = False
+        self._events.append(DiskFull(sid, tuple(wb.job_id for wb in cancelled)))
+
     def _load(self, step: int, st: _Step, sid: SegId) -> Job | None:
         """Fill ``sid``'s slot: an Upload for a host copy, a Read for an NVMe one (room made by the
         caller), None when a Read is already in flight (its Upload follows on completion)."""

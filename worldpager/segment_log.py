@@ -22,9 +22,10 @@ Writes: append() does one ``os.pwritev`` of header + payload (a torn write fails
 checksum), then extends the file to the slot boundary; no fsync per append (flush() does that). Reads
 verify the header against the on-disk block and the payload/page crc32s; corrupt bytes are never returned.
 
-Threads: one writer thread (append/flush/close) and any number of reader threads (read/read_page/
-header/slots/find) may share a log: I/O is pread/pwrite on one fd and the index sits behind a lock.
-close() only once every thread is done with the log.
+Threads: writers (append/flush, serialised by a write lock: a `TransferHandler`'s I/O thread and a
+write-through from the runtime's thread) and any number of reader threads (read/read_page/header/
+slots/find) may share a log: I/O is pread/pwrite on one fd and the index sits behind a lock. close()
+only once every thread is done with the log.
 """
 
 from __future__ import annotations

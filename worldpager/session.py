@@ -176,6 +176,7 @@ class Session:
         # RSS bookkeeping; on a CPU run the device tier (the retrieval buffers) is emulated in RAM
         self.meter = RssMeter(warmup, buffers_in_ram=torch.device(device).type == "cpu")
         self._last_read = self._last_written = 0
+        self.resume_bytes_read = 0  # log bytes read back while reopening (host copies, rolling window)
         self.window_source: str | None = None  # resumed: "checkpoint" (window.bin) or "log"
         self._rollbacks: list[tuple[int, int]] = []  # (segment, slots) of each roll-back: store.abandoned
         model.reset_cache()
@@ -343,8 +344,10 @@ class Session:
 
     def resize_lease(self, host_budget_bytes: int | None = None, gpu_budget_bytes: int | None = None) -> None:
         """Change the host and/or GPU byte budgets while the session runs (the manager's elastic
-        lease): see `TransferHandler.resize`."""
+        lease): see `TransferHandler.resize`. ``gpu_budget_bytes`` then reports the new GPU lease."""
         self.handler.resize(host_budget_bytes, gpu_budget_bytes)
+        if gpu_budget_bytes is not None:  # (a refused one raised above: the old lease holds)
+            self.gpu_budget_bytes = gpu_budget_bytes
 
     def wait_written(self, step: int, timeout: float = 60.0) -> bool:
         """Block until segment ``step`` has been written to the log (not fsynced: it survives the
@@ -406,7 +409,10 @@ class Session:
 
     # ---- resume ---------------------------------------------------------------------------------
     def _restore(self, saved: dict[str, Any] | None, resume_at: int | None) -> None:
-        """Reopen the saved session: corrupt slots, stored segments, rolling window, last poses."""
+        """Reopen the saved session: corrupt slots, stored segments, rolling window, last poses.
+        The log bytes read meanwhile (the host copies read back, a window rebuilt from the log) are
+        ``resume_bytes_read``: not NVMe reads of this run's steps (``handler.bytes_read``)."""
+        read_before = self.log.bytes_read
         for slot, reason in sorted(self.log.corrupt_slots().items()):
             self._events.record(CorruptSlot(slot, reason))
         self._rollbacks = [(at, slots) for at, slots in (saved or {}).get("rollbacks", [])]
@@ -434,6 +440,7 @@ class Session:
         else:
             self.window_source = "checkpoint"
         store.set_window(self.model, window, nxt * self.cfg.frames_per_block * self.cfg.tokens_per_frame)
+        self.resume_bytes_read = self.log.bytes_read - read_before  # (the transfer threads were idle)
         saved_poses = (saved or {}).get("poses") or {}
         for i in range(max(0, nxt - 2), nxt):
             if self.window_source == "checkpoint" and str(i) in saved_poses:
@@ -458,6 +465,7 @@ class Session:
             "gpu_budget_bytes": self.gpu_budget_bytes,
             "nvme_bytes_written": self.handler.bytes_written,
             "nvme_bytes_read": self.handler.bytes_read,
+            "resume_bytes_read": self.resume_bytes_read,
             "positional_table_frames": self.cfg.rope_table_frames,
             "max_position_reached": self._max_position,
             "stall": stall_stats(self._stalls),

@@ -21,6 +21,7 @@ step (step 0 has no earlier compute to hide its fetch behind in either mode; it 
 
 from __future__ import annotations
 
+import math
 import tempfile
 import time
 from collections.abc import Sequence
@@ -53,6 +54,27 @@ def layout_for_payload(target_bytes: int, codec: str) -> SegmentLayout:
     per_token = _LAYERS * 2 * codecs.packed_nbytes(_HEADS * _HEAD_DIM, codec)
     tpf = max(1, target_bytes // (per_token * _FRAMES))
     return SegmentLayout(_LAYERS, _HEADS, _HEAD_DIM, _FRAMES, 1, tpf, codec)
+
+
+def limit_bytes_per_s(segment_bytes: int, codec: str, k: int, compute_s: float) -> float:
+    """L: the read bandwidth (bytes/s) at which one step's fetch (``k`` segments, header + payload)
+    takes exactly ``compute_s``; inf when ``compute_s`` is too small for a float."""
+    fetched = k * (HEADER_SIZE + layout_for_payload(segment_bytes, codec).payload_nbytes)
+    try:
+        return fetched / compute_s
+    except OverflowError:
+        return math.inf
+
+
+def bench_needs(segment_bytes: int, codec: str, segments: int, k: int) -> tuple[int, int]:
+    """About how many bytes of memory and of disk `run_bench` needs with these settings: every
+    segment's payload is kept in RAM (the log is built from them), plus the host tier (2k payloads),
+    the retrieval buffers (2k decoded segments) and one encode/decode's working set; on disk, one log
+    slot per segment."""
+    layout = layout_for_payload(segment_bytes, codec)
+    pay, dec = layout.payload_nbytes, layout.decoded_nbytes
+    memory = segments * pay + 2 * k * (pay + dec) + 2 * (pay + 2 * dec)
+    return memory, segments * slot_size_for(pay)
 
 
 def _build_log(directory: Path, layout: SegmentLayout, n: int, seed: int) -> tuple[SegmentLog, list[bytes]]:
@@ -140,8 +162,15 @@ def run_bench(
         raise ValueError("need k >= 1, steps >= 1, compute_s > 0, segment_bytes >= 1")
     if segments < 4 * k:
         raise ValueError(f"segments must be >= 4k = {4 * k} so that every retrieved segment misses host")
-    if not multipliers or any(not m > 0 for m in multipliers):
-        raise ValueError("bandwidth multipliers must be positive")
+    if not multipliers or any(not (m > 0 and math.isfinite(m)) for m in multipliers):
+        raise ValueError("bandwidth multipliers must be positive finite numbers")
+    if not math.isfinite(compute_s):
+        raise ValueError(f"compute_s must be finite, got {compute_s}")
+    bandwidths = [m * limit_bytes_per_s(segment_bytes, codec, k, compute_s) for m in multipliers]
+    if any(not (0 < b < math.inf) for b in bandwidths):
+        raise ValueError(
+            "a bandwidth (multiplier x L) is 0 or infinite: compute_s or a multiplier is extreme"
+        )
     layout = layout_for_payload(segment_bytes, codec)
     with tempfile.TemporaryDirectory(prefix="wp-stall-") as tmp:
         directory = Path(log_dir) if log_dir is not None else Path(tmp) / "log"

@@ -17,8 +17,11 @@
 Failure handling: a corrupt slot (checksum) is reported as ``Failure.CORRUPT`` -> the PageManager takes
 the segment out of every step (a `Corrupt` event) and it is never uploaded, so never attended to; a
 full log (`LogFullError`) is reported as ``Failure.DISK_FULL`` -> host-only mode (a `DiskFull` event),
-the session goes on. In host-only mode a new segment that finds no host room is dropped (a `Dropped`
-event): it is never retrievable, generation continues.
+the session goes on. A new segment that finds no host room a spill could make (every host byte is
+protected by the next step's retrieval set, or reserved for reads) is written straight to the log by
+the caller's thread (a `WrittenThrough` event) and registered as NVMe-only: no segment is lost while the
+log is usable. Only in host-only mode is such a segment dropped (a `Dropped` event): it is never
+retrievable, generation continues.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from worldpager.pages import PageManager
 from worldpager.retrieval import SegmentInfo
 from worldpager.segment_log import HEADER_SIZE, CorruptSlotError, LogFullError, SegmentLog
 
-__all__ = ["Dropped", "RuntimeEvent", "Throttle", "TransferHandler", "sleep_until"]
+__all__ = ["Dropped", "RuntimeEvent", "Throttle", "TransferHandler", "WrittenThrough", "sleep_until"]
 
 T = TypeVar("T")
 
@@ -101,7 +104,16 @@ class Dropped:
     nbytes: int
 
 
-RuntimeEvent = Event | Dropped
+@dataclass(frozen=True)
+class WrittenThrough:
+    """No host room could be made for a new segment: it went straight to the log (NVMe only, read
+    back when wanted), never through the host tier."""
+
+    seg_id: int
+    nbytes: int
+
+
+RuntimeEvent = Event | Dropped | WrittenThrough
 
 
 @dataclass
@@ -195,27 +207,48 @@ class TransferHandler:
 
     def add_segment(self, info: SegmentInfo, payload: bytes, *, on_disk_slot: int | None = None) -> bool:
         """Register a finished segment (host copy + write-behind). ``on_disk_slot``: it is already in
-        the log there (no write). Waits for spills under backpressure; False if it was dropped."""
+        the log there (no write). Waits for spills under backpressure. When no spill can make host room
+        (every host byte protected or reading) the segment is written straight to the log from this
+        thread and registered NVMe-only (a `WrittenThrough` event; with ``on_disk_slot`` it is only
+        registered). False if it was dropped: only in host-only mode (the log full)."""
         sid = info.segment_id
-        with self._cond:
-            while True:
-                self._raise_error()
-                res = self.pm.add_segment(sid, len(payload))
-                self._drain_events()
-                if isinstance(res, list):
-                    self._host[sid], self._info[sid] = payload, info
-                    if on_disk_slot is None:
-                        self._submit(res)
-                    else:
-                        self._slot_of[sid] = on_disk_slot
-                        for job in res:
-                            self._submit(self.pm.complete(job.job_id, True))
-                        self._drain_events()
+        while True:
+            with self._cond:
+                while True:
+                    self._raise_error()
+                    res = self.pm.add_segment(sid, len(payload))
+                    self._drain_events()
+                    if isinstance(res, list):
+                        self._host[sid], self._info[sid] = payload, info
+                        if on_disk_slot is None:
+                            self._submit(res)
+                        else:
+                            self._slot_of[sid] = on_disk_slot
+                            for job in res:
+                                self._submit(self.pm.complete(job.job_id, True))
+                            self._drain_events()
+                        return True
+                    if res.spills:
+                        self._wait_jobs({j.job_id for j in res.spills})
+                        continue
+                    if on_disk_slot is not None:  # already in the log: NVMe-only, nothing to write
+                        self.pm.add_on_nvme(sid, len(payload))
+                        self._slot_of[sid], self._info[sid] = on_disk_slot, info
+                        return True
+                    if not self.pm.nvme_enabled:
+                        self.events.append(Dropped(sid, len(payload)))
+                        return False
+                    break  # write it through, without the lock (the transfer threads go on)
+            slot = self._append(info, payload)  # the log serialises appends with the I/O thread's
+            with self._cond:
+                if slot is not None:
+                    self.pm.add_on_nvme(sid, len(payload))
+                    self._slot_of[sid], self._info[sid] = slot, info
+                    self.bytes_written += HEADER_SIZE + len(payload)
+                    self.events.append(WrittenThrough(sid, len(payload)))
                     return True
-                if not res.spills:
-                    self.events.append(Dropped(sid, len(payload)))
-                    return False
-                self._wait_jobs({j.job_id for j in res.spills})
+                self.pm.disk_full(sid)  # host-only mode from here: once more for host room, or dropped
+                self._drain_events()
 
     def resize(self, host_budget_bytes: int | None = None, gpu_budget_bytes: int | None = None) -> None:
         """The elastic lease, at run time. Growing is immediate. Shrinking the host tier evicts clean
@@ -223,8 +256,9 @@ class TransferHandler:
         until the spills have landed, so no segment is lost and the new budget then holds. A GPU
         shrink applies to steps prepared from now on. A budget below one segment: ValueError.
         Size a host lease to hold the retrieval sets of the running and the next step plus the
-        incoming segment: with less, a new segment can find every host slot protected and is
-        dropped (a `Dropped` event) rather than let the budget be exceeded."""
+        incoming segment: with less, a new segment can find every host slot protected and goes
+        straight to the log (a `WrittenThrough` event; dropped only in host-only mode) rather than
+        let the budget be exceeded, and a retrieved segment may find no room to be read back."""
         with self._cond:
             self._raise_error()
             spills = {j.job_id for j in self.pm.resize(host_budget_bytes, gpu_budget_bytes)}
@@ -409,9 +443,20 @@ class TransferHandler:
 
     def _do_write(self, job: WriteBack, info: SegmentInfo, payload: bytes | None) -> None:
         assert payload is not None, f"write-back of segment {job.seg_id} without a host copy"
+        slot = self._append(info, payload)
+        with self._cond:
+            if slot is None:
+                self._complete(job.job_id, False, Failure.DISK_FULL)
+                return
+            self._slot_of[job.seg_id] = slot
+            self.bytes_written += HEADER_SIZE + len(payload)
+            self._complete(job.job_id, True)
+
+    def _append(self, info: SegmentInfo, payload: bytes) -> int | None:
+        """Append one segment to the log (no lock held); its slot, or None when the log is full."""
         p = info.pose
         try:
-            slot: int | None = self.log.append(
+            return self.log.append(
                 segment_id=info.segment_id,
                 frame_start=info.frame_start,
                 frame_end=info.frame_end,
@@ -423,14 +468,7 @@ class TransferHandler:
                 page_offsets=self.layout.page_offsets,
             )
         except LogFullError:
-            slot = None
-        with self._cond:
-            if slot is None:
-                self._complete(job.job_id, False, Failure.DISK_FULL)
-                return
-            self._slot_of[job.seg_id] = slot
-            self.bytes_written += HEADER_SIZE + len(payload)
-            self._complete(job.job_id, True)
+            return None
 
     def _upload_loop(self) -> None:
         while (job := self._uploads.get()) is not None:
