@@ -58,6 +58,12 @@ class Policy:
         """Is `m` unloaded as soon as its keep-alive expires?"""
         return self.eager_expiry
 
+    def honours_keep_alive(self, m: ModelState) -> bool:
+        """Is `m`'s keep-alive under this policy the config's explicit one (the user's word)? Then
+        once it has expired and `m` has left the GPU, no prewarm brings `m` back before its next
+        request (the engine refuses it, see `ModelState.held_off`)."""
+        return m.keep_alive_cfg is not None and not m.pinned
+
     def after_request(self, m: ModelState, now: float) -> list[ModelState]:
         """Models to prewarm right after a request for `m` was admitted (e.g. its usual successors)."""
         return []

@@ -35,6 +35,9 @@ class LruKeepAlive(Policy):
     def keep_alive(self, m: ModelState, now: float) -> float:
         return math.inf if m.pinned else self.default_keep_alive
 
+    def honours_keep_alive(self, m: ModelState) -> bool:
+        return False  # its keep-alive is its own fixed one, not the config's
+
     def victim_key(self, c: ModelState, now: float) -> tuple[float, str]:
         return (self.keep_alive(c, now), c.name)
 
@@ -70,6 +73,9 @@ class HistogramPolicy(Policy):
         if pw is not None:  # re-loaded by the pre-warm: kept for the keep-alive window after it
             return pw + ka - self.engine.idle_since(m)
         return 0.0 if pre > 0 else ka
+
+    def honours_keep_alive(self, m: ModelState) -> bool:
+        return False  # its windows come from the histogram; its pre-warm follows an unload by design
 
     def after_request(self, m: ModelState, now: float) -> list[ModelState]:
         pre, _ = self._windows.get(m.name, (0.0, 0.0))

@@ -99,9 +99,12 @@ class Engine(TierMoves):
             self._on_gpu_at[m.name] = now
         m.tier = tier
         m.ready_at = now
+        if tier == GPU:
+            self._wake_at_expiry(m, now)
         return True
 
     def observe(self, m: ModelState, now: float) -> None:
+        m.held_off = False  # asked for again: prewarms may bring it back
         m.hist.observe(now)
         self.policy.on_request(m, now)
         m.last_arrival = now
@@ -146,14 +149,19 @@ class Engine(TierMoves):
             self.prewarm(m, now)
 
     def after_request(self, m: ModelState, now: float) -> None:
-        """Prewarm what the policy expects right after `m` (e.g. the rest of a voice chain)."""
+        """Prewarm what the policy expects right after `m` (e.g. the rest of a voice chain). The
+        request just made is fresh demand: a model it is expected to bring is loaded even if its
+        explicit keep-alive expired since its own last request (a policy's review of what to
+        restore, also run here, leaves such a model out itself)."""
         for s in self.policy.after_request(m, now):
-            self.prewarm(s, now)
+            self.prewarm(s, now, chained=True)
 
-    def prewarm(self, m: ModelState, now: float) -> bool:
+    def prewarm(self, m: ModelState, now: float, *, chained: bool = False) -> bool:
         """Load `m` before a predicted request, displacing only what the policy values less.
-        A model with `prewarm: false` is never loaded ahead of its request, by any policy."""
-        if m.tier == GPU or self.never_fits[m.name] or not m.prewarm_ok:
+        A model with `prewarm: false` is never loaded ahead of its request, by any policy; nor is
+        one whose explicit keep-alive expired (`ModelState.held_off`: the user's word), before it is
+        asked for again - or, `chained`, expected right after a request just made."""
+        if m.tier == GPU or self.never_fits[m.name] or not m.prewarm_ok or (m.held_off and not chained):
             return False
         if not self.make_room(m, m.rank, now, may_evict=True, prewarm=True):
             return False
@@ -290,8 +298,33 @@ class Engine(TierMoves):
             self._check_budget(dev)
         elif m.tier == HOST:
             self.host.used += delta
+            self._fit_back_host(m, now)
             self.host.cache_shrink()
         self.recheck_fit()  # a pinned model's bytes count against every other model's room
+
+    def _fit_back_host(self, m: ModelState, now: float) -> None:
+        """`m`, in the host tier and measured larger than its estimate, left host RAM over its usable
+        bytes: other host residents are dropped to disk - the one the policy values least
+        (`host_victim`; least recently on the GPU first for a policy without a host tier) - while
+        the policy would rather keep `m`; if it still does not fit, `m` itself leaves host RAM (its
+        file is still on disk). Host RAM is never left over budget."""
+        host = self.host
+        why = f"host room after '{m.name}' measured larger than its estimate"
+        self.incoming = m  # not a victim of its own fit
+        try:
+            while host.used > host.usable:
+                if self.policy.uses_host_tier:
+                    v = self.policy.host_victim(m, now)
+                else:
+                    others = [c for c in self.models.values() if c.tier == HOST and c is not m]
+                    v = min(others, key=lambda c: (c.left_gpu_at, c.ready_at, c.name), default=None)
+                if v is None or v is m:
+                    break
+                self.drop_host(v, now, why)
+        finally:
+            self.incoming = None
+        if host.used > host.usable:
+            self.drop_host(m, now, f"'{m.name}' measured larger than host RAM can hold beside what it holds")
 
     def _fit_back(self, dev: DeviceState, m: ModelState, now: float) -> None:
         """`m`, measured larger than its estimate, left `dev` over its usable bytes: other leases

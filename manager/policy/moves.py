@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from manager.policy.outcomes import Counters
@@ -33,6 +34,7 @@ class TierMoves:
     thrash_window: float
     load_time: Callable[[ModelState, str], float]
     gpu_time: dict[str, float]
+    wakeups: list[float]
     _on_gpu_at: dict[str, float]
 
     # ---- elastic leases ---------------------------------------------------------------------
@@ -114,9 +116,21 @@ class TierMoves:
         if prewarm:
             c.prewarm_loads += 1
             m.prewarmed = True
+        m.held_off = False
         self._on_gpu_at[m.name] = now
+        self._wake_at_expiry(m, now)
         self._check_budget(dev)
         self._log(now, Action(kind, m.name, m.device, m.gpu_bytes, reason, prewarm))
+
+    def _wake_at_expiry(self, m: ModelState, now: float) -> None:
+        """`m` became resident on the GPU (a load for a request, a prewarm, a pin, a restart's
+        restore or adoption): if its keep-alive is eager, the engine ticks when it expires, whether
+        or not a request ever comes (`Engine.finish` asks again after each request)."""
+        pol = self.policy
+        if not m.pinned and pol.is_eager(m):
+            exp = pol.expiry(m, now)
+            if exp < math.inf:
+                self.wakeups.append(exp)
 
     def load_host(self, m: ModelState, now: float, reason: str) -> bool:
         """Read `m`'s checkpoint into the host tier (disk -> host), if host RAM has room."""
@@ -155,6 +169,8 @@ class TierMoves:
         cnt.evictions += 1
         if expiry:
             cnt.expiries += 1
+            if self.policy.honours_keep_alive(c):
+                c.held_off = True  # the user's keep-alive: no prewarm brings it back unasked
         if c.prewarmed:
             cnt.wasted_loads += 1
             c.prewarmed = False

@@ -9,9 +9,10 @@ What it decides, and from what:
 - **Tiers**: an evicted model is demoted to host RAM when the host tier can take it, dropping
   host residents worth less; otherwise it is dropped (the OS page cache may still hold its file).
 - **Keep-alive**: an explicit `keep_alive` in the config is the user's word and is honoured
-  eagerly (demote to host when it expires). `auto` (unset) is lazy: the model stays while nobody
-  needs its room, and after the histogram's tail (95th percentile of its reuse intervals) it
-  becomes available to classes that may not evict (background batches).
+  eagerly (demote to host when it expires; no restore brings it back before it is asked for
+  again, or expected right after a request as a learned successor). `auto` (unset) is lazy: the
+  model stays while nobody needs its room, and after the histogram's tail (95th percentile of its
+  reuse intervals) it becomes available to classes that may not evict (background batches).
 - **Prewarm**: (1) at start, models are preloaded into free room by class; within a class in
   the config's order on a first boot, by value after a restart with statistics; (2) after a request
   for A, models that usually follow A within a minute (learned co-occurrence: voice -> LLM ->
@@ -261,8 +262,9 @@ class ResidencyPolicy(Policy):
 
     def _restorable(self, now: float) -> list[ModelState]:
         """Host residents likely to be asked for, most valuable first; the engine promotes each only
-        where it displaces models worth `DISPLACE_MARGIN` times less (`may_displace`)."""
-        hosted = [h for h in host_models(self.engine) if h.prewarm_ok]
+        where it displaces models worth `DISPLACE_MARGIN` times less (`may_displace`). Not one
+        whose explicit keep-alive expired since its last request (`held_off`: the user's word)."""
+        hosted = [h for h in host_models(self.engine) if h.prewarm_ok and not h.held_off]
         scored = sorted(((self.value(h, now), h) for h in hosted), key=lambda x: -x[0])
         return [h for v, h in scored if self.p_request(h, now) >= FILL_MIN_P]
 

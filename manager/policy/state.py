@@ -29,6 +29,7 @@ class ModelState:
         "device",
         "elastic",
         "gpu_since",
+        "held_off",
         "hist",
         "keep_alive_cfg",
         "last_arrival",
@@ -70,6 +71,9 @@ class ModelState:
         self.last_arrival = NEVER
         self.left_gpu_at = NEVER
         self.prewarmed = False
+        self.held_off = False
+        """Its explicit keep-alive (the user's word) expired and it left the GPU: no prewarm brings
+        it back before its next request."""
         self.waiting = 0
         ls = cfg.load_seconds
         self.cost = LoadCost(ls.disk, ls.cached_s, ls.host)

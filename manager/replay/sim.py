@@ -9,6 +9,12 @@ dropping are not charged time; shrinking an elastic lease is (its KV spills at P
 
 Time advances from request to request; between them the engine ticks at the times it asked for
 (keep-alive expiries, prewarms, session ends, retries of waiting requests).
+
+A request without room waits, as in the live manager: within its class's `max_queue` (the extra
+one is rejected, "queue full") and until its class's `max_wait` (then it is rejected, never served
+later); a later request of a higher class for the same model is not held behind it. The figures
+cover the service's start to the trace's end (the last request's end, had it been served on
+arrival), the same span for every policy.
 """
 
 from __future__ import annotations
@@ -109,10 +115,12 @@ def p99(values: list[float]) -> float:
 
 
 class _Waiting:
-    __slots__ = ("arrival", "m", "rank", "req")
+    __slots__ = ("arrival", "deadline", "m", "rank", "req")
 
-    def __init__(self, req: Request, m: ModelState, rank: int, arrival: float) -> None:
+    def __init__(self, req: Request, m: ModelState, rank: int, arrival: float, deadline: float) -> None:
         self.req, self.m, self.rank, self.arrival = req, m, rank, arrival
+        self.deadline = deadline
+        """`arrival` + its class's `max_wait`: still no room then, it is rejected (never served later)."""
 
 
 class Simulator:
@@ -170,29 +178,36 @@ class Simulator:
                 self._reject(what)
                 continue
             eng.observe(m, now)
-            if m.waiting or not self._handle(r, m, rank, now, now):  # behind others, or no room yet
-                self._wait(_Waiting(r, m, rank, now), now)
+            # Behind an earlier request for its model of its class or a higher one, or no room yet.
+            if self._behind(m, rank) or not self._handle(r, m, rank, now, now):
+                self._arrive_waiting(r, m, rank, now)
             elif self.waiting:  # what this request moved (an eviction) may have made room for them
                 self._retry(now)
             if eng.wakeups:
                 self._push_wakeups()
             if self.progress is not None and i % 2000 == 0:
                 self.progress(i, n)
-        t_end = max(reqs[-1].t if reqs else t_start, t_start + 1.0)
-        # After the last request, pending events (expiries, retries of waiting requests) play out,
-        # for at most DRAIN_S: a policy that keeps asking for wake-ups cannot run forever.
+        # The span the figures cover ends where the trace does - the last request's end had it been
+        # served on arrival - the same for every policy (a policy's late loads or its wake-ups after
+        # the trace do not stretch it): residency is counted up to there, not beyond.
+        t_end = max(max((r.t + r.busy_s for r in reqs), default=t_start), t_start + 1.0)
+        self._drain(t_end)
+        eng.close(t_end)
+        gpu_time = dict(eng.gpu_time)
+        # After that, pending events (expiries, retries of waiting requests) play out, for at most
+        # DRAIN_S: a policy that keeps asking for wake-ups cannot run forever.
         horizon = t_end + DRAIN_S
+        last = t_end
         while self.heap or self.waiting:
             if not self.heap or self.heap[0] > horizon:
                 for _ in self.waiting:
                     self._reject("no room became free before the end of the trace")
                 self.waiting.clear()
                 break
-            t = self.heap[0]
-            self._drain(t)
-            t_end = max(t_end, t)
-        eng.close(t_end)
-        return self._finish(t_start, t_end)
+            last = self.heap[0]
+            self._drain(last)
+        eng.close(last)
+        return self._finish(t_start, t_end, gpu_time)
 
     def _drain(self, upto: float) -> None:
         heap = self.heap
@@ -240,9 +255,29 @@ class Simulator:
         eng.after_request(m, now)
         return True
 
+    def _behind(self, m: ModelState, rank: int) -> bool:
+        """Does an earlier request for `m`, of class `rank` or a higher one, wait for room? (A request
+        of a higher class is tried at once: it may take room the earlier ones may not.)"""
+        return m.waiting > 0 and any(w.m is m and w.rank <= rank for w in self.waiting)
+
+    def _arrive_waiting(self, req: Request, m: ModelState, rank: int, now: float) -> None:
+        """A request that just arrived must wait for room: within its class's `max_queue` (the
+        extra one is rejected, as the live manager does) and, at most, until its `max_wait`."""
+        cls = self.config.classes[rank]
+        if cls.max_queue is not None and sum(1 for w in self.waiting if w.rank == rank) >= cls.max_queue:
+            self._reject(f"class '{cls.name}': queue full ({cls.max_queue} requests waiting)")
+            return
+        max_wait = self.engine.state.class_max_wait[rank]
+        w = _Waiting(req, m, rank, now, now + max_wait)
+        if now < w.deadline < math.inf:
+            heapq.heappush(self.heap, w.deadline)  # wake up then: served by then, or rejected
+        self._wait(w, now)
+
     def _wait(self, w: _Waiting, now: float) -> None:
-        if now - w.arrival > self.engine.state.class_max_wait[w.rank]:
-            self._reject(f"waited longer than class '{self.class_names[w.rank]}' max_wait for room")
+        if now >= w.deadline:
+            # The live manager's words (manager/live.py `_admit`).
+            max_wait = self.engine.state.class_max_wait[w.rank]
+            self._reject(f"model '{w.m.name}': no room within its class's max_wait ({max_wait} s)")
             return
         self.waiting.append(w)
         w.m.waiting += 1
@@ -255,23 +290,35 @@ class Simulator:
             heapq.heappush(self.heap, t)
 
     def _retry(self, now: float) -> None:
-        pending, self.waiting = self.waiting, deque()
-        blocked: set[str] = set()
-        for w in pending:
-            w.m.waiting -= 1
-            if w.m.name in blocked or not self._handle(w.req, w.m, w.rank, w.arrival, now):
-                self._wait(w, now)  # still no room: the later requests for its model stay behind it
-                blocked.add(w.m.name)
+        """Try the waiting requests again, first come first served; passes repeat while one serves
+        something, since what a served request moves (its evictions) may make room for one tried
+        before it in the same pass. A request still without room keeps the later requests for its
+        model of its class or a lower one behind it; a later one of a higher class is tried."""
+        progress = True
+        while progress and self.waiting:
+            progress = False
+            pending, self.waiting = self.waiting, deque()
+            blocked: dict[str, int] = {}  # model -> the highest class (lowest rank) left waiting
+            for w in pending:
+                w.m.waiting -= 1
+                if w.rank >= blocked.get(w.m.name, len(self.class_names)):
+                    self._wait(w, now)  # behind an earlier request for its model
+                elif self._handle(w.req, w.m, w.rank, w.arrival, now):
+                    progress = True
+                else:
+                    self._wait(w, now)  # still no room
+                    blocked[w.m.name] = w.rank
 
     def _reject(self, reason: str) -> None:
         self.res.rejected += 1
         self.res.reject_reasons[reason] = self.res.reject_reasons.get(reason, 0) + 1
 
-    def _finish(self, t_start: float, t_end: float) -> ReplayResult:
+    def _finish(self, t_start: float, t_end: float, gpu_time: dict[str, float]) -> ReplayResult:
+        """The figures; `gpu_time` is each model's time on the GPU from `t_start` to `t_end`."""
         res, c = self.res, self.engine.counters
         span = t_end - t_start  # 0 only where t is so large that adding a second changes nothing
         for name, fig in self.figs.items():
-            fig.resident_fraction = min(1.0, self.engine.gpu_time[name] / span) if span > 0 else 0.0
+            fig.resident_fraction = min(1.0, gpu_time[name] / span) if span > 0 else 0.0
         res.models = self.figs
         res.wait_p99_s = {k: p99(v) for k, v in self.waits.items()}
         res.evictions, res.thrash, res.expiries = c.evictions, c.thrash, c.expiries
