@@ -41,9 +41,11 @@ class Policy:
     oracle's guesses are never wrong.)"""
     prewarm_as_demand = False
     """Are this policy's prewarms demand loads moved earlier? Then they take what the request would
-    take a moment later: room lent to an elastic lease, and the room of a higher class's model past
-    its keep-alive. (False: a guess does not shrink a running session's KV nor touch a higher
-    class; True for the oracle, whose prewarms are never wrong.)"""
+    take a moment later: the room of a higher class's model past its keep-alive. (False: a guess
+    does not touch a higher class; True for the oracle, whose prewarms are never wrong.) Room lent
+    to an elastic lease every prewarm takes back first, as a request does: leases shrink before
+    any weights are evicted (since 2026-12-03; a guess used to evict weights rather than shrink a
+    running session's KV)."""
     max_loaded: int | None = None
     """A cap on models per device (Ollama's OLLAMA_MAX_LOADED_MODELS), pinned models not counted
     (a pin always wins); None: memory decides."""

@@ -251,9 +251,10 @@ class Engine(TierMoves):
         if not over_count and dev.room(m.rank) >= need:
             return True
         tenants = []
-        if (not prewarm or self.policy.prewarm_as_demand) and not over_count:
+        if not over_count:
             # A lease above its minimum is free room lent to the tenant: any request may take it
-            # back (nothing is evicted), a background one included.
+            # back (nothing is evicted), a background one included, and so may a prewarm - leases
+            # shrink before any weights are evicted, whoever asks for the room.
             tenants = [
                 t for t in dev.models if t is not m and t.tier == GPU and t.elastic and t.lease > t.lease_min
             ]

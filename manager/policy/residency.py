@@ -30,7 +30,8 @@ What it decides, and from what:
 - **Lease headroom**: in a world session the KV lease grows into free room, but not into the room a
   model taking turns needs to come back (a host resident it would share the room with, with
   P(request within the horizon) >= `FILL_MIN_P`): shrinking a lease first spills KV pages to host
-  RAM, which would delay that model's load (and a swap in by turn taking could not take the room).
+  RAM, which would delay that model's load (a swap in by turn taking included: a prewarm shrinks
+  leases before it evicts any weights, as a request does).
 - **Rates** by hour are sparse in the first weeks (an hour with no arrival yet says "never"), so
   the hour's rate is shrunk towards the model's mean hourly rate (`RATE_SMOOTH`).
 """

@@ -341,3 +341,63 @@ def test_only_a_policy_that_honours_the_configs_keep_alive_holds_a_model_off() -
     for policy, honours in expected.items():
         pol = create_policy(policy, [])
         assert pol.honours_keep_alive(Engine(cfg, pol).models["a"]) is honours, policy
+
+
+class _DisplacingGuesses(Policy):
+    """A unit-test policy (beside the real ones): its prewarms may displace any idle model, so the
+    engine alone decides whether lent lease room or weights go first."""
+
+    name = "displacing-guesses"
+
+    def may_displace(self, c: Any, m: Any, now: float) -> bool:
+        return True
+
+
+class TestLeasesShrinkBeforeWeightsForPrewarmsToo:
+    def test_a_prewarm_takes_back_lent_lease_room_before_it_evicts_an_idle_model(self) -> None:
+        """A world session (2 GiB of weights, KV lease 1-6 GiB) runs beside an idle img (2 GiB); the
+        lease grew into the free room. A prewarm of chat (3 GiB) needed room: it evicted img (a
+        request would have shrunk the lease, and the issue's rule is that leases shrink before any
+        weights are evicted). Now the lease gives the room back and img stays."""
+        cfg = server(
+            [
+                m("world", "interactive", "2GiB", elastic={"min": "1GiB", "max": "6GiB"}, keep_alive=None),
+                m("img", "interactive", "2GiB", keep_alive=None),
+                m("chat", "interactive", "3GiB", prewarm=True, keep_alive=None),
+            ]
+        )
+        eng = Engine(cfg, _DisplacingGuesses())
+        world, img, chat = (eng.models[n] for n in ("world", "img", "chat"))
+        eng.start(0.0)
+        assert eng.admit(img, 0, 0.0).status == "load"
+        eng.finish(img, 4.0, 1.0)
+        assert eng.admit(world, 0, 10.0).status == "load"
+        eng.finish(world, 14.0, 10_000.0)  # a session: busy for hours
+        eng.tick(20.0)  # the lease grows into the free room: 9 - 2 - 2 - 1 = 4 GiB more
+        assert world.lease == 5 * GiB
+        assert eng.prewarm(chat, 30.0)
+        assert chat.tier == GPU and img.tier == GPU, "the lease gives room before img's weights go"
+        assert world.lease == 2 * GiB  # 9 - 2 - 2 - 3 = 2 GiB left to it
+        assert eng.counters.evictions == 0
+
+    def test_only_what_the_leases_cannot_give_is_evicted(self) -> None:
+        """The same, with chat at 5 GiB: leases at their minimum still leave only 4 GiB, so img goes
+        too, and the lease shrinks only by what is still missing."""
+        cfg = server(
+            [
+                m("world", "interactive", "2GiB", elastic={"min": "1GiB", "max": "6GiB"}, keep_alive=None),
+                m("img", "interactive", "2GiB", keep_alive=None),
+                m("chat", "interactive", "5GiB", prewarm=True, keep_alive=None),
+            ]
+        )
+        eng = Engine(cfg, _DisplacingGuesses())
+        world, img, chat = (eng.models[n] for n in ("world", "img", "chat"))
+        eng.start(0.0)
+        eng.admit(img, 0, 0.0)
+        eng.finish(img, 4.0, 1.0)
+        eng.admit(world, 0, 10.0)
+        eng.finish(world, 14.0, 10_000.0)
+        eng.tick(20.0)
+        assert eng.prewarm(chat, 30.0)
+        assert img.tier != GPU and chat.tier == GPU
+        assert world.lease == 2 * GiB  # 9 - 2 (world) - 5 (chat) = 2: it kept 1 GiB above its minimum
