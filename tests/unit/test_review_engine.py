@@ -354,16 +354,15 @@ class _DisplacingGuesses(Policy):
 
 
 class TestLeasesShrinkBeforeWeightsForPrewarmsToo:
-    def test_a_prewarm_takes_back_lent_lease_room_before_it_evicts_an_idle_model(self) -> None:
-        """A world session (2 GiB of weights, KV lease 1-6 GiB) runs beside an idle img (2 GiB); the
-        lease grew into the free room. A prewarm of chat (3 GiB) needed room: it evicted img (a
-        request would have shrunk the lease, and the issue's rule is that leases shrink before any
-        weights are evicted). Now the lease gives the room back and img stays."""
+    @staticmethod
+    def session_beside_img(chat_memory: str) -> tuple[Engine, Any, Any, Any]:
+        """A world session (2 GiB of weights, KV lease 1-6 GiB, busy for hours) beside an idle img
+        (2 GiB); at 20 the lease has grown into the free room: 9 - 2 - 2 - 1 = 4 GiB more."""
         cfg = server(
             [
                 m("world", "interactive", "2GiB", elastic={"min": "1GiB", "max": "6GiB"}, keep_alive=None),
                 m("img", "interactive", "2GiB", keep_alive=None),
-                m("chat", "interactive", "3GiB", prewarm=True, keep_alive=None),
+                m("chat", "interactive", chat_memory, prewarm=True, keep_alive=None),
             ]
         )
         eng = Engine(cfg, _DisplacingGuesses())
@@ -372,9 +371,16 @@ class TestLeasesShrinkBeforeWeightsForPrewarmsToo:
         assert eng.admit(img, 0, 0.0).status == "load"
         eng.finish(img, 4.0, 1.0)
         assert eng.admit(world, 0, 10.0).status == "load"
-        eng.finish(world, 14.0, 10_000.0)  # a session: busy for hours
-        eng.tick(20.0)  # the lease grows into the free room: 9 - 2 - 2 - 1 = 4 GiB more
+        eng.finish(world, 14.0, 10_000.0)
+        eng.tick(20.0)
         assert world.lease == 5 * GiB
+        return eng, world, img, chat
+
+    def test_a_prewarm_takes_back_lent_lease_room_before_it_evicts_an_idle_model(self) -> None:
+        """A prewarm of chat (3 GiB) needed room: it evicted img (a request would have shrunk the
+        lease, and the issue's rule is that leases shrink before any weights are evicted). Now the
+        lease gives the room back and img stays."""
+        eng, world, img, chat = self.session_beside_img("3GiB")
         assert eng.prewarm(chat, 30.0)
         assert chat.tier == GPU and img.tier == GPU, "the lease gives room before img's weights go"
         assert world.lease == 2 * GiB  # 9 - 2 - 2 - 3 = 2 GiB left to it
@@ -383,21 +389,7 @@ class TestLeasesShrinkBeforeWeightsForPrewarmsToo:
     def test_only_what_the_leases_cannot_give_is_evicted(self) -> None:
         """The same, with chat at 5 GiB: leases at their minimum still leave only 4 GiB, so img goes
         too, and the lease shrinks only by what is still missing."""
-        cfg = server(
-            [
-                m("world", "interactive", "2GiB", elastic={"min": "1GiB", "max": "6GiB"}, keep_alive=None),
-                m("img", "interactive", "2GiB", keep_alive=None),
-                m("chat", "interactive", "5GiB", prewarm=True, keep_alive=None),
-            ]
-        )
-        eng = Engine(cfg, _DisplacingGuesses())
-        world, img, chat = (eng.models[n] for n in ("world", "img", "chat"))
-        eng.start(0.0)
-        eng.admit(img, 0, 0.0)
-        eng.finish(img, 4.0, 1.0)
-        eng.admit(world, 0, 10.0)
-        eng.finish(world, 14.0, 10_000.0)
-        eng.tick(20.0)
+        eng, world, img, chat = self.session_beside_img("5GiB")
         assert eng.prewarm(chat, 30.0)
         assert img.tier != GPU and chat.tier == GPU
         assert world.lease == 2 * GiB  # 9 - 2 (world) - 5 (chat) = 2: it kept 1 GiB above its minimum
