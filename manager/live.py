@@ -389,9 +389,11 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                 raise DeadlineExceeded(f"model {m.name!r}: no room became free before the deadline")
             await asyncio.sleep(WAIT_RETRY_S)
 
-    async def _ready(self, m: Any, deadline: float) -> None:
+    async def _ready(self, m: Any, deadline: float, rank: int | None = None) -> None:
         """Wait for `m`'s confirmed load. A device host that died under the load (Ray restarts it,
-        empty) costs one more load, within the deadline; past it the caller gets UNAVAILABLE."""
+        empty) costs one more load, within the deadline; past it the caller gets UNAVAILABLE. A model
+        taken off its device meanwhile is admitted again under the request's class `rank` (the
+        model's own class when None: an admin's preload), so a background request never evicts."""
         live = self.live[m.name]
         died = ""
         no_room = False  # taken off its device meanwhile, and no room to load it again yet
@@ -419,7 +421,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             elif live.error and m.tier != Tier.GPU:
                 raise WorkerUnavailable(f"model {m.name!r} could not be loaded: {live.error}")
             if m.tier != Tier.GPU:  # evicted again while waiting (rare): admit once more
-                adm = self.engine.admit(m, m.rank, self.clock())
+                adm = self.engine.admit(m, m.rank if rank is None else rank, self.clock())
                 self._flush()
                 if adm.status == "reject":
                     raise InsufficientCapacity(f"model {m.name!r} cannot be served: {adm.reason}")
@@ -530,7 +532,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         try:
             arrival = await self._admit(m, rank, deadline, observe=not retry)
             cold = not self.live[m.name].ready.is_set()
-            await self._ready(m, deadline)
+            await self._ready(m, deadline, rank)
             return arrival, cold
         except Exception:
             if not retry:

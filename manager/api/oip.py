@@ -34,6 +34,8 @@ MODEL_INFER = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods_by_
 VERSION = "0.1.0"
 EXTENSIONS = ["model_repository", "residency_class", "priority"]
 DEFAULT_TIMEOUT_S = 60.0
+MAX_TIMEOUT_S = 86400.0
+"""The longest a request's own `timeout` parameter may ask to wait (a day)."""
 VERSIONS = ("1",)
 INLINE_DECODE_BYTES = 1 << 20
 """A request carrying more data than this is decoded in a worker thread, not on the event loop (16 MiB
@@ -150,11 +152,21 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return None
 
     def _timeout(self, request: pb.ModelInferRequest, left: float | None) -> float:
-        if "timeout" in request.parameters:
-            us = _param(request.parameters["timeout"])
-            if isinstance(us, int) and us > 0:
-                return us / 1e6
-        return DEFAULT_TIMEOUT_S if left is None else max(float(left) - 0.05, 0.01)
+        """The request's own `timeout` parameter (Triton's: whole microseconds, > 0), else the call's
+        deadline, else DEFAULT_TIMEOUT_S. A malformed one is refused by name (it was ignored), and
+        none outlasts the call's deadline or MAX_TIMEOUT_S."""
+        by_call = DEFAULT_TIMEOUT_S if left is None else max(float(left) - 0.05, 0.01)
+        if "timeout" not in request.parameters:
+            return by_call
+        us = _param(request.parameters["timeout"])
+        if not isinstance(us, int) or isinstance(us, bool) or us <= 0:
+            shown = repr(us) if not isinstance(us, str) or len(us) <= 40 else repr(us[:40]) + "..."
+            raise InvalidRequest(
+                f"parameter 'timeout' must be a positive integer of microseconds (int64 or uint64), "
+                f"got {shown}"
+            )
+        own = min(us / 1e6, MAX_TIMEOUT_S)
+        return own if left is None else min(own, by_call)
 
     def _inputs(self, request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
         raw = list(request.raw_input_contents)
@@ -196,8 +208,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             self.manager._model(request.model_name)
         check_version(request.model_name, request.model_version)
         check_request(request, *self.describe(request.model_name))
-        inputs = await self._decoded(request)
         timeout_s = self._timeout(request, seconds_left)
+        inputs = await self._decoded(request)
         served = await self.manager.infer(
             request.model_name, inputs, cls=self._class_of(request), timeout_s=timeout_s
         )
