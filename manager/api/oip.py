@@ -26,6 +26,7 @@ from manager.api.errors import details_of, mapped, status_of
 from manager.api.handlers import not_a_message
 from manager.errors import InvalidRequest, ModelNotFound, ResidencyError
 from manager.live import LiveManager
+from manager.units import shown
 from residency_proto.inference import grpc_service_pb2 as pb
 from residency_proto.inference import grpc_service_pb2_grpc as pb_grpc
 
@@ -160,10 +161,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             return by_call
         us = _param(request.parameters["timeout"])
         if not isinstance(us, int) or isinstance(us, bool) or us <= 0:
-            shown = repr(us) if not isinstance(us, str) or len(us) <= 40 else repr(us[:40]) + "..."
             raise InvalidRequest(
                 f"parameter 'timeout' must be a positive integer of microseconds (int64 or uint64), "
-                f"got {shown}"
+                f"got {shown(us, 40)}"
             )
         own = min(us / 1e6, MAX_TIMEOUT_S)
         return own if left is None else min(own, by_call)
