@@ -266,12 +266,13 @@ def request_to_json(r: Request) -> str:
     return json.dumps(obj, separators=(",", ":"))
 
 
-def write_trace(path: str | os.PathLike[str], requests: Iterable[Request]) -> int:
-    """Write requests as JSONL (parent folders are created). Returns how many were written."""
+def write_trace(path: str | os.PathLike[str], requests: Iterable[Request], mode: str = "w") -> int:
+    """Write requests as JSONL (parent folders are created; `mode` "a" appends). Returns how many
+    were written."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     n = 0
-    with out.open("w", encoding="utf-8") as f:
+    with out.open(mode, encoding="utf-8") as f:
         for r in requests:
             f.write(request_to_json(r))
             f.write("\n")

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from manager.policy.types import Request
-from manager.replay.trace import request_to_json, write_trace
+from manager.replay.trace import write_trace
 from manager.store.base import Store
 from manager.units import parse_duration
 
@@ -83,15 +83,6 @@ def _via_proc(path: Path) -> bool:
     return False  # a symlink loop: opening it reports that
 
 
-def _write_into(path: Path, requests: Iterator[Request], mode: str) -> int:
-    n = 0
-    with open(path, mode, encoding="utf-8") as f:
-        for r in requests:
-            f.write(request_to_json(r) + "\n")
-            n += 1
-    return n
-
-
 def export_trace(store: Store, since_s: float, now: float, out: Path) -> int:
     """Write the requests of [now - since_s, now) to `out` as a trace; return how many.
 
@@ -113,9 +104,9 @@ def export_trace(store: Store, since_s: float, now: float, out: Path) -> int:
         st = None
     requests = _trace_requests(store, now - since_s, now)
     if st is not None and not stat.S_ISREG(st.st_mode):
-        n = _write_into(out, requests, "w")  # a FIFO, a terminal, /dev/null: never replaced
+        n = write_trace(out, requests)  # a FIFO, a terminal, /dev/null: never replaced
     elif st is not None and _via_proc(out):
-        n = _write_into(out, requests, "a")  # an open file (`--out /dev/stdout > f`): not truncated
+        n = write_trace(out, requests, mode="a")  # an open file (`--out /dev/stdout > f`): not truncated
     else:
         real = Path(os.path.realpath(out))  # a symlink's target is replaced, not the link
         tmp = real.with_name(f".{real.name}.partial")
