@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from manager.policy.types import Request
+from manager.units import shown
 
 __all__ = [
     "ALLOWED_FIELDS",
@@ -77,8 +78,7 @@ class TraceReadResult:
 
 def _show(v: object) -> str:
     """repr, cut short: a reason is one line even when the value is a 5 kB string."""
-    s = repr(v)
-    return s if len(s) <= 60 else s[:57] + "..."
+    return shown(v, 60)
 
 
 def _is_number(v: object) -> bool:
