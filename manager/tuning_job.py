@@ -11,6 +11,7 @@ recorded and tried again after `RETRY_S`, not at every check of the schedule.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import time
@@ -23,6 +24,7 @@ from manager.config import Config, write_config_with_updates
 from manager.replay.sim import replay
 from manager.replay.trace import read_trace
 from manager.replay.tune import TuningStopped, objective, split_holdout, tune
+from manager.store.base import StoreError
 from manager.store.export import export_trace
 
 PERIOD_S = {"daily": 86400.0, "weekly": 7 * 86400.0}
@@ -94,15 +96,35 @@ def _report(out: Path, config: Config, res: Any, reqs: list[Any]) -> Path:
 
 def due(config: Config, store: Any, now: float) -> bool:
     """Whether the schedule says a tuning run is due (the last run's time is kept in the store); a run
-    that failed is tried again `RETRY_S` after its failure."""
+    that failed is tried again `RETRY_S` after its failure. A record that cannot be read (not JSON, or
+    times that are not numbers) counts as no record: the next run writes a good one."""
     period = PERIOD_S.get(config.tuning.schedule)
     if period is None:
         return False
-    doc = store.get_doc("tuning") or {}
-    failed = doc.get("failed_at")
-    if failed is not None and now - float(failed) < RETRY_S:
+    doc = _record(store)
+    failed = _seconds(doc, "failed_at")
+    if failed is not None and now - failed < RETRY_S:
         return False
-    return bool(now - float(doc.get("last_run", 0.0)) >= period)
+    return bool(now - (_seconds(doc, "last_run") or 0.0) >= period)
+
+
+def _record(store: Any) -> dict[str, Any]:
+    """The store's tuning record ({} when there is none, or when the store answers but the record is
+    corrupt: a run rewrites it). A store that does not answer raises."""
+    try:
+        return store.get_doc("tuning") or {}
+    except StoreError:
+        if store.ping():
+            return {}
+        raise
+
+
+def _seconds(doc: dict[str, Any], key: str) -> float | None:
+    """`doc[key]` when it is a finite number (a time in Unix seconds), else None."""
+    v = doc.get(key)
+    if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+        return float(v)
+    return None
 
 
 def write_back(config_path: Path, outcome: TuningOutcome) -> str:
@@ -173,7 +195,7 @@ def scheduled_tuning(
     except Exception as e:
         why = f"{type(e).__name__}: {e}"
         try:
-            doc = store.get_doc("tuning") or {}
+            doc = _record(store)
             store.put_doc("tuning", {**doc, "failed_at": now, "error": why})
         except Exception:
             return f"failed ({why}); the store could not record it: retried at the next check"

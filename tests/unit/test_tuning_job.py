@@ -224,3 +224,58 @@ def test_a_run_stopped_by_the_service_stopping_writes_and_records_nothing(
     assert manager.reloaded == [] and cfg.read_text() == original
     assert store.get_doc("tuning") is None  # not recorded as a run, nor as a failure
     store.close()
+
+
+@pytest.mark.parametrize(
+    "record",
+    ['{"last_run": "yesterday"}', '{"last_run": null, "failed_at": "soon"}', "{not json", "[1, 2]"],
+    ids=["text-time", "null-times", "not-json", "not-an-object"],
+)
+def test_a_corrupt_tuning_record_is_rewritten_by_the_next_run_not_failed_on_forever(
+    filled: tuple[Any, float, Path], record: str
+) -> None:
+    """Before, `due` called float() on the record's times (and a record that was not JSON made the
+    store raise), so every check of the schedule failed, and no tuning ever ran again until someone
+    deleted the record by hand."""
+    import sqlite3
+
+    store, now, cfg = filled
+    store.put_doc("tuning", {"last_run": 0.0})
+    db = sqlite3.connect(cfg.parent / "state.db")
+    with db:
+        db.execute("UPDATE docs SET value = ? WHERE key = 'tuning'", (record,))
+    db.close()
+    config = load_config(cfg)
+    assert due(config, store, now)
+    manager = _Manager(config)
+    said = scheduled_tuning(manager, cfg, store, now)
+    assert said is not None and not said.startswith("failed") and "applied" in said and manager.reloaded
+    doc = store.get_doc("tuning")
+    assert doc is not None and doc["last_run"] == now and "failed_at" not in doc
+    assert not due(config, store, now + 60)  # and the schedule reads it again
+    store.close()
+
+
+def test_a_store_that_does_not_answer_is_still_a_failure_not_a_missing_record(
+    filled: tuple[Any, float, Path],
+) -> None:
+    """A record that cannot be read counts as none only while the store answers: when the store is
+    down, the check fails (and is said), rather than starting a run the store cannot serve."""
+    from manager.store import StoreError
+
+    store, now, cfg = filled
+
+    class Down:
+        def get_doc(self, key: str) -> Any:
+            raise StoreError("redis://127.0.0.1:6379/0", "connection refused")
+
+        put_doc = get_doc
+
+        def ping(self) -> bool:
+            return False
+
+    with pytest.raises(StoreError, match="connection refused"):
+        due(load_config(cfg), Down(), now)
+    said = scheduled_tuning(_Manager(load_config(cfg)), cfg, Down(), now)
+    assert said is not None and said.startswith("failed (") and "connection refused" in said
+    store.close()
