@@ -48,6 +48,7 @@ from manager.metrics import Metrics
 from manager.policy.engine import Engine
 from manager.policy.factory import create_policy
 from manager.policy.types import Action, ActionKind, Tier
+from manager.store.base import CorruptDocument
 from manager.workers_bridge import model_specs
 from workers import protocol as P
 
@@ -142,6 +143,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self._log_failing = False
         self._intents_stale = False
         self._stats_unread = False
+        self._measured: set[str] = set()  # models whose footprint a device host measured
         self._infer_s: dict[str, float] = {}
         self._batchers: dict[str, LocalBatcher | None] = {}
         self.queued: dict[str, int] = {}  # requests of each class waiting for their model
@@ -314,6 +316,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                 m.cost.measure(src, max(r.timing.total_s, 1e-4))
                 if r.footprint.device_bytes > 0:
                     self.engine.measured_footprint(m, r.footprint.device_bytes, now)
+                    self._measured.add(model)
                     self._flush()  # measured larger: what made room for it leaves now
                 m.ready_at = min(m.ready_at, now)
             if r.to_tier == "gpu" and live.loads_pending == 0 and m.tier == Tier.GPU:
@@ -338,9 +341,11 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         elif kind == ActionKind.LOAD_HOST and m.tier == Tier.HOST:
             self.engine.drop_host(m, now, f"load to host RAM failed: {r.error}")
             self._flush()
-        elif kind == ActionKind.DEMOTE and r.to_tier == "gpu" and m.tier == Tier.HOST:
+        elif kind == ActionKind.DEMOTE and r.to_tier != "host" and m.tier == Tier.HOST:
             # the host kept it on the device (its copy out failed), and the books gave that room
-            # away: it is dropped there, so the room is really free (the books: on disk)
+            # away: it is dropped there, so the room is really free (the books: on disk); or the
+            # host does not hold it at all (its load failed, or the host restarted empty): the
+            # books do not keep host RAM for it either
             self.engine.drop_host(m, now, f"demote failed: {r.error}")
             self._flush()
         elif kind == ActionKind.DROP and r.to_tier != "disk" and not retried:
@@ -677,6 +682,9 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         changes = plan_reload(self.config, new)
         apply_reload(self.engine, new)
         self.config = new
+        for name, live in self.live.items():  # a model that failed to load is still not prewarmed
+            if live.load_error is not None:  # (until a load of it works), whatever the file says
+                self.engine.models[name].prewarm_ok = False
         self._apply_pins()  # an admin's pin or unpin outlives a reload of the file
         self.engine.load_pinned(self.clock())  # a model pinned now is loaded into free room
         self._flush()
@@ -736,6 +744,9 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             return
         try:
             doc = self.store.get_doc("pins") or {}
+        except CorruptDocument as e:  # it answers, but cannot read it: replaced at the next pin
+            logger.error("the admin pins saved in the store are unreadable (%s); the config's pins hold", e)
+            doc = {}
         except Exception:
             if not self._pins_unread:
                 logger.warning("could not read the admin pins from the store; the config's pins hold")

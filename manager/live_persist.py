@@ -10,6 +10,7 @@ the request log (buffered, written in batches, kept while the store is down).
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import math
 from typing import TYPE_CHECKING, Any
@@ -17,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 from manager.journal import RequestJournal
 from manager.metrics import Metrics
 from manager.policy.engine import Engine
+from manager.policy.stats import LoadCost, ReuseHistogram
 from manager.policy.types import Action, ActionKind, Tier
-from manager.store.base import normalize_record
+from manager.store.base import CorruptDocument, normalize_record
 from workers import protocol as P
 
 if TYPE_CHECKING:
@@ -44,6 +46,57 @@ def _merge_hist(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
             "first_t": min(firsts, default=None), "last_t": max(lasts, default=None)}  # fmt: skip
 
 
+def _shaped(x: Any, like: Any) -> bool:
+    """`x` has the nested-list shape of `like`, with a count (an int >= 0) at each leaf."""
+    if isinstance(like, list):
+        return isinstance(x, list) and len(x) == len(like) and all(map(_shaped, x, like))
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _time_or_none(x: Any) -> bool:
+    return x is None or (isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x))
+
+
+def _read_hist(doc: Any) -> ReuseHistogram:
+    """A saved `ReuseHistogram.capture()` as a new histogram (ValueError unless it has its shape:
+    a restored list of the wrong length would fail every later request's `observe`)."""
+    if not isinstance(doc, dict):
+        raise ValueError("reuse histogram: not an object")
+    fresh = ReuseHistogram().capture()
+    for k in ("bins", "how_bins", "arrivals_how", "arrivals_hod", "count"):
+        if not _shaped(doc.get(k), fresh[k]):
+            raise ValueError(f"reuse histogram: {k} of the wrong shape")
+    if not (_time_or_none(doc.get("first_t")) and _time_or_none(doc.get("last_t"))):
+        raise ValueError("reuse histogram: first_t/last_t not a time")
+    h = ReuseHistogram()
+    h.restore(doc)
+    return h
+
+
+def _read_cost(cost: LoadCost, doc: Any) -> LoadCost:
+    """`cost` (left as it is) with the saved samples `doc` folded in, as a new object."""
+    if not isinstance(doc, dict) or not all(
+        isinstance(v, list) and all(isinstance(x, int | float) and not isinstance(x, bool) for x in v)
+        for v in doc.values()
+    ):
+        raise ValueError("load costs: not lists of seconds by source")
+    out = copy.deepcopy(cost)
+    out.restore(doc)
+    return out
+
+
+def _count(x: Any) -> int:
+    if isinstance(x, int) and not isinstance(x, bool) and x >= 0:
+        return x
+    raise ValueError(f"{x!r} is not a count")
+
+
+def _when(x: Any) -> float:
+    if x is not None and _time_or_none(x):
+        return float(x)
+    raise ValueError(f"{x!r} is not a time")
+
+
 class PersistenceMixin:
     """Statistics, intents and the request log of `LiveManager` (see the module's docstring)."""
 
@@ -60,6 +113,7 @@ class PersistenceMixin:
     _intents_stale: bool
     _stats_unread: bool
     _flush_lock: asyncio.Lock
+    _measured: set[str]  # models whose `weights` a device host measured (not the config's estimate)
 
     if TYPE_CHECKING:  # LiveManager's
 
@@ -77,6 +131,9 @@ class PersistenceMixin:
         if self._stats_unread:
             try:
                 saved = self.store.get_doc("stats") or {}
+            except CorruptDocument as e:  # it answers, but cannot read it: replaced (else never saved)
+                logger.error("the statistics saved in the store are unreadable (%s); overwritten", e)
+                saved = {}
             except Exception:
                 logger.warning("the store is still down: statistics not saved")
                 return
@@ -84,6 +141,7 @@ class PersistenceMixin:
             self._merge_stats(saved)
         doc = {
             name: {"hist": m.hist.capture(), "cost": m.cost.capture(), "weights": m.weights,
+                   "measured": name in self._measured,
                    "requests": self.live[name].requests, "last_used": self.live[name].last_used}
             for name, m in self.engine.models.items()
         }  # fmt: skip
@@ -98,6 +156,9 @@ class PersistenceMixin:
             return 0
         try:
             doc = self.store.get_doc("stats") or {}
+        except CorruptDocument as e:  # it answers, but cannot read it: fresh, overwritten at the next save
+            logger.error("the statistics saved in the store are unreadable (%s); starting fresh", e)
+            return 0
         except Exception:  # the store is down at start: serve anyway, with fresh statistics
             logger.exception("could not read saved statistics from the store; starting fresh")
             self._stats_unread = True  # merged in when the store is back (save_stats)
@@ -107,17 +168,26 @@ class PersistenceMixin:
             m = self.engine.models.get(name)
             if m is None or not isinstance(d, dict):
                 continue
-            try:
-                m.hist.restore(d["hist"])
-                # How long it has been idle counts from its last arrival, before the restart too.
-                m.last_arrival = max(m.last_arrival, m.hist.last_t)
-                m.cost.restore(d["cost"])
-                m.weights = int(d.get("weights", m.weights))
-                self.live[name].requests = int(d.get("requests", 0))
-                self.live[name].last_used = float(d.get("last_used", 0.0))
-                restored += 1
+            try:  # all of a model's entry is read before any of it is taken (none, if unreadable)
+                hist, cost = _read_hist(d["hist"]), _read_cost(m.cost, d["cost"])
+                requests, last_used = _count(d.get("requests", 0)), _when(d.get("last_used", 0.0))
+                measured = d.get("measured", True)  # (older documents do not say)
+                weights = _count(d.get("weights", m.weights)) if measured is True else None
+                if weights == 0:
+                    raise ValueError("a footprint of 0 bytes")
             except (KeyError, TypeError, ValueError) as e:
                 logger.warning("statistics of %s in the store are unreadable (%s); starting fresh", name, e)
+                continue
+            m.hist, m.cost = hist, cost
+            # How long it has been idle counts from its last arrival, before the restart too.
+            m.last_arrival = max(m.last_arrival, m.hist.last_t)
+            if weights is not None:  # a measured footprint; an estimate gives way to the config's
+                m.weights = weights
+                self._measured.add(name)
+            self.live[name].requests = requests
+            self.live[name].last_used = last_used
+            restored += 1
+        self.engine.recheck_fit()  # restored footprints change what can ever fit
         return restored
 
     def _merge_stats(self, doc: dict[str, Any]) -> None:
@@ -128,14 +198,17 @@ class PersistenceMixin:
             m = self.engine.models.get(name)
             if m is None or not isinstance(d, dict):
                 continue
-            try:
-                m.hist.restore(_merge_hist(d["hist"], m.hist.capture()))
-                m.last_arrival = max(m.last_arrival, m.hist.last_t)
-                m.cost.restore(d["cost"])
-                self.live[name].requests += int(d.get("requests", 0))
-                self.live[name].last_used = max(self.live[name].last_used, float(d.get("last_used", 0.0)))
+            try:  # all of a model's entry is read before any of it is merged (none, if unreadable)
+                hist = _read_hist(_merge_hist(_read_hist(d["hist"]).capture(), m.hist.capture()))
+                cost = _read_cost(m.cost, d["cost"])
+                requests, last_used = _count(d.get("requests", 0)), _when(d.get("last_used", 0.0))
             except (KeyError, TypeError, ValueError) as e:
                 logger.warning("statistics of %s in the store are unreadable (%s); not merged", name, e)
+                continue
+            m.hist, m.cost = hist, cost
+            m.last_arrival = max(m.last_arrival, m.hist.last_t)
+            self.live[name].requests += requests
+            self.live[name].last_used = max(self.live[name].last_used, last_used)
 
     def _rewrite_intents(self) -> None:
         """Every model's intended tier (the engine's books), after writes were lost to a store outage."""
@@ -205,6 +278,7 @@ class PersistenceMixin:
                     continue
                 if tier == Tier.GPU and ms.device_bytes > 0:
                     m.weights = int(ms.device_bytes)  # the host's measure, before the books count it
+                    self._measured.add(name)
                     self.engine.recheck_fit()
                 if not self.engine.adopt(m, tier, now):
                     logger.warning("device %s holds %s, which does not fit the books: dropped", device, name)

@@ -16,9 +16,9 @@ needs nothing beyond the standard library.
 
 from __future__ import annotations
 
-from manager.store.base import Store, StoreError, redact
+from manager.store.base import CorruptDocument, Store, StoreError, redact
 
-__all__ = ["Store", "StoreError", "open_store"]
+__all__ = ["CorruptDocument", "Store", "StoreError", "open_store"]
 
 _EXPECTED = "expected sqlite:///PATH or redis://HOST:PORT/DB"
 

@@ -4,6 +4,8 @@ Primitives, in the order the service meets them:
   Store          - the Protocol both backends (SQLite, Redis) implement; `open_store(url)` picks one.
   StoreError     - the backend cannot do what was asked (unreachable, corrupt row/entry, bad url);
                    its message names the url (never a password) and what is wrong.
+  CorruptDocument - a StoreError: the backend answers, but the document it holds is unreadable
+                   (replacing it with `put_doc` works; waiting for the store does not).
   normalize_record - validates one request record and returns its canonical form.
   encode_doc / decode_doc, check_intent - the same for JSON documents and tier intents.
 
@@ -35,6 +37,7 @@ __all__ = [
     "OUTCOMES",
     "RECORD_FIELDS",
     "TIERS",
+    "CorruptDocument",
     "Store",
     "StoreError",
     "check_intent",
@@ -74,6 +77,10 @@ class StoreError(Exception):
         super().__init__(f"store {url}: {reason}")
         self.url = url
         self.reason = reason
+
+
+class CorruptDocument(StoreError):
+    """The store answers, but the document it holds under a key is not a readable JSON object."""
 
 
 @runtime_checkable
@@ -209,9 +216,9 @@ def decode_doc(url: str, key: str, text: str | bytes) -> dict[str, Any]:
     try:
         doc = json.loads(text)
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise StoreError(url, f"document {key!r} is corrupt: {e or type(e).__name__}") from None
+        raise CorruptDocument(url, f"document {key!r} is corrupt: {e or type(e).__name__}") from None
     if not isinstance(doc, dict):
-        raise StoreError(url, f"document {key!r} is corrupt: not a JSON object")
+        raise CorruptDocument(url, f"document {key!r} is corrupt: not a JSON object")
     return doc
 
 

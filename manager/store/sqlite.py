@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 
 from manager.store.base import (
     RECORD_FIELDS,
+    CorruptDocument,
     StoreError,
     check_intent,
     decode_doc,
@@ -209,7 +210,7 @@ class SQLiteStore:
         if row is None:
             return None
         if not isinstance(row[0], str | bytes):
-            raise StoreError(self.url, f"document {key!r} is corrupt: stored as {type(row[0]).__name__}")
+            raise CorruptDocument(self.url, f"document {key!r} is corrupt: stored as {type(row[0]).__name__}")
         return decode_doc(self.url, key, row[0])
 
     def set_intent(self, model: str, tier: str) -> None:
