@@ -24,7 +24,7 @@ from manager.config import Config, write_config_with_updates
 from manager.replay.sim import replay
 from manager.replay.trace import read_trace
 from manager.replay.tune import TuningStopped, objective, split_holdout, tune
-from manager.store.base import StoreError
+from manager.store.base import CorruptDocument
 from manager.store.export import export_trace
 
 PERIOD_S = {"daily": 86400.0, "weekly": 7 * 86400.0}
@@ -113,10 +113,8 @@ def _record(store: Any) -> dict[str, Any]:
     corrupt: a run rewrites it). A store that does not answer raises."""
     try:
         return store.get_doc("tuning") or {}
-    except StoreError:
-        if store.ping():
-            return {}
-        raise
+    except CorruptDocument:
+        return {}
 
 
 def _seconds(doc: dict[str, Any], key: str) -> float | None:

@@ -271,9 +271,6 @@ def test_a_store_that_does_not_answer_is_still_a_failure_not_a_missing_record(
 
         put_doc = get_doc
 
-        def ping(self) -> bool:
-            return False
-
     with pytest.raises(StoreError, match="connection refused"):
         due(load_config(cfg), Down(), now)
     said = scheduled_tuning(_Manager(load_config(cfg)), cfg, Down(), now)
