@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import re
@@ -82,6 +83,34 @@ class _World:
 
 
 _SESSION_ID = re.compile(r"[0-9a-f]{12}")
+
+_HELD_BY_HOST = re.compile(r"runs world session '([0-9a-f]{12})'|^session '([0-9a-f]{12})' is already open")
+"""A device host's refusal of an open for a session it holds open (`workers.world.WorldSessions.open`)."""
+
+SENT_FILE = "sent.json"
+"""In a saved session's directory, written by the manager when the session's stream ends: the next
+segment its client had not been sent (`{"next_segment": n}`). The host may have generated (and logged)
+more - a step whose client hung up meanwhile -: a resume continues at that segment, as a reopen after
+the host died does, so no segment is lost to the client. Removed once a resume has rolled back to it."""
+
+
+def _write_sent(d: Path, next_segment: int) -> None:
+    """Record `next_segment` in `d`'s SENT_FILE (nothing when `d` is gone: nothing left to resume)."""
+    if not d.is_dir():
+        return
+    tmp = d / (SENT_FILE + ".tmp")
+    with contextlib.suppress(OSError):
+        tmp.write_text(json.dumps({"next_segment": int(next_segment)}), encoding="utf-8")
+        tmp.replace(d / SENT_FILE)
+
+
+def _read_sent(d: Path) -> int | None:
+    """The next segment recorded in `d`'s SENT_FILE (None when there is none, or it is not ours)."""
+    try:
+        n = json.loads((d / SENT_FILE).read_text(encoding="utf-8")).get("next_segment")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
 
 
 def session_lease(m: Any) -> int:
@@ -292,6 +321,10 @@ class WorldSessionsMixin:
         await self._lease_caught_up(m, sid, sent)
         kind = "session_resumed" if resume_id is not None else "session_opened"
         self._publish(kind, m.name, f"session {sid}", m.device, self.clock(), lease=m.lease)
+        # what the policy expects right after it (a request's successors, as the replay has them at
+        # a session's start): a session runs long, so not at its end, when they have come already
+        self.engine.after_request(m, self.clock())
+        self._flush()
         return sid, data
 
     async def _open_reply(
@@ -300,21 +333,49 @@ class WorldSessionsMixin:
         """The host's reply to the open, and the lease the open was sent with."""
         # not one open, nor one opening (another world model may be resuming one this moment)
         await asyncio.to_thread(self._prune_sessions, keep={*self.sessions, *self._opening_ids, sid})
-        for attempt in range(2):  # a host that lost the model (it restarted) loads it again, in time
+        # resumed: at the segment its client had not been sent when its last stream ended (at the latest)
+        resume_at = await asyncio.to_thread(_read_sent, self.session_dir / sid) if resume else None
+        orphan_closed = lost_retried = False
+        while True:
             sent = session_lease(m)
             reply: P.SessionReply = await asyncio.to_thread(
                 self.pool.session, m.device, "open", m.name, sid, sent,
-                (codec or None) if resume else codec, str(self.session_dir / sid), resume,
+                (codec or None) if resume else codec, str(self.session_dir / sid), resume, resume_at,
             )  # fmt: skip
+            if reply.ok and resume_at is not None:  # rolled back: recorded in the session's own state
+                with contextlib.suppress(OSError):
+                    await asyncio.to_thread((self.session_dir / sid / SENT_FILE).unlink, missing_ok=True)
+            orphan = None if orphan_closed else self._orphan(reply)
+            if orphan is not None:  # closed (its state saved, so it can be resumed), then opened again
+                orphan_closed = True
+                logger.warning(
+                    "world session %s was left open on %s by an earlier run: closed", orphan, m.device
+                )
+                await asyncio.to_thread(self.pool.session, m.device, "close", orphan)
+                detail = f"session {orphan}: left open on the device host by an earlier run of the manager"
+                self._publish("session_closed", m.name, detail, m.device, self.clock())
+                continue
             lost = reply.error_code in (P.WORKER_DIED, P.BAD_TRANSITION)
-            if reply.ok or not lost or attempt == 1 or self.clock() >= deadline:
+            if reply.ok or not lost or lost_retried or self.clock() >= deadline:
                 break
+            lost_retried = True  # a host that lost the model (it restarted) loads it again, in time
             if not await self._host_holds(m):
                 self._lost(m, reply.error or "the device host lost the model")
             with contextlib.suppress(DeadlineExceeded, InsufficientCapacity, WorkerUnavailable):
                 await self._queue_for(m, rank, self.config.classes[rank].name, deadline, retry=True)
             m.busy_until = math.inf
         return reply, sent
+
+    def _orphan(self, reply: P.SessionReply) -> str | None:
+        """The session the host refused an open for because it holds it open (that one, or another on
+        the same world model: `workers.world.WorldSessions.open`'s words) when this manager has no
+        such session open: one a killed earlier run of the manager left there (device hosts outlive
+        it on a cluster), which nobody would ever close. None otherwise."""
+        if reply.ok or reply.error_code != P.BAD_INPUT:
+            return None
+        hit = _HELD_BY_HOST.search(reply.error or "")
+        held = hit and (hit.group(1) or hit.group(2))
+        return held if held and held not in self.sessions else None
 
     async def _lease_caught_up(self, m: Any, sid: str, sent: int) -> None:
         """Session `sid` opened with lease `sent`; a lease change the engine decided meanwhile had no
@@ -437,11 +498,13 @@ class WorldSessionsMixin:
         if sid not in self.sessions:
             raise InvalidRequest(f"no open world session {sid!r}")
         model, opened, rank = self.sessions.pop(sid)
-        self._world.pop(sid, None)
+        w = self._world.pop(sid, None)
         m = self.engine.models[model]
         # shielded: cancelled while the call still waited for a worker thread, the close would be
         # dropped from the pool's queue and the host would keep the session (and its KV) open
         reopening = self._reopening.get(sid)
+        if w is not None:  # what its client got, before a resume can look (a small file, no fsync)
+            _write_sent(self.session_dir / sid, w.next_segment)
 
         async def close_on_host() -> P.SessionReply:
             if reopening is not None:  # a reopen under way: the session is closed once it is open
@@ -456,6 +519,7 @@ class WorldSessionsMixin:
             self._end_busy(m, opened)
             live = self.live[model]
             live.requests += 1
+            live.last_used = self.clock()  # in use until now (as the request log's record says)
             self.served += 1
             if self.store is not None:
                 rec = {"t": opened, "model": model, "busy_s": round(max(0.0, self.clock() - opened), 6),

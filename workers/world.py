@@ -54,7 +54,10 @@ class WorldSessions:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.open_sessions: dict[str, _Open] = {}
-        self._opening = threading.Lock()
+        # held by an open and by a close (re-entered by `closing`): an open never runs while a close
+        # saves a session's state and rolling window (read from the model's KV cache, which the open
+        # resets), nor reads a session's state before its close has written it (a prompt resume)
+        self._opening = threading.RLock()
 
     def _floor(self, o: _Open, kv_bytes: int) -> int:
         return max(int(kv_bytes), MIN_SEGMENTS * o.segment_bytes)
@@ -85,6 +88,7 @@ class WorldSessions:
                 raise NotResident(
                     f"model {model!r} left the gpu tier before its session {session_id!r} opened"
                 )
+            # (the manager knows these two refusals' words: `manager.live_sessions._HELD_BY_HOST`)
             if session_id in self.open_sessions:
                 raise ValueError(f"session {session_id!r} is already open")
             running = next((sid for sid, o in self.open_sessions.items() if o.model == model), None)
@@ -164,12 +168,13 @@ class WorldSessions:
         return lease
 
     def close(self, session_id: str) -> dict[str, Any]:
-        o = self.open_sessions.pop(session_id, None)
-        if o is None:
-            return {"session_id": session_id, "closed": False}
-        with o.lock:
-            o.session.close()
-            return {"session_id": session_id, "closed": True, "segments": o.session.step_index}
+        with self._opening:  # an open waits until the session is closed and its state saved
+            o = self.open_sessions.pop(session_id, None)
+            if o is None:
+                return {"session_id": session_id, "closed": False}
+            with o.lock:
+                o.session.close()
+                return {"session_id": session_id, "closed": True, "segments": o.session.step_index}
 
     def close_model(self, model: str) -> list[str]:
         """Close every session of `model` (before its weights leave the gpu tier)."""
