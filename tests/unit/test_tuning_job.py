@@ -226,33 +226,54 @@ def test_a_run_stopped_by_the_service_stopping_writes_and_records_nothing(
     store.close()
 
 
-@pytest.mark.parametrize(
-    "record",
-    ['{"last_run": "yesterday"}', '{"last_run": null, "failed_at": "soon"}', "{not json", "[1, 2]"],
-    ids=["text-time", "null-times", "not-json", "not-an-object"],
-)
-def test_a_corrupt_tuning_record_is_rewritten_by_the_next_run_not_failed_on_forever(
-    filled: tuple[Any, float, Path], record: str
-) -> None:
-    """Before, `due` called float() on the record's times (and a record that was not JSON made the
-    store raise), so every check of the schedule failed, and no tuning ever ran again until someone
-    deleted the record by hand."""
+def _corrupt_record(cfg: Path, store: Any, record: str) -> None:
+    """Put `record` (raw text) in the store's tuning record, as a torn write or a hand edit would."""
     import sqlite3
 
-    store, now, cfg = filled
     store.put_doc("tuning", {"last_run": 0.0})
     db = sqlite3.connect(cfg.parent / "state.db")
     with db:
         db.execute("UPDATE docs SET value = ? WHERE key = 'tuning'", (record,))
     db.close()
+
+
+@pytest.mark.parametrize(
+    "record",
+    ['{"last_run": "yesterday"}', '{"last_run": null, "failed_at": "soon"}', "{not json", "[1, 2]"],
+    ids=["text-time", "null-times", "not-json", "not-an-object"],
+)
+def test_a_corrupt_tuning_record_counts_as_none_and_a_failure_is_still_recorded_over_it(
+    filled: tuple[Any, float, Path], record: str
+) -> None:
+    """Before, `due` called float() on the record's times (and a record that was not JSON made the
+    store raise), so every check of the schedule failed, and no tuning ever ran again until someone
+    deleted the record by hand; recording the failure failed on the same record."""
+    store, now, cfg = filled
+    _corrupt_record(cfg, store, record)
     config = load_config(cfg)
     assert due(config, store, now)
+    blocked = Path(config.tuning.out_dir)  # the run fails at once: its output folder is a file
+    blocked.parent.mkdir(parents=True, exist_ok=True)
+    blocked.write_text("a file where the output folder should be")
+    said = scheduled_tuning(_Manager(config), cfg, store, now)
+    assert said is not None and said.startswith("failed (") and "retried in 1 h" in said
+    doc = store.get_doc("tuning")
+    assert doc is not None and doc["failed_at"] == now
+    assert not due(config, store, now + 60) and due(config, store, now + RETRY_S)
+    store.close()
+
+
+def test_a_corrupt_tuning_record_is_rewritten_by_the_next_run(filled: tuple[Any, float, Path]) -> None:
+    """The run a corrupt record lets through writes a good record, which the schedule reads again."""
+    store, now, cfg = filled
+    _corrupt_record(cfg, store, "{not json")
+    config = load_config(cfg)
     manager = _Manager(config)
     said = scheduled_tuning(manager, cfg, store, now)
     assert said is not None and not said.startswith("failed") and "applied" in said and manager.reloaded
     doc = store.get_doc("tuning")
     assert doc is not None and doc["last_run"] == now and "failed_at" not in doc
-    assert not due(config, store, now + 60)  # and the schedule reads it again
+    assert not due(config, store, now + 60)
     store.close()
 
 
