@@ -10,6 +10,7 @@ is skipped, counted and logged with its line number: one bad line must not hold 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -30,6 +31,10 @@ class RequestJournal:
         self.skipped = 0
         self.lines = 0
         """Records in the file (as far as this process knows: read, appended, rewritten)."""
+        self.failed = 0
+        """Records that could not be appended (a full disk): they are in memory only."""
+        self._torn = False  # a failed append may have left part of its line: end it first
+        self._closed = False
         self._end_line()
 
     def _end_line(self) -> None:
@@ -47,10 +52,27 @@ class RequestJournal:
         return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def append(self, rec: dict[str, Any]) -> None:
+        """Never raises: the request was served, and a journal that cannot take its record (a full
+        disk) must not fail it; the record is still in memory (logged and counted in `failed`)."""
         # one write(2) of the whole line on an O_APPEND descriptor: in the OS at once, no buffer
         data = (_ENCODE(rec) + "\n").encode()
-        while data:  # a regular file takes it whole; a short write (disk filling up) goes on
-            data = data[os.write(self._fd, data) :]
+        if self._torn:  # a line cut short by an earlier failure: this record starts a line of its own
+            data = b"\n" + data
+        try:
+            if self._fd < 0 and not self._closed:  # a rewrite that could not open it again
+                self._fd = self._open()
+            while data:  # a regular file takes it whole; a short write (disk filling up) goes on
+                data = data[os.write(self._fd, data) :]
+        except OSError as e:
+            self._torn = True
+            self.failed += 1
+            if self.failed == 1 or self.failed % 1000 == 0:
+                logger.warning(
+                    "%s: cannot append to the request journal (%s); %d record(s) in memory only",
+                    self.path, e, self.failed,
+                )  # fmt: skip
+            return
+        self._torn = False
         self.lines += 1
 
     def read(self) -> list[dict[str, Any]]:
@@ -74,18 +96,46 @@ class RequestJournal:
         return out
 
     def rewrite(self, pending: list[dict[str, Any]]) -> None:
-        """Replace the journal with `pending` (atomically: a temp file renamed over it)."""
+        """Replace the journal with `pending` (atomically: a temp file renamed over it). Never raises:
+        it runs after the store took a batch, and a failure taken for the store's would send the batch
+        again. Without room for the temp file (a full disk) the journal is cut and `pending` written
+        in place, so it does not keep what the store has (sent again at the next start)."""
         tmp = self.path.with_suffix(self.path.suffix + ".tmp")
-        with tmp.open("w", encoding="utf-8") as f:
-            for rec in pending:
-                f.write(_ENCODE(rec) + "\n")
-        if self._fd >= 0:
-            os.close(self._fd)
-        os.replace(tmp, self.path)
-        self._fd = self._open()
+        try:
+            with tmp.open("w", encoding="utf-8") as f:
+                for rec in pending:
+                    f.write(_ENCODE(rec) + "\n")
+            self._close_fd()
+            os.replace(tmp, self.path)
+            self._fd = self._open()
+        except OSError as e:
+            logger.warning(
+                "%s: cannot rewrite the request journal (%s); cut and rewritten in place", self.path, e
+            )
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            self._rewrite_in_place(pending)
+            return
+        self._torn = False
         self.lines = len(pending)
 
+    def _rewrite_in_place(self, pending: list[dict[str, Any]]) -> None:
+        try:
+            self._close_fd()
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as e:
+            logger.error("%s: cannot rewrite the request journal (%s)", self.path, e)
+            return  # (the next append tries to open it again)
+        self._torn = False
+        self.lines = 0
+        for rec in pending:
+            self.append(rec)
+
+    def _close_fd(self) -> None:
+        fd, self._fd = self._fd, -1  # never written again once closed: its number may be reused
+        if fd >= 0:
+            os.close(fd)
+
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._closed = True
+        self._close_fd()
