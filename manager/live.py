@@ -66,6 +66,13 @@ WAIT_WINDOW = 10_000
 whole uptime: a service that runs for months keeps no per-request list)."""
 """In-process models whose recent inferences took less than this run on the event loop itself:
 handing them to a thread would cost more than the inference."""
+RESYNC_TRIES = 20
+RESYNC_RETRY_S = 0.5
+"""A device host that does not report its status for a resync (it is still restarting) is asked again
+this often, this many times."""
+NOT_HELD = "not held by its device host (resync)"
+"""The reason of the moves by which a resync takes a model its device host no longer holds off the
+books (no eviction: nothing was decided, and a reload after it is no thrash)."""
 
 
 @dataclass
@@ -154,6 +161,10 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self._pins_set: set[str] = set()  # pinned or unpinned by an admin since this start
         self._pins_unread = False  # the store was down at start: its pins are still to be read
         self._flush_lock = asyncio.Lock()
+        self._boots: dict[str, str] = {}  # device -> the boot id of its host process, as last read
+        self._resyncing: dict[str, asyncio.Task[None]] = {}  # device -> its resync under way
+        self._resync_again: dict[str, str] = {}  # device -> why another resync follows the one under way
+        self._results: dict[str, int] = {}  # model -> how many command results were taken for it
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -266,6 +277,9 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
 
     def _count_action(self, a: Action) -> None:
         mt = self.metrics
+        if a.reason.startswith(NOT_HELD):  # nothing moved: the host had lost it already
+            self._gauge_resident()
+            return
         if a.kind in (ActionKind.LOAD, ActionKind.PROMOTE):
             mt.loads.labels(a.model, "gpu", "host" if a.kind == ActionKind.PROMOTE else "disk").inc()
         elif a.kind == ActionKind.LOAD_HOST:
@@ -293,6 +307,12 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         model, kind = self._ops.pop(r.op_id, (r.model, None))
         retried = r.op_id in self._drop_retries
         self._drop_retries.discard(r.op_id)
+        self._results[model] = self._results.get(model, 0) + 1
+        known = self.engine.models.get(model)
+        device = r.device or (known.device if known is not None else "")
+        news = self._host_news(r, device, kind)
+        if news is not None:  # the host restarted, or lost models: its other models are checked too
+            self._resync_soon(device, news)
         live = self.live.get(model)
         if live is None:
             return
@@ -354,6 +374,96 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             self._ops[op] = (model, ActionKind.DROP)
             self._drop_retries.add(op)
             self.pool.submit(r.device or m.device, P.Drop(model), op)
+
+    def _host_news(self, r: P.CommandResult, device: str, kind: ActionKind | None) -> str | None:
+        """Why result `r` (of a command on `device`) says that device's host may no longer hold what
+        the books count there (it restarted empty, or it lost a model), or None."""
+        if r.boot_id and device:
+            known = self._boots.setdefault(device, r.boot_id)
+            if known != r.boot_id:
+                return f"the device host restarted (a {r.op} of {r.model} ran on a new host process)"
+        if r.error_code == P.WORKER_DIED:
+            return f"worker_died under a {r.op} of {r.model}: {r.error}"
+        if r.error_code == P.BAD_TRANSITION and kind in (ActionKind.DEMOTE, ActionKind.PROMOTE):
+            return f"bad_transition on a {r.op} of {r.model}: {r.error}"
+        if r.ok and kind == ActionKind.PROMOTE and r.from_tier == "disk":
+            return f"the device host no longer held {r.model} in host RAM (it loaded it from disk)"
+        return None
+
+    def _resync_soon(self, device: str, why: str) -> None:
+        """Read `device`'s status again and take off the books what its host no longer holds (a
+        resync, as adoption does at start), once the result or request that said why is handled; one
+        at a time per device (one asked for meanwhile follows it)."""
+        if not self.started or device not in self.engine.state.devices:
+            return
+        task = self._resyncing.get(device)
+        if task is not None and not task.done():
+            self._resync_again[device] = why
+            return
+        self._resyncing[device] = self._in_background(self._resync(device, why))
+
+    async def _resync(self, device: str, why: str | None) -> None:
+        while why is not None and self.started:
+            try:
+                await self._resync_once(device, why)
+            except Exception:
+                logger.exception("device %s: the resync after %s failed", device, why)
+            why = self._resync_again.pop(device, None)
+
+    async def _resync_once(self, device: str, why: str) -> list[str]:
+        """One resync of `device` (see `_resync_soon`): a model on its books whose commands and
+        requests are all over, but that its host does not hold in the books' tier, leaves the books
+        (`_off_books`, said with `why`); pinned models then load again. A model with a command on its way,
+        a request or session in flight, or a result taken while the status was read is left to those
+        (their results tell). Returns the models taken off."""
+        on_device = [m for m in self.engine.models.values() if m.device == device]
+        busy = {name for name, _ in self._ops.values()}
+        seen = {m.name: self._results.get(m.name, 0) for m in on_device}
+        st: P.WorkerStatus | None = None
+        for attempt in range(RESYNC_TRIES):
+            try:
+                st = await asyncio.to_thread(self.pool.status, device, 10.0)
+                break
+            except Exception as e:  # still restarting: asked again in a moment
+                if attempt == 0:
+                    logger.info(
+                        "device %s did not report its status for a resync (%s); asking again", device, e
+                    )
+                if not self.started:
+                    return []
+                await asyncio.sleep(RESYNC_RETRY_S)
+        if st is None:
+            logger.warning("device %s did not report its status for a resync after %s", device, why)
+            return []
+        if st.boot_id:
+            self._boots[device] = st.boot_id
+        busy |= {name for name, _ in self._ops.values()}
+        lost = []
+        for m in on_device:
+            want = {Tier.GPU: "gpu", Tier.HOST: "host"}.get(m.tier)
+            if want is None or m.name in busy or self.live[m.name].inflight > 0:
+                continue
+            if self._results.get(m.name, 0) != seen[m.name]:
+                continue
+            held = st.models.get(m.name)
+            if held is not None and held.tier == want:
+                continue
+            tier = "" if held is None else f" in the {want} tier (it holds it in the {held.tier} tier)"
+            logger.warning(
+                "device %s: the device host no longer holds %s%s (%s): taken off the books",
+                device,
+                m.name,
+                tier,
+                why,
+            )
+            self._off_books(m, f"{why}; the device host no longer holds it{tier}")
+            lost.append(m.name)
+        if lost:
+            now = self.clock()
+            self._publish("resynced", "", f"off the books: {', '.join(lost)} ({why})", device, now)
+            self.engine.load_pinned(now)  # a pinned model lost goes back at once
+            self._flush()
+        return lost
 
     # ---- requests -------------------------------------------------------------------------------
     def _model(self, name: str) -> Any:
@@ -490,6 +600,10 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                 raise
             end = self._call_ended(m, start)
             lost = not result.ok and result.error_code in (P.WORKER_DIED, P.BAD_TRANSITION)
+            if lost:  # the host died or restarted: its other models too (their requests in flight: no)
+                self._resync_soon(
+                    m.device, f"{result.error_code} under a request of {m.name}: {result.error}"
+                )
             if not lost or attempt == 1 or self.clock() > deadline - 0.1:
                 break
             self._lost(m, result.error or "the device host lost the model")
@@ -558,6 +672,21 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             self.engine.evict(m, now, f"lost by its device host: {why}")
         if m.tier == Tier.HOST:
             self.engine.drop_host(m, now, "lost by its device host")
+        self._flush()
+
+    def _off_books(self, m: Any, why: str) -> None:
+        """A resync found that `m`'s device host does not hold it (in the books' tier): off the books,
+        its bytes free, to disk (nothing to demote; a Drop makes sure of it), so the next admission
+        loads it again. Not an eviction (nothing was decided), and its reload is no thrash."""
+        now = self.clock()
+        self._publish("lost", m.name, why, m.device, now)
+        live = self.live[m.name]
+        live.ready.clear()
+        live.tier = "disk"
+        if m.tier == Tier.GPU:
+            self.engine.evict(m, now, f"{NOT_HELD}: {why}", failed=True)
+        elif m.tier == Tier.HOST:
+            self.engine.drop_host(m, now, f"{NOT_HELD}: {why}")
         self._flush()
 
     async def _run_infer(

@@ -114,10 +114,15 @@ class PersistenceMixin:
     _stats_unread: bool
     _flush_lock: asyncio.Lock
     _measured: set[str]  # models whose `weights` a device host measured (not the config's estimate)
+    sessions: dict[str, tuple[str, float, int]]
+    _boots: dict[str, str]  # device -> the boot id of its host process, as last read
 
     if TYPE_CHECKING:  # LiveManager's
 
         def _gauge_resident(self) -> None: ...
+        def _publish(
+            self, kind: str, model: str, detail: str, device: str, t: float, **extra: Any
+        ) -> None: ...
 
     # ---- statistics that survive a restart ---------------------------------------------------
     def save_stats(self) -> None:
@@ -250,8 +255,8 @@ class PersistenceMixin:
     async def adopt(self) -> list[str]:
         """Reattached device hosts may already hold models (a manager restart): put what they hold on
         the engine's books as it is, with no command and no load (the first request is a hit), and
-        drop what no longer is configured there or does not fit the books. Returns the models
-        adopted."""
+        drop what no longer is configured there or does not fit the books; close the world sessions
+        left open there by an earlier run (`_close_orphans`). Returns the models adopted."""
         now = self.clock()
         adopted: list[str] = []
         for device in self.pool.devices():
@@ -260,6 +265,9 @@ class PersistenceMixin:
             except Exception:  # a host that does not answer is reconciled by its next command
                 logger.warning("device %s did not report its status at start", device)
                 continue
+            if st.boot_id:
+                self._boots[device] = st.boot_id
+            await self._close_orphans(device, st)
             for name, ms in st.models.items():
                 m = self.engine.models.get(name)
                 tier = {"gpu": Tier.GPU, "host": Tier.HOST}.get(ms.tier)
@@ -292,6 +300,45 @@ class PersistenceMixin:
                 adopted.append(name)
         self._gauge_resident()
         return adopted
+
+    async def _close_orphans(self, device: str, st: P.WorkerStatus) -> list[str]:
+        """Close on `device` every world session its status lists that this manager has no record of:
+        one an earlier run of the manager left open there when it was killed (device hosts outlive it
+        on a cluster), holding its KV memory and its world model, which nobody would ever close. Its
+        state is saved on close, so its client can still resume it. Returns the ids closed. (A session
+        left open after this, by a manager killed mid-open, is closed when the host refuses an open
+        because of it: `manager.live_sessions`' `_orphan`.)"""
+        closed = []
+        for s in st.sessions:
+            if s.session_id in self.sessions:
+                continue
+            try:
+                reply = await asyncio.to_thread(self.pool.session, device, "close", s.session_id)
+            except Exception as e:
+                reply = P.SessionReply(False, error=repr(e))
+            if not reply.ok:
+                logger.warning(
+                    "device %s: world session %s, left open by an earlier run of the manager, could not "
+                    "be closed at adoption: %s",
+                    device,
+                    s.session_id,
+                    reply.error,
+                )
+                continue
+            logger.warning(
+                "device %s: world session %s of %s was left open by an earlier run of the manager: closed "
+                "at adoption (its state is saved: its client can resume it)",
+                device,
+                s.session_id,
+                s.model,
+            )
+            detail = (
+                f"session {s.session_id}: left open on the device host by an earlier run of the manager; "
+                "closed at adoption (resumable)"
+            )
+            self._publish("session_closed", s.model, detail, device, self.clock())
+            closed.append(s.session_id)
+        return closed
 
     def restore_intent(self, now: float) -> list[str]:
         """At start, after adoption: the models whose recorded intent is the gpu or host tier but that
@@ -369,21 +416,38 @@ class PersistenceMixin:
             self._keep_log([])  # still down: a ping, not the whole batch encoded and sent again
             return
         batch, self._log_buf = self._log_buf, []
+        # shielded: a cancelled caller (the reconciler at stop) must not leave a written batch in the
+        # journal, or the next start would log it twice; and the write's outcome is still handled
+        # here, under the flush lock (a batch the store fails is kept), before the cancel goes on
+        write = asyncio.ensure_future(self._write_batch(batch))
+        cancelled = False
         try:
-            # shielded: a cancelled caller (the reconciler at stop) must not leave a written batch
-            # in the journal, or the next start would log it twice
-            await asyncio.shield(self._write_batch(batch))
-        except Exception as e:
-            if isinstance(e, ValueError):  # records the store refuses (it answers): those go, the rest stay
-                good = self._valid_records(batch)
-                if len(good) < len(batch):
-                    self._keep_log(good)  # written at the next flush; the journal loses the bad ones then
-                    return
-            # the store is down: keep the records (bounded) and try again later
-            logger.warning("could not write %d requests to the store; kept for a retry", len(batch))
-            self._log_failing = True
-            self._keep_log(batch)
-            return
+            await asyncio.shield(write)
+        except asyncio.CancelledError:
+            cancelled = True
+            await asyncio.wait({write})
+        except Exception:
+            pass  # handled below, from the write itself
+        error = asyncio.CancelledError() if write.cancelled() else write.exception()
+        if error is not None:
+            self._write_failed(batch, error)
+        else:
+            self._write_done()
+        if cancelled:
+            raise asyncio.CancelledError
+
+    def _write_failed(self, batch: list[dict[str, Any]], e: BaseException) -> None:
+        if isinstance(e, ValueError):  # records the store refuses (it answers): those go, the rest stay
+            good = self._valid_records(batch)
+            if len(good) < len(batch):
+                self._keep_log(good)  # written at the next flush; the journal loses the bad ones then
+                return
+        # the store is down: keep the records (bounded) and try again later
+        logger.warning("could not write %d requests to the store; kept for a retry", len(batch))
+        self._log_failing = True
+        self._keep_log(batch)
+
+    def _write_done(self) -> None:
         self.metrics.log_buffered.set(len(self._log_buf))
         self._log_failing = False
         if self._intents_stale or self._stats_unread:  # the store answers again: what else it missed

@@ -144,6 +144,7 @@ class WorldSessionsMixin:
     if TYPE_CHECKING:  # LiveManager's (and PersistenceMixin's `_log`)
 
         def _flush(self) -> None: ...
+        def _resync_soon(self, device: str, why: str) -> None: ...
         def _model(self, name: str) -> Any: ...
         def rank_of(self, m: Any, cls: str | None) -> int: ...
         async def _admit(self, m: Any, rank: int, deadline: float, *, observe: bool = True) -> float: ...
@@ -359,6 +360,9 @@ class WorldSessionsMixin:
             if reply.ok or not lost or lost_retried or self.clock() >= deadline:
                 break
             lost_retried = True  # a host that lost the model (it restarted) loads it again, in time
+            self._resync_soon(
+                m.device, f"{reply.error_code} on the open of world session {sid}: {reply.error}"
+            )
             if not await self._host_holds(m):
                 self._lost(m, reply.error or "the device host lost the model")
             with contextlib.suppress(DeadlineExceeded, InsufficientCapacity, WorkerUnavailable):
@@ -370,7 +374,9 @@ class WorldSessionsMixin:
         """The session the host refused an open for because it holds it open (that one, or another on
         the same world model: `workers.world.WorldSessions.open`'s words) when this manager has no
         such session open: one a killed earlier run of the manager left there (device hosts outlive
-        it on a cluster), which nobody would ever close. None otherwise."""
+        it on a cluster), which nobody would ever close. None otherwise. The fallback: adoption at
+        start closes those the host's status lists (`PersistenceMixin._close_orphans`); this catches
+        one left open after it (by a manager killed mid-open, say)."""
         if reply.ok or reply.error_code != P.BAD_INPUT:
             return None
         hit = _HELD_BY_HOST.search(reply.error or "")
@@ -394,6 +400,7 @@ class WorldSessionsMixin:
         model, _, rank = self.sessions[sid]
         m, w, live = self.engine.models[model], self._world[sid], self.live[model]
         self._publish("session_lost", model, f"session {sid}: {why}", m.device, self.clock())
+        self._resync_soon(m.device, f"the device host lost world session {sid} ({why})")  # its other models
 
         def unavailable(detail: str) -> WorkerUnavailable:
             return self._resumable(sid, why, detail)

@@ -8,7 +8,8 @@ Plain Python and PyTorch (no Ray): `workers.actor` wraps it in a Ray actor; test
   host keeps serving its other models.
 * `infer(model, inputs)` → `InferResult` (numpy arrays by name in; out, each output as OIP wire data:
   datatype, shape and raw bytes, which the service sends as they are).
-* `status()` → `WorkerStatus`: what is really resident, for the manager to reconcile with intent.
+* `status()` → `WorkerStatus`: what is really resident and which world sessions are open, for the
+  manager to reconcile with intent; its `boot_id` (on every `CommandResult` too) tells a restart.
 
 Thread safety: commands run one at a time (a lock); `infer` may run beside a command on another model
 (a Ray actor with max_concurrency > 1). A model being dropped finishes its in-flight inferences first
@@ -23,6 +24,7 @@ import socket
 import tempfile
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -91,6 +93,7 @@ class DeviceHost:
         self.release_timeout_s = release_timeout_s
         self.clock = clock
         self.started_at = clock()
+        self.boot_id = uuid.uuid4().hex  # this process's (its results carry it: a restart is seen)
         self.models: dict[str, _Resident] = {}
         self.results: OrderedDict[str, P.CommandResult] = OrderedDict()
         self.ops_done = 0
@@ -128,7 +131,7 @@ class DeviceHost:
                 )  # fmt: skip
             if not result.ok:
                 self._forget_partial(name, before)
-            result = replace(result, device=self.name)
+            result = replace(result, device=self.name, boot_id=self.boot_id)
             self.results[op_id] = result
             while len(self.results) > OP_CACHE:
                 self.results.popitem(last=False)
@@ -539,4 +542,5 @@ class DeviceHost:
                 for n, r in self.models.copy().items()  # a copy, in one C call: commands change it
             },
             ops_done=self.ops_done, device_free_bytes=free, device_total_bytes=total, rss_bytes=rss_bytes(),
+            sessions=self.world.status(), boot_id=self.boot_id,
         )  # fmt: skip

@@ -155,6 +155,10 @@ class CommandResult:
     device: str = ""
     power_w: float | None = None
     """NVML board power after the transition, where NVML is present."""
+    boot_id: str = ""
+    """The device host process that ran it (`WorkerStatus.boot_id`): a new one says the host restarted
+    since the manager last read its status. "" when no host answered (`worker_died`) or from an
+    older host."""
 
     @property
     def transition(self) -> str:
@@ -178,6 +182,16 @@ class ModelStatus:
 
 
 @dataclass(frozen=True)
+class SessionStatus:
+    """A world session open on a device host (`workers.world.WorldSessions`)."""
+
+    session_id: str
+    model: str
+    lease_bytes: int
+    """The KV lease it runs with (host RAM on the CPU stand-in, device memory on CUDA)."""
+
+
+@dataclass(frozen=True)
 class WorkerStatus:
     """What a device host really holds, for reconciliation."""
 
@@ -191,6 +205,11 @@ class WorkerStatus:
     device_free_bytes: int | None = None
     device_total_bytes: int | None = None
     rss_bytes: int = 0
+    sessions: tuple[SessionStatus, ...] = ()
+    """Its open world sessions (holding KV memory), in no order; () from an older host."""
+    boot_id: str = ""
+    """Unique to this host process (a restarted host has a new one, as every `CommandResult` of it
+    says); "" from an older host."""
 
 
 OIP_DATATYPES: dict[str, str] = {

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from workers import protocol as P
+
 MIN_SEGMENTS = 3
 INDEX_EVERY = 8
 """Save the log's index (an fsync) every this many segments: a reopen scans only the slots after it."""
@@ -128,6 +130,13 @@ class WorldSessions:
                 "corrupt_slots": {e.slot: e.reason for e in events if isinstance(e, CorruptSlot)},
                 "missing_segments": [e.segment_id for e in events if isinstance(e, MissingSegment)],
             }  # fmt: skip
+
+    def status(self) -> tuple[P.SessionStatus, ...]:
+        """The open sessions, for the host's status (what a restarted manager reconciles with)."""
+        return tuple(
+            P.SessionStatus(sid, o.model, o.lease)
+            for sid, o in self.open_sessions.copy().items()  # a copy, in one C call: opens change it
+        )
 
     def get(self, session_id: str) -> _Open:
         if session_id not in self.open_sessions:

@@ -1,6 +1,5 @@
 """Found in the review of request batching, the request-log pipeline (journal, buffer, flush) and the
-admin API (2026-12-04); each test failed before its fix (the xfail one documents a bug whose fix
-belongs in a file this review could not change)."""
+admin API (2026-12-03); each test failed before its fix."""
 
 from __future__ import annotations
 
@@ -197,11 +196,6 @@ class TestACancelledFlushKeepsAFailedBatch:
     is neither put back in the buffer nor counted as dropped (silently lost; with a journal, a later
     flush's rewrite erases it there too), and the flush lock is released while the write still runs."""
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="fix in manager/live_persist.py (_flush_log): on CancelledError, wait for the shielded "
-        "write under the flush lock and handle its outcome as usual, then re-raise",
-    )
     def test_a_batch_whose_write_fails_after_its_caller_was_cancelled_is_kept(self, tmp_path: Path) -> None:
         store = _GatedStore(open_store(f"sqlite:///{tmp_path / 'state.db'}"))
 
@@ -214,14 +208,17 @@ class TestACancelledFlushKeepsAFailedBatch:
                 flush = asyncio.create_task(lm.flush_log())
                 await asyncio.to_thread(store.entered.wait, 5)  # the batch is on its way to the store
                 flush.cancel()  # stop() cancels the reconciler in its flush
-                with contextlib.suppress(asyncio.CancelledError):
-                    await flush
+                await asyncio.sleep(0)  # (the cancel reaches it)
                 store.down = True
                 store.gate.set()  # ... and the store fails the write
+                with contextlib.suppress(asyncio.CancelledError):
+                    await flush
+                assert flush.cancelled()  # the cancel still goes on, once the write is handled
                 await asyncio.to_thread(store.finished.wait, 5)
                 for _ in range(5):
-                    await asyncio.sleep(0)  # the write's task ends
-                await lm.flush_log()  # stop()'s own flush
+                    await asyncio.sleep(0)  # (before the fix: the write's task ends, unhandled)
+                assert not lm._flush_lock.locked()
+                await lm.flush_log()  # stop()'s own flush: the store is still down
                 dropped = lm.metrics.registry.get_sample_value("residency_request_log_dropped_total")
                 assert len(lm._log_buf) + (dropped or 0) == 3  # was 0: lost and not counted
             finally:
