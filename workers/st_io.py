@@ -40,6 +40,7 @@ DTYPES: dict[str, torch.dtype] = {
     "F8_E5M2": torch.float8_e5m2,
 }
 MAX_HEADER = 100 * 1024 * 1024
+MAX_DIM = 2**63
 CHUNK = 64 * 1024 * 1024
 
 
@@ -73,21 +74,33 @@ def parse_header(path: str | Path) -> Header:
     """Read and check a safetensors header; CheckpointError names the file and what is wrong."""
     p = Path(path)
     try:
-        size = p.stat().st_size
         with p.open("rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{p}: not a safetensors file (shorter than 8 bytes)")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER or 8 + n > size:
-                raise CheckpointError(f"{p}: not a safetensors file (header length {n} beyond the file)")
-            raw = f.read(n)
-    except FileNotFoundError:
-        raise CheckpointError(f"{p}: no such file") from None
-    except IsADirectoryError:
-        raise CheckpointError(f"{p}: is a directory, not a safetensors file") from None
-    except OSError as e:  # permission denied, an I/O error of the disk
-        raise CheckpointError(f"{p}: cannot be read ({e.strerror or e})") from None
+            return _parse(f, p)
+    except OSError as e:
+        raise _os_error(p, e) from None
+
+
+def _os_error(p: Path, e: OSError) -> CheckpointError:
+    if isinstance(e, FileNotFoundError):
+        return CheckpointError(f"{p}: no such file")
+    if isinstance(e, IsADirectoryError):
+        return CheckpointError(f"{p}: is a directory, not a safetensors file")
+    # permission denied, an I/O error of the disk
+    return CheckpointError(f"{p}: cannot be read ({e.strerror or e})")
+
+
+def _parse(f: Any, p: Path) -> Header:
+    """The header of the open file `f` (at its start), checked against the file's size now."""
+    size = os.fstat(f.fileno()).st_size
+    head = f.read(8)
+    if len(head) < 8:
+        raise CheckpointError(f"{p}: not a safetensors file (shorter than 8 bytes)")
+    (n,) = struct.unpack("<Q", head)
+    if n > MAX_HEADER or 8 + n > size:
+        raise CheckpointError(f"{p}: not a safetensors file (header length {n} beyond the file)")
+    raw = f.read(n)
+    if len(raw) < n:
+        raise CheckpointError(f"{p}: file ended inside its {n}-byte header (changed while being read?)")
     try:
         doc = json.loads(raw)
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -104,9 +117,10 @@ def parse_header(path: str | Path) -> Header:
             dtype, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{p}: tensor {name!r}: malformed entry") from None
-        if not isinstance(info["shape"], list) or not all(_count(d) for d in shape):
+        # a size past int64 fails in torch (a zero-sized tensor passes the size check below)
+        if not isinstance(info["shape"], list) or not all(_count(d) and d < MAX_DIM for d in shape):
             raise CheckpointError(
-                f"{p}: tensor {name!r}: shape {info['shape']!r} is not a list of sizes >= 0"
+                f"{p}: tensor {name!r}: shape {info['shape']!r} is not a list of sizes >= 0 (and < 2**63)"
             )
         if not (_count(start) and _count(end)):
             raise CheckpointError(
@@ -148,18 +162,25 @@ def read_safetensors(
     `method="read"` (default) reads straight into the buffer; `method="mmap"` copies from a mapping.
     The returned tensors are views into that buffer; they stay valid after the file is closed.
     """
-    header = parse_header(path)
-    buf = torch.empty(header.data_bytes, dtype=torch.uint8, pin_memory=pin)
-    if header.data_bytes:
-        try:
-            with open(path, "rb") as f:
+    p = Path(path)
+    try:
+        # one open for the header and the data: a file replaced in between (renamed over) is not read
+        # at the other version's offsets; one rewritten in place meanwhile is seen by its stat
+        with p.open("rb") as f:
+            before = os.fstat(f.fileno())
+            header = _parse(f, p)
+            buf = torch.empty(header.data_bytes, dtype=torch.uint8, pin_memory=pin)
+            if header.data_bytes:
                 if method == "mmap":
                     _copy_mmap(f.fileno(), header, buf)
                 else:
                     f.seek(header.data_offset)
                     _readinto(f, buf)
-        except OSError as e:
-            raise CheckpointError(f"{Path(path)}: cannot be read ({e.strerror or e})") from None
+            after = os.fstat(f.fileno())
+    except OSError as e:
+        raise _os_error(p, e) from None
+    if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
+        raise CheckpointError(f"{p}: changed while being read (written to meanwhile); try again")
     return _views(buf, header), header
 
 

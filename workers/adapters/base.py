@@ -187,6 +187,7 @@ def assign_tensors(
             f"{missing[:4]}, {len(unexpected)} unexpected {unexpected[:4]}",
         )
     shapes = {n: tuple(p.shape) for n, p in module.named_parameters(remove_duplicate=False)}
+    dtypes = {n: p.dtype for n, p in module.named_parameters(remove_duplicate=False)}
     shapes.update({n: tuple(b.shape) for n, b in buffers.items()})
     done: set[str] = set()
     for name, t in tensors.items():
@@ -197,6 +198,15 @@ def assign_tensors(
                 P.BAD_CHECKPOINT,
                 f"model {model!r}: tensor {name!r} has shape {list(t.shape)} in the checkpoint, "
                 f"{list(shapes[name])} in the module",
+            )
+        if name in params and dtypes[name].is_floating_point != t.dtype.is_floating_point:
+            # the tensor is assigned, not copied into the parameter: integer weights for a float module
+            # (or the reverse) would load, then fail every request. Another float width is allowed: a
+            # module built in fp32 may take an fp16/bf16 checkpoint (its inputs declared to match)
+            raise AdapterError(
+                P.BAD_CHECKPOINT,
+                f"model {model!r}: tensor {name!r} has dtype {t.dtype} in the checkpoint, "
+                f"{dtypes[name]} in the module",
             )
         if name in params:
             shared = nn.Parameter(t, requires_grad=False)

@@ -137,8 +137,19 @@ class SentenceEmbeddingAdapter(ModuleAdapter):
             p = self.model_dir() / "tokenizer.json"
             if not p.is_file():
                 raise AdapterError(P.MISSING_CHECKPOINT, f"model {self.spec.name!r}: {p}: no such file")
-            tok = Tokenizer.from_file(str(p))
-            max_len = int(self._json("sentence_bert_config.json", {}).get("max_seq_length", 256))
+            try:
+                tok = Tokenizer.from_file(str(p))
+            except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+                raise AdapterError(
+                    P.BAD_CHECKPOINT, f"model {self.spec.name!r}: {p}: not a tokenizer file ({e})"
+                ) from None
+            max_len = self._json("sentence_bert_config.json", {}).get("max_seq_length", 256)
+            if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len <= 0:
+                raise AdapterError(
+                    P.BAD_CHECKPOINT,
+                    f"model {self.spec.name!r}: {self.model_dir() / 'sentence_bert_config.json'}: "
+                    f"max_seq_length {max_len!r} is not a positive integer",
+                )
             tok.enable_truncation(max_length=max_len)
             tok.enable_padding()
             self._tokenizer = tok

@@ -38,7 +38,7 @@ class SafetensorsModuleAdapter(ModuleAdapter):
             )
         try:
             mod = importlib.import_module(mod_name)
-        except Exception as e:
+        except (Exception, SystemExit) as e:  # a script's module may sys.exit() at import: not the host
             raise AdapterError(
                 P.FACTORY_FAILED,
                 f"model {self.spec.name!r}: cannot import factory module {mod_name!r}: {e!r}",
@@ -55,17 +55,39 @@ class SafetensorsModuleAdapter(ModuleAdapter):
         kwargs = self.spec.source.get("kwargs") or {}
         if not isinstance(kwargs, dict):
             raise AdapterError(P.FACTORY_FAILED, f"model {self.spec.name!r}: source.kwargs must be a mapping")
-        module = self.factory()(**kwargs)
+        fn = self.factory()
+        try:
+            module = fn(**kwargs)
+        except SystemExit as e:  # the host's process is not the factory's to end
+            raise AdapterError(
+                P.FACTORY_FAILED, f"model {self.spec.name!r}: the factory exited (SystemExit: {e})"
+            ) from None
         if not isinstance(module, nn.Module):
             raise AdapterError(
                 P.FACTORY_FAILED,
                 f"model {self.spec.name!r}: factory returned {type(module).__name__}, not an nn.Module",
             )
         self._declared = (
-            getattr(module, "residency_inputs", None),
-            getattr(module, "residency_outputs", None),
+            self._declaration(module, "residency_inputs"),
+            self._declaration(module, "residency_outputs"),
         )
         return module
+
+    def _declaration(self, module: nn.Module, attr: str) -> list[P.TensorSpec] | None:
+        """The module's `attr` as tensor specs; FACTORY_FAILED at the load when it is not a list of
+        (name, datatype, shape) (it failed every request INTERNAL before)."""
+        declared = getattr(module, attr, None)
+        if not declared:
+            return None
+        try:
+            specs = [P.TensorSpec(str(n), str(d), tuple(int(x) for x in s)) for n, d, s in declared]
+        except (TypeError, ValueError) as e:
+            raise AdapterError(
+                P.FACTORY_FAILED,
+                f"model {self.spec.name!r}: its module's {attr} {declared!r} is not a list of "
+                f"(name, datatype, shape): {e}",
+            ) from None
+        return specs
 
     def _specs(self, which: int, default: P.TensorSpec) -> list[P.TensorSpec]:
         if not hasattr(self, "_declared"):
@@ -77,9 +99,7 @@ class SafetensorsModuleAdapter(ModuleAdapter):
             except Exception:  # a factory that fails here fails its load too, with the reason
                 return [default]
         declared = getattr(self, "_declared", (None, None))[which]
-        if not declared:
-            return [default]
-        return [P.TensorSpec(str(n), str(d), tuple(int(x) for x in s)) for n, d, s in declared]
+        return declared or [default]
 
     def inputs(self) -> list[P.TensorSpec]:
         return self._specs(0, P.TensorSpec("input", "FP32", (-1, -1)))

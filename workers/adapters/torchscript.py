@@ -99,7 +99,10 @@ class TorchScriptAdapter(Adapter):
     def infer(self, runnable: Any, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         x = self.input_array(inputs, self.inputs()[0])
         with torch.inference_mode():
-            y = runnable(torch.as_tensor(np.ascontiguousarray(x, dtype=np.float32), device=self.device))
+            try:
+                y = runnable(torch.as_tensor(np.ascontiguousarray(x, dtype=np.float32), device=self.device))
+            except (RuntimeError, ValueError, TypeError, IndexError) as e:  # as safetensors-module's
+                raise AdapterError(P.BAD_INPUT, f"model {self.spec.name!r}: inference failed: {e}") from None
         return {"output": y.detach().float().cpu().numpy()}
 
 
@@ -143,7 +146,14 @@ class SileroVadAdapter(TorchScriptAdapter):
         return [P.TensorSpec("speech_prob", "FP32", (-1,))]
 
     def warmup(self, runnable: Any) -> None:
-        self.infer(runnable, {"audio": np.zeros(SILERO_CHUNK, dtype=np.float32)})
+        try:
+            self.infer(runnable, {"audio": np.zeros(SILERO_CHUNK, dtype=np.float32)})
+        except Exception as e:  # another TorchScript archive (no reset_states, another signature)
+            raise AdapterError(
+                P.BAD_CHECKPOINT,
+                f"model {self.spec.name!r}: {self.path()}: not a silero-vad model (its warm-up failed: "
+                f"{getattr(e, 'message', None) or e!r})",
+            ) from None
 
     def infer(self, runnable: Any, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         a = self.input_array(inputs, self.inputs()[0])

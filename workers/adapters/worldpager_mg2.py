@@ -31,7 +31,7 @@ class WorldPagerMG2Adapter(ModuleAdapter):
         # positions on the fly: a session may run past MG2's 1024-frame and 7500-frame tables
         if preset == "mg2":
             return mg2_config(on_the_fly=True)
-        if preset not in SESSION_PRESETS:
+        if not isinstance(preset, str) or preset not in SESSION_PRESETS:
             raise AdapterError(
                 P.BAD_CHECKPOINT,
                 f"model {self.spec.name!r}: source.preset {preset!r}; "
