@@ -224,6 +224,10 @@ class ChannelClient:
             self._waiters.append(waiter)
             try:
                 await waiter
+            except BaseException:
+                if waiter.done() and not waiter.cancelled():  # woken, then cancelled: pass it on
+                    self._wake_next()
+                raise
             finally:
                 if waiter in self._waiters:
                     self._waiters.remove(waiter)
@@ -237,6 +241,10 @@ class ChannelClient:
             self._opened -= 1
         else:
             self._free.append(sock)
+        self._wake_next()
+
+    def _wake_next(self) -> None:
+        """Wake the first caller still waiting for a connection (a free one, or room to open one)."""
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
@@ -272,7 +280,7 @@ class ChannelClient:
             if n > MAX_FRAME:
                 raise ValueError(f"a {n}-byte reply is over the limit")
             results: list[P.InferResult] = pickle.loads(await self._recv(sock, n))
-        except (OSError, ValueError, pickle.UnpicklingError) as e:
+        except Exception as e:  # a broken connection or a reply that does not decode (not a cancel)
             self.broken = True
             sock.close()
             self._release(None)

@@ -78,7 +78,16 @@ async def read_frame(reader: asyncio.StreamReader) -> Any:
     n = int.from_bytes(head, "big")
     if n > MAX_FRAME:
         raise ConnectionError(f"a frame of {n} bytes: the peer is not a residency front end")
-    return pickle.loads(await reader.readexactly(n))
+    try:
+        body = await reader.readexactly(n)
+    except asyncio.IncompleteReadError as e:
+        raise ConnectionError(
+            f"the peer closed in the middle of a frame ({len(e.partial)} of {n} bytes)"
+        ) from None
+    try:
+        return pickle.loads(body)
+    except Exception as e:  # not a frame of this program's (an empty body, a class not here, ...)
+        raise ConnectionError(f"a frame that does not decode ({type(e).__name__}: {e})") from None
 
 
 class _Outbox:

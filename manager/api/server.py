@@ -87,6 +87,12 @@ def _deny() -> grpc.RpcMethodHandler:
 def auth_token(config: Config) -> str | None:
     env = config.server.auth_token_env
     token = os.environ.get(env) if env else None
+    if token and not all(" " <= c <= "~" for c in token):
+        # gRPC carries metadata values as printable ASCII only: no client could send this token
+        raise ServeError(
+            f"the bearer token in ${env} has a character a gRPC header cannot carry (a newline, a tab, "
+            "another control character or a non-ASCII one): use printable ASCII only"
+        )
     if not token and not is_loopback(config.server.listen):
         raise ServeError(
             f"server.listen {config.server.listen!r} is beyond loopback: set server.auth_token_env and put a "
@@ -160,6 +166,10 @@ async def build_server(
     return server, port, health_servicer
 
 
+MAX_UNIX_PATH = 107
+"""The longest path a Unix socket can be bound at on Linux (sun_path holds 108 bytes with its NUL)."""
+
+
 class Frontends:
     """`server.frontends` > 0: the manager's gRPC server listens on a private Unix socket, a fast
     path for ModelInfer on another, and N front-end processes (`manager.api.front`) on the public
@@ -171,6 +181,13 @@ class Frontends:
 
         self.config = config
         self.manager = manager
+        longest = os.path.join(tempfile.gettempdir(), "residency-front-xxxxxxxx", "grpc.sock")
+        if len(os.fsencode(longest)) > MAX_UNIX_PATH:
+            raise ServeError(
+                f"server.frontends: the front ends' private sockets would be at {longest!r}, "
+                f"{len(os.fsencode(longest))} bytes, too long for a Unix socket (at most {MAX_UNIX_PATH}): "
+                "set TMPDIR to a shorter directory"
+            )
         self.dir = tempfile.mkdtemp(prefix="residency-front-")  # 0700: only this user reaches it
         self.grpc_sock = f"{self.dir}/grpc.sock"
         self.fast_path = f"{self.dir}/fast.sock"
@@ -350,6 +367,7 @@ async def serve(
     fronts: Frontends | None = None
     server: grpc.aio.Server | None = None
     watcher = tuner = None
+    metrics: Any = None
     try:
         if config.server.frontends:
             fronts = Frontends(config, manager)
@@ -367,8 +385,10 @@ async def serve(
             from prometheus_client import start_http_server
 
             host, _, mport = config.server.metrics_listen.rpartition(":")
+            if host.startswith("[") and host.endswith("]"):  # [::1]:9100, as server.listen takes it
+                host = host[1:-1]
             try:
-                start_http_server(int(mport), addr=host, registry=manager.metrics.registry)
+                metrics = start_http_server(int(mport), addr=host, registry=manager.metrics.registry)
             except OSError as e:
                 where = config.server.metrics_listen
                 raise ServeError(
@@ -406,5 +426,10 @@ async def serve(
             await server.stop(grace=5)
         if manager.started:
             await manager.stop()
+        if metrics is not None:  # prometheus' HTTP server and its thread: the port is free again
+            httpd, thread = metrics
+            await asyncio.to_thread(httpd.shutdown)
+            httpd.server_close()
+            thread.join(5.0)
         pool.close()
         store.close()
