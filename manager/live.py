@@ -70,6 +70,9 @@ RESYNC_TRIES = 20
 RESYNC_RETRY_S = 0.5
 """A device host that does not report its status for a resync (it is still restarting) is asked again
 this often, this many times."""
+RESYNC_LATER_S = 5.0
+"""A device whose resync found no status after those tries is resynced again this often, by the
+reconciler, until its host reports one (what it holds meanwhile is unknown to the books)."""
 NOT_HELD = "not held by its device host (resync)"
 """The reason of the moves by which a resync takes a model its device host no longer holds off the
 books (no eviction: nothing was decided, and a reload after it is no thrash)."""
@@ -124,6 +127,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self.live = {name: _Live() for name in self.engine.models}
         self._ops: dict[str, tuple[str, ActionKind]] = {}
         self._drop_retries: set[str] = set()  # op ids of drops sent again after a failed one
+        self._last_drops: set[str] = set()  # op ids of drops neither retried nor resynced if they fail
+        self._drops_refused: set[str] = set()  # models resynced after a refused drop, until a success
         self._subscribers: list[asyncio.Queue[dict[str, Any]]] = []
         self._task: asyncio.Task[None] | None = None
         self.started = False
@@ -164,6 +169,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self._boots: dict[str, str] = {}  # device -> the boot id of its host process, as last read
         self._resyncing: dict[str, asyncio.Task[None]] = {}  # device -> its resync under way
         self._resync_again: dict[str, str] = {}  # device -> why another resync follows the one under way
+        self._unsynced: dict[str, tuple[float, str]] = {}  # device -> (next resync at, why): status unread
         self._results: dict[str, int] = {}  # model -> how many command results were taken for it
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -215,6 +221,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                     self.engine.wakeups = [t for t in self.engine.wakeups if t > now]
                     self.engine.tick(now)
                     self._flush()
+                    self._resync_unsynced(now)
                     next_tick = now + 1.0
                 full = len(self._log_buf) >= LOG_BATCH and not self._log_failing
                 if self._log_buf and (now >= self._next_flush or full):
@@ -307,6 +314,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         model, kind = self._ops.pop(r.op_id, (r.model, None))
         retried = r.op_id in self._drop_retries
         self._drop_retries.discard(r.op_id)
+        last_try = r.op_id in self._last_drops
+        self._last_drops.discard(r.op_id)
         self._results[model] = self._results.get(model, 0) + 1
         known = self.engine.models.get(model)
         device = r.device or (known.device if known is not None else "")
@@ -320,6 +329,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         if kind in (ActionKind.LOAD, ActionKind.PROMOTE):
             live.loads_pending -= 1
         if r.ok:
+            self._drops_refused.discard(model)
             if not r.noop:
                 self.metrics.load_seconds.labels(model, r.transition).observe(r.timing.total_s)
             live.tier = r.to_tier
@@ -368,12 +378,32 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             # books do not keep host RAM for it either
             self.engine.drop_host(m, now, f"demote failed: {r.error}")
             self._flush()
-        elif kind == ActionKind.DROP and r.to_tier != "disk" and not retried:
-            # the host still holds it (a session's close failed, say): once more, its books said gone
+        elif kind == ActionKind.DROP and r.to_tier != "disk":
+            self._drop_refused(r, m, retried=retried, last_try=last_try)
+
+    def _drop_refused(self, r: P.CommandResult, m: Any, *, retried: bool, last_try: bool) -> None:
+        """The host still holds `m` after a Drop (`r`; a session's close failed, say), which the books
+        count on disk: the drop is sent once more; refused again, a resync puts the model back on the
+        books if it fits them, or drops it once more (`last_try`) if not. Once per model until one of
+        its commands works (no loop of drops and resyncs with a host that refuses every drop)."""
+        device = r.device or m.device
+        if not retried and not last_try:
             op = uuid.uuid4().hex
-            self._ops[op] = (model, ActionKind.DROP)
+            self._ops[op] = (m.name, ActionKind.DROP)
             self._drop_retries.add(op)
-            self.pool.submit(r.device or m.device, P.Drop(model), op)
+            self.pool.submit(device, P.Drop(m.name), op)
+        elif not last_try and m.name not in self._drops_refused:
+            self._drops_refused.add(m.name)
+            self._resync_soon(device, f"the device host refused a drop of {m.name} twice ({r.error})")
+        else:
+            logger.warning(
+                "device %s: the device host refused a drop of %s again (%s): it still holds it in the "
+                "%s tier, which the books do not count",
+                device,
+                m.name,
+                r.error,
+                r.to_tier,
+            )
 
     def _host_news(self, r: P.CommandResult, device: str, kind: ActionKind | None) -> str | None:
         """Why result `r` (of a command on `device`) says that device's host may no longer hold what
@@ -391,9 +421,10 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         return None
 
     def _resync_soon(self, device: str, why: str) -> None:
-        """Read `device`'s status again and take off the books what its host no longer holds (a
-        resync, as adoption does at start), once the result or request that said why is handled; one
-        at a time per device (one asked for meanwhile follows it)."""
+        """Read `device`'s status again and bring the books in step with what its host holds (a
+        resync, as adoption does at start): off the books what it no longer holds, on the books (or
+        dropped there) what it holds beyond them; once the result or request that said why is handled;
+        one at a time per device (one asked for meanwhile follows it)."""
         if not self.started or device not in self.engine.state.devices:
             return
         task = self._resyncing.get(device)
@@ -413,9 +444,12 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
     async def _resync_once(self, device: str, why: str) -> list[str]:
         """One resync of `device` (see `_resync_soon`): a model on its books whose commands and
         requests are all over, but that its host does not hold in the books' tier, leaves the books
-        (`_off_books`, said with `why`); pinned models then load again. A model with a command on its way,
-        a request or session in flight, or a result taken while the status was read is left to those
-        (their results tell). Returns the models taken off."""
+        (`_off_books`, said with `why`); pinned models then load again. A model the books have on disk
+        but that its host holds (on the GPU or in host RAM: a load whose result said it failed, a drop
+        it refused) is put on the books if it fits them, else dropped there (`_held_beyond_books`); one
+        it holds that is not configured there is dropped. A model with a command on its way, a request
+        or session in flight, or a result taken while the status was read is left to those (their
+        results tell). Returns the models taken off."""
         on_device = [m for m in self.engine.models.values() if m.device == device]
         busy = {name for name, _ in self._ops.values()}
         seen = {m.name: self._results.get(m.name, 0) for m in on_device}
@@ -433,19 +467,31 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                     return []
                 await asyncio.sleep(RESYNC_RETRY_S)
         if st is None:
-            logger.warning("device %s did not report its status for a resync after %s", device, why)
+            logger.warning(
+                "device %s did not report its status for a resync after %s; tried again in %s s",
+                device,
+                why,
+                RESYNC_LATER_S,
+            )
+            self._unsynced[device] = (self.clock() + RESYNC_LATER_S, why)
             return []
+        self._unsynced.pop(device, None)
         if st.boot_id:
             self._boots[device] = st.boot_id
         busy |= {name for name, _ in self._ops.values()}
         lost = []
+        beyond = []
         for m in on_device:
-            want = {Tier.GPU: "gpu", Tier.HOST: "host"}.get(m.tier)
-            if want is None or m.name in busy or self.live[m.name].inflight > 0:
+            if m.name in busy or self.live[m.name].inflight > 0:
                 continue
             if self._results.get(m.name, 0) != seen[m.name]:
                 continue
+            want = {Tier.GPU: "gpu", Tier.HOST: "host"}.get(m.tier)
             held = st.models.get(m.name)
+            if want is None:
+                if held is not None and held.tier in ("gpu", "host"):
+                    beyond.append(self._held_beyond_books(m, held, why))
+                continue
             if held is not None and held.tier == want:
                 continue
             tier = "" if held is None else f" in the {want} tier (it holds it in the {held.tier} tier)"
@@ -458,12 +504,85 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             )
             self._off_books(m, f"{why}; the device host no longer holds it{tier}")
             lost.append(m.name)
-        if lost:
+        configured = {m.name for m in on_device}
+        for name in st.models.keys() - configured - busy:
+            logger.warning(
+                "device %s holds %s, which is not configured there (%s): dropped", device, name, why
+            )
+            self._drop_on_host(device, name, last_try=True)
+            beyond.append(f"{name} dropped on the host (not configured there)")
+        if lost or beyond:
             now = self.clock()
-            self._publish("resynced", "", f"off the books: {', '.join(lost)} ({why})", device, now)
-            self.engine.load_pinned(now)  # a pinned model lost goes back at once
+            said = [f"off the books: {', '.join(lost)}"] if lost else []
+            self._publish("resynced", "", f"{'; '.join(said + beyond)} ({why})", device, now)
+        if lost:
+            self.engine.load_pinned(self.clock())  # a pinned model lost goes back at once
             self._flush()
         return lost
+
+    def _resync_unsynced(self, now: float) -> None:
+        """The reconciler's light check: a device whose last resync could not read its host's status
+        is resynced again (its host may hold what the books do not count, or no longer hold what they
+        do, and no later result need say so: a host that answers again under the same boot id)."""
+        for device, (at, why) in list(self._unsynced.items()):
+            if at <= now:
+                del self._unsynced[device]
+                self._resync_soon(device, f"{why} (its status was unread)")
+
+    def _held_beyond_books(self, m: Any, held: P.ModelStatus, why: str) -> str:
+        """A resync found `m`'s device host holding it in `held.tier` (the GPU or host RAM) while the
+        books have it on disk: the books would give its room away and the next load there could
+        overrun the device. It is put on the books as it is (as adoption at start does: no command,
+        no load) when it fits them; dropped on the host when it does not, or when it was loaded with
+        another spec than the config's. Said (a log line, an event); returns what was done."""
+        now, device = self.clock(), m.device
+        tier = Tier.GPU if held.tier == "gpu" else Tier.HOST
+        other = held.spec is not None and held.spec != self.specs.get(m.name)
+        if not other and tier == Tier.GPU and held.device_bytes > 0:
+            m.weights = int(held.device_bytes)  # the host's measure, before the books count it
+            self._measured.add(m.name)
+            self.engine.recheck_fit()
+        if other or not self.engine.adopt(m, tier, now):
+            because = (
+                "it was loaded with another adapter, source or budget than the config's"
+                if other
+                else "it does not fit the books"
+            )
+            logger.warning(
+                "device %s: the device host holds %s in the %s tier, which the books have on disk (%s), "
+                "and %s: dropped there",
+                device,
+                m.name,
+                held.tier,
+                why,
+                because,
+            )
+            detail = f"{why}; held in the {held.tier} tier beyond the books, and {because}: dropped there"
+            self._publish("held_dropped", m.name, detail, device, now)
+            self._drop_on_host(device, m.name, last_try=True)
+            return f"{m.name} dropped on the host ({because})"
+        live = self.live[m.name]
+        live.tier = held.tier
+        live.error = live.error_code = None
+        if live.load_error is not None:  # it did load, after all
+            live.load_error = None
+            m.prewarm_ok = m.cfg.prewarm
+        if tier == Tier.GPU:
+            live.ready.set()
+        self._set_intent(m.name, held.tier)
+        self._gauge_resident()
+        logger.warning(
+            "device %s: the device host holds %s in the %s tier, which the books had on disk (%s): "
+            "put on the books",
+            device,
+            m.name,
+            held.tier,
+            why,
+        )
+        self._publish(
+            "adopted", m.name, f"{why}; held in the {held.tier} tier: put on the books", device, now
+        )
+        return f"{m.name} put on the books ({held.tier})"
 
     # ---- requests -------------------------------------------------------------------------------
     def _model(self, name: str) -> Any:

@@ -13,6 +13,7 @@ import asyncio
 import copy
 import logging
 import math
+import uuid
 from typing import TYPE_CHECKING, Any
 
 from manager.journal import RequestJournal
@@ -116,6 +117,8 @@ class PersistenceMixin:
     _measured: set[str]  # models whose `weights` a device host measured (not the config's estimate)
     sessions: dict[str, tuple[str, float, int]]
     _boots: dict[str, str]  # device -> the boot id of its host process, as last read
+    _ops: dict[str, tuple[str, ActionKind]]  # op id -> the model and kind of a command on its way
+    _last_drops: set[str]  # op ids of drops neither retried nor resynced if they fail
 
     if TYPE_CHECKING:  # LiveManager's
 
@@ -273,7 +276,7 @@ class PersistenceMixin:
                 tier = {"gpu": Tier.GPU, "host": Tier.HOST}.get(ms.tier)
                 if m is None or m.device != device or tier is None:
                     logger.info("device %s holds %s, which is not configured there: dropped", device, name)
-                    self.pool.submit(device, P.Drop(name))
+                    self._drop_on_host(device, name)
                     continue
                 if ms.spec is not None and ms.spec != self.specs.get(name):
                     logger.info(
@@ -282,7 +285,7 @@ class PersistenceMixin:
                         device,
                         name,
                     )
-                    self.pool.submit(device, P.Drop(name))
+                    self._drop_on_host(device, name)
                     continue
                 if tier == Tier.GPU and ms.device_bytes > 0:
                     m.weights = int(ms.device_bytes)  # the host's measure, before the books count it
@@ -290,7 +293,7 @@ class PersistenceMixin:
                     self.engine.recheck_fit()
                 if not self.engine.adopt(m, tier, now):
                     logger.warning("device %s holds %s, which does not fit the books: dropped", device, name)
-                    self.pool.submit(device, P.Drop(name))
+                    self._drop_on_host(device, name)
                     continue
                 live = self.live[name]
                 live.tier = ms.tier
@@ -300,6 +303,17 @@ class PersistenceMixin:
                 adopted.append(name)
         self._gauge_resident()
         return adopted
+
+    def _drop_on_host(self, device: str, name: str, *, last_try: bool = False) -> None:
+        """Drop `name` on `device`, which holds it beyond the books (nothing on the books changes). Its
+        result is taken as the engine's drops' are (a command on its way: no resync touches the model
+        meanwhile): refused, it is sent once more, then a resync follows; `last_try`: a refusal is
+        only said (a resync's own drop: no loop of drops and resyncs)."""
+        op = uuid.uuid4().hex
+        self._ops[op] = (name, ActionKind.DROP)
+        if last_try:
+            self._last_drops.add(op)
+        self.pool.submit(device, P.Drop(name), op)
 
     async def _close_orphans(self, device: str, st: P.WorkerStatus) -> list[str]:
         """Close on `device` every world session its status lists that this manager has no record of:
