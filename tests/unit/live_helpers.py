@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -67,3 +67,64 @@ def lru_config(tmp_path: Path, extra: str = "") -> Config:
         CONFIG.read_text().replace("policy: {name: residency}", "policy: {name: lru-keepalive}") + extra
     )
     return load_config(cfg)
+
+
+WORLD_CONFIG = """
+devices: [{name: cpu0, kind: cpu, memory: 1GiB, reserve: 128MiB}]
+host: {memory: 8GiB, reserve: 1GiB}
+classes: [{name: interactive}]
+store: {sessions: SESSIONS}
+models:
+  - {name: world, class: interactive, adapter: worldpager-mg2, device: cpu0, memory: 4MiB,
+     elastic: {min: 16MiB, max: 64MiB}, load_seconds: {disk: 0.2, host: 0.05}, source: {preset: micro}}
+"""
+"""A CPU device with the world model (the micro stand-in); SESSIONS: where its sessions are saved."""
+POSES = [(float(i), 0.0, 0.0, 0.0, 20.0 * i) for i in range(8)]
+"""Poses of a short walk (x, y, z, pitch, yaw) for world-session steps."""
+
+
+def world_config(tmp_path: Path, extra: str = "") -> Config:
+    """WORLD_CONFIG, its sessions saved under tmp_path, with `extra` (more model lines) added."""
+    (tmp_path / "c.yaml").write_text(WORLD_CONFIG.replace("SESSIONS", str(tmp_path / "sessions")) + extra)
+    return load_config(tmp_path / "c.yaml")
+
+
+async def until(cond: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    """Wait (polling the event loop) until `cond()`; fails saying `what` did not happen in time."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, f"not within {timeout_s} s: {what}"
+        await asyncio.sleep(0.01)
+
+
+def drain(q: asyncio.Queue[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What an event queue holds now, emptied."""
+    out = []
+    while not q.empty():
+        out.append(q.get_nowait())
+    return out
+
+
+PoolT = TypeVar("PoolT")
+
+
+def run_with_pinned_voice(
+    config: Config, wrap: Callable[[Any], PoolT], body: Callable[[LiveManager, PoolT], Awaitable[None]]
+) -> list[dict[str, Any]]:
+    """Start a manager on in-process device hosts (`wrap`ped: a test's fault injection), wait for its
+    pinned voice model, run `body`, stop it; returns the events it published."""
+
+    async def main() -> list[dict[str, Any]]:
+        pool = wrap(create_pool(config, in_process=True))
+        lm = LiveManager(config, pool)  # type: ignore[arg-type]
+        events = lm.subscribe()
+        await lm.start()
+        try:
+            await until(lambda: lm.live["voice"].ready.is_set(), "the pinned voice loaded")
+            await body(lm, pool)
+        finally:
+            await lm.stop()
+            pool.close()  # type: ignore[attr-defined]
+        return drain(events)
+
+    return asyncio.run(main())

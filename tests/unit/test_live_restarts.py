@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 from live_helpers import AUDIO, CONFIG, TEXT, lru_config, run
+from live_helpers import drain as _drain
+from live_helpers import until as _until
 
 from manager.config import load_config
 from manager.errors import WorkerUnavailable
@@ -19,20 +21,6 @@ from manager.store import open_store
 from manager.workers_bridge import create_pool
 
 # ---- restarts: adoption and recorded intent; device hosts that die under a load or a request ----
-
-
-async def _until(cond: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, f"not within {timeout_s} s: {what}"
-        await asyncio.sleep(0.01)
-
-
-def _drain(q: asyncio.Queue[dict[str, Any]]) -> list[dict[str, Any]]:
-    out = []
-    while not q.empty():
-        out.append(q.get_nowait())
-    return out
 
 
 def test_a_restarted_manager_adopts_what_is_held_and_loads_back_what_was_intended(

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from live_helpers import AUDIO, TEXT, lru_config
+from live_helpers import AUDIO, POSES, TEXT, lru_config, run_with_pinned_voice, world_config
+from live_helpers import drain as _drain
+from live_helpers import until as _until
 
-from manager.config import Config, load_config
 from manager.live import LiveManager
 from manager.policy.types import Tier
 from manager.workers_bridge import create_pool
@@ -21,20 +22,6 @@ from workers import protocol as P
 from workers.host import DeviceHost
 
 DIED = "device host 'cpu0' died: ActorDiedError: the actor died unexpectedly"
-
-
-async def _until(cond: Callable[[], bool], what: str, timeout_s: float = 4.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, f"not within {timeout_s} s: {what}"
-        await asyncio.sleep(0.01)
-
-
-def _drain(q: asyncio.Queue[dict[str, Any]]) -> list[dict[str, Any]]:
-    out = []
-    while not q.empty():
-        out.append(q.get_nowait())
-    return out
 
 
 class _RestartingPool:
@@ -101,21 +88,7 @@ class TestAHostRestartLearnedFromAResultResyncsTheBooks:
         self, tmp_path: Path, body: Callable[[LiveManager, _RestartingPool], Awaitable[None]]
     ) -> list[dict[str, Any]]:
         config = lru_config(tmp_path)  # voice pinned; nothing else loads until asked for
-
-        async def main() -> list[dict[str, Any]]:
-            pool = _RestartingPool(create_pool(config, in_process=True))
-            lm = LiveManager(config, pool)
-            events = lm.subscribe()
-            await lm.start()
-            try:
-                await _until(lambda: lm.live["voice"].ready.is_set(), "the pinned voice loaded")
-                await body(lm, pool)
-            finally:
-                await lm.stop()
-                pool.close()
-            return _drain(events)
-
-        return asyncio.run(main())
+        return run_with_pinned_voice(config, _RestartingPool, body)
 
     @staticmethod
     async def _resynced(lm: LiveManager, pool: _RestartingPool, resident: dict[str, str]) -> None:
@@ -203,49 +176,21 @@ class TestAHostRestartLearnedFromAResultResyncsTheBooks:
         voice = """  - {name: voice, class: interactive, adapter: silero-vad, device: cpu0, memory: 3MiB,
      pin: true, load_seconds: {disk: 0.1, host: 0.05}}
 """
-        (tmp_path / "c.yaml").write_text(WORLD_CONFIG.replace("SESSIONS", str(tmp_path / "sessions")) + voice)
-        config = load_config(tmp_path / "c.yaml")
+        config = world_config(tmp_path, voice)
 
-        async def main() -> list[dict[str, Any]]:
-            pool = _RestartingPool(create_pool(config, in_process=True))
-            lm = LiveManager(config, pool)
-            events = lm.subscribe()
-            await lm.start()
-            try:
-                await _until(lambda: lm.live["voice"].ready.is_set(), "the pinned voice loaded")
-                sid, _ = await lm.open_session("world")
-                assert (await lm.step_session(sid, POSES[0]))["step"] == 0
-                pool.restart()
-                again = await lm.step_session(sid, POSES[1])
-                assert again["resumed"] and again["step"] == 1
-                await _until(lambda: _held(pool) == {"voice": "gpu", "world": "gpu"}, "both held again")
-                await _until(lambda: lm.live["voice"].ready.is_set(), "voice confirmed again")
-                assert _books(lm) == {"voice": "gpu", "world": "gpu"}
-                await lm.close_session(sid)
-            finally:
-                await lm.stop()
-                pool.close()
-            return _drain(events)
+        async def body(lm: LiveManager, pool: _RestartingPool) -> None:
+            sid, _ = await lm.open_session("world")
+            assert (await lm.step_session(sid, POSES[0]))["step"] == 0
+            pool.restart()
+            again = await lm.step_session(sid, POSES[1])
+            assert again["resumed"] and again["step"] == 1
+            await _until(lambda: _held(pool) == {"voice": "gpu", "world": "gpu"}, "both held again")
+            await _until(lambda: lm.live["voice"].ready.is_set(), "voice confirmed again")
+            assert _books(lm) == {"voice": "gpu", "world": "gpu"}
+            await lm.close_session(sid)
 
-        events = asyncio.run(main())
+        events = run_with_pinned_voice(config, _RestartingPool, body)
         assert "voice" in [e["model"] for e in events if e["kind"] == "lost"]
-
-
-WORLD_CONFIG = """
-devices: [{name: cpu0, kind: cpu, memory: 1GiB, reserve: 128MiB}]
-host: {memory: 8GiB, reserve: 1GiB}
-classes: [{name: interactive}]
-store: {sessions: SESSIONS}
-models:
-  - {name: world, class: interactive, adapter: worldpager-mg2, device: cpu0, memory: 4MiB,
-     elastic: {min: 16MiB, max: 64MiB}, load_seconds: {disk: 0.2, host: 0.05}, source: {preset: micro}}
-"""
-POSES = [(float(i), 0.0, 0.0, 0.0, 20.0 * i) for i in range(8)]
-
-
-def _world_config(tmp_path: Path) -> Config:
-    (tmp_path / "c.yaml").write_text(WORLD_CONFIG.replace("SESSIONS", str(tmp_path / "sessions")))
-    return load_config(tmp_path / "c.yaml")
 
 
 class TestASessionLeftOpenByAKilledManagerIsClosedAtAdoption:
@@ -258,7 +203,7 @@ class TestASessionLeftOpenByAKilledManagerIsClosedAtAdoption:
     def test_the_next_manager_closes_it_at_start(
         self, tmp_path: Path, caplog: pytest.LogCaptureFixture
     ) -> None:
-        config = _world_config(tmp_path)
+        config = world_config(tmp_path)
 
         async def main() -> list[dict[str, Any]]:
             pool = create_pool(config, in_process=True)  # the device host outlives both managers
@@ -298,7 +243,7 @@ class TestASessionLeftOpenByAKilledManagerIsClosedAtAdoption:
     def test_one_left_open_after_adoption_is_still_closed_at_the_next_open(self, tmp_path: Path) -> None:
         """The fallback: a session opened on the host after adoption, by nobody this manager knows
         (a manager killed mid-open, say), is closed when an open on its world model is refused."""
-        config = _world_config(tmp_path)
+        config = world_config(tmp_path)
 
         async def main() -> None:
             pool = create_pool(config, in_process=True)

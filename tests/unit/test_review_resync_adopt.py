@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from live_helpers import lru_config
-from test_review_resync import _books, _drain, _held, _until
+from live_helpers import lru_config, run_with_pinned_voice
+from live_helpers import until as _until
+from test_review_resync import _books, _held
 
 from manager import live
 from manager.config import Config, load_config
 from manager.live import LiveManager
-from manager.workers_bridge import create_pool
 from workers import protocol as P
 
 UNREACHABLE = "device host 'cpu0' failed: ActorUnavailableError: the actor is temporarily unavailable"
@@ -97,20 +97,7 @@ class _FaultyPool:
 
 
 def _run(config: Config, body: Callable[[LiveManager, _FaultyPool], Awaitable[None]]) -> list[dict[str, Any]]:
-    async def main() -> list[dict[str, Any]]:
-        pool = _FaultyPool(create_pool(config, in_process=True))
-        lm = LiveManager(config, pool)
-        events = lm.subscribe()
-        await lm.start()
-        try:
-            await _until(lambda: lm.live["voice"].ready.is_set(), "the pinned voice loaded")
-            await body(lm, pool)
-        finally:
-            await lm.stop()
-            pool.close()
-        return _drain(events)
-
-    return asyncio.run(main())
+    return run_with_pinned_voice(config, _FaultyPool, body)
 
 
 async def _agree(lm: LiveManager, pool: _FaultyPool, resident: dict[str, str]) -> None:

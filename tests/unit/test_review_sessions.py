@@ -11,26 +11,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from live_helpers import POSES, world_config
 
-from manager.config import Config, load_config
 from manager.live import LiveManager
 from manager.workers_bridge import create_pool
-
-CONFIG = """
-devices: [{name: cpu0, kind: cpu, memory: 1GiB, reserve: 128MiB}]
-host: {memory: 8GiB, reserve: 1GiB}
-classes: [{name: interactive}]
-store: {sessions: SESSIONS}
-models:
-  - {name: world, class: interactive, adapter: worldpager-mg2, device: cpu0, memory: 4MiB,
-     elastic: {min: 16MiB, max: 64MiB}, load_seconds: {disk: 0.2, host: 0.05}, source: {preset: micro}}
-"""
-POSES = [(float(i), 0.0, 0.0, 0.0, 20.0 * i) for i in range(8)]
-
-
-def world_config(tmp_path: Path) -> Config:
-    (tmp_path / "c.yaml").write_text(CONFIG.replace("SESSIONS", str(tmp_path / "sessions")))
-    return load_config(tmp_path / "c.yaml")
 
 
 class _HeldSteps:
@@ -263,12 +247,9 @@ class TestASessionsEndIsTheWorldModelsLastUse:
         run_world(tmp_path, body)
 
 
-CHAIN_CONFIG = (
-    CONFIG
-    + """  - {name: voice, class: interactive, adapter: silero-vad, device: cpu0, memory: 3MiB,
+VOICE = """  - {name: voice, class: interactive, adapter: silero-vad, device: cpu0, memory: 3MiB,
      load_seconds: {disk: 0.1, host: 0.05}}
 """
-)
 
 
 class TestAWorldSessionsSuccessorsArePrewarmed:
@@ -280,8 +261,7 @@ class TestAWorldSessionsSuccessorsArePrewarmed:
     def test_a_model_that_follows_world_sessions_is_loaded_when_one_opens(self, tmp_path: Path) -> None:
         from manager.policy.types import Tier
 
-        (tmp_path / "c.yaml").write_text(CHAIN_CONFIG.replace("SESSIONS", str(tmp_path / "sessions")))
-        config = load_config(tmp_path / "c.yaml")
+        config = world_config(tmp_path, VOICE)
         audio = {"audio": np.zeros(512, dtype=np.float32)}
 
         async def main() -> None:

@@ -114,27 +114,16 @@ def test_segments_missing_from_a_cut_log_are_reported_and_never_attended_to(tmp_
     assert any(r.retrieved for r in recs)
 
 
-CONFIG = """
-devices: [{name: cpu0, kind: cpu, memory: 1GiB, reserve: 128MiB}]
-host: {memory: 8GiB, reserve: 1GiB}
-classes: [{name: interactive}]
-store: {sessions: SESSIONS}
-models:
-  - {name: world, class: interactive, adapter: worldpager-mg2, device: cpu0, memory: 4MiB,
-     elastic: {min: 16MiB, max: 64MiB}, load_seconds: {disk: 0.2, host: 0.05}, source: {preset: micro}}
-"""
-
-
 def test_the_manager_reopens_a_session_on_a_restarted_host_or_says_how_to_resume_it(tmp_path: Path) -> None:
     """In-process hosts; the host is replaced by an empty one, as Ray restarts a dead actor."""
-    from manager.config import load_config
+    from live_helpers import world_config
+
     from manager.errors import ModelNotFound, WorkerUnavailable
     from manager.live import LiveManager
     from manager.workers_bridge import create_pool
     from workers.host import DeviceHost
 
-    (tmp_path / "c.yaml").write_text(CONFIG.replace("SESSIONS", str(tmp_path / "sessions")))
-    config = load_config(tmp_path / "c.yaml")
+    config = world_config(tmp_path)
     pool = create_pool(config, in_process=True)
 
     def restart() -> None:
