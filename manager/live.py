@@ -783,15 +783,9 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
 
     def _lost(self, m: Any, why: str) -> None:
         """The device host no longer holds `m` (it died, or restarted empty): off the books, so the
-        next admission loads it again."""
-        now = self.clock()
-        self._publish("lost", m.name, why, m.device, now)
-        self.live[m.name].ready.clear()
-        if m.tier == Tier.GPU:
-            self.engine.evict(m, now, f"lost by its device host: {why}")
-        if m.tier == Tier.HOST:
-            self.engine.drop_host(m, now, "lost by its device host")
-        self._flush()
+        next admission loads it again; as a resync takes it off (no eviction, no demote of what is not
+        there, and its reload is no thrash)."""
+        self._off_books(m, f"lost by its device host: {why}")
 
     def _off_books(self, m: Any, why: str) -> None:
         """A resync found that `m`'s device host does not hold it (in the books' tier): off the books,

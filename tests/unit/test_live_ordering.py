@@ -469,9 +469,13 @@ def test_an_admin_evict_that_waits_is_not_undone_by_the_requests_retry(tmp_path:
         assert lm.engine.models["other"].tier == Tier.HOST  # and then the evict was carried out
         assert lm.live["other"].evict_to is None
         moves = [e[:2] for e in pool.log if e[-1] == "other" and e[0] in ("submit", "infer", "died")]
-        lost = [("submit", "Demote"), ("submit", "Drop")]  # the lost model taken off the books
+        # the lost model taken off the books: one Drop to make sure (no demote of what is not there)
+        lost = [("submit", "Drop")]
         assert moves == [("submit", "Load"), ("died", "other"), *lost, ("submit", "Load"), ("infer", "other"),
                          ("submit", "Demote")]  # fmt: skip
+        # losing it was no eviction (nothing decided it), and its reload no thrash: the admin's evict is
+        # the one eviction
+        assert (lm.engine.counters.evictions, lm.engine.counters.thrash) == (1, 0)
 
     run(config, body, wrap=lambda p: DiesUnderTheFirstRequest(p, delay_s=0.5))
 
