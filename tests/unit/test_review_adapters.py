@@ -245,6 +245,22 @@ class TestSentenceTransformerFiles:
         _still_serving(host)
 
 
+class TestBertConfigValues:
+    """A config.json whose values cannot build a BERT model (`hidden_size: "abc"`) failed
+    FACTORY_FAILED ("building the module failed: ...") without naming the file that holds them."""
+
+    def test_named(self, host: DeviceHost, factories: str, tmp_path: Path) -> None:
+        _serving(host, factories, tmp_path)
+        d = _st_dir(tmp_path)
+        doc = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**doc, "hidden_size": "abc"}))
+        r = host.apply(P.Load(P.ModelSpec("embed", "sentence-transformers", {"path": str(d)})), "embed")
+        assert not r.ok and r.error_code == P.BAD_CHECKPOINT, r.error
+        assert str(d / "config.json") in (r.error or "")
+        assert "embed" not in host.status().models
+        _still_serving(host)
+
+
 class TestWorldPreset:
     """A world model whose `source.preset` is not a string (a list, from a YAML slip) failed INTERNAL
     with TypeError("unhashable type: 'list'")."""

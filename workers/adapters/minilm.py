@@ -126,9 +126,17 @@ class SentenceEmbeddingAdapter(ModuleAdapter):
     def build(self) -> nn.Module:
         from transformers import BertConfig, BertModel
 
-        cfg = BertConfig.from_dict(self._json("config.json"))
-        model = BertModel(cfg, add_pooling_layer=False)
-        return model
+        try:
+            cfg = BertConfig.from_dict(self._json("config.json"))
+            return BertModel(cfg, add_pooling_layer=False)
+        except AdapterError:
+            raise
+        except Exception as e:  # a value of the wrong kind or size: say which file holds it
+            raise AdapterError(
+                P.BAD_CHECKPOINT,
+                f"model {self.spec.name!r}: {self.model_dir() / 'config.json'}: cannot build a BERT model "
+                f"from it ({type(e).__name__}: {e})",
+            ) from None
 
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
