@@ -388,10 +388,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         its commands works (no loop of drops and resyncs with a host that refuses every drop)."""
         device = r.device or m.device
         if not retried and not last_try:
-            op = uuid.uuid4().hex
-            self._ops[op] = (m.name, ActionKind.DROP)
-            self._drop_retries.add(op)
-            self.pool.submit(device, P.Drop(m.name), op)
+            self._drop_on_host(device, m.name, retry=True)
         elif not last_try and m.name not in self._drops_refused:
             self._drops_refused.add(m.name)
             self._resync_soon(device, f"the device host refused a drop of {m.name} twice ({r.error})")

@@ -114,6 +114,7 @@ class PersistenceMixin:
     _intents_stale: bool
     _stats_unread: bool
     _flush_lock: asyncio.Lock
+    _drop_retries: set[str]  # op ids of drops sent a second time (a refusal then: a resync)
     _measured: set[str]  # models whose `weights` a device host measured (not the config's estimate)
     sessions: dict[str, tuple[str, float, int]]
     _boots: dict[str, str]  # device -> the boot id of its host process, as last read
@@ -304,15 +305,18 @@ class PersistenceMixin:
         self._gauge_resident()
         return adopted
 
-    def _drop_on_host(self, device: str, name: str, *, last_try: bool = False) -> None:
+    def _drop_on_host(self, device: str, name: str, *, last_try: bool = False, retry: bool = False) -> None:
         """Drop `name` on `device`, which holds it beyond the books (nothing on the books changes). Its
         result is taken as the engine's drops' are (a command on its way: no resync touches the model
-        meanwhile): refused, it is sent once more, then a resync follows; `last_try`: a refusal is
-        only said (a resync's own drop: no loop of drops and resyncs)."""
+        meanwhile): refused, it is sent once more (`retry`: this is that second one), then a resync
+        follows; `last_try`: a refusal is only said (a resync's own drop: no loop of drops and
+        resyncs)."""
         op = uuid.uuid4().hex
         self._ops[op] = (name, ActionKind.DROP)
         if last_try:
             self._last_drops.add(op)
+        if retry:
+            self._drop_retries.add(op)
         self.pool.submit(device, P.Drop(name), op)
 
     async def _close_orphans(self, device: str, st: P.WorkerStatus) -> list[str]:
