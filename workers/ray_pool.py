@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -25,6 +26,7 @@ from collections import deque
 from typing import Any
 
 import numpy as np
+import psutil
 import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayError
 
@@ -102,13 +104,54 @@ def actor_name(device: str) -> str:
     return ACTOR_PREFIX + device
 
 
+# Ray waits a fixed 30 s for a new local node's raylet to register; on a loaded two-core machine that
+# is sometimes not enough (seen in CI), and the second start, with the machine warm, succeeds.
+LOCAL_START_TRIES = 3
+LOCAL_START_TIMEOUT = "timed out during startup"
+
+
+def start_local_ray(tries: int = LOCAL_START_TRIES, **init_kwargs: Any) -> None:
+    """`ray.init` of a new local instance, started again (up to `tries` times in all) when Ray gives
+    up waiting for its own node to come up; any other failure, and the last timeout, are raised."""
+    for attempt in range(1, tries + 1):
+        before = _children()
+        try:
+            ray.init(**init_kwargs)
+            return
+        except Exception as e:
+            if LOCAL_START_TIMEOUT not in str(e) or attempt == tries:
+                raise
+            logger.warning(
+                "local Ray did not start (%s); starting it again (%d of %d)", e, attempt + 1, tries
+            )
+            ray.shutdown()
+            _end_all(_children() - before)  # the failed start's GCS and raylet (Ray keeps no handle)
+
+
+def _children() -> set[int]:
+    return {c.pid for c in psutil.Process().children(recursive=True)}
+
+
+def _end_all(pids: set[int]) -> None:
+    procs = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            p = psutil.Process(pid)
+            p.kill()
+            procs.append(p)
+    psutil.wait_procs(procs, timeout=10)
+
+
 def ensure_ray(address: str | None = None, **init_kwargs: Any) -> None:
-    """Connect to Ray: a local instance when `address` is None, else join the cluster at `address`."""
+    """Connect to Ray: a local instance when `address` is None (started again if its node is slow to
+    come up), else join the cluster at `address`."""
     if ray.is_initialized():
         return
-    ray.init(
-        address=address, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False, **init_kwargs
-    )
+    kwargs = {"namespace": NAMESPACE, "include_dashboard": False, "log_to_driver": False, **init_kwargs}
+    if address is None:
+        start_local_ray(**kwargs)
+    else:
+        ray.init(address=address, **kwargs)
 
 
 class RayWorkerPool:

@@ -17,7 +17,9 @@ TEST_NAMESPACE = "residency-test"
 def ray_cluster() -> Iterator[None]:
     import ray
 
-    ray.init(
+    from workers.ray_pool import start_local_ray
+
+    start_local_ray(
         num_cpus=2,
         num_gpus=2,
         namespace=TEST_NAMESPACE,
