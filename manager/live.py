@@ -284,7 +284,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
 
     def _count_action(self, a: Action) -> None:
         mt = self.metrics
-        if a.reason.startswith(NOT_HELD):  # nothing moved: the host had lost it already
+        if not a.moved:  # the books catch up (a failed load, a model its host had lost already)
             self._gauge_resident()
             return
         if a.kind in (ActionKind.LOAD, ActionKind.PROMOTE):

@@ -162,7 +162,7 @@ class TierMoves:
         if failed:
             c.prewarmed = False
             c.tier = DISK
-            self._log(now, Action(ActionKind.DROP, c.name, c.device, nbytes, reason))
+            self._log(now, Action(ActionKind.DROP, c.name, c.device, nbytes, reason, moved=False))
             return
         c.left_gpu_at = now
         cnt = self.counters

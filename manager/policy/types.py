@@ -56,7 +56,8 @@ class Action:
     """A decision as data. `prewarm` marks a load made before a predicted request.
 
     `bytes` is the size moved (or the new lease size for lease actions); `reason` says why, for
-    events and for `why was X evicted`.
+    events and for `why was X evicted`. `moved` is False for a drop that only brings the books in
+    line with the device (a failed load, a model its host no longer holds): no eviction is counted.
     """
 
     kind: ActionKind
@@ -65,3 +66,4 @@ class Action:
     bytes: int
     reason: str
     prewarm: bool = False
+    moved: bool = True

@@ -81,6 +81,8 @@ def test_a_failed_load_fails_its_requests_and_frees_the_books(tmp_path: Path) ->
         # exist), not counted as an eviction, and not prewarmed again in a retry loop
         assert embed.tier == Tier.DISK and not embed.prewarm_ok
         assert lm.engine.counters.evictions == 0 and lm.engine.counters.thrash == 0
+        reg = lm.metrics.registry  # nor by the metrics (they counted the books' drop as one)
+        assert reg.get_sample_value("residency_evictions_total", {"model": "embed", "to": "disk"}) is None
         assert "no such file" in (lm.live["embed"].load_error or "")
         assert (await lm.infer("voice", AUDIO)).result.ok  # the others keep serving
 
