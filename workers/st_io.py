@@ -159,7 +159,9 @@ def read_safetensors(
 ) -> tuple[dict[str, torch.Tensor], Header]:
     """All tensors of a safetensors file, read once into one owned (optionally pinned) buffer.
 
-    `method="read"` (default) reads straight into the buffer; `method="mmap"` copies from a mapping.
+    `method="read"` (default) reads straight into the buffer; `method="mmap"` copies from a mapping
+    (for the load-path benchmark only: as with any mapping, a file cut short while it is copied ends
+    the process with SIGBUS, which Python cannot catch, where a read sees the short file and says so).
     The returned tensors are views into that buffer; they stay valid after the file is closed.
     """
     p = Path(path)
