@@ -195,6 +195,7 @@ def cmd_replay(a: argparse.Namespace) -> int:
 def cmd_synth(a: argparse.Namespace) -> int:
     if not 0 < a.days <= MAX_DAYS:
         raise UsageError(f"--days must be between 1 and {MAX_DAYS} (ten years), got {a.days}")
+    _prepare_out_file(a.out, "--out")  # a bad --out is said plainly, before the (long) generation
     try:
         reqs = synth(a.profile, a.days, a.seed)
     except ValueError as e:
@@ -275,6 +276,7 @@ def cmd_tune(a: argparse.Namespace) -> int:
     from manager.replay.tune import split_holdout, tune
 
     config = load_config(a.config)
+    a.policy = a.policy or config.policy.name  # the policy the config runs, as the service's tuning job
     if not a.from_store and not a.trace:
         raise UsageError("give --trace FILE, or --from-store to tune on the service's request log")
     # the outputs are checked first, not after the (long) search: a bad --out or --report fails now
@@ -354,7 +356,9 @@ def _report(a: argparse.Namespace, config: Config, res: Any, reqs: list[Request]
     before = replay(config, reqs, a.policy, record=True)
     after = replay(res.config, reqs, a.policy, record=True)
     weights = {m.name: m.memory for m in config.models}
-    t0, t1 = (reqs[0].t, reqs[-1].t) if reqs else (0.0, 1.0)
+    # the period the replay's figures cover: up to the end of the last request (a session ending the
+    # trace would otherwise fall outside the plots), not just its arrival
+    t0, t1 = (reqs[0].t, max(r.t + r.busy_s for r in reqs)) if reqs else (0.0, 1.0)
     notes = [f"change: {c}" for c in res.changes] or ["no change beat the running config"]
     write_report(
         Path(a.report), before=before, after=after, t_start=t0, t_end=t1, model_weights=weights, notes=notes
@@ -550,7 +554,9 @@ def build_parser() -> argparse.ArgumentParser:
         f"{2 * HOLDOUT_DAYS:g} days)",
     )
     t.add_argument("--report", help="directory for an HTML report with plots")
-    t.add_argument("--policy", choices=POLICY_NAMES, default="residency")
+    t.add_argument(
+        "--policy", choices=POLICY_NAMES, help="policy to tune for (default: the config's policy.name)"
+    )
     t.add_argument("--json", action="store_true")
     t.add_argument("--strict", action="store_true")
     t.set_defaults(fn=cmd_tune)

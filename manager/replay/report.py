@@ -159,10 +159,30 @@ def date_marks(t_start: float, t_end: float, most: int = MAX_DATE_MARKS) -> tupl
     return marks, ("%b %Y" if k < 12 else "%Y")
 
 
+_CLOCK_STEPS_S = (1, 5, 10, 30, 60, 300, 600, 900, 1800, 3600, 7200, 10800)
+"""Gridline steps of a period shorter than a day (it may hold no midnight and no noon to mark)."""
+
+
+def _xlabel(t_start: float, t_end: float) -> str:
+    return "days since start (UTC)" if t_end - t_start >= DAY else "time of day (UTC wall clock)"
+
+
 def _day_axis(ax: Any, t_start: float, t_end: float) -> None:
     """x axis in days since t_start: gridlines at midnights (UTC), day names at noons; over more
-    than MAX_DAY_MARKS days, dated gridlines every week, month(s) or year(s) (`date_marks`)."""
-    if t_end - t_start > MAX_DAY_MARKS * DAY:
+    than MAX_DAY_MARKS days, dated gridlines every week, month(s) or year(s) (`date_marks`); under
+    a day, gridlines labelled with the clock time every few seconds, minutes or hours."""
+    span = t_end - t_start
+    if span < DAY:
+        step = float(next((s for s in _CLOCK_STEPS_S if span / s <= 12), _CLOCK_STEPS_S[-1]))
+        first = math.ceil(t_start / step) * step
+        marks = [first + i * step for i in range(max(0, int((t_end - first) // step) + 1))]
+        fmt = "%a %H:%M" if step >= 60 else "%H:%M:%S"
+        labels = [datetime.fromtimestamp(t, tz=UTC).strftime(fmt) for t in marks]
+        ax.set_xticks([(t - t_start) / DAY for t in marks], labels)
+        ax.grid(axis="x", which="major", color="#999999", linewidth=0.6)
+        ax.set_xlim(0.0, span / DAY)
+        return
+    if span > MAX_DAY_MARKS * DAY:
         marks, fmt = date_marks(t_start, t_end)
         labels = [datetime.fromtimestamp(t, tz=UTC).strftime(fmt) for t in marks]
         ax.set_xticks([(t - t_start) / DAY for t in marks], labels)
@@ -200,7 +220,7 @@ def _plot_timeline(path: Path, runs: Runs, models: list[str], t0: float, t1: flo
         _day_axis(ax, t0, t1)
     handles = [Patch(facecolor=c, label=k) for k, c in TIER_COLORS.items()]
     axes[0, 0].legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
-    _save(fig, path, "days since start (UTC)")
+    _save(fig, path, _xlabel(t0, t1))
 
 
 def _plot_memory(
@@ -217,7 +237,7 @@ def _plot_memory(
         ax.set_title(f"GPU memory per model — {label}")
         _day_axis(ax, t0, t1)
     axes[0, 0].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
-    _save(fig, path, "days since start (UTC)")
+    _save(fig, path, _xlabel(t0, t1))
 
 
 def _plot_cold(path: Path, runs: Runs) -> None:

@@ -1,0 +1,114 @@
+"""Review of `residency tune` / `replay` / `trace` and the tuning report: the policy tune judges by,
+the period the report covers, and the report's time axis over periods shorter than a day."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from manager.cli import main
+from manager.replay.synth import DEFAULT_START, synth
+from manager.replay.trace import write_trace
+
+ROOT = Path(__file__).resolve().parents[2]
+HOME = ROOT / "configs" / "home.yaml"
+
+
+def lines(path: Path, *objs: dict[str, Any]) -> Path:
+    path.write_text("".join(json.dumps(o) + "\n" for o in objs), encoding="utf-8")
+    return path
+
+
+def test_tune_judges_by_the_configs_policy_unless_told(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = HOME.read_text(encoding="utf-8")
+    assert "\n  name: residency\n" in text
+    config = tmp_path / "lru.yaml"
+    config.write_text(text.replace("\n  name: residency\n", "\n  name: lru-keepalive\n"), encoding="utf-8")
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, synth("home", 2, 1))
+    args = ["tune", "--config", str(config), "--trace", str(trace), "--json"]
+    args += ["--out", str(tmp_path / "o.yaml")]
+
+    assert main(args) == 0
+    fig = json.loads(capsys.readouterr().out)
+    # the service runs the config's policy (and its own tuning job tunes for it): so does the CLI
+    assert fig["search"]["before"]["policy"] == "lru-keepalive"
+    assert fig["holdout"]["after"]["policy"] == "lru-keepalive"
+
+    assert main([*args, "--policy", "gdsf"]) == 0
+    fig = json.loads(capsys.readouterr().out)
+    assert fig["search"]["before"]["policy"] == "gdsf"
+    assert fig["holdout"]["before"]["policy"] == "gdsf"
+
+
+def test_tune_report_covers_a_session_that_ends_the_holdout(tmp_path: Path) -> None:
+    t0 = DEFAULT_START + 14 * 3600.0  # Monday 14:00
+    trace = lines(
+        tmp_path / "t.jsonl",
+        {"t": t0 - 86400.0, "model": "llm", "busy_s": 5},
+        {"t": t0 - 43200.0, "model": "llm", "busy_s": 5},
+    )
+    holdout = lines(
+        tmp_path / "h.jsonl",
+        {"t": t0, "model": "world", "busy_s": 3 * 3600.0, "kind": "session"},
+        {"t": t0 + 60.0, "model": "llm", "busy_s": 5},
+    )
+    report = tmp_path / "rep"
+    args = ["tune", "--config", str(HOME), "--trace", str(trace), "--holdout", str(holdout)]
+    assert main([*args, "--out", str(tmp_path / "o.yaml"), "--report", str(report), "--json"]) == 0
+    page = (report / "index.html").read_text(encoding="utf-8")
+    # the replay's figures run to the session's end (17:00), and so do the plots: not to the arrival
+    # of the last request (14:01), which left the session's lease out of the memory plot
+    assert "Replay period Mon 2026-11-02 14:00 – Mon 2026-11-02 17:00" in page
+
+
+@pytest.mark.parametrize("span_s", [45.0, 3600.0, 7.5 * 3600.0, 86399.0])
+def test_report_axis_under_a_day_is_labelled_with_clock_times(span_s: float) -> None:
+    import matplotlib.pyplot as plt
+
+    from manager.replay.report import DAY, _day_axis, _xlabel
+
+    t0 = DEFAULT_START + 16.2 * 3600.0  # no midnight and no noon in the shorter periods
+    fig, ax = plt.subplots()
+    try:
+        _day_axis(ax, t0, t0 + span_s)
+        labels = [lab.get_text() for lab in ax.get_xticklabels()]
+        ticks = list(ax.get_xticks())
+    finally:
+        plt.close(fig)
+    assert 3 <= len(labels) <= 13 and all(labels)
+    assert all(0.0 <= x <= span_s / DAY for x in ticks)
+    assert _xlabel(t0, t0 + span_s) == "time of day (UTC wall clock)"
+    assert _xlabel(t0, t0 + DAY) == "days since start (UTC)"
+    if span_s == 7.5 * 3600.0:
+        assert labels[0] == "Mon 17:00" and labels[-1] == "Mon 23:00"
+
+
+def test_trace_synth_out_under_a_file_is_refused_plainly_before_generating(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import manager.cli as cli
+
+    def no_synth(*_a: object) -> None:
+        raise AssertionError("generated before --out was checked")
+
+    monkeypatch.setattr(cli, "synth", no_synth)
+    a_file = tmp_path / "f.jsonl"
+    a_file.write_text("", encoding="utf-8")
+    assert main(["trace", "synth", "--days", "1", "--out", str(a_file / "x.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {a_file / 'x.jsonl'}: {a_file} is not a directory" in err
+    assert "File exists" not in err
+    assert main(["trace", "synth", "--days", "1", "--out", str(tmp_path)]) == 2
+    assert "is a directory; give the path of a file to write" in capsys.readouterr().err
+
+
+def test_trace_synth_out_into_a_missing_folder_makes_it(tmp_path: Path) -> None:
+    out = tmp_path / "new" / "dir" / "w.jsonl"
+    assert main(["trace", "synth", "--days", "1", "--seed", "3", "--out", str(out)]) == 0
+    assert len(out.read_text(encoding="utf-8").splitlines()) == len(synth("home", 1, 3))
