@@ -228,7 +228,12 @@ _HOME_BACKGROUND: tuple[DayGen, ...] = (_home_embed, _home_photos)
 
 def _home_week(rng: random.Random, days: list[tuple[float, int]], out: Out) -> None:
     weekdays = [i for i, (_, wd) in enumerate(days) if wd < 5]
-    away = rng.choice(weekdays) if weekdays else -1  # long idle: nobody home, background still runs
+    # long idle: one weekday a week nobody is home (background still runs). A part of a week (a trace
+    # of 1-6 days, or the days past its last whole week) has it with the chance a whole week gives
+    # those weekdays, 1 in 5 each: not always, as when one of its few weekdays had to be it
+    if len(days) < 7 and rng.random() >= len(weekdays) / 5:
+        weekdays = []
+    away = rng.choice(weekdays) if weekdays else -1
     others = [i for i in range(len(days)) if i != away]
     party = set(rng.sample(others, min(len(others), rng.randint(2, 3))))
     for i, (day_start, wd) in enumerate(days):

@@ -174,3 +174,14 @@ def test_shipped_traces_are_what_synth_makes(name: str, profile: str, seed: int)
         Path(__file__).resolve().parents[2] / "bench" / "traces" / f"{name}.jsonl", strict=True
     )
     assert shipped.requests == synth(profile, 7, seed)
+
+
+def test_a_part_of_a_week_is_not_always_the_away_day() -> None:
+    """Found in review: a 1-day home trace (or the day past a trace's whole weeks) was always the
+    away day, with background requests only, since its one weekday was the only one to choose from.
+    Now a part of a week is away with the chance a whole week gives its weekdays (1 in 5 each)."""
+    homes = [{r.model for r in synth("home", days=1, seed=s)} for s in range(40)]
+    away = sum(models <= {"embed", "photos"} for models in homes)
+    assert 0 < away < 20  # 1 in 5 expected: 8 of 40
+    eighth = [r for r in synth("home", days=8, seed=3) if r.t >= DEFAULT_START + 7 * DAY]
+    assert any(r.model == "voice" for r in eighth)
