@@ -364,6 +364,10 @@ def _dump_unshared(data: Any, expected: Any, file: str) -> str:
     )
 
 
+TUNING_HEADERS = ("# Tuned by `residency tune` ", "# Proposed by the service's tuning ")
+"""How the lines `residency tune` and the service's tuning put atop a config they write begin."""
+
+
 def write_config_with_updates(
     src: Path,
     dst: Path,
@@ -389,7 +393,12 @@ def write_config_with_updates(
     _apply(data, "classes", class_updates or {}, str(src))
     text = _dump_unshared(data, expected, str(src))
     if header_comment:
-        text = "".join(f"# {line}".rstrip() + "\n" for line in header_comment.splitlines()) + text
+        # a config tuned again gets the new tuning's line in place of the last one's (not a stack of
+        # one more line a week); the user's own comments stay
+        lines = text.splitlines(keepends=True)
+        while lines and lines[0].startswith(TUNING_HEADERS):
+            lines.pop(0)
+        text = "".join(f"# {line}".rstrip() + "\n" for line in header_comment.splitlines()) + "".join(lines)
     config = _validate(_parse_yaml(text, str(dst)), str(dst))
     Path(dst).write_text(text, encoding="utf-8")
     return config

@@ -81,14 +81,19 @@ def run_tuning(
     )  # fmt: skip
 
 
-def _report(out: Path, config: Config, res: Any, reqs: list[Any]) -> Path:
+def _report(out: Path, config: Config, res: Any, reqs: list[Any]) -> Path | None:
+    """The held-out days' report, over the period until the last request ends (as `residency tune
+    --report`); None when that period is empty (every request at one instant, none busy)."""
     from manager.replay.report import write_report
 
+    t0, t1 = reqs[0].t, max(r.t + r.busy_s for r in reqs)
+    if t1 <= t0:
+        return None
     before = replay(config, reqs, config.policy.name, record=True)
     after = replay(res.config, reqs, config.policy.name, record=True)
     notes = [f"change: {c}" for c in res.changes] or ["no change beat the running config"]
     return write_report(
-        out, before=before, after=after, t_start=reqs[0].t, t_end=reqs[-1].t,
+        out, before=before, after=after, t_start=t0, t_end=t1,
         model_weights={m.name: m.memory for m in config.models}, notes=notes,
         title="Residency tuning report (held-out days)",
     )  # fmt: skip

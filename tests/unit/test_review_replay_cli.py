@@ -112,3 +112,39 @@ def test_trace_synth_out_into_a_missing_folder_makes_it(tmp_path: Path) -> None:
     out = tmp_path / "new" / "dir" / "w.jsonl"
     assert main(["trace", "synth", "--days", "1", "--seed", "3", "--out", str(out)]) == 0
     assert len(out.read_text(encoding="utf-8").splitlines()) == len(synth("home", 1, 3))
+
+
+def test_the_objective_weighs_the_highest_class_tail_whatever_its_name() -> None:
+    """Found in review: the objective read the p99 of a class named `realtime`, so a config whose top
+    class had another name lost its tail term. Classes come highest first in `wait_p99_s`."""
+    from manager.replay.sim import ReplayResult
+    from manager.replay.tune import objective
+
+    home = ReplayResult("residency", load_wait_s=5.0, wait_p99_s={"realtime": 0.5, "interactive": 2.0})
+    urgent = ReplayResult("residency", load_wait_s=5.0, wait_p99_s={"urgent": 0.5, "normal": 2.0})
+    assert objective(home) == objective(urgent) == pytest.approx(5.0 + 10.0 * 0.5)
+    assert objective(ReplayResult("residency", load_wait_s=5.0)) == 5.0  # no classes: no tail
+
+
+def test_a_config_tuned_again_gets_one_tuning_line_not_a_stack(tmp_path: Path) -> None:
+    """Found in review: each tuning prepended its line above the last one's (one more a week)."""
+    from manager.config import load_config, write_config_with_updates
+
+    once, twice = tmp_path / "once.yaml", tmp_path / "twice.yaml"
+    write_config_with_updates(
+        HOME, once, {"image": {"keep_alive": "45m"}}, None, "Tuned by `residency tune` A"
+    )
+    write_config_with_updates(
+        once, twice, {"image": {"keep_alive": "1h"}}, None, "Tuned by `residency tune` B"
+    )
+    text = twice.read_text(encoding="utf-8")
+    assert text.startswith("# Tuned by `residency tune` B\n")
+    assert "residency tune` A" not in text
+    assert text.count("# ") == HOME.read_text(encoding="utf-8").count("# ") + 1  # the user's comments stay
+    assert next(m for m in load_config(twice).models if m.name == "image").keep_alive == 3600.0
+    proposal = tmp_path / "p.yaml"
+    write_config_with_updates(twice, proposal, {}, None, "Proposed by the service's tuning on X")
+    assert proposal.read_text(encoding="utf-8").splitlines()[:2] == [
+        "# Proposed by the service's tuning on X",
+        HOME.read_text(encoding="utf-8").splitlines()[0],
+    ]

@@ -297,3 +297,23 @@ def test_a_store_that_does_not_answer_is_still_a_failure_not_a_missing_record(
     said = scheduled_tuning(_Manager(load_config(cfg)), cfg, Down(), now)
     assert said is not None and said.startswith("failed (") and "connection refused" in said
     store.close()
+
+
+def test_the_jobs_report_covers_until_the_last_request_ends_and_none_when_that_is_no_time(
+    tmp_path: Path,
+) -> None:
+    """Found in review: the job's report ended at the last arrival (a session closing the held-out
+    days fell off the plots), and held-out requests all at one instant raised instead of no report."""
+    from manager.policy.types import Request
+    from manager.replay.tune import tune
+    from manager.tuning_job import _report
+
+    config = load_config(ROOT / "configs" / "home.yaml")
+    t = 1_800_000_000.0  # Friday 2027-01-15 08:00 UTC
+    reqs = [Request(t, "world", 3 * 3600.0, "w", "session"), Request(t + 60.0, "llm", 2.0, "c")]
+    res = tune(config, reqs, reqs, policy="residency")
+    page = _report(tmp_path / "r", config, res, reqs)
+    assert page is not None and page.is_file()
+    assert "08:00 – Fri 2027-01-15 11:00" in page.read_text(encoding="utf-8")  # the session's 3 hours
+    instant = [Request(t, "llm", 0.0, "c"), Request(t, "image", 0.0, "c")]
+    assert _report(tmp_path / "r2", config, res, instant) is None
