@@ -227,7 +227,8 @@ class PageManager:
         """Plan buffer ``step % 2`` for ``step``'s retrieval set (best first, duplicates ignored).
 
         The first ``slots_per_buffer`` available segments are placed (the rest are ``dropped``), in
-        ``wanted`` order or, with ``place_by_id``, in id order (slot order is placement order).
+        ``wanted`` order or, with ``place_by_id``, in id order (slot order is placement order); a
+        miss that finds no host room is ``unavailable`` and leaves its slot to the next one wanted.
         Host hits get an Upload now; NVMe misses a Read (room from evicting clean LRU segments no
         unreleased step wants), and their Upload when it lands. Placed segments stay protected until
         ``release_step(step)``. ProtocolError if ``step`` is prepared, or its buffer is held by
@@ -242,7 +243,7 @@ class PageManager:
         unknown: list[SegId] = []
         unavailable: list[SegId] = []
         dropped: list[SegId] = []
-        placed: list[SegId] = []
+        candidates: list[SegId] = []
         for sid in dict.fromkeys(wanted):
             seg = self._segs.get(sid)
             if seg is None:
@@ -250,24 +251,41 @@ class PageManager:
             elif seg.state is SegState.LOST:
                 unavailable.append(sid)
             else:
-                (placed if len(placed) < self.slots_per_buffer else dropped).append(sid)
-        if place_by_id:
-            placed.sort()
-        for sid in placed:  # protect them all first: a miss's room never evicts another wanted one
+                candidates.append(sid)
+        for sid in candidates:  # protect them all first: a miss's room never evicts another wanted one
             self._protect[sid] = self._protect.get(sid, 0) + 1
         st = self._steps[step] = _Step(buffer, {}, set(), set())
         self._owner[buffer] = step
-        jobs: list[Job] = []
-        for sid in placed:
+        reads: dict[SegId, Read] = {}
+        first, rest = candidates[: self.slots_per_buffer], candidates[self.slots_per_buffer :]
+        placed: list[SegId] = []
+        # the first wanted (in slot order), then the next ones for slots a miss without room left
+        for sid in [*(sorted(first) if place_by_id else first), *rest]:
             seg = self._segs[sid]
-            if seg.state is SegState.NVME and not self._make_room(seg.nbytes):
+            if len(placed) == self.slots_per_buffer:
+                dropped.append(sid)
+            elif seg.state is SegState.NVME and not self._make_room(seg.nbytes):
                 unavailable.append(sid)
-                self._unprotect(sid)
+            else:
+                if seg.state is SegState.NVME:  # reserve its room now (a Read needs no slot)
+                    self.host_used_bytes += seg.nbytes
+                    reads[sid] = self._issue_read(sid)
+                placed.append(sid)
                 continue
+            self._unprotect(sid)
+        if place_by_id:
+            placed.sort()
+        jobs: list[Job] = []  # in slot order
+        for sid in placed:
             st.slots[sid] = len(st.slots)
-            job = self._load(step, st, sid)
-            if job is not None:
-                jobs.append(job)
+            if self._segs[sid].state is SegState.READING:  # its Upload follows when the Read lands
+                st.waiting.add(sid)
+                if sid in reads:  # (else a Read already in flight)
+                    jobs.append(reads[sid])
+                continue
+            if sid in self._clean:
+                self._clean.move_to_end(sid)
+            jobs.append(self._issue_upload(step, st, sid))
         return StepPlan(
             step, buffer, dict(st.slots), tuple(jobs), tuple(unknown), tuple(unavailable), tuple(dropped)
         )
@@ -387,20 +405,6 @@ class PageManager:
         for s in self._dirty:
             self._segs[s].spill = False
         self._events.append(DiskFull(sid, tuple(wb.job_id for wb in cancelled)))
-
-    def _load(self, step: int, st: _Step, sid: SegId) -> Job | None:
-        """Fill ``sid``'s slot: an Upload for a host copy, a Read for an NVMe one (room made by the
-        caller), None when a Read is already in flight (its Upload follows on completion)."""
-        seg = self._segs[sid]
-        if seg.state in (SegState.NVME, SegState.READING):
-            st.waiting.add(sid)
-            if seg.state is SegState.READING:
-                return None
-            self.host_used_bytes += seg.nbytes
-            return self._issue_read(sid)
-        if sid in self._clean:
-            self._clean.move_to_end(sid)
-        return self._issue_upload(step, st, sid)
 
     def _new_id(self) -> int:
         self._next_job += 1

@@ -419,8 +419,8 @@ class SegmentLog:
             n_idx, recorded = int(idx["n_slots"]), int(idx["file_size"])
             headers = {int(e["slot"]): _header_from_json(e) for e in idx["entries"]}
             corrupt = {int(k): str(v) for k, v in idx["corrupt"].items()}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
-            return None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError):
+            return None  # (OverflowError: int() of an Infinity that json.loads accepts)
         # Its slots must be exactly 0..n_slots-1, each indexed or corrupt: checked by count first, so a
         # corrupt n_slots costs nothing (no range of it is ever built).
         if n_idx < 0 or n_idx != len(headers) + len(corrupt) or set(headers) & set(corrupt):

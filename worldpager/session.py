@@ -41,6 +41,7 @@ from worldpager.retrieval import (
     outside_window,
     predict_pose,
 )
+from worldpager.segment_log import LOG_NAME
 from worldpager.session_records import (
     CorruptSlot,
     EventLog,
@@ -140,6 +141,11 @@ class Session:
             raise ValueError(f"resume_at needs resume and must be >= 0, got {resume_at}")
         self.log_dir = Path(log_dir)
         saved = read_saved_state(self.log_dir) if resume else None
+        if resume and saved is None and (self.log_dir / LOG_NAME).exists():  # (no log: FileNotFoundError)
+            raise ValueError(
+                f"{self.log_dir / SESSION_FILE}: missing or unreadable, so the saved session's seed, "
+                "codec and roll-backs are unknown: cannot resume it"
+            )
         codec = self._resolved("codec", codec, saved, "bf16")
         seed = self._resolved("seed", seed, saved, 0)
         if saved is not None and saved.get("config") != store.config_dict(model.cfg):
@@ -153,10 +159,6 @@ class Session:
             host_budget_bytes, self.layout.decoded_nbytes, gpu_slots, segment_bytes=self.segment_bytes
         )
         self.gpu_budget_bytes = 2 * gpu_slots * self.layout.decoded_nbytes
-        self.log = store.open_log(self.log_dir, self.segment_bytes, log_max_bytes, resume=resume)
-        self.handler = TransferHandler(
-            self.pm, self.log, self.layout, throttle=Throttle(throttle_bps), device=device
-        )
         self.rule: RetrievalRule = rule if rule is not None else FovOverlapRule(seed=seed)
         self.max_records = max_records
         self.records: list[StepRecord] = []  # the last `max_records` steps of this run
@@ -179,16 +181,21 @@ class Session:
         self.resume_bytes_read = 0  # log bytes read back while reopening (host copies, rolling window)
         self.window_source: str | None = None  # resumed: "checkpoint" (window.bin) or "log"
         self._rollbacks: list[tuple[int, int]] = []  # (segment, slots) of each roll-back: store.abandoned
+        self.log = store.open_log(self.log_dir, self.segment_bytes, log_max_bytes, resume=resume)
         model.reset_cache()
         self._first = self._next = 0
-        try:
+        try:  # from here on a failure closes the log (and stops the transfer threads, if started)
+            self.handler = TransferHandler(
+                self.pm, self.log, self.layout, throttle=Throttle(throttle_bps), device=device
+            )
             if resume:
                 self._restore(saved, resume_at)
             else:
                 self._save_state(window=None)
         except BaseException:
-            with contextlib.suppress(Exception):
-                self.handler.close()
+            if hasattr(self, "handler"):
+                with contextlib.suppress(Exception):
+                    self.handler.close()
             self.log.close()
             raise
 
@@ -372,12 +379,14 @@ class Session:
             return
         self._closed = True
         try:
-            nxt = self._next
-            if nxt in self._plans:
-                self.handler.wait_ready(nxt)
-                self.handler.release(nxt)
-                del self._plans[nxt]
-            self.handler.close()
+            try:
+                nxt = self._next
+                if nxt in self._plans:
+                    self.handler.wait_ready(nxt)
+                    self.handler.release(nxt)
+                    del self._plans[nxt]
+            finally:  # also after a transfer thread failed: stop the threads that are left
+                self.handler.close()
         finally:
             self.log.close()
             self._drain_events()
@@ -421,6 +430,9 @@ class Session:
             # every copy written so far of a segment from resume_at on is of the abandoned timeline
             self._rollbacks.append((resume_at, self.log.n_slots))
             stored = {sid: v for sid, v in stored.items() if sid < resume_at}
+        # first: a slot found corrupt on read-back leaves `stored` (a trusted index did not check it)
+        infos, corrupt = store.register_stored(stored, self.log, self.pm, self.handler, self.segment_bytes)
+        self._events.extend(corrupt)
         nxt = max(stored, default=-1) + 1
         window = store.checkpoint_window(saved, nxt, self.model, self.log_dir, stored)
         if window is not None and saved is not None:
@@ -428,8 +440,6 @@ class Session:
                 nxt = int(saved["next_step"])
             else:  # the checkpoint is past the step to continue at
                 window = None
-        infos, corrupt = store.register_stored(stored, self.log, self.pm, self.handler, self.segment_bytes)
-        self._events.extend(corrupt)
         for sid in range(nxt):  # generated before, but not in the log now: never attended to
             if sid not in stored:
                 self._events.record(MissingSegment(sid, "not in the log (lost, corrupt or never written)"))

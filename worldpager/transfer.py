@@ -474,11 +474,12 @@ class TransferHandler:
         while (job := self._uploads.get()) is not None:
             with self._cond:
                 buf = self._steps.get(job.step)
-                payload = self._host[job.seg_id]
-                from_frame = self._info[job.seg_id].frame_start
+                if buf is not None:  # else: released while queued (its host copy may be gone too)
+                    payload = self._host[job.seg_id]
+                    from_frame = self._info[job.seg_id].frame_start
             kv: list[KV] | None = None
             ev: torch.cuda.Event | None = None
-            if buf is not None:  # else: released while queued, nothing to place
+            if buf is not None:  # else: nothing to place
                 kv, ev = self._upload(payload, from_frame, buf.targets[job.slot])
             with self._cond:
                 if buf is not None and kv is not None:

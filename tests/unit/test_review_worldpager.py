@@ -1,11 +1,20 @@
 """worldpager fixes from review: no segment dropped when host cannot take it while the log is usable
 (write-through), any whole-number seed, bounded sizes and counts on the command line, bench-stall
 sizes checked against memory, finite bench-stall numbers, the GPU lease in force in the summary, and
-the resume read-back counted. Real sessions on the "micro" stand-in (random weights, seeded)."""
+the resume read-back counted. Real sessions on the "micro" stand-in (random weights, seeded).
+
+Second review (section 8 on): an upload of a released step whose segment left host, the transfer
+threads stopped by a close after a transfer failure, the log closed when a session cannot be built,
+an unreadable session.json refused on resume, an index.json holding Infinity rebuilt, a miss without
+host room leaving its slot to the next wanted segment, and a corrupt newest segment under a trusted
+index regenerated."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +27,11 @@ from worldpager.layout import SegmentLayout
 from worldpager.model import TinyCausalWan
 from worldpager.page_types import Backpressure, DiskFull, Read, SegState, Upload
 from worldpager.pages import PageManager
-from worldpager.segment_log import SegmentLog
-from worldpager.session import SESSION_PRESETS, MissingSegment, Session
+from worldpager.retrieval import Pose, SegmentInfo
+from worldpager.segment_log import HEADER_SIZE, INDEX_NAME, LOG_NAME, SegmentLog, slot_size_for
+from worldpager.session import SESSION_FILE, SESSION_PRESETS, CorruptSlot, MissingSegment, Session
 from worldpager.trajectory import block_inputs, generator_seed, yaw_sweep, yaw_sweep_trajectory
-from worldpager.transfer import Dropped, WrittenThrough
+from worldpager.transfer import Dropped, TransferHandler, WrittenThrough
 
 CFG = SESSION_PRESETS["micro"].on_the_fly()
 SEG = SegmentLayout.from_config(CFG, "bf16").payload_nbytes
@@ -293,3 +303,202 @@ def test_resume_read_back_is_counted_and_the_cli_says_so(
     out = json.loads(capsys.readouterr().out)
     assert out["nvme_bytes_read"] == 0 and out["resume_bytes_read"] == 6 * (HEADER_SIZE + SEG)
     assert out["read_back"].startswith(f"on resume only: {6 * (HEADER_SIZE + SEG)} B")
+
+
+# ---- 8: an upload of a released step whose segment has left host ---------------------------------
+
+
+def test_an_upload_of_a_released_step_is_skipped_when_its_segment_left_host(tmp_path: Path) -> None:
+    """Found in review: the upload thread looked the host copy up before it checked that the step was
+    still prepared; a step released with its upload queued (allowed), then the segment evicted, killed
+    the thread with a KeyError and every later call failed."""
+    layout = SegmentLayout.from_config(CFG, "bf16")
+    kv = [(torch.randn(layout.kv_shape), torch.randn(layout.kv_shape)) for _ in range(layout.layers)]
+    payload = layout.encode(kv)
+    pm = PageManager(2 * SEG, layout.decoded_nbytes, 2, segment_bytes=SEG)
+    with SegmentLog.create(tmp_path, slot_size_for(SEG)) as log:
+        h = TransferHandler(pm, log, layout)
+        try:
+            for sid in (0, 1):
+                assert h.add_segment(SegmentInfo(sid, 3 * sid, 3 * sid + 3, Pose(0, 0, 0, 0, 0)), payload)
+            h.drain()
+            with h._cond:  # the upload thread cannot take its job meanwhile
+                h.prepare(0, [0], 6)
+                h.release(0)
+                for sid in (2, 3):  # segment 0, unprotected now, is evicted
+                    h.add_segment(SegmentInfo(sid, 3 * sid, 3 * sid + 3, Pose(0, 0, 0, 0, 0)), payload)
+                assert 0 not in h._host
+            deadline = time.monotonic() + 10
+            while any(pm._in_flight) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert h.error is None and pm._in_flight == [0, 0]
+            h.prepare(2, [3], 12)  # the buffer is usable again
+            h.wait_ready(2)
+            assert h.memory(2)[1] == (3,)
+            h.release(2)
+            pm.check()
+        finally:
+            h.close()
+
+
+# ---- 9: close() after a transfer thread failed ---------------------------------------------------
+
+
+def test_close_after_a_transfer_failure_stops_the_threads_and_closes_the_log(tmp_path: Path) -> None:
+    """Found in review: close() waited for the prefetched step first; after a transfer thread failed
+    that raised and the handler was never closed, so its other thread stayed alive (one per session)."""
+    s = Session(TinyCausalWan(CFG), host_budget_bytes=8 * SEG, log_dir=tmp_path)
+
+    def eio(**_: object) -> int:
+        raise OSError(errno.EIO, "I/O error")
+
+    s.log.append = eio  # type: ignore[method-assign]  # the disk fails (not full): the I/O thread dies
+    s.step(yaw_sweep_trajectory(1)[0])  # prefetch: step 1 is prepared, segment 0 written behind
+    with pytest.raises(RuntimeError, match="transfer thread failed"):
+        s.handler.drain()
+    with pytest.raises(RuntimeError, match="transfer thread failed"):
+        s.close()
+    assert not any(t.is_alive() for t in s.handler._threads)
+    assert s.log._fd == -1
+
+
+# ---- 10: a session that cannot be built closes its log -------------------------------------------
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open file descriptors on Linux")
+def test_a_session_that_cannot_be_built_leaks_no_file_descriptor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: the transfer handler (and the attributes after it) were built outside the
+    try that closes the log, so a failure there (e.g. a bad device name) leaked the log's fd."""
+    before = _open_fds()
+    for i in range(3):
+        with pytest.raises(RuntimeError):
+            Session(TinyCausalWan(CFG), host_budget_bytes=4 * SEG, log_dir=tmp_path / f"d{i}", device="nope")
+    assert not (tmp_path / "d0" / LOG_NAME).exists()  # refused before the log was created
+
+    def broken(*_: object, **__: object) -> None:
+        raise RuntimeError("no transfer handler")
+
+    monkeypatch.setattr("worldpager.session.TransferHandler", broken)
+    for i in range(3):
+        with pytest.raises(RuntimeError, match="no transfer handler"):
+            Session(TinyCausalWan(CFG), host_budget_bytes=4 * SEG, log_dir=tmp_path / f"e{i}")
+    assert _open_fds() == before
+
+
+# ---- 11: an unreadable session.json ---------------------------------------------------------------
+
+
+def test_resume_refuses_a_partly_written_session_json(tmp_path: Path) -> None:
+    """Found in review: an unreadable session.json made resume go on with the default seed and codec
+    and without the roll-backs: a continuation unlike the saved session, silently."""
+    opts: dict[str, Any] = {"host_budget_bytes": 8 * SEG}
+    with Session(TinyCausalWan(CFG), log_dir=tmp_path, seed=7, **opts) as s:
+        s.run(yaw_sweep_trajectory(4))
+    path = tmp_path / SESSION_FILE
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=f"{SESSION_FILE}: missing or unreadable"):
+        Session.resume(tmp_path, TinyCausalWan(CFG), **opts)
+    path.unlink()
+    with pytest.raises(ValueError, match=f"{SESSION_FILE}: missing or unreadable"):
+        Session.resume(tmp_path, TinyCausalWan(CFG), **opts)
+    path.write_bytes(data)  # the log was left usable
+    with Session.resume(tmp_path, TinyCausalWan(CFG), **opts) as r:
+        assert r.seed == 7 and r.step_index == 4
+    with pytest.raises(FileNotFoundError):  # no log at all: as before
+        Session.resume(tmp_path / "none", TinyCausalWan(CFG), **opts)
+
+
+# ---- 12: index.json holding Infinity ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["n_slots", "file_size", "entry"])
+def test_an_index_json_with_infinity_is_rebuilt(tmp_path: Path, where: str) -> None:
+    """Found in review: json.loads takes Infinity, int() of it raised OverflowError out of open()."""
+    with SegmentLog.create(tmp_path, slot_size_for(100)) as log:
+        for i in range(3):
+            log.append(
+                segment_id=i, frame_start=3 * i, frame_end=3 * i + 3, pose=(0, 0, 0, 0, 0), codec="bf16",
+                position_state="post-rope", position=3 * i, payload=bytes([i]) * 100,
+            )  # fmt: skip
+    idx = json.loads((tmp_path / INDEX_NAME).read_text())
+    if where == "entry":
+        idx["entries"][1]["segment_id"] = float("inf")
+    else:
+        idx[where] = float("inf")
+    (tmp_path / INDEX_NAME).write_text(json.dumps(idx))  # writes Infinity
+    with SegmentLog.open(tmp_path) as log:
+        assert log.index_state == "rebuilt" and log.slots() == [0, 1, 2]
+        assert log.read(1)[1] == bytes([1]) * 100
+
+
+# ---- 13: a miss without host room leaves its slot to the next wanted segment ---------------------
+
+
+@pytest.mark.parametrize("place_by_id", [False, True])
+def test_a_miss_without_host_room_leaves_its_slot_to_the_next_wanted(place_by_id: bool) -> None:
+    """Found in review: a miss that found no host room still took one of the slots_per_buffer places,
+    so a wanted segment already in host was dropped and the step attended to nothing (e.g. after a
+    GPU lease shrink to one slot)."""
+    pm = PageManager(2 * 10, 10, 1)
+    for job in pm.add_segment(0, 10):  # type: ignore[union-attr]
+        pm.complete(job.job_id, True)
+    pm.add_segment(1, 10)  # 1 and 2 dirty (write-backs outstanding): no room for a read
+    pm.add_segment(2, 10)  # evicts 0: NVMe only
+    plan = pm.prepare_step(0, [0, 2], place_by_id=place_by_id)
+    assert plan.slots == {2: 0} and plan.unavailable == (0,) and plan.dropped == ()
+    assert [(type(j).__name__, j.seg_id) for j in plan.jobs] == [("Upload", 2)]
+    pm.check()
+    for job in plan.jobs:
+        pm.complete(job.job_id, True)
+    assert pm.buffer_ready(0)
+    pm.release_step(0)
+    pm.check()
+
+
+def test_slots_freed_by_misses_without_room_keep_id_order_and_best_first() -> None:
+    pm = PageManager(3 * 10, 10, 2)
+    for sid in (0, 1):
+        for job in pm.add_segment(sid, 10):  # type: ignore[union-attr]
+            pm.complete(job.job_id, True)
+    for sid in (2, 3, 4):  # dirty; 0 and 1 evicted to make room
+        pm.add_segment(sid, 10)
+    plan = pm.prepare_step(1, [1, 4, 0, 2, 3], place_by_id=True)
+    assert plan.slots == {2: 0, 4: 1} and plan.unavailable == (1, 0) and plan.dropped == (3,)
+    assert [j.seg_id for j in plan.jobs] == [2, 4]  # slot order
+    pm.check()
+
+
+# ---- 14: a corrupt newest segment under a trusted index ------------------------------------------
+
+
+def test_a_corrupt_newest_segment_under_a_trusted_index_is_generated_again(tmp_path: Path) -> None:
+    """Found in review: with a flushed (trusted) index the newest segment's damage was found only on
+    read-back, after the step to continue at had been counted past it: the resume then failed to
+    rebuild the rolling window, while the same damage under a scanned index resumed at that segment."""
+    opts: dict[str, Any] = {"host_budget_bytes": 8 * SEG}
+    s = Session(TinyCausalWan(CFG), log_dir=tmp_path, **opts)
+    s.run(yaw_sweep_trajectory(6))
+    s.handler.drain()
+    s.flush_index()
+    s.handler.close()  # the host dies: no close(), so no window.bin
+    s.log.close()
+    slot = s.log.find(5)
+    assert slot is not None
+    with open(tmp_path / LOG_NAME, "r+b") as f:  # a damaged byte in segment 5's payload
+        f.seek(slot * s.log.slot_size + HEADER_SIZE + 100)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with Session.resume(tmp_path, TinyCausalWan(CFG), **opts) as r:
+        assert r.step_index == 5 and r.window_source == "log"
+        assert any(isinstance(e, CorruptSlot) and e.slot == slot for e in r.events)
+        assert not [e for e in r.events if isinstance(e, MissingSegment)]
+        r.step(yaw_sweep_trajectory(6)[5])
+        assert r.step_index == 6
