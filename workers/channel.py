@@ -43,6 +43,9 @@ logger = logging.getLogger(__name__)
 MAX_FRAME = 1 << 30
 """Frames above 1 GiB are refused (the gRPC front end limits requests far below this)."""
 _LEN = struct.Struct(">I")
+_CHUNK = 1 << 20
+"""A frame's body is read in pieces of at most this size: memory grows only as its bytes arrive (a
+length alone, from a broken or hostile peer, makes no 1 GiB allocation)."""
 
 
 class ChannelError(Exception):
@@ -96,15 +99,18 @@ def _remove_stale(d: Path) -> None:
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = conn.recv_into(view[got:], n - got)
-        if k == 0:
-            return None
-        got += k
-    return bytes(buf)
+    parts = []
+    while n > 0:
+        part = bytearray(min(n, _CHUNK))
+        view, got = memoryview(part), 0
+        while got < len(part):
+            k = conn.recv_into(view[got:], len(part) - got)
+            if k == 0:
+                return None
+            got += k
+        parts.append(part)
+        n -= len(part)
+    return b"".join(parts)
 
 
 class ChannelServer:
@@ -254,15 +260,18 @@ class ChannelClient:
 
     async def _recv(self, sock: socket.socket, n: int) -> bytes:
         loop = asyncio.get_running_loop()
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:
-            k = await loop.sock_recv_into(sock, view[got:])
-            if k == 0:
-                raise ConnectionResetError("the device host closed the channel")
-            got += k
-        return bytes(buf)
+        parts = []
+        while n > 0:  # in pieces, as `_recv_exact`
+            part = bytearray(min(n, _CHUNK))
+            view, got = memoryview(part), 0
+            while got < len(part):
+                k = await loop.sock_recv_into(sock, view[got:])
+                if k == 0:
+                    raise ConnectionResetError("the device host closed the channel")
+                got += k
+            parts.append(part)
+            n -= len(part)
+        return b"".join(parts)
 
     async def infer_many(self, items: list[tuple[str, dict[str, np.ndarray]]]) -> list[P.InferResult]:
         if self.broken:

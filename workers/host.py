@@ -12,8 +12,9 @@ Plain Python and PyTorch (no Ray): `workers.actor` wraps it in a Ray actor; test
   manager to reconcile with intent; its `boot_id` (on every `CommandResult` too) tells a restart.
 
 Thread safety: commands run one at a time (a lock); `infer` may run beside a command on another model
-(a Ray actor with max_concurrency > 1). A model being dropped finishes its in-flight inferences first
-(they hold the module), so its memory comes back after them.
+(a Ray actor with max_concurrency > 1). A drop or demote waits for the model's running inference
+(it takes the model's lock), so its memory comes back after it; a request still waiting for that lock
+then finds the model gone from the gpu tier and is refused (bad_transition), never run on it.
 """
 
 from __future__ import annotations
@@ -131,6 +132,9 @@ class DeviceHost:
                 )  # fmt: skip
             if not result.ok:
                 self._forget_partial(name, before)
+                # where it really is now: a failed reload (changed spec) or roll-back may have dropped it
+                after = self.models[name].tier if name in self.models else "disk"
+                result = replace(result, to_tier=after)
             result = replace(result, device=self.name, boot_id=self.boot_id)
             self.results[op_id] = result
             while len(self.results) > OP_CACHE:
@@ -263,7 +267,8 @@ class DeviceHost:
         except AdapterError:
             # too large on the device: back to the host tier, as the model was before the promote (if
             # even that fails, it is forgotten: the error result says what happened)
-            runnable, r.runnable = r.runnable, None
+            with r.lock:  # an inference that started on it ends first; none starts after
+                runnable, r.runnable = r.runnable, None
             r.host = r.adapter.to_host(runnable, ph)
             del runnable
             r.tier, r.host_bytes, r.tensor_bytes, r.device_bytes = "host", r.host.nbytes, r.host.nbytes, 0
@@ -271,7 +276,7 @@ class DeviceHost:
         return self._result(r, op_id, op, "host", ph, t0, used0, rss0, moved=moved, source="host")
 
     def _demote(self, r: _Resident, op_id: str, op: P.OpName) -> P.CommandResult:
-        with self.world.closing(r.spec.name):  # its sessions end, and none opens, before it leaves
+        with self.world.closing(r.spec.name), r.lock:  # its sessions end, its running inference too
             ph, t0, used0, rss0 = Phases(), time.perf_counter(), self.probe.used(), rss_bytes()
             freed = r.device_bytes
             r.host = r.adapter.to_host(r.runnable, ph)
@@ -288,7 +293,8 @@ class DeviceHost:
     def _drop(self, r: _Resident, op_id: str) -> P.CommandResult:
         ph, t0, used0, rss0 = Phases(), time.perf_counter(), self.probe.used(), rss_bytes()
         name, before, expected = r.spec.name, r.tier, r.tensor_bytes
-        with self.world.closing(name):  # its sessions end, and none opens, while its weights go
+        # its sessions end, and none opens, while its weights go; its running inference ends first
+        with self.world.closing(name), r.lock:
             del self.models[name]
             r.runnable = r.host = None
         del r
@@ -431,6 +437,11 @@ class DeviceHost:
         runnable, adapter = r.runnable, r.adapter
         try:
             with r.lock:
+                if r.runnable is not runnable:  # dropped or demoted while this request waited
+                    return P.InferResult(
+                        model, False, error_code=P.BAD_TRANSITION,
+                        error=f"model {model!r} left the gpu tier on {self.name} before it could infer",
+                    )  # fmt: skip
                 t0 = time.perf_counter()  # the model's own time, not the wait for the lock
                 c0 = time.thread_time()
                 out = adapter.infer(runnable, inputs)

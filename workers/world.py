@@ -8,8 +8,10 @@ whenever the manager changes the model's elastic lease; `close(session_id)`. On 
 the lease is the session's host KV budget (its "device" memory is RAM); on CUDA it is the GPU
 retrieval budget. A world model runs one session at a time: its rolling KV window lives on the module
 (as MG2's `kv_cache` does), so a second session would reset it under the first. A lease below what
-the runtime needs to keep working (three segments) is raised to that floor, and the result says so.
-One lock per session: a resize may arrive from the manager while a step runs.
+the runtime needs to keep working (three segments; on a GPU at least one decoded segment per
+retrieval buffer) is raised to that floor, and the result says so. One lock per session: a resize
+may arrive from the manager while a step runs; a step or resize that waited for it while a close
+ran finds the session closed (`SessionNotOpen`).
 
 Durability: a step returns only once its segment is in the session's log (written, not fsynced: it
 survives the host process, not the machine), and the log's index is saved every `INDEX_EVERY`
@@ -50,6 +52,8 @@ class _Open:
     kind: str
     lock: threading.Lock = field(default_factory=threading.Lock)
     lease: int = 0
+    min_lease: int = 0
+    """The least lease the runtime takes: three segments; on a GPU also one decoded slot per buffer."""
 
 
 class WorldSessions:
@@ -62,7 +66,7 @@ class WorldSessions:
         self._opening = threading.RLock()
 
     def _floor(self, o: _Open, kv_bytes: int) -> int:
-        return max(int(kv_bytes), MIN_SEGMENTS * o.segment_bytes)
+        return max(int(kv_bytes), MIN_SEGMENTS * o.segment_bytes, o.min_lease)
 
     def open(
         self,
@@ -110,7 +114,8 @@ class WorldSessions:
                     )
                 codec = codec or str(saved.get("codec", "bf16"))  # none given: the saved one
             codec = codec or "bf16"
-            seg = SegmentLayout.from_config(module.cfg, codec, module.head.weight.dtype).payload_nbytes
+            layout = SegmentLayout.from_config(module.cfg, codec, module.head.weight.dtype)
+            seg = layout.payload_nbytes
             kind = self.device.type
             host = max(int(kv_bytes), MIN_SEGMENTS * seg) if kind == "cpu" else 64 * seg
             opts: dict[str, Any] = {"host_budget_bytes": host, "device": self.device, "keep_outputs": True}
@@ -120,7 +125,12 @@ class WorldSessions:
                 session = Session(module, codec=codec, log_dir=log_dir, metadata={"model": model}, **opts)
             o = _Open(session, model, seg, kind, lease=host)
             if kind != "cpu":
-                session.resize_lease(gpu_budget_bytes=self._floor(o, kv_bytes))
+                o.min_lease = 2 * layout.decoded_nbytes  # the GPU buffers' floor (worldpager.pages)
+                try:
+                    session.resize_lease(gpu_budget_bytes=self._floor(o, kv_bytes))
+                except BaseException:  # not opened after all: its threads and log go
+                    session.close()
+                    raise
                 o.lease = self._floor(o, kv_bytes)
             self.open_sessions[session_id] = o
             events = session.events if resume else []
@@ -148,6 +158,7 @@ class WorldSessions:
 
         o = self.get(session_id)
         with o.lock:
+            self._still_open(session_id, o)
             rec = o.session.step(Pose(*pose))
             outs = o.session.outputs
             latents = outs.pop() if outs else torch.empty(0)
@@ -164,11 +175,17 @@ class WorldSessions:
             "shape": tuple(lat.shape),
         }  # fmt: skip
 
+    def _still_open(self, session_id: str, o: _Open) -> None:
+        """Under ``o.lock``: a close that ran while this call waited for the lock has ended it."""
+        if self.open_sessions.get(session_id) is not o:
+            raise SessionNotOpen(f"world session {session_id!r} was closed")
+
     def resize(self, session_id: str, kv_bytes: int) -> int:
         """Apply a new lease; returns the lease in force (the floor when asked for less)."""
         o = self.get(session_id)
         lease = self._floor(o, kv_bytes)
         with o.lock:
+            self._still_open(session_id, o)
             if o.kind == "cpu":
                 o.session.resize_lease(host_budget_bytes=lease)
             else:
