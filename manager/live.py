@@ -582,6 +582,12 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         return f"{m.name} put on the books ({held.tier})"
 
     # ---- requests -------------------------------------------------------------------------------
+    def serving(self, name: str) -> bool:
+        """Whether `name` is ready to serve at once: its load on the GPU confirmed, none pending. A
+        failed load also wakes its waiters (the ready event) but leaves the model on disk: not ready."""
+        live = self.live[name]
+        return live.ready.is_set() and not live.loads_pending and self.engine.models[name].tier == Tier.GPU
+
     def _model(self, name: str) -> Any:
         m = self.engine.models.get(name)
         if m is None:

@@ -116,7 +116,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
         self.manager._model(request.name)
         check_version(request.name, request.version)
-        return pb.ModelReadyResponse(ready=self.manager.live[request.name].ready.is_set())
+        return pb.ModelReadyResponse(ready=self.manager.serving(request.name))
 
     @mapped
     async def ServerMetadata(
@@ -230,7 +230,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> pb.RepositoryIndexResponse:
         resp = pb.RepositoryIndexResponse()
         for name, live in self.manager.live.items():
-            ready = live.ready.is_set()
+            ready = self.manager.serving(name)
             if request.ready and not ready:
                 continue
             state = "READY" if ready else ("UNAVAILABLE" if live.error else "UNLOADED")

