@@ -135,6 +135,8 @@ def _load_trace(path: str, config: Config, strict: bool) -> tuple[list[Request],
             highlight=False,
             markup=False,
         )
+        if not res.requests:  # not a trace at all (a config given as --trace, say): nothing to replay
+            raise UsageError(f"{path}: no valid request line (all {len(res.bad_lines)} lines are bad)")
     return res.requests, len(res.bad_lines)
 
 

@@ -61,7 +61,7 @@ class TraceError(Exception):
     """A trace that cannot be used: `path`, 1-based `line` (0 for the file as a whole), `reason`."""
 
     def __init__(self, path: str, line: int, reason: str) -> None:
-        super().__init__(f"{path}:{line}: {reason}")
+        super().__init__(f"{path}:{line}: {reason}" if line else f"{path}: {reason}")
         self.path = path
         self.line = line
         self.reason = reason

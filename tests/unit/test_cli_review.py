@@ -31,7 +31,7 @@ def test_trace_values_that_look_like_markup_are_printed_as_they_are(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], model: str
 ) -> None:
     trace = lines(tmp_path / "t.jsonl", {"t": 1, "model": model, "busy_s": 1})
-    assert main(["replay", "--config", str(HOME), "--trace", str(trace), "--json"]) == 0
+    assert main(["replay", "--config", str(HOME), "--trace", str(trace), "--json"]) == 2  # no valid line
     err = capsys.readouterr().err
     assert f"unknown model {model!r}" in err
 
@@ -57,7 +57,7 @@ def test_tune_holdout_without_valid_requests_is_a_usage_error(
     ms = lines(tmp_path / "ms.jsonl", {"t": 1793577600000, "model": "voice", "busy_s": 1})  # milliseconds
     args = ["tune", "--config", str(HOME), "--trace", str(trace), "--out", str(tmp_path / "t.yaml")]
     assert main([*args, "--holdout", str(ms)]) == 2
-    assert "no valid requests to judge" in capsys.readouterr().err
+    assert f"{ms}: no valid request line" in capsys.readouterr().err
 
 
 def test_tune_out_into_a_missing_folder_makes_it(tmp_path: Path) -> None:

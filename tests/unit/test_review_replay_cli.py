@@ -148,3 +148,21 @@ def test_a_config_tuned_again_gets_one_tuning_line_not_a_stack(tmp_path: Path) -
         "# Proposed by the service's tuning on X",
         HOME.read_text(encoding="utf-8").splitlines()[0],
     ]
+
+
+def test_a_file_with_no_valid_request_line_is_not_replayed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by a README walk-through: `--trace configs/home.yaml` (arguments swapped) skipped every
+    line and printed a table of zeros with exit 0. A missing file said `nope.jsonl:0:`."""
+    assert main(["replay", "--config", str(HOME), "--trace", str(HOME)]) == 2
+    err = capsys.readouterr().err
+    assert "no valid request line" in err and "bad line(s) skipped" in err
+    assert main(["replay", "--config", str(HOME), "--trace", str(tmp_path / "nope.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "nope.jsonl: no such file" in err and ":0:" not in err
+    half = lines(tmp_path / "half.jsonl", {"t": DEFAULT_START, "model": "llm", "busy_s": 1})
+    with half.open("a", encoding="utf-8") as f:
+        f.write("not json\n")
+    assert main(["replay", "--config", str(HOME), "--trace", str(half), "--json"]) == 0  # one good line
+    assert json.loads(capsys.readouterr().out)["requests"] == 1
