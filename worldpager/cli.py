@@ -464,6 +464,11 @@ def cmd_session(args: argparse.Namespace) -> int:
                 session = Session.resume(log_dir, model, **opts)
             else:
                 session = Session(model, log_dir=log_dir, metadata={"preset": preset}, **opts)
+        except FileExistsError as e:  # a new session over a saved one: never written over
+            raise UsageError(
+                f"--log-dir {log_dir}: holds a saved session ({e.filename} exists); continue it with "
+                "--resume, or give an empty or new folder"
+            ) from None
         except (ValueError, OSError, SegmentLogError) as e:
             raise UsageError(str(e)) from None
         first = session.step_index

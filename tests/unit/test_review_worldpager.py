@@ -502,3 +502,18 @@ def test_a_corrupt_newest_segment_under_a_trusted_index_is_generated_again(tmp_p
         assert not [e for e in r.events if isinstance(e, MissingSegment)]
         r.step(yaw_sweep_trajectory(6)[5])
         assert r.step_index == 6
+
+
+def test_cli_a_new_session_over_a_saved_one_says_to_resume(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by a README walk-through: `--log-dir` of a saved session without `--resume` printed a raw
+    `[Errno 17] File exists`. The saved session is left as it was."""
+    base = ["session", "--preset", "micro", "--log-dir", str(tmp_path / "s"), "--json", "--segments", "2"]
+    assert main(base) == 0
+    capsys.readouterr()
+    before = sorted((p.name, p.stat().st_size) for p in (tmp_path / "s").iterdir())
+    assert main(base) == 2
+    err = capsys.readouterr().err
+    assert "holds a saved session" in err and "--resume" in err and "Errno" not in err
+    assert sorted((p.name, p.stat().st_size) for p in (tmp_path / "s").iterdir()) == before
