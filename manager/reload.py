@@ -22,6 +22,10 @@ class RestartNeeded(ValueError):
     """The new config changes what the running service is built from."""
 
 
+_SHAPE_FIELDS = ("adapter", "device", "source", "class", "elastic", "max_batch")
+"""A model's fields a reload cannot change in place (its device host would need another build)."""
+
+
 def _model_shape(config: Config) -> dict[str, tuple[object, ...]]:
     shapes: dict[str, tuple[object, ...]] = {}
     for m in config.models:
@@ -45,8 +49,10 @@ def plan_reload(old: Config, new: Config) -> list[str]:
         raise RestartNeeded(f"models added {added} or removed {gone}")
     for name in before:
         if before[name] != after[name]:
+            changed = [f for f, b, a in zip(_SHAPE_FIELDS, before[name], after[name], strict=True) if b != a]
             raise RestartNeeded(
-                f"model {name!r}: adapter, device, source, class, elastic range or max_batch changed"
+                f"model {name!r}: {', '.join(changed)} changed (adapter, device, source, class, elastic "
+                "range and max_batch take effect at a restart)"
             )
     changes: list[str] = []
     olds = {m.name: m for m in old.models}

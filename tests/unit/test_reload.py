@@ -50,8 +50,9 @@ def test_changes_that_seed_measurements_are_said_to_wait_for_a_restart() -> None
 @pytest.mark.parametrize(
     ("change", "words"),
     [
-        (lambda c: edited(c, "llm", device="gpu1"), "model 'llm'"),
-        (lambda c: edited(c, "llm", adapter="torchscript"), "model 'llm'"),
+        (lambda c: edited(c, "llm", device="gpu1"), "model 'llm': device changed"),
+        (lambda c: edited(c, "llm", adapter="torchscript"), "model 'llm': adapter changed"),
+        (lambda c: edited(c, "embed", max_batch=8), "model 'embed': max_batch changed"),
         (lambda c: c.model_copy(update={"models": c.models[:-1]}), r"removed \['photos'\]"),
         (
             lambda c: c.model_copy(update={"policy": c.policy.model_copy(update={"name": "gdsf"})}),
