@@ -217,7 +217,27 @@ def cmd_schema(a: argparse.Namespace) -> int:
 
 
 def cmd_check(a: argparse.Namespace) -> int:
+    from manager.api.server import is_loopback
+
     c = load_config(a.config)
+    env = c.server.auth_token_env
+    if not env and not is_loopback(c.server.listen):  # `serve` refuses it: said now, as an error
+        raise UsageError(
+            f"{a.config}: server.listen {c.server.listen!r} is beyond loopback but server.auth_token_env "
+            "is null: `residency serve` refuses to listen there without a bearer token (name the "
+            "environment variable that will hold it)"
+        )
+    if env and not os.environ.get(env):
+        where = (
+            "and `serve` would refuse to listen beyond loopback"
+            if not is_loopback(c.server.listen)
+            else ("and admin calls would need no token")
+        )
+        err.print(
+            f"{a.config}: warning: server.auth_token_env names ${env}, which is not set here ({where})",
+            highlight=False,
+            markup=False,
+        )
     err.print(
         f"{a.config}: ok ({len(c.devices)} devices, {len(c.classes)} classes, {len(c.models)} models)",
         highlight=False,

@@ -166,3 +166,26 @@ def test_a_file_with_no_valid_request_line_is_not_replayed(
         f.write("not json\n")
     assert main(["replay", "--config", str(HOME), "--trace", str(half), "--json"]) == 0  # one good line
     assert json.loads(capsys.readouterr().out)["requests"] == 1
+
+
+def test_config_check_refuses_what_serve_would_refuse_to_listen_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a README walk-through: `config check` passed a config listening on 0.0.0.0 with no
+    token variable, which `serve` then refused; a token variable that is not set went unnoticed."""
+    text = HOME.read_text(encoding="utf-8")
+    lan = tmp_path / "lan.yaml"
+    lan.write_text(text.replace('listen: "127.0.0.1:50051"', 'listen: "0.0.0.0:50051"'), encoding="utf-8")
+    assert main(["config", "check", str(lan)]) == 2
+    assert "beyond loopback but server.auth_token_env is null" in capsys.readouterr().err
+    named = tmp_path / "named.yaml"
+    named.write_text(
+        lan.read_text(encoding="utf-8").replace("auth_token_env: null", "auth_token_env: RES_TEST_TOKEN"),
+        encoding="utf-8",
+    )
+    monkeypatch.delenv("RES_TEST_TOKEN", raising=False)
+    assert main(["config", "check", str(named)]) == 0  # the variable may be set where it serves
+    assert "warning: server.auth_token_env names $RES_TEST_TOKEN, which is not set" in capsys.readouterr().err
+    monkeypatch.setenv("RES_TEST_TOKEN", "s3cret")
+    assert main(["config", "check", str(named)]) == 0
+    assert "warning" not in capsys.readouterr().err
