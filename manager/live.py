@@ -136,6 +136,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self.wait_total_s = 0.0  # every served request's wait, summed since start
         self.rejected = 0
         self.served = 0
+        self.cold_starts = 0  # served requests and session opens that found their model off the GPU
         self._next_save = 0.0
         self.metrics = Metrics()
         self.sessions: dict[str, tuple[str, float, int]] = {}  # id -> (model, opened at, class rank)
@@ -689,6 +690,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         live.requests += 1
         live.last_used = end
         self.served += 1
+        self.cold_starts += cold
         self._log_request(arrival, model, max(0.0, end - start), cls, wait, result)
         if retry_failed:
             raise WorkerUnavailable(f"{result.error}; retried once: {retry_failed}")

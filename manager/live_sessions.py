@@ -131,6 +131,7 @@ class WorldSessionsMixin:
     engine: Engine
     live: dict[str, _Live]
     served: int
+    cold_starts: int
     sessions: dict[str, tuple[str, float, int]]
     session_dir: Path
     _world: dict[str, _World]
@@ -272,7 +273,8 @@ class WorldSessionsMixin:
         try:
             # as a request: waited for (never expired or evicted while its load is unconfirmed), and
             # under its class's queue limit
-            arrival, _ = await self._queue_for(m, rank, self.config.classes[rank].name, deadline)
+            arrival, cold = await self._queue_for(m, rank, self.config.classes[rank].name, deadline)
+            self.cold_starts += cold
             m.busy_until = math.inf
             self.live[model].inflight += 1
             sid = resume_id or uuid.uuid4().hex[:12]

@@ -272,3 +272,24 @@ def test_per_class_waits_are_a_bounded_window_and_the_total_counts_every_request
         assert lm.served == 8
 
     run(load_config(CONFIG), body)
+
+
+def test_stats_cold_starts_count_requests_that_found_their_model_off_the_gpu() -> None:
+    """Found by a README walk-through: Stats' cold_starts was the engine's load count (the pinned
+    model's boot load, prewarms, reloads), more than the requests served. Now, as in the replay, it
+    counts the requests that waited for their model's load."""
+    from manager.api.admin import AdminServicer
+    from residency_proto.v1 import residency_pb2 as rpb
+
+    async def body(lm: LiveManager) -> None:
+        await lm.infer("voice", AUDIO)  # pinned: loading since start, served as it finished or after
+        voice_cold = lm.cold_starts
+        assert (await lm.infer("embed", TEXT)).cold
+        assert not (await lm.infer("embed", TEXT)).cold
+        await lm.preload("world")  # a load no request waited for
+        stats = await AdminServicer(lm).Stats(rpb.StatsRequest(), None)
+        assert stats.requests == 3
+        assert stats.cold_starts == voice_cold + 1 <= stats.requests
+        assert lm.engine.counters.loads == 3  # what it reported before: voice, embed and world
+
+    run(load_config(CONFIG), body)
