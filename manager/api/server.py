@@ -166,6 +166,35 @@ async def build_server(
     return server, port, health_servicer
 
 
+def _cannot_listen(listen: str, e: OSError) -> ServeError:
+    return ServeError(
+        f"cannot listen on {listen!r}: {e.strerror or e}"
+        + (" (another server holds it?)" if e.errno == errno.EADDRINUSE else "")
+    )
+
+
+def probe_listen(listen: str) -> tuple[Any, Any, Any, Any]:
+    """Check that this process could listen on `listen` (host:port) now: a plain bind, which fails if
+    anything else holds the port (another `serve`, its front ends; SO_REUSEPORT alone would share it
+    with them), released at once. Port 0 (any free port) is not probed. Returns the address to bind
+    (family, type, proto, sockaddr); ServeError naming `listen` when it cannot be had."""
+    import socket
+
+    host, _, port_s = listen.rpartition(":")
+    port = int(port_s)
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        if port:
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT only
+                probe.bind(addr)
+    except OSError as e:
+        raise _cannot_listen(listen, e) from None
+    return family, kind, proto, addr
+
+
 MAX_UNIX_PATH = 107
 """The longest path a Unix socket can be bound at on Linux (sun_path holds 108 bytes with its NUL)."""
 
@@ -203,29 +232,16 @@ class Frontends:
     def _reserve(self) -> tuple[str, int]:
         import socket
 
-        host, _, port_s = self.config.server.listen.rpartition(":")
-        port = int(port_s)
-        bare = host.strip("[]")
+        listen = self.config.server.listen
+        family, kind, proto, addr = probe_listen(listen)
         try:
-            family, kind, proto, _, addr = socket.getaddrinfo(
-                bare, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-            )[0]
-            if port:
-                # a plain bind first: it fails if anything else holds the port (another `serve`, its
-                # front ends), which SO_REUSEPORT alone would share with it
-                with socket.socket(family, kind, proto) as probe:
-                    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT only
-                    probe.bind(addr)
             s = socket.socket(family, kind, proto)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             s.bind(addr)
         except OSError as e:
-            raise ServeError(
-                f"cannot listen on {self.config.server.listen!r}: {e.strerror or e}"
-                + (" (another server holds it?)" if e.errno == errno.EADDRINUSE else "")
-            ) from None
+            raise _cannot_listen(listen, e) from None
         self.hold = s
-        return host, int(s.getsockname()[1])
+        return listen.rpartition(":")[0], int(s.getsockname()[1])
 
     async def start(self) -> int:
         from manager.api.fastpath import FastPathServer
@@ -360,6 +376,7 @@ async def serve(
             loop.add_signal_handler(sig, stop.set)
 
     on_signals()
+    probe_listen(config.server.listen)  # a port in use is said now, not after Ray has started
     store = open_store(config.store.url)
     pool = create_pool(config, in_process=in_process, cpu_fallback=cpu_fallback)
     on_signals()  # again: ray.init installs its own SIGTERM handler (which exits at once)

@@ -326,3 +326,27 @@ class TestChannelWakeupLostToACancelledWaiter:
 
         with fake_host(tmp_path, lambda _: framed([]), gate) as path:
             assert asyncio.run(main(path)) == []
+
+
+def test_a_port_in_use_is_said_before_the_device_hosts_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a README walk-through: a second `serve` on a port in use was refused only after it had
+    started a whole local Ray (about 9 s). The port is now probed first; the real bind still checks."""
+    import manager.workers_bridge as bridge
+    from manager.api.server import probe_listen
+
+    started: list[bool] = []
+    monkeypatch.setattr(bridge, "create_pool", lambda *a, **k: started.append(True))
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        target = f"127.0.0.1:{held.getsockname()[1]}"
+        with pytest.raises(ServeError, match=rf"cannot listen on '{target}'.*another server holds it"):
+            probe_listen(target)
+        cfg = config(tmp_path, listen=target)
+        with pytest.raises(ServeError, match=rf"cannot listen on '{target}'"):
+            asyncio.run(serve(cfg, in_process=True))
+    assert started == []  # refused before any device host was made
+    probe_listen(target)  # free again
+    probe_listen("127.0.0.1:0")  # any free port: nothing to probe
