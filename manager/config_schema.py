@@ -22,7 +22,15 @@ from pydantic import (
     model_validator,
 )
 
-from manager.units import format_size, parse_duration, parse_size, shown
+from manager.units import (
+    DURATION_PATTERN,
+    MAX_SIZE,
+    SIZE_PATTERN,
+    format_size,
+    parse_duration,
+    parse_size,
+    shown,
+)
 
 Loc = tuple[str | int, ...]
 
@@ -43,21 +51,26 @@ class _FieldErrors(ValueError):
         super().__init__("; ".join(f"{_fmt_loc(loc)}: {msg}" for loc, msg in errors))
 
 
+MAX_DURATION_S = 10 * 365 * 86400
+"""The longest duration a config takes (ten years; keep_alive: forever is the way to say "never"):
+times near float's limits would turn the replay's sums into infinity."""
+
+# What the JSON Schema says of sizes and durations: the spellings parse_size / parse_duration read
+# (not any letters after any digits and dots), up to the largest value load_config takes.
 _SIZE_SCHEMA: dict[str, Any] = {
     "anyOf": [
-        {"type": "string", "pattern": r"^\s*[0-9.]+\s*[A-Za-z]*\s*$"},
-        {"type": "integer", "minimum": 0},
+        {"type": "string", "pattern": SIZE_PATTERN},
+        {"type": "integer", "minimum": 0, "maximum": MAX_SIZE},
     ],
     "examples": ["24GiB", "512MiB", 1073741824],
 }
 _DURATION_SCHEMA: dict[str, Any] = {
-    "anyOf": [{"type": "string"}, {"type": "number", "minimum": 0}],
+    "anyOf": [
+        {"type": "string", "pattern": DURATION_PATTERN},
+        {"type": "number", "minimum": 0, "maximum": MAX_DURATION_S},
+    ],
     "examples": ["30m", "2h", "45s", "1h30m", 90],
 }
-
-MAX_DURATION_S = 10 * 365 * 86400
-"""The longest duration a config takes (ten years; keep_alive: forever is the way to say "never"):
-times near float's limits would turn the replay's sums into infinity."""
 MAX_LOAD_S = 86400
 """The longest load time a config takes (a day): a load is seconds to minutes."""
 
@@ -105,7 +118,12 @@ KeepAlive = Annotated[
     PlainSerializer(_dump_keep_alive, when_used="json"),
     WithJsonSchema(
         {
-            "anyOf": [{"type": "string"}, {"type": "number", "minimum": 0}, {"type": "null"}],
+            "anyOf": [
+                {"type": "string", "pattern": r"^\s*(?:[aA][uU][tT][oO]|[fF][oO][rR][eE][vV][eE][rR])\s*$"},
+                {"type": "string", "pattern": DURATION_PATTERN},
+                {"type": "number", "minimum": 0, "maximum": MAX_DURATION_S},
+                {"type": "null"},
+            ],
             "examples": ["auto", "forever", "30m", 600],
         }
     ),
@@ -251,9 +269,11 @@ class RayConfig(_Model):
         if v is None or v == "auto" or (v.startswith("ray://") and len(v) > 6):
             return v
         host, sep, port = v.rpartition(":")
-        if sep and host and port.isdigit():
+        if sep and host and _ascii_port(port):
             return v
-        raise ValueError(f"expected null, 'auto', 'ray://HOST:PORT' or 'HOST:PORT', got {v!r}")
+        raise ValueError(
+            f"expected null, 'auto', 'ray://HOST:PORT' or 'HOST:PORT' (a port 0-65535), got {shown(v)}"
+        )
 
 
 def _check_reserve(memory: int, reserve: int) -> None:
@@ -477,6 +497,16 @@ def _names_and_refs(cfg: Config) -> list[tuple[Loc, str]]:
             if name in first:
                 errors.append(((field, i, "name"), f"duplicate name {name!r} (also {field}[{first[name]}])"))
             first.setdefault(name, i)
+    gpus: dict[tuple[str | None, int], int] = {}
+    for i, d in enumerate(cfg.devices):
+        if d.kind != "cuda":
+            continue
+        if (d.node, d.index) in gpus:  # two budgets for one GPU: twice its memory would be handed out
+            j = gpus[(d.node, d.index)]
+            on = f"node {d.node!r}" if d.node is not None else "the local node"
+            msg = f"cuda index {d.index} on {on} is already device {cfg.devices[j].name!r} (devices[{j}])"
+            errors.append((("devices", i, "index"), msg))
+        gpus.setdefault((d.node, d.index), i)
     for i, m in enumerate(cfg.models):
         if m.device not in devices:
             msg = f"unknown device {m.device!r}; known devices: {', '.join(devices)}"

@@ -10,7 +10,15 @@ import math
 import re
 from decimal import Decimal, InvalidOperation
 
-__all__ = ["format_duration", "format_size", "parse_duration", "parse_size", "shown"]
+__all__ = [
+    "DURATION_PATTERN",
+    "SIZE_PATTERN",
+    "format_duration",
+    "format_size",
+    "parse_duration",
+    "parse_size",
+    "shown",
+]
 
 _SIZE_EXPECTED = "expected a size like '24GiB', '512MiB' or a number of bytes"
 MAX_SIZE = 2**60
@@ -56,10 +64,27 @@ _DURATION_UNITS: dict[str, Decimal] = {
 }
 _FORMAT_DURATION_UNITS: tuple[tuple[str, int], ...] = (("d", 86400), ("h", 3600), ("m", 60))
 
-_NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)"
+# ASCII digits only: `\d` would also take '٣' or '５', which no other reader of a config (the JSON
+# Schema, YAML's own numbers) does
+_NUMBER = r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
 _SIZE_RE = re.compile(rf"^\s*({_NUMBER})\s*([A-Za-z]*)\s*$")
 _DURATION_PART_RE = re.compile(rf"\s*({_NUMBER})\s*(ms|s|m|h|d|w)\s*", re.IGNORECASE)
 _PLAIN_NUMBER_RE = re.compile(rf"^\s*{_NUMBER}\s*$")
+
+
+def _any_case(unit: str) -> str:
+    """`unit` as a pattern of either case without flags (JSON Schema patterns take none): [mM][sS]."""
+    return "".join(f"[{c.lower()}{c.upper()}]" for c in unit)
+
+
+_SIZE_UNIT_PATTERN = "|".join(_any_case(u) for u in sorted(_SIZE_UNITS, key=len, reverse=True) if u)
+SIZE_PATTERN = rf"^\s*{_NUMBER}\s*(?:{_SIZE_UNIT_PATTERN})?\s*$"
+"""The strings parse_size reads, as a regular expression JSON Schema can use (what the config's
+schema says of a size; the value may still be too large)."""
+DURATION_PATTERN = (
+    rf"^(?:\s*{_NUMBER}\s*|(?:\s*{_NUMBER}\s*(?:{'|'.join(map(_any_case, _DURATION_UNITS))})\s*)+)$"
+)
+"""The strings parse_duration reads, as a regular expression JSON Schema can use."""
 
 
 SHOWN_MAX = 60
@@ -83,7 +108,7 @@ def _number(v: int | float, expected: str) -> Decimal:
         raise ValueError(f"{expected}, got {shown(v)}")
     if v < 0:
         raise ValueError(f"{expected}; it must not be negative, got {shown(v)}")
-    return Decimal(v) if isinstance(v, int) else Decimal(repr(v))
+    return Decimal(v) if isinstance(v, int) else Decimal(repr(v + 0.0))  # + 0.0: -0.0 is 0.0
 
 
 def parse_size(v: int | float | str) -> int:
@@ -173,7 +198,7 @@ def format_duration(s: float) -> str:
         raise ValueError(f"expected a non-negative number of seconds, got {s!r}")
     if math.isinf(s):
         return "forever"
-    rest = Decimal(s) if isinstance(s, int) else Decimal(repr(s))
+    rest = Decimal(s) if isinstance(s, int) else Decimal(repr(s + 0.0))  # -0.0 is "0s", not "-0s"
     parts: list[str] = []
     for name, unit in _FORMAT_DURATION_UNITS:
         count = int(rest // unit)

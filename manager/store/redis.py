@@ -7,6 +7,7 @@ Keys, under a prefix (default `residency`, or `?prefix=` in the url):
   <prefix>:requests:lag  a sorted set, member `late_ms`: how far (ms) an entry's id is ahead of its t.
   <prefix>:docs          a Hash, document key -> JSON object.
   <prefix>:intents       a Hash, model -> tier.
+  <prefix>:requests:batch:<token>  a short-lived marker per batch written (see _BATCH_KEY).
 
 Late records: a stream's ids only grow, so a record whose t is earlier than the newest entry (two
 threads finishing out of order, or out of order in one batch) gets the newest entry's ms instead, and
@@ -29,6 +30,7 @@ import heapq
 import json
 import logging
 import math
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,6 +41,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from manager.replay.trace import MAX_T
 from manager.store.base import (
     StoreError,
     check_intent,
@@ -57,9 +60,10 @@ PAGE = 1000
 
 
 # One batch of the request log, as one script: Redis runs it whole, with no other command between,
-# so a batch is written all or none and its ids need no retry when writers race. KEYS: the stream and
-# the lag set; ARGV: ms, json, ms, json, ... Every id is placed before anything is written: an XADD
-# at an id >= the newest one cannot fail, so an error (a key of the wrong type) comes before any write.
+# so a batch is written all or none and its ids need no retry when writers race. KEYS: the stream, the
+# lag set and the call's own key (see _BATCH_KEY); ARGV: ms, json, ms, json, ... Every id is placed
+# before anything is written: an XADD at an id >= the newest one cannot fail, so an error (a key of the
+# wrong type) comes before any write.
 _APPEND_LUA = """
 local last = 0
 if redis.call('EXISTS', KEYS[1]) == 1 then
@@ -76,12 +80,21 @@ for i = 1, #ARGV, 2 do
   ids[#ids + 1] = last
 end
 redis.call('ZSCORE', KEYS[2], 'late_ms')  -- a lag key of the wrong type fails here, before any write
+-- KEYS[3] names this call: a copy of it that redis-py sent again (a timeout while Redis was busy, and
+-- the first copy ran all the same) writes nothing
+if not redis.call('SET', KEYS[3], '1', 'NX', 'EX', 600) then return -1 end
 if late > 0 then redis.call('ZADD', KEYS[2], 'GT', late, 'late_ms') end
 for k = 1, #ids do
   redis.call('XADD', KEYS[1], string.format('%.0f-*', ids[k]), 'data', ARGV[2 * k])
 end
 return late
 """
+
+
+_BATCH_KEY = "{prefix}:requests:batch:{token}"
+"""Set (for 10 minutes) by the batch whose `append_requests` call drew `token`: redis-py sends a
+command again when it timed out, and Redis may run both copies (it reads a socket only between
+commands: a busy server runs the first copy late). The second copy finds the key and writes nothing."""
 
 
 def _ms(t: float) -> int:
@@ -201,9 +214,10 @@ class RedisStore:
         if not rows:
             return
         args: list[str | int] = [x for row in rows for x in row]
+        batch_key = _BATCH_KEY.format(prefix=self.prefix, token=uuid.uuid4().hex)
         with self._errors("append requests") as r:
-            late = self._append(keys=[self._requests_key, self._lag_key], args=args, client=r)
-        if late:
+            late = self._append(keys=[self._requests_key, self._lag_key, batch_key], args=args, client=r)
+        if late > 0:
             logger.debug("records up to %s ms late stored at later ids", late)
 
     def _lag_ms(self, r: redis.Redis) -> int:
@@ -213,12 +227,12 @@ class RedisStore:
     def requests(self, since: float, until: float | None = None) -> Iterator[dict[str, Any]]:
         if math.isnan(since) or (until is not None and math.isnan(until)):
             raise ValueError(f"requests: since and until must be numbers, got {since!r}, {until!r}")
-        if since == math.inf:
-            return
+        if since > MAX_T or (until is not None and until <= max(since, 0)):
+            return  # no record has t outside [0, MAX_T] (nor a stream id for such a bound)
         with self._errors("read requests") as r:
             lag = self._lag_ms(r)
         start = str(max(_ms(since), 0)) if since > 0 else "-"
-        end = "+" if until is None or until == math.inf else str(max(_ms(until) + lag, 0))
+        end = "+" if until is None or until > MAX_T else str(_ms(until) + lag)
         heap: list[tuple[float, int, dict[str, Any]]] = []  # (t, read order, record)
         n = 0
         while True:

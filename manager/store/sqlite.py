@@ -139,7 +139,8 @@ class SQLiteStore:
         if mode != "wal" and self.path != ":memory:":
             logger.warning("sqlite store %s: journal_mode is %s, not wal", self.url, mode)
         self._conn.execute("PRAGMA synchronous=NORMAL")
-        self._conn.executescript(_SCHEMA)
+        if version < SCHEMA_VERSION:  # a store at this version has its tables: nothing to write
+            self._conn.executescript(_SCHEMA)  # (so a user who may only read it can export it)
 
     @contextmanager
     def _db(self, what: str) -> Iterator[sqlite3.Connection]:
