@@ -238,6 +238,18 @@ def cmd_check(a: argparse.Namespace) -> int:
             highlight=False,
             markup=False,
         )
+    from manager.policy.engine import Engine
+    from manager.policy.factory import create_policy
+
+    never = Engine(c, create_policy("residency")).never_fits  # the engine's own rule (any policy's)
+    for i, m in enumerate(c.models):
+        if never[m.name]:
+            err.print(
+                f"{a.config}: warning: models[{i}] ({m.name}): {never[m.name]}: every request for it "
+                "will be refused while these pins and reservations stand",
+                highlight=False,
+                markup=False,
+            )
     err.print(
         f"{a.config}: ok ({len(c.devices)} devices, {len(c.classes)} classes, {len(c.models)} models)",
         highlight=False,
