@@ -221,6 +221,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                 if wake or now >= next_tick:
                     self.engine.wakeups = [t for t in self.engine.wakeups if t > now]
                     self.engine.tick(now)
+                    self._load_pins(now)
                     self._flush()
                     self._resync_unsynced(now)
                     next_tick = now + 1.0
@@ -236,6 +237,18 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             except Exception:  # the reconciler must outlive any one bad result
                 logger.exception("reconciler step failed")
             await asyncio.sleep(self.poll_s)
+
+    def _load_pins(self, now: float) -> None:
+        """A pinned model that found no room when it was pinned (or at start) loads as soon as there is
+        room for it (free, or held past its keep-alive), as the reconciler ticks; not one whose last
+        load failed (no load retried every second: a request, a reload or a resync still tries it)."""
+        for m in self.engine.models.values():
+            if not m.pinned or m.tier == Tier.GPU or self.engine.never_fits[m.name]:
+                continue
+            if self.live[m.name].load_error is None and self.engine.make_room(
+                m, m.rank, now, may_evict=False
+            ):
+                self.engine.load(m, now, prewarm=False, reason="pinned")
 
     # ---- decisions -> commands ----------------------------------------------------------------
     def _flush(self) -> None:
@@ -294,8 +307,6 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             mt.loads.labels(a.model, "host", "disk").inc()
         elif a.kind in (ActionKind.DEMOTE, ActionKind.DROP) and a.device != "host":
             mt.evictions.labels(a.model, "host" if a.kind == ActionKind.DEMOTE else "disk").inc()
-        elif a.kind in (ActionKind.SHRINK_LEASE, ActionKind.GROW_LEASE):
-            mt.lease.labels(a.model).set(a.bytes)
         thrash = self.engine.counters.thrash
         if thrash > self._thrash_seen:
             mt.thrash.inc(thrash - self._thrash_seen)
@@ -303,12 +314,17 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self._gauge_resident()
 
     def _gauge_resident(self) -> None:
+        """Resident bytes per device and in host RAM, and each elastic model's lease, as the books
+        have them (a lease also goes to 0 when its model leaves the GPU, and to its minimum when it
+        loads: moves with no lease action of their own)."""
         host = 0
         for d in self.engine.state.devices.values():
             self.metrics.resident.labels(d.name, "gpu").set(d.used)
         for m in self.engine.models.values():
             if m.tier == Tier.HOST:
                 host += m.weights
+            if m.elastic:
+                self.metrics.lease.labels(m.name).set(m.lease)
         self.metrics.resident.labels("host", "host").set(host)
 
     def _on_result(self, r: P.CommandResult) -> None:
@@ -613,13 +629,11 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             adm = self.engine.admit(m, rank, now)
             self._flush()
             if adm.status == "reject":
-                self.rejected += 1
                 raise InsufficientCapacity(f"model {m.name!r} cannot be served: {adm.reason}")
             if adm.status != "wait":
                 return arrival
             max_wait = self.engine.state.class_max_wait[rank]
             if now - arrival > max_wait:
-                self.rejected += 1
                 raise InsufficientCapacity(
                     f"model {m.name!r}: no room within its class's max_wait ({max_wait} s)"
                 )
@@ -777,8 +791,9 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             cold = not self.live[m.name].ready.is_set()
             await self._ready(m, deadline, rank)
             return arrival, cold
-        except Exception:
+        except Exception:  # never served (Stats' rejected is the metric's: a retry is counted served)
             if not retry:
+                self.rejected += 1
                 self.metrics.child("requests", m.name, cls_name, "rejected").inc()
             raise
         finally:
@@ -884,7 +899,11 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                 )
             self.engine.load(m, now, prewarm=False, reason="preload")
             self._flush()
-        await self._ready(m, now + timeout_s)
+        m.waiting += 1  # as a request's wait: not expired (nor evicted) before its load is confirmed
+        try:
+            await self._ready(m, now + timeout_s)
+        finally:
+            m.waiting -= 1
 
     def evict(self, model: str, to: str = "disk") -> None:
         """An admin's evict to host RAM or disk. A model serving requests (or a world session) goes
@@ -914,10 +933,17 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             self._evict_now(m, to)
 
     def _evict_now(self, m: Any, to: str) -> None:
+        """To disk: dropped at once (demoted on the way, it could push other models out of host RAM
+        for a copy dropped next). To host: demoted when host RAM has room (or the policy makes it
+        some), whatever the policy's own use of the host tier; else dropped."""
         if m.tier == Tier.GPU:
-            self.engine.evict(m, self.clock(), "admin evict")
-            if to == "disk" and m.tier == Tier.HOST:
-                self.engine.drop_host(m, self.clock(), "admin evict")
+            policy = self.engine.policy
+            uses_host_tier = policy.uses_host_tier
+            policy.uses_host_tier = to == "host"
+            try:
+                self.engine.evict(m, self.clock(), "admin evict")
+            finally:
+                policy.uses_host_tier = uses_host_tier
         elif m.tier == Tier.HOST and to == "disk":
             self.engine.drop_host(m, self.clock(), "admin evict")
         self._flush()

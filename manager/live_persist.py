@@ -244,7 +244,9 @@ class PersistenceMixin:
                 last = lasts.get(name, math.inf)
                 if last is not None and t <= last:
                     continue  # in the snapshot already (or a model no longer configured)
-                self.engine.models[name].hist.observe(t)
+                m = self.engine.models[name]
+                m.hist.observe(t)
+                m.last_arrival = max(m.last_arrival, t)  # as `restore_stats` has it: idle since then
                 live = self.live[name]
                 live.requests += 1
                 live.last_used = max(live.last_used, t + rec.get("wait_s", 0.0) + rec["busy_s"])

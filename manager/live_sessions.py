@@ -258,8 +258,7 @@ class WorldSessionsMixin:
             raise InvalidRequest(f"model {model!r} has no elastic KV lease: it is not a world model")
         if resume_id is not None and not _SESSION_ID.fullmatch(resume_id):
             raise InvalidRequest(f"resume_session_id {resume_id!r} is not a session id (12 hex digits)")
-        if resume_id is not None and resume_id in self.sessions:
-            raise InvalidRequest(f"world session {resume_id!r} is open: end its stream first")
+        self._not_open(resume_id)
         running = next((sid for sid, (name, _, _) in self.sessions.items() if name == model), None)
         if running is not None or model in self._world_opening:
             raise InsufficientCapacity(
@@ -274,6 +273,7 @@ class WorldSessionsMixin:
             # as a request: waited for (never expired or evicted while its load is unconfirmed), and
             # under its class's queue limit
             arrival, cold = await self._queue_for(m, rank, self.config.classes[rank].name, deadline)
+            self._not_open(resume_id)  # (again: another world model may have opened it meanwhile)
             self.cold_starts += cold
             m.busy_until = math.inf
             self.live[model].inflight += 1
@@ -294,6 +294,12 @@ class WorldSessionsMixin:
         finally:
             if opening is None:
                 self._world_opening.discard(model)
+
+    def _not_open(self, resume_id: str | None) -> None:
+        """InvalidRequest when session `resume_id` is open, or being opened (on another world model:
+        its host would refuse the second open, and the manager take the first for an orphan there)."""
+        if resume_id is not None and (resume_id in self.sessions or resume_id in self._opening_ids):
+            raise InvalidRequest(f"world session {resume_id!r} is open: end its stream first")
 
     def _abandoned(self, sid: str, opening: asyncio.Future[Any]) -> None:
         """The client of a session that was opening hung up: close the session if it opened (a
