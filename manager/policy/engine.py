@@ -69,11 +69,13 @@ class Engine(TierMoves):
         self.policy.start(now)
 
     def load_pinned(self, now: float) -> None:
-        """Load the pinned models that are not on their device yet (an adopted one already is)."""
+        """Load the pinned models that are not on their device yet (an adopted one already is), each
+        into free room or room held past its keep-alive, as a request that may not evict: nothing
+        within its keep-alive is evicted for a pin (as a prewarm, the policy's guesses could)."""
         for m in self.models.values():
             if not m.pinned or m.tier == GPU:
                 continue
-            if self.make_room(m, m.rank, now, may_evict=False, prewarm=True):
+            if self.make_room(m, m.rank, now, may_evict=False):
                 self.load(m, now, prewarm=False, reason="pinned")
 
     def adopt(self, m: ModelState, tier: Tier, now: float) -> bool:
@@ -247,20 +249,20 @@ class Engine(TierMoves):
         minimum is not enough (and then leases shrink only by what is still missing)."""
         dev = self.state.devices[m.device]
         need = m.weights + m.lease_min
-        over_count = self._at_model_cap(dev)
+        over_count = not m.pinned and self._at_model_cap(dev)  # a pin is not counted: it always wins
         if not over_count and dev.room(m.rank) >= need:
             return True
-        tenants = []
-        if not over_count:
-            # A lease above its minimum is free room lent to the tenant: any request may take it
-            # back (nothing is evicted), a background one included, and so may a prewarm - leases
-            # shrink before any weights are evicted, whoever asks for the room.
-            tenants = [
-                t for t in dev.models if t is not m and t.tier == GPU and t.elastic and t.lease > t.lease_min
-            ]
-            if self._room_after(dev, m.rank, [], tenants) >= need:
-                self._shrink_leases(dev, m, tenants, need, now)
-                return True
+        # A lease above its minimum is free room lent to the tenant: any request may take it
+        # back (nothing is evicted), a background one included, and so may a prewarm - leases
+        # shrink before any weights are evicted, whoever asks for the room. At the policy's cap on
+        # models per device one model must go whatever the bytes, but no more weights than the
+        # leases cannot make up for (lent room used to count only below the cap).
+        tenants = [
+            t for t in dev.models if t is not m and t.tier == GPU and t.elastic and t.lease > t.lease_min
+        ]
+        if not over_count and self._room_after(dev, m.rank, [], tenants) >= need:
+            self._shrink_leases(dev, m, tenants, need, now)
+            return True
         cands = [c for c in dev.models if self._eligible(c, m, rank, now, may_evict, prewarm)]
         if not cands:
             return False

@@ -68,6 +68,8 @@ class OraclePolicy(Policy):
             self._busy.setdefault(r.model, []).append(r.busy_s)
         self._ptr: dict[str, int] = {}
         self._weights: list[float] = []
+        self._due: dict[str, float] = {}
+        """The earliest wake-up asked for each model's just-in-time load (a tick re-checks it)."""
 
     def bind(self, engine: Engine) -> None:
         super().bind(engine)
@@ -112,7 +114,8 @@ class OraclePolicy(Policy):
         nu = self.next_use(m)
         if nu < math.inf:
             # (the lead as it will be then: a read into host RAM going on now is over by then)
-            self.engine.wakeups.append(max(now, nu - self.lead(m, nu) - WAKE_EARLY_S))
+            self._due[m.name] = t = max(now, nu - self.lead(m, nu) - WAKE_EARLY_S)
+            self.engine.wakeups.append(t)
 
     # ---- hooks ----------------------------------------------------------------------------------
     def keep_alive(self, m: ModelState, now: float) -> float:
@@ -229,5 +232,15 @@ class OraclePolicy(Policy):
                 ahead <= FILL_AHEAD_S and backlog == 0.0 and dev.room(m.rank) >= m.weights + m.lease_min
             ):
                 out.append(m)
+            if not just_in_time:
+                # Its lead may have got shorter since its wake-up was set (it went to host RAM
+                # rather than disk): a wake-up before it is due, with none left after it, let the
+                # request find it unloaded. Wake up when it is due with the lead as it is now (a
+                # time still ahead: this is a wake-up's own tick), unless a wake-up comes by then.
+                nu = now + ahead
+                wake = nu - self.lead(m, nu) - WAKE_EARLY_S
+                if wake > now and not now < self._due.get(m.name, -math.inf) <= wake:
+                    self._due[m.name] = wake
+                    self.engine.wakeups.append(wake)
         out.sort(key=self.next_use)
         return out

@@ -142,7 +142,17 @@ class Simulator:
             m.name: (m.load_seconds.disk, m.load_seconds.cached_s, m.load_seconds.host) for m in config.models
         }
         idx = {"disk": 0, "cached": 1, "host": 2}
-        pol = policy if isinstance(policy, Policy) else create_policy(policy, requests)
+        if isinstance(policy, Policy):
+            pol = policy
+        elif policy == "oracle":
+            # Its future is the requests the engine will see: one refused before that (an unknown
+            # class for a known model) stayed its next use of that model for the rest of the run.
+            models, classes = {m.name for m in config.models}, {c.name for c in config.classes}
+            pol = create_policy(
+                policy, [r for r in requests if r.model in models and (r.cls is None or r.cls in classes)]
+            )
+        else:
+            pol = create_policy(policy, requests)
         self.engine = Engine(config, pol, lambda m, src: truth[m.name][idx[src]])
         if record:
             self.engine.actions = []
