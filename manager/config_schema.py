@@ -419,7 +419,9 @@ class PolicyConfig(_Model):
     thrash_window: Duration = 600
     """A model reloaded within this time of its eviction counts as thrash."""
     min_residency: Duration = 60
-    """A model just loaded is not evicted for a request of the same or lower class within this time."""
+    """Within this time of its load a model is not displaced by a prewarm, nor, until it has served the
+    request it was loaded for, by a request of its own class (a lower class never evicts it at all).
+    Once it has served, a request of its class may take its room (as `configs/home.yaml` says)."""
     default_keep_alive: Duration = 300
     """Keep-alive used by `lru-keepalive` and where nothing else decides."""
 
