@@ -242,13 +242,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         """A pinned model that found no room when it was pinned (or at start) loads as soon as there is
         room for it (free, or held past its keep-alive), as the reconciler ticks; not one whose last
         load failed (no load retried every second: a request, a reload or a resync still tries it)."""
-        for m in self.engine.models.values():
-            if not m.pinned or m.tier == Tier.GPU or self.engine.never_fits[m.name]:
-                continue
-            if self.live[m.name].load_error is None and self.engine.make_room(
-                m, m.rank, now, may_evict=False
-            ):
-                self.engine.load(m, now, prewarm=False, reason="pinned")
+        failed = {name for name, live in self.live.items() if live.load_error is not None}
+        self.engine.load_pinned(now, skip=failed)
 
     # ---- decisions -> commands ----------------------------------------------------------------
     def _flush(self) -> None:
@@ -937,13 +932,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         for a copy dropped next). To host: demoted when host RAM has room (or the policy makes it
         some), whatever the policy's own use of the host tier; else dropped."""
         if m.tier == Tier.GPU:
-            policy = self.engine.policy
-            uses_host_tier = policy.uses_host_tier
-            policy.uses_host_tier = to == "host"
-            try:
-                self.engine.evict(m, self.clock(), "admin evict")
-            finally:
-                policy.uses_host_tier = uses_host_tier
+            self.engine.evict(m, self.clock(), "admin evict", to_host=to == "host")
         elif m.tier == Tier.HOST and to == "disk":
             self.engine.drop_host(m, self.clock(), "admin evict")
         self._flush()

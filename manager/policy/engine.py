@@ -23,7 +23,7 @@ a model that can never fit is rejected.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 from manager.policy.moves import TierMoves
@@ -68,12 +68,13 @@ class Engine(TierMoves):
         self.load_pinned(now)
         self.policy.start(now)
 
-    def load_pinned(self, now: float) -> None:
+    def load_pinned(self, now: float, skip: Collection[str] = ()) -> None:
         """Load the pinned models that are not on their device yet (an adopted one already is), each
         into free room or room held past its keep-alive, as a request that may not evict: nothing
-        within its keep-alive is evicted for a pin (as a prewarm, the policy's guesses could)."""
+        within its keep-alive is evicted for a pin (as a prewarm, the policy's guesses could). A
+        model that can never fit, or is named in `skip`, is left where it is."""
         for m in self.models.values():
-            if not m.pinned or m.tier == GPU:
+            if not m.pinned or m.tier == GPU or m.name in skip or self.never_fits[m.name]:
                 continue
             if self.make_room(m, m.rank, now, may_evict=False):
                 self.load(m, now, prewarm=False, reason="pinned")

@@ -149,11 +149,19 @@ class TierMoves:
         return True
 
     def evict(
-        self, c: ModelState, now: float, reason: str, *, expiry: bool = False, failed: bool = False
+        self,
+        c: ModelState,
+        now: float,
+        reason: str,
+        *,
+        expiry: bool = False,
+        failed: bool = False,
+        to_host: bool | None = None,
     ) -> None:
-        """Take `c` off the GPU: demote to the host tier when the policy wants it and it fits
-        (dropping host residents the policy values less), else drop to disk. `failed`: its load
-        failed, so nothing was resident: dropped to disk, not counted as an eviction, no thrash clock."""
+        """Take `c` off the GPU: demote to the host tier when the policy wants it (or `to_host` says
+        so: an admin's choice, whatever the policy's use of the host tier) and it fits (dropping host
+        residents the policy values less), else drop to disk. `failed`: its load failed, so nothing
+        was resident: dropped to disk, not counted as an eviction, no thrash clock."""
         dev = self.state.devices[c.device]
         dev.add(c, -c.gpu_bytes)
         nbytes = c.gpu_bytes
@@ -174,7 +182,8 @@ class TierMoves:
         if c.prewarmed:
             cnt.wasted_loads += 1
             c.prewarmed = False
-        to_host = self.policy.uses_host_tier and self._host_make_room(c, now)
+        wanted = self.policy.uses_host_tier if to_host is None else to_host
+        to_host = wanted and self._host_make_room(c, now)
         if to_host:
             c.tier = HOST
             self.host.used += c.weights
