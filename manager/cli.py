@@ -385,14 +385,12 @@ def cmd_tune(a: argparse.Namespace) -> int:
 
 
 def _report(a: argparse.Namespace, config: Config, res: Any, reqs: list[Request]) -> None:
-    from manager.replay.report import write_report
+    from manager.replay.report import report_period, write_report
 
     before = replay(config, reqs, a.policy, record=True)
     after = replay(res.config, reqs, a.policy, record=True)
     weights = {m.name: m.memory for m in config.models}
-    # the period the replay's figures cover: up to the end of the last request (a session ending the
-    # trace would otherwise fall outside the plots), not just its arrival
-    t0, t1 = (reqs[0].t, max(r.t + r.busy_s for r in reqs)) if reqs else (0.0, 1.0)
+    t0, t1 = report_period(reqs) if reqs else (0.0, 1.0)
     notes = [f"change: {c}" for c in res.changes] or ["no change beat the running config"]
     write_report(
         Path(a.report), before=before, after=after, t_start=t0, t_end=t1, model_weights=weights, notes=notes

@@ -84,9 +84,9 @@ def run_tuning(
 def _report(out: Path, config: Config, res: Any, reqs: list[Any]) -> Path | None:
     """The held-out days' report, over the period until the last request ends (as `residency tune
     --report`); None when that period is empty (every request at one instant, none busy)."""
-    from manager.replay.report import write_report
+    from manager.replay.report import report_period, write_report
 
-    t0, t1 = reqs[0].t, max(r.t + r.busy_s for r in reqs)
+    t0, t1 = report_period(reqs)
     if t1 <= t0:
         return None
     before = replay(config, reqs, config.policy.name, record=True)

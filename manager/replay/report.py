@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
 from manager.policy.stats import hour_of_week
-from manager.policy.types import Action, ActionKind
+from manager.policy.types import Action, ActionKind, Request
 from manager.replay.sim import ReplayResult
 
 DAY = 86400.0
@@ -283,6 +283,12 @@ CSS = """body{font-family:sans-serif;max-width:1250px;margin:1em auto;padding:0 
 table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 10px}
 td:not(:first-child){text-align:right;font-variant-numeric:tabular-nums}th{background:#f0f0f0}
 img{max-width:100%;display:block;margin:1em 0}"""
+
+
+def report_period(reqs: Sequence[Request]) -> tuple[float, float]:
+    """The period a replay of `reqs` covers, for its report: from the first arrival until the last
+    request ends (a session closing the trace would otherwise fall off the plots)."""
+    return reqs[0].t, max(r.t + r.busy_s for r in reqs)
 
 
 def write_report(
