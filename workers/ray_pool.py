@@ -108,11 +108,29 @@ def actor_name(device: str) -> str:
 # is sometimes not enough (seen in CI), and the second start, with the machine warm, succeeds.
 LOCAL_START_TRIES = 3
 LOCAL_START_TIMEOUT = "timed out during startup"
+# Ray 2.60 turns token authentication on for a new local cluster (unless RAY_AUTH_MODE says otherwise)
+# and warns at every start that it did, telling how to opt out. Token authentication is what a home
+# server should have, so that one warning is not passed on; the one for a cluster started without
+# it is.
+RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+TOKEN_AUTH_ON = "Token authentication is enabled for this Ray cluster"
+
+
+class _QuietTokenAuthOn(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(TOKEN_AUTH_ON)
+
+
+_QUIET_TOKEN_AUTH_ON = _QuietTokenAuthOn()
 
 
 def start_local_ray(tries: int = LOCAL_START_TRIES, **init_kwargs: Any) -> None:
     """`ray.init` of a new local instance, started again (up to `tries` times in all) when Ray gives
-    up waiting for its own node to come up; any other failure, and the last timeout, are raised."""
+    up waiting for its own node to come up; any other failure, and the last timeout, are raised.
+    Ray's warning that it turned token authentication on (its default) is not passed on."""
+    auth_log = logging.getLogger(RAY_AUTH_LOGGER)
+    if _QUIET_TOKEN_AUTH_ON not in auth_log.filters:
+        auth_log.addFilter(_QUIET_TOKEN_AUTH_ON)
     for attempt in range(1, tries + 1):
         before = _children()
         try:

@@ -14,7 +14,7 @@ import math
 from typing import TYPE_CHECKING
 
 from manager.policy.outcomes import Counters
-from manager.policy.state import ClusterState, DeviceState, HostState, ModelState
+from manager.policy.state import NEVER, ClusterState, DeviceState, HostState, ModelState
 from manager.policy.types import DISK, GPU, HOST, Action, ActionKind
 
 if TYPE_CHECKING:
@@ -161,7 +161,9 @@ class TierMoves:
         """Take `c` off the GPU: demote to the host tier when the policy wants it (or `to_host` says
         so: an admin's choice, whatever the policy's use of the host tier) and it fits (dropping host
         residents the policy values less), else drop to disk. `failed`: its load failed, so nothing
-        was resident: dropped to disk, not counted as an eviction, no thrash clock."""
+        was resident: dropped to disk, not counted as an eviction, no thrash clock. The failed load
+        was the reload its last departure's thrash is counted on (if within the window), so the
+        next load, a retry, is not counted again for that departure."""
         dev = self.state.devices[c.device]
         dev.add(c, -c.gpu_bytes)
         nbytes = c.gpu_bytes
@@ -170,6 +172,7 @@ class TierMoves:
         if failed:
             c.prewarmed = False
             c.tier = DISK
+            c.left_gpu_at = NEVER
             self._log(now, Action(ActionKind.DROP, c.name, c.device, nbytes, reason, moved=False))
             return
         c.left_gpu_at = now

@@ -8,6 +8,7 @@ every integration test through the `ray_cluster` fixture, which uses the same fu
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from typing import Any
@@ -110,3 +111,26 @@ def test_the_failed_starts_processes_are_ended(monkeypatch: pytest.MonkeyPatch, 
         for proc in [older, *left]:
             proc.kill()
             proc.wait()  # a child psutil reaped already reads as ended (ECHILD)
+
+
+def test_rays_token_auth_on_warning_is_not_passed_on(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, shutdowns: list[int]
+) -> None:
+    """Ray 2.60 turns token authentication on for a new local cluster and warns at every start that
+    it did ("Set RAY_AUTH_MODE=disabled to opt out"): a home server should keep it on, so that line
+    is dropped; Ray's other warnings, that it is off included, still reach the log."""
+    auth_log = logging.getLogger(ray_pool.RAY_AUTH_LOGGER)
+
+    def init(**kwargs: Any) -> None:  # what Ray's own start logs
+        auth_log.warning(
+            "Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out."
+        )
+        auth_log.warning("Token authentication is disabled for this Ray cluster. Anyone with access ...")
+
+    monkeypatch.setattr(ray, "init", init)
+    with caplog.at_level(logging.WARNING, logger=ray_pool.RAY_AUTH_LOGGER):
+        ray_pool.start_local_ray()
+        ray_pool.start_local_ray()  # the filter is added once
+    said = [r.getMessage() for r in caplog.records if r.name == ray_pool.RAY_AUTH_LOGGER]
+    assert [s.split(".")[0] for s in said] == ["Token authentication is disabled for this Ray cluster"] * 2
+    assert auth_log.filters.count(ray_pool._QUIET_TOKEN_AUTH_ON) == 1
