@@ -29,6 +29,22 @@ from manager.replay.trace import TraceError, read_trace, write_trace
 
 err = Console(stderr=True, soft_wrap=True)
 MAX_BAD_LINES_SHOWN = 10
+DEFAULT_SINCE = "7d"
+"""How far back `tune --from-store` reads the request log unless --since says."""
+
+
+UNLIMITED_WIDTH = 100_000
+"""The width of stdout when it is not a terminal (a pipe, a file) and COLUMNS is not set."""
+
+
+def _out() -> Console:
+    """A console on stdout. On a terminal, its width; piped or written to a file, as wide as the
+    lines are (rich would otherwise cut every table to 80 columns, and a model's name with it)
+    unless COLUMNS sets a width."""
+    out = Console()
+    if out.is_terminal or os.environ.get("COLUMNS", "").strip():
+        return out
+    return Console(width=UNLIMITED_WIDTH)
 
 
 class UsageError(Exception):
@@ -190,13 +206,15 @@ def cmd_replay(a: argparse.Namespace) -> int:
         return 0
     policies = [a.policy] if a.policy else list(POLICY_NAMES)
     results = _replay_all(config, reqs, policies, bad)
-    Console().print(_table(results, escape(f"{a.trace} through {a.config}")))
+    _out().print(_table(results, escape(f"{a.trace} through {a.config}")))
     return 0
 
 
 def cmd_synth(a: argparse.Namespace) -> int:
     if not 0 < a.days <= MAX_DAYS:
         raise UsageError(f"--days must be between 1 and {MAX_DAYS} (ten years), got {a.days}")
+    if a.seed < 0:  # Python seeds its generator with |seed|: -1 would silently repeat seed 1's week
+        raise UsageError(f"--seed must be 0 or more, got {a.seed}")
     _prepare_out_file(a.out, "--out")  # a bad --out is said plainly, before the (long) generation
     try:
         reqs = synth(a.profile, a.days, a.seed)
@@ -313,6 +331,11 @@ def cmd_tune(a: argparse.Namespace) -> int:
     a.policy = a.policy or config.policy.name  # the policy the config runs, as the service's tuning job
     if not a.from_store and not a.trace:
         raise UsageError("give --trace FILE, or --from-store to tune on the service's request log")
+    if a.from_store and a.trace:  # one would be ignored: the user would not know which was tuned on
+        raise UsageError(f"--trace {a.trace} and --from-store: give one of them, not both")
+    if a.since is not None and not a.from_store:
+        raise UsageError(f"--since {a.since}: only with --from-store (--trace tunes on the whole file)")
+    a.since = a.since or DEFAULT_SINCE
     # the outputs are checked first, not after the (long) search: a bad --out or --report fails now
     _prepare_out_file(a.out, "--out", create=False)
     if a.report:
@@ -358,7 +381,12 @@ def cmd_tune(a: argparse.Namespace) -> int:
         f"Tuned by `residency tune` from {a.config} on {a.trace} ({len(search)} requests); "
         f"{len(res.changes)} change(s): {'; '.join(res.changes) or 'none'}"
     )
-    write_config_with_updates(Path(a.config), Path(a.out), res.model_updates, res.class_updates, header)
+    try:
+        write_config_with_updates(
+            Path(a.config), Path(a.out), res.model_updates, res.class_updates, header, note_changes=True
+        )
+    except ValueError as e:  # a YAML share the tuned fields cannot be written through (said how)
+        raise UsageError(f"--out {a.out}: not written: {e}") from None
     fig: dict[str, Any] = {
         "out": a.out,
         "evaluations": res.evaluations,
@@ -377,7 +405,7 @@ def cmd_tune(a: argparse.Namespace) -> int:
         before = res.holdout_before if res.holdout_before else res.search_before
         after = res.holdout_after if res.holdout_after else res.search_after
         title = f"{which} trace, policy {a.policy}: before vs after tuning"
-        Console().print(_table([before, after], title, names=["before", "after"]))
+        _out().print(_table([before, after], title, names=["before", "after"]))
         err.print(
             f"wrote {a.out}; changes: {'; '.join(res.changes) or 'none'}", highlight=False, markup=False
         )
@@ -415,7 +443,7 @@ def cmd_measure(a: argparse.Namespace) -> int:
     if a.json:
         _print_json(measure.as_json(results), indent=2)
     else:
-        out = Console()
+        out = _out()
         out.print(_measure_table(results))
         for r in results:  # under the table, whole (a table cell would cut it to the column's width)
             if not r.ok:
@@ -533,7 +561,7 @@ def cmd_ps(a: argparse.Namespace) -> int:
         "last use",
         "load s (disk/cached/host)",
     ):
-        t.add_column(col)
+        t.add_column(col, overflow="fold")  # a name too long for the terminal wraps, never cut
     import time as _time
 
     for m in resp.models:
@@ -547,11 +575,13 @@ def cmd_ps(a: argparse.Namespace) -> int:
         names = [escape(x) for x in (m.name, m.tier, m.device, m.class_name)]  # the server's text, not markup
         t.add_row(*names, "yes" if m.pinned else "", f"{m.bytes / 2**20:.1f}",
                   left, last, f"{ls.disk:.3f}/{ls.cached:.3f}/{ls.host:.3f}")  # fmt: skip
-    console = Console()
+    console = _out()
     console.print(t)
-    for m in resp.models:
+    for m in resp.models:  # whole, one line each (the terminal wraps it), as `measure` prints its errors
         if m.last_error:
-            console.print(f"{m.name}: last load failed: {m.last_error}", highlight=False, markup=False)
+            console.print(
+                f"{m.name}: last load failed: {m.last_error}", highlight=False, markup=False, soft_wrap=True
+            )
     return 0
 
 
@@ -579,7 +609,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", required=True)
     t.add_argument("--trace", help="request trace (JSON Lines); or --from-store")
     t.add_argument("--from-store", action="store_true", help="tune on the service's request log (store.url)")
-    t.add_argument("--since", default="7d", help="with --from-store: how far back (default 7d)")
+    t.add_argument("--since", help=f"with --from-store: how far back (default {DEFAULT_SINCE})")
     t.add_argument("--out", required=True)
     from manager.replay.tune import HOLDOUT_DAYS
 

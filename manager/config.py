@@ -341,9 +341,11 @@ def _dump_unshared(data: Any, expected: Any, file: str) -> str:
     A mapping that YAML shares (`&base` merged with `<<: *base` into another model, or a
     `load_seconds: *ls` alias) is written once: a field set in it reaches every entry that uses it.
     Each entry of models/classes whose field reads back different from `expected` gets its own copy
-    of that field, so the sharing ends for that field only. Raises ValueError if the text still reads
-    back different (a share this cannot undo)."""
-    for _ in range(3):
+    of that field, so the sharing ends for that field only. An entry that then still reads back
+    different (it merges an entry that was updated, and inherits a field that it should not have
+    at all) is written out whole, without its merge (its own comments go with it). Raises ValueError
+    if the text still reads back different (a share this cannot undo)."""
+    for attempt in range(4):
         text = _dump(data)
         got = _plain(_yaml().load(text))
         if got == expected:
@@ -352,8 +354,11 @@ def _dump_unshared(data: Any, expected: Any, file: str) -> str:
             items = data.get(section) if isinstance(data, dict) else None
             now = got.get(section) if isinstance(got, dict) else None
             want = expected.get(section) if isinstance(expected, dict) else None
-            for entry, have, should in zip(items or [], now or [], want or [], strict=False):
+            for i, (entry, have, should) in enumerate(zip(items or [], now or [], want or [], strict=False)):
                 if not (isinstance(entry, dict) and isinstance(have, dict) and isinstance(should, dict)):
+                    continue
+                if attempt == 2 and have != should:
+                    data[section][i] = copy.deepcopy(should)
                     continue
                 for key, value in should.items():
                     if have.get(key) != value:
@@ -364,8 +369,116 @@ def _dump_unshared(data: Any, expected: Any, file: str) -> str:
     )
 
 
+def _printable(line: str) -> str:
+    """`line` with each character YAML does not take in a comment (a control character; a file name's
+    byte that is not UTF-8, which Python hands over as a lone surrogate) written as its escape."""
+    return "".join(
+        ch if ch == "\t" or (ch.isprintable() and not 0xD800 <= ord(ch) <= 0xDFFF) else ascii(ch)[1:-1]
+        for ch in line
+    )
+
+
 TUNING_HEADERS = ("# Tuned by `residency tune` ", "# Proposed by the service's tuning ")
 """How the lines `residency tune` and the service's tuning put atop a config they write begin."""
+
+TUNED_NOTE = "# residency tune: "
+"""How the note at the end of a line whose value tuning changed begins: `# residency tune:
+tts.keep_alive was 30m` (several fields on one line: `..., tts.prewarm was true`). The comment a
+person wrote for the value they chose stays; the note says that value was replaced, and by which."""
+_NOTE_RE = re.compile(r"\s*# residency tune: (?P<items>\S+ was .*?)\s*$")
+_NOTE_ITEM_RE = re.compile(r"(?P<field>\S+) was (?P<was>.*)")
+
+
+def _note_value(v: Any, present: bool) -> str:
+    """A field's value as the note shows it: YAML spelling (`true`, `null`), `unset` when absent."""
+    if not present:
+        return "unset"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return "null" if v is None else str(v)
+
+
+def _same_setting(key: str, a: str, b: str) -> bool:
+    """Whether the note values `a` and `b` of the field `key` mean the same (`3GiB` and 3221225472)."""
+    if a == b:
+        return True
+    from manager.config_schema import _parse_keep_alive
+    from manager.units import parse_size
+
+    parse = {"reserve": parse_size, "memory": parse_size, "keep_alive": _parse_keep_alive}.get(key)
+    try:
+        return parse is not None and parse(a) == parse(b)
+    except (ValueError, TypeError):
+        return False
+
+
+def _get_path(entry: Any, key: str) -> tuple[bool, Any]:
+    """(present, value) of the dotted `key` in the plain mapping `entry`."""
+    for part in key.split("."):
+        if not isinstance(entry, dict) or part not in entry:
+            return False, None
+        entry = entry[part]
+    return True, entry
+
+
+def _line_of_field(data: Any, section: str, name: str, key: str) -> int | None:
+    """0-based line of `key` in the entry `name` of `section` in round-trip `data`, or None."""
+    items = data.get(section) if isinstance(data, dict) else None
+    entry = next((e for e in items or [] if isinstance(e, dict) and e.get("name") == name), None)
+    *parents, last = key.split(".")
+    for part in parents:
+        entry = entry.get(part) if isinstance(entry, dict) else None
+    if not isinstance(entry, dict) or not hasattr(entry, "lc"):
+        return None
+    try:
+        return int(entry.lc.key(last)[0])
+    except (KeyError, TypeError):  # the key only comes from a merged (`<<: *base`) mapping
+        return None
+
+
+def _noted(text: str, before: Any, updates: dict[str, dict[str, dict[str, Any]]], expected: Any) -> str:
+    """`text` with a `# residency tune: NAME.FIELD was OLD` note at the end of each line whose value
+    the updates changed. A line noted by an earlier tuning keeps the value a person had chosen (its
+    first `was`); a field tuned back to that value loses its note. `text` itself when the notes would
+    not read back as `expected` (a line that takes no comment)."""
+    data = _yaml().load(text)
+    per_line: dict[int, list[tuple[str, str, str]]] = {}  # line: [(NAME.FIELD, old, new)]
+    for section, by_name in updates.items():
+        items = before.get(section) if isinstance(before, dict) else None
+        for name, changes in by_name.items():
+            entry = next((e for e in items or [] if isinstance(e, dict) and e.get("name") == name), {})
+            for key, value in changes.items():
+                line = _line_of_field(data, section, name, key)
+                if line is None:
+                    continue
+                present, prior = _get_path(entry, key)
+                old = _note_value(prior, present)
+                per_line.setdefault(line, []).append((f"{name}.{key}", old, _note_value(value, True)))
+    lines = text.splitlines(keepends=True)
+    for line, fields in per_line.items():
+        if line >= len(lines):
+            continue
+        body = lines[line].rstrip("\r\n")
+        m = _NOTE_RE.search(body)
+        was: dict[str, str] = {}
+        if m:
+            body = body[: m.start()]
+            for item in m.group("items").split(", "):
+                im = _NOTE_ITEM_RE.fullmatch(item)
+                if im:
+                    was[im.group("field")] = im.group("was")
+        for field, old, new in fields:
+            first = was.setdefault(field, old)  # an earlier note holds the value a person chose
+            if _same_setting(field.rpartition(".")[2], first, new):
+                del was[field]
+        note = ", ".join(f"{f} was {w}" for f, w in was.items())
+        lines[line] = body + (f"  {TUNED_NOTE}{note}" if note else "") + "\n"
+    out = "".join(lines)
+    try:
+        same = _plain(_yaml().load(out)) == expected
+    except (YAMLError, ValueError):
+        same = False
+    return out if same else text
 
 
 def write_config_with_updates(
@@ -374,31 +487,39 @@ def write_config_with_updates(
     model_updates: dict[str, dict[str, Any]],
     class_updates: dict[str, dict[str, Any]] | None = None,
     header_comment: str | None = None,
+    *,
+    note_changes: bool = False,
 ) -> Config:
     """Copy `src` to `dst` with some model/class fields changed, keeping comments and key order.
 
     `model_updates` is {model name: {field: value}} (values as YAML scalars: "45m", False, 600);
     `class_updates` the same for classes. `header_comment` (may span lines) is prepended as
-    `# ...` lines. The result is validated before `dst` is written (ConfigError naming `dst`);
-    unknown model or class names raise ValueError.
+    `# ...` lines. With `note_changes` (tuning), each line whose value changed ends in a note
+    saying so and what the value was (`TUNED_NOTE`): the comment a person wrote beside or above the
+    value they chose would otherwise speak of a value that is gone. The result is validated before
+    `dst` is written (ConfigError naming `dst`); unknown model or class names raise ValueError.
     """
     data = _parse_yaml(Path(src).read_text(encoding="utf-8"), str(src))
     try:
         expected = _plain(data)  # every alias its own copy: what the updates alone should give
     except (_TooManyNodes, RecursionError):
         raise ConfigError(str(src), [("", "too many values once YAML aliases are expanded")]) from None
+    before = copy.deepcopy(expected)
     _apply(expected, "models", model_updates, str(src))
     _apply(expected, "classes", class_updates or {}, str(src))
     _apply(data, "models", model_updates, str(src))
     _apply(data, "classes", class_updates or {}, str(src))
     text = _dump_unshared(data, expected, str(src))
+    if note_changes:
+        text = _noted(text, before, {"models": model_updates, "classes": class_updates or {}}, expected)
     if header_comment:
         # a config tuned again gets the new tuning's line in place of the last one's (not a stack of
         # one more line a week); the user's own comments stay
         lines = text.splitlines(keepends=True)
         while lines and lines[0].startswith(TUNING_HEADERS):
             lines.pop(0)
-        text = "".join(f"# {line}".rstrip() + "\n" for line in header_comment.splitlines()) + "".join(lines)
+        head = "".join(f"# {_printable(line)}".rstrip() + "\n" for line in header_comment.splitlines())
+        text = head + "".join(lines)
     config = _validate(_parse_yaml(text, str(dst)), str(dst))
     Path(dst).write_text(text, encoding="utf-8")
     return config

@@ -360,6 +360,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                     self.engine.measured_footprint(m, r.footprint.device_bytes, now)
                     self._measured.add(model)
                     self._flush()  # measured larger: what made room for it leaves now
+                    self._gauge_resident()  # the books count the measured bytes now (no action said so)
                 m.ready_at = min(m.ready_at, now)
             if r.to_tier == "gpu" and live.loads_pending == 0 and m.tier == Tier.GPU:
                 live.ready.set()
@@ -452,13 +453,15 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
 
     async def _resync_once(self, device: str, why: str) -> list[str]:
         """One resync of `device` (see `_resync_soon`): a model on its books whose commands and
-        requests are all over, but that its host does not hold in the books' tier, leaves the books
-        (`_off_books`, said with `why`); pinned models then load again. A model the books have on disk
-        but that its host holds (on the GPU or in host RAM: a load whose result said it failed, a drop
-        it refused) is put on the books if it fits them, else dropped there (`_held_beyond_books`); one
-        it holds that is not configured there is dropped. A model with a command on its way, a request
-        or session in flight, or a result taken while the status was read is left to those (their
-        results tell). Returns the models taken off."""
+        requests are all over, but that its host does not hold at all, leaves the books (`_off_books`,
+        said with `why`); pinned models then load again. One its host holds in the other tier (on the
+        GPU while the books have it in host RAM, or the other way round) is booked where the host
+        holds it, without a command, when it fits, else dropped there (`_held_elsewhere`). A model the
+        books have on disk but that its host holds (on the GPU or in host RAM: a load whose result said
+        it failed, a drop it refused) is put on the books if it fits them, else dropped there
+        (`_held_beyond_books`); one it holds that is not configured there is dropped. A model with a
+        command on its way, a request or session in flight, or a result taken while the status was
+        read is left to those (their results tell). Returns the models taken off."""
         on_device = [m for m in self.engine.models.values() if m.device == device]
         busy = {name for name, _ in self._ops.values()}
         seen = {m.name: self._results.get(m.name, 0) for m in on_device}
@@ -490,6 +493,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         busy |= {name for name, _ in self._ops.values()}
         lost = []
         beyond = []
+        repin = False  # a model held in another tier than the books' was dropped (it did not fit)
         for m in on_device:
             if m.name in busy or self.live[m.name].inflight > 0:
                 continue
@@ -502,6 +506,10 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                     beyond.append(self._held_beyond_books(m, held, why))
                 continue
             if held is not None and held.tier == want:
+                continue
+            if held is not None and held.tier in ("gpu", "host"):  # in the other tier: the books follow
+                beyond.append(self._held_elsewhere(m, held, why))
+                repin = repin or m.tier == Tier.DISK
                 continue
             tier = "" if held is None else f" in the {want} tier (it holds it in the {held.tier} tier)"
             logger.warning(
@@ -524,7 +532,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             now = self.clock()
             said = [f"off the books: {', '.join(lost)}"] if lost else []
             self._publish("resynced", "", f"{'; '.join(said + beyond)} ({why})", device, now)
-        if lost:
+        if lost or repin:
             self.engine.load_pinned(self.clock())  # a pinned model lost goes back at once
             self._flush()
         return lost
@@ -538,13 +546,32 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                 del self._unsynced[device]
                 self._resync_soon(device, f"{why} (its status was unread)")
 
-    def _held_beyond_books(self, m: Any, held: P.ModelStatus, why: str) -> str:
+    def _held_elsewhere(self, m: Any, held: P.ModelStatus, why: str) -> str:
         """A resync found `m`'s device host holding it in `held.tier` (the GPU or host RAM) while the
-        books have it on disk: the books would give its room away and the next load there could
-        overrun the device. It is put on the books as it is (as adoption at start does: no command,
-        no load) when it fits them; dropped on the host when it does not, or when it was loaded with
-        another spec than the config's. Said (a log line, an event); returns what was done."""
+        books have it in the other one: the books follow the host. Off the books without a command
+        (a Drop would throw away a model the host holds where it can be used), then on them in the
+        host's tier when it fits, else dropped there (`_held_beyond_books`). Returns what was done."""
+        booked = "gpu" if m.tier == Tier.GPU else "host"
+        now = self.clock()
+        self.engine.unbook(m, now)
+        live = self.live[m.name]
+        live.ready.clear()
+        live.tier = "disk"
+        done = self._held_beyond_books(m, held, why, booked=booked)
+        if m.tier == Tier.DISK:  # dropped there: the books, the gauges and the intent say so
+            self._set_intent(m.name, "disk", "resync")
+            self._gauge_resident()
+        return done
+
+    def _held_beyond_books(self, m: Any, held: P.ModelStatus, why: str, *, booked: str = "disk") -> str:
+        """A resync found `m`'s device host holding it in `held.tier` (the GPU or host RAM) while the
+        books have it on disk (`booked`: had it in that other tier, taken off by `_held_elsewhere`):
+        the books would give its room away and the next load there could overrun the device. It is
+        put on the books as it is (as adoption at start does: no command, no load) when it fits them;
+        dropped on the host when it does not, or when it was loaded with another spec than the
+        config's. Said (a log line, an event); returns what was done."""
         now, device = self.clock(), m.device
+        on_books = "on disk" if booked == "disk" else f"in the {booked} tier"
         tier = Tier.GPU if held.tier == "gpu" else Tier.HOST
         other = held.spec is not None and held.spec != self.specs.get(m.name)
         if not other and tier == Tier.GPU and held.device_bytes > 0:
@@ -558,15 +585,17 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                 else "it does not fit the books"
             )
             logger.warning(
-                "device %s: the device host holds %s in the %s tier, which the books have on disk (%s), "
+                "device %s: the device host holds %s in the %s tier, which the books had %s (%s), "
                 "and %s: dropped there",
                 device,
                 m.name,
                 held.tier,
+                on_books,
                 why,
                 because,
             )
-            detail = f"{why}; held in the {held.tier} tier beyond the books, and {because}: dropped there"
+            where = "beyond the books" if booked == "disk" else f"while the books had it {on_books}"
+            detail = f"{why}; held in the {held.tier} tier {where}, and {because}: dropped there"
             self._publish("held_dropped", m.name, detail, device, now)
             self._drop_on_host(device, m.name, last_try=True)
             return f"{m.name} dropped on the host ({because})"
@@ -581,16 +610,17 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self._set_intent(m.name, held.tier)
         self._gauge_resident()
         logger.warning(
-            "device %s: the device host holds %s in the %s tier, which the books had on disk (%s): "
+            "device %s: the device host holds %s in the %s tier, which the books had %s (%s): "
             "put on the books",
             device,
             m.name,
             held.tier,
+            on_books,
             why,
         )
-        self._publish(
-            "adopted", m.name, f"{why}; held in the {held.tier} tier: put on the books", device, now
-        )
+        had = "" if booked == "disk" else f" (the books had it {on_books})"
+        detail = f"{why}; held in the {held.tier} tier{had}: put on the books"
+        self._publish("adopted", m.name, detail, device, now)
         return f"{m.name} put on the books ({held.tier})"
 
     # ---- requests -------------------------------------------------------------------------------
@@ -716,6 +746,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         retry_failed = ""
         for attempt in range(2):
             start = self.clock()
+            seen = self._results.get(m.name, 0)
             m.busy_until = math.inf  # busy while it runs: never evicted under a request
             live.inflight += 1
             call = asyncio.ensure_future(
@@ -739,7 +770,10 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                 )
             if not lost or attempt == 1 or self.clock() > deadline - 0.1:
                 break
-            self._lost(m, result.error or "the device host lost the model")
+            if self._results.get(m.name, 0) == seen and not live.loads_pending:
+                self._lost(m, result.error or "the device host lost the model")
+            # else the books moved meanwhile (another request that lost it loads it again, or has
+            # loaded it on the new host already): that load is waited for, not thrown away
             try:
                 _, again = await self._queue_for(m, rank, cls_name, deadline, retry=True)
             except (DeadlineExceeded, InsufficientCapacity, WorkerUnavailable) as e:
@@ -781,10 +815,12 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         queue = self.metrics.child("queue", m.name)
         queue.inc()
         m.waiting += 1  # the engine neither expires nor evicts a model that requests wait for
+        served = False
         try:
             arrival = await self._admit(m, rank, deadline, observe=not retry)
             cold = not self.live[m.name].ready.is_set()
             await self._ready(m, deadline, rank)
+            served = True
             return arrival, cold
         except Exception:  # never served (Stats' rejected is the metric's: a retry is counted served)
             if not retry:
@@ -795,6 +831,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             m.waiting -= 1
             queue.dec()
             self.queued[cls_name] -= 1
+            if not served:  # an admin's evict that waited for this request goes now if it was the last
+                self._deferred_evict(m)
 
     def _lost(self, m: Any, why: str) -> None:
         """The device host no longer holds `m` (it died, or restarted empty): off the books, so the
@@ -899,29 +937,31 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             await self._ready(m, now + timeout_s)
         finally:
             m.waiting -= 1
+            self._deferred_evict(m)  # an admin's evict made during the preload's wait
 
     def evict(self, model: str, to: str = "disk") -> None:
-        """An admin's evict to host RAM or disk. A model serving requests (or a world session) goes
-        when the last of them ends, as Triton's unload and Ollama's stop do: taken off under a
-        request, the request would fail or load it again."""
+        """An admin's evict to host RAM or disk. A model serving requests (or a world session), or
+        loading for requests that wait for it, goes when the last of them ends, as Triton's unload
+        and Ollama's stop do: taken off under a request, the request would fail or load it again."""
         m = self._model(model)
         if m.pinned:
             raise InvalidRequest(f"model {model!r} is pinned; unpin it first")
         if to not in ("disk", "host"):
             raise InvalidRequest(f"evict to must be disk or host, not {to!r}")
         live = self.live[model]
-        if live.inflight > 0:
+        waiting = m.waiting if m.tier == Tier.GPU else 0  # on the GPU (loading) for waiting requests
+        if live.inflight > 0 or waiting > 0:
             live.evict_to = to
-            detail = f"to {to} when its {live.inflight} request(s) in flight end"
+            detail = f"to {to} when its {live.inflight + waiting} request(s) in flight or waiting end"
             self._publish("evict_deferred", model, detail, m.device, self.clock())
             return
         self._evict_now(m, to)
 
     def _deferred_evict(self, m: Any) -> None:
-        """Carry out an admin's evict that waited for `m`'s requests in flight, once none is left
-        (unless the model was pinned or preloaded since: then it stays)."""
+        """Carry out an admin's evict that waited for `m`'s requests in flight (or waiting for its
+        load), once none is left (unless the model was pinned or preloaded since: then it stays)."""
         live = self.live[m.name]
-        if live.evict_to is None or live.inflight > 0:
+        if live.evict_to is None or live.inflight > 0 or m.waiting > 0:
             return
         to, live.evict_to = live.evict_to, None
         if not m.pinned:

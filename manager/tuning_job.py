@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from manager.config import Config, write_config_with_updates
+from manager.config import Config, ConfigError, write_config_with_updates
 from manager.replay.sim import replay
 from manager.replay.trace import read_trace
 from manager.replay.tune import TuningStopped, objective, split_holdout, tune
@@ -69,7 +69,9 @@ def run_tuning(
     header = f"Proposed by the service's tuning on {stamp} from {len(search)} requests; changes: " + (
         "; ".join(res.changes) or "none"
     )
-    write_config_with_updates(config_path, proposal, res.model_updates, res.class_updates, header)
+    write_config_with_updates(
+        config_path, proposal, res.model_updates, res.class_updates, header, note_changes=True
+    )
     report = _report(out_dir / "report", config, res, holdout)
     before, after = res.holdout_before, res.holdout_after
     assert before is not None and after is not None
@@ -138,10 +140,12 @@ def write_back(config_path: Path, outcome: TuningOutcome) -> str:
     tmp = target.with_name(f".{target.name}.tuned")
     try:
         (outcome.proposal.parent / "previous.yaml").write_bytes(target.read_bytes())
-        write_config_with_updates(target, tmp, outcome.model_updates, outcome.class_updates)
+        write_config_with_updates(
+            target, tmp, outcome.model_updates, outcome.class_updates, note_changes=True
+        )
         shutil.copymode(target, tmp)
         os.replace(tmp, target)
-    except (OSError, ValueError) as e:  # ConfigError is a ValueError: the file changed under us
+    except (OSError, ValueError, ConfigError) as e:  # ConfigError: the file changed under us
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
         return f"not written into {config_path}: {e}"
@@ -153,7 +157,7 @@ def tuning_step(
 ) -> TuningOutcome:
     """One scheduled run: tune, record it in the store, and apply it when `apply: auto` and better
     (written into the config file, then hot-reloaded; the proposal alone if the file cannot be written)."""
-    from manager.config import ConfigError, load_config
+    from manager.config import load_config
     from manager.reload import RestartNeeded
 
     config: Config = manager.config

@@ -24,7 +24,7 @@ from google.protobuf.message import DecodeError
 from manager.api.convert import decode_input, typed_count
 from manager.api.errors import details_of, mapped, status_of
 from manager.api.handlers import not_a_message
-from manager.errors import InvalidRequest, ModelNotFound, ResidencyError
+from manager.errors import InsufficientCapacity, InvalidRequest, ModelNotFound, ResidencyError
 from manager.live import LiveManager
 from manager.units import shown
 from residency_proto.inference import grpc_service_pb2 as pb
@@ -99,10 +99,11 @@ def check_request(request: pb.ModelInferRequest, inputs: Sequence[Any], outputs:
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, manager: LiveManager, describe: Any) -> None:
+    def __init__(self, manager: LiveManager, describe: Any, max_response_bytes: int | None = None) -> None:
         self.manager = manager
         self.describe = describe  # model name -> (inputs, outputs) TensorSpecs
         self.classes = [c.name for c in manager.config.classes]
+        self.max_response_bytes = max_response_bytes  # gRPC's send limit (server.max_request_bytes)
 
     @mapped
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
@@ -144,7 +145,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             return None
         classes = self.classes
         if "residency_class" in params:
-            return str(_param(params["residency_class"]))
+            cls = _param(params["residency_class"])
+            if not isinstance(cls, str):
+                raise InvalidRequest(
+                    "parameter 'residency_class' must be a string (string_param) naming a class, got "
+                    f"{shown(cls, 40)}; classes: {', '.join(classes)}"
+                )
+            return cls
         if "priority" in params:
             p = _param(params["priority"])
             if not isinstance(p, int) or isinstance(p, bool) or p < 0:
@@ -204,9 +211,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return 0, "", resp.SerializeToString()
 
     async def infer(self, request: pb.ModelInferRequest, seconds_left: float | None) -> pb.ModelInferResponse:
-        if request.model_name not in self.manager.live:
-            self.manager._model(request.model_name)
+        m = self.manager._model(request.model_name)
         check_version(request.model_name, request.model_version)
+        if m.cfg.elastic is not None:  # refused before admission: it would be loaded (evicting others)
+            raise InvalidRequest(
+                f"model {request.model_name!r} is a world model: it generates frames in a world session "
+                "(residency.v1.WorldSession/Run), not by ModelInfer"
+            )
         check_request(request, *self.describe(request.model_name))
         timeout_s = self._timeout(request, seconds_left)
         inputs = await self._decoded(request)
@@ -222,6 +233,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             resp.raw_output_contents.append(raw)
         resp.parameters["residency_wait_s"].double_param = served.wait_s
         resp.parameters["residency_cold"].bool_param = served.cold
+        limit = self.max_response_bytes
+        if limit is not None and (size := resp.ByteSize()) > limit:
+            raise InsufficientCapacity(
+                f"model {request.model_name!r}: the response is {size} bytes, more than this server sends "
+                f"in one message (server.max_request_bytes: {limit}); send fewer items per request"
+                + (", or ask only for the outputs you need" if not wanted and len(resp.outputs) > 1 else "")
+            )
         return resp
 
     @mapped
@@ -241,6 +259,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryModelLoad(
         self, request: pb.RepositoryModelLoadRequest, context: Any
     ) -> pb.RepositoryModelLoadResponse:
+        self.manager._model(request.model_name)
+        if request.parameters:  # Triton's `config` override and `file:` contents: taken, they would be
+            # ignored, and the client would believe the model now runs with them
+            names = ", ".join(repr(k) for k in sorted(request.parameters))
+            raise InvalidRequest(
+                f"RepositoryModelLoad of {request.model_name!r}: parameters are not supported (got {names}); "
+                "a model's configuration and files come from the service's config file (edit it, then "
+                "residency.v1.Residency/ReloadConfig): a load only brings the configured model onto its GPU"
+            )
         await self.manager.preload(request.model_name, "gpu")
         return pb.RepositoryModelLoadResponse()
 

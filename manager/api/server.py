@@ -143,7 +143,8 @@ async def build_server(
     oip_service = grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     admin_service = residency_pb2.DESCRIPTOR.services_by_name["Residency"]
     world_service = residency_pb2.DESCRIPTOR.services_by_name["WorldSession"]
-    add_servicer(server, oip_service, InferenceServicer(manager, describer(manager)))
+    oip_servicer = InferenceServicer(manager, describer(manager), config.server.max_request_bytes)
+    add_servicer(server, oip_service, oip_servicer)
     add_servicer(server, admin_service, AdminServicer(manager, config_path))
     add_servicer(server, world_service, WorldSessionServicer(manager))
     health_servicer = health.aio.HealthServicer()
@@ -249,7 +250,10 @@ class Frontends:
         from manager.api.oip import InferenceServicer
 
         host, port = self._reserve()
-        self.fast = FastPathServer(InferenceServicer(self.manager, describer(self.manager)).infer_raw)
+        servicer = InferenceServicer(
+            self.manager, describer(self.manager), self.config.server.max_request_bytes
+        )
+        self.fast = FastPathServer(servicer.infer_raw)
         await self.fast.start(self.fast_path)
         srv = self.config.server
         tls = (srv.tls_cert, srv.tls_key) if srv.tls_cert and srv.tls_key else None

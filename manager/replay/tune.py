@@ -1,6 +1,7 @@
 """Weekly tuning: search keep-alive windows, prewarm switches and class reservations by replay.
 
-Coordinate descent over per-model settings (two passes), then class reservations, each candidate
+Coordinate descent over per-model settings (two passes), then class reservations (raised, or
+trimmed down to what the class's models need: `reserve_floor`, never below), each candidate
 scored by replaying the search trace through the policy; a change is kept only when it lowers the
 objective by more than `MIN_GAIN`. The chosen config is then measured on the held-out days, which
 the search never saw. Pure Python (it only runs the simulator).
@@ -58,6 +59,21 @@ def split_holdout(reqs: Sequence[Request], days: float = HOLDOUT_DAYS) -> tuple[
     span = reqs[-1].t - reqs[0].t
     cut = reqs[-1].t - days * 86400.0 if span >= 2 * days * 86400.0 else reqs[0].t + 0.7 * span
     return [r for r in reqs if r.t < cut], [r for r in reqs if r.t >= cut]
+
+
+def reserve_floor(config: Config, class_name: str) -> int:
+    """The least `reserve` tuning may give the class `class_name`: what its models need on a GPU
+    (the most, over cuda devices, of the footprints of the class's models placed there), but never
+    more than the configured reserve. A reservation is a guarantee for the worst moment (voice must
+    answer while a large model loads), which a week's replay may not hold: tuning may raise it, or
+    trim one larger than the class's models, but not take the room they need."""
+    configured = next(c.reserve for c in config.classes if c.name == class_name)
+    need = 0
+    for d in config.devices:
+        if d.kind == "cuda":
+            on = sum(m.footprint_min for m in config.models if m.class_ == class_name and m.device == d.name)
+            need = max(need, on)
+    return min(configured, need)
 
 
 def with_settings(
@@ -128,7 +144,10 @@ def tune(
             if progress is not None:
                 progress(f"{m.name}: objective {best:.1f}")
     for c in config.classes:
+        floor = reserve_floor(config, c.name)
         for gib in RESERVE_CHOICES_GIB:
+            if int(gib * 2**30) < floor:
+                continue
             trial_c = {**classes, c.name: {"reserve": int(gib * 2**30)}}
             s = score(models, trial_c)
             if s is not None and s[0] < best * (1.0 - MIN_GAIN):

@@ -180,7 +180,9 @@ def test_a_load_waits_for_the_shrunk_lease_and_a_grown_lease_for_the_freed_room(
 def test_a_request_whose_model_is_evicted_during_its_load_says_why_it_timed_out(tmp_path: Path) -> None:
     # Found by a chaos run (random requests, pins, evicts and preloads): a request waiting for its
     # model's load, when an admin evicted the model and another took the room, timed out saying
-    # the model "did not finish loading" - it was waiting for room, not for a load.
+    # the model "did not finish loading" - it was waiting for room, not for a load. (Since 2026-12-04
+    # an admin's evict waits for the requests waiting for the load; a resync that finds the device
+    # host no longer holds the model, `_off_books`, still takes it off under the request.)
     path = write_tiny_mlp(tmp_path / "mlp.safetensors", WIDTH)
 
     def entry(name: str, cls: str, load_s: float, pin: bool) -> str:
@@ -208,7 +210,10 @@ def test_a_request_whose_model_is_evicted_during_its_load_says_why_it_timed_out(
         lm.evict("chat")
         request = asyncio.create_task(lm.infer("batch", X, timeout_s=3.0))
         await until(lambda: lm.engine.models["batch"].tier == Tier.GPU)  # its load (1 s) begins
-        lm.evict("batch")  # the admin takes it off while the request waits for the load
+        lm.evict("batch")  # an admin's evict waits for the request waiting for the load
+        assert lm.live["batch"].evict_to == "disk" and lm.engine.models["batch"].tier == Tier.GPU
+        lm.live["batch"].evict_to = None
+        lm._off_books(lm.engine.models["batch"], "test: the device host no longer holds it")
         await lm.preload("chat")  # and chat takes the room; a background request may not evict
         with pytest.raises(DeadlineExceeded, match="taken off its device while the request waited"):
             await request
