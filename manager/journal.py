@@ -25,9 +25,15 @@ _ENCODE = json.JSONEncoder(separators=(",", ":")).encode
 
 class RequestJournal:
     def __init__(self, path: Path) -> None:
+        """OSError naming the file (and the `store.journal` setting) when it cannot be opened."""
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = self._open()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = self._open()
+        except OSError as e:
+            raise OSError(
+                e.errno, f"store.journal {str(path)!r}: cannot open the request journal: {e.strerror or e}"
+            ) from None
         self.skipped = 0
         self.lines = 0
         """Records in the file (as far as this process knows: read, appended, rewritten)."""

@@ -4,22 +4,26 @@ of what reattached device hosts hold, and the loads that bring the recorded inte
 the request log (buffered, written in batches, kept while the store is down).
 
 `PersistenceMixin` is one of `manager.live.LiveManager`'s bases; it holds no state of its own
-(`LiveManager.__init__` sets the attributes it declares).
+(`LiveManager.__init__` sets the attributes it declares), but for three with class defaults: when this
+run started, whether the request log's records of an earlier run are in the statistics yet, and the
+saved statistics of models not configured now.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import logging
 import math
 import uuid
+from bisect import bisect_right
 from typing import TYPE_CHECKING, Any
 
 from manager.journal import RequestJournal
 from manager.metrics import Metrics
 from manager.policy.engine import Engine
-from manager.policy.stats import LoadCost, ReuseHistogram
+from manager.policy.stats import EDGES, HOW_EDGES, LoadCost, ReuseHistogram, hour_of_week
 from manager.policy.types import Action, ActionKind, Tier
 from manager.store.base import CorruptDocument, normalize_record
 from workers import protocol as P
@@ -34,17 +38,26 @@ logger = logging.getLogger("manager.live")  # the live manager's one logger (ope
 LOG_KEEP = 100_000
 
 
-def _merge_hist(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """Two `ReuseHistogram.capture()`s added up (ValueError if their shapes differ)."""
+def _join_hist(a: ReuseHistogram, b: ReuseHistogram) -> ReuseHistogram:
+    """`a`'s arrivals followed by `b`'s, as one histogram observing them all in time order would have
+    them: both added up, and the interval between `a`'s last arrival and `b`'s first counted too
+    (ValueError if their shapes differ). `b`'s arrivals must come after `a`'s; when they do not (a
+    clock stepped back), that one interval is left out."""
 
     def add(x: list[Any], y: list[Any]) -> list[Any]:
         return [add(p, q) if isinstance(p, list) else int(p) + int(q) for p, q in zip(x, y, strict=True)]
 
-    firsts = [t for t in (a.get("first_t"), b.get("first_t")) if t is not None]
-    lasts = [t for t in (a.get("last_t"), b.get("last_t")) if t is not None]
-    out = {k: add(a[k], b[k]) for k in ("bins", "how_bins", "arrivals_how", "arrivals_hod")}
-    return {**out, "count": int(a["count"]) + int(b["count"]),
-            "first_t": min(firsts, default=None), "last_t": max(lasts, default=None)}  # fmt: skip
+    if not b.count or not a.count:
+        return _read_hist((b if b.count else a).capture())
+    x: dict[str, Any] = a.capture()
+    y: dict[str, Any] = b.capture()
+    out: dict[str, Any] = {k: add(x[k], y[k]) for k in ("bins", "how_bins", "arrivals_how", "arrivals_hod")}
+    gap = b.first_t - a.last_t
+    if gap >= 0.0:  # the interval between the two runs of arrivals (hour of week of the first one)
+        out["bins"][bisect_right(EDGES, gap)] += 1
+        out["how_bins"][hour_of_week(a.last_t)][bisect_right(HOW_EDGES, gap)] += 1
+    out.update(count=a.count + b.count, first_t=min(a.first_t, b.first_t), last_t=max(a.last_t, b.last_t))
+    return _read_hist(out)
 
 
 def _shaped(x: Any, like: Any) -> bool:
@@ -113,6 +126,12 @@ class PersistenceMixin:
     _log_failing: bool
     _intents_stale: bool
     _stats_unread: bool
+    _stats_until: float = math.inf
+    """This run's start: the request log's records before it are an earlier run's (caught up)."""
+    _stats_caught_up: bool = False
+    """The request log's records an earlier run left out of its statistics are taken in."""
+    _stats_others: dict[str, Any] | None = None
+    """The saved statistics of models not configured now, as read: saved again as they are."""
     _flush_lock: asyncio.Lock
     _drop_retries: set[str]  # op ids of drops sent a second time (a refusal then: a resync)
     _measured: set[str]  # models whose `weights` a device host measured (not the config's estimate)
@@ -148,30 +167,55 @@ class PersistenceMixin:
                 return
             self._stats_unread = False
             self._merge_stats(saved)
-        doc = {
+        doc = dict(self._stats_others or {})  # models configured no longer (or not yet again): kept
+        doc.update({
             name: {"hist": m.hist.capture(), "cost": m.cost.capture(), "weights": m.weights,
-                   "measured": name in self._measured,
+                   "measured": name in self._measured, "spec": self._spec_of(name),
                    "requests": self.live[name].requests, "last_used": self.live[name].last_used}
             for name, m in self.engine.models.items()
-        }  # fmt: skip
+        })  # fmt: skip
         try:
             self.store.put_doc("stats", doc)
         except Exception:
             logger.exception("could not save statistics to the store")
 
+    def _spec_of(self, name: str) -> str:
+        """What a model's measured footprint and load times belong to: its adapter, source and device
+        (and the device's kind). Another checkpoint under the same name is measured afresh."""
+        cfg = self.engine.models[name].cfg
+        kind = {d.name: d.kind for d in self.engine.config.devices}.get(cfg.device)
+        return json.dumps([cfg.adapter, cfg.source, cfg.device, kind], sort_keys=True, default=str)
+
+    def _same_spec(self, name: str, d: dict[str, Any]) -> bool:
+        """Whether the saved entry `d` was measured with `name`'s configured spec (an older document,
+        which does not say, counts as the same); when not, says so."""
+        if d.get("spec", self._spec_of(name)) == self._spec_of(name):
+            return True
+        logger.info(
+            "statistics of %s: its adapter, source or device changed since they were saved; its "
+            "measured footprint and load times start again from the config's estimates",
+            name,
+        )
+        return False
+
     def restore_stats(self) -> int:
-        """Statistics saved by an earlier run, for the models still configured; returns how many."""
+        """Statistics saved by an earlier run, for the models still configured, brought up to date with
+        the request log (`_catch_up_stats`); returns how many models' were restored. The store down:
+        fresh statistics now, the saved ones (and the log's) taken in once it answers (`save_stats`).
+        The entries of models not configured now are kept as they are (saved with this run's)."""
         if self.store is None:
             return 0
+        self._stats_until = min(self._stats_until, self.clock())  # what the log has before: caught up
         try:
             doc = self.store.get_doc("stats") or {}
         except CorruptDocument as e:  # it answers, but cannot read it: fresh, overwritten at the next save
             logger.error("the statistics saved in the store are unreadable (%s); starting fresh", e)
-            return 0
+            doc = {}
         except Exception:  # the store is down at start: serve anyway, with fresh statistics
             logger.exception("could not read saved statistics from the store; starting fresh")
             self._stats_unread = True  # merged in when the store is back (save_stats)
             return 0
+        self._stats_others = {n: d for n, d in doc.items() if n not in self.engine.models}
         restored = 0
         for name, d in doc.items():
             m = self.engine.models.get(name)
@@ -181,6 +225,8 @@ class PersistenceMixin:
                 hist, cost = _read_hist(d["hist"]), _read_cost(m.cost, d["cost"])
                 requests, last_used = _count(d.get("requests", 0)), _when(d.get("last_used", 0.0))
                 measured = d.get("measured", True)  # (older documents do not say)
+                if not self._same_spec(name, d):  # another model under this name: its use, not its size
+                    cost, measured = m.cost, False
                 weights = _count(d.get("weights", m.weights)) if measured is True else None
                 if weights == 0:
                     raise ValueError("a footprint of 0 bytes")
@@ -197,27 +243,96 @@ class PersistenceMixin:
             self.live[name].last_used = last_used
             restored += 1
         self.engine.recheck_fit()  # restored footprints change what can ever fit
+        self._catch_up_stats()  # also with no snapshot: a run killed before its first save
         return restored
 
     def _merge_stats(self, doc: dict[str, Any]) -> None:
-        """Statistics saved by an earlier run, read late (the store was down at start), added to what
-        this run has seen: reuse histograms and request counts add up, saved load times join the
-        measured ones. Footprints stay as this run has them (the engine's books count them)."""
+        """Statistics saved by an earlier run, read late (the store was down at start), with the
+        requests the request log has after them (`_missed_requests`: a killed earlier run's, from its
+        journal), followed by what this run has seen, in time order: reuse histograms and request
+        counts add up, saved load times join the measured ones. Footprints stay as this run has them
+        (the engine's books count them)."""
+        saved: dict[str, tuple[ReuseHistogram, LoadCost, int, float]] = {}
+        self._stats_others = {n: d for n, d in doc.items() if n not in self.engine.models}
         for name, d in doc.items():
             m = self.engine.models.get(name)
             if m is None or not isinstance(d, dict):
                 continue
             try:  # all of a model's entry is read before any of it is merged (none, if unreadable)
-                hist = _read_hist(_merge_hist(_read_hist(d["hist"]).capture(), m.hist.capture()))
-                cost = _read_cost(m.cost, d["cost"])
+                hist, cost = _read_hist(d["hist"]), _read_cost(m.cost, d["cost"])
                 requests, last_used = _count(d.get("requests", 0)), _when(d.get("last_used", 0.0))
+                if not self._same_spec(name, d):
+                    cost = m.cost
             except (KeyError, TypeError, ValueError) as e:
                 logger.warning("statistics of %s in the store are unreadable (%s); not merged", name, e)
                 continue
-            m.hist, m.cost = hist, cost
+            saved[name] = (hist, cost, requests, last_used)
+        before = {n: saved[n][0] if n in saved else ReuseHistogram() for n in self.engine.models}
+        # this run's first arrival of each model bounds what is an earlier run's (a clock step aside)
+        until = {n: min(self._stats_until, m.hist.first_t) for n, m in self.engine.models.items()}
+        caught = self._take_missed(before, until)
+        for name, m in self.engine.models.items():
+            live = self.live[name]
+            if name in saved:
+                _, m.cost, requests, last_used = saved[name]
+                live.requests += requests
+                live.last_used = max(live.last_used, last_used)
+            m.hist = _join_hist(before[name], m.hist)
             m.last_arrival = max(m.last_arrival, m.hist.last_t)
-            self.live[name].requests += requests
-            self.live[name].last_used = max(self.live[name].last_used, last_used)
+            if name in caught:
+                live.requests += caught[name][0]
+                live.last_used = max(live.last_used, caught[name][1])
+
+    def _take_missed(
+        self, hists: dict[str, ReuseHistogram], until: dict[str, float]
+    ) -> dict[str, tuple[int, float]]:
+        """Each of `hists` (a model's statistics up to its last arrival) observes the requests the log
+        has after that, before `until` of the model (`_missed_requests`). Returns per model how many
+        and when its last one ended. The log unreadable: nothing is taken (said)."""
+        self._stats_caught_up = True
+        lasts = {n: h.last_t if h.count else None for n, h in hists.items()}
+        try:
+            missed = self._missed_requests(lasts, until)
+        except Exception:  # the store failed between the two reads: the snapshot alone
+            logger.exception("could not read the request log to bring the statistics up to date")
+            return {}
+        out: dict[str, tuple[int, float]] = {}
+        for rec in missed:
+            name, t = rec["model"], rec["t"]
+            hists[name].observe(t)
+            n, end = out.get(name, (0, 0.0))
+            out[name] = (n + 1, max(end, t + rec.get("wait_s", 0.0) + rec["busy_s"]))
+        if missed:
+            logger.info("statistics brought up to date with %d requests from the request log", len(missed))
+        return out
+
+    def _missed_requests(
+        self, lasts: dict[str, float | None], until: dict[str, float]
+    ) -> list[dict[str, Any]]:
+        """The request records of the models in `lasts` after each one's last arrival there (all of
+        them when None) and before its `until` (this run's own are seen already), in time order: those
+        the store has, and those still waiting for it (the journal's, read at start while the store
+        was down)."""
+        known = [t for t in lasts.values() if t is not None]
+        ends = [t for t in until.values() if math.isfinite(t)]
+        hi = max(ends) if len(ends) == len(until) and ends else None
+        recs = list(self.store.requests(min(known, default=0.0), hi))
+        for rec in self._log_buf:
+            try:
+                recs.append(normalize_record(rec))
+            except ValueError:
+                continue  # (dropped, and said, when the store refuses it)
+        out = []
+        for rec in recs:
+            name, t = rec["model"], rec["t"]
+            if name not in lasts or t >= until[name]:
+                continue  # a model no longer configured, or a request this run has seen
+            last = lasts[name]
+            if last is not None and t <= last:
+                continue  # in the snapshot already
+            out.append(rec)
+        out.sort(key=lambda r: r["t"])  # (stable: equal times keep the log's order)
+        return out
 
     def _rewrite_intents(self) -> None:
         """Every model's intended tier (the engine's books), after writes were lost to a store outage."""
@@ -234,28 +349,19 @@ class PersistenceMixin:
         at its end) are in the request log (the journal has just put the last ones there): each
         model's reuse histogram, request count and last use take them in, so a kill loses no
         statistics. Each model's histogram says up to when it is complete (its last arrival); the
-        only ones not recovered are requests in flight at that snapshot. Returns how many."""
-        lasts = {n: m.hist.last_t if m.hist.count else None for n, m in self.engine.models.items()}
-        known = [t for t in lasts.values() if t is not None]
-        n = 0
-        try:
-            for rec in self.store.requests(min(known, default=0.0)):
-                name, t = rec["model"], rec["t"]
-                last = lasts.get(name, math.inf)
-                if last is not None and t <= last:
-                    continue  # in the snapshot already (or a model no longer configured)
-                m = self.engine.models[name]
-                m.hist.observe(t)
-                m.last_arrival = max(m.last_arrival, t)  # as `restore_stats` has it: idle since then
-                live = self.live[name]
-                live.requests += 1
-                live.last_used = max(live.last_used, t + rec.get("wait_s", 0.0) + rec["busy_s"])
-                n += 1
-        except Exception:  # the store failed between the two reads: the snapshot alone, as before
-            logger.exception("could not read the request log to bring the statistics up to date")
-        if n:
-            logger.info("statistics brought up to date with %d requests from the request log", n)
-        return n
+        only ones not recovered are requests in flight at that snapshot. Once per run (at start, by
+        `restore_stats`; later, with the store down at start, by `_merge_stats`). Returns how many."""
+        if self.store is None or self._stats_caught_up:
+            return 0
+        hists = {n: m.hist for n, m in self.engine.models.items()}
+        until = {n: min(self._stats_until, self.clock()) for n in hists}
+        caught = self._take_missed(hists, until)
+        for name, (n, end) in caught.items():
+            m, live = self.engine.models[name], self.live[name]
+            m.last_arrival = max(m.last_arrival, m.hist.last_t)  # as `restore_stats` has it: idle since
+            live.requests += n
+            live.last_used = max(live.last_used, end)
+        return sum(n for n, _ in caught.values())
 
     # ---- intents ----------------------------------------------------------------------------
     async def adopt(self) -> list[str]:

@@ -1,8 +1,9 @@
 """Hot config reload: what a running service can take from a changed config, and what needs a restart.
 
 `plan_reload(old, new)` returns the fields that changed (a model's `memory` and `load_seconds`,
-which only seed what the running service measures, and the `server`, `store`, `ray` and
-`tuning.schedule` settings, read at start, marked as taking effect at the next restart), or raises
+which only seed what the running service measures, and the `server`, `store`, `ray` settings, read
+at start, marked as taking effect at the next restart, but for `store.sessions_keep`, read at each
+use; `tuning.schedule` too when it was off: its loop starts at start), or raises
 `RestartNeeded` naming the first structural change (devices, host memory, the set of models, a model's
 adapter/device/source/class/elastic range/max_batch, the classes' names or order, the policy's name).
 `apply_reload(engine, new)` then updates the engine in place — keep-alives, prewarm, pins, class
@@ -85,13 +86,21 @@ def _service_changes(old: Config, new: Config) -> list[str]:
     for section in ("server", "store", "ray"):
         o, n = getattr(old, section), getattr(new, section)
         changes += [
-            f"{section}.{f} (at the next restart)"
+            f"{section}.{f}" + ("" if (section, f) in _READ_LIVE else " (at the next restart)")
             for f in type(o).model_fields
             if getattr(o, f) != getattr(n, f)
         ]
     if old.tuning.schedule != new.tuning.schedule:
-        changes.append("tuning.schedule (at the next restart)")
+        # the schedule's loop is started at start, when it is on, and reads the schedule at each check:
+        # another period, or off, holds at once; turned on, it starts with the next restart
+        later = old.tuning.schedule == "off"
+        changes.append("tuning.schedule" + (" (at the next restart)" if later else ""))
     return changes
+
+
+_READ_LIVE = {("store", "sessions_keep")}
+"""Settings of the sections read at start that the running service reads at each use all the same
+(the saved world sessions are trimmed to `store.sessions_keep` each time one closes)."""
 
 
 def apply_reload(engine: Engine, new: Config) -> None:
