@@ -380,6 +380,11 @@ def _printable(line: str) -> str:
 
 TUNING_HEADERS = ("# Tuned by `residency tune` ", "# Proposed by the service's tuning ")
 """How the lines `residency tune` and the service's tuning put atop a config they write begin."""
+MEASURE_HEADERS = ("# load_seconds and memory measured by `residency measure ",)
+"""How the line `residency measure --write-config` puts atop a config it writes begins."""
+GENERATED_HEADERS = (TUNING_HEADERS, MEASURE_HEADERS)
+"""The tools' header lines, by tool: a config written again by one gets its new line in place of
+that tool's last one; the other tool's line stays."""
 
 TUNED_NOTE = "# residency tune: "
 """How the note at the end of a line whose value tuning changed begins: `# residency tune:
@@ -513,13 +518,16 @@ def write_config_with_updates(
     if note_changes:
         text = _noted(text, before, {"models": model_updates, "classes": class_updates or {}}, expected)
     if header_comment:
-        # a config tuned again gets the new tuning's line in place of the last one's (not a stack of
-        # one more line a week); the user's own comments stay
-        lines = text.splitlines(keepends=True)
-        while lines and lines[0].startswith(TUNING_HEADERS):
-            lines.pop(0)
+        # a config tuned (or measured) again gets the new line in place of that tool's last one (not a
+        # stack of one more line a week); the other tool's line and the user's own comments stay
         head = "".join(f"# {_printable(line)}".rstrip() + "\n" for line in header_comment.splitlines())
-        text = head + "".join(lines)
+        own = next((g for g in GENERATED_HEADERS if head.startswith(g)), ())
+        lines = text.splitlines(keepends=True)
+        n = 0
+        while n < len(lines) and lines[n].startswith(TUNING_HEADERS + MEASURE_HEADERS):
+            n += 1
+        kept = [line for line in lines[:n] if not (own and line.startswith(own))]
+        text = head + "".join(kept + lines[n:])
     config = _validate(_parse_yaml(text, str(dst)), str(dst))
     Path(dst).write_text(text, encoding="utf-8")
     return config

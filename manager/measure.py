@@ -66,6 +66,16 @@ def _sequence(spec: Any) -> list[tuple[str, Any]]:
 
 
 def measure_model(config: Config, m: ModelConfig, repeats: int = 3) -> ModelMeasure:
+    """One model's measurements; a failure of any kind is its error (whole), never a raise: the
+    other models are still measured."""
+    try:
+        return _measure_model(config, m, repeats)
+    except Exception as e:  # a raise here ended `residency measure` with a traceback, others unmeasured
+        dev = next((d.name for d in config.devices if d.name == m.device), m.device)
+        return ModelMeasure(m.name, m.adapter, dev, dev, ok=False, error=f"model {m.name!r}: {e!r}")
+
+
+def _measure_model(config: Config, m: ModelConfig, repeats: int) -> ModelMeasure:
     import torch
 
     from workers import protocol as P
@@ -83,6 +93,9 @@ def measure_model(config: Config, m: ModelConfig, repeats: int = 3) -> ModelMeas
         paths = make_adapter(spec, host.torch_device).disk_paths()
     except AdapterError as e:
         out.ok, out.error = False, e.message
+        return out
+    except Exception as e:  # an adapter's own raise while naming its files: said, not raised
+        out.ok, out.error = False, f"model {m.name!r}: its files cannot be named: {e!r}"
         return out
     runs: dict[str, list[Any]] = {}
     for i in range(repeats):

@@ -156,9 +156,14 @@ def tuning_step(
     manager: Any, config_path: Path, store: Any, now: float, stop: Callable[[], bool] | None = None
 ) -> TuningOutcome:
     """One scheduled run: tune, record it in the store, and apply it when `apply: auto` and better
-    (written into the config file, then hot-reloaded; the proposal alone if the file cannot be written)."""
+    (written into the config file, then hot-reloaded; when the file cannot be written, the tuned
+    fields alone are applied to the running config, so an edit hot-reloaded while the run went on
+    is kept, as the file keeps it)."""
+    from pydantic import ValidationError
+
     from manager.config import load_config
     from manager.reload import RestartNeeded
+    from manager.replay.tune import with_settings
 
     config: Config = manager.config
     outcome = run_tuning(config, config_path, store, now, stop)
@@ -168,10 +173,14 @@ def tuning_step(
     if outcome.better and config.tuning.apply == "auto" and outcome.proposal is not None:
         unwritten = write_back(config_path, outcome)
         try:
-            manager.reload(load_config(outcome.proposal if unwritten else config_path))
+            if unwritten:  # not the proposal, made from the config as it was when the run began
+                new = with_settings(manager.config, outcome.model_updates, outcome.class_updates)
+            else:
+                new = load_config(config_path)
+            manager.reload(new)
             applied = True
             outcome.reason += "; applied" + (f", but {unwritten}: a restart reverts it" if unwritten else "")
-        except (ConfigError, RestartNeeded) as e:
+        except (ConfigError, RestartNeeded, ValidationError) as e:
             outcome.reason += f"; not applied: {e}"
     store.put_doc(
         "tuning",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import itertools
 import json
 import mmap
 import os
@@ -39,6 +40,14 @@ DTYPES: dict[str, torch.dtype] = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
+# the other dtypes the reference writer (safetensors.torch.save_file) writes, where this torch has them
+# (refused as "unsupported" before: a uint32 or complex tensor made the whole checkpoint unreadable)
+for _name, _attr in (
+    ("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"), ("C64", "complex64"),
+    ("F8_E8M0", "float8_e8m0fnu"),
+):  # fmt: skip
+    if isinstance(getattr(torch, _attr, None), torch.dtype):
+        DTYPES[_name] = getattr(torch, _attr)
 MAX_HEADER = 100 * 1024 * 1024
 MAX_DIM = 2**63
 CHUNK = 64 * 1024 * 1024
@@ -138,6 +147,14 @@ def _parse(f: Any, p: Path) -> Header:
                 f"(data region {data_bytes} bytes; truncated?)"
             )
         entries.append(Entry(name, dtype, shape, int(start), int(end)))
+    # Two tensors over the same bytes (a header lying about its offsets) would load as views of one
+    # another: silently wrong weights. The reference reader refuses such a file; so does this one.
+    spans = sorted((e.start, e.end, e.name) for e in entries if e.end > e.start)
+    for (_, end_a, a), (start_b, _, b) in itertools.pairwise(spans):
+        if start_b < end_a:
+            raise CheckpointError(
+                f"{p}: tensors {a!r} and {b!r} overlap in the file (data offsets; a corrupt header)"
+            )
     return Header(8 + n, data_bytes, tuple(entries), dict(meta))
 
 
@@ -255,7 +272,12 @@ def cached_fraction(path: str | Path) -> float | None:
     except OSError:  # unreadable: the read that follows says why
         return None
     with f:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        try:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        except (OSError, ValueError):
+            # a file system without mmap (ENODEV: some FUSE and network mounts), or a file cut to 0
+            # bytes meanwhile: not known, rather than a raise that failed the load reading it
+            return None
         try:
             anchor = ctypes.c_char.from_buffer(mm)
             addr = ctypes.addressof(anchor)

@@ -317,3 +317,44 @@ def test_the_jobs_report_covers_until_the_last_request_ends_and_none_when_that_i
     assert "08:00 – Fri 2027-01-15 11:00" in page.read_text(encoding="utf-8")  # the session's 3 hours
     instant = [Request(t, "llm", 0.0, "c"), Request(t, "image", 0.0, "c")]
     assert _report(tmp_path / "r2", config, res, instant) is None
+
+
+def test_an_edit_reloaded_while_the_run_went_on_is_kept_when_the_file_cannot_be_written(
+    filled: tuple[Any, float, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run's proposal is the config as it was when the run began, tuned. With the file not
+    writable it was that proposal that was hot-reloaded: an edit an admin had reloaded meanwhile (a
+    class's max_wait here) was undone in the running service while the file still held it. Now the
+    tuned fields alone are applied to the running config."""
+    store, now, cfg = filled
+    import os
+
+    import manager.tuning_job as job
+
+    replace = os.replace
+
+    def read_only(src: Any, dst: Any) -> None:
+        if Path(dst) == cfg:
+            raise PermissionError(13, "Permission denied", str(dst))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", read_only)
+    manager = _Manager(load_config(cfg))
+    real_run = job.run_tuning
+
+    def run_with_an_edit_meanwhile(*args: Any, **kwargs: Any) -> Any:
+        out = real_run(*args, **kwargs)
+        classes = [
+            c.model_copy(update={"max_wait": 42.0}) if c.name == "interactive" else c
+            for c in manager.config.classes
+        ]
+        manager.config = manager.config.model_copy(update={"classes": classes})  # reloaded meanwhile
+        return out
+
+    monkeypatch.setattr(job, "run_tuning", run_with_an_edit_meanwhile)
+    out = tuning_step(manager, cfg, store, now)
+    assert out.better and len(manager.reloaded) == 1 and out.proposal is not None
+    assert manager.config.classes[1].max_wait == 42.0  # the edit is kept (it was undone)
+    assert manager.config.models == load_config(out.proposal).models  # and the tuning applied
+    assert "a restart reverts it" in out.reason
+    store.close()

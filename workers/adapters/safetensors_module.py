@@ -5,11 +5,16 @@ is called with `kwargs` while parameters are on the meta device (no memory, no i
 tensors — read once into one buffer, pinned on CUDA — are assigned (strict: names and shapes must
 match). One FP32 input `input` [batch, features], one FP32 output `output`; the module may set
 `residency_inputs` / `residency_outputs` (lists of (name, datatype, shape)) to declare others.
+A module whose float parameters all have one dtype other than an input's declared one (a bf16 or fp16
+checkpoint for a module built in fp32) gets that input, sent as declared, in its own dtype; its
+outputs come back in their declared datatypes. A forward answers a tensor, or a tuple with one tensor
+per declared output (anything else is an error naming what it returned).
 """
 
 from __future__ import annotations
 
 import importlib
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -109,10 +114,18 @@ class SafetensorsModuleAdapter(ModuleAdapter):
 
     def infer(self, runnable: Any, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         ins = self.inputs()
-        args = [
-            torch.as_tensor(np.ascontiguousarray(self.input_array(inputs, s)), device=self.device)
-            for s in ins
-        ]
+        compute = _compute_dtype(runnable)
+        args = []
+        for s in ins:
+            a = np.ascontiguousarray(self.input_array(inputs, s))
+            t = torch.as_tensor(a, device=self.device)
+            if compute is not None and t.is_floating_point() and t.dtype != compute and _is_declared(s, a):
+                # a module given bf16/fp16 weights (the factory built it in fp32) computes in that dtype:
+                # the FP32 input it declares failed every request BAD_INPUT ("mat1 and mat2 must have
+                # the same dtype"). The declared input goes in as the module's dtype, as outputs come
+                # back in their declared one.
+                t = t.to(compute)
+            args.append(t)
         with torch.inference_mode():
             try:
                 y = runnable(*args)
@@ -123,15 +136,56 @@ class SafetensorsModuleAdapter(ModuleAdapter):
                 IndexError,
             ) as e:  # IndexError: an id past a vocabulary
                 raise AdapterError(P.BAD_INPUT, f"model {self.spec.name!r}: inference failed: {e}") from None
+        outs = self.outputs()
         ys = y if isinstance(y, tuple | list) else (y,)
-        return {s.name: self._as_declared(s, t) for s, t in zip(self.outputs(), ys, strict=False)}
+        if len(ys) < len(outs) or not all(isinstance(t, torch.Tensor) for t in ys[: len(outs)]):
+            # a dict, None or too few tensors failed INTERNAL with a bare AttributeError (and a
+            # traceback in the log) on every request
+            got = (
+                type(y).__name__
+                if not isinstance(y, tuple | list)
+                else (f"{type(y).__name__} of {[type(t).__name__ for t in ys]}")
+            )
+            raise AdapterError(
+                P.INTERNAL,
+                f"model {self.spec.name!r}: its module returned {got}; expected a tensor for each declared "
+                f"output {[s.name for s in outs]} (a tensor, or a tuple of them in that order)",
+            )
+        return {s.name: self._as_declared(s, t) for s, t in zip(outs, ys, strict=False)}
 
     def _as_declared(self, spec: P.TensorSpec, t: torch.Tensor) -> np.ndarray:
         """An output in its declared datatype (a bf16 or fp16 module still answers FP32 when it says
-        FP32; numpy has no bf16 at all)."""
+        FP32; numpy has no bf16 at all, nor fp8)."""
         t = t.detach().cpu()
-        if t.dtype == torch.bfloat16:
-            t = t.float()
+        if t.is_floating_point() and t.dtype not in (torch.float16, torch.float32, torch.float64):
+            t = t.float()  # bf16, fp8: numpy has neither (an fp8 output failed INTERNAL)
         a = t.numpy()
         want = P.OIP_DATATYPES.get(spec.datatype)
         return a.astype(want, copy=False) if want is not None and a.dtype != np.dtype(want) else a
+
+
+_FLOAT_COMPUTE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+_COMPUTE: weakref.WeakKeyDictionary[nn.Module, torch.dtype | None] = weakref.WeakKeyDictionary()
+"""Each materialized module's compute dtype, found once (weakly held: never keeps a module's memory)."""
+
+
+def _compute_dtype(module: Any) -> torch.dtype | None:
+    """The one float dtype all of a module's float parameters have (fp16, bf16, fp32 or fp64), or None
+    (mixed dtypes, fp8, no float parameters: the module's forward decides what it takes)."""
+    if not isinstance(module, nn.Module):
+        return None
+    if module in _COMPUTE:
+        return _COMPUTE[module]
+    found = {p.dtype for p in module.parameters() if p.is_floating_point()}
+    d = next(iter(found)) if len(found) == 1 else None
+    _COMPUTE[module] = d if d in _FLOAT_COMPUTE else None
+    return _COMPUTE[module]
+
+
+def _is_declared(spec: P.TensorSpec, a: np.ndarray) -> bool:
+    """`a` has exactly the datatype `spec` declares (another float width is the caller's mistake, said
+    as it was: not converted here)."""
+    want = P.OIP_DATATYPES.get(spec.datatype)
+    return want is not None and a.dtype == np.dtype(want)

@@ -22,7 +22,8 @@ from workers.measure import Phases, tensor_bytes
 
 
 class TorchScriptAdapter(Adapter):
-    """A TorchScript archive; one FP32 input `input`, one FP32 output `output` (any shape)."""
+    """A TorchScript archive; one FP32 input `input`, one FP32 output `output` (any shape): the tensor
+    its forward returns, or the first of a tuple it returns."""
 
     name = "torchscript"
     batchable = True
@@ -94,7 +95,9 @@ class TorchScriptAdapter(Adapter):
         return HostCopy(blob=blob)
 
     def runnable_bytes(self, runnable: Any) -> int:
-        return tensor_bytes([*runnable.parameters(), *runnable.buffers()])
+        # a traced module's tensors captured as constants live in its graphs, not in its parameters or
+        # buffers: such a model was measured (and written to the config) as taking 0 bytes
+        return tensor_bytes([*runnable.parameters(), *runnable.buffers(), *_graph_constants(runnable)])
 
     def infer(self, runnable: Any, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         x = self.input_array(inputs, self.inputs()[0])
@@ -103,7 +106,33 @@ class TorchScriptAdapter(Adapter):
                 y = runnable(torch.as_tensor(np.ascontiguousarray(x, dtype=np.float32), device=self.device))
             except (RuntimeError, ValueError, TypeError, IndexError) as e:  # as safetensors-module's
                 raise AdapterError(P.BAD_INPUT, f"model {self.spec.name!r}: inference failed: {e}") from None
-        return {"output": y.detach().float().cpu().numpy()}
+        first = y[0] if isinstance(y, tuple | list) and y else y  # (output, extras...): its first, as
+        if not isinstance(first, torch.Tensor):  # safetensors-module takes one declared output
+            # a dict or None failed INTERNAL with a bare AttributeError (and a traceback) every request
+            raise AdapterError(
+                P.INTERNAL,
+                f"model {self.spec.name!r}: the TorchScript module returned {type(y).__name__}"
+                f"{'' if first is y else f' of {type(first).__name__}, ...'}; this adapter serves one "
+                "tensor as 'output' (a tensor, or a tuple whose first item is one)",
+            )
+        return {"output": first.detach().float().cpu().numpy()}
+
+
+def _graph_constants(module: Any) -> list[torch.Tensor]:
+    """The tensor constants in the graphs of a TorchScript module's methods (and its submodules')."""
+    out: list[torch.Tensor] = []
+    try:
+        for sub in module.modules():
+            c = getattr(sub, "_c", None)
+            if c is None:
+                continue
+            for name in c._method_names():
+                for node in c._get_method(name).graph.findAllNodes("prim::Constant"):
+                    if node.hasAttribute("value") and node.kindOf("value") == "t":
+                        out.append(node.t("value"))
+    except (AttributeError, RuntimeError):  # not a TorchScript module this torch can walk: params only
+        return out
+    return out
 
 
 SILERO_CHUNK = 512
