@@ -448,6 +448,14 @@ def cmd_measure(a: argparse.Namespace) -> int:
         for r in results:  # under the table, whole (a table cell would cut it to the column's width)
             if not r.ok:
                 out.print(f"{r.name}: {r.error}", highlight=False, markup=False, soft_wrap=True)
+            elif r.cold_was_cached:
+                out.print(
+                    f"{r.name}: its files stayed in the OS page cache (tmpfs, or mapped elsewhere): its "
+                    "cold load is a page-cache load, and --write-config keeps the config's disk estimate",
+                    highlight=False,
+                    markup=False,
+                    soft_wrap=True,
+                )
     return 0 if all(r.ok for r in results) or a.allow_missing else 1
 
 

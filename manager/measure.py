@@ -36,6 +36,10 @@ class ModelMeasure:
     `drop`): median seconds of `total_s` and of each phase, and `bytes`."""
     footprint_bytes: int = 0
     memory_released: bool | None = None
+    cold_was_cached: bool = False
+    """The files stayed in the OS page cache though they were dropped from it before the cold load
+    (a file on tmpfs, or mapped by another process): `disk->gpu(cold)` is a page-cache load, so a
+    written config keeps its `disk` estimate instead of taking it."""
 
     def seconds(self, transition: str) -> float | None:
         t = self.transitions.get(transition)
@@ -110,6 +114,8 @@ def _measure_model(config: Config, m: ModelConfig, repeats: int) -> ModelMeasure
                 host.apply(P.Drop(m.name), f"cleanup-{i}")
                 return out
             runs.setdefault(label, []).append(r)
+            if label.endswith("(cold)") and r.source == "cached":
+                out.cold_was_cached = True
             if label == "host->gpu":
                 out.footprint_bytes = max(out.footprint_bytes, r.footprint.device_bytes)
             if label == "drop":
@@ -123,11 +129,17 @@ def measure_all(config: Config, models: list[str] | None = None, repeats: int = 
     return [measure_model(config, m, repeats) for m in chosen]
 
 
-def config_updates(measures: list[ModelMeasure]) -> dict[str, dict[str, Any]]:
-    """`load_seconds` and `memory` from the measurements, for `write_config_with_updates`."""
+def config_updates(measures: list[ModelMeasure], config: Config | None = None) -> dict[str, dict[str, Any]]:
+    """`load_seconds` and `memory` from the measurements, for `write_config_with_updates`. A model
+    whose cold load came from the page cache (`cold_was_cached`) keeps `config`'s `disk` estimate,
+    raised to the measured cached time if below it (no `load_seconds` is written for it without
+    `config`)."""
     updates: dict[str, dict[str, Any]] = {}
+    estimates = {m.name: m.load_seconds.disk for m in config.models} if config is not None else {}
     for mm in measures:
         disk, cached, host = (mm.seconds(t) for t in ("disk->gpu(cold)", "disk->gpu(cached)", "host->gpu"))
+        if mm.cold_was_cached:
+            disk = estimates.get(mm.name)
         if not mm.ok or disk is None or cached is None or host is None:
             continue
         # The config keeps host <= cached <= disk. On small files the measured medians can come out
@@ -147,11 +159,11 @@ def as_json(measures: list[ModelMeasure]) -> dict[str, Any]:
 
 
 def write_measured_config(src: Path, dst: Path, measures: list[ModelMeasure]) -> Config:
-    from manager.config import write_config_with_updates
+    from manager.config import load_config, write_config_with_updates
 
     return write_config_with_updates(
         src,
         dst,
-        config_updates(measures),
+        config_updates(measures, load_config(src)),
         header_comment=f"load_seconds and memory measured by `residency measure --config {src}`",
     )

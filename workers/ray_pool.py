@@ -18,10 +18,14 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import math
+import signal
+import subprocess
 import threading
 import time
+import warnings
 from collections import deque
 from typing import Any
 
@@ -133,17 +137,27 @@ def start_local_ray(tries: int = LOCAL_START_TRIES, **init_kwargs: Any) -> None:
         auth_log.addFilter(_QUIET_TOKEN_AUTH_ON)
     for attempt in range(1, tries + 1):
         before = _children()
+        failed: Exception | None = None
         try:
             ray.init(**init_kwargs)
             return
         except Exception as e:
             if LOCAL_START_TIMEOUT not in str(e) or attempt == tries:
                 raise
+            failed = e
+        with warnings.catch_warnings():
+            # The failed start's traceback holds Ray's node and its Popen handles on processes that
+            # still run (the kill below reaps them behind the handles' backs): each handle, let go,
+            # warns "subprocess ... is still running", an error where warnings are (pytest's).
+            warnings.simplefilter("ignore", ResourceWarning)
+            why = str(failed)  # a log record keeps its args: not the exception (its traceback)
+            failed = None
             logger.warning(
-                "local Ray did not start (%s); starting it again (%d of %d)", e, attempt + 1, tries
+                "local Ray did not start (%s); starting it again (%d of %d)", why, attempt + 1, tries
             )
             ray.shutdown()
             _end_all(_children() - before)  # the failed start's GCS and raylet (Ray keeps no handle)
+            gc.collect()
 
 
 def _children() -> set[int]:
@@ -151,6 +165,8 @@ def _children() -> set[int]:
 
 
 def _end_all(pids: set[int]) -> None:
+    """Kill `pids` and reap them; a Popen handle still held on one (Ray's) is told it ended, so it
+    does not warn "still running" whenever it is let go."""
     procs = []
     for pid in pids:
         with contextlib.suppress(psutil.Error):
@@ -158,6 +174,10 @@ def _end_all(pids: set[int]) -> None:
             p.kill()
             procs.append(p)
     psutil.wait_procs(procs, timeout=10)
+    ended = {p.pid: getattr(p, "returncode", None) for p in procs}  # (set by wait_procs)
+    for obj in gc.get_objects():
+        if issubclass(type(obj), subprocess.Popen) and obj.pid in ended and obj.returncode is None:
+            obj.returncode = ended[obj.pid] if ended[obj.pid] is not None else -signal.SIGKILL
 
 
 def ensure_ray(address: str | None = None, **init_kwargs: Any) -> None:

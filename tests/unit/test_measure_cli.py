@@ -82,3 +82,25 @@ def test_a_failed_models_error_is_printed_whole_under_the_table(
     assert "could not load (below)" in out
     below = out.split("could not load (below)", 1)[1].replace("\n", "")
     assert "embed: " in below and str(missing) in below and "no such file" in below
+
+
+def test_a_cold_load_the_page_cache_served_keeps_the_configs_disk_estimate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the page cache cannot be dropped (a file on tmpfs, or one mapped by another process:
+    here the drop is switched off), the "cold" load is a page-cache load; it was written as the
+    config's `disk` time all the same, so the policy took a disk reload for a cheap one."""
+    import workers.st_io
+
+    monkeypatch.setattr(workers.st_io, "drop_file_cache", lambda path: None)
+    out = tmp_path / "measured.yaml"
+    args = ["measure", "--config", str(CONFIG), "--model", "voice", "--repeats", "2"]
+    assert main([*args, "--write-config", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "voice: its files stayed in the OS page cache" in said
+    written = {m.name: m for m in load_config(out).models}
+    configured = {m.name: m for m in load_config(CONFIG).models}
+    ls = written["voice"].load_seconds
+    assert ls.cached is not None
+    assert ls.disk == max(configured["voice"].load_seconds.disk, ls.cached)  # kept (a disk load is no faster)
+    assert written["voice"].load_seconds.host != configured["voice"].load_seconds.host  # measured
