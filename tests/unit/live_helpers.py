@@ -59,6 +59,24 @@ def kill(lm: LiveManager, pool: Any) -> None:
     pool.close()
 
 
+def local_config(tmp_path: Path, models: tuple[str, ...], **server: Any) -> Config:
+    """configs/local-cpu.yaml with only `models`, on port 0, its state under `tmp_path`."""
+    base = load_config(CONFIG)
+    return base.model_copy(
+        update={
+            "models": [m for m in base.models if m.name in models],
+            "server": base.server.model_copy(update={"listen": "127.0.0.1:0", **server}),
+            "store": base.store.model_copy(
+                update={
+                    "url": f"sqlite:///{tmp_path}/state.db",
+                    "journal": str(tmp_path / "requests.journal"),
+                    "sessions": str(tmp_path / "sessions"),
+                }
+            ),
+        }
+    )
+
+
 def lru_config(tmp_path: Path, extra: str = "") -> Config:
     """local-cpu with a policy that preloads nothing at start: what is loaded then is adoption and
     recorded intent alone."""

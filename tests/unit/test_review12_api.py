@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from live_helpers import CONFIG, WORLD_CONFIG, until
+from live_helpers import WORLD_CONFIG, local_config, until
 
 from manager.api.server import build_server
 from manager.config import Config, load_config
@@ -23,24 +23,6 @@ from manager.policy.types import Tier
 from manager.workers_bridge import create_pool
 from residency_proto.inference import grpc_service_pb2 as pb
 from residency_proto.inference import grpc_service_pb2_grpc as pb_grpc
-
-
-def local_config(tmp_path: Path, models: tuple[str, ...], **server: Any) -> Config:
-    """configs/local-cpu.yaml with only `models`, on port 0, its state under `tmp_path`."""
-    base = load_config(CONFIG)
-    return base.model_copy(
-        update={
-            "models": [m for m in base.models if m.name in models],
-            "server": base.server.model_copy(update={"listen": "127.0.0.1:0", **server}),
-            "store": base.store.model_copy(
-                update={
-                    "url": f"sqlite:///{tmp_path}/state.db",
-                    "journal": str(tmp_path / "requests.journal"),
-                    "sessions": str(tmp_path / "sessions"),
-                }
-            ),
-        }
-    )
 
 
 @contextlib.asynccontextmanager

@@ -49,6 +49,27 @@ def _quiet(lm: LiveManager) -> None:
     lm._next_flush = lm._next_save = math.inf
 
 
+def _run_then_kill(config: Config, url: str, journal: Path, *, saved: int, journal_only: int) -> None:
+    """A run that serves `saved` voice requests, saves its statistics and writes its log (when
+    `saved`), then serves `journal_only` more that reach only its journal, and is killed."""
+
+    async def killed() -> None:
+        store = open_store(url)
+        lm, pool = await started(config, store, journal)
+        _quiet(lm)
+        if saved:
+            for _ in range(saved):
+                await lm.infer("voice", AUDIO)
+            lm.save_stats()  # the last periodic save before the kill
+            await lm.flush_log()
+        for _ in range(journal_only):
+            await lm.infer("voice", AUDIO)  # in the journal only
+        kill(lm, pool)
+        store.close()
+
+    asyncio.run(killed())
+
+
 class TestAJournalReplayedWhileTheStoreIsDownReachesTheStatistics:
     """Before: the request log's catch-up of the statistics ran only when `restore_stats` read the
     store at start. Started with the store down after a kill, the journal's requests reached the store
@@ -59,20 +80,7 @@ class TestAJournalReplayedWhileTheStoreIsDownReachesTheStatistics:
         config = lru_config(tmp_path)
         url, journal = f"sqlite:///{tmp_path / 'state.db'}", tmp_path / "requests.journal"
 
-        async def killed() -> None:
-            store = open_store(url)
-            lm, pool = await started(config, store, journal)
-            _quiet(lm)
-            for _ in range(2):
-                await lm.infer("voice", AUDIO)
-            lm.save_stats()  # the last periodic save before the kill: 2 requests
-            await lm.flush_log()
-            for _ in range(3):
-                await lm.infer("voice", AUDIO)  # in the journal only
-            kill(lm, pool)
-            store.close()
-
-        asyncio.run(killed())
+        _run_then_kill(config, url, journal, saved=2, journal_only=3)
         real = open_store(url)
         store = _FlakyStore(real)
 
@@ -105,16 +113,7 @@ class TestAJournalReplayedWhileTheStoreIsDownReachesTheStatistics:
         config = lru_config(tmp_path)
         url, journal = f"sqlite:///{tmp_path / 'state.db'}", tmp_path / "requests.journal"
 
-        async def killed() -> None:
-            store = open_store(url)
-            lm, pool = await started(config, store, journal)
-            _quiet(lm)
-            for _ in range(3):
-                await lm.infer("voice", AUDIO)
-            kill(lm, pool)
-            store.close()
-
-        asyncio.run(killed())
+        _run_then_kill(config, url, journal, saved=0, journal_only=3)
         real = open_store(url)
         store = _FlakyStore(real)
 

@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from live_helpers import CONFIG
+from live_helpers import local_config
 
 from manager.api.fastpath import FastPathServer
 from manager.api.runtime import ServeError
 from manager.api.server import Frontends, auth_token, build_server, serve
-from manager.config import Config, load_config
+from manager.config import Config
 from manager.live import LiveManager
 from manager.workers_bridge import create_pool
 from workers.channel import ChannelAddress, ChannelClient, ChannelError, boot_id
@@ -32,20 +32,7 @@ from workers.channel import ChannelAddress, ChannelClient, ChannelError, boot_id
 
 def config(tmp_path: Path, **server: Any) -> Config:
     """The local CPU config with only its voice model (quick to start), its state under `tmp_path`."""
-    base = load_config(CONFIG)
-    return base.model_copy(
-        update={
-            "models": [m for m in base.models if m.name == "voice"],
-            "server": base.server.model_copy(update={"listen": "127.0.0.1:0", **server}),
-            "store": base.store.model_copy(
-                update={
-                    "url": f"sqlite:///{tmp_path}/state.db",
-                    "journal": str(tmp_path / "requests.journal"),
-                    "sessions": str(tmp_path / "sessions"),
-                }
-            ),
-        }
-    )
+    return local_config(tmp_path, ("voice",), **server)
 
 
 def serve_until_ready(cfg: Config, on_ready: Callable[[int], None] = lambda port: None) -> None:
