@@ -8,9 +8,14 @@ by outcome. (WorldPager stall figures join with world sessions.)
 
 from __future__ import annotations
 
+import socket
+import threading
+from collections.abc import Callable, Iterable
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 WAIT_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -61,3 +66,73 @@ class Metrics:
         if c is None:
             c = self._children[key] = getattr(self, metric).labels(*labels)
         return c
+
+
+HTTP_TIMEOUT_S = 10.0
+"""A metrics client that sends nothing for this long is cut off (it held a thread for ever)."""
+HTTP_MAX_CONNECTIONS = 32
+"""Connections served at once; more are closed at once (each one is a thread)."""
+
+
+class _Handler(WSGIRequestHandler):
+    timeout = HTTP_TIMEOUT_S  # StreamRequestHandler: the connection's socket timeout
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Silent, as prometheus_client's own handler."""
+
+
+def _authorized(
+    app: Callable[..., Iterable[bytes]], allows: Callable[[str], bool]
+) -> Callable[..., Iterable[bytes]]:
+    """`app` behind `Authorization: Bearer <token>` (`allows` compares it); 401 without it."""
+
+    def guarded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if allows(str(environ.get("HTTP_AUTHORIZATION", ""))):
+            return app(environ, start_response)
+        start_response(
+            "401 Unauthorized",
+            [("Content-Type", "text/plain; charset=utf-8"), ("WWW-Authenticate", 'Bearer realm="residency"')],
+        )
+        return [b"metrics: missing or wrong bearer token (server.auth_token_env)\n"]
+
+    return guarded
+
+
+def serve_metrics(
+    host: str, port: int, registry: CollectorRegistry, allows: Callable[[str], bool] | None = None
+) -> tuple[WSGIServer, threading.Thread]:
+    """Prometheus' exposition over HTTP on host:port in a daemon thread, as prometheus_client's
+    `start_http_server`, but with a bearer token when `allows` is given, a read timeout and a bound
+    on the connections served at once (an idle or slow client held a thread each, without end).
+    Returns (server, thread): `server.shutdown()` and `server_close()` stop it. OSError if the
+    address cannot be had."""
+    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    family, bind_host = info[0], str(info[4][0])
+    slots = threading.BoundedSemaphore(HTTP_MAX_CONNECTIONS)
+
+    class Server(ThreadingWSGIServer):
+        address_family = family
+
+        def process_request(self, request: Any, client_address: Any) -> None:
+            if not slots.acquire(blocking=False):  # too many at once: this one is closed unanswered
+                self.shutdown_request(request)
+                return
+            try:
+                super().process_request(request, client_address)
+            except BaseException:
+                slots.release()
+                raise
+
+        def process_request_thread(self, request: Any, client_address: Any) -> None:
+            try:
+                super().process_request_thread(request, client_address)
+            finally:
+                slots.release()
+
+    app = make_wsgi_app(registry)
+    httpd = make_server(
+        bind_host, port, app if allows is None else _authorized(app, allows), Server, _Handler
+    )
+    thread = threading.Thread(target=httpd.serve_forever, name="residency-metrics", daemon=True)
+    thread.start()
+    return httpd, thread

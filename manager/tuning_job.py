@@ -132,6 +132,20 @@ def _seconds(doc: dict[str, Any], key: str) -> float | None:
     return None
 
 
+def _keep_copy(src: Path, dst: Path) -> None:
+    """`src`'s bytes into `dst` with `src`'s file mode (a 0600 config stays private in its copy), never
+    through a symlink at `dst` (OSError)."""
+    data, mode = src.read_bytes(), src.stat().st_mode & 0o7777
+    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
+    try:
+        os.fchmod(fd, mode)  # (a copy left by an earlier run keeps its own mode otherwise)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+
+
 def write_back(config_path: Path, outcome: TuningOutcome) -> str:
     """Write the tuned fields into the config file itself (comments kept; the replaced file kept as
     `previous.yaml` beside the proposal). Returns "" when written, else why not."""
@@ -139,7 +153,7 @@ def write_back(config_path: Path, outcome: TuningOutcome) -> str:
     target = config_path.resolve()  # a symlinked config stays a symlink: its target is rewritten
     tmp = target.with_name(f".{target.name}.tuned")
     try:
-        (outcome.proposal.parent / "previous.yaml").write_bytes(target.read_bytes())
+        _keep_copy(target, outcome.proposal.parent / "previous.yaml")
         write_config_with_updates(
             target, tmp, outcome.model_updates, outcome.class_updates, note_changes=True
         )

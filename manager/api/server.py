@@ -87,6 +87,19 @@ def _deny() -> grpc.RpcMethodHandler:
 def auth_token(config: Config) -> str | None:
     env = config.server.auth_token_env
     token = os.environ.get(env) if env else None
+    if env and token is not None and not token.strip():
+        # named and set, but empty (`$(cat a-missing-file)`): admin calls would silently need no token
+        raise ServeError(
+            f"server.auth_token_env names ${env}, which is set but empty: put the bearer token in it, or "
+            "unset it to run without one (on loopback only)"
+        )
+    if token and token != token.strip(" "):
+        # HTTP/2 forbids a header value that ends in a space (RFC 9113 8.2.1): grpcurl and proxies
+        # strip it, so no such client could ever match the token
+        raise ServeError(
+            f"the bearer token in ${env} starts or ends with a space (from the file it was read from?): "
+            "remove it, from that variable and from the clients' token"
+        )
     if token and not all(" " <= c <= "~" for c in token):
         # gRPC carries metadata values as printable ASCII only: no client could send this token
         raise ServeError(
@@ -97,6 +110,13 @@ def auth_token(config: Config) -> str | None:
         raise ServeError(
             f"server.listen {config.server.listen!r} is beyond loopback: set server.auth_token_env and put a "
             "bearer token in that environment variable (admin calls must be authenticated there)"
+        )
+    metrics = config.server.metrics_listen
+    if not token and metrics and not is_loopback(metrics):
+        raise ServeError(
+            f"server.metrics_listen {metrics!r} is beyond loopback: set server.auth_token_env and put a "
+            "bearer token in that environment variable (scrapers send it: the metrics show which models "
+            "the home uses, and when), or listen on loopback"
         )
     return token or None
 
@@ -200,6 +220,42 @@ MAX_UNIX_PATH = 107
 """The longest path a Unix socket can be bound at on Linux (sun_path holds 108 bytes with its NUL)."""
 
 
+FRONT_DIR_PREFIX = "residency-front-"
+"""The front ends' private directory under TMPDIR: `residency-front-<manager's pid>-<random>`."""
+
+
+def sweep_front_dirs(tmp: str) -> list[str]:
+    """Remove the private directories (and their stale sockets) that managers killed before they
+    could clean up left under `tmp`: this user's own, of a process that no longer runs. Returns the
+    paths removed."""
+    import shutil
+    import stat
+
+    removed: list[str] = []
+    try:
+        names = os.listdir(tmp)
+    except OSError:
+        return removed
+    for name in names:
+        pid_s = name[len(FRONT_DIR_PREFIX) :].partition("-")[0]
+        if not name.startswith(FRONT_DIR_PREFIX) or not pid_s.isdigit() or int(pid_s) == os.getpid():
+            continue
+        path = os.path.join(tmp, name)
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():  # no link, nobody else's
+                continue
+            os.kill(int(pid_s), 0)
+            continue  # its manager still runs
+        except ProcessLookupError:
+            pass
+        except (OSError, OverflowError):  # gone meanwhile, or a pid of another user's: leave it
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
 class Frontends:
     """`server.frontends` > 0: the manager's gRPC server listens on a private Unix socket, a fast
     path for ModelInfer on another, and N front-end processes (`manager.api.front`) on the public
@@ -211,14 +267,18 @@ class Frontends:
 
         self.config = config
         self.manager = manager
-        longest = os.path.join(tempfile.gettempdir(), "residency-front-xxxxxxxx", "grpc.sock")
+        longest = os.path.join(
+            tempfile.gettempdir(), f"{FRONT_DIR_PREFIX}{os.getpid()}-xxxxxxxx", "grpc.sock"
+        )
         if len(os.fsencode(longest)) > MAX_UNIX_PATH:
             raise ServeError(
                 f"server.frontends: the front ends' private sockets would be at {longest!r}, "
                 f"{len(os.fsencode(longest))} bytes, too long for a Unix socket (at most {MAX_UNIX_PATH}): "
                 "set TMPDIR to a shorter directory"
             )
-        self.dir = tempfile.mkdtemp(prefix="residency-front-")  # 0700: only this user reaches it
+        sweep_front_dirs(tempfile.gettempdir())
+        # 0700: only this user reaches it; named by this pid, so a later start can tell it is stale
+        self.dir = tempfile.mkdtemp(prefix=f"{FRONT_DIR_PREFIX}{os.getpid()}-")
         self.grpc_sock = f"{self.dir}/grpc.sock"
         self.fast_path = f"{self.dir}/fast.sock"
         self.hold: Any = None
@@ -381,6 +441,7 @@ async def serve(
 
     on_signals()
     probe_listen(config.server.listen)  # a port in use is said now, not after Ray has started
+    token = auth_token(config)  # so is a missing or unusable token
     store = open_store(config.store.url)
     pool = create_pool(config, in_process=in_process, cpu_fallback=cpu_fallback)
     on_signals()  # again: ray.init installs its own SIGTERM handler (which exits at once)
@@ -403,13 +464,17 @@ async def serve(
         if fronts is not None:
             port = await fronts.start()
         if config.server.metrics_listen:
-            from prometheus_client import start_http_server
+            from manager.metrics import serve_metrics
 
             host, _, mport = config.server.metrics_listen.rpartition(":")
             if host.startswith("[") and host.endswith("]"):  # [::1]:9100, as server.listen takes it
                 host = host[1:-1]
+            # beyond loopback, scrapers need the admin bearer token (auth_token refused it without one)
+            allows = (
+                None if is_loopback(config.server.metrics_listen) else AuthInterceptor(token or "").allows
+            )
             try:
-                metrics = start_http_server(int(mport), addr=host, registry=manager.metrics.registry)
+                metrics = serve_metrics(host, int(mport), manager.metrics.registry, allows)
             except OSError as e:
                 where = config.server.metrics_listen
                 raise ServeError(

@@ -80,6 +80,8 @@ def test_the_schedule_applies_only_when_auto_and_better(filled: tuple[Any, float
     assert doc is not None and doc["applied"] and doc["last_run"] == now
     # applied into the config file itself, so that a restart keeps it; the replaced file is kept
     assert out.proposal is not None and (out.proposal.parent / "previous.yaml").read_text() == original
+    # with the config's own mode (it was the default 0644 whatever the config's)
+    assert ((out.proposal.parent / "previous.yaml").stat().st_mode & 0o777) == 0o640
     assert load_config(cfg) == manager.config and load_config(cfg).models == load_config(out.proposal).models
     assert manager.config.models != load_config(out.proposal.parent / "previous.yaml").models
     comments = [line.strip() for line in original.splitlines() if line.strip().startswith("#")]
