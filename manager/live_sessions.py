@@ -113,6 +113,10 @@ def _read_sent(d: Path) -> int | None:
     return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
 
 
+_CLOSING = "world-session-close:"
+"""The name of a session close's background task, followed by the session id (`_closing`)."""
+
+
 def session_lease(m: Any) -> int:
     """The KV lease a session of world model `m` runs with now: its elastic lease, or its minimum when
     the books hold none yet."""
@@ -232,13 +236,16 @@ class WorldSessionsMixin:
             logger.info("deleted saved world sessions %s (store.sessions_keep)", ", ".join(gone))
         return gone
 
-    async def _resize_session(self, device: str, sid: str, lease: int) -> None:
+    async def _resize_session(self, device: str, sid: str, lease: int) -> int | None:
+        """Apply `lease` to session `sid`; the lease in force on the host then (None: not applied)."""
         reply = await asyncio.to_thread(self.pool.session, device, "resize", sid, lease)
         model = self.sessions.get(sid, ("", 0.0, 0))[0]
         detail = (
             f"session {sid}: lease {reply.data.get('lease_bytes')} bytes" if reply.ok else (reply.error or "")
         )
         self._publish("lease_applied" if reply.ok else "lease_failed", model, detail, device, self.clock())
+        applied = reply.data.get("lease_bytes") if reply.ok else None
+        return int(applied) if applied is not None else None
 
     async def open_session(
         self,
@@ -327,7 +334,9 @@ class WorldSessionsMixin:
         data = dict(reply.data)
         self.sessions[sid] = (m.name, arrival, rank)
         self._world[sid] = _World(str(data.get("codec", codec)), int(data.get("next_segment", 0)))
-        await self._lease_caught_up(m, sid, sent)
+        shrunk = await self._lease_caught_up(m, sid, sent)
+        if shrunk is not None:  # the lease the session holds now, not the one it opened with
+            data["lease_bytes"] = shrunk
         kind = "session_resumed" if resume_id is not None else "session_opened"
         self._publish(kind, m.name, f"session {sid}", m.device, self.clock(), lease=m.lease)
         # what the policy expects right after it (a request's successors, as the replay has them at
@@ -340,8 +349,15 @@ class WorldSessionsMixin:
         self, m: Any, rank: int, sid: str, codec: str, resume: bool, deadline: float
     ) -> tuple[P.SessionReply, int]:
         """The host's reply to the open, and the lease the open was sent with."""
+        # a session whose stream ended is closed on its host in the background: that close goes first,
+        # or the host would refuse this open for it (taken for an orphan of an earlier run) and the
+        # prune below delete its directory while the host still saves its state there
+        closing = self._closing()
+        if closing:
+            await asyncio.wait(closing.values(), timeout=max(0.0, deadline - self.clock()))
         # not one open, nor one opening (another world model may be resuming one this moment)
-        await asyncio.to_thread(self._prune_sessions, keep={*self.sessions, *self._opening_ids, sid})
+        keep = {*self.sessions, *self._opening_ids, *self._closing(), sid}
+        await asyncio.to_thread(self._prune_sessions, keep=keep)
         # resumed: at the segment its client had not been sent when its last stream ended (at the latest)
         resume_at = await asyncio.to_thread(_read_sent, self.session_dir / sid) if resume else None
         orphan_closed = lost_retried = False
@@ -378,6 +394,14 @@ class WorldSessionsMixin:
             m.busy_until = math.inf
         return reply, sent
 
+    def _closing(self) -> dict[str, asyncio.Task[Any]]:
+        """The sessions whose close is still on its way to their host, and those closes."""
+        return {
+            t.get_name().removeprefix(_CLOSING): t
+            for t in list(self._background)
+            if t.get_name().startswith(_CLOSING) and not t.done()
+        }
+
     def _orphan(self, reply: P.SessionReply) -> str | None:
         """The session the host refused an open for because it holds it open (that one, or another on
         the same world model: `workers.world.WorldSessions.open`'s words) when this manager has no
@@ -391,15 +415,17 @@ class WorldSessionsMixin:
         held = hit and (hit.group(1) or hit.group(2))
         return held if held and held not in self.sessions else None
 
-    async def _lease_caught_up(self, m: Any, sid: str, sent: int) -> None:
+    async def _lease_caught_up(self, m: Any, sid: str, sent: int) -> int | None:
         """Session `sid` opened with lease `sent`; a lease change the engine decided meanwhile had no
         session to go to yet: it goes now, a shrink before the open's reply (so before any step
-        fills the session's KV), a grow in order behind the commands that free its room."""
+        fills the session's KV), a grow in order behind the commands that free its room. Returns the
+        lease a shrink left in force on the host (None: none applied now)."""
         lease = session_lease(m)
         if lease < sent:
-            await self._resize_session(m.device, sid, lease)
-        elif lease > sent:
+            return await self._resize_session(m.device, sid, lease)
+        if lease > sent:
             self._in_order(m.device, self._resize_session(m.device, sid, lease), after_ops=True)
+        return None
 
     async def _reopen_session(self, sid: str, why: str, deadline: float) -> dict[str, Any]:
         """The device host lost session `sid` (it died, or restarted empty): load the model again if the
@@ -527,6 +553,7 @@ class WorldSessionsMixin:
             return await asyncio.to_thread(self.pool.session, m.device, "close", sid)
 
         host_close = self._in_background(close_on_host())
+        host_close.set_name(_CLOSING + sid)  # (an open waits for it, a prune keeps its directory)
         host_close.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved, if nobody waits
         try:  # the books are closed even when this is cancelled (or the host fails) midway
             reply = await asyncio.shield(host_close)

@@ -166,11 +166,12 @@ class WorldSessions:
             durable = o.session.wait_written(rec.step)  # acknowledged only once in the log
             if (rec.step + 1) % INDEX_EVERY == 0:
                 o.session.flush_index()
+            lease = o.lease  # the lease this segment ran with (a resize waiting for the lock comes after)
         lat = latents.detach().float().cpu().contiguous()
         return {
             "step": rec.step, "stall_s": rec.stall_s, "compute_s": rec.compute_s, "hits": rec.hits,
             "misses": rec.misses, "bytes_read": rec.bytes_read, "bytes_written": rec.bytes_written,
-            "host_bytes": rec.host_bytes, "max_position": rec.max_position, "lease_bytes": o.lease,
+            "host_bytes": rec.host_bytes, "max_position": rec.max_position, "lease_bytes": lease,
             "durable": durable, "retrieved": list(rec.retrieved), "latents": lat.numpy().tobytes(),
             "shape": tuple(lat.shape),
         }  # fmt: skip
