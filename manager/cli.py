@@ -479,10 +479,20 @@ def _measure_table(results: list[Any]) -> Table:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
+    try:
+        return _serve(a)
+    except KeyboardInterrupt:  # a Ctrl-C before the server's own handlers are in place (imports, Ray)
+        err.print("residency: interrupted", highlight=False, markup=False)
+        return 130
+
+
+def _serve(a: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from manager.api.runtime import ServeError, event_loop_factory
+    from manager.api.runtime import ServeError, event_loop_factory, quiet_grpc_fork
+
+    quiet_grpc_fork()  # before gRPC starts (manager.api.server imports it)
     from manager.api.server import serve
     from manager.store import StoreError
 
@@ -526,6 +536,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
             )
     except (ServeError, StoreError) as e:
         raise UsageError(str(e)) from None
+    except OSError as e:  # a file or socket it cannot have: its own words, without "[Errno N]"
+        if e.strerror and e.errno is not None and str(e).startswith(f"[Errno {e.errno}] "):
+            raise UsageError(str(e).removeprefix(f"[Errno {e.errno}] ")) from None
+        raise
     return 0
 
 

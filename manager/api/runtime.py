@@ -18,6 +18,14 @@ class ServeError(Exception):
     """The server cannot start as configured (printed, exit 2)."""
 
 
+def quiet_grpc_fork() -> None:
+    """Turn gRPC's fork support off in this process (unless the environment already chooses), before
+    gRPC starts: the server forks only to exec (front ends, Ray's processes), and with it on, gRPC
+    core prints "Other threads are currently calling into gRPC, skipping fork() handlers" on stderr
+    at each such start, a line a user cannot act on. Inherited by the processes started here."""
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+
 def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     """The server's event loop: uvloop's (the default where it is installed) or asyncio's, as the
     environment variable RESIDENCY_EVENT_LOOP says (`uvloop` | `asyncio`). None: asyncio's own."""
@@ -40,14 +48,41 @@ def add_port(server: Any, listen: str, tls: tuple[str, str] | None = None) -> in
     port bound, or 0 where it cannot bind (grpcio raises "Failed to bind"; older ones returned 0)."""
     import grpc
 
-    try:
-        if tls is None:
-            return int(server.add_insecure_port(listen))
+    creds = None
+    if tls is not None:
         cert, key = tls
-        creds = grpc.ssl_server_credentials([(Path(key).read_bytes(), Path(cert).read_bytes())])
+        cert_pem, key_pem = read_tls(cert, key)
+        creds = grpc.ssl_server_credentials([(key_pem, cert_pem)])
+    try:
+        if creds is None:
+            return int(server.add_insecure_port(listen))
         return int(server.add_secure_port(listen, creds))
     except RuntimeError:
         return 0
+
+
+def read_tls(cert: str, key: str) -> tuple[bytes, bytes]:
+    """The PEM bytes of `server.tls_cert` and `server.tls_key`, checked to be a certificate and its
+    private key (gRPC would only say it cannot bind, after printing its own errors); ServeError naming
+    the setting and the file otherwise."""
+    import ssl
+
+    pems = []
+    for setting, path in (("server.tls_cert", cert), ("server.tls_key", key)):
+        try:
+            pems.append(Path(path).read_bytes())
+        except OSError as e:
+            raise ServeError(f"{setting} {path!r}: cannot read it: {e.strerror or e}") from None
+    try:
+        # no passphrase (gRPC takes none): an encrypted key fails here rather than prompting for one
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password="")
+    except (ssl.SSLError, ValueError) as e:
+        why = getattr(e, "reason", None)  # KEY_VALUES_MISMATCH: a key of another certificate
+        raise ServeError(
+            f"server.tls_cert {cert!r} and server.tls_key {key!r} are not a PEM certificate and its "
+            "private key" + (f" ({why})" if why else "")
+        ) from None
+    return pems[0], pems[1]
 
 
 def keepalive_options(every_s: float) -> list[tuple[str, Any]]:
