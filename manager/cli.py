@@ -245,7 +245,21 @@ def cmd_check(a: argparse.Namespace) -> int:
             "is null: `residency serve` refuses to listen there without a bearer token (name the "
             "environment variable that will hold it)"
         )
-    if env and not os.environ.get(env):
+    metrics = c.server.metrics_listen
+    if not env and metrics and not is_loopback(metrics):  # `serve` refuses it too
+        raise UsageError(
+            f"{a.config}: server.metrics_listen {metrics!r} is beyond loopback but server.auth_token_env "
+            "is null: `residency serve` refuses to serve metrics there without a bearer token (scrapers "
+            "send it), or listen on loopback"
+        )
+    if env and env in os.environ and not os.environ[env].strip():
+        err.print(
+            f"{a.config}: warning: server.auth_token_env names ${env}, which is set but empty here "
+            "(`residency serve` refuses to start with it)",
+            highlight=False,
+            markup=False,
+        )
+    elif env and not os.environ.get(env):
         where = (
             "and `serve` would refuse to listen beyond loopback"
             if not is_loopback(c.server.listen)

@@ -25,7 +25,7 @@ from manager.metrics import Metrics
 from manager.policy.engine import Engine
 from manager.policy.stats import EDGES, HOW_EDGES, LoadCost, ReuseHistogram, hour_of_week
 from manager.policy.types import Action, ActionKind, Tier
-from manager.store.base import CorruptDocument, normalize_record
+from manager.store.base import CorruptDocument, StoreError, normalize_record
 from workers import protocol as P
 
 if TYPE_CHECKING:
@@ -211,8 +211,11 @@ class PersistenceMixin:
         except CorruptDocument as e:  # it answers, but cannot read it: fresh, overwritten at the next save
             logger.error("the statistics saved in the store are unreadable (%s); starting fresh", e)
             doc = {}
-        except Exception:  # the store is down at start: serve anyway, with fresh statistics
-            logger.exception("could not read saved statistics from the store; starting fresh")
+        except Exception as e:  # the store is down at start: serve anyway, with fresh statistics
+            if isinstance(e, StoreError):  # supported (said, without a traceback)
+                logger.warning("could not read saved statistics from the store (%s); starting fresh", e)
+            else:
+                logger.exception("could not read saved statistics from the store; starting fresh")
             self._stats_unread = True  # merged in when the store is back (save_stats)
             return 0
         self._stats_others = {n: d for n, d in doc.items() if n not in self.engine.models}
@@ -484,7 +487,8 @@ class PersistenceMixin:
         for name in sorted(intents, key=lambda n: (models[n].rank if n in models else 0, n)):
             tier, m = intents[name], models.get(name)
             if m is None:
-                logger.info("recorded intent %s for %s ignored: the model is not configured", tier, name)
+                if tier != "disk":  # (a disk intent has nothing to restore: not said at every start)
+                    logger.info("recorded intent %s for %s ignored: the model is not configured", tier, name)
                 continue
             if tier not in ("gpu", "host") or m.tier == Tier.GPU or (tier == "host" and m.tier == Tier.HOST):
                 continue  # held as intended, held on the gpu tier already, or intended on disk

@@ -346,16 +346,19 @@ async def watch_config(manager: LiveManager, path: str, every_s: float = 2.0) ->
     from manager.api.admin import reload_from_file
     from manager.errors import ResidencyError
 
-    def mtime() -> float:
+    def identity() -> tuple[int, int, int, int]:
+        """What tells a changed file: its modification time alone misses a symlink re-pointed (or a
+        file copied in) with the same time (`cp -p`, `touch -r`, an unpacked archive)."""
         try:
-            return os.stat(path).st_mtime
+            st = os.stat(path)
+            return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         except OSError:
-            return 0.0
+            return (0, 0, 0, 0)
 
-    seen = mtime()
+    seen = identity()
     while True:
         await asyncio.sleep(every_s)
-        now = mtime()
+        now = identity()
         if now == seen:
             continue
         seen = now
@@ -365,6 +368,11 @@ async def watch_config(manager: LiveManager, path: str, every_s: float = 2.0) ->
         except ResidencyError as e:
             logger.warning("%s", e)
             manager._publish("config_rejected", "", str(e), "", manager.clock())
+        except Exception:  # the watcher outlives whatever a reload raises (it would end silently)
+            logger.exception("config %s: the reload failed; the running config is kept", path)
+            manager._publish(
+                "config_rejected", "", f"{path}: the reload failed (see the log)", "", manager.clock()
+            )
 
 
 STOP_TUNING_S = 30.0
@@ -442,6 +450,10 @@ async def serve(
     on_signals()
     probe_listen(config.server.listen)  # a port in use is said now, not after Ray has started
     token = auth_token(config)  # so is a missing or unusable token
+    if config.server.tls_cert and config.server.tls_key:
+        from manager.api.runtime import read_tls
+
+        read_tls(config.server.tls_cert, config.server.tls_key)  # and an unusable TLS pair
     store = open_store(config.store.url)
     pool = create_pool(config, in_process=in_process, cpu_fallback=cpu_fallback)
     on_signals()  # again: ray.init installs its own SIGTERM handler (which exits at once)

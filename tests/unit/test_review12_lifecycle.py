@@ -138,3 +138,94 @@ def test_an_unopenable_journal_is_said_without_errno(
         in err
     )
     assert "[Errno" not in err and "Traceback" not in err
+
+
+def test_an_unusable_tls_pair_is_said_before_the_store_and_ray_start(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The TLS pair was first read when the gRPC server was built: after the store had opened and
+    Ray had started (seconds, and Ray's own output) for a start that was bound to fail."""
+    import asyncio
+
+    import manager.store
+    import manager.workers_bridge
+    from manager.api.server import serve
+    from manager.config import load_config
+
+    def too_late(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("started before the TLS pair was checked")
+
+    monkeypatch.setattr(manager.store, "open_store", too_late)
+    monkeypatch.setattr(manager.workers_bridge, "create_pool", too_late)
+    empty = tmp_path / "empty.pem"
+    empty.write_text("")
+    base = load_config(CONFIG)
+    tls = {"listen": "127.0.0.1:0", "tls_cert": str(empty), "tls_key": str(empty)}
+    config = base.model_copy(update={"server": base.server.model_copy(update=tls)})
+    with pytest.raises(ServeError, match="are not a PEM certificate and its private key"):
+        asyncio.run(serve(config, in_process=True))
+
+
+class _Reloads:
+    """Stands in for `reload_from_file` and the manager it is given (unit test only): counts reloads,
+    raising the errors it is told to first."""
+
+    def __init__(self, errors: list[Exception]) -> None:
+        self.errors = errors
+        self.calls = 0
+        self.published: list[tuple[str, str]] = []
+
+    def reload(self, manager: Any, path: str) -> list[str]:
+        self.calls += 1
+        if self.errors:
+            raise self.errors.pop(0)
+        return []
+
+    def _publish(self, kind: str, model: str, detail: str, device: str, t: float) -> None:
+        self.published.append((kind, detail))
+
+    def clock(self) -> float:
+        return time.time()
+
+
+def test_the_config_watcher_sees_a_same_time_change_and_outlives_a_failed_reload(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The watcher compared the file's mtime only: a symlink re-pointed to a file with the same time
+    (`cp -p`, `touch -r`, an unpacked archive) was never reloaded. And a reload raising anything but
+    a ResidencyError ended the watcher task, silently: no later edit was ever reloaded."""
+    import asyncio
+
+    import manager.api.admin
+    from manager.api.server import watch_config
+
+    one, two = tmp_path / "one.yaml", tmp_path / "two.yaml"
+    one.write_text(CONFIG.read_text())
+    two.write_text(CONFIG.read_text() + "\n# edited\n")
+    os.utime(two, ns=(one.stat().st_atime_ns, one.stat().st_mtime_ns))  # the same time
+    link = tmp_path / "cfg.yaml"
+    link.symlink_to(one.name)
+    fake = _Reloads([RuntimeError("a bug in a reload")])
+    monkeypatch.setattr(manager.api.admin, "reload_from_file", fake.reload)
+
+    async def body() -> None:
+        task = asyncio.create_task(watch_config(fake, str(link), every_s=0.01))  # type: ignore[arg-type]
+        await asyncio.sleep(0.05)
+        link.unlink()
+        link.symlink_to(two.name)  # re-pointed: same mtime, another file
+        for _ in range(200):
+            if fake.calls:
+                break
+            await asyncio.sleep(0.01)
+        assert fake.calls == 1, "a same-time change was not seen"
+        two.write_text(CONFIG.read_text() + "\n# edited again\n")
+        for _ in range(200):
+            if fake.calls == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert not task.done(), "the watcher ended with the failed reload"
+        assert fake.calls == 2
+        task.cancel()
+
+    asyncio.run(body())
+    assert fake.published and fake.published[0][0] == "config_rejected"

@@ -287,3 +287,35 @@ def test_joining_histograms_is_observing_their_arrivals_in_order() -> None:
         assert _join_hist(_in_order(times[:cut]), _in_order(times[cut:])).capture() == (
             _in_order(times).capture()
         )
+
+
+def test_a_store_down_at_start_is_said_in_one_line_and_disk_intents_are_not(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A store down at start is supported, but its statistics read logged three chained tracebacks
+    (`logger.exception`); and every start said "recorded intent disk for X ignored: the model is not
+    configured" for each model once configured, though a disk intent has nothing to restore."""
+    import logging
+
+    config = lru_config(tmp_path)
+    real = open_store(f"sqlite:///{tmp_path / 'state.db'}")
+    real.set_intent("gone", "disk")
+    real.set_intent("gone-too", "host")
+
+    async def body(store: Any) -> None:
+        lm, pool = await started(config, store, tmp_path / "requests.journal")
+        await lm.stop()
+        pool.close()
+
+    with caplog.at_level(logging.INFO, logger="manager.live"):
+        asyncio.run(body(_FlakyStore(real)))  # down at start
+        said = [r for r in caplog.records if "could not read saved statistics" in r.getMessage()]
+        assert len(said) == 1 and said[0].levelno == logging.WARNING and said[0].exc_info is None
+        assert "connection refused (injected)" in said[0].getMessage()
+        caplog.clear()
+        asyncio.run(body(real))  # up: the intents are read
+    ignored = [
+        r.getMessage() for r in caplog.records if "ignored: the model is not configured" in r.getMessage()
+    ]
+    assert ignored == ["recorded intent host for gone-too ignored: the model is not configured"]
+    real.close()

@@ -230,3 +230,25 @@ class TestStalePrivateSocketsAfterACrash:
             alive.kill()
             alive.wait()
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_config_check_says_what_serve_now_refuses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`serve` refuses metrics beyond loopback without a token, and a token variable set but empty;
+    `config check` passed both without a word."""
+    from manager.cli import main
+
+    home = Path(__file__).resolve().parents[2] / "configs" / "home.yaml"
+    text = home.read_text(encoding="utf-8")
+    lan = tmp_path / "metrics.yaml"
+    lan.write_text(
+        text.replace("server:\n", 'server:\n  metrics_listen: "0.0.0.0:9100"\n', 1), encoding="utf-8"
+    )
+    assert main(["config", "check", str(lan)]) == 2
+    assert "server.metrics_listen '0.0.0.0:9100' is beyond loopback" in capsys.readouterr().err
+    named = tmp_path / "named.yaml"
+    named.write_text(text.replace("auth_token_env: null", "auth_token_env: RES_TEST_TOKEN"), encoding="utf-8")
+    monkeypatch.setenv("RES_TEST_TOKEN", "  ")
+    assert main(["config", "check", str(named)]) == 0  # the variable may be right where it serves
+    assert "$RES_TEST_TOKEN, which is set but empty here" in capsys.readouterr().err
