@@ -545,7 +545,12 @@ def _serve(a: argparse.Namespace) -> int:
         with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
             runner.run(
                 serve(
-                    config, config_path=a.config, in_process=a.in_process, cpu_fallback=fallback, ready=ready
+                    config,
+                    config_path=a.config,
+                    in_process=a.in_process,
+                    cpu_fallback=fallback,
+                    ready=ready,
+                    server_overrides={"listen": a.listen} if a.listen is not None else None,
                 )
             )
     except (ServeError, StoreError) as e:

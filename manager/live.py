@@ -115,6 +115,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         journal: str | Path | None = None,
     ) -> None:
         self.config = config
+        self.server_overrides: dict[str, Any] = {}
+        """`server` fields given on the command line (`serve --listen`): a reload of the file keeps them."""
         self.pool = pool
         self.store = store
         self.clock = clock
@@ -978,8 +980,12 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self._flush()
 
     def reload(self, new: Config) -> list[str]:
-        """Take a changed config, dropping nothing in flight (RestartNeeded: structural changes)."""
+        """Take a changed config, dropping nothing in flight (RestartNeeded: structural changes). The
+        command line's `server` fields (`server_overrides`) hold over the file's, as at start."""
         from manager.reload import apply_reload, plan_reload
+
+        if self.server_overrides:
+            new = new.model_copy(update={"server": new.server.model_copy(update=self.server_overrides)})
 
         changes = plan_reload(self.config, new)
         apply_reload(self.engine, new)

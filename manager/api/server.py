@@ -166,7 +166,9 @@ async def build_server(
     oip_servicer = InferenceServicer(manager, describer(manager), config.server.max_request_bytes)
     add_servicer(server, oip_service, oip_servicer)
     add_servicer(server, admin_service, AdminServicer(manager, config_path))
-    add_servicer(server, world_service, WorldSessionServicer(manager))
+    world = WorldSessionServicer(manager)
+    server.world_stopping = world.stopping  # set by `serve` at its stop
+    add_servicer(server, world_service, world)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (
@@ -434,7 +436,10 @@ async def serve(
     in_process: bool = False,
     cpu_fallback: frozenset[str] = frozenset(),
     ready: Callable[[int], None] | None = None,
+    server_overrides: dict[str, Any] | None = None,
 ) -> None:
+    """Serve `config` until a signal. `server_overrides`: the `server` fields the command line set
+    (`--listen`), which a reload of the file at `config_path` keeps."""
     from manager.store import open_store
     from manager.workers_bridge import create_pool
 
@@ -458,6 +463,7 @@ async def serve(
     pool = create_pool(config, in_process=in_process, cpu_fallback=cpu_fallback)
     on_signals()  # again: ray.init installs its own SIGTERM handler (which exits at once)
     manager = LiveManager(config, pool, store=store, journal=config.store.journal)
+    manager.server_overrides = dict(server_overrides or {})
     fronts: Frontends | None = None
     server: grpc.aio.Server | None = None
     watcher = tuner = None
@@ -521,6 +527,7 @@ async def serve(
         if fronts is not None:
             await fronts.stop()
         if server is not None:
+            server.world_stopping.set()  # open world streams end now (their sessions saved), not at grace
             await server.stop(grace=5)
         if manager.started:
             await manager.stop()

@@ -7,6 +7,8 @@ UNAVAILABLE with a message naming the session id to resume."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -39,9 +41,32 @@ def _output(sid: str, d: dict[str, Any]) -> pb.WorldOutput:
     )  # fmt: skip
 
 
+class ServerStopping(Exception):
+    """The server stops while a world session's stream is open."""
+
+
 class WorldSessionServicer(pb_grpc.WorldSessionServicer):
     def __init__(self, manager: LiveManager) -> None:
         self.manager = manager
+        self.stopping = asyncio.Event()
+        """Set when the server stops: open streams end at once, UNAVAILABLE naming the session to
+        resume (they held the server's stop for its whole grace, then got gRPC's own cancel)."""
+
+    async def _next(self, it: AsyncIterator[pb.WorldInput]) -> pb.WorldInput | None:
+        """The client's next message, or None when it ended its stream; ServerStopping once the server
+        stops (the read is given up)."""
+        read = asyncio.ensure_future(anext(it, None))
+        stop = asyncio.ensure_future(self.stopping.wait())
+        try:
+            await asyncio.wait((read, stop), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if read.done():
+            return read.result()
+        read.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await read
+        raise ServerStopping
 
     async def Run(
         self, request_iterator: AsyncIterator[pb.WorldInput], context: Any
@@ -64,12 +89,19 @@ class WorldSessionServicer(pb_grpc.WorldSessionServicer):
                 resumed=bool(opened.get("resumed")), next_segment=int(opened.get("next_segment", 0)),
                 unusable=_unusable(opened),
             )  # fmt: skip
-            async for msg in request_iterator:
+            it = aiter(request_iterator)
+            while (msg := await self._next(it)) is not None:
                 if msg.WhichOneof("msg") != "action":
                     raise InvalidRequest("after `start`, a world session takes only `action` messages")
                 a = msg.action
                 data = await self.manager.step_session(sid, (a.x, a.y, a.z, a.pitch, a.yaw))
                 yield _output(sid, data)
+        except ServerStopping:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the server is stopping: world session {sid} is saved; resume it with "
+                f"start.resume_session_id={sid!r} once the server is back",
+            )
         except ResidencyError as e:
             await context.abort(status_of(e), details_of(e))
         except Exception:

@@ -231,3 +231,54 @@ class TestResponseOverTheMessageLimit:
             assert list(again.outputs[0].shape) == [2, 384]
 
         run(cfg, body)
+
+
+class TestAWorldStreamEndsAtOnceWhenTheServerStops:
+    """An open world session's stream held the server's stop for its whole grace (5 s), and its
+    client then got gRPC's own "Cancelling all calls", not that the server stopped nor how to resume."""
+
+    def test_it_ends_unavailable_naming_the_session_to_resume(self, tmp_path: Path) -> None:
+        import time
+
+        from residency_proto.v1 import residency_pb2 as rpb
+        from residency_proto.v1 import residency_pb2_grpc as rpb_grpc
+
+        text = WORLD_CONFIG.replace("SESSIONS", str(tmp_path / "sessions"))
+        (tmp_path / "c.yaml").write_text(text)
+        cfg = load_config(tmp_path / "c.yaml")
+        cfg = cfg.model_copy(
+            update={
+                "server": cfg.server.model_copy(update={"listen": "127.0.0.1:0"}),
+                "store": cfg.store.model_copy(
+                    update={"url": f"sqlite:///{tmp_path}/state.db", "journal": str(tmp_path / "j")}
+                ),
+            }
+        )
+
+        async def main() -> None:
+            pool = create_pool(cfg, in_process=True)
+            manager = LiveManager(cfg, pool)
+            server, port, _ = await build_server(cfg, manager)
+            await server.start()
+            await manager.start()
+            try:
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                    call = rpb_grpc.WorldSessionStub(channel).Run()
+                    await call.write(rpb.WorldInput(start=rpb.WorldStart(model="world")))
+                    opened = await call.read()
+                    await call.write(rpb.WorldInput(action=rpb.WorldAction(x=1.0)))
+                    assert (await call.read()).segment == 0
+                    t0 = time.monotonic()
+                    server.world_stopping.set()  # as `serve` does when it stops
+                    e = await rpc_error(call.read())
+                    assert time.monotonic() - t0 < 2.0
+                    assert e.code() == grpc.StatusCode.UNAVAILABLE
+                    assert "the server is stopping" in (e.details() or "")
+                    assert f"resume_session_id={opened.session_id!r}" in (e.details() or "")
+                    await until(lambda: not manager.sessions, "the session closed (saved)")
+            finally:
+                await server.stop(None)
+                await manager.stop()
+                pool.close()
+
+        asyncio.run(main())

@@ -229,3 +229,32 @@ def test_the_config_watcher_sees_a_same_time_change_and_outlives_a_failed_reload
 
     asyncio.run(body())
     assert fake.published and fake.published[0][0] == "config_rejected"
+
+
+def test_a_listen_given_on_the_command_line_outlives_a_reload_of_the_file(tmp_path: Path) -> None:
+    """`serve --listen` set the running config's `server.listen`; the first hot reload (an edit, the
+    watcher, a tuning write-back) put the file's back in the running config and said
+    "server.listen (at the next restart)", which was not so: the next start takes --listen again."""
+    from live_helpers import run
+
+    from manager.api.admin import reload_from_file
+    from manager.config import load_config
+
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(CONFIG.read_text())
+    base = load_config(cfg)
+    config = base.model_copy(update={"server": base.server.model_copy(update={"listen": "127.0.0.1:0"})})
+
+    async def body(lm: Any) -> None:
+        lm.server_overrides = {"listen": "127.0.0.1:0"}
+        cfg.write_text(
+            CONFIG.read_text().replace(
+                "policy: {name: residency}", "policy: {name: residency, default_keep_alive: 7m}"
+            )
+        )
+        changes = reload_from_file(lm, str(cfg))
+        assert lm.config.server.listen == "127.0.0.1:0"  # was the file's
+        assert not [c for c in changes if c.startswith("server.listen")], changes
+        assert lm.config.policy.default_keep_alive == 420.0  # the edit itself is taken
+
+    run(config, body)
