@@ -106,23 +106,6 @@ class Engine(TierMoves):
             self._wake_at_expiry(m, now)
         return True
 
-    def unbook(self, m: ModelState, now: float) -> bool:
-        """Take `m` off the books to disk without a move: its device host does not hold it in the
-        books' tier (it holds it in another, which `adopt` may then book). No action is logged (no
-        command follows), nothing is counted (no eviction, no thrash clock). False when the books
-        have it on disk already: then nothing changes."""
-        if m.tier == GPU:
-            self.state.devices[m.device].add(m, -m.gpu_bytes)
-            m.lease = 0
-            self.gpu_time[m.name] += now - self._on_gpu_at.pop(m.name, now)
-        elif m.tier == HOST:
-            self.host.used -= m.weights
-        else:
-            return False
-        m.prewarmed = False
-        m.tier = DISK
-        return True
-
     def observe(self, m: ModelState, now: float) -> None:
         m.held_off = False  # asked for again: prewarms may bring it back
         m.hist.observe(now)

@@ -165,10 +165,7 @@ class TierMoves:
         was the reload its last departure's thrash is counted on (if within the window), so the
         next load, a retry, is not counted again for that departure."""
         dev = self.state.devices[c.device]
-        dev.add(c, -c.gpu_bytes)
-        nbytes = c.gpu_bytes
-        c.lease = 0
-        self.gpu_time[c.name] += now - self._on_gpu_at.pop(c.name, now)
+        nbytes = self._leave_gpu(c, now)
         if failed:
             c.prewarmed = False
             c.tier = DISK
@@ -196,6 +193,30 @@ class TierMoves:
         else:
             c.tier = DISK
             self._log(now, Action(ActionKind.DROP, c.name, c.device, nbytes, reason))
+
+    def _leave_gpu(self, c: ModelState, now: float) -> int:
+        """`c`'s bytes off its device's books, its lease ended and its time on the GPU counted (the
+        tier is the caller's to set). Returns the bytes it held there."""
+        nbytes = c.gpu_bytes
+        self.state.devices[c.device].add(c, -nbytes)
+        c.lease = 0
+        self.gpu_time[c.name] += now - self._on_gpu_at.pop(c.name, now)
+        return nbytes
+
+    def unbook(self, m: ModelState, now: float) -> bool:
+        """Take `m` off the books to disk without a move: its device host does not hold it in the
+        books' tier (it holds it in another, which `adopt` may then book). No action is logged (no
+        command follows), nothing is counted (no eviction, no thrash clock). False when the books
+        have it on disk already: then nothing changes."""
+        if m.tier == GPU:
+            self._leave_gpu(m, now)
+        elif m.tier == HOST:
+            self.host.used -= m.weights
+        else:
+            return False
+        m.prewarmed = False
+        m.tier = DISK
+        return True
 
     def _host_make_room(self, c: ModelState, now: float) -> bool:
         host = self.host
