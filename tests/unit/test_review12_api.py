@@ -26,8 +26,8 @@ from residency_proto.inference import grpc_service_pb2_grpc as pb_grpc
 
 
 @contextlib.asynccontextmanager
-async def serving(config: Config) -> AsyncIterator[tuple[grpc.aio.Channel, LiveManager]]:
-    """The service's gRPC server on a free port, and a channel to it."""
+async def serving(config: Config) -> AsyncIterator[tuple[grpc.aio.Channel, LiveManager, grpc.aio.Server]]:
+    """The service's gRPC server on a free port, a channel to it, and the server."""
     pool = create_pool(config, in_process=True)
     manager = LiveManager(config, pool)
     server, port, _ = await build_server(config, manager)
@@ -35,16 +35,30 @@ async def serving(config: Config) -> AsyncIterator[tuple[grpc.aio.Channel, LiveM
     await manager.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield channel, manager
+            yield channel, manager, server
     finally:
         await server.stop(None)
         await manager.stop()
         pool.close()
 
 
+def world_config(tmp_path: Path, extra: str = "") -> Config:
+    """live_helpers' world-model config (`extra` YAML appended), on port 0, its state under `tmp_path`."""
+    (tmp_path / "c.yaml").write_text(WORLD_CONFIG.replace("SESSIONS", str(tmp_path / "sessions")) + extra)
+    cfg = load_config(tmp_path / "c.yaml")
+    return cfg.model_copy(
+        update={
+            "server": cfg.server.model_copy(update={"listen": "127.0.0.1:0"}),
+            "store": cfg.store.model_copy(
+                update={"url": f"sqlite:///{tmp_path}/state.db", "journal": str(tmp_path / "j")}
+            ),
+        }
+    )
+
+
 def run(config: Config, body: Callable[[grpc.aio.Channel, LiveManager], Awaitable[None]]) -> None:
     async def main() -> None:
-        async with serving(config) as (channel, manager):
+        async with serving(config) as (channel, manager, _):
             await body(channel, manager)
 
     asyncio.run(main())
@@ -75,17 +89,7 @@ class TestModelInferOnAWorldModel:
     did the device host refuse it. Now it is refused before admission, and nothing moves."""
 
     def test_it_is_refused_up_front_and_the_model_stays_where_it_is(self, tmp_path: Path) -> None:
-        text = WORLD_CONFIG.replace("SESSIONS", str(tmp_path / "sessions"))
-        (tmp_path / "c.yaml").write_text(text + "policy: {name: lru-keepalive}\n")  # no prewarm
-        cfg = load_config(tmp_path / "c.yaml")
-        cfg = cfg.model_copy(
-            update={
-                "server": cfg.server.model_copy(update={"listen": "127.0.0.1:0"}),
-                "store": cfg.store.model_copy(
-                    update={"url": f"sqlite:///{tmp_path}/state.db", "journal": str(tmp_path / "j")}
-                ),
-            }
-        )
+        cfg = world_config(tmp_path, "policy: {name: lru-keepalive}\n")  # no prewarm
 
         async def body(channel: grpc.aio.Channel, manager: LiveManager) -> None:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
@@ -119,7 +123,7 @@ def voice_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     cfg = local_config(tmp_path_factory.mktemp("voice"), ("voice",))
     loop = asyncio.new_event_loop()
     stack = contextlib.AsyncExitStack()
-    channel, manager = loop.run_until_complete(stack.enter_async_context(serving(cfg)))
+    channel, manager, _ = loop.run_until_complete(stack.enter_async_context(serving(cfg)))
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
 
@@ -243,42 +247,22 @@ class TestAWorldStreamEndsAtOnceWhenTheServerStops:
         from residency_proto.v1 import residency_pb2 as rpb
         from residency_proto.v1 import residency_pb2_grpc as rpb_grpc
 
-        text = WORLD_CONFIG.replace("SESSIONS", str(tmp_path / "sessions"))
-        (tmp_path / "c.yaml").write_text(text)
-        cfg = load_config(tmp_path / "c.yaml")
-        cfg = cfg.model_copy(
-            update={
-                "server": cfg.server.model_copy(update={"listen": "127.0.0.1:0"}),
-                "store": cfg.store.model_copy(
-                    update={"url": f"sqlite:///{tmp_path}/state.db", "journal": str(tmp_path / "j")}
-                ),
-            }
-        )
+        cfg = world_config(tmp_path)
 
         async def main() -> None:
-            pool = create_pool(cfg, in_process=True)
-            manager = LiveManager(cfg, pool)
-            server, port, _ = await build_server(cfg, manager)
-            await server.start()
-            await manager.start()
-            try:
-                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                    call = rpb_grpc.WorldSessionStub(channel).Run()
-                    await call.write(rpb.WorldInput(start=rpb.WorldStart(model="world")))
-                    opened = await call.read()
-                    await call.write(rpb.WorldInput(action=rpb.WorldAction(x=1.0)))
-                    assert (await call.read()).segment == 0
-                    t0 = time.monotonic()
-                    server.world_stopping.set()  # as `serve` does when it stops
-                    e = await rpc_error(call.read())
-                    assert time.monotonic() - t0 < 2.0
-                    assert e.code() == grpc.StatusCode.UNAVAILABLE
-                    assert "the server is stopping" in (e.details() or "")
-                    assert f"resume_session_id={opened.session_id!r}" in (e.details() or "")
-                    await until(lambda: not manager.sessions, "the session closed (saved)")
-            finally:
-                await server.stop(None)
-                await manager.stop()
-                pool.close()
+            async with serving(cfg) as (channel, manager, server):
+                call = rpb_grpc.WorldSessionStub(channel).Run()
+                await call.write(rpb.WorldInput(start=rpb.WorldStart(model="world")))
+                opened = await call.read()
+                await call.write(rpb.WorldInput(action=rpb.WorldAction(x=1.0)))
+                assert (await call.read()).segment == 0
+                t0 = time.monotonic()
+                server.world_stopping.set()  # as `serve` does when it stops
+                e = await rpc_error(call.read())
+                assert time.monotonic() - t0 < 2.0
+                assert e.code() == grpc.StatusCode.UNAVAILABLE
+                assert "the server is stopping" in (e.details() or "")
+                assert f"resume_session_id={opened.session_id!r}" in (e.details() or "")
+                await until(lambda: not manager.sessions, "the session closed (saved)")
 
         asyncio.run(main())

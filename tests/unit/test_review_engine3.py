@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from manager.config import Config
+from test_review_engine2 import server
+
 from manager.policy.baselines import LruKeepAlive
 from manager.policy.engine import Engine
 from manager.policy.types import DISK, GPU
@@ -11,27 +12,8 @@ GiB = 1 << 30
 
 
 def engine() -> Engine:
-    cfg = Config.model_validate(
-        {
-            "devices": [{"name": "gpu0", "kind": "cuda", "memory": "10GiB", "reserve": 0}],
-            "host": {"memory": "24GiB", "reserve": "4GiB"},
-            "classes": [{"name": "interactive"}],
-            "models": [
-                {
-                    "name": n,
-                    "class": "interactive",
-                    "adapter": "test",
-                    "device": "gpu0",
-                    "memory": "6GiB",
-                    "prewarm": False,
-                    "load_seconds": {"disk": 4.0, "host": 1.0},
-                }
-                for n in ("a", "b")
-            ],
-            "policy": {"min_residency": 0, "thrash_window": "10m"},
-        }
-    )
-    eng = Engine(cfg, LruKeepAlive())
+    # two 6 GiB models on a 10 GiB device; the thrash window is the default 10 minutes
+    eng = Engine(server([{"name": n, "memory": "6GiB"} for n in ("a", "b")]), LruKeepAlive())
     eng.actions = []
     eng.start(0.0)
     return eng
