@@ -1,7 +1,8 @@
 """World sessions of the live manager: opening one (admitted like a long request, or resumed from
 its saved state), its steps (reopened from the saved state when its device host died under it),
-closing it, pruning the saved ones, and the ordering of lease changes (a session resize) against
-the commands submitted on the same device.
+closing it (`end_session`: on its stream's error, saying whether it can be resumed), pruning the
+saved ones, and the ordering of lease changes (a session resize) against the commands submitted on
+the same device.
 
 `WorldSessionsMixin` is one of `manager.live.LiveManager`'s bases; it holds no state of its own
 (`LiveManager.__init__` sets the attributes it declares).
@@ -55,6 +56,29 @@ def worker_error(code: str | None, message: str) -> Exception:
     if code in (P.BAD_INPUT, P.NOT_AVAILABLE):
         return InvalidRequest(message)
     return WorkerUnavailable(message)
+
+
+class SessionResumable(WorkerUnavailable):
+    """A world session's device host lost it and it could not be reopened; the message names the id
+    to resume it with. `lost`: the message without that (for when no saved state is found after all)."""
+
+    def __init__(self, message: str, lost: str) -> None:
+        super().__init__(message)
+        self.lost = lost
+
+
+def _unsaved(d: Path) -> str | None:
+    """Why `d` holds no saved session that a resume reopens (None: it holds one), read as the device
+    host's resume reads it (`worldpager.session_store.read_saved_state`)."""
+    from worldpager.session_store import read_saved_state  # (imports torch: only for a stream's error)
+
+    try:
+        if read_saved_state(d) is not None:
+            return None
+    except ValueError as e:  # names the server's path: logged, not sent
+        logger.warning("world session %s: its saved state is damaged: %s", d.name, e)
+        return "its saved state is damaged"
+    return "its device host wrote no saved state"
 
 
 def _du(d: Path) -> tuple[int, float]:
@@ -472,11 +496,12 @@ class WorldSessionsMixin:
         self._publish("session_resumed", model, detail, m.device, self.clock(), lease=m.lease)
         return data
 
-    def _resumable(self, sid: str, why: str, detail: str) -> WorkerUnavailable:
-        return WorkerUnavailable(
-            f"world session {sid}: its device host lost it ({why}) and it could not be reopened: "
-            f"{detail}; its state is saved: resume it with a new stream (start.resume_session_id="
-            f"{sid!r}) at segment {self._world[sid].next_segment}"
+    def _resumable(self, sid: str, why: str, detail: str) -> SessionResumable:
+        lost = f"world session {sid}: its device host lost it ({why}) and it could not be reopened: {detail}"
+        return SessionResumable(
+            f"{lost}; its state is saved: resume it with a new stream (start.resume_session_id="
+            f"{sid!r}) at segment {self._world[sid].next_segment}",
+            lost,
         )
 
     async def _host_holds(self, m: Any) -> bool:
@@ -534,6 +559,29 @@ class WorldSessionsMixin:
             data["missing_segments"] = reopened.get("missing_segments", [])
         w.next_segment = int(data["step"]) + 1
         return data
+
+    async def end_session(self, sid: str) -> tuple[bool, str]:
+        """Close open session `sid`, whose stream ends on an error (a step that failed on its device
+        host, say), and say what its client can do: (True, the id to resume it with and the segment it
+        continues at) when its state is saved, else (False, that it cannot be resumed, and why)."""
+        w = self._world.get(sid)
+        at = w.next_segment if w is not None else 0
+        why = ""
+        try:
+            reply = await self.close_session(sid)
+            if not reply.get("closed"):
+                why = "its device host could not close it"
+        except Exception as e:  # (the reply's own error is the host's log's)
+            logger.warning("world session %s: the close at its stream's error failed: %r", sid, e)
+            why = "its device host could not close it"
+        unsaved = await asyncio.to_thread(_unsaved, self.session_dir / sid)
+        if unsaved is None:
+            return True, (
+                f"world session {sid} is saved: resume it with a new stream (start.resume_session_id="
+                f"{sid!r}) at segment {at}"
+            )
+        causes = "; ".join(c for c in (why, unsaved) if c)
+        return False, f"world session {sid} was not saved ({causes}): it cannot be resumed"
 
     async def close_session(self, sid: str) -> dict[str, Any]:
         if sid not in self.sessions:

@@ -39,13 +39,15 @@ client drops a response whose headers pass its metadata limit (16 KiB for grpcio
 TRUNCATED = "… (truncated)"
 
 
-def details_of(e: BaseException | str) -> str:
-    """What a client is told: the error's message, cut to `MAX_DETAILS_BYTES`."""
-    msg = str(e)
+def details_of(e: BaseException | str, tail: str = "") -> str:
+    """What a client is told: the error's message, cut to `MAX_DETAILS_BYTES`; `tail` (what the
+    client must be told, e.g. how to resume) follows it, never cut."""
+    msg = str(e) + tail
     raw = msg.encode()
     if len(raw) <= MAX_DETAILS_BYTES:
         return msg
-    return raw[:MAX_DETAILS_BYTES].decode(errors="ignore") + TRUNCATED
+    room = max(0, MAX_DETAILS_BYTES - len(tail.encode()))
+    return str(e).encode()[:room].decode(errors="ignore") + TRUNCATED + tail
 
 
 def status_of(e: ResidencyError) -> grpc.StatusCode:

@@ -2,8 +2,9 @@
 
 Liveness/readiness, server and model metadata, infer (the request's class from its `priority`
 parameter — 1 is the highest class — or a `residency_class` string parameter; its timeout from the
-`timeout` parameter in microseconds or the call's deadline), and the model-repository extension:
-index, load (= preload to the GPU tier), unload (= drop to disk).
+`timeout` parameter in microseconds (0, as in Triton: none of its own) or the call's deadline, counted
+from the call's arrival, so the time its inputs take to decode is the call's too), and the
+model-repository extension: index, load (= preload to the GPU tier), unload (= drop to disk).
 
 Every model has one version, "1" ("" names it too). An infer request is checked against the model's
 declared inputs and outputs before any of its data is decoded, as Triton checks it: each declared
@@ -14,7 +15,8 @@ declared outputs asked for - INVALID_ARGUMENT naming the input, what was expecte
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -24,7 +26,13 @@ from google.protobuf.message import DecodeError
 from manager.api.convert import decode_input, typed_count
 from manager.api.errors import details_of, mapped, status_of
 from manager.api.handlers import not_a_message
-from manager.errors import InsufficientCapacity, InvalidRequest, ModelNotFound, ResidencyError
+from manager.errors import (
+    DeadlineExceeded,
+    InsufficientCapacity,
+    InvalidRequest,
+    ModelNotFound,
+    ResidencyError,
+)
 from manager.live import LiveManager
 from manager.units import shown
 from residency_proto.inference import grpc_service_pb2 as pb
@@ -99,11 +107,19 @@ def check_request(request: pb.ModelInferRequest, inputs: Sequence[Any], outputs:
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, manager: LiveManager, describe: Any, max_response_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        manager: LiveManager,
+        describe: Any,
+        max_response_bytes: int | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.manager = manager
         self.describe = describe  # model name -> (inputs, outputs) TensorSpecs
         self.classes = [c.name for c in manager.config.classes]
         self.max_response_bytes = max_response_bytes  # gRPC's send limit (server.max_request_bytes)
+        self.clock = clock  # a call's time spent here (decoding its inputs) before its admission
 
     @mapped
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
@@ -160,18 +176,21 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return None
 
     def _timeout(self, request: pb.ModelInferRequest, left: float | None) -> float:
-        """The request's own `timeout` parameter (Triton's: whole microseconds, > 0), else the call's
-        deadline, else DEFAULT_TIMEOUT_S. A malformed one is refused by name (it was ignored), and
-        none outlasts the call's deadline or MAX_TIMEOUT_S."""
+        """The request's own `timeout` parameter (Triton's: whole microseconds; 0, as absent, is no
+        timeout of its own), else the call's deadline, else DEFAULT_TIMEOUT_S. A malformed one is
+        refused by name (it was ignored), and none outlasts the call's deadline or MAX_TIMEOUT_S
+        (nor the class's max_wait, which admission keeps)."""
         by_call = DEFAULT_TIMEOUT_S if left is None else max(float(left) - 0.05, 0.01)
         if "timeout" not in request.parameters:
             return by_call
         us = _param(request.parameters["timeout"])
-        if not isinstance(us, int) or isinstance(us, bool) or us <= 0:
+        if not isinstance(us, int) or isinstance(us, bool) or us < 0:
             raise InvalidRequest(
-                f"parameter 'timeout' must be a positive integer of microseconds (int64 or uint64), "
-                f"got {shown(us, 40)}"
+                f"parameter 'timeout' must be a positive integer of microseconds (int64 or uint64), or 0 "
+                f"for no timeout of its own, got {shown(us, 40)}"
             )
+        if us == 0:  # Triton's "no timeout": the call's deadline (or the default) still holds
+            return by_call
         own = min(us / 1e6, MAX_TIMEOUT_S)
         return own if left is None else min(own, by_call)
 
@@ -193,6 +212,17 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             return await asyncio.to_thread(self._inputs, request)
         return self._inputs(request)
 
+    def _left(self, model: str, timeout_s: float, arrived: float) -> float:
+        """What is left of the call's `timeout_s` (from its arrival) now that its inputs are decoded;
+        DEADLINE_EXCEEDED, before the call is admitted or counted, when decoding took it all."""
+        spent = max(0.0, self.clock() - arrived)
+        if spent >= timeout_s:
+            raise DeadlineExceeded(
+                f"model {model!r}: decoding the request's inputs took {spent:.3f} s, past its timeout "
+                f"({timeout_s:.3f} s: its `timeout` parameter or the call's deadline); it was not run"
+            )
+        return timeout_s - spent
+
     @mapped
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
         return await self.infer(request, context.time_remaining())
@@ -200,17 +230,23 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def infer_raw(self, raw: bytes, seconds_left: float | None) -> tuple[int, str, bytes]:
         """ModelInfer for a gRPC front end (`manager.api.fastpath`): request bytes in, (status code,
         details, response bytes) out, errors mapped to status codes as the gRPC method maps them."""
+        arrived = self.clock()  # parsing the message is the call's time too
         try:
             request = pb.ModelInferRequest.FromString(raw)
         except DecodeError as e:
             return grpc.StatusCode.INVALID_ARGUMENT.value[0], not_a_message(MODEL_INFER, e), b""
         try:
-            resp = await self.infer(request, seconds_left)
+            resp = await self.infer(request, seconds_left, arrived=arrived)
         except ResidencyError as e:
             return status_of(e).value[0], details_of(e), b""
         return 0, "", resp.SerializeToString()
 
-    async def infer(self, request: pb.ModelInferRequest, seconds_left: float | None) -> pb.ModelInferResponse:
+    async def infer(
+        self, request: pb.ModelInferRequest, seconds_left: float | None, *, arrived: float | None = None
+    ) -> pb.ModelInferResponse:
+        """Serve one request. `seconds_left`: the call's deadline, as it stood at `arrived` (this
+        servicer's clock; now when None); the request's timeout counts from then."""
+        arrived = self.clock() if arrived is None else arrived
         m = self.manager._model(request.model_name)
         check_version(request.model_name, request.model_version)
         if m.cfg.elastic is not None:  # refused before admission: it would be loaded (evicting others)
@@ -221,6 +257,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         check_request(request, *self.describe(request.model_name))
         timeout_s = self._timeout(request, seconds_left)
         inputs = await self._decoded(request)
+        timeout_s = self._left(request.model_name, timeout_s, arrived)
         served = await self.manager.infer(
             request.model_name, inputs, cls=self._class_of(request), timeout_s=timeout_s
         )

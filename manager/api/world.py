@@ -3,7 +3,9 @@ model's device host. First message: `start` (with `resume_session_id`: reopen a 
 `action` (camera pose) per segment; the session closes when the client ends its stream (or the call is
 cancelled), its state kept for a later resume. A device host that dies under the session costs a reopen
 from the saved state (the output says `resumed`); if that cannot be done in time the stream ends
-UNAVAILABLE with a message naming the session id to resume."""
+UNAVAILABLE with a message naming the session id to resume. Any other error that ends the stream once
+the session is open (a step that failed on the device host) closes the session first, and its status
+says which id to resume it with when its state is saved, or that it was not saved."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import grpc
 from manager.api.errors import details_of, status_of
 from manager.errors import InvalidRequest, ResidencyError
 from manager.live import LiveManager
+from manager.live_sessions import SessionResumable
 from residency_proto.v1 import residency_pb2 as pb
 from residency_proto.v1 import residency_pb2_grpc as pb_grpc
 
@@ -68,6 +71,16 @@ class WorldSessionServicer(pb_grpc.WorldSessionServicer):
             await read
         raise ServerStopping
 
+    async def _ended(self, sid: str | None, e: ResidencyError | str) -> str:
+        """The status details of a stream that ends on error `e`: once its session is open, the session
+        is closed first (its state saved) and the details say how to resume it, or that it cannot be."""
+        if sid is None or sid not in self.manager.sessions:
+            return details_of(e)
+        saved, note = await self.manager.end_session(sid)
+        if isinstance(e, SessionResumable):  # names the id to resume with already
+            return details_of(e) if saved else details_of(e.lost, f"; {note}")
+        return details_of(e, f"; {note}")
+
     async def Run(
         self, request_iterator: AsyncIterator[pb.WorldInput], context: Any
     ) -> AsyncIterator[pb.WorldOutput]:
@@ -103,11 +116,12 @@ class WorldSessionServicer(pb_grpc.WorldSessionServicer):
                 f"start.resume_session_id={sid!r} once the server is back",
             )
         except ResidencyError as e:
-            await context.abort(status_of(e), details_of(e))
+            await context.abort(status_of(e), await self._ended(sid, e))
         except Exception:
             logger.exception("world session failed")
             await context.abort(
-                grpc.StatusCode.INTERNAL, "world session: internal error (see the server log)"
+                grpc.StatusCode.INTERNAL,
+                await self._ended(sid, "world session: internal error (see the server log)"),
             )
         finally:
             if sid is not None and sid in self.manager.sessions:

@@ -30,7 +30,6 @@ def _timeout(param: tuple[str, Any] | None, left: float | None = None) -> float:
     ("param", "shown"),
     [
         (("int64_param", -5), "-5"),
-        (("int64_param", 0), "0"),
         (("string_param", "5"), "'5'"),
         (("double_param", 1.5), "1.5"),
         (("bool_param", True), "True"),
