@@ -15,8 +15,10 @@ from typing import Any, get_args
 
 from pydantic import BaseModel, ValidationError
 from ruamel.yaml import YAML
+from ruamel.yaml.comments import CommentedMap
 from ruamel.yaml.error import MarkedYAMLError, YAMLError
 from ruamel.yaml.representer import RoundTripRepresenter
+from ruamel.yaml.tokens import CommentToken
 
 from manager.config_schema import (
     ByteSize,
@@ -312,7 +314,30 @@ def _set_path(entry: Any, key: str, value: Any, where: str) -> None:
         if not isinstance(entry.get(part), dict):
             raise ValueError(f"{where}.{part} is not a mapping; cannot set {key!r}")
         entry = entry[part]
-    entry[last] = value
+    _assign(entry, last, value)
+
+
+def _assign(mapping: Any, key: Any, value: Any) -> None:
+    """`mapping[key] = value`. A mapping value given to a mapping that `mapping` writes itself (not
+    merged from another entry, not anchored for others to share) is set key by key, so that it keeps
+    its style (`{disk: 3.0, ...}` stays on its line) and the comments on its lines."""
+    old = mapping.get(key)
+    if (
+        isinstance(value, dict)
+        and isinstance(old, CommentedMap)
+        and old.anchor.value is None
+        and not old.merge
+        and not getattr(mapping, "merge", None)
+    ):
+        for k in [k for k in old if k not in value]:
+            del old[k]
+        for i, (k, v) in enumerate(value.items()):
+            if k in old:
+                _assign(old, k, v)
+            else:  # a new key goes where `value` has it (`cached` between `disk` and `host`)
+                old.insert(min(i, len(old)), k, v)
+        return
+    mapping[key] = value
 
 
 def _apply(data: Any, section: str, updates: dict[str, dict[str, Any]], file: str) -> None:
@@ -331,6 +356,7 @@ def _dump(data: Any) -> str:
     out = io.StringIO()
     yaml = _yaml()
     yaml.indent(mapping=2, sequence=4, offset=2)
+    yaml.brace_single_entry_mapping_in_flow_sequence = True  # `[{name: a}]`, not `[name: a]`
     yaml.dump(data, out)
     return out.getvalue()
 
@@ -486,6 +512,111 @@ def _noted(text: str, before: Any, updates: dict[str, dict[str, dict[str, Any]]]
     return out if same else text
 
 
+MEASURED_NOTE = "# residency measure: "
+"""How the comment on a line whose value `residency measure` changed begins: `# residency measure:
+memory was 9GiB (from the model card)`. It takes the place of the comment that was there, which
+spoke of the old value (its words are kept, in brackets); a line with no comment gets none (the
+header line says what was measured), nor does a line whose value stayed."""
+_MEASURED_RE = re.compile(r"# residency measure: (?P<items>\S+ was .*?)(?: \((?P<words>.*)\))?")
+_ITEMS_RE = re.compile(r"(?P<field>\S+) was (?P<was>.*?)(?=, \S+ was |$)")
+
+
+def _comment_columns(node: Any, out: dict[int, int], seen: set[int]) -> dict[int, int]:
+    """{0-based line: column of the first comment that starts on it} over round-trip `node`."""
+    if id(node) in seen:
+        return out
+    seen.add(id(node))
+    ca = getattr(node, "ca", None)
+    stack: list[Any] = [ca.comment, list(ca.items.values()), ca.end] if ca is not None else []
+    while stack:
+        x = stack.pop()
+        if isinstance(x, CommentToken) and x.start_mark is not None and x.value.startswith("#"):
+            line, col = x.start_mark.line, x.start_mark.column
+            out[line] = min(col, out.get(line, col))
+        elif isinstance(x, list):
+            stack.extend(x)
+    for child in node.values() if isinstance(node, dict) else node if isinstance(node, list) else ():
+        _comment_columns(child, out, seen)
+    return out
+
+
+def _leaves(key: str, value: Any) -> list[tuple[str, Any]]:
+    """(dotted key, value) of each scalar that setting `key` to `value` (a mapping: each of its keys) sets."""
+    if isinstance(value, dict):
+        return [x for k, v in value.items() for x in _leaves(f"{key}.{k}", v)]
+    return [(key, value)]
+
+
+def _same_measured(key: str, a: str, b: str) -> bool:
+    """Whether the note values `a` and `b` of `key` mean the same (`9GiB` and 9663676416; 3 and 3.0)."""
+    if _same_setting(key, a, b):
+        return True
+    try:
+        return float(a) == float(b)
+    except ValueError:
+        return False
+
+
+def _measure_noted(text: str, before: Any, updates: dict[str, dict[str, Any]], expected: Any) -> str:
+    """`text` where each line whose value a model update changed, and that has a comment, has that
+    comment replaced by `MEASURED_NOTE`, `FIELD was OLD (the comment's words)`. A line noted by an
+    earlier measurement keeps its first `was` and the words; measured back to that value, the line
+    gets the person's comment back. A tuning note at the end of the line stays after the new note.
+    `text` itself when the notes would not read back as `expected`."""
+    data = _yaml().load(text)
+    per_line: dict[int, list[tuple[str, str, str, str]]] = {}  # line: [(entry, key, old, new)]
+    items = before.get("models") if isinstance(before, dict) else None
+    for name, changes in updates.items():
+        entry = next((e for e in items or [] if isinstance(e, dict) and e.get("name") == name), {})
+        for key, value in changes.items():
+            for leaf, new in _leaves(key, value):
+                present, prior = _get_path(entry, leaf)
+                old_s, new_s = _note_value(prior, present), _note_value(new, True)
+                line = _line_of_field(data, "models", name, leaf)
+                if line is not None and not _same_measured(leaf.rpartition(".")[2], old_s, new_s):
+                    per_line.setdefault(line, []).append((name, leaf, old_s, new_s))
+    columns = _comment_columns(data, {}, set())
+    lines = text.splitlines(keepends=True)
+    for line, fields in per_line.items():
+        col = columns.get(line)
+        if line >= len(lines) or col is None:
+            continue
+        body = lines[line].rstrip("\r\n")
+        if body[col : col + 1] != "#" or not body[:col].strip():  # not a comment after a value
+            continue
+        pre, comment = body[:col], body[col:]
+        tuned = _NOTE_RE.search(comment)
+        tail = comment[tuned.start() :].strip() if tuned else ""
+        comment = comment[: tuned.start()].rstrip() if tuned else comment.rstrip()
+        m = _MEASURED_RE.fullmatch(comment)
+        was = {i.group("field"): i.group("was") for i in _ITEMS_RE.finditer(m.group("items"))} if m else {}
+        words = (m.group("words") or "") if m else comment[1:].strip()
+        if not was and not words:  # only a tuning note: nothing said of the old value
+            continue
+        # a field is named by its key (`memory`, `disk`), or by entry and path where that is ambiguous
+        keys = {k.rpartition(".")[2] for _, k, *_ in fields}
+        short = len({n for n, *_ in fields}) == 1 and len(keys) == len(fields)
+        for name, key, old, new in fields:
+            label = key.rpartition(".")[2] if short else f"{name}.{key}"
+            first = was.setdefault(label, old)  # an earlier note holds the value a person wrote
+            if _same_measured(key.rpartition(".")[2], first, new):
+                del was[label]
+        if was:
+            note = MEASURED_NOTE + ", ".join(f"{f} was {w}" for f, w in was.items())
+            note += f" ({words})" if words else ""
+        else:
+            note = f"# {words}" if words else ""
+        note = "  ".join(x for x in (note, tail) if x)
+        pre = pre if pre.endswith("  ") or not note else pre.rstrip() + "  "
+        lines[line] = (pre + note if note else pre.rstrip()) + "\n"
+    out = "".join(lines)
+    try:
+        same = _plain(_yaml().load(out)) == expected
+    except (YAMLError, ValueError):
+        same = False
+    return out if same else text
+
+
 def write_config_with_updates(
     src: Path,
     dst: Path,
@@ -494,6 +625,7 @@ def write_config_with_updates(
     header_comment: str | None = None,
     *,
     note_changes: bool = False,
+    note_measured: bool = False,
 ) -> Config:
     """Copy `src` to `dst` with some model/class fields changed, keeping comments and key order.
 
@@ -501,8 +633,10 @@ def write_config_with_updates(
     `class_updates` the same for classes. `header_comment` (may span lines) is prepended as
     `# ...` lines. With `note_changes` (tuning), each line whose value changed ends in a note
     saying so and what the value was (`TUNED_NOTE`): the comment a person wrote beside or above the
-    value they chose would otherwise speak of a value that is gone. The result is validated before
-    `dst` is written (ConfigError naming `dst`); unknown model or class names raise ValueError.
+    value they chose would otherwise speak of a value that is gone. With `note_measured` (measure),
+    the comment beside a model value that changed is replaced by one saying what the value was
+    (`MEASURED_NOTE`). The result is validated before `dst` is written (ConfigError naming `dst`);
+    unknown model or class names raise ValueError.
     """
     data = _parse_yaml(Path(src).read_text(encoding="utf-8"), str(src))
     try:
@@ -517,6 +651,8 @@ def write_config_with_updates(
     text = _dump_unshared(data, expected, str(src))
     if note_changes:
         text = _noted(text, before, {"models": model_updates, "classes": class_updates or {}}, expected)
+    if note_measured:
+        text = _measure_noted(text, before, model_updates, expected)
     if header_comment:
         # a config tuned (or measured) again gets the new line in place of that tool's last one (not a
         # stack of one more line a week); the other tool's line and the user's own comments stay

@@ -5,7 +5,8 @@ drop, a disk→gpu load from the page cache, gpu→host, host→gpu, drop, disk�
 device host of the model's configured device (the same code the Ray actors run). A CUDA device on a
 machine without CUDA is measured on the CPU stand-in, and the output says so. The medians feed the
 policy's cost table: `--write-config OUT` writes a copy of the config whose `load_seconds` and
-`memory` are the measured ones (comments kept).
+`memory` are the measured ones (comments kept, but a comment beside a value that changed becomes
+`# residency measure: memory was 9GiB (the comment)`: it spoke of the value that is gone).
 
 Edge module: imports torch and the workers (the pure policy never does).
 """
@@ -166,4 +167,5 @@ def write_measured_config(src: Path, dst: Path, measures: list[ModelMeasure]) ->
         dst,
         config_updates(measures, load_config(src)),
         header_comment=f"load_seconds and memory measured by `residency measure --config {src}`",
+        note_measured=True,
     )

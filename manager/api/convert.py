@@ -100,6 +100,18 @@ def _typed(name: str, datatype: str, values: Any) -> np.ndarray:
     return read(dt)
 
 
+def _check_bool_bytes(name: str, raw: bytes) -> None:
+    """OIP's BOOL is one byte per element, 0 or 1: another byte decodes to a bool that kernels may
+    read as that byte (refused before the request is admitted, and before a load for it)."""
+    bad = np.flatnonzero(np.frombuffer(raw, np.uint8) > 1)
+    if bad.size:
+        i = int(bad[0])
+        raise InvalidRequest(
+            f"input {name!r}: BOOL element {i} is the byte {raw[i]}; a BOOL element is the byte 0 "
+            "(false) or 1 (true)"
+        )
+
+
 def decode_input(name: str, datatype: str, shape: list[int], raw: bytes | None, contents: Any) -> np.ndarray:
     """One input tensor as a numpy array of its shape."""
     n = _count(name, shape)
@@ -132,6 +144,8 @@ def decode_input(name: str, datatype: str, shape: list[int], raw: bytes | None, 
                     f"input {name!r}: {len(raw)} raw bytes, expected {n * dt.itemsize} "
                     f"({n} x {datatype} for shape {shape})"
                 )
+            if datatype == "BOOL":
+                _check_bool_bytes(name, raw)
             arr = np.frombuffer(raw, dtype=dt).astype(dt.newbyteorder("="))
         else:
             arr = _typed(name, datatype, getattr(contents, CONTENTS_FIELD[datatype]))

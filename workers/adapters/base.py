@@ -107,7 +107,9 @@ class Adapter(ABC):
     # ---- helpers for subclasses
     def input_array(self, inputs: dict[str, np.ndarray], spec: P.TensorSpec) -> np.ndarray:
         """The named input, checked against its declared rank and fixed dimensions, and against the kind
-        of its datatype (numbers for a number input, text for BYTES; BAD_INPUT naming it otherwise)."""
+        of its datatype (numbers for a number input, text for BYTES; BAD_INPUT naming it otherwise). A
+        BOOL array must hold bytes 0 and 1 only (OIP's BOOL is one byte, numpy's and torch's bool):
+        raw bytes `\x02` or `\xff` decode to a bool array that kernels may read as 2 or 255."""
         if spec.name not in inputs:
             raise AdapterError(
                 P.BAD_INPUT, f"model {self.spec.name!r}: missing input {spec.name!r} ({spec.datatype})"
@@ -132,7 +134,26 @@ class Adapter(ABC):
                 f"model {self.spec.name!r}: input {spec.name!r} has shape {list(a.shape)}, "
                 f"expected {list(spec.shape)} (-1: any)",
             )
+        if a.dtype.kind == "b":
+            _check_bool(self.spec.name, spec.name, a)
+        if not a.flags.writeable and a.dtype.kind != "O":
+            # Ray hands arrays over read-only (zero-copy from its object store): torch warned on each
+            # ("The given NumPy array is not writable") and its tensor could write through to them
+            a = a.copy()
         return a
+
+
+def _check_bool(model: str, name: str, a: np.ndarray) -> None:
+    """BAD_INPUT naming the input and the first element of the bool array `a` whose byte is not 0 or 1."""
+    raw = a.view(np.uint8)
+    bad = raw > 1
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise AdapterError(
+            P.BAD_INPUT,
+            f"model {model!r}: input {name!r} (BOOL) holds byte {int(raw[at])} at {list(at)}; "
+            "a BOOL element is the byte 0 (false) or 1 (true)",
+        )
 
 
 _NUMERIC_KINDS = frozenset("biuf")

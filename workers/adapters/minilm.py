@@ -8,7 +8,9 @@ mean, max or mean_sqrt_len) follows the directory's sentence-transformers config
 with other modules (a Dense layer) is refused at its load — the embeddings equal
 `SentenceTransformer(DIR).encode(..., normalize_embeddings=True)` (tested, mean and cls).
 
-Input `text`: BYTES [N] (UTF-8 strings, at most 256 per request). Output `embedding`: FP32 [N, D].
+Input `text`: BYTES [N] (UTF-8 strings, at most 256 per request), each cut to `max_seq_length` tokens
+(`sentence_bert_config.json`; a length above the model's `max_position_embeddings` is refused at the
+load). Output `embedding`: FP32 [N, D].
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from workers import protocol as P
 from workers.adapters.base import AdapterError, ModuleAdapter
 
 MAX_TEXTS = 256
+DEFAULT_MAX_SEQ_LENGTH = 256
+"""Tokens a text is cut to when `sentence_bert_config.json` does not say (at most the model's positions)."""
 
 
 class SentenceEmbeddingAdapter(ModuleAdapter):
@@ -96,6 +100,7 @@ class SentenceEmbeddingAdapter(ModuleAdapter):
         importlib.import_module("transformers.models.bert.modeling_bert")
         importlib.import_module("tokenizers")
         self.pooling()  # an unsupported directory is refused at its load, not at its first request
+        self.max_seq_length()
 
     def pooling(self) -> str:
         """The directory's pooling (`1_Pooling/config.json`): cls, mean, max or mean_sqrt_len. A module
@@ -158,17 +163,40 @@ class SentenceEmbeddingAdapter(ModuleAdapter):
                 raise AdapterError(
                     P.BAD_CHECKPOINT, f"model {self.spec.name!r}: {p}: not a tokenizer file ({e})"
                 ) from None
-            max_len = self._json("sentence_bert_config.json", {}).get("max_seq_length", 256)
-            if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len <= 0:
-                raise AdapterError(
-                    P.BAD_CHECKPOINT,
-                    f"model {self.spec.name!r}: {self.model_dir() / 'sentence_bert_config.json'}: "
-                    f"max_seq_length {max_len!r} is not a positive integer",
-                )
-            tok.enable_truncation(max_length=max_len)
+            tok.enable_truncation(max_length=self.max_seq_length())
             tok.enable_padding()
             self._tokenizer = tok
         return self._tokenizer
+
+    def max_seq_length(self) -> int:
+        """Tokens a text is cut to: `sentence_bert_config.json`'s `max_seq_length` (by default
+        `DEFAULT_MAX_SEQ_LENGTH`, or the model's positions when it has fewer). A length above
+        `config.json`'s `max_position_embeddings` is refused (BAD_CHECKPOINT): a longer text would
+        reach positions the model has no embedding for, and fail at inference."""
+        name, where = self.spec.name, self.model_dir() / "sentence_bert_config.json"
+        st_config = self._json("sentence_bert_config.json", {})
+        positions = self._json("config.json").get("max_position_embeddings", 512)  # (BertConfig's default)
+        if not isinstance(positions, int) or isinstance(positions, bool) or positions <= 0:
+            raise AdapterError(
+                P.BAD_CHECKPOINT,
+                f"model {name!r}: {self.model_dir() / 'config.json'}: max_position_embeddings "
+                f"{positions!r} is not a positive integer",
+            )
+        if "max_seq_length" not in st_config:
+            return min(DEFAULT_MAX_SEQ_LENGTH, positions)
+        declared = st_config["max_seq_length"]
+        if not isinstance(declared, int) or isinstance(declared, bool) or declared <= 0:
+            raise AdapterError(
+                P.BAD_CHECKPOINT,
+                f"model {name!r}: {where}: max_seq_length {declared!r} is not a positive integer",
+            )
+        if declared > positions:
+            raise AdapterError(
+                P.BAD_CHECKPOINT,
+                f"model {name!r}: {where}: max_seq_length {declared} is more than the model's "
+                f"{positions} positions (max_position_embeddings in config.json); at most {positions}",
+            )
+        return declared
 
     def warmup(self, runnable: Any) -> None:
         self.infer(runnable, {"text": np.array([b"warm up"], dtype=object)})
