@@ -507,7 +507,7 @@ def _serve(a: argparse.Namespace) -> int:
     from manager.api.runtime import ServeError, event_loop_factory, quiet_grpc_fork
 
     quiet_grpc_fork()  # before gRPC starts (manager.api.server imports it)
-    from manager.api.server import serve
+    from manager.api.server import StoppedAtStartUp, serve
     from manager.store import StoreError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -553,6 +553,9 @@ def _serve(a: argparse.Namespace) -> int:
                     server_overrides={"listen": a.listen} if a.listen is not None else None,
                 )
             )
+    except StoppedAtStartUp as e:  # a signal before it was ready: one line, as for Ctrl-C at start
+        err.print(f"residency: {e}", highlight=False, markup=False)
+        return 128 + e.signum
     except (ServeError, StoreError) as e:
         raise UsageError(str(e)) from None
     except OSError as e:  # a file or socket it cannot have: its own words, without "[Errno N]"

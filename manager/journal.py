@@ -3,7 +3,12 @@
 Each served request is appended as one JSON line (flushed to the OS at once: a process that is killed
 keeps it; a power cut may lose the last moment). When a batch reaches the store, the journal is
 rewritten with what is still waiting. At start, the journal's records go to the store first. A crash
-between the store write and the rewrite can log a batch twice (at most one second of requests).
+between the store write and the rewrite leaves a batch the store has in the journal too (at most one
+second of requests): at the next start the records the store already holds are not sent again
+(`replayed`, `manager.live_persist`).
+One journal serves one service: it is held (an advisory lock on a file beside it, released by `close`
+and by the OS when the process ends, however it ends) for as long as it is open, and a second service
+on the same file (two started from one folder) is refused at its start, naming the one that holds it.
 A line that cannot be read (a torn write at a crash, a damaged byte, a record the store would refuse)
 is skipped, counted and logged with its line number: one bad line must not hold up the others.
 """
@@ -11,6 +16,8 @@ is skipped, counted and logged with its line number: one bad line must not hold 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
 import logging
 import os
@@ -23,17 +30,31 @@ logger = logging.getLogger(__name__)
 _ENCODE = json.JSONEncoder(separators=(",", ":")).encode
 
 
+class JournalInUse(OSError):
+    """Another process (or another open in this one) holds the request journal."""
+
+
 class RequestJournal:
     def __init__(self, path: Path) -> None:
-        """OSError naming the file (and the `store.journal` setting) when it cannot be opened."""
+        """OSError naming the file (and the `store.journal` setting) when it cannot be opened;
+        `JournalInUse` (an OSError) when another service holds it."""
         self.path = path
+        self.lock_path = path.with_name(path.name + ".lock")
+        self._lock_fd = self._fd = -1
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = self._lock()
             self._fd = self._open()
         except OSError as e:
+            self._close_lock()
+            if isinstance(e, JournalInUse):
+                raise
             raise OSError(
                 e.errno, f"store.journal {str(path)!r}: cannot open the request journal: {e.strerror or e}"
             ) from None
+        self.replayed: list[dict[str, Any]] = []
+        """The records `read` gave (an earlier run's), until the store has them: those it held already
+        (written just before a kill, the journal not yet rewritten) are not sent again."""
         self.skipped = 0
         self.lines = 0
         """Records in the file (as far as this process knows: read, appended, rewritten)."""
@@ -42,6 +63,47 @@ class RequestJournal:
         self._torn = False  # a failed append may have left part of its line: end it first
         self._closed = False
         self._end_line()
+
+    def _lock(self) -> int:
+        """Hold the lock file beside the journal, with this process's id in it (for a refused one to
+        name). Two services on one journal would both append to it, both send it to the store at
+        their start (the other's records logged twice), and one's rewrite would cut what the other
+        had just appended. The journal itself is not what is locked: its rewrite replaces the file."""
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)  # (not inherited by children)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = self._holder(fd)
+            os.close(fd)
+            who = f"another residency service (pid {pid})" if pid else "another residency service"
+            raise JournalInUse(
+                errno.EAGAIN,
+                f"store.journal {str(self.path)!r}: {who} is using this request journal (it holds "
+                f"{str(self.lock_path)!r}); stop that one, or give this one a store.journal of its own",
+            ) from None
+        except OSError as e:  # a file system without locks (some network ones): served, unguarded
+            logger.warning(
+                "%s: cannot lock the request journal (%s); a second service on it would not be refused",
+                self.path, e,
+            )  # fmt: skip
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        with contextlib.suppress(OSError):  # (the pid only helps the message of a refused one)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return fd
+
+    @staticmethod
+    def _holder(fd: int) -> int | None:
+        """The process id the lock file at `fd` names (None when it names none: an older holder, or
+        one that has not written it yet)."""
+        try:
+            text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        except OSError:
+            return None
+        return int(text) if text.isdigit() else None
 
     def _end_line(self) -> None:
         """End a torn last line (a kill mid-write) so the next record starts a line of its own
@@ -99,6 +161,7 @@ class RequestJournal:
                 reason = str(e) or type(e).__name__
             self.skipped += 1
             logger.warning("%s:%d: unreadable journal line skipped (%s)", self.path, n, reason[:200])
+        self.replayed = list(out)
         return out
 
     def rewrite(self, pending: list[dict[str, Any]]) -> None:
@@ -142,6 +205,13 @@ class RequestJournal:
         if fd >= 0:
             os.close(fd)
 
+    def _close_lock(self) -> None:
+        fd, self._lock_fd = self._lock_fd, -1
+        if fd >= 0:
+            os.close(fd)  # the lock goes with its last descriptor
+
     def close(self) -> None:
+        """Idempotent: the journal is written no more, and another service may have it."""
         self._closed = True
         self._close_fd()
+        self._close_lock()

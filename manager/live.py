@@ -112,7 +112,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         store: Any = None,
         clock: Callable[[], float] = time.time,
         poll_s: float = POLL_S,
-        journal: str | Path | None = None,
+        journal: str | Path | RequestJournal | None = None,
     ) -> None:
         self.config = config
         self.server_overrides: dict[str, Any] = {}
@@ -134,6 +134,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self._subscribers: list[asyncio.Queue[dict[str, Any]]] = []
         self._task: asyncio.Task[None] | None = None
         self.started = False
+        self._stopping = asyncio.Event()  # set at stop: requests still waiting for a load give up
         self.waits: dict[str, deque[float]] = {c.name: deque(maxlen=WAIT_WINDOW) for c in config.classes}
         self.wait_total_s = 0.0  # every served request's wait, summed since start
         self.rejected = 0
@@ -150,7 +151,11 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         # The request log is written in batches off the event loop (once a second, or sooner when
         # LOG_BATCH records wait), and at stop: a per-request write would cost more than the request.
         self._log_buf: list[dict[str, Any]] = []
-        self.journal = RequestJournal(Path(journal)) if journal is not None and store is not None else None
+        if isinstance(journal, (str, Path)):
+            journal = RequestJournal(Path(journal)) if store is not None else None
+        self.journal = journal if store is not None else None
+        """Served requests not yet in the store (given open, `serve` opened it before Ray's start: a
+        second service on the same file is refused before it starts anything)."""
         self._next_flush = 0.0
         # The store failed: the next log write is tried once a LOG_EVERY_S, after a ping (not on
         # every poll with the whole buffer re-encoded); intents are rewritten and the statistics
@@ -177,6 +182,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
+        self._stopping.clear()
         if self.journal is not None:  # requests served before a crash, not yet in the store
             self._log_buf = self.journal.read() + self._log_buf
             await self.flush_log()
@@ -196,7 +202,18 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self._task = asyncio.create_task(self._loop(), name="residency-reconciler")
         self.started = True
 
+    def abandon_waits(self) -> None:
+        """The service is stopping: the requests (and preloads, session opens) that wait for a model's
+        load, or for room, are answered UNAVAILABLE now, saying so, and those that come next as well.
+        Their loads are abandoned, not cancelled: a device host may still finish one, whose result
+        nobody takes (the process exits; a restarted manager adopts what its hosts hold). Requests
+        already running on their device host are not affected."""
+        self._stopping.set()
+
     async def stop(self) -> None:
+        """Stop: what still waits for a load is answered at once (`abandon_waits`), the reconciler
+        ends, the request log is flushed and the statistics saved."""
+        self.abandon_waits()
         self.started = False
         if self._task is not None:
             self._task.cancel()
@@ -666,6 +683,11 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                 )
             if now >= deadline:
                 raise DeadlineExceeded(f"model {m.name!r}: no room became free before the deadline")
+            if self._stopping.is_set():
+                raise WorkerUnavailable(
+                    f"model {m.name!r}: the service is stopping and no room became free for it in time; "
+                    "retry when it is back"
+                )
             await asyncio.sleep(WAIT_RETRY_S)
 
     async def _ready(self, m: Any, deadline: float, rank: int | None = None) -> None:
@@ -677,6 +699,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         died = ""
         no_room = False  # taken off its device meanwhile, and no room to load it again yet
         while not live.ready.is_set() or live.loads_pending:
+            self._if_stopping(m)
             left = deadline - self.clock()
             if left <= 0 and died:
                 raise WorkerUnavailable(
@@ -690,21 +713,42 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                 )
             if left <= 0:
                 raise DeadlineExceeded(f"model {m.name!r} did not finish loading before the deadline")
-            with contextlib.suppress(TimeoutError):
-                # at least once a second: a model taken off its device meanwhile is admitted again
-                await asyncio.wait_for(live.ready.wait(), timeout=min(left, 1.0))
+            # at least once a second: a model taken off its device meanwhile is admitted again
+            await self._wait_ready(live, min(left, 1.0))
             if live.error and m.tier != Tier.GPU and live.error_code == P.WORKER_DIED and not died:
                 died = live.error
                 why = f"died during the load, loading again: {died}"
                 self._publish("lost", m.name, why, m.device, self.clock())
             elif live.error and m.tier != Tier.GPU:
                 raise WorkerUnavailable(f"model {m.name!r} could not be loaded: {live.error}")
+            if not live.ready.is_set() or live.loads_pending:
+                self._if_stopping(m)  # (not admitted, nor loaded, again at a stop)
             if m.tier != Tier.GPU:  # evicted again while waiting (rare): admit once more
                 adm = self.engine.admit(m, m.rank if rank is None else rank, self.clock())
                 self._flush()
                 if adm.status == "reject":
                     raise InsufficientCapacity(f"model {m.name!r} cannot be served: {adm.reason}")
                 no_room = adm.status == "wait"
+
+    def _if_stopping(self, m: Any) -> None:
+        """WorkerUnavailable when the service is stopping (`abandon_waits`): the load `m` waits for is
+        abandoned (its device host may still finish it)."""
+        if self._stopping.is_set():
+            raise WorkerUnavailable(
+                f"model {m.name!r}: the service is stopping and its load did not finish in time; "
+                "retry when it is back"
+            )
+
+    async def _wait_ready(self, live: _Live, timeout: float) -> None:
+        """Wait until `live.ready` is set, the service stops (`abandon_waits`), or `timeout` passes."""
+        if self._stopping.is_set():
+            return
+        waits = (asyncio.ensure_future(live.ready.wait()), asyncio.ensure_future(self._stopping.wait()))
+        try:
+            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
 
     async def infer(
         self, model: str, inputs: dict[str, np.ndarray], *, cls: str | None = None, timeout_s: float = 30.0
@@ -980,14 +1024,17 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self._flush()
 
     def reload(self, new: Config) -> list[str]:
-        """Take a changed config, dropping nothing in flight (RestartNeeded: structural changes). The
-        command line's `server` fields (`server_overrides`) hold over the file's, as at start."""
-        from manager.reload import apply_reload, plan_reload
+        """Take a changed config, dropping nothing in flight (RestartNeeded: structural changes;
+        PinsDoNotFit: its pinned models do not fit a device together at their measured footprints).
+        The command line's `server` fields (`server_overrides`) hold over the file's, as at start."""
+        from manager.reload import apply_reload, check_measured_fit, plan_reload
 
         if self.server_overrides:
             new = new.model_copy(update={"server": new.server.model_copy(update=self.server_overrides)})
 
         changes = plan_reload(self.config, new)
+        pins = {m.name: self.pin_overrides.get(m.name, m.pin) for m in new.models}  # an admin's hold
+        check_measured_fit(self.engine, new, pins, self._measured)
         apply_reload(self.engine, new)
         self.config = new
         for name, live in self.live.items():  # a model that failed to load is still not prewarmed

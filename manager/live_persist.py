@@ -18,6 +18,7 @@ import logging
 import math
 import uuid
 from bisect import bisect_right
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from manager.journal import RequestJournal
@@ -97,6 +98,12 @@ def _read_cost(cost: LoadCost, doc: Any) -> LoadCost:
     out = copy.deepcopy(cost)
     out.restore(doc)
     return out
+
+
+def _same(rec: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """What tells one canonical request record from another (two equal ones: one request written
+    twice, or two requests in the same instant alike in everything)."""
+    return tuple(sorted(rec.items()))
 
 
 def _count(x: Any) -> int:
@@ -315,16 +322,22 @@ class PersistenceMixin:
         """The request records of the models in `lasts` after each one's last arrival there (all of
         them when None) and before its `until` (this run's own are seen already), in time order: those
         the store has, and those still waiting for it (the journal's, read at start while the store
-        was down)."""
+        was down), each once: a waiting record the store has already (a batch it took just before a
+        kill, which the journal still had) is taken from the store alone."""
         known = [t for t in lasts.values() if t is not None]
         ends = [t for t in until.values() if math.isfinite(t)]
         hi = max(ends) if len(ends) == len(until) and ends else None
         recs = list(self.store.requests(min(known, default=0.0), hi))
+        held = Counter(map(_same, recs))
         for rec in self._log_buf:
             try:
-                recs.append(normalize_record(rec))
+                rec = normalize_record(rec)
             except ValueError:
                 continue  # (dropped, and said, when the store refuses it)
+            if held[_same(rec)] > 0:  # one for one: the store's copy stands for it
+                held[_same(rec)] -= 1
+                continue
+            recs.append(rec)
         out = []
         for rec in recs:
             name, t = rec["model"], rec["t"]
@@ -617,6 +630,35 @@ class PersistenceMixin:
             self.journal.rewrite(self._log_buf)
 
     async def _write_batch(self, batch: list[dict[str, Any]]) -> None:
+        if self.journal is not None and self.journal.replayed:  # an earlier run's: the store may have some
+            batch = await asyncio.to_thread(self._not_stored, batch, self.journal.replayed)
         await asyncio.to_thread(self.store.append_requests, batch)
         if self.journal is not None:
+            self.journal.replayed = []  # (all that are left were in the batch: the store has them now)
             self.journal.rewrite(self._log_buf)  # what the store has leaves the journal
+
+    def _not_stored(
+        self, batch: list[dict[str, Any]], replayed: list[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        """`batch` without those of the journal's records read at start (`replayed`) that the store
+        holds already: a batch it took just before the earlier run was killed, before the journal let
+        it go. Sent again, it would be in the request log twice, and counted twice by the statistics'
+        catch-up. One for one: two equal records in the journal are two requests."""
+        mine = {id(rec) for rec in replayed}
+        times = [rec["t"] for rec in batch if id(rec) in mine]
+        if not times:
+            return batch
+        held = Counter(map(_same, self.store.requests(min(times), math.nextafter(max(times), math.inf))))
+        out = []
+        for rec in batch:
+            if id(rec) in mine and held[_same(rec)] > 0:
+                held[_same(rec)] -= 1
+                continue
+            out.append(rec)
+        if len(out) < len(batch):
+            logger.info(
+                "%d request(s) of the journal were in the store already (written just before the last "
+                "run ended): not logged again",
+                len(batch) - len(out),
+            )
+        return out

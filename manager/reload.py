@@ -6,21 +6,37 @@ at start, marked as taking effect at the next restart, but for `store.sessions_k
 use; `tuning.schedule` too when it was off: its loop starts at start), or raises
 `RestartNeeded` naming the first structural change (devices, host memory, the set of models, a model's
 adapter/device/source/class/elastic range/max_batch, the classes' names or order, the policy's name).
-`apply_reload(engine, new)` then updates the engine in place — keep-alives, prewarm, pins, class
-reservations and rules, policy windows — so in-flight requests, resident models and learned
-statistics are untouched.
+`check_measured_fit(engine, new, pins, measured)` refuses (`PinsDoNotFit`) a config whose pinned
+models, at the footprints their device hosts measured, do not fit a device together with its class
+reservations (the config's own check sees only its estimates). `apply_reload(engine, new)` then
+updates the engine in place — keep-alives, prewarm, pins, class reservations and rules, policy
+windows — so in-flight requests, resident models and learned statistics are untouched.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Mapping
 
-from manager.config import Config
+from manager.config import Config, ConfigError
 from manager.policy.engine import Engine
+from manager.units import format_size
 
 
 class RestartNeeded(ValueError):
     """The new config changes what the running service is built from."""
+
+
+class PinsDoNotFit(ConfigError):
+    """The new config pins models that, at their measured footprints, do not fit their device together
+    with its class reservations (a ConfigError: reported, and the running config kept, as a config
+    that fails its own checks is)."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("", [("", p) for p in problems])
+
+    def __str__(self) -> str:
+        return "; ".join(msg for _, msg in self.errors)
 
 
 _SHAPE_FIELDS = ("adapter", "device", "source", "class", "elastic", "max_batch")
@@ -101,6 +117,74 @@ def _service_changes(old: Config, new: Config) -> list[str]:
 _READ_LIVE = {("store", "sessions_keep")}
 """Settings of the sections read at start that the running service reads at each use all the same
 (the saved world sessions are trimmed to `store.sessions_keep` each time one closes)."""
+
+
+def check_measured_fit(
+    engine: Engine, new: Config, pins: Mapping[str, bool], measured: Collection[str]
+) -> None:
+    """Refuse (PinsDoNotFit) `new` when, on some device, its pinned models (`pins`: model -> pinned, an
+    admin's pins over the file's) at the footprints the engine holds for them (`measured`: the models
+    whose footprint a device host measured; the others at the config's estimate) and its class
+    reservations need more than the usable bytes, as the config's own check adds them up (per class,
+    its reservation or its pinned models, whichever is more). A device the running config crowds as
+    much already (pins measured too large after the start) does not refuse a reload that crowds it no
+    more: another keep-alive, or an unpin, is still taken."""
+    problems = []
+    running = {name: m.pinned for name, m in engine.models.items()}
+    for d in new.devices:
+        dev = engine.state.devices[d.name]
+        need, parts = _pinned_need(engine, d.name, new, new.class_reserves(d.name), pins, measured)
+        if need <= dev.usable:
+            continue
+        if need <= _pinned_need(engine, d.name, new, dev.reserves, running, measured)[0]:
+            continue
+        problems.append(
+            f"device {d.name!r}: the pinned models at their measured sizes and the class reservations "
+            f"need {format_size(need)} ({'; '.join(parts)}) but only {format_size(dev.usable)} is usable "
+            f"(memory {format_size(d.memory)} - reserve {format_size(d.reserve)}): unpin a model there, "
+            "or lower a class reservation"
+        )
+    if problems:
+        raise PinsDoNotFit(problems)
+
+
+def _pinned_need(
+    engine: Engine,
+    device: str,
+    config: Config,
+    reserves: list[int],
+    pins: Mapping[str, bool],
+    measured: Collection[str],
+) -> tuple[int, list[str]]:
+    """What `device` holds for its classes: per class, its reservation or its pinned models (at the
+    engine's footprints, with their elastic minimum), whichever is more; and that said per class."""
+    total, parts = 0, []
+    for rank, (c, reserve) in enumerate(zip(config.classes, reserves, strict=True)):
+        pinned = [
+            m
+            for m in engine.models.values()
+            if m.device == device and m.rank == rank and pins.get(m.name, False)
+        ]
+        need = max(reserve, sum(m.weights + m.lease_min for m in pinned))
+        total += need
+        if not need:
+            continue
+        said = []
+        for m in pinned:
+            size = format_size(m.weights + m.lease_min)
+            if m.lease_min:
+                size += f" with its elastic minimum {format_size(m.lease_min)}"
+            if m.name in measured:
+                estimate = config.model(m.name).memory
+                size += " measured" + (
+                    f" (the config says {format_size(estimate)})" if m.weights != estimate else ""
+                )
+            said.append(f"{m.name} {size}")
+        reserved = f" (reserve {format_size(reserve)})" if reserve and pinned else ""
+        parts.append(
+            f"{c.name} {format_size(need)}{reserved}" + (f" [pinned {', '.join(said)}]" if said else "")
+        )
+    return total, parts
 
 
 def apply_reload(engine: Engine, new: Config) -> None:

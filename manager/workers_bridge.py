@@ -3,7 +3,8 @@
 `create_pool(config)` starts or joins Ray per `ray.address` (null: a local Ray; "auto" or an address:
 an existing cluster, whose devices are named per node with `node:`) and attaches to the named device
 hosts, creating those that do not exist yet; `in_process=True` runs the same device hosts in this
-process instead (tests, single-process use).
+process instead (tests, single-process use). An address where nothing answers is said at once
+(`RayUnreachable`, naming `ray.address`), not after Ray's minutes of retries.
 
 CPU fallback: when a `kind: cuda` device's hosts would run on this machine (a local Ray or
 in-process) and this machine has no usable CUDA, `serve` runs that device's models on the CPU, as
@@ -58,7 +59,17 @@ def create_pool(
         from workers.pool import InProcessWorkerPool
 
         return InProcessWorkerPool(specs)
-    from workers.ray_pool import RayWorkerPool, ensure_ray
+    import ray
 
-    ensure_ray(config.ray.address, **ray_init)
+    from workers.ray_pool import RayUnreachable, RayWorkerPool, ensure_ray, unreachable
+
+    address = config.ray.address
+    field = f"ray.address {'null' if address is None else repr(address)}"
+    why = None if ray.is_initialized() else unreachable(address)
+    if why is not None:
+        raise RayUnreachable(f"{field}: {why}")
+    try:
+        ensure_ray(address, **ray_init)
+    except ConnectionError as e:  # Ray's own: what answers there is not Ray, or "auto" found none
+        raise RayUnreachable(f"{field}: {e}") from None
     return RayWorkerPool(specs)

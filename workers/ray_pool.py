@@ -13,6 +13,9 @@
   until the host answers, for at most `UNAVAILABLE_MAX_S`: the reload the manager asks for after a
   crash waits for the new host instead of failing a second time.
 * `ray.address` null starts a local Ray; "auto" or an address joins an existing cluster.
+  `unreachable` says at once when nothing answers at the address to join (Ray itself retries for
+  minutes). A stop signal while Ray starts raises `StartInterrupted`, once what the start began is
+  shut down (Ray's own SIGTERM handler, which `ray.init` installs, would exit the process at once).
 """
 
 from __future__ import annotations
@@ -21,12 +24,17 @@ import contextlib
 import gc
 import logging
 import math
+import os
 import signal
+import socket
 import subprocess
 import threading
 import time
+import urllib.parse
 import warnings
 from collections import deque
+from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -155,9 +163,18 @@ def start_local_ray(tries: int = LOCAL_START_TRIES, **init_kwargs: Any) -> None:
             logger.warning(
                 "local Ray did not start (%s); starting it again (%d of %d)", why, attempt + 1, tries
             )
-            ray.shutdown()
-            _end_all(_children() - before)  # the failed start's GCS and raylet (Ray keeps no handle)
-            gc.collect()
+            _undo_start(before)
+
+
+def _undo_start(before: set[int]) -> None:
+    """Shut down what a start that failed or was interrupted began: Ray's state in this process, and
+    the processes it started (this process's children not in `before`: Ray keeps no handle on the GCS
+    and raylet of a start that raised)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)  # (see start_local_ray)
+        ray.shutdown()
+        _end_all(_children() - before)
+        gc.collect()
 
 
 def _children() -> set[int]:
@@ -180,16 +197,124 @@ def _end_all(pids: set[int]) -> None:
             obj.returncode = ended[obj.pid] if ended[obj.pid] is not None else -signal.SIGKILL
 
 
+class StartInterrupted(KeyboardInterrupt):
+    """A stop signal (SIGINT, SIGTERM or SIGHUP) came while `ensure_ray` started or joined Ray; what
+    the start had begun is shut down. A KeyboardInterrupt, so that no `except Exception` (in Ray's
+    own start either) holds it up, and a caller stops as it does for Ctrl-C."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def _stop_signals_interrupt() -> Iterator[None]:
+    """Within it, SIGINT, SIGTERM or SIGHUP raises StartInterrupted at once; the handlers from before
+    are put back after it. Ray's start blocks, so a caller's own handlers (`serve`'s, run by its event
+    loop) would act only once it ended; and `ray.init` installs a SIGTERM handler of its own, which
+    exits the process at once (`sys.exit(signum)`) and is left in place: that exit is taken for the
+    StartInterrupted it is. Only on the main thread (the one Python runs signal handlers on)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    fired = False
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        nonlocal fired
+        if not fired:  # once: a second signal does not break off what the first one undoes
+            fired = True
+            raise StartInterrupted(signum)
+
+    try:
+        for s in STOP_SIGNALS:
+            signal.signal(s, interrupt)
+        yield
+    except SystemExit as e:
+        if e.code != signal.SIGTERM:
+            raise
+        raise StartInterrupted(signal.SIGTERM) from None
+    finally:
+        for s, h in held.items():  # SIGTERM first: Ray's handler is the one to go soonest
+            signal.signal(s, signal.SIG_DFL if h is None else h)
+
+
 def ensure_ray(address: str | None = None, **init_kwargs: Any) -> None:
-    """Connect to Ray: a local instance when `address` is None (started again if its node is slow to
-    come up), else join the cluster at `address`."""
+    """Connect to Ray: a new local instance when `address` is None (started again if its node is slow
+    to come up; RAY_ADDRESS, where set, is joined instead), else join the cluster at `address`. A stop
+    signal meanwhile raises StartInterrupted once what the start began is shut down; the signal
+    handlers are the ones from before, either way."""
     if ray.is_initialized():
         return
     kwargs = {"namespace": NAMESPACE, "include_dashboard": False, "log_to_driver": False, **init_kwargs}
-    if address is None:
-        start_local_ray(**kwargs)
-    else:
-        ray.init(address=address, **kwargs)
+    before = _children()
+    try:
+        with _stop_signals_interrupt():
+            if address is None:
+                # "local": Ray's None joins the cluster in its ray_current_cluster file instead (the last
+                # `ray start` on this machine, alive or long dead: its retries then hang for minutes).
+                # RAY_ADDRESS, where the environment sets it, is still joined, as Ray users expect.
+                local: dict[str, Any] = {} if os.environ.get("RAY_ADDRESS") else {"address": "local"}
+                start_local_ray(**local, **kwargs)
+            else:
+                ray.init(address=address, **kwargs)
+    except StartInterrupted:
+        _undo_start(before)
+        raise
+
+
+PROBE_TIMEOUT_S = 3.0
+"""How long a TCP connection to the Ray cluster to join may take before it is said to be unreachable."""
+RAY_CLIENT_PORT = 10001
+"""The port of a "ray://HOST" address that names none (Ray client's default)."""
+
+
+class RayUnreachable(ConnectionError):
+    """Nothing answers at the address of the Ray cluster to join."""
+
+
+def unreachable(address: str | None, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
+    """Why the Ray cluster `ray.init(address=address)` would join does not answer (a TCP connection to
+    its host and port, within `timeout_s`), or None: it answers, or Ray starts a local instance or
+    looks for one itself ("auto" without RAY_ADDRESS), or the address is one Ray itself refuses.
+    Ray joins RAY_ADDRESS, when the environment sets it, in place of None or "auto"; it retries an
+    address that does not answer for minutes before it gives up, saying nothing meanwhile."""
+    env = os.environ.get("RAY_ADDRESS", "")
+    from_env = bool(env) and address in (None, "auto")
+    target = env if from_env else address
+    if target is None or target in ("auto", "local"):
+        return None
+    try:
+        if "://" in target:
+            parts = urllib.parse.urlsplit(target)
+            host, port = parts.hostname or "", parts.port or RAY_CLIENT_PORT
+        else:
+            host, _, port_s = target.rpartition(":")
+            host, port = host.strip("[]"), int(port_s)
+    except ValueError:
+        return None
+    if not host:
+        return None
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except TimeoutError:
+        why = f"no answer within {timeout_s:g} s"
+    except ConnectionRefusedError:
+        why = "connection refused (is Ray running there?)"
+    except socket.gaierror as e:
+        why = f"host name {host!r} not resolved ({e.strerror})"
+    except UnicodeError:  # the IDNA codec's: an empty or over-long label
+        why = f"{host!r} is not a valid host name"
+    except OSError as e:
+        why = str(e.strerror or e)
+    where = f"{host}:{port}"
+    if from_env:
+        where += f" (RAY_ADDRESS {env!r}, from the environment, which Ray joins in its place)"
+    return f"cannot connect to {where}: {why}"
 
 
 class RayWorkerPool:

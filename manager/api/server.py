@@ -31,6 +31,7 @@ from manager.api.oip import InferenceServicer
 from manager.api.runtime import ServeError, add_port, keepalive_options, message_options
 from manager.api.world import WorldSessionServicer
 from manager.config import Config
+from manager.journal import RequestJournal
 from manager.live import LiveManager
 from residency_proto.inference import grpc_service_pb2
 from residency_proto.v1 import residency_pb2
@@ -194,6 +195,59 @@ def _cannot_listen(listen: str, e: OSError) -> ServeError:
         f"cannot listen on {listen!r}: {e.strerror or e}"
         + (" (another server holds it?)" if e.errno == errno.EADDRINUSE else "")
     )
+
+
+class StoppedAtStartUp(Exception):
+    """A stop signal came before the server was ready: what had started is undone (Ray's start
+    included), and nothing was served."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"stopped during start-up ({signal.Signals(signum).name})")
+
+
+def _not_stopped(signals: list[int]) -> None:
+    """StoppedAtStartUp when a stop signal came (`signals`: those that came, in order)."""
+    if signals:
+        raise StoppedAtStartUp(signals[0])
+
+
+def _pool_or_stop(create: Callable[[], Any], store: Any, journal: RequestJournal | None = None) -> Any:
+    """`create()`, the device hosts' pool (Ray's start); when it raises, `store` and `journal` are
+    closed, and a signal that stopped Ray's start (ray_pool.StartInterrupted, a KeyboardInterrupt) is
+    StoppedAtStartUp."""
+    try:
+        return create()
+    except BaseException as e:
+        store.close()
+        if journal is not None:
+            journal.close()
+        if isinstance(e, KeyboardInterrupt):
+            raise StoppedAtStartUp(getattr(e, "signum", signal.SIGINT)) from None
+        raise
+
+
+def _journal_and_store(config: Config) -> tuple[RequestJournal | None, Any]:
+    """The request journal, then the store. The journal first: a second service on the same file is
+    refused (`JournalInUse`) before it starts anything."""
+    from manager.store import open_store
+
+    journal = RequestJournal(Path(config.store.journal)) if config.store.journal is not None else None
+    try:
+        return journal, open_store(config.store.url)
+    except BaseException:
+        if journal is not None:
+            journal.close()
+        raise
+
+
+async def _stop_manager(manager: LiveManager) -> None:
+    """Stop `manager` if it started; after a start that failed, its journal (and the journal's lock)
+    is let go all the same."""
+    if manager.started:
+        await manager.stop()
+    elif manager.journal is not None:
+        manager.journal.close()
 
 
 def probe_listen(listen: str) -> tuple[Any, Any, Any, Any]:
@@ -379,6 +433,14 @@ async def watch_config(manager: LiveManager, path: str, every_s: float = 2.0) ->
 
 STOP_TUNING_S = 30.0
 """How long a stop waits for a tuning run under way to end (it ends at its next replay, well within)."""
+STOP_GRACE_S = 5.0
+"""How long a stop lets the requests in flight end by themselves (a load they wait for may finish);
+past it, those still waiting for a load are answered UNAVAILABLE (the service is stopping), and the
+load is abandoned to its device host (a Ray actor finishes it, or not, on its own; device hosts in
+this process finish it before the process exits: Python waits for their threads)."""
+STOP_ANSWER_S = 1.0
+"""After the grace, how long the gRPC server gives the requests answered so to be sent, before it
+cancels what is still running."""
 
 
 class _ReloadOnLoop:
@@ -440,29 +502,33 @@ async def serve(
 ) -> None:
     """Serve `config` until a signal. `server_overrides`: the `server` fields the command line set
     (`--listen`), which a reload of the file at `config_path` keeps."""
-    from manager.store import open_store
     from manager.workers_bridge import create_pool
 
     stop = asyncio.Event()
+    stopped_by: list[int] = []  # the signals that came
     loop = asyncio.get_running_loop()
 
-    def on_signals() -> None:
-        # a Ctrl-C during start-up stops it cleanly; SIGHUP (its terminal closed) stops it as
-        # cleanly, the request log flushed, instead of killing it
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            loop.add_signal_handler(sig, stop.set)
+    def on_signal(sig: int) -> None:
+        stopped_by.append(sig)
+        stop.set()
 
-    on_signals()
+    # a Ctrl-C during start-up stops it cleanly; SIGHUP (its terminal closed) stops it as cleanly, the
+    # request log flushed, instead of killing it. While Ray starts (`create_pool`), `ensure_ray` holds
+    # these signals itself: one stops the start at once (StartInterrupted), and these handlers are
+    # back after it.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(sig, on_signal, sig)
     probe_listen(config.server.listen)  # a port in use is said now, not after Ray has started
     token = auth_token(config)  # so is a missing or unusable token
     if config.server.tls_cert and config.server.tls_key:
         from manager.api.runtime import read_tls
 
         read_tls(config.server.tls_cert, config.server.tls_key)  # and an unusable TLS pair
-    store = open_store(config.store.url)
-    pool = create_pool(config, in_process=in_process, cpu_fallback=cpu_fallback)
-    on_signals()  # again: ray.init installs its own SIGTERM handler (which exits at once)
-    manager = LiveManager(config, pool, store=store, journal=config.store.journal)
+    journal, store = _journal_and_store(config)
+    pool = _pool_or_stop(
+        lambda: create_pool(config, in_process=in_process, cpu_fallback=cpu_fallback), store, journal
+    )
+    manager = LiveManager(config, pool, store=store, journal=journal)
     manager.server_overrides = dict(server_overrides or {})
     fronts: Frontends | None = None
     server: grpc.aio.Server | None = None
@@ -498,9 +564,9 @@ async def serve(
                 raise ServeError(
                     f"server.metrics_listen {where!r}: cannot listen: {e.strerror or e}"
                 ) from None
-        if stop.is_set():
-            return
+        _not_stopped(stopped_by)
         await manager.start()
+        _not_stopped(stopped_by)
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         for name in ("inference.GRPCInferenceService", "residency.v1.Residency", "residency.v1.WorldSession"):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -528,9 +594,11 @@ async def serve(
             await fronts.stop()
         if server is not None:
             server.world_stopping.set()  # open world streams end now (their sessions saved), not at grace
-            await server.stop(grace=5)
-        if manager.started:
-            await manager.stop()
+            closing = asyncio.ensure_future(server.stop(grace=STOP_GRACE_S + STOP_ANSWER_S))
+            await asyncio.wait([closing], timeout=STOP_GRACE_S)  # requests in flight may end by themselves
+            manager.abandon_waits()  # those still waiting for a load are answered now, not cancelled
+            await closing
+        await _stop_manager(manager)
         if metrics is not None:  # prometheus' HTTP server and its thread: the port is free again
             httpd, thread = metrics
             await asyncio.to_thread(httpd.shutdown)

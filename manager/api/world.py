@@ -110,11 +110,12 @@ class WorldSessionServicer(pb_grpc.WorldSessionServicer):
                 data = await self.manager.step_session(sid, (a.x, a.y, a.z, a.pitch, a.yaw))
                 yield _output(sid, data)
         except ServerStopping:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                f"the server is stopping: world session {sid} is saved; resume it with "
-                f"start.resume_session_id={sid!r} once the server is back",
-            )
+            # closed first, so the details say what was saved (as a stream ended by an error does)
+            note = f"world session {sid} is closed"
+            if sid is not None and sid in self.manager.sessions:
+                saved, note = await self.manager.end_session(sid)
+                note += " once the server is back" if saved else ""
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the server is stopping: {note}")
         except ResidencyError as e:
             await context.abort(status_of(e), await self._ended(sid, e))
         except Exception:

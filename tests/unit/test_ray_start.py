@@ -86,11 +86,24 @@ def test_ensure_ray_joins_a_cluster_once_and_starts_a_local_one_with_retries(
     assert joined.calls[0]["address"] == "10.0.0.5:6379"
     local = FakeInit([TIMEOUT])
     monkeypatch.setattr(ray, "init", local)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     ray_pool.ensure_ray(None, num_gpus=1)
     assert len(local.calls) == 2
     assert local.calls[1]["namespace"] == ray_pool.NAMESPACE
     assert local.calls[1]["num_gpus"] == 1
-    assert "address" not in local.calls[1]
+    # Ray's None joins the last `ray start` on the machine (its ray_current_cluster file), dead or alive
+    assert local.calls[1]["address"] == "local"
+
+
+def test_a_local_start_still_joins_ray_address_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, shutdowns: list[int]
+) -> None:
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
+    fake = FakeInit([])
+    monkeypatch.setattr(ray, "init", fake)
+    ray_pool.ensure_ray(None)
+    assert len(fake.calls) == 1 and "address" not in fake.calls[0]  # Ray reads RAY_ADDRESS itself
 
 
 def test_the_failed_starts_processes_are_ended(monkeypatch: pytest.MonkeyPatch, shutdowns: list[int]) -> None:

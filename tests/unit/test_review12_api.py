@@ -262,7 +262,8 @@ class TestAWorldStreamEndsAtOnceWhenTheServerStops:
                 assert time.monotonic() - t0 < 2.0
                 assert e.code() == grpc.StatusCode.UNAVAILABLE
                 assert "the server is stopping" in (e.details() or "")
-                assert f"resume_session_id={opened.session_id!r}" in (e.details() or "")
+                assert f"resume_session_id={opened.session_id!r}) at segment 1" in (e.details() or "")
+                assert "once the server is back" in (e.details() or "")
                 await until(lambda: not manager.sessions, "the session closed (saved)")
 
         asyncio.run(main())
