@@ -7,10 +7,13 @@ with status 2. `trace export` reads the service's store.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import signal
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,10 +28,11 @@ from manager.policy.factory import POLICY_NAMES
 from manager.policy.types import Request
 from manager.replay.sim import ReplayResult, replay
 from manager.replay.synth import MAX_DAYS, PROFILES, synth
-from manager.replay.trace import TraceError, read_trace, write_trace
+from manager.replay.trace import TraceError, read_trace, request_to_json, write_trace
 
 err = Console(stderr=True, soft_wrap=True)
 MAX_BAD_LINES_SHOWN = 10
+MAX_REASONS_SHOWN = 5
 DEFAULT_SINCE = "7d"
 """How far back `tune --from-store` reads the request log unless --since says."""
 
@@ -151,9 +155,24 @@ def _load_trace(path: str, config: Config, strict: bool) -> tuple[list[Request],
             highlight=False,
             markup=False,
         )
+        if len(res.bad_lines) > MAX_BAD_LINES_SHOWN:  # what the lines not printed were skipped for
+            _print_reasons(res.bad_lines)
         if not res.requests:  # not a trace at all (a config given as --trace, say): nothing to replay
             raise UsageError(f"{path}: no valid request line (all {len(res.bad_lines)} lines are bad)")
     return res.requests, len(res.bad_lines)
+
+
+def _print_reasons(bad_lines: list[tuple[int, str]]) -> None:
+    """The bad lines' reasons with how many lines each, the commonest MAX_REASONS_SHOWN first (a
+    trace for another home: every model the config lacks is named, not only the first one's)."""
+    counts = Counter(reason for _line, reason in bad_lines).most_common()
+    err.print("by reason:", highlight=False, markup=False)
+    for reason, n in counts[:MAX_REASONS_SHOWN]:
+        err.print(f"{n:6d}  {reason}", highlight=False, markup=False)
+    rest = counts[MAX_REASONS_SHOWN:]
+    if rest:
+        n_rest = sum(n for _r, n in rest)
+        err.print(f"{n_rest:6d}  for {len(rest)} other reasons", highlight=False, markup=False)
 
 
 def _replay_all(config: Config, reqs: list[Request], policies: Sequence[str], bad: int) -> list[ReplayResult]:
@@ -200,6 +219,8 @@ def _table(results: list[ReplayResult], title: str, names: list[str] | None = No
 def cmd_replay(a: argparse.Namespace) -> int:
     config = load_config(a.config)
     reqs, bad = _load_trace(a.trace, config, a.strict)
+    if not reqs:  # an export of a quiet hour, say: figures of no request would read as a result
+        raise UsageError(f"{a.trace}: no request to replay (the file has no line but blank ones)")
     if a.json:
         r = _replay_all(config, reqs, [a.policy or config.policy.name], bad)[0]
         _print_json(r.to_json())
@@ -215,14 +236,24 @@ def cmd_synth(a: argparse.Namespace) -> int:
         raise UsageError(f"--days must be between 1 and {MAX_DAYS} (ten years), got {a.days}")
     if a.seed < 0:  # Python seeds its generator with |seed|: -1 would silently repeat seed 1's week
         raise UsageError(f"--seed must be 0 or more, got {a.seed}")
-    _prepare_out_file(a.out, "--out")  # a bad --out is said plainly, before the (long) generation
+    if a.profile not in PROFILES:  # before --out's folder is made
+        raise UsageError(f"unknown profile {a.profile!r} (known: {', '.join(sorted(PROFILES))})")
+    to_stdout = a.out == "-"  # as the shell's tools take it (a file named "-" is ./-)
+    if not to_stdout:
+        _prepare_out_file(a.out, "--out")  # a bad --out is said plainly, before the (long) generation
     try:
         reqs = synth(a.profile, a.days, a.seed)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    n = write_trace(a.out, reqs)
+    if to_stdout:
+        sys.stdout.writelines(request_to_json(r) + "\n" for r in reqs)
+        sys.stdout.flush()
+        n = len(reqs)
+    else:
+        n = write_trace(a.out, reqs)
     err.print(
-        f"wrote {n} requests ({a.days} days, profile {a.profile}, seed {a.seed}) to {a.out}",
+        f"wrote {n} requests ({a.days} days, profile {a.profile}, seed {a.seed}) to "
+        f"{'standard output' if to_stdout else a.out}",
         highlight=False,
         markup=False,
     )
@@ -589,7 +620,14 @@ def cmd_ps(a: argparse.Namespace) -> int:
     try:
         resp = list_models(target, token, root_cert=root_cert)
     except ClientError as e:
-        raise UsageError(str(e)) from None
+        hint = ""
+        if e.code == "UNAUTHENTICATED" and token is None:  # say why no token was sent
+            hint = (
+                f" (no token was sent: ${token_env} is not set here)"
+                if token_env
+                else " (no token was sent: name its variable with --token-env, or give --config)"
+            )
+        raise UsageError(f"{e}{hint}") from None
     if a.json:
         _print_json(as_dict(resp), indent=2)
         return 0
@@ -748,6 +786,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except UsageError as e:
         err.print(f"residency: {e}", highlight=False, markup=False)
+    except BrokenPipeError:  # its reader stopped reading (`| head`): quietly, as the shell's tools do
+        with contextlib.suppress(OSError):  # (and no second error when Python flushes at exit)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except OSError as e:
         err.print(f"residency: {e}", highlight=False, markup=False)
     return 2

@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.005
 WAIT_RETRY_S = 0.05
 EVENTS_QUEUE = 1000
+
 SAVE_EVERY_S = 60.0
 LOG_EVERY_S = 1.0
 LOG_BATCH = 500
@@ -103,6 +104,12 @@ class Served:
     cold: bool
 
 
+class _EventQueue(asyncio.Queue[dict[str, Any]]):
+    """A watcher's events; `dropped`: how many did not fit since the last that did (a slow reader)."""
+
+    dropped = 0
+
+
 class LiveManager(PersistenceMixin, WorldSessionsMixin):
     def __init__(
         self,
@@ -131,7 +138,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self._drop_retries: set[str] = set()  # op ids of drops sent again after a failed one
         self._last_drops: set[str] = set()  # op ids of drops neither retried nor resynced if they fail
         self._drops_refused: set[str] = set()  # models resynced after a refused drop, until a success
-        self._subscribers: list[asyncio.Queue[dict[str, Any]]] = []
+        self._subscribers: list[_EventQueue] = []
         self._task: asyncio.Task[None] | None = None
         self.started = False
         self._stopping = asyncio.Event()  # set at stop: requests still waiting for a load give up
@@ -1124,16 +1131,21 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
 
     # ---- events -------------------------------------------------------------------------------
     def subscribe(self) -> asyncio.Queue[dict[str, Any]]:
-        q: asyncio.Queue[dict[str, Any]] = asyncio.Queue(EVENTS_QUEUE)
+        q = _EventQueue(EVENTS_QUEUE)
         self._subscribers.append(q)
         return q
 
     def unsubscribe(self, q: asyncio.Queue[dict[str, Any]]) -> None:
-        with contextlib.suppress(ValueError):
-            self._subscribers.remove(q)
+        self._subscribers = [s for s in self._subscribers if s is not q]
 
     def _publish(self, kind: str, model: str, detail: str, device: str, t: float, **extra: Any) -> None:
         ev = {"t": t, "kind": kind, "model": model, "detail": detail, "device": device, **extra}
         for q in self._subscribers:
-            with contextlib.suppress(asyncio.QueueFull):
-                q.put_nowait(ev)
+            if q.qsize() + (2 if q.dropped else 1) > q.maxsize:  # a watcher reading too slowly
+                q.dropped += 1
+                continue
+            if q.dropped:  # where the gap is, once there is room: it is said, not silent
+                note = f"{q.dropped} events were dropped here: this watcher read them too slowly"
+                q.put_nowait({"t": t, "kind": "events_dropped", "model": "", "detail": note, "device": ""})
+                q.dropped = 0
+            q.put_nowait(ev)

@@ -140,6 +140,8 @@ def cmd_sizing(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(f"--host-memory: {e}") from None
     usable = _float_arg("--usable", args.usable)
+    if not 0 < usable <= 1:  # (nan fails too)
+        raise UsageError(f"--usable {_shown(args.usable)}: expected a fraction of the host budget in (0, 1]")
     dims = PRESETS[args.model]
     if args.fps is not None:
         try:
@@ -415,13 +417,35 @@ def _no_read_back(result: dict[str, Any], budget: int, seg_bytes: int, total: in
     )
 
 
+def _corrupt_slots(events: Sequence[object], log_file: Path) -> list[dict[str, Any]]:
+    """The log slots a session found corrupt, each once: on reopening (`CorruptSlot`, segment None)
+    and when a step read one back (a `Corrupt` event with its segment); one warning line each on
+    stderr, naming the file and the slot."""
+    from worldpager.page_types import Corrupt
+    from worldpager.session import CorruptSlot
+
+    found: list[dict[str, Any]] = []
+    for e in events:
+        if isinstance(e, CorruptSlot):
+            found.append({"file": str(log_file), "slot": e.slot, "segment": None, "reason": e.reason})
+        elif isinstance(e, Corrupt):
+            reason = e.reason or "failed its check"
+            found.append({"file": str(log_file), "slot": e.slot, "segment": e.seg_id, "reason": reason})
+    for c in found:
+        where = f"slot {c['slot']}" if c["slot"] is not None else "no slot"
+        if c["segment"] is not None:
+            where += f" (segment {c['segment']})"
+        print(f"worldpager: warning: {c['file']}: {where}: {c['reason']} (never used)", file=sys.stderr)
+    return found
+
+
 def cmd_session(args: argparse.Namespace) -> int:
     """`worldpager session`: a real stand-in session through GPU buffers, host and the NVMe log."""
     import tempfile
 
     from worldpager.layout import SegmentLayout
     from worldpager.model import TinyCausalWan
-    from worldpager.segment_log import SegmentLogError
+    from worldpager.segment_log import LOG_NAME, SegmentLogError
     from worldpager.session import SESSION_PRESETS, Session
     from worldpager.trajectory import yaw_sweep
 
@@ -444,6 +468,8 @@ def cmd_session(args: argparse.Namespace) -> int:
             throttle = float(parse_size(args.read_bandwidth))
         except ValueError as e:
             raise UsageError(f"--read-bandwidth: {e}") from None
+    if args.log_dir and Path(args.log_dir).exists() and not Path(args.log_dir).is_dir():
+        raise UsageError(f"--log-dir {args.log_dir}: is a file, expected a folder")
     preset, codec = _resume_settings(args) if args.resume else (args.preset, args.codec)
     preset, codec = preset or "tiny", codec or "bf16"
     cfg = SESSION_PRESETS[preset].on_the_fly()
@@ -496,6 +522,7 @@ def cmd_session(args: argparse.Namespace) -> int:
     result["host_segments"] = budget // seg_bytes
     result["total_segments"] = session.step_index
     result["log_dir"] = str(log_dir) if args.log_dir else None
+    result["corrupt_slots"] = _corrupt_slots(session.events, log_dir / LOG_NAME)
     if not result["nvme_bytes_read"]:
         result["read_back"] = _no_read_back(result, budget, seg_bytes, session.step_index)
     if args.json:

@@ -34,9 +34,11 @@ Error bound: because ``zero`` is rounded down and ``scale`` up, every value of t
 scale of its group — the fp16 rounding of scale/zero is already inside that number (the stored scale
 is at most one fp16 ulp above the exact ``(max − min)/L``, the stored zero at most one ulp below
 ``min``). On top of that come a few fp32 ulps of arithmetic and the rounding of x̂ to the output dtype
-(half a bf16 ulp for bf16 pages). A constant group whose value is representable in fp16 (every bf16
-value in fp16's range is) gets ``scale = 0`` and decodes exactly to the constant — no division by
-zero, no NaN. On Gaussian data the relative Frobenius error is ≈ 0.10 for int4 and ≈ 0.006 for int8.
+(half a bf16 ulp for bf16 pages). For fp16 pages x̂ is clamped to ±65504, so a group reaching fp16's
+largest value never decodes to inf (clamping only moves x̂ closer to x). A constant group whose value
+is representable in fp16 (every bf16 value in fp16's range is) gets ``scale = 0`` and decodes exactly
+to the constant — no division by zero, no NaN. On Gaussian data the relative Frobenius error is
+≈ 0.10 for int4 and ≈ 0.006 for int8.
 
 Values the codecs refuse (``ValueError``, never stored silently): NaN or ±inf in any codec, and for
 int8/int4 a group whose min or scale does not fit in fp16 (``|min| > 65504``).
@@ -291,6 +293,9 @@ def decode(p: Packed, device: torch.device | str | None = None) -> torch.Tensor:
         q[n:] = 0
     qg = q.view(g, GROUP)
     xh = qg.mul_(scale[:, None]).add_(zero[:, None]).view(-1)
+    big = torch.finfo(out_dtype).max
+    if big < 1e38:  # fp16 (float8): x̂ may pass the largest value (scale is rounded up), and the cast
+        xh.clamp_(-big, big)  # would give inf; clamped, as every original value lies within range
     return xh[:n].reshape(p.shape).to(out_dtype)
 
 

@@ -120,8 +120,14 @@ class ReadBack(_SegEvent):
     """An NVMe read landed in host."""
 
 
+@dataclass(frozen=True)
 class Corrupt(_SegEvent):
-    """The NVMe copy failed its check: the segment is lost and never uploaded."""
+    """The NVMe copy failed its check: the segment is lost and never uploaded. ``slot`` and ``reason``
+    (the log slot read and why it failed) are added by the transfer side; the bookkeeping leaves them
+    None."""
+
+    slot: int | None = None
+    reason: str | None = None
 
 
 @dataclass(frozen=True)

@@ -49,14 +49,16 @@ class SegmentLogError(Exception):
 
 
 class CorruptSlotError(SegmentLogError):
-    """A slot failed verification (magic, header/payload/page checksum, truncation, beyond the end)."""
+    """A slot failed verification (magic, header/payload/page checksum, truncation, beyond the end).
+    ``path``: the log file it was read from (a `SegmentLog` sets it), named first in the message."""
 
-    def __init__(self, slot: int, reason: str) -> None:
+    def __init__(self, slot: int, reason: str, path: str | None = None) -> None:
         super().__init__(slot, reason)
-        self.slot, self.reason = slot, reason
+        self.slot, self.reason, self.path = slot, reason, path
 
     def __str__(self) -> str:
-        return f"slot {self.slot}: {self.reason}"
+        where = f"{self.path}: " if self.path else ""
+        return f"{where}slot {self.slot}: {self.reason}"
 
 
 @dataclass(frozen=True)

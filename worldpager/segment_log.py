@@ -20,7 +20,8 @@ One directory per session holds three files:
 
 Writes: append() does one ``os.pwritev`` of header + payload (a torn write fails the header or payload
 checksum), then extends the file to the slot boundary; no fsync per append (flush() does that). Reads
-verify the header against the on-disk block and the payload/page crc32s; corrupt bytes are never returned.
+verify the header against the on-disk block and the payload/page crc32s; corrupt bytes are never returned:
+a `CorruptSlotError` names the log file and the slot (``<dir>/segments.wplog: slot N: <reason>``).
 
 Threads: writers (append/flush, serialised by a write lock: a `TransferHandler`'s I/O thread and a
 write-through from the runtime's thread) and any number of reader threads (read/read_page/header/
@@ -179,6 +180,7 @@ class SegmentLog:
 
     def __init__(self, directory: Path, fd: int, slot_size: int, max_bytes: int | None) -> None:
         self.directory, self.slot_size, self.max_bytes = directory, slot_size, max_bytes
+        self.path = str(directory / LOG_NAME)  # named in every CorruptSlotError the log raises
         self.index_state = "new"  # open(): "loaded", "extended" (tail scanned) or "rebuilt" (full scan)
         self._fd = fd
         self._lock = threading.Lock()  # index, counters
@@ -318,20 +320,23 @@ class SegmentLog:
             reason = self._corrupt.get(slot) or (
                 "beyond end of log" if slot >= self._n_slots else "not indexed"
             )
-        raise CorruptSlotError(slot, reason)
+        raise CorruptSlotError(slot, reason, self.path)
 
     def read(self, slot: int) -> tuple[SegmentHeader, bytes]:
         """Header and payload of ``slot``, both verified against the disk and their checksums."""
         h = self.header(slot)
         offset = slot * self.slot_size
-        disk, _ = decode_header(self._pread(HEADER_SIZE, offset), slot)
+        try:
+            disk, _ = decode_header(self._pread(HEADER_SIZE, offset), slot)
+        except CorruptSlotError as e:
+            raise CorruptSlotError(slot, e.reason, self.path) from None
         if disk != h:
-            raise CorruptSlotError(slot, "header on disk differs from the index")
+            raise CorruptSlotError(slot, "header on disk differs from the index", self.path)
         payload = self._pread(h.payload_len, offset + HEADER_SIZE)
         if len(payload) != h.payload_len:
-            raise CorruptSlotError(slot, "truncated: payload past end of file")
+            raise CorruptSlotError(slot, "truncated: payload past end of file", self.path)
         if zlib.crc32(payload) != h.checksum:
-            raise CorruptSlotError(slot, "payload checksum mismatch")
+            raise CorruptSlotError(slot, "payload checksum mismatch", self.path)
         return h, payload
 
     def read_page(self, slot: int, layer: int) -> bytes:
@@ -340,9 +345,9 @@ class SegmentLog:
         start, end = h.page_range(layer)
         data = self._pread(end - start, slot * self.slot_size + HEADER_SIZE + start)
         if len(data) != end - start:
-            raise CorruptSlotError(slot, f"truncated: page {layer} past end of file")
+            raise CorruptSlotError(slot, f"truncated: page {layer} past end of file", self.path)
         if zlib.crc32(data) != h.page_checksums[layer]:
-            raise CorruptSlotError(slot, f"page {layer} checksum mismatch")
+            raise CorruptSlotError(slot, f"page {layer} checksum mismatch", self.path)
         return data
 
     def slots(self) -> list[int]:

@@ -15,17 +15,18 @@
 * `Dropped` / `RuntimeEvent` -- what the handler records besides the PageManager's events.
 
 Failure handling: a corrupt slot (checksum) is reported as ``Failure.CORRUPT`` -> the PageManager takes
-the segment out of every step (a `Corrupt` event) and it is never uploaded, so never attended to; a
-full log (`LogFullError`) is reported as ``Failure.DISK_FULL`` -> host-only mode (a `DiskFull` event),
-the session goes on. A new segment that finds no host room a spill could make (every host byte is
-protected by the next step's retrieval set, or reserved for reads) is written straight to the log by
-the caller's thread (a `WrittenThrough` event) and registered as NVMe-only: no segment is lost while the
-log is usable. Only in host-only mode is such a segment dropped (a `Dropped` event): it is never
-retrievable, generation continues.
+the segment out of every step (a `Corrupt` event, with the slot and the reason added here) and it is
+never uploaded, so never attended to; a full log (`LogFullError`) is reported as ``Failure.DISK_FULL``
+-> host-only mode (a `DiskFull` event), the session goes on. A new segment that finds no host room a
+spill could make (every host byte is protected by the next step's retrieval set, or reserved for reads)
+is written straight to the log by the caller's thread (a `WrittenThrough` event) and registered as
+NVMe-only: no segment is lost while the log is usable. Only in host-only mode is such a segment
+dropped (a `Dropped` event): it is never retrievable, generation continues.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import queue
 import threading
@@ -40,6 +41,7 @@ from worldpager import rope
 from worldpager.layout import SegmentLayout
 from worldpager.model import KV
 from worldpager.page_types import (
+    Corrupt,
     DiskFull,
     Event,
     Evicted,
@@ -155,6 +157,7 @@ class TransferHandler:
         self._io_pending: dict[int, IoJob] = {}  # handed to the worker, not started
         self._outstanding: set[int] = set()  # I/O jobs handed out, not completed
         self._writing: dict[int, int] = {}  # write-back job -> segment, until it completes or is cancelled
+        self._read_failures: dict[int, tuple[int | None, str]] = {}  # segment -> (slot, reason), briefly
         self._uploads: queue.Queue[Upload | None] = queue.Queue()
         self._steps: dict[int, _StepBuf] = {}
         self._closing = False
@@ -391,6 +394,9 @@ class TransferHandler:
                     self._io_pending.pop(jid, None)
                     self._outstanding.discard(jid)
                     self._writing.pop(jid, None)
+            elif isinstance(e, Corrupt) and e.seg_id in self._read_failures:
+                slot, reason = self._read_failures.pop(e.seg_id)
+                e = dataclasses.replace(e, slot=slot, reason=reason)
             self.events.append(e)
 
     def _check_ready(self) -> None:
@@ -425,16 +431,21 @@ class TransferHandler:
 
     def _do_read(self, job: Read, slot: int | None) -> None:
         data: bytes | None = None
+        reason = "not in the log"
         if slot is not None:
             try:
                 h, data = self.throttle.run(lambda: self.log.read(slot), HEADER_SIZE + job.nbytes)
                 if h.segment_id != job.seg_id or len(data) != job.nbytes:
+                    reason = f"holds segment {h.segment_id} of {len(data)} bytes"
                     data = None
-            except (CorruptSlotError, OSError):
-                data = None
+            except CorruptSlotError as e:
+                reason = e.reason
+            except OSError as e:
+                reason = f"unreadable: {e}"
         with self._cond:
             self.reads += 1
-            if data is None:
+            if data is None:  # its Corrupt event says which slot failed, and why (_drain_events)
+                self._read_failures[job.seg_id] = (slot, reason)
                 self._complete(job.job_id, False, Failure.CORRUPT)
                 return
             self.bytes_read += HEADER_SIZE + len(data)

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
+
 from manager.api.errors import mapped
+from manager.errors import DeadlineExceeded, WorkerUnavailable
 from manager.live import LiveManager
 from manager.policy.types import Tier
 from manager.replay.sim import p99
@@ -21,7 +25,8 @@ def model_status(manager: LiveManager, name: str) -> pb.ModelStatus:
     live = manager.live[name]
     now = manager.clock()
     tier = {Tier.GPU: "gpu", Tier.HOST: "host", Tier.DISK: "disk"}[m.tier]
-    if m.tier == Tier.GPU and not live.ready.is_set():
+    # on its way to the GPU, or its read into host RAM is not confirmed yet
+    if (m.tier == Tier.GPU and not live.ready.is_set()) or (m.tier == Tier.HOST and live.tier == "disk"):
         tier = "loading"
     if m.pinned:
         left = -1.0
@@ -57,10 +62,46 @@ def reload_from_file(manager: LiveManager, path: str | None) -> list[str]:
         raise InvalidRequest(f"config not reloaded: {e}; restart the service to apply it") from None
 
 
+PRELOAD_TIMEOUT_S = 120.0
+"""How long a Preload waits for its model's confirmed load (as `LiveManager.preload` to the GPU)."""
+
+
+async def preload_host(manager: LiveManager, name: str, timeout_s: float = PRELOAD_TIMEOUT_S) -> None:
+    """Preload `name` into host RAM and wait until its device host confirms it holds it there (or it
+    went on to the GPU meanwhile), as a preload to the GPU waits for its confirmed load: the answer
+    said `host` while the read was still under way, and OK for a load that then failed.
+    WorkerUnavailable: the load failed, or the model left host RAM before it was confirmed there."""
+    events = manager.subscribe()  # before the command: its confirmation cannot be missed
+    try:
+        await manager.preload(name, "host")
+        m, live = manager.engine.models[name], manager.live[name]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while m.tier == Tier.HOST and live.tier == "disk":
+            left = deadline - loop.time()
+            if left <= 0:
+                raise DeadlineExceeded(
+                    f"model {name!r}: its load into host RAM did not finish within {timeout_s:g} s; "
+                    "it goes on (see `residency ps`)"
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(events.get(), left)  # any event: the books may have moved
+        if m.tier == Tier.DISK:
+            why = live.load_error or "it was dropped again before its load was confirmed (see the events)"
+            raise WorkerUnavailable(f"model {name!r} could not be loaded into host RAM: {why}")
+    finally:
+        manager.unsubscribe(events)
+
+
 class AdminServicer(pb_grpc.ResidencyServicer):
-    def __init__(self, manager: LiveManager, config_path: str | None = None) -> None:
+    def __init__(
+        self, manager: LiveManager, config_path: str | None = None, stopping: asyncio.Event | None = None
+    ) -> None:
         self.manager = manager
         self.config_path = config_path
+        self.stopping = stopping if stopping is not None else asyncio.Event()
+        """Set when the service stops: open Events streams end at once (UNAVAILABLE, saying so), not
+        at the end of the stop's grace period, which they held up every time (they never end)."""
 
     @mapped
     async def List(self, request: pb.ListRequest, context: Any) -> pb.ListResponse:
@@ -78,7 +119,10 @@ class AdminServicer(pb_grpc.ResidencyServicer):
 
     @mapped
     async def Preload(self, request: pb.PreloadRequest, context: Any) -> pb.ModelStatus:
-        await self.manager.preload(request.name, request.tier or "gpu")
+        if request.tier == "host":
+            await preload_host(self.manager, request.name)
+        else:
+            await self.manager.preload(request.name, request.tier or "gpu")
         return model_status(self.manager, request.name)
 
     @mapped
@@ -108,13 +152,22 @@ class AdminServicer(pb_grpc.ResidencyServicer):
 
     async def Events(self, request: pb.EventsRequest, context: Any) -> AsyncIterator[pb.Event]:
         q = self.manager.subscribe()
+        stopping = asyncio.ensure_future(self.stopping.wait())
+        get: asyncio.Future[dict[str, Any]] | None = None
         try:
             while True:
-                ev: dict[str, Any] = await q.get()
+                get = asyncio.ensure_future(q.get())
+                await asyncio.wait((get, stopping), return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():
+                    await context.abort(
+                        grpc.StatusCode.UNAVAILABLE, "the service is stopping; reconnect to follow its events"
+                    )
+                ev = get.result()
                 yield pb.Event(
                     t=ev["t"], kind=ev["kind"], model=ev["model"], detail=ev["detail"], device=ev["device"]
                 )
-        except asyncio.CancelledError:
-            raise
         finally:
+            for f in (get, stopping):
+                if f is not None:
+                    f.cancel()
             self.manager.unsubscribe(q)

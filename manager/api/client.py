@@ -10,7 +10,11 @@ from residency_proto.v1 import residency_pb2, residency_pb2_grpc
 
 
 class ClientError(Exception):
-    pass
+    """A call the server refused or that did not reach it; `code`: the gRPC status code's name."""
+
+    def __init__(self, message: str, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def list_models(
@@ -30,7 +34,7 @@ def list_models(
                 residency_pb2.ListRequest(), timeout=timeout_s, metadata=meta
             )
         except grpc.RpcError as e:
-            raise ClientError(f"{target}: {e.code().name}: {e.details()}") from None
+            raise ClientError(f"{target}: {e.code().name}: {e.details()}", e.code().name) from None
 
 
 def as_dict(msg: Any) -> dict[str, Any]:

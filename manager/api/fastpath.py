@@ -9,13 +9,19 @@ to the manager's own gRPC server on a private Unix socket (`front.Front`).
 
 Wire format, both ways: frames of a 4-byte big-endian length and a pickle (both ends are this
 program, on one host, through a socket in a private 0700 directory):
-  front -> manager: [(call id, ModelInferRequest bytes, seconds left or None), ...]; a call whose
-                    client went away: (call id, None, None), and the manager cancels it
+  front -> manager: [(call id, ModelInferRequest bytes, seconds left or None, arrived), ...]: the
+                    seconds left of the call's deadline as it stood when the call reached the front
+                    end, at `arrived` (its time.monotonic(): one clock for every process of a boot);
+                    a call whose client went away: (call id, None, None), and the manager cancels it
   manager -> front: [(call id, grpc status code (int), details, ModelInferResponse bytes), ...]
 Calls that arrive in one turn of a loop travel in one frame, and so do their answers, up to
 `FLUSH_BYTES` a frame: past it the frame goes at once and the next begins, so many large calls never
 add up to a frame over `MAX_FRAME`. A single message too large for a frame is answered
 RESOURCE_EXHAUSTED to its caller, never sent.
+
+The time from a call's arrival at its front end to its handler in the manager's process (the outbox,
+the socket, a busy loop that has not read it yet) is the call's: the handler finds it in `waited_s`
+and counts the call's deadline and `timeout` from the front end's arrival, not its own.
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ import functools
 import itertools
 import logging
 import pickle
+import time
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from typing import Any
 
 import grpc
@@ -48,6 +56,10 @@ Handler = Callable[[bytes, float | None], Awaitable[Answer]]
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 INTERNAL = grpc.StatusCode.INTERNAL.value[0]
 RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+
+waited_s: ContextVar[float] = ContextVar("waited_s", default=0.0)
+"""In a handler's call: the seconds from the call's arrival at its front end to the handler (0.0
+where unknown, or outside the fast path). Its `seconds left` stood as they were that long ago."""
 
 
 def fits(nbytes: int) -> bool:
@@ -150,7 +162,9 @@ class FastPathServer:
         tasks: dict[int, asyncio.Task[None]] = {}
         self._links.add(writer)
 
-        async def one(cid: int, raw: bytes, left: float | None) -> None:
+        async def one(cid: int, raw: bytes, left: float | None, arrived: float | None) -> None:
+            if arrived is not None:  # this task's own context: only its handler sees it
+                waited_s.set(max(0.0, time.monotonic() - arrived))
             try:
                 code, details, body = await self.handler(raw, left)
             except Exception:
@@ -162,14 +176,14 @@ class FastPathServer:
 
         try:
             while (batch := await read_frame(reader)) is not None:
-                for cid, raw, left in batch:
+                for cid, raw, left, *arrived in batch:  # (no arrival: counted from now)
                     if raw is None:  # its client went away: the call ends here too
                         gone = tasks.get(cid)
                         if gone is not None:
                             gone.cancel()
                         continue
                     self.calls += 1
-                    t = loop.create_task(one(cid, raw, left))
+                    t = loop.create_task(one(cid, raw, left, arrived[0] if arrived else None))
                     tasks[cid] = t
                     t.add_done_callback(functools.partial(_forget, tasks, cid))
                 if writer.transport.get_write_buffer_size() > 1 << 24:
@@ -220,10 +234,11 @@ class FastPathClient:
             return UNAVAILABLE, "the manager's process is not reachable from this front end; retry", b""
         if not fits(len(raw)):
             return RESOURCE_EXHAUSTED, too_large("request", len(raw)), b""
+        arrived = time.monotonic()  # the manager counts the call's time from here
         cid = next(self._ids)
         fut: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         self._pending[cid] = fut
-        self._out.put((cid, raw, seconds_left), len(raw))
+        self._out.put((cid, raw, seconds_left, arrived), len(raw))
         try:
             return await fut
         except asyncio.CancelledError:  # the client went away: so does its call in the manager

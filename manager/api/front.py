@@ -13,8 +13,10 @@ This module stays light (no torch, no manager state): a front end imports grpc a
 new one when one dies, and stops them first at shutdown.
 
 Run by the manager as `python -m manager.api.front --listen HOST:PORT --backend SOCK --fast SOCK
---parent PID [--tls-cert F --tls-key F] [--max-message-bytes N] [--keepalive-s S]`; it prints `ready`
-on stdout once it listens, and exits when the manager's process is gone.
+--parent PID [--tls-cert F --tls-key F] [--max-message-bytes N] [--keepalive-s S] [--grace-s S]`; it
+prints `ready` on stdout once it listens, and exits when the manager's process is gone. Told to stop
+(SIGTERM), it takes no new call and gives those in flight `--grace-s` to end, as the manager's own
+server gives its calls.
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ logger = logging.getLogger(__name__)
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 READY = "ready"
 START_TIMEOUT_S = 60.0
+STOP_GRACE_S = 6.0
+"""How long a stopping front end lets its calls in flight end: what the manager's own stop gives
+them (`manager.api.server`: STOP_GRACE_S, then STOP_ANSWER_S to send what was answered), not imported
+from there (a front end stays light)."""
+KILL_AFTER_S = 5.0
+"""How long past its grace a front end gets to exit before it is killed."""
 _STATUS = {s.value[0]: s for s in grpc.StatusCode}
 _NOT_FORWARDED = frozenset({"user-agent", "content-type", "te", "host"})
 
@@ -123,7 +131,7 @@ async def run_front(a: argparse.Namespace) -> int:
     await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     for w in waits:
         w.cancel()
-    await server.stop(grace=2)
+    await server.stop(grace=a.grace_s)
     await fast.close()
     await backend.close()
     return 0
@@ -139,6 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--tls-key")
     ap.add_argument("--max-message-bytes", type=int, default=64 * 2**20)
     ap.add_argument("--keepalive-s", type=float, default=30.0, help="server.keepalive")
+    ap.add_argument("--grace-s", type=float, default=STOP_GRACE_S, help="for the calls in flight at a stop")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s front: %(message)s")
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:  # as the manager's
@@ -158,10 +167,13 @@ class FrontEndProcesses:
         tls: tuple[str, str] | None = None,
         max_message_bytes: int = 64 * 2**20,
         keepalive_s: float = 30.0,
+        grace_s: float = STOP_GRACE_S,
     ) -> None:
         self.n = n
+        self.grace_s = grace_s
         self.args = ["--listen", listen, "--backend", backend, "--fast", fast, "--parent", str(os.getpid())]
         self.args += ["--max-message-bytes", str(max_message_bytes), "--keepalive-s", str(keepalive_s)]
+        self.args += ["--grace-s", str(grace_s)]
         if tls is not None:
             self.args += ["--tls-cert", tls[0], "--tls-key", tls[1]]
         self.procs: list[asyncio.subprocess.Process | None] = [None] * n
@@ -219,7 +231,7 @@ class FrontEndProcesses:
                 p.terminate()
         for p in live:
             try:
-                await asyncio.wait_for(p.wait(), 10)
+                await asyncio.wait_for(p.wait(), self.grace_s + KILL_AFTER_S)
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     p.kill()

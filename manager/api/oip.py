@@ -25,6 +25,7 @@ from google.protobuf.message import DecodeError
 
 from manager.api.convert import decode_input, typed_count
 from manager.api.errors import details_of, mapped, status_of
+from manager.api.fastpath import waited_s
 from manager.api.handlers import not_a_message
 from manager.errors import (
     DeadlineExceeded,
@@ -218,8 +219,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         spent = max(0.0, self.clock() - arrived)
         if spent >= timeout_s:
             raise DeadlineExceeded(
-                f"model {model!r}: decoding the request's inputs took {spent:.3f} s, past its timeout "
-                f"({timeout_s:.3f} s: its `timeout` parameter or the call's deadline); it was not run"
+                f"model {model!r}: receiving and decoding the request's inputs took {spent:.3f} s, past "
+                f"its timeout ({timeout_s:.3f} s: its `timeout` parameter or the call's deadline); it was "
+                "not run"
             )
         return timeout_s - spent
 
@@ -230,7 +232,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def infer_raw(self, raw: bytes, seconds_left: float | None) -> tuple[int, str, bytes]:
         """ModelInfer for a gRPC front end (`manager.api.fastpath`): request bytes in, (status code,
         details, response bytes) out, errors mapped to status codes as the gRPC method maps them."""
-        arrived = self.clock()  # parsing the message is the call's time too
+        arrived = self.clock() - waited_s.get()  # its way from the front end, and parsing it, too
         try:
             request = pb.ModelInferRequest.FromString(raw)
         except DecodeError as e:

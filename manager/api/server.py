@@ -166,9 +166,11 @@ async def build_server(
     world_service = residency_pb2.DESCRIPTOR.services_by_name["WorldSession"]
     oip_servicer = InferenceServicer(manager, describer(manager), config.server.max_request_bytes)
     add_servicer(server, oip_service, oip_servicer)
-    add_servicer(server, admin_service, AdminServicer(manager, config_path))
     world = WorldSessionServicer(manager)
     server.world_stopping = world.stopping  # set by `serve` at its stop
+    # open Events streams end at the same moment (they never end by themselves: each held the stop
+    # for its whole grace)
+    add_servicer(server, admin_service, AdminServicer(manager, config_path, stopping=world.stopping))
     add_servicer(server, world_service, world)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -590,14 +592,17 @@ async def serve(
             task.cancel()
         if tasks:  # a tuning run under way ends at its next replay, before the store closes
             await asyncio.wait(tasks, timeout=STOP_TUNING_S + 1.0)
-        if fronts is not None:
-            await fronts.stop()
+        # the front ends stop beside this server, not before it: the calls they relay are answered by
+        # it as its own are (world streams told their session, loads given up at the grace)
+        fronts_stopping = asyncio.ensure_future(fronts.stop()) if fronts is not None else None
         if server is not None:
             server.world_stopping.set()  # open world streams end now (their sessions saved), not at grace
             closing = asyncio.ensure_future(server.stop(grace=STOP_GRACE_S + STOP_ANSWER_S))
             await asyncio.wait([closing], timeout=STOP_GRACE_S)  # requests in flight may end by themselves
             manager.abandon_waits()  # those still waiting for a load are answered now, not cancelled
             await closing
+        if fronts_stopping is not None:
+            await fronts_stopping
         await _stop_manager(manager)
         if metrics is not None:  # prometheus' HTTP server and its thread: the port is free again
             httpd, thread = metrics

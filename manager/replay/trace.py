@@ -20,6 +20,10 @@ Notes:
   Line numbers are 1-based and count blank lines (which are skipped silently), so they match what an
   editor shows. A line whose `t` is earlier than the previous good line's is bad: replay needs time
   order, and silently re-sorting would hide a broken exporter.
+  A line longer than MAX_LINE_CHARS is bad and is never held whole (a whole trace as one JSON array,
+  as `jq -sc` writes it). A file whose first NOT_A_TRACE_AFTER non-blank lines hold no JSON object is
+  not a trace (a model checkpoint, a CSV log, text in UTF-16): `read_trace` stops there with a
+  TraceError for the file as a whole, instead of counting its lines one by one for minutes.
 """
 
 from __future__ import annotations
@@ -27,10 +31,10 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from manager.policy.types import Request
 from manager.units import shown
@@ -39,6 +43,8 @@ __all__ = [
     "ALLOWED_FIELDS",
     "KINDS",
     "MAX_BUSY_S",
+    "MAX_LINE_CHARS",
+    "NOT_A_TRACE_AFTER",
     "TraceError",
     "TraceReadResult",
     "parse_line",
@@ -54,6 +60,10 @@ milliseconds, and times near float's limits break the replay's arithmetic."""
 MAX_BUSY_S = 365 * 86400.0
 """The longest `busy_s` accepted (a year; a world-model session is hours)."""
 KINDS: frozenset[str] = frozenset({"infer", "session"})
+MAX_LINE_CHARS = 1 << 20
+"""The longest line read, in characters (a request is a line of about a hundred)."""
+NOT_A_TRACE_AFTER = 1000
+"""With no JSON object in a file's first this many non-blank lines, it is not a trace."""
 _ALLOWED_SET = frozenset(ALLOWED_FIELDS)
 
 
@@ -132,11 +142,11 @@ def parse_line(
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+        raise _NotAnObject(f"not valid JSON ({e.msg} at column {e.colno})") from None
     except RecursionError:
-        raise ValueError("not valid JSON (nested too deeply)") from None
+        raise _NotAnObject("not valid JSON (nested too deeply)") from None
     except ValueError as e:  # e.g. an integer of more digits than Python converts
-        raise ValueError(f"not valid JSON ({e})") from None
+        raise _NotAnObject(f"not valid JSON ({e})") from None
     # Each key is followed by a ':', so a line with no more ':' than fields has no key twice; only
     # the rare line with more (a ':' inside a string, a nested object) is parsed again to check.
     if type(obj) is dict and text.count(":") > len(obj):
@@ -159,6 +169,10 @@ class _DuplicateField(ValueError):
     pass
 
 
+class _NotAnObject(ValueError):
+    """A line that holds no JSON object at all (what a file that is not a trace is made of)."""
+
+
 def _check_duplicate_fields(text: str) -> None:
     """ValueError naming the first field that `text` (valid JSON) gives twice in one object."""
     try:
@@ -177,7 +191,7 @@ def parse_object(
     """`parse_line` for a line already decoded from JSON (or for a dict that JSON would give back
     unchanged: str keys; str, int, float values)."""
     if not isinstance(obj, dict):
-        raise ValueError(f"not a JSON object (got {type(obj).__name__})")
+        raise _NotAnObject(f"not a JSON object (got {type(obj).__name__})")
     extra = obj.keys() - _ALLOWED_SET
     if extra:
         names = ", ".join(_show(k) for k in sorted(extra))
@@ -221,7 +235,7 @@ def read_trace(
         (line number, reason).
 
     Raises:
-        TraceError: the file cannot be read (line 0), or `strict` and a line is bad.
+        TraceError: the file cannot be read or is not a trace (line 0), or `strict` and a line is bad.
     """
     p = str(path)
     models = frozenset(known_models) if known_models is not None else None
@@ -234,13 +248,17 @@ def read_trace(
         raise TraceError(p, 0, "no such file") from None
     except OSError as e:
         raise TraceError(p, 0, e.strerror or str(e)) from None
+    objects = False  # has a line held a JSON object yet?
+    nul = False  # has a line before the first object held a NUL character?
     with f:
-        for line_no, text in enumerate(f, start=1):
-            if line_no == 1:
+        for line_no, text in enumerate(_lines(f), start=1):
+            if line_no == 1 and text is not None:
                 text = text.removeprefix("\ufeff")  # a byte-order mark some editors write
-            if not text.strip():
+            if text is not None and not text.strip():
                 continue
             try:
+                if text is None:
+                    raise _NotAnObject(_TOO_LONG)
                 r = parse_line(text, line_no, models, classes)
                 if r.t < last_t:
                     raise ValueError(f"out of time order: t={r.t} after t={last_t}")
@@ -248,10 +266,39 @@ def read_trace(
                 if strict:
                     raise TraceError(p, line_no, str(e)) from None
                 result.bad_lines.append((line_no, str(e)))
+                if objects or not isinstance(e, _NotAnObject):
+                    objects = True
+                    continue
+                nul = nul or (text is not None and "\x00" in text)
+                if len(result.bad_lines) >= NOT_A_TRACE_AFTER:
+                    raise TraceError(p, 0, _not_a_trace(result.bad_lines[0], nul)) from None
                 continue
+            objects = True
             last_t = r.t
             result.requests.append(r)
     return result
+
+
+_TOO_LONG = f"line longer than {MAX_LINE_CHARS} characters (a trace is JSON Lines: one request per line)"
+
+
+def _lines(f: TextIO) -> Iterator[str | None]:
+    """The lines of `f`, each at most MAX_LINE_CHARS long: None for a longer one, which is read
+    past in pieces, never held whole."""
+    while text := f.readline(MAX_LINE_CHARS):
+        if len(text) < MAX_LINE_CHARS or text.endswith("\n"):
+            yield text
+            continue
+        while (more := f.readline(MAX_LINE_CHARS)) and not more.endswith("\n"):
+            pass
+        yield None
+
+
+def _not_a_trace(first: tuple[int, str], nul: bool) -> str:
+    line, reason = first
+    what = f"not a request trace: none of its first {NOT_A_TRACE_AFTER} lines is a JSON object"
+    binary = "; it holds NUL bytes: a binary file, or text in UTF-16 (a trace is UTF-8 JSON Lines)"
+    return f"{what} (line {line}: {reason}){binary if nul else ''}"
 
 
 def request_to_json(r: Request) -> str:
