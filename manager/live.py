@@ -49,6 +49,7 @@ from manager.policy.engine import Engine
 from manager.policy.factory import create_policy
 from manager.policy.types import Action, ActionKind, Tier
 from manager.store.base import CorruptDocument
+from manager.units import format_size as fmt_bytes
 from manager.workers_bridge import model_specs
 from workers import protocol as P
 
@@ -980,9 +981,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self.live[model].evict_to = None  # the admin wants it on the GPU after all
         if m.tier != Tier.GPU:
             if not self.engine.make_room(m, m.rank, now, may_evict=True):
-                raise InsufficientCapacity(
-                    f"model {model!r}: no room on {m.device} without breaking the rules"
-                )
+                raise InsufficientCapacity(self._no_room(m, now))
             self.engine.load(m, now, prewarm=False, reason="preload")
             self._flush()
         m.waiting += 1  # as a request's wait: not expired (nor evicted) before its load is confirmed
@@ -992,15 +991,40 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             m.waiting -= 1
             self._deferred_evict(m)  # an admin's evict made during the preload's wait
 
+    def _no_room(self, m: Any, now: float) -> str:
+        """Why a preload of `m` to its GPU found no room: it can never fit there, or what holds the
+        room now (said as "no room without breaking the rules", an admin could not tell what to do)."""
+        if self.engine.never_fits[m.name]:
+            return self.engine.never_fits[m.name]
+        dev = self.engine.state.devices[m.device]
+        names = self.engine.state.class_names
+        held = []
+        for c in dev.models:
+            if c is m or c.tier != Tier.GPU or self.engine._eligible(c, m, m.rank, now, True, False):
+                continue
+            why = (
+                "pinned" if c.pinned
+                else "loading" if c.ready_at > now
+                else "in use" if not c.idle(now)
+                else f"class {names[c.rank]}, above {names[m.rank]}" if c.rank < m.rank
+                else "loaded for a request it has not served yet"
+            )  # fmt: skip
+            held.append(f"{c.name} {fmt_bytes(c.gpu_bytes)} ({why})")
+        return (
+            f"model {m.name!r}: no room on {m.device} for its {fmt_bytes(m.weights + m.lease_min)}: "
+            f"{fmt_bytes(max(dev.room(m.rank), 0))} free to class {names[m.rank]}, and what holds the rest "
+            f"may not be evicted for it now: {', '.join(held) or 'reserved for higher classes'}"
+        )
+
     def evict(self, model: str, to: str = "disk") -> None:
         """An admin's evict to host RAM or disk. A model serving requests (or a world session), or
         loading for requests that wait for it, goes when the last of them ends, as Triton's unload
         and Ollama's stop do: taken off under a request, the request would fail or load it again."""
         m = self._model(model)
+        if to not in ("disk", "host"):  # (first: unpinning would not make it right)
+            raise InvalidRequest(f"evict to must be disk or host, not {to!r}")
         if m.pinned:
             raise InvalidRequest(f"model {model!r} is pinned; unpin it first")
-        if to not in ("disk", "host"):
-            raise InvalidRequest(f"evict to must be disk or host, not {to!r}")
         live = self.live[model]
         waiting = m.waiting if m.tier == Tier.GPU else 0  # on the GPU (loading) for waiting requests
         if live.inflight > 0 or waiting > 0:

@@ -241,7 +241,7 @@ def read_trace(
     models = frozenset(known_models) if known_models is not None else None
     classes = frozenset(known_classes) if known_classes is not None else None
     result = TraceReadResult(requests=[], bad_lines=[], path=p)
-    last_t = -math.inf
+    last_t, last_line = -math.inf, 0
     try:
         f = open(p, encoding="utf-8", errors="replace")  # noqa: SIM115 - closed by the with below
     except FileNotFoundError:
@@ -261,7 +261,8 @@ def read_trace(
                     raise _NotAnObject(_TOO_LONG)
                 r = parse_line(text, line_no, models, classes)
                 if r.t < last_t:
-                    raise ValueError(f"out of time order: t={r.t} after t={last_t}")
+                    # the line it follows named: one line far in the future makes all after it late
+                    raise ValueError(f"out of time order: t={r.t} after t={last_t} (line {last_line})")
             except ValueError as e:
                 if strict:
                     raise TraceError(p, line_no, str(e)) from None
@@ -274,7 +275,7 @@ def read_trace(
                     raise TraceError(p, 0, _not_a_trace(result.bad_lines[0], nul)) from None
                 continue
             objects = True
-            last_t = r.t
+            last_t, last_line = r.t, line_no
             result.requests.append(r)
     return result
 

@@ -1,4 +1,7 @@
-"""Unit tests never start Ray (STYLE practice 5): `ray.init` raises here."""
+"""Unit tests never start Ray (STYLE practice 5): `ray.init` raises here, and Ray reads as not
+started. In the whole suite the integration tests' session Ray runs in this process too: seen as
+started, `ensure_ray` went on without its start and `serve` served on that Ray (a test that was to
+stop at the start hung), so a unit test meets Ray as a run of the unit tests alone does."""
 
 from __future__ import annotations
 
@@ -13,3 +16,4 @@ def disallow_ray_init(monkeypatch: pytest.MonkeyPatch) -> None:
         raise RuntimeError("unit tests must not start Ray; put the test under tests/integration/")
 
     monkeypatch.setattr(ray, "init", refuse)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)

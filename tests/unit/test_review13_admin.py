@@ -79,10 +79,13 @@ class _HoldingPool:
 
 
 @contextlib.asynccontextmanager
-async def serving(cfg: Config) -> AsyncIterator[tuple[pb_grpc.ResidencyStub, LiveManager, _HoldingPool]]:
+async def serving(
+    cfg: Config, hold: tuple[str, ...] = ()
+) -> AsyncIterator[tuple[pb_grpc.ResidencyStub, LiveManager, _HoldingPool]]:
     """The service's gRPC server on a free port over in-process hosts: a Residency stub, the manager
-    and the (holding) pool."""
+    and the (holding) pool, holding back the results of the models in `hold` from the start."""
     pool = _HoldingPool(create_pool(cfg, in_process=True))
+    pool.hold.update(hold)
     manager = LiveManager(cfg, pool)
     server, port, _ = await build_server(cfg, manager)
     await server.start()
@@ -283,5 +286,68 @@ def test_a_watcher_too_slow_for_its_events_is_told_where_some_were_dropped(tmp_p
         gap = (read + rest)[EVENTS_QUEUE]
         assert gap["kind"] == "events_dropped" and gap["detail"].startswith("5 events were dropped here")
         assert details[EVENTS_QUEUE + 1 :] == ["after the reader caught up"]
+
+    asyncio.run(body())
+
+
+class TestPreloadToTheGpuSaysWhatHoldsTheRoom:
+    """A Preload to the GPU that found no room said only "no room on cpu0 without breaking the rules":
+    not whether the model can never fit there, nor what holds the room."""
+
+    @staticmethod
+    def _config(tmp_path: Path, reserve: bool) -> Config:
+        config(tmp_path)
+        text = (tmp_path / "c.yaml").read_text().replace("memory: 1MiB", "memory: 600MiB")
+        if reserve:  # a higher class's model holds 600 MiB of the 896 MiB usable (pinned)
+            text = text.replace("classes: [", "classes: [{name: realtime}, ")
+            text = text.replace(
+                "{name: tiny, class: interactive,", "{name: tiny, class: realtime, pin: true,"
+            )
+        (tmp_path / "c.yaml").write_text(text)
+        return load_config(tmp_path / "c.yaml")
+
+    def test_a_model_that_can_never_fit_says_so(self, tmp_path: Path) -> None:
+        async def body() -> None:
+            # the pinned model's load held back: measured, it would take next to nothing
+            async with serving(self._config(tmp_path, reserve=True), hold=("tiny",)) as (stub, _, pool):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.Preload(pb.PreloadRequest(name="gone", tier="gpu"))
+                assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                details = str(e.value.details())
+                assert "model 'gone' needs 600MiB but device 'cpu0' can never give it" in details, details
+                pool.hold.clear()
+
+        asyncio.run(body())
+
+    def test_a_model_loading_for_another_preload_is_named(self, tmp_path: Path) -> None:
+        async def body() -> None:
+            async with serving(self._config(tmp_path, reserve=False)) as (stub, _, pool):
+                pool.hold.add("tiny")
+                first = asyncio.ensure_future(stub.Preload(pb.PreloadRequest(name="tiny", tier="gpu")))
+                await until(lambda: ("load", "tiny") in pool.sent, "tiny's load was sent")
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.Preload(pb.PreloadRequest(name="gone", tier="gpu"))
+                assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                details = str(e.value.details())
+                assert "model 'gone': no room on cpu0 for its 600MiB" in details, details
+                assert "tiny 600MiB (loading)" in details, details
+                pool.hold.clear()
+                await first
+
+        asyncio.run(body())
+
+
+def test_evict_of_a_pinned_model_to_a_wrong_tier_names_the_tier_first(tmp_path: Path) -> None:
+    """It said "pinned; unpin it first", and once unpinned, that the tier was wrong."""
+
+    async def body() -> None:
+        config(tmp_path)
+        pinned = (tmp_path / "c.yaml").read_text().replace("{name: tiny,", "{name: tiny, pin: true,")
+        (tmp_path / "c.yaml").write_text(pinned)
+        async with serving(load_config(tmp_path / "c.yaml")) as (stub, _, _):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Evict(pb.EvictRequest(name="tiny", to="gpu"))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "evict to must be disk or host, not 'gpu'" in str(e.value.details())
 
     asyncio.run(body())

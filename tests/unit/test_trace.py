@@ -123,7 +123,7 @@ class TestBadLines:
         )
         got = read_trace(path)
         assert [r.model for r in got.requests] == ["voice", "llm"]
-        assert got.bad_lines == [(2, "out of time order: t=5.0 after t=10.0")]
+        assert got.bad_lines == [(2, "out of time order: t=5.0 after t=10.0 (line 1)")]
 
     def test_blank_lines_are_skipped_silently(self, tmp_path: Path) -> None:
         path = _write(tmp_path, '\n  \n{"t": 0, "model": "voice", "busy_s": 1}\n\n\t\n')
