@@ -16,7 +16,7 @@ import sys
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from rich.console import Console
 from rich.markup import escape
@@ -294,6 +294,8 @@ def cmd_check(a: argparse.Namespace) -> int:
         where = (
             "and `serve` would refuse to listen beyond loopback"
             if not is_loopback(c.server.listen)
+            else "and `serve` would refuse to serve metrics beyond loopback"
+            if metrics and not is_loopback(metrics)
             else ("and admin calls would need no token")
         )
         err.print(
@@ -301,6 +303,18 @@ def cmd_check(a: argparse.Namespace) -> int:
             highlight=False,
             markup=False,
         )
+    else:  # a token `serve` refuses (a space at an end, a newline): `serve`'s own rule, said now
+        from manager.api.runtime import ServeError
+        from manager.api.server import auth_token
+
+        try:
+            auth_token(c)
+        except ServeError as e:
+            err.print(
+                f"{a.config}: warning: `residency serve` would refuse to start here: {e}",
+                highlight=False,
+                markup=False,
+            )
     from manager.policy.engine import Engine
     from manager.policy.factory import create_policy
 
@@ -321,8 +335,9 @@ def cmd_check(a: argparse.Namespace) -> int:
     return 0
 
 
-def _export(config: Config, since: str, out: Path) -> int:
-    """Write the store's requests of the last `since` to `out` (user errors as UsageError).
+def _export(config: Config, since: str, out: Path | TextIO) -> int:
+    """Write the store's requests of the last `since` to `out`, a file or a stream (user errors as
+    UsageError; a BrokenPipeError, its reader gone, as it is).
 
     Read-only: a store that does not exist yet is an error, never created (a mistyped path in the
     config must not become a new, empty store)."""
@@ -336,7 +351,8 @@ def _export(config: Config, since: str, out: Path) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     try:
-        check_out_path(out)
+        if isinstance(out, Path):
+            check_out_path(out)
     except IsADirectoryError:
         raise UsageError(f"--out {out}: is a directory; give the path of a file to write") from None
     try:
@@ -347,8 +363,10 @@ def _export(config: Config, since: str, out: Path) -> int:
             store.close()
     except StoreError as e:
         raise UsageError(str(e)) from None
+    except BrokenPipeError:
+        raise
     except OSError as e:
-        raise UsageError(f"--out {out}: {e.strerror or e}") from None
+        raise UsageError(f"--out {out if isinstance(out, Path) else '-'}: {e.strerror or e}") from None
 
 
 def _load_store_trace(config: Config, since: str, strict: bool) -> list[Request]:
@@ -668,8 +686,10 @@ def cmd_ps(a: argparse.Namespace) -> int:
 
 
 def cmd_export(a: argparse.Namespace) -> int:
-    n = _export(load_config(a.config), a.since, Path(a.out))
-    err.print(f"wrote {n} requests to {a.out}", highlight=False, markup=False)
+    to_stdout = a.out == "-"  # as `trace synth --out -` (a file named "-" is ./-)
+    n = _export(load_config(a.config), a.since, sys.stdout if to_stdout else Path(a.out))
+    where = "standard output" if to_stdout else a.out
+    err.print(f"wrote {n} requests to {where}", highlight=False, markup=False)
     return 0
 
 

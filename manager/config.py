@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 from typing import Any, get_args
 
+import annotated_types
 from pydantic import BaseModel, ValidationError
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap
@@ -39,7 +40,7 @@ from manager.config_schema import (
     _FieldErrors,
     _fmt_loc,
 )
-from manager.units import shown
+from manager.units import DURATION_PATTERN, SIZE_PATTERN, ZERO_DURATION_PATTERN, ZERO_SIZE_PATTERN, shown
 
 __all__ = [
     "ByteSize",
@@ -220,7 +221,9 @@ def _line_of(data: Any, loc: Loc) -> int | None:
     node, line = data, None
     for part in loc:
         if isinstance(node, dict) and part in node and hasattr(node, "lc"):
-            line = node.lc.key(part)[0]
+            line = _key_line(node, part)
+            if line is None:
+                break
         elif (
             isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node) and hasattr(node, "lc")
         ):
@@ -229,6 +232,20 @@ def _line_of(data: Any, loc: Loc) -> int | None:
             break
         node = node[part]
     return None if line is None else line + 1
+
+
+def _key_line(node: Any, key: Any) -> int | None:
+    """0-based line of `key` in the round-trip mapping `node`. A key the mapping takes from a YAML
+    merge (`<<: *defaults`) is on the line where the merged mapping has it; None if none has it."""
+    try:
+        return int(node.lc.key(key)[0])
+    except KeyError:
+        pass
+    for merged in getattr(node, "merge", None) or ():
+        merged = merged[1] if isinstance(merged, tuple) else merged  # ruamel < 0.18.7: (index, map)
+        if isinstance(merged, dict) and key in merged and hasattr(merged, "lc"):
+            return _key_line(merged, key)
+    return None
 
 
 _LONG_NUMBER = re.compile(r"[0-9][0-9_]{4299,}")
@@ -265,6 +282,20 @@ def _parse_yaml(text: str, file: str) -> Any:
         raise ConfigError(file, [("", msg)], [line]) from None
 
 
+def _shares_a_node(data: Any) -> bool:
+    """Whether a mapping or list occurs more than once in `data` (a YAML alias or merge of it)."""
+    seen: set[int] = set()
+    stack = [data]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict | list):
+            if id(node) in seen:
+                return True
+            seen.add(id(node))
+            stack.extend(node.values() if isinstance(node, dict) else node)
+    return False
+
+
 def _validate(data: Any, file: str) -> Config:
     if not isinstance(data, dict):
         got = "an empty file" if data is None else "a list" if isinstance(data, list) else shown(data)
@@ -274,7 +305,10 @@ def _validate(data: Any, file: str) -> Config:
     try:
         plain = _plain(data)
     except _TooManyNodes:
-        msg = f"more than {MAX_NODES} values once YAML aliases are expanded (an alias bomb?)"
+        if _shares_a_node(data):
+            msg = f"more than {MAX_NODES} values once YAML aliases are expanded (an alias bomb?)"
+        else:  # that many values written out: not a config file (a data file given by mistake?)
+            msg = f"more than {MAX_NODES} values; a config file is not that large"
         raise ConfigError(file, [("", msg)]) from None
     except RecursionError:
         raise ConfigError(file, [("", "YAML nested too deeply")]) from None
@@ -289,14 +323,27 @@ def _validate(data: Any, file: str) -> Config:
         ) from None
 
 
+MAX_CONFIG_BYTES = 1 << 20
+"""The largest config file read (a home's is a few KiB: `configs/home.yaml` is 5 KiB)."""
+
+
 def load_config(path: str | Path) -> Config:
     """Read and validate a YAML config; every problem is reported through ConfigError."""
     file = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with Path(path).open("rb") as f:  # a cap first: a 3 MB file took 18 s and 465 MB to refuse
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            msg = f"more than {MAX_CONFIG_BYTES // 2**20} MiB; a config is not that large (a wrong file?)"
+            raise ConfigError(file, [("", msg)])
+        text = raw.decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(file, [("", "config file not found")]) from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except UnicodeDecodeError as exc:  # the line to fix, not Python's codec message and byte offset
+        line = exc.object[: exc.start].count(b"\n") + 1
+        msg = f"not UTF-8 text (byte 0x{exc.object[exc.start]:02x}); save the file as UTF-8"
+        raise ConfigError(file, [("", msg)], [line]) from None
+    except OSError as exc:
         raise ConfigError(file, [("", f"cannot read config file: {exc}")]) from None
     return _validate(_parse_yaml(text, file), file)
 
@@ -304,7 +351,48 @@ def load_config(path: str | Path) -> Config:
 def config_json_schema() -> dict[str, Any]:
     """JSON Schema of the config file (by alias: `class`, not `class_`)."""
     schema = Config.model_json_schema(by_alias=True)
+    _bound_units(Config, schema["properties"], schema.get("$defs", {}), set())
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema, "title": "Residency config"}
+
+
+_NUMBER_BOUNDS: dict[type, tuple[str, str]] = {
+    annotated_types.Gt: ("gt", "exclusiveMinimum"),
+    annotated_types.Ge: ("ge", "minimum"),
+    annotated_types.Lt: ("lt", "exclusiveMaximum"),
+    annotated_types.Le: ("le", "maximum"),
+}
+_ZERO_PATTERNS = {SIZE_PATTERN: ZERO_SIZE_PATTERN, DURATION_PATTERN: ZERO_DURATION_PATTERN}
+
+
+def _bound_units(model: type[BaseModel], props: dict[str, Any], defs: dict[str, Any], seen: set[str]) -> None:
+    """Each size and duration field's own bounds (`Field(gt=0, le=...)`) put into its schema, which
+    is otherwise the same for every size (`minimum: 0`): a number branch gets the bounds, and a string
+    branch of a field that must be positive refuses the spellings of zero (`0GiB`, `0s`). An upper
+    bound stays unsaid for strings (`4GiB` passes the schema where max_request_bytes is 2GiB at most)."""
+    seen.add(model.__name__)
+    for name, field in model.model_fields.items():
+        sub = _submodel(field.annotation)
+        if sub is not None and sub.__name__ in defs and sub.__name__ not in seen:
+            _bound_units(sub, defs[sub.__name__].get("properties", {}), defs, seen)
+        branches = props.get(field.alias or name, {}).get("anyOf", [])
+        bounds = [
+            (key, getattr(m, attr))
+            for m in field.metadata
+            for t, (attr, key) in _NUMBER_BOUNDS.items()
+            if isinstance(m, t)
+        ]
+        positive = any(
+            (key == "exclusiveMinimum" and value >= 0) or (key == "minimum" and value > 0)
+            for key, value in bounds
+        )
+        for branch in branches if bounds else ():
+            if branch.get("type") in ("integer", "number"):
+                for key, value in bounds:
+                    old = branch.get(key)
+                    tighter = min if key in ("maximum", "exclusiveMaximum") else max
+                    branch[key] = value if old is None else tighter(old, value)
+            elif positive and branch.get("pattern") in _ZERO_PATTERNS:
+                branch["not"] = {"pattern": _ZERO_PATTERNS[branch["pattern"]]}
 
 
 def _set_path(entry: Any, key: str, value: Any, where: str) -> None:

@@ -60,7 +60,7 @@ times near float's limits would turn the replay's sums into infinity."""
 _SIZE_SCHEMA: dict[str, Any] = {
     "anyOf": [
         {"type": "string", "pattern": SIZE_PATTERN},
-        {"type": "integer", "minimum": 0, "maximum": MAX_SIZE},
+        {"type": "number", "minimum": 0, "maximum": MAX_SIZE},  # a fraction of a byte is rounded
     ],
     "examples": ["24GiB", "512MiB", 1073741824],
 }
@@ -112,6 +112,30 @@ def _dump_keep_alive(v: float | None) -> float | str | None:
     return "forever" if v is not None and math.isinf(v) else v
 
 
+Flag = Annotated[
+    bool,
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "boolean"},
+                {  # the words pydantic reads as a bool, in any case (YAML 1.1's yes/no/on/off among them)
+                    "type": "string",
+                    "pattern": r"^(?:[yY](?:[eE][sS])?|[oO](?:[nN]|[fF][fF])|[tT](?:[rR][uU][eE])?|[nN][oO]?"
+                    r"|[fF](?:[aA][lL][sS][eE])?|[01])$",
+                },
+                {"enum": [0, 1]},
+            ]
+        }
+    ),
+]
+"""true or false; also `yes`/`no`, `on`/`off`, `y`/`n`, `t`/`f` (any case), 1 and 0, as pydantic
+reads them (what the JSON Schema says, so that an editor takes what load_config takes)."""
+
+_PORT = r"(?:[0-9]{1,4}|[0-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"
+HOST_PORT_PATTERN = rf"^[\s\S]+:{_PORT}$"
+"""What check_host_port takes, as a regular expression JSON Schema can use."""
+
+
 KeepAlive = Annotated[
     float | None,
     BeforeValidator(_parse_keep_alive),
@@ -156,14 +180,14 @@ class _Model(BaseModel):
 
 
 class ServerConfig(_Model):
-    listen: str = "127.0.0.1:50051"
+    listen: str = Field(default="127.0.0.1:50051", json_schema_extra={"pattern": HOST_PORT_PATTERN})
     """Address the gRPC service listens on, as host:port."""
     auth_token_env: str | None = None
     """Name of the environment variable holding the bearer token (optional on loopback)."""
     max_request_bytes: ByteSize = Field(default=64 * 2**20, gt=0, le=MAX_GRPC_MESSAGE)
     """Largest gRPC message accepted (and sent); larger requests get RESOURCE_EXHAUSTED. At most
     2147483647 bytes (2GiB less one byte): gRPC keeps the limit in a C int."""
-    metrics_listen: str | None = None
+    metrics_listen: str | None = Field(default=None, json_schema_extra={"pattern": HOST_PORT_PATTERN})
     """host:port for Prometheus metrics over HTTP (/metrics); null: no metrics endpoint."""
     tls_cert: str | None = None
     """PEM certificate chain for TLS (with tls_key); null serves plaintext."""
@@ -193,7 +217,9 @@ class ServerConfig(_Model):
 
 
 class StoreConfig(_Model):
-    url: str = "sqlite:///.residency/state.db"
+    url: str = Field(
+        default="sqlite:///.residency/state.db", json_schema_extra={"pattern": "^(?:sqlite:///|rediss?://)"}
+    )
     """Where state, events and the request log are kept: sqlite:///PATH or redis(s)://HOST:PORT/DB."""
     journal: str | None = ".residency/requests.journal"
     """Local append-only file holding served requests until the store has them (a killed service
@@ -238,8 +264,10 @@ def _sqlite_url_problem(url: str) -> str | None:
 
 def _redis_url_problem(url: str) -> str | None:
     """What `open_store` refuses in a redis(s):// url (the rules of store/redis.py), or None. The
-    message never quotes the url: it may hold a password."""
-    parts = urlsplit(url)
+    message never quotes the url: it may hold a password. Everything up to the last "@" is the user
+    info, as the store takes it (a password may hold "/", "#", "?" or "@")."""
+    scheme, sep, rest = url.partition("://")
+    parts = urlsplit(f"{scheme}{sep}{rest.rpartition('@')[2]}")
     try:
         parts.port  # noqa: B018 - raises ValueError unless the port is ASCII digits 0-65535
     except ValueError:
@@ -260,7 +288,9 @@ def _redis_url_problem(url: str) -> str | None:
 
 
 class RayConfig(_Model):
-    address: str | None = None
+    address: str | None = Field(
+        default=None, json_schema_extra={"pattern": rf"^(?:auto|ray://[\s\S]+|[\s\S]+:{_PORT})$"}
+    )
     """Null starts a local Ray; "auto", "ray://HOST:PORT" or "HOST:PORT" joins a cluster."""
 
     @field_validator("address")
@@ -329,7 +359,7 @@ class ClassConfig(_Model):
     """Class name models and requests refer to."""
     reserve: ByteSize = 0
     """Bytes on each GPU (cuda) device that lower classes may not use."""
-    may_evict: bool = True
+    may_evict: Flag = True
     """False: requests of this class never cause an eviction; they wait or run where room exists."""
     max_wait: Duration | None = None
     """A request of this class that waits longer than this for room is rejected; null: wait."""
@@ -391,11 +421,11 @@ class ModelConfig(_Model):
     """Estimated weights footprint; replaced by the measured footprint after a load."""
     load_seconds: LoadSeconds
     """Estimated load times; replaced by measured times."""
-    pin: bool = False
+    pin: Flag = False
     """Always resident on its device; never evicted."""
     keep_alive: KeepAlive = None
     """Idle time before it may be evicted: 'auto' (policy decides), 'forever', or a duration."""
-    prewarm: bool = True
+    prewarm: Flag = True
     """The policy may load it before a predicted request."""
     elastic: ElasticConfig | None = None
     """KV lease range of an elastic tenant (e.g. a world model), on top of `memory`."""

@@ -13,6 +13,8 @@ from decimal import Decimal, InvalidOperation
 __all__ = [
     "DURATION_PATTERN",
     "SIZE_PATTERN",
+    "ZERO_DURATION_PATTERN",
+    "ZERO_SIZE_PATTERN",
     "format_duration",
     "format_size",
     "parse_duration",
@@ -77,14 +79,29 @@ def _any_case(unit: str) -> str:
     return "".join(f"[{c.lower()}{c.upper()}]" for c in unit)
 
 
+_ZERO = r"(?:0+(?:\.0*)?|\.0+)"
 _SIZE_UNIT_PATTERN = "|".join(_any_case(u) for u in sorted(_SIZE_UNITS, key=len, reverse=True) if u)
-SIZE_PATTERN = rf"^\s*{_NUMBER}\s*(?:{_SIZE_UNIT_PATTERN})?\s*$"
+_DURATION_UNIT_PATTERN = "|".join(map(_any_case, _DURATION_UNITS))
+
+
+def _size_pattern(number: str) -> str:
+    return rf"^\s*{number}\s*(?:{_SIZE_UNIT_PATTERN})?\s*$"
+
+
+def _duration_pattern(number: str) -> str:
+    return rf"^(?:\s*{number}\s*|(?:\s*{number}\s*(?:{_DURATION_UNIT_PATTERN})\s*)+)$"
+
+
+SIZE_PATTERN = _size_pattern(_NUMBER)
 """The strings parse_size reads, as a regular expression JSON Schema can use (what the config's
 schema says of a size; the value may still be too large)."""
-DURATION_PATTERN = (
-    rf"^(?:\s*{_NUMBER}\s*|(?:\s*{_NUMBER}\s*(?:{'|'.join(map(_any_case, _DURATION_UNITS))})\s*)+)$"
-)
+DURATION_PATTERN = _duration_pattern(_NUMBER)
 """The strings parse_duration reads, as a regular expression JSON Schema can use."""
+ZERO_SIZE_PATTERN = _size_pattern(_ZERO)
+"""The strings of SIZE_PATTERN that write a zero (`0`, `0GiB`, `0.0 MiB`): what the schema says a
+size that must be positive is not."""
+ZERO_DURATION_PATTERN = _duration_pattern(_ZERO)
+"""The strings of DURATION_PATTERN whose every part is a zero (`0`, `0s`, `0m0s`)."""
 
 
 SHOWN_MAX = 60

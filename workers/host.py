@@ -30,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -43,8 +43,11 @@ from workers.st_io import cached_fraction
 from workers.world import NotResident, SessionNotOpen, WorldSessions
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 OP_CACHE = 4096
+LOAD_TIMEOUT_S = 900.0
+"""How long a load or promote may take before it is abandoned (`DeviceHost.load_timeout_s`)."""
 CACHED_AT = 0.9
 """A disk load counts as from the page cache when at least this share of its files is cached."""
 
@@ -65,6 +68,8 @@ class _Resident:
     """One inference at a time per model: models keep state (silero's) and modules are not thread-safe."""
     max_batch: int | None = None
     """Rows one call may take (dynamic batching); None until its first batch decides it."""
+    read_bytes: int = 0
+    """Bytes its load read from disk."""
 
 
 class DeviceHost:
@@ -80,6 +85,7 @@ class DeviceHost:
         probe: MemoryProbe | None = None,
         adapter_factory: Callable[[P.ModelSpec, torch.device], Adapter] = make_adapter,
         release_timeout_s: float = 2.0,
+        load_timeout_s: float = LOAD_TIMEOUT_S,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if kind not in ("cpu", "cuda"):
@@ -92,6 +98,7 @@ class DeviceHost:
         self.probe: MemoryProbe = probe or (CudaProbe(index) if kind == "cuda" else CpuProbe())
         self.adapter_factory = adapter_factory
         self.release_timeout_s = release_timeout_s
+        self.load_timeout_s = load_timeout_s
         self.clock = clock
         self.started_at = clock()
         self.boot_id = uuid.uuid4().hex  # this process's (its results carry it: a restart is seen)
@@ -214,7 +221,46 @@ class DeviceHost:
             return "disk"
         return "cached" if min(f for f in fracs if f is not None) >= CACHED_AT else "disk"
 
+    def _bounded(self, what: str, model: str, fn: Callable[[], T]) -> T:
+        """`fn()` (a load's or promote's work, which runs the model's own code: its factory, its
+        reads) on a thread of its own, waited for at most `load_timeout_s`. One that hangs fails its
+        command (LOAD_TIMEOUT) instead of holding the device's commands for good; what it makes, if it
+        ever ends, is thrown away (until then, what it holds stays held)."""
+        box: list[tuple[bool, Any]] = []
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                box.append((True, fn()))
+            except BaseException as e:  # raised again in the command's thread
+                box.append((False, e))
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name=f"residency-{what}-{self.name}-{model}", daemon=True).start()
+        if not done.wait(self.load_timeout_s):
+            logger.error("device %s: %s of %s did not finish within %g s; abandoned", self.name, what,
+                         model, self.load_timeout_s)  # fmt: skip
+            raise AdapterError(
+                P.LOAD_TIMEOUT,
+                f"model {model!r}: {what} did not finish within {self.load_timeout_s:g} s on {self.name} "
+                "(a factory or a read that hangs?); abandoned, the device's other commands go on",
+            )
+        ok, value = box.pop()
+        if ok:
+            return value  # type: ignore[no-any-return]
+        try:
+            raise value
+        finally:
+            del value  # no cycle through this frame: what the failed work held goes with the error
+
     def _load(self, cmd: P.Load, op_id: str) -> P.CommandResult:
+        r, source, ph, t0, used0, rss0 = self._bounded("load", cmd.model.name, lambda: self._build(cmd))
+        self.models[r.spec.name] = r
+        return self._result(r, op_id, "load", "disk", ph, t0, used0, rss0, moved=r.read_bytes, source=source)
+
+    def _build(self, cmd: P.Load) -> tuple[_Resident, str, Phases, float, int, int]:
+        """A load's work, apart from the host's books: the model in its tier, with how it was measured."""
         spec = cmd.model
         adapter = self._adapter(spec)
         self._check_size(spec, adapter)
@@ -222,24 +268,28 @@ class DeviceHost:
         ph, t0, used0, rss0 = Phases(), time.perf_counter(), self.probe.used(), rss_bytes()
         host = adapter.read(ph)
         r = _Resident(spec, adapter, "host", host=host, tensor_bytes=host.nbytes, host_bytes=host.nbytes)
+        r.read_bytes = host.nbytes
+        del host
         if cmd.tier == "gpu":
-            self._to_gpu(r, ph)
+            self._place(r, self._materialize(r, ph))
         try:
             self._check_budget(r, used0)
         except AdapterError:
             r.runnable = None  # unloaded: its memory goes now, not when the error is let go
             raise
-        self.models[spec.name] = r
-        return self._result(r, op_id, "load", "disk", ph, t0, used0, rss0, moved=host.nbytes, source=source)
+        return r, source, ph, t0, used0, rss0
 
-    def _to_gpu(self, r: _Resident, ph: Phases) -> None:
-        """Materialize the host copy on the device and warm it up. Only once both have worked does the
-        model change tier; if either fails, it stays in the host tier as it was."""
+    def _materialize(self, r: _Resident, ph: Phases) -> Any:
+        """The host copy built on the device and warmed up (the model itself does not change)."""
         if r.host is None:
             raise AdapterError(P.INTERNAL, f"model {r.spec.name!r}: no host copy to promote on {self.name}")
         runnable = r.adapter.materialize(r.host, ph)
         with ph.phase("warmup"):
             r.adapter.warmup(runnable)
+        return runnable
+
+    def _place(self, r: _Resident, runnable: Any) -> None:
+        """The model in the gpu tier as `runnable` (built and warmed up by `_materialize`)."""
         r.runnable = runnable
         r.host = None  # the host copy goes: on CUDA its pinned memory is freed, on CPU the module owns it
         r.tier = "gpu"
@@ -260,19 +310,19 @@ class DeviceHost:
 
     def _promote(self, r: _Resident, op_id: str, op: P.OpName) -> P.CommandResult:
         ph, t0, used0, rss0 = Phases(), time.perf_counter(), self.probe.used(), rss_bytes()
-        moved = r.host_bytes
-        self._to_gpu(r, ph)
+        moved, held = r.host_bytes, r.host
+        # built on a thread of its own (bounded): a promote abandoned there never changes the model
+        self._place(r, self._bounded("promote", r.spec.name, lambda: self._materialize(r, ph)))
         try:
             self._check_budget(r, used0)
         except AdapterError:
-            # too large on the device: back to the host tier, as the model was before the promote (if
-            # even that fails, it is forgotten: the error result says what happened)
+            # too large on the device: back to the host tier, as the model was before the promote,
+            # with the host copy it had (a copy of the built module would hold its computed buffers)
             with r.lock:  # an inference that started on it ends first; none starts after
-                runnable, r.runnable = r.runnable, None
-            r.host = r.adapter.to_host(runnable, ph)
-            del runnable
-            r.tier, r.host_bytes, r.tensor_bytes, r.device_bytes = "host", r.host.nbytes, r.host.nbytes, 0
+                r.runnable = None
+            r.host, r.tier, r.host_bytes, r.tensor_bytes, r.device_bytes = held, "host", moved, moved, 0
             raise
+        del held  # the host copy goes (on CUDA its pinned memory is freed, on CPU the module owns it)
         return self._result(r, op_id, op, "host", ph, t0, used0, rss0, moved=moved, source="host")
 
     def _demote(self, r: _Resident, op_id: str, op: P.OpName) -> P.CommandResult:

@@ -35,6 +35,9 @@ BAD_INPUT = "bad_input"
 WORKER_DIED = "worker_died"
 NO_SESSION = "no_session"
 """A world-session call for a session this host does not have open (or, on resume, has no saved state)."""
+LOAD_TIMEOUT = "load_timeout"
+"""A load or promote that did not finish within the host's `load_timeout_s` (a factory or read that hangs):
+abandoned, so that the device's later commands run."""
 INTERNAL = "internal"
 
 

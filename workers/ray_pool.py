@@ -585,6 +585,9 @@ class _Batcher:
         if self.channel is None and loop.time() - self._looked_at >= self.REDISCOVER_S:
             self._looked_at = loop.time()
             self._spawn(loop.create_task(self._discover()))
+        # a request whose caller gave up while it queued (its wait timed out, its call was cancelled)
+        # is not sent: it would run for no one, ahead of every newer request
+        self.queue = [q for q in self.queue if not q[2].done()]
         while self.inflight < self.MAX_INFLIGHT and self.queue:
             batch, self.queue = self.queue[: self.MAX_BATCH], self.queue[self.MAX_BATCH :]
             self.inflight += 1

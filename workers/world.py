@@ -1,17 +1,18 @@
 """World-model sessions on a device host: WorldPager's tiered KV runtime around the resident MG2 stand-in.
 
-Order of use: `open(model_name, module, session_id, kv_bytes, log_dir, codec)` once the model is in
-the gpu tier (``resume=True``: reopen the session saved in ``log_dir`` — after the host restarted —
-continuing at ``resume_at`` at the latest); `step(session_id, pose)` per segment (returns the
-segment's latents and its stall and tier figures as plain data); `resize(session_id, kv_bytes)`
-whenever the manager changes the model's elastic lease; `close(session_id)`. On the CPU stand-in
-the lease is the session's host KV budget (its "device" memory is RAM); on CUDA it is the GPU
-retrieval budget. A world model runs one session at a time: its rolling KV window lives on the module
-(as MG2's `kv_cache` does), so a second session would reset it under the first. A lease below what
-the runtime needs to keep working (three segments; on a GPU at least one decoded segment per
-retrieval buffer) is raised to that floor, and the result says so. One lock per session: a resize
-may arrive from the manager while a step runs; a step or resize that waited for it while a close
-ran finds the session closed (`SessionNotOpen`).
+Order of use: `open(model_name, module, session_id, kv_bytes, log_dir, codec)` once the model is in the
+gpu tier (``resume=True``: reopen the session saved in ``log_dir`` — after the host restarted —
+continuing at ``resume_at`` at the latest); `step(session_id, pose)` per segment (returns the segment's
+latents and its stall and tier figures as plain data, and in ``corrupt`` the stored segments whose log
+copy failed its check when read back meanwhile: lost, never attended to, each also logged);
+`resize(session_id, kv_bytes)` whenever the manager changes the model's elastic lease;
+`close(session_id)`. On the CPU stand-in the lease is the session's host KV budget (its "device" memory
+is RAM); on CUDA it is the GPU retrieval budget. A world model runs one session at a time: its rolling
+KV window lives on the module (as MG2's `kv_cache` does), so a second session would reset it under the
+first. A lease below what the runtime needs to keep working (three segments; on a GPU at least one
+decoded segment per retrieval buffer) is raised to that floor, and the result says so. One lock per
+session: a resize may arrive from the manager while a step runs; a step or resize that waited for it
+while a close ran finds the session closed (`SessionNotOpen`).
 
 Durability: a step returns only once its segment is in the session's log (written, not fsynced: it
 survives the host process, not the machine), and the log's index is saved every `INDEX_EVERY`
@@ -20,6 +21,7 @@ segments, so a host that dies loses no segment it returned, and the session reop
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -30,6 +32,8 @@ from typing import Any
 import torch
 
 from workers import protocol as P
+
+logger = logging.getLogger(__name__)
 
 MIN_SEGMENTS = 3
 INDEX_EVERY = 8
@@ -54,6 +58,8 @@ class _Open:
     lease: int = 0
     min_lease: int = 0
     """The least lease the runtime takes: three segments; on a GPU also one decoded slot per buffer."""
+    corrupt_seen: int = 0
+    """`Corrupt` events of the session already reported by a step."""
 
 
 class WorldSessions:
@@ -167,14 +173,32 @@ class WorldSessions:
             if (rec.step + 1) % INDEX_EVERY == 0:
                 o.session.flush_index()
             lease = o.lease  # the lease this segment ran with (a resize waiting for the lock comes after)
+            corrupt = self._new_corrupt(session_id, o)
         lat = latents.detach().float().cpu().contiguous()
         return {
             "step": rec.step, "stall_s": rec.stall_s, "compute_s": rec.compute_s, "hits": rec.hits,
             "misses": rec.misses, "bytes_read": rec.bytes_read, "bytes_written": rec.bytes_written,
             "host_bytes": rec.host_bytes, "max_position": rec.max_position, "lease_bytes": lease,
             "durable": durable, "retrieved": list(rec.retrieved), "latents": lat.numpy().tobytes(),
-            "shape": tuple(lat.shape),
+            "shape": tuple(lat.shape), "corrupt": corrupt,
         }  # fmt: skip
+
+    def _new_corrupt(self, session_id: str, o: _Open) -> list[dict[str, Any]]:
+        """Under ``o.lock``: the segments whose log copy failed its check when read back since the last
+        step (`Corrupt` events: lost, never attended to), as ``{"segment", "slot", "reason"}``; each
+        logged once, naming the log file and the slot."""
+        from worldpager.page_types import Corrupt
+
+        if o.session.event_counts().get("Corrupt", 0) <= o.corrupt_seen:
+            return []
+        events = [e for e in o.session.events if isinstance(e, Corrupt)]  # (all kept: notable)
+        new, o.corrupt_seen = events[o.corrupt_seen :], len(events)
+        for e in new:
+            logger.warning(
+                "world session %r: segment %d (slot %s of %s): %s; never used",
+                session_id, e.seg_id, e.slot, o.session.log.path, e.reason or "failed its check",
+            )  # fmt: skip
+        return [{"segment": e.seg_id, "slot": e.slot, "reason": e.reason} for e in new]
 
     def _still_open(self, session_id: str, o: _Open) -> None:
         """Under ``o.lock``: a close that ran while this call waited for the lock has ended it."""

@@ -2,9 +2,11 @@
 
 Pure Python (no torch, no I/O). A header block carries the magic ``WPSEG\\0\\1\\0``, the format
 version, the slot number and slot size, the segment's metadata (`SegmentHeader`: id, true frame range,
-pose, codec, position state and position), per-page offsets and crc32s, the payload crc32 and, in its
-last 4 bytes, a crc32 of the header block itself. `encode_header` builds the block (ValueError if the
-header does not fit); `decode_header` parses and verifies it (`CorruptSlotError` if it fails a check).
+pose, codec, position state and position), per-page offsets and crc32s, the payload crc32, in the 8
+bytes before the last 4 the id of the log it was written for (0: none, as logs before it wrote) and,
+in its last 4 bytes, a crc32 of the header block itself. `encode_header` builds the block (ValueError
+if the header does not fit); `decode_header` parses and verifies it (`CorruptSlotError` if it fails a
+check); `log_id_of` reads a verified block's log id.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ __all__ = [
     "SegmentLogError",
     "decode_header",
     "encode_header",
+    "log_id_of",
 ]
 
 SLOT_ALIGN = 4096
@@ -40,8 +43,11 @@ MAX_NAME = 16
 # payload_len, payload crc32, codec, position_state; then pose (f64), page offsets (u64), page crc32s (u32).
 _FIXED = struct.Struct("<8sHHHHQQqqqqQI16s16s")
 _CRC = struct.Struct("<I")
+_LOG_ID = struct.Struct("<Q")
 _BODY = HEADER_SIZE - _CRC.size
-MAX_PAGES = (_BODY - _FIXED.size - 8 * MAX_POSE) // 12
+_LOG_ID_AT = _BODY - _LOG_ID.size  # no field reaches it: the tail ends there at most
+MAX_PAGES = (_LOG_ID_AT - _FIXED.size - 8 * MAX_POSE) // 12
+assert _FIXED.size + 8 * MAX_POSE + 12 * MAX_PAGES <= _LOG_ID_AT
 
 
 class SegmentLogError(Exception):
@@ -114,8 +120,9 @@ def _tail_format(n_pose: int, n_pages: int) -> str:
     return f"<{n_pose}d{n_pages}Q{n_pages}I"
 
 
-def encode_header(h: SegmentHeader, slot: int, slot_size: int) -> bytes:
-    """The 4 KiB header block of ``h`` stored in ``slot``; ValueError if ``h`` does not fit."""
+def encode_header(h: SegmentHeader, slot: int, slot_size: int, log_id: int = 0) -> bytes:
+    """The 4 KiB header block of ``h`` stored in ``slot`` of the log ``log_id`` (0: none); ValueError if
+    ``h`` does not fit."""
     _check(h, slot_size)
     n_pose, n_pages = len(h.pose), len(h.page_offsets)
     names = (_name(h.codec, "codec"), _name(h.position_state, "position_state"))
@@ -123,10 +130,15 @@ def encode_header(h: SegmentHeader, slot: int, slot_size: int) -> bytes:
         fields = (h.segment_id, h.frame_start, h.frame_end, h.position, h.payload_len, h.checksum)
         body = _FIXED.pack(MAGIC, FORMAT_VERSION, n_pose, n_pages, 0, slot, slot_size, *fields, *names)
         body += struct.pack(_tail_format(n_pose, n_pages), *h.pose, *h.page_offsets, *h.page_checksums)
+        block = body.ljust(_LOG_ID_AT, b"\0") + _LOG_ID.pack(log_id)
     except struct.error as e:
         raise ValueError(f"header field out of range: {e}") from e
-    block = body.ljust(_BODY, b"\0")
     return block + _CRC.pack(zlib.crc32(block))
+
+
+def log_id_of(block: bytes) -> int:
+    """The id of the log a header block (verified by `decode_header`) was written for; 0: none."""
+    return int(_LOG_ID.unpack_from(block, _LOG_ID_AT)[0])
 
 
 def decode_header(block: bytes, slot: int) -> tuple[SegmentHeader, int]:

@@ -8,15 +8,19 @@ One directory per session holds three files:
   ``WPSEG\\0\\1\\0``, the format version, the slot number and slot size, the segment's metadata,
   per-page offsets and crc32s, the payload crc32 and, in its last 4 bytes, a crc32 of the header block
   itself.
-* ``meta.json`` -- immutable settings (slot size, optional ``max_bytes`` budget), written at create().
-  open() checks them (a slot size that is no multiple of 4 KiB, or differs from slot 0's header, is a
-  `SegmentLogError`); when meta.json is lost, slot 0's header gives the slot size.
+* ``meta.json`` -- immutable settings (slot size, optional ``max_bytes`` budget, ``log_id``), written at
+  create(). open() checks them (a slot size that is no multiple of 4 KiB, or differs from slot 0's
+  header, is a `SegmentLogError`); when meta.json is lost, slot 0's header gives the slot size and id.
+  ``log_id`` is a random 64-bit id given at create() and written into every slot's header (and the
+  index): a slot of another log (a log file copied from another session) is corrupt to this one. Logs
+  written before it have id 0 and are read as before (no check).
 * ``index.json`` -- slot -> header, written atomically (tmp + fsync + rename + dir fsync) by flush(),
   close() and open() after a recovery. open() trusts a flushed index (data was fsynced before it) once
   the file is no shorter than it says and the last indexed header on disk matches; slots past the index
   (appended after the last flush) are verified in full (header and payload). A missing or stale index
   (or one whose slots are not exactly ``0 .. n_slots-1``) is rebuilt by scanning every slot. Corrupt
   or truncated slots are reported (corrupt_slots()), never indexed; their slot numbers are not reused.
+  A slot a reader later finds corrupt is taken out of the index the same way (mark_corrupt()).
 
 Writes: append() does one ``os.pwritev`` of header + payload (a torn write fails the header or payload
 checksum), then extends the file to the slot boundary; no fsync per append (flush() does that). Reads
@@ -35,6 +39,7 @@ import contextlib
 import errno
 import json
 import os
+import secrets
 import threading
 import zlib
 from collections.abc import Iterable
@@ -56,6 +61,7 @@ from worldpager.segment_header import (
     SegmentLogError,
     decode_header,
     encode_header,
+    log_id_of,
 )
 
 __all__ = [
@@ -143,18 +149,21 @@ def _valid_slot_size(value: object) -> TypeGuard[int]:
     return whole(value, HEADER_SIZE) and value % SLOT_ALIGN == 0
 
 
-def _read_meta(d: Path, fd: int) -> tuple[int, int | None]:
-    """(slot size, max_bytes) of the log in ``d``: from meta.json, cross-checked against slot 0's header
-    (a wrong slot size would misplace every slot); from slot 0's header when meta.json is lost or
+def _read_meta(d: Path, fd: int) -> tuple[int, int | None, int]:
+    """(slot size, max_bytes, log id) of the log in ``d``: from meta.json, cross-checked against slot 0's
+    header (a wrong slot size would misplace every slot); from slot 0's header when meta.json is lost or
     unreadable. SegmentLogError naming the file for a meta.json value that cannot be right."""
     path = d / META_NAME
     meta: object = None
     with contextlib.suppress(OSError, ValueError, RecursionError):
         meta = json.loads(path.read_text(encoding="utf-8"))
     first: tuple[SegmentHeader, int] | CorruptSlotError | None = None
+    first_id = 0
     if os.fstat(fd).st_size:
+        block = os.pread(fd, HEADER_SIZE, 0)
         try:
-            first = decode_header(os.pread(fd, HEADER_SIZE, 0), 0)
+            first = decode_header(block, 0)
+            first_id = log_id_of(block)
         except CorruptSlotError as e:
             first = e
     if not isinstance(meta, dict):  # meta.json lost: every header names its slot size
@@ -162,8 +171,8 @@ def _read_meta(d: Path, fd: int) -> tuple[int, int | None]:
             raise SegmentLogError(f"{path}: missing or unreadable, and the log is empty")
         if isinstance(first, CorruptSlotError):
             raise SegmentLogError(f"{path}: missing or unreadable, and {first}") from first
-        meta = {"slot_size": first[1]}
-    slot_size, budget = meta.get("slot_size"), meta.get("max_bytes")
+        meta = {"slot_size": first[1], "log_id": first_id}
+    slot_size, budget, log_id = meta.get("slot_size"), meta.get("max_bytes"), meta.get("log_id", 0)
     if not _valid_slot_size(slot_size):
         raise SegmentLogError(
             f"{path}: slot_size {slot_size!r} is not a multiple of {SLOT_ALIGN} bytes >= {HEADER_SIZE}"
@@ -172,14 +181,19 @@ def _read_meta(d: Path, fd: int) -> tuple[int, int | None]:
         raise SegmentLogError(f"{path}: slot_size {slot_size} differs from slot 0's header ({first[1]})")
     if budget is not None and not whole(budget):
         raise SegmentLogError(f"{path}: max_bytes {budget!r} is not a number of bytes >= 0 (or null)")
-    return slot_size, budget
+    if not whole(log_id) or log_id >= 1 << 64:
+        raise SegmentLogError(f"{path}: log_id {log_id!r} is not a 64-bit whole number")
+    return slot_size, budget, log_id
 
 
 class SegmentLog:
     """Append-only log of fixed-size segment slots in ``directory``; build with create() or open()."""
 
-    def __init__(self, directory: Path, fd: int, slot_size: int, max_bytes: int | None) -> None:
+    def __init__(
+        self, directory: Path, fd: int, slot_size: int, max_bytes: int | None, log_id: int = 0
+    ) -> None:
         self.directory, self.slot_size, self.max_bytes = directory, slot_size, max_bytes
+        self.log_id = log_id  # written into every slot's header; 0: a log from before ids (no check)
         self.path = str(directory / LOG_NAME)  # named in every CorruptSlotError the log raises
         self.index_state = "new"  # open(): "loaded", "extended" (tail scanned) or "rebuilt" (full scan)
         self._fd = fd
@@ -207,10 +221,10 @@ class SegmentLog:
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         fd = os.open(d / LOG_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        log = cls(d, fd, slot_size, max_bytes)
+        log = cls(d, fd, slot_size, max_bytes, secrets.randbits(64) or 1)
         try:
             meta = {"format": "worldpager-segment-log", "version": FORMAT_VERSION, "slot_size": slot_size}
-            _atomic_write_json(d / META_NAME, {**meta, "max_bytes": max_bytes})
+            _atomic_write_json(d / META_NAME, {**meta, "max_bytes": max_bytes, "log_id": log.log_id})
             log._write_index()
         except BaseException:
             os.close(fd)
@@ -227,8 +241,8 @@ class SegmentLog:
         d = Path(directory)
         fd = os.open(d / LOG_NAME, os.O_RDWR | os.O_CLOEXEC)
         try:
-            slot_size, budget = _read_meta(d, fd)
-            log = cls(d, fd, slot_size, budget if max_bytes is None else max_bytes)
+            slot_size, budget, log_id = _read_meta(d, fd)
+            log = cls(d, fd, slot_size, budget if max_bytes is None else max_bytes, log_id)
             log._recover()
         except BaseException:
             os.close(fd)
@@ -289,7 +303,7 @@ class SegmentLog:
             self._require_open()
             slot = self._n_slots
             offset, end = slot * self.slot_size, (slot + 1) * self.slot_size
-            block = encode_header(h, slot, self.slot_size)
+            block = encode_header(h, slot, self.slot_size, self.log_id)
             if self.max_bytes is not None and end > self.max_bytes:
                 raise LogFullError(f"slot {slot} would end at {end} bytes, past max_bytes={self.max_bytes}")
             old_size = os.fstat(self._fd).st_size
@@ -327,7 +341,7 @@ class SegmentLog:
         h = self.header(slot)
         offset = slot * self.slot_size
         try:
-            disk, _ = decode_header(self._pread(HEADER_SIZE, offset), slot)
+            disk = self._decode(self._pread(HEADER_SIZE, offset), slot)[0]
         except CorruptSlotError as e:
             raise CorruptSlotError(slot, e.reason, self.path) from None
         if disk != h:
@@ -361,9 +375,27 @@ class SegmentLog:
             return self._by_id.get(segment_id)
 
     def corrupt_slots(self) -> dict[int, str]:
-        """Slots found corrupt or truncated when the index was recovered: slot -> reason."""
+        """Slots found corrupt or truncated when the index was recovered, or marked so by
+        mark_corrupt(): slot -> reason."""
         with self._lock:
             return dict(self._corrupt)
+
+    def mark_corrupt(self, slot: int, reason: str) -> None:
+        """Take ``slot`` out of the index as corrupt (a reader found its bytes failing their checks):
+        never returned again, recorded as corrupt by the next index write, so a reopen neither trusts
+        nor reads it; find() gives the latest other copy of its segment, if any. A slot not indexed
+        (already corrupt, or past the end) is left as it is."""
+        with self._lock:
+            h = self._headers.pop(slot, None)
+            if h is None:
+                return
+            self._corrupt[slot] = reason
+            if self._by_id.get(h.segment_id) == slot:
+                copies = [s for s, o in self._headers.items() if o.segment_id == h.segment_id]
+                if copies:
+                    self._by_id[h.segment_id] = max(copies)
+                else:
+                    del self._by_id[h.segment_id]
 
     @property
     def n_slots(self) -> int:
@@ -388,6 +420,16 @@ class SegmentLog:
             self.bytes_read += len(data)
         return data
 
+    def _decode(self, block: bytes, slot: int) -> tuple[SegmentHeader, int]:
+        """`decode_header`, and CorruptSlotError for a slot written for another log than this one."""
+        h, slot_size = decode_header(block, slot)
+        other = log_id_of(block)
+        if self.log_id and other != self.log_id:
+            raise CorruptSlotError(
+                slot, f"written for another log (id {other:x}, this log's {self.log_id:x})"
+            )
+        return h, slot_size
+
     def _install(self, slot: int, h: SegmentHeader) -> None:
         self._headers[slot] = h
         if self._by_id.get(h.segment_id, -1) < slot:
@@ -397,7 +439,7 @@ class SegmentLog:
         """Verify ``slot`` in full (header and payload) and index it, or record why it is corrupt."""
         offset = slot * self.slot_size
         try:
-            h, slot_size = decode_header(self._pread(HEADER_SIZE, offset), slot)
+            h, slot_size = self._decode(self._pread(HEADER_SIZE, offset), slot)
             if slot_size != self.slot_size:
                 raise CorruptSlotError(slot, f"slot size {slot_size} != log's {self.slot_size}")
             if offset + HEADER_SIZE + h.payload_len > size:
@@ -421,6 +463,8 @@ class SegmentLog:
             idx = json.loads((self.directory / INDEX_NAME).read_text(encoding="utf-8"))
             if idx["version"] != FORMAT_VERSION or idx["slot_size"] != self.slot_size:
                 return None
+            if idx.get("log_id", 0) != self.log_id:  # (an index of another log, or from before ids)
+                return None
             n_idx, recorded = int(idx["n_slots"]), int(idx["file_size"])
             headers = {int(e["slot"]): _header_from_json(e) for e in idx["entries"]}
             corrupt = {int(k): str(v) for k, v in idx["corrupt"].items()}
@@ -440,7 +484,7 @@ class SegmentLog:
         if headers:
             last = max(headers)
             try:
-                disk, _ = decode_header(self._pread(HEADER_SIZE, last * self.slot_size), last)
+                disk = self._decode(self._pread(HEADER_SIZE, last * self.slot_size), last)[0]
             except CorruptSlotError:
                 return None
             if disk != headers[last]:
@@ -476,6 +520,7 @@ class SegmentLog:
                 n_slots = self._n_slots
             size = os.fstat(self._fd).st_size
             index = {"version": FORMAT_VERSION, "slot_size": self.slot_size, "n_slots": n_slots}
+            index["log_id"] = self.log_id
             _atomic_write_json(
                 self.directory / INDEX_NAME,
                 {**index, "file_size": size, "entries": entries, "corrupt": corrupt},

@@ -7,8 +7,10 @@ it. `Session.resume` reopens the log and its index, registers every stored segme
 (the newest that fit the host budget are read back into host, verified; the rest stay on NVMe),
 restores the rolling window (from ``window.bin`` when it matches the log, else rebuilt from the last
 segments in the log at codec precision: keys are stored post-RoPE at their true positions, as the cache
-holds them) and continues at the next frame. Slots found corrupt when the log is reopened are reported
-as `CorruptSlot` events and never indexed, so never attended to.
+holds them) and continues at the next frame. Slots found corrupt when the log is reopened or on
+read-back, and slots that do not fit the session (another codec or shape: `misfit`), are reported as
+`CorruptSlot` events and never attended to; one found corrupt on read-back is marked so in the log's
+index, so a later reopen reports it without reading it again and never takes it for a segment.
 
 ``window.bin`` matches the log when ``session.json`` names the step it was saved at and no segment it
 holds has another copy in the log than the one recorded with it (``window.segments``). A resume
@@ -42,6 +44,7 @@ from worldpager.page_types import SegState
 from worldpager.pages import PageManager
 from worldpager.retrieval import Pose, SegmentInfo, check_pose
 from worldpager.segment_log import (
+    META_NAME,
     CorruptSlotError,
     SegmentHeader,
     SegmentLog,
@@ -58,6 +61,7 @@ __all__ = [
     "abandoned",
     "checkpoint_window",
     "config_dict",
+    "misfit",
     "open_log",
     "read_saved_state",
     "register_stored",
@@ -105,6 +109,9 @@ def read_saved_state(log_dir: str | Path) -> dict[str, Any] | None:
     if not isinstance(state, dict) or state.get("format") != _FORMAT or state.get("version") != _VERSION:
         return None
     _check_state(state, path)
+    log_id = state.get("log_id", 0)
+    if not whole(log_id) or log_id >= 1 << 64:
+        raise ValueError(f"{path}: log_id is {log_id!r}, expected the 64-bit id of the session's log")
     return state
 
 
@@ -210,8 +217,12 @@ def save_state(
     metadata: dict[str, Any],
     rollbacks: Sequence[tuple[int, int]] = (),
 ) -> None:
-    """Write ``session.json`` (atomically). ``rollbacks``: (segment, slots) of each roll-back
+    """Write ``session.json`` (atomically), with the id of the segment log in ``log_dir`` (its
+    ``meta.json``; 0 when it has none). ``rollbacks``: (segment, slots) of each roll-back
     (`abandoned`)."""
+    log_id = 0
+    with contextlib.suppress(OSError, ValueError, RecursionError, AttributeError):
+        log_id = json.loads((log_dir / META_NAME).read_text(encoding="utf-8")).get("log_id", 0)
     state = {
         "format": _FORMAT,
         "version": _VERSION,
@@ -223,6 +234,7 @@ def save_state(
         "window": window,
         "metadata": metadata,
         "rollbacks": [[at, slots] for at, slots in rollbacks],
+        "log_id": log_id if whole(log_id) else 0,
     }
     _atomic_write(log_dir / SESSION_FILE, json.dumps(state).encode("utf-8"))
 
@@ -231,7 +243,8 @@ def save_state(
 
 
 def open_log(log_dir: Path, segment_bytes: int, max_bytes: int | None, *, resume: bool) -> SegmentLog:
-    """The session's `SegmentLog`: created, or reopened (``resume``; its slots must fit the segments)."""
+    """The session's `SegmentLog`: created, or reopened (``resume``; its slots must fit the segments,
+    and it must be the log ``session.json`` was written with, when that names one)."""
     if not resume:
         return SegmentLog.create(log_dir, slot_size_for(segment_bytes), max_bytes=max_bytes)
     log = SegmentLog.open(log_dir, max_bytes=max_bytes)
@@ -240,6 +253,13 @@ def open_log(log_dir: Path, segment_bytes: int, max_bytes: int | None, *, resume
         raise ValueError(
             f"{log_dir}: log slots of {log.slot_size} bytes do not match this "
             f"session's {segment_bytes}-byte segments"
+        )
+    saved = (read_saved_state(log_dir) or {}).get("log_id", 0)
+    if saved and saved != log.log_id:
+        log.close()
+        raise ValueError(
+            f"{log_dir}: the segment log is another one than {SESSION_FILE} was saved with (log id "
+            f"{log.log_id:x}, expected {saved:x}): a log copied from another session cannot be resumed"
         )
     return log
 
@@ -251,6 +271,24 @@ def abandoned(segment_id: int, slot: int, rollbacks: Sequence[Sequence[int]]) ->
     return any(segment_id >= at and slot < slots for at, slots in rollbacks)
 
 
+def misfit(h: SegmentHeader, layout: SegmentLayout) -> str | None:
+    """Why a stored segment's header does not fit a session of ``layout`` (None when it fits): such a
+    slot (another codec or model shape, written by something else) is never used."""
+    fpb = layout.frames
+    if h.codec != layout.codec:
+        return f"codec {h.codec}, expected {layout.codec}"
+    if h.payload_len != layout.payload_nbytes or h.page_offsets != tuple(layout.page_offsets):
+        want = f"{layout.payload_nbytes} bytes in {layout.layers} pages"
+        return f"a payload of {h.payload_len} bytes in {h.n_pages} pages, expected {want}"
+    if h.position_state != "post-rope":
+        return f"keys {h.position_state}, expected post-rope"
+    if (h.frame_start, h.frame_end) != (h.segment_id * fpb, (h.segment_id + 1) * fpb):
+        return f"frames [{h.frame_start}, {h.frame_end}) for segment {h.segment_id}"
+    if len(h.pose) != 5:
+        return f"a pose of {len(h.pose)} values, expected 5"
+    return None
+
+
 def stored_segments(
     log: SegmentLog,
     layout: SegmentLayout,
@@ -258,24 +296,18 @@ def stored_segments(
     log_dir: Path,
     rollbacks: Sequence[Sequence[int]] = (),
 ) -> Stored:
-    """segment id -> (slot, header) of every readable stored segment (the latest copy of each, unless
-    a roll-back abandoned it: see `abandoned`)."""
-    fpb = cfg.frames_per_block
+    """segment id -> (slot, header) of every readable stored segment: the latest copy of each that
+    fits the session (`misfit`), unless a roll-back abandoned it (see `abandoned`). Slots that do not
+    fit are skipped here and reported by `register_stored`. (``cfg`` and ``log_dir``: kept for
+    callers; ``layout`` says what fits.)"""
     stored: Stored = {}
-    for slot in log.slots():
+    for slot in sorted(log.slots(), reverse=True):  # latest first: an older copy is superseded
         h = log.header(slot)
-        if log.find(h.segment_id) != slot or abandoned(h.segment_id, slot, rollbacks):
-            continue  # superseded by a later copy, or of an abandoned timeline (so are older copies)
-        if (
-            h.payload_len != layout.payload_nbytes
-            or h.codec != layout.codec
-            or h.position_state != "post-rope"
-            or (h.frame_start, h.frame_end) != (h.segment_id * fpb, (h.segment_id + 1) * fpb)
-            or len(h.pose) != 5
-        ):
-            raise ValueError(f"{log_dir}: slot {slot} (segment {h.segment_id}) does not fit this session")
-        stored[h.segment_id] = (slot, h)
-    return stored
+        if h.segment_id in stored or abandoned(h.segment_id, slot, rollbacks):
+            continue  # superseded by a later copy, or of an abandoned timeline
+        if misfit(h, layout) is None:
+            stored[h.segment_id] = (slot, h)
+    return dict(sorted(stored.items()))
 
 
 def register_stored(
@@ -284,8 +316,15 @@ def register_stored(
     """Tell the PageManager about every stored segment: the newest that fit the host budget with a
     host copy read back (and verified), the others NVMe-only (registered oldest first through a
     placeholder that the newer ones evict before anything can read it). Returns the registered
-    segments (id order) and the slots found corrupt on read-back (dropped from ``stored``)."""
-    corrupt: list[CorruptSlot] = []
+    segments (id order) and the slots found unusable: every slot of the log that does not fit the
+    session (`misfit` against ``handler.layout``; left as it is in the log) and those found corrupt
+    on read-back (dropped from ``stored`` and marked corrupt in the log, so a later reopen neither
+    trusts nor reads them: `SegmentLog.mark_corrupt`)."""
+    corrupt = [
+        CorruptSlot(slot, f"does not fit this session: {why}")
+        for slot in log.slots()
+        if (why := misfit(log.header(slot), handler.layout)) is not None
+    ]
     while True:  # the newest segments that fit the budget, each read back and verified
         resident: dict[int, bytes] = {}
         room, bad = pm.host_budget_bytes, None
@@ -301,6 +340,7 @@ def register_stored(
         if bad is None:
             break
         corrupt.append(CorruptSlot(bad[1].slot, bad[1].reason))  # never used: out of the index
+        log.mark_corrupt(bad[1].slot, bad[1].reason)
         del stored[bad[0]]
     placeholder = bytes(segment_bytes) if len(resident) < len(stored) else b""
     infos: list[SegmentInfo] = []

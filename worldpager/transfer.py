@@ -440,6 +440,7 @@ class TransferHandler:
                     data = None
             except CorruptSlotError as e:
                 reason = e.reason
+                self.log.mark_corrupt(slot, reason)  # out of the index: a later resume does not count it
             except OSError as e:
                 reason = f"unreadable: {e}"
         with self._cond:

@@ -232,11 +232,16 @@ def _pool_or_stop(create: Callable[[], Any], store: Any, journal: RequestJournal
 def _journal_and_store(config: Config) -> tuple[RequestJournal | None, Any]:
     """The request journal, then the store. The journal first: a second service on the same file is
     refused (`JournalInUse`) before it starts anything."""
-    from manager.store import open_store
+    from manager.store import StoreError, open_store
 
     journal = RequestJournal(Path(config.store.journal)) if config.store.journal is not None else None
     try:
-        return journal, open_store(config.store.url)
+        store = open_store(config.store.url)
+        why = store.refused()  # a wrong password is said now: waiting for the store would not mend it
+        if why is not None:
+            store.close()
+            raise StoreError(store.url, why)
+        return journal, store
     except BaseException:
         if journal is not None:
             journal.close()

@@ -34,8 +34,10 @@ def _unusable(d: dict[str, Any]) -> list[str]:
 
 
 def _output(sid: str, d: dict[str, Any]) -> pb.WorldOutput:
+    # a step's own reads that failed their checks (the host's log alone said so), as a reopen's are
+    met = [f"segment {c['segment']}: slot {c['slot']}: {c['reason']}" for c in d.get("corrupt") or []]
     return pb.WorldOutput(
-        resumed=bool(d.get("resumed")), unusable=_unusable(d) if d.get("resumed") else [],
+        resumed=bool(d.get("resumed")), unusable=(_unusable(d) if d.get("resumed") else []) + met,
         session_id=sid, segment=int(d["step"]), latents=d["latents"], shape=list(d["shape"]),
         stall_s=float(d["stall_s"]), compute_s=float(d["compute_s"]), lease_bytes=int(d["lease_bytes"]),
         host_bytes=int(d["host_bytes"]), hits=int(d["hits"]), misses=int(d["misses"]),

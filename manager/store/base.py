@@ -132,6 +132,11 @@ class Store(Protocol):
         """True when the backend answers; False (never an exception) when it does not."""
         ...
 
+    def refused(self) -> str | None:
+        """Why the backend refuses this store for good (a wrong password, a database it does not
+        have), which no wait for it to come back mends; None when it answers or is only down."""
+        ...
+
     def close(self) -> None:
         """Release connections/files; idempotent. Later calls raise StoreError (ping: False)."""
         ...

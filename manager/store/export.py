@@ -6,6 +6,7 @@ Primitives, in the order the command uses them:
   export_trace - requests with now - since_s <= t < now -> a JSON Lines trace written with
                `manager.replay.trace.write_trace` (so only t, model, busy_s, class, kind, client,
                t and busy_s rounded to ms); the service extras (wait_s, outcome, source) are dropped.
+               `out` may be an open text stream instead of a path (`--out -`: standard output).
 
 A regular file is written to a temporary sibling and renamed into place, so a failed export (an
 unreachable or corrupt store) never leaves a half-written trace behind. A symlink is followed: the
@@ -23,9 +24,10 @@ import shutil
 import stat
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TextIO
 
 from manager.policy.types import Request
-from manager.replay.trace import write_trace
+from manager.replay.trace import request_to_json, write_trace
 from manager.store.base import Store
 from manager.units import parse_duration
 
@@ -83,9 +85,11 @@ def _via_proc(path: Path) -> bool:
     return False  # a symlink loop: opening it reports that
 
 
-def export_trace(store: Store, since_s: float, now: float, out: Path) -> int:
+def export_trace(store: Store, since_s: float, now: float, out: Path | TextIO) -> int:
     """Write the requests of [now - since_s, now) to `out` as a trace; return how many.
 
+    `out` an open text stream (standard output for `--out -`): the lines are written to it as they
+    are read, and it is flushed (a store that fails part way leaves the lines before it written).
     `out`'s parent folders are created. A symlink is followed: the file it points to is replaced,
     the link is kept. An existing regular file is replaced only when the export succeeds (its
     permission bits kept). An existing FIFO or device is written to directly, never replaced, and
@@ -94,8 +98,16 @@ def export_trace(store: Store, since_s: float, now: float, out: Path) -> int:
     Raises:
         StoreError: the store cannot be read (nothing is written to a regular file).
         IsADirectoryError: `out` is a directory (nothing is created).
-        OSError: `out` cannot be written.
+        OSError: `out` cannot be written (BrokenPipeError: its reader stopped reading).
     """
+    if not isinstance(out, str | os.PathLike):
+        n = 0
+        for r in _trace_requests(store, now - since_s, now):
+            out.write(request_to_json(r) + "\n")
+            n += 1
+        out.flush()
+        logger.info("exported %s requests from %s to a stream", n, store.url)
+        return n
     out = Path(out)
     check_out_path(out)
     try:

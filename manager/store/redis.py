@@ -128,11 +128,18 @@ def _prefix(url: str, query: str) -> str:
 
 
 def parse_redis_url(url: str) -> RedisURL:
-    """Parse `redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?prefix=NAME]`; StoreError when it is bad."""
+    """Parse `redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?prefix=NAME]`; StoreError when it is bad.
+
+    Everything up to the last "@" is the user info, as `redact` takes it: a password may hold "/",
+    "#", "?" or "@" as password tools make them (`openssl rand -base64`); "%XX" in it is decoded.
+    """
     shown = redact(url)
-    parts = urlsplit(url)
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, hostpart = rest.rpartition("@")
+    parts = urlsplit(f"{scheme}{sep}{hostpart}")  # host, port, db and query: no password in them
     if parts.scheme not in ("redis", "rediss"):
         raise StoreError(shown, "not a redis:// or rediss:// url")
+    username, colon, password = userinfo.partition(":")
     try:
         port = parts.port if parts.port is not None else 6379
     except ValueError:
@@ -144,15 +151,14 @@ def parse_redis_url(url: str) -> RedisURL:
         raise StoreError(shown, f"the database must be a number, like redis://HOST:PORT/0, got {path!r}")
     prefix = _prefix(shown, parts.query)
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-    userinfo, at, _ = parts.netloc.rpartition("@")
     query = "" if prefix == DEFAULT_PREFIX else f"?prefix={prefix}"
     db = int(path or 0)
     return RedisURL(
         host=parts.hostname,
         port=port,
         db=db,
-        username=unquote(parts.username) if parts.username else None,
-        password=unquote(parts.password) if parts.password is not None else None,
+        username=unquote(username) if username else None,
+        password=unquote(password) if colon else None,
         ssl=parts.scheme == "rediss",
         prefix=prefix,
         display=redact(f"{parts.scheme}://{userinfo}{at}{host}:{port}/{db}{query}"),
@@ -315,6 +321,17 @@ class RedisStore:
         except StoreError as e:
             logger.debug("redis store ping failed: %s", e)
             return False
+
+    def refused(self) -> str | None:
+        try:
+            self._client.ping()
+        except (redis.AuthenticationError, redis.exceptions.AuthorizationError) as e:
+            return f"the server refuses this login: {e} (the user and password in store.url)"
+        except redis.ResponseError as e:  # NOAUTH, WRONGPASS, an out-of-range database number
+            return f"the server refuses this store: {e} (store.url)"
+        except (redis.RedisError, OSError):
+            return None  # down, or unreachable: an outage, which the service rides out
+        return None
 
     def close(self) -> None:
         if self._closed:

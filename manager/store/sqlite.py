@@ -14,19 +14,26 @@ Thread safety: one connection (`check_same_thread=False`) guarded by a lock; `re
 pages of `PAGE` rows by (t, id), so the lock is never held while a caller iterates. Each
 `append_requests` call is one transaction. The file survives restarts; WAL lets a second process
 (e.g. `residency trace export`) read while the service writes.
+
+Read-only opening (create=False, `trace export` and `tune --from-store`): nothing is written, and a
+file without this schema (empty, another program's database) is refused, not given tables. A user
+who may read the file but not write its folder (the service's /var/lib folder) cannot make the
+-shm file WAL readers need: with the service stopped (no -wal data beside the file) the file is read
+as immutable; with a -wal file holding data that user cannot open, it is refused, naming it.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import sqlite3
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 from manager.store.base import (
     RECORD_FIELDS,
@@ -68,6 +75,13 @@ _SELECT_PAGE = f"SELECT id, {_COLUMNS} FROM requests WHERE (t, id) > (?, ?) AND 
 # SQLite sorts text and blobs after every number, so a row whose t is not a number (a damaged file, a
 # hand edit) is in no time range: this finds one through the index, which the pages would pass over.
 _SELECT_NOT_A_TIME = "SELECT id, t FROM requests WHERE t >= ? ORDER BY t LIMIT 1"
+
+
+def _read_only(e: sqlite3.Error) -> bool:
+    """True for SQLite's "attempt to write a readonly database" and "unable to open database file"
+    (a WAL file whose -shm this user cannot make)."""
+    code = getattr(e, "sqlite_errorcode", 0) & 0xFF
+    return code in (sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN)
 
 
 def parse_sqlite_url(url: str) -> str:
@@ -120,7 +134,14 @@ class SQLiteStore:
         except sqlite3.Error as e:
             raise StoreError(self.url, f"cannot open the database: {e}") from None
         try:
-            self._init_schema()
+            try:
+                self._init_schema(create)
+            except sqlite3.Error as e:
+                if create or self.path == ":memory:" or not _read_only(e):
+                    raise
+                self._conn.close()
+                self._conn = self._open_immutable(e)
+                self._init_schema(create, immutable=True)
         except (sqlite3.Error, StoreError) as e:
             self._conn.close()
             self._closed = True
@@ -129,18 +150,48 @@ class SQLiteStore:
             raise StoreError(self.url, f"cannot open the database: {e}") from None
         logger.debug("opened sqlite store %s", self.url)
 
-    def _init_schema(self) -> None:
+    def _init_schema(self, create: bool, *, immutable: bool = False) -> None:
         (version,) = self._conn.execute("PRAGMA user_version").fetchone()
         if version > SCHEMA_VERSION:
             raise StoreError(
                 self.url, f"schema version {version} is newer than this program's ({SCHEMA_VERSION})"
             )
+        if version < SCHEMA_VERSION and not create:  # a read-only command writes nothing
+            raise StoreError(
+                self.url,
+                f"{self.path} holds no residency store (an empty file, or another program's database)",
+            )
+        if immutable:
+            return
         (mode,) = self._conn.execute("PRAGMA journal_mode=WAL").fetchone()
         if mode != "wal" and self.path != ":memory:":
             logger.warning("sqlite store %s: journal_mode is %s, not wal", self.url, mode)
         self._conn.execute("PRAGMA synchronous=NORMAL")
         if version < SCHEMA_VERSION:  # a store at this version has its tables: nothing to write
             self._conn.executescript(_SCHEMA)  # (so a user who may only read it can export it)
+
+    def _open_immutable(self, cause: sqlite3.Error) -> sqlite3.Connection:
+        """The file read as immutable (no -shm, no locks), for a reader who cannot write its folder;
+        StoreError when a -wal file holds data the file lacks (the service running or killed)."""
+        wal = f"{self.path}-wal"
+        try:
+            wal_size = os.path.getsize(wal)
+        except FileNotFoundError:
+            wal_size = 0
+        except OSError as e:
+            raise StoreError(self.url, f"cannot open the database ({cause}): {wal}: {e.strerror}") from None
+        if wal_size > 0:
+            raise StoreError(
+                self.url,
+                f"cannot open the database ({cause}): its write-ahead log {wal} holds records not yet "
+                "in the file, and this user may not write the folder to read it; run as the service's "
+                "user, or after the service has stopped cleanly",
+            )
+        uri = f"file:{quote(os.path.abspath(self.path))}?immutable=1"
+        logger.debug(
+            "sqlite store %s: its folder is read-only to this user; reading it as immutable", self.url
+        )
+        return sqlite3.connect(uri, uri=True, timeout=10.0, check_same_thread=False)
 
     @contextmanager
     def _db(self, what: str) -> Iterator[sqlite3.Connection]:
@@ -236,6 +287,9 @@ class SQLiteStore:
         return out
 
     # ---- lifecycle -------------------------------------------------------------------------------
+
+    def refused(self) -> str | None:
+        return None  # (a file that cannot be opened as a store was refused at the open)
 
     def ping(self) -> bool:
         try:
