@@ -220,7 +220,9 @@ class StoreConfig(_Model):
     url: str = Field(
         default="sqlite:///.residency/state.db", json_schema_extra={"pattern": "^(?:sqlite:///|rediss?://)"}
     )
-    """Where state, events and the request log are kept: sqlite:///PATH or redis(s)://HOST:PORT/DB."""
+    """Where state, events and the request log are kept: sqlite:///PATH or redis(s)://HOST:PORT/DB.
+    rediss:// (TLS) takes `?ssl_ca_certs=CA.pem&ssl_certfile=CLIENT.pem&ssl_keyfile=CLIENT.key` (files
+    as paths; `&ssl_cert_reqs=none|optional|required`), beside `prefix=NAME`."""
     journal: str | None = ".residency/requests.journal"
     """Local append-only file holding served requests until the store has them (a killed service
     loses none; they are written to the store at the next start). Null: no journal."""
@@ -278,13 +280,31 @@ def _redis_url_problem(url: str) -> str | None:
     if parts.fragment or not (path == "" or (path.isascii() and path.isdigit())):
         return "the database must be a number, like redis://HOST:PORT/0"
     params = parse_qs(parts.query, keep_blank_values=True)
-    unknown = sorted(params.keys() - {"prefix"})
+    allowed = ("prefix", *_REDIS_TLS_PARAMS)
+    unknown = sorted(params.keys() - set(allowed))
     if unknown:
-        return f"unknown url parameter {shown(unknown[0])} (allowed: prefix)"
+        return f"unknown url parameter {shown(unknown[0])} (allowed: {', '.join(allowed)})"
     values = params.get("prefix", ["residency"])
     if len(values) != 1 or not values[0] or values[0].strip() != values[0]:
         return "prefix must be one non-empty name without spaces"
+    for name in _REDIS_TLS_PARAMS:
+        if name not in params:
+            continue
+        if scheme != "rediss":
+            return f"{name} needs TLS: a rediss:// url"
+        if len(params[name]) != 1 or not params[name][0]:
+            return f"{name} must be given once, not empty"
+    reqs = params.get("ssl_cert_reqs", ["required"])[0]
+    if reqs not in ("none", "optional", "required"):
+        return f"ssl_cert_reqs must be one of none, optional, required, got {shown(reqs)}"
+    if "ssl_keyfile" in params and "ssl_certfile" not in params:
+        return "ssl_keyfile needs ssl_certfile (the client certificate it is the key of)"
     return None
+
+
+_REDIS_TLS_PARAMS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
+"""rediss:// only: redis-py's names for the CA file, the client certificate and key, and whether the
+server's certificate is checked (none, optional, required). open_store checks that the files load."""
 
 
 class RayConfig(_Model):

@@ -48,6 +48,9 @@ T = TypeVar("T")
 OP_CACHE = 4096
 LOAD_TIMEOUT_S = 900.0
 """How long a load or promote may take before it is abandoned (`DeviceHost.load_timeout_s`)."""
+DESCRIBE_TIMEOUT_S = 60.0
+"""How long a describe (a model's declared inputs and outputs, read by building its module on the meta
+device: its factory runs) may take before it is answered LOAD_TIMEOUT (`DeviceHost.describe_timeout_s`)."""
 CACHED_AT = 0.9
 """A disk load counts as from the page cache when at least this share of its files is cached."""
 
@@ -72,6 +75,17 @@ class _Resident:
     """Bytes its load read from disk."""
 
 
+@dataclass
+class _Describing:
+    """One describe of `spec` running on a thread of its own (`DeviceHost.describe`)."""
+
+    spec: P.ModelSpec
+    started: float = field(default_factory=time.monotonic)
+    done: threading.Event = field(default_factory=threading.Event)
+    answer: tuple[list[P.TensorSpec], list[P.TensorSpec]] | None = None
+    error: BaseException | None = None
+
+
 class DeviceHost:
     """Holds the models of one device ("gpu0", a CUDA device or the CPU stand-in)."""
 
@@ -86,6 +100,7 @@ class DeviceHost:
         adapter_factory: Callable[[P.ModelSpec, torch.device], Adapter] = make_adapter,
         release_timeout_s: float = 2.0,
         load_timeout_s: float = LOAD_TIMEOUT_S,
+        describe_timeout_s: float = DESCRIBE_TIMEOUT_S,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if kind not in ("cpu", "cuda"):
@@ -99,6 +114,7 @@ class DeviceHost:
         self.adapter_factory = adapter_factory
         self.release_timeout_s = release_timeout_s
         self.load_timeout_s = load_timeout_s
+        self.describe_timeout_s = describe_timeout_s
         self.clock = clock
         self.started_at = clock()
         self.boot_id = uuid.uuid4().hex  # this process's (its results carry it: a restart is seen)
@@ -107,6 +123,11 @@ class DeviceHost:
         self.ops_done = 0
         self._lock = threading.Lock()
         self.world = WorldSessions(self.torch_device)
+        self._describe_lock = threading.Lock()
+        self._described: dict[str, tuple[P.ModelSpec, tuple[list[P.TensorSpec], list[P.TensorSpec]]]] = {}
+        """A successful describe's answer by model name, for the spec it was for."""
+        self._describing: dict[str, _Describing] = {}
+        """The describe running by model name (at most one a name: a later one of its spec joins it)."""
         self.session_root = Path(tempfile.gettempdir()) / f"residency-sessions-{device}-{os.getpid()}"
 
     # ---- commands
@@ -257,6 +278,8 @@ class DeviceHost:
     def _load(self, cmd: P.Load, op_id: str) -> P.CommandResult:
         r, source, ph, t0, used0, rss0 = self._bounded("load", cmd.model.name, lambda: self._build(cmd))
         self.models[r.spec.name] = r
+        with self._describe_lock:  # its own build now says what it declares (a kept answer may be stale)
+            self._described.pop(r.spec.name, None)
         return self._result(r, op_id, "load", "disk", ph, t0, used0, rss0, moved=r.read_bytes, source=source)
 
     def _build(self, cmd: P.Load) -> tuple[_Resident, str, Phases, float, int, int]:
@@ -580,13 +603,63 @@ class DeviceHost:
             return P.SessionReply(False, error_code=P.INTERNAL, error=f"world session: {e!r}")
 
     def describe(self, spec: P.ModelSpec) -> tuple[list[P.TensorSpec], list[P.TensorSpec]]:
-        """A model's declared inputs and outputs (AdapterError for an unknown adapter)."""
-        adapter = (
-            self.models[spec.name].adapter
-            if spec.name in self.models
-            else self.adapter_factory(spec, self.torch_device)
-        )
-        return adapter.inputs(), adapter.outputs()
+        """A model's declared inputs and outputs (AdapterError for an unknown adapter).
+
+        Reading them may build the module on the meta device, which runs the model's own factory: that
+        runs on a thread of its own, waited for at most `describe_timeout_s`, so a factory that hangs
+        answers LOAD_TIMEOUT naming the model instead of holding the caller (a Ray data thread) for
+        good. One build a spec at a time: a describe of a spec whose build still runs waits for that one
+        (within the limit counted from its start; past it, it fails at once) rather than start another.
+        A successful answer is kept for its spec."""
+        with self._describe_lock:
+            kept = self._described.get(spec.name)
+            if kept is not None and kept[0] == spec:
+                return list(kept[1][0]), list(kept[1][1])  # copies: every caller gets lists of its own
+            work = self._describing.get(spec.name)
+            if work is None or work.spec != spec:
+                work = self._describing[spec.name] = _Describing(spec)
+                name = f"residency-describe-{self.name}-{spec.name}"
+                threading.Thread(target=self._describe_run, args=(work,), name=name, daemon=True).start()
+        left = work.started + self.describe_timeout_s - time.monotonic()
+        if not work.done.wait(max(0.0, left)):
+            if left > 0:
+                logger.error("device %s: describe of %s did not finish within %g s; abandoned", self.name,
+                             spec.name, self.describe_timeout_s)  # fmt: skip
+            raise AdapterError(
+                P.LOAD_TIMEOUT,
+                f"model {spec.name!r}: reading its inputs and outputs (its factory, built on the meta "
+                f"device) did not finish within {self.describe_timeout_s:g} s on {self.name} (a factory "
+                "that hangs?); "
+                + ("abandoned" if left > 0 else "that build is still running, so no other is started"),
+            )
+        if isinstance(work.error, AdapterError):
+            raise AdapterError(
+                work.error.code, work.error.message
+            )  # a fresh one for each caller: the error is shared
+        if work.error is not None:
+            raise AdapterError(P.INTERNAL, f"model {spec.name!r}: describe failed: {work.error!r}")
+        assert work.answer is not None
+        return list(work.answer[0]), list(work.answer[1])
+
+    def _describe_run(self, work: _Describing) -> None:
+        spec = work.spec
+        try:
+            r = self.models.get(spec.name)
+            adapter = (
+                r.adapter
+                if r is not None and r.spec == spec
+                else self.adapter_factory(spec, self.torch_device)
+            )
+            work.answer = (adapter.inputs(), adapter.outputs())
+        except BaseException as e:  # raised (as an AdapterError) in each caller's thread
+            work.error = e
+        finally:
+            with self._describe_lock:
+                if self._describing.get(spec.name) is work:  # not one replaced by another spec's since
+                    del self._describing[spec.name]
+                    if work.answer is not None:
+                        self._described[spec.name] = (spec, work.answer)
+            work.done.set()
 
     # ---- status
 

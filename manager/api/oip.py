@@ -117,7 +117,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.manager = manager
-        self.describe = describe  # model name -> (inputs, outputs) TensorSpecs
+        self.describe = describe  # model name -> (inputs, outputs) TensorSpecs, awaited
         self.classes = [c.name for c in manager.config.classes]
         self.max_response_bytes = max_response_bytes  # gRPC's send limit (server.max_request_bytes)
         self.clock = clock  # a call's time spent here (decoding its inputs) before its admission
@@ -146,7 +146,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any) -> pb.ModelMetadataResponse:
         m = self.manager._model(request.name)
         check_version(request.name, request.version)
-        inputs, outputs = self.describe(request.name)
+        inputs, outputs = await self.describe(request.name)
         meta = pb.ModelMetadataResponse.TensorMetadata
         return pb.ModelMetadataResponse(
             name=request.name,
@@ -256,7 +256,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 f"model {request.model_name!r} is a world model: it generates frames in a world session "
                 "(residency.v1.WorldSession/Run), not by ModelInfer"
             )
-        check_request(request, *self.describe(request.model_name))
+        check_request(request, *(await self.describe(request.model_name)))
         timeout_s = self._timeout(request, seconds_left)
         inputs = await self._decoded(request)
         timeout_s = self._left(request.model_name, timeout_s, arrived)

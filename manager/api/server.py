@@ -10,6 +10,7 @@ without one is refused at start. TLS from `server.tls_cert`/`tls_key`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import hashlib
 import hmac
@@ -17,6 +18,7 @@ import ipaddress
 import logging
 import os
 import signal
+import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -122,23 +124,82 @@ def auth_token(config: Config) -> str | None:
     return token or None
 
 
-def describer(manager: LiveManager) -> Callable[[str], Any]:
+def _on_own_thread(loop: asyncio.AbstractEventLoop, name: str, fn: Callable[[Any], Any], arg: Any) -> Any:
+    """A future of `fn(arg)` run on a daemon thread of its own (not the loop's executor: a call that
+    never returns would hold the executor's shutdown, and so the process's exit)."""
+    fut: asyncio.Future[Any] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not fut.done():
+            fut.set_result(value) if ok else fut.set_exception(value)
+
+    def run() -> None:
+        try:
+            result: tuple[bool, Any] = (True, fn(arg))
+        except BaseException as e:  # (handed to the awaiting caller)
+            result = (False, e)
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits any more
+            loop.call_soon_threadsafe(settle, *result)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return fut
+
+
+DESCRIBE_TIMEOUT_S = 60.0
+"""How long ModelMetadata (and a request's check against the model's inputs) waits for the module to
+be built on the meta device to read what it declares (its factory runs: one that hangs held the
+event loop, and so every call of the service, for good)."""
+
+
+def describer(
+    manager: LiveManager, timeout_s: float = DESCRIBE_TIMEOUT_S
+) -> Callable[[str], Awaitable[tuple[Any, Any]]]:
+    """Model name -> its (inputs, outputs) TensorSpecs, read once per spec off the event loop: one
+    build a model at a time, waited for at most `timeout_s`; once a build is past it, later calls are
+    refused at once (the hung build is not started again) until it ends."""
     from workers.adapters import AdapterError, make_adapter
 
-    cache: dict[str, Any] = {}
+    cache: dict[str, tuple[Any, tuple[Any, Any]]] = {}  # name -> (the spec, its answer)
+    building: dict[str, tuple[Any, float, asyncio.Future[tuple[Any, Any]]]] = {}  # name -> spec, start
 
-    def describe(name: str) -> Any:
-        if name not in cache:
-            import torch
+    def build(spec: Any) -> tuple[Any, Any]:
+        import torch
 
-            try:
-                a = make_adapter(manager.specs[name], torch.device("cpu"))
-                cache[name] = (a.inputs(), a.outputs())
-            except AdapterError as e:
-                from manager.errors import WorkerUnavailable
+        a = make_adapter(spec, torch.device("cpu"))
+        return a.inputs(), a.outputs()
 
-                raise WorkerUnavailable(e.message) from None
-        return cache[name]
+    async def describe(name: str) -> tuple[Any, Any]:
+        from manager.errors import WorkerUnavailable
+
+        spec = manager.specs[name]
+        hit = cache.get(name)
+        if hit is not None and hit[0] == spec:
+            return hit[1]
+        loop = asyncio.get_running_loop()
+        run = building.get(name)
+        if run is None or run[0] != spec:
+            run = (spec, loop.time(), _on_own_thread(loop, f"residency-describe-{name}", build, spec))
+            building[name] = run
+
+            def done(f: asyncio.Future[tuple[Any, Any]], name: str = name, spec: Any = spec) -> None:
+                if building.get(name, (None, 0.0, None))[2] is f:
+                    del building[name]
+                if not f.cancelled() and f.exception() is None:
+                    cache[name] = (spec, f.result())
+
+            run[2].add_done_callback(done)
+        left = run[1] + timeout_s - loop.time()
+        try:
+            if left <= 0:
+                raise TimeoutError
+            return await asyncio.wait_for(asyncio.shield(run[2]), left)
+        except TimeoutError:
+            raise WorkerUnavailable(
+                f"model {name!r}: reading its inputs and outputs (its module built on the meta device) "
+                f"took more than {timeout_s:g} s; its factory may hang"
+            ) from None
+        except AdapterError as e:
+            raise WorkerUnavailable(e.message) from None
 
     return describe
 

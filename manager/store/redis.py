@@ -1,5 +1,10 @@
 """The Redis store: `redis://[:PASSWORD@]HOST[:PORT][/DB][?prefix=NAME]` (or `rediss://` for TLS).
 
+TLS (`rediss://` only) takes redis-py's query names: `ssl_ca_certs=CA.pem` (the CA that signed the
+server's certificate; default: the system's), `ssl_certfile=CLIENT.pem` and `ssl_keyfile=CLIENT.key`
+(a client certificate, which Redis asks for unless `tls-auth-clients no`; the key unencrypted) and
+`ssl_cert_reqs=none|optional|required` (default required). `open_redis` checks that the files load.
+
 Keys, under a prefix (default `residency`, or `?prefix=` in the url):
   <prefix>:requests      a Stream, one entry per request: field `data` = the canonical record as JSON.
                          Entry ids are `<ms>-<seq>` with ms = floor(t * 1000), so XRANGE by time
@@ -11,7 +16,7 @@ Keys, under a prefix (default `residency`, or `?prefix=` in the url):
 
 Late records: a stream's ids only grow, so a record whose t is earlier than the newest entry (two
 threads finishing out of order, or out of order in one batch) gets the newest entry's ms instead, and
-the largest such lateness is kept in `:requests:lag` (ZADD GT). `requests()` widens its XRANGE by
+the largest such lateness is kept in `:requests:lag`. `requests()` widens its XRANGE by
 that lateness, filters on the exact t, and re-orders through a small heap: entries come back in time
 order all the same, and when nothing was late the heap holds at most one page.
 
@@ -30,6 +35,7 @@ import heapq
 import json
 import logging
 import math
+import ssl
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -62,30 +68,35 @@ PAGE = 1000
 # One batch of the request log, as one script: Redis runs it whole, with no other command between,
 # so a batch is written all or none and its ids need no retry when writers race. KEYS: the stream, the
 # lag set and the call's own key (see _BATCH_KEY); ARGV: ms, json, ms, json, ... Every id is placed
-# before anything is written: an XADD at an id >= the newest one cannot fail, so an error (a key of the
-# wrong type) comes before any write.
+# before anything is written: an XADD at an id above the newest one cannot fail, so an error (a key of
+# the wrong type) comes before any write. Only commands and forms of Redis 5 (streams): the script
+# numbers the ids itself (`<ms>-*` is Redis 7) and compares the lag with ZSCORE (ZADD GT is 6.2), so a
+# Redis 6 (Ubuntu 22.04, Debian 11) writes a batch whole too.
 _APPEND_LUA = """
-local last = 0
+local last, seq = 0, 0
 if redis.call('EXISTS', KEYS[1]) == 1 then
   local info = redis.call('XINFO', 'STREAM', KEYS[1])
   for i = 1, #info, 2 do
-    if info[i] == 'last-generated-id' then last = tonumber(string.match(info[i + 1], '^(%d+)')) end
+    if info[i] == 'last-generated-id' then
+      local m, s = string.match(info[i + 1], '^(%d+)-(%d+)$')
+      last, seq = tonumber(m), tonumber(s)
+    end
   end
 end
 local late, ids = 0, {}
 for i = 1, #ARGV, 2 do
   local ms = tonumber(ARGV[i])
-  if ms > last then last = ms end
+  if ms > last then last, seq = ms, 0 else seq = seq + 1 end
   if last - ms > late then late = last - ms end
-  ids[#ids + 1] = last
+  ids[#ids + 1] = string.format('%.0f-%.0f', last, seq)
 end
-redis.call('ZSCORE', KEYS[2], 'late_ms')  -- a lag key of the wrong type fails here, before any write
+local lag = tonumber(redis.call('ZSCORE', KEYS[2], 'late_ms'))  -- a wrong type fails here, unwritten
 -- KEYS[3] names this call: a copy of it that redis-py sent again (a timeout while Redis was busy, and
 -- the first copy ran all the same) writes nothing
 if not redis.call('SET', KEYS[3], '1', 'NX', 'EX', 600) then return -1 end
-if late > 0 then redis.call('ZADD', KEYS[2], 'GT', late, 'late_ms') end
+if late > 0 and (lag == nil or late > lag) then redis.call('ZADD', KEYS[2], late, 'late_ms') end
 for k = 1, #ids do
-  redis.call('XADD', KEYS[1], string.format('%.0f-*', ids[k]), 'data', ARGV[2 * k])
+  redis.call('XADD', KEYS[1], ids[k], 'data', ARGV[2 * k])
 end
 return late
 """
@@ -114,17 +125,80 @@ class RedisURL:
     ssl: bool
     prefix: str
     display: str
+    ssl_ca_certs: str | None = None
+    """rediss:// only: the CA file (PEM) that signed the server's certificate; None: the system's."""
+    ssl_certfile: str | None = None
+    """rediss:// only: the client certificate (PEM; Redis asks for one unless tls-auth-clients no)."""
+    ssl_keyfile: str | None = None
+    """rediss:// only: the client certificate's key, when ssl_certfile does not hold it."""
+    ssl_cert_reqs: str = "required"
+    """rediss:// only: none, optional or required: whether the server's certificate is checked."""
 
 
-def _prefix(url: str, query: str) -> str:
+_TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+_TLS_PARAMS = (*_TLS_FILES, "ssl_cert_reqs")
+_CERT_REQS = ("none", "optional", "required")
+
+
+def _url_params_problem(query: str, *, tls: bool) -> str | None:
+    """What is wrong with a redis url's `?query` (`prefix`; the `ssl_*` ones with `rediss://` only),
+    or None; never quotes the url. config_schema._redis_url_problem keeps the same rules (the config
+    may not import redis)."""
     params = parse_qs(query, keep_blank_values=True)
-    unknown = sorted(params.keys() - {"prefix"})
+    allowed = ("prefix", *_TLS_PARAMS)
+    unknown = sorted(params.keys() - set(allowed))
     if unknown:
-        raise StoreError(url, f"unknown url parameter {unknown[0]!r} (allowed: prefix)")
+        return f"unknown url parameter {unknown[0]!r} (allowed: {', '.join(allowed)})"
     values = params.get("prefix", [DEFAULT_PREFIX])
     if len(values) != 1 or not values[0] or values[0].strip() != values[0]:
-        raise StoreError(url, f"prefix must be one non-empty name without spaces, got {values!r}")
-    return values[0]
+        return f"prefix must be one non-empty name without spaces, got {values!r}"
+    for name in _TLS_PARAMS:
+        if name not in params:
+            continue
+        if not tls:
+            return f"{name} needs TLS: a rediss:// url"
+        if len(params[name]) != 1 or not params[name][0]:
+            return f"{name} must be given once, not empty, got {params[name]!r}"
+    reqs = params.get("ssl_cert_reqs", ["required"])[0]
+    if reqs not in _CERT_REQS:
+        return f"ssl_cert_reqs must be one of {', '.join(_CERT_REQS)}, got {reqs!r}"
+    if "ssl_keyfile" in params and "ssl_certfile" not in params:
+        return "ssl_keyfile needs ssl_certfile (the client certificate it is the key of)"
+    return None
+
+
+def _check_tls_files(u: RedisURL) -> None:
+    """StoreError naming the parameter and path of a TLS file that cannot be read or used (a CA file
+    or a client certificate and key that do not load): such a url never connects, and a failed
+    handshake would otherwise look like a server that is down."""
+    for name in _TLS_FILES:
+        path = getattr(u, name)
+        if path is None:
+            continue
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as e:
+            raise StoreError(u.display, f"{name}: cannot read {path!r}: {e.strerror or e}") from None
+    ctx = ssl.create_default_context()
+    try:
+        if u.ssl_ca_certs is not None:
+            ctx.load_verify_locations(cafile=u.ssl_ca_certs)
+    except ssl.SSLError as e:
+        raise StoreError(
+            u.display, f"ssl_ca_certs: {u.ssl_ca_certs!r} holds no usable PEM certificate: {e}"
+        ) from None
+    try:
+        if u.ssl_certfile is not None:
+            # An empty password: an encrypted key fails here instead of OpenSSL asking on the terminal.
+            ctx.load_cert_chain(certfile=u.ssl_certfile, keyfile=u.ssl_keyfile, password=lambda: b"")
+    except ssl.SSLError as e:
+        files = repr(u.ssl_certfile) + (
+            "" if u.ssl_keyfile is None else f" and ssl_keyfile {u.ssl_keyfile!r}"
+        )
+        raise StoreError(
+            u.display, f"ssl_certfile {files}: not a PEM certificate and its unencrypted key: {e}"
+        ) from None
 
 
 def parse_redis_url(url: str) -> RedisURL:
@@ -149,7 +223,12 @@ def parse_redis_url(url: str) -> RedisURL:
     path = parts.path.lstrip("/")
     if parts.fragment or not (path == "" or (path.isascii() and path.isdigit())):
         raise StoreError(shown, f"the database must be a number, like redis://HOST:PORT/0, got {path!r}")
-    prefix = _prefix(shown, parts.query)
+    tls = parts.scheme == "rediss"
+    problem = _url_params_problem(parts.query, tls=tls)
+    if problem:
+        raise StoreError(shown, problem)
+    params = {k: v[0] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
+    prefix = params.get("prefix", DEFAULT_PREFIX)
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
     query = "" if prefix == DEFAULT_PREFIX else f"?prefix={prefix}"
     db = int(path or 0)
@@ -159,9 +238,13 @@ def parse_redis_url(url: str) -> RedisURL:
         db=db,
         username=unquote(username) if username else None,
         password=unquote(password) if colon else None,
-        ssl=parts.scheme == "rediss",
+        ssl=tls,
         prefix=prefix,
         display=redact(f"{parts.scheme}://{userinfo}{at}{host}:{port}/{db}{query}"),
+        ssl_ca_certs=params.get("ssl_ca_certs"),
+        ssl_certfile=params.get("ssl_certfile"),
+        ssl_keyfile=params.get("ssl_keyfile"),
+        ssl_cert_reqs=params.get("ssl_cert_reqs", "required"),
     )
 
 
@@ -169,6 +252,15 @@ def open_redis(url: str, *, timeout_s: float = 5.0) -> RedisStore:
     """A RedisStore for `url`. Connects lazily: an unreachable server shows as ping() False and as
     StoreError from the other methods, so a service can start before its Redis does."""
     u = parse_redis_url(url)
+    tls: dict[str, Any] = {}
+    if u.ssl:
+        _check_tls_files(u)
+        tls = {
+            "ssl_ca_certs": u.ssl_ca_certs,
+            "ssl_certfile": u.ssl_certfile,
+            "ssl_keyfile": u.ssl_keyfile,
+            "ssl_cert_reqs": u.ssl_cert_reqs,
+        }
     client = redis.Redis(
         host=u.host,
         port=u.port,
@@ -176,6 +268,7 @@ def open_redis(url: str, *, timeout_s: float = 5.0) -> RedisStore:
         username=u.username,
         password=u.password,
         ssl=u.ssl,
+        **tls,
         socket_connect_timeout=timeout_s,
         socket_timeout=timeout_s,
         # A couple of quick retries ride out a blip; redis-py's default (10, up to 1 s apart) would
@@ -329,6 +422,13 @@ class RedisStore:
             return f"the server refuses this login: {e} (the user and password in store.url)"
         except redis.ResponseError as e:  # NOAUTH, WRONGPASS, an out-of-range database number
             return f"the server refuses this store: {e} (store.url)"
+        except redis.ConnectionError as e:
+            if isinstance(e.__cause__ or e.__context__, ssl.SSLCertVerificationError):
+                return (
+                    f"the server's TLS certificate is not trusted: {e} (store.url: give the CA that "
+                    "signed it as ?ssl_ca_certs=PATH)"
+                )
+            return None
         except (redis.RedisError, OSError):
             return None  # down, or unreachable: an outage, which the service rides out
         return None
