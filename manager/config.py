@@ -592,7 +592,12 @@ def _noted(text: str, before: Any, updates: dict[str, dict[str, dict[str, Any]]]
                 del was[field]
         note = ", ".join(f"{f} was {w}" for f, w in was.items())
         lines[line] = body + (f"  {TUNED_NOTE}{note}" if note else "") + "\n"
-    out = "".join(lines)
+    return _if_same("".join(lines), expected, text)
+
+
+def _if_same(out: str, expected: Any, text: str) -> str:
+    """`out` (a file with notes written into its comments) when it still reads as `expected`, else
+    `text` as it was: a note never changes what the file means."""
     try:
         same = _plain(_yaml().load(out)) == expected
     except (YAMLError, ValueError):
@@ -697,12 +702,7 @@ def _measure_noted(text: str, before: Any, updates: dict[str, dict[str, Any]], e
         note = "  ".join(x for x in (note, tail) if x)
         pre = pre if pre.endswith("  ") or not note else pre.rstrip() + "  "
         lines[line] = (pre + note if note else pre.rstrip()) + "\n"
-    out = "".join(lines)
-    try:
-        same = _plain(_yaml().load(out)) == expected
-    except (YAMLError, ValueError):
-        same = False
-    return out if same else text
+    return _if_same("".join(lines), expected, text)
 
 
 def write_config_with_updates(
