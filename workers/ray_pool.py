@@ -51,7 +51,7 @@ from workers.channel import (
     FrameTooLarge,
     same_machine,
 )
-from workers.host import DeviceHost
+from workers.host import DESCRIBE_TIMEOUT_S, DeviceHost
 from workers.pool import DeviceSpec, UnknownDevice, new_op_id
 
 logger = logging.getLogger(__name__)
@@ -442,7 +442,8 @@ class RayWorkerPool:
         result: P.WorkerStatus = ray.get(self._handle(device).status.remote(), timeout=timeout_s)
         return result
 
-    def describe(self, device: str, spec: P.ModelSpec, timeout_s: float = 30.0) -> Any:
+    def describe(self, device: str, spec: P.ModelSpec, timeout_s: float = DESCRIBE_TIMEOUT_S + 15.0) -> Any:
+        # longer than the host's own limit, so its clear error (the factory may hang) is the answer
         return ray.get(self._handle(device).describe.remote(spec), timeout=timeout_s)
 
     def _get(self, ref: Any, device: str, timeout_s: float, what: str) -> tuple[Any, str | None]:

@@ -175,3 +175,15 @@ def test_an_unknown_adapter_is_still_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(AdapterError) as e:
         host.describe(P.ModelSpec("x", "no-such-adapter", {}))
     assert e.value.code == P.UNKNOWN_ADAPTER and "'x'" in e.value.message
+
+
+def test_the_ray_pools_describe_waits_past_the_hosts_own_limit() -> None:
+    """It gave up at 30 s, before the host's limit (60 s): the caller got Ray's GetTimeoutError
+    instead of the host's error saying the factory may hang."""
+    import inspect
+
+    from workers.host import DESCRIBE_TIMEOUT_S
+    from workers.ray_pool import RayWorkerPool
+
+    default = inspect.signature(RayWorkerPool.describe).parameters["timeout_s"].default
+    assert default > DESCRIBE_TIMEOUT_S
