@@ -691,11 +691,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                 )
             if now >= deadline:
                 raise DeadlineExceeded(f"model {m.name!r}: no room became free before the deadline")
-            if self._stopping.is_set():
-                raise WorkerUnavailable(
-                    f"model {m.name!r}: the service is stopping and no room became free for it in time; "
-                    "retry when it is back"
-                )
+            self._if_stopping(m, "no room became free for it in time")
             await asyncio.sleep(WAIT_RETRY_S)
 
     async def _ready(self, m: Any, deadline: float, rank: int | None = None) -> None:
@@ -738,13 +734,12 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                     raise InsufficientCapacity(f"model {m.name!r} cannot be served: {adm.reason}")
                 no_room = adm.status == "wait"
 
-    def _if_stopping(self, m: Any) -> None:
-        """WorkerUnavailable when the service is stopping (`abandon_waits`): the load `m` waits for is
-        abandoned (its device host may still finish it)."""
+    def _if_stopping(self, m: Any, what: str = "its load did not finish in time") -> None:
+        """WorkerUnavailable when the service is stopping (`abandon_waits`), saying `what` `m` waited
+        for: the load (or room) it waits for is abandoned (its device host may still finish a load)."""
         if self._stopping.is_set():
             raise WorkerUnavailable(
-                f"model {m.name!r}: the service is stopping and its load did not finish in time; "
-                "retry when it is back"
+                f"model {m.name!r}: the service is stopping and {what}; retry when it is back"
             )
 
     async def _wait_ready(self, live: _Live, timeout: float) -> None:
