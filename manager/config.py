@@ -7,6 +7,7 @@ problem as `file:line: field.path: what was expected` through `ConfigError`.
 from __future__ import annotations
 
 import copy
+import datetime
 import difflib
 import io
 import re
@@ -160,7 +161,7 @@ _FIXED_MESSAGES = {
 def _message(err: Any, loc: Loc) -> str:
     kind, value = err["type"], err.get("input")
     msg = str(err["msg"]).replace("Input should be ", "expected ", 1)
-    scalar = isinstance(value, str | int | float | bool) or value is None
+    scalar = isinstance(value, str | int | float | bool | datetime.date | datetime.time) or value is None
     kind_of = (
         "a mapping" if isinstance(value, dict) else "a list" if isinstance(value, list | tuple) else "a value"
     )

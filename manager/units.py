@@ -6,6 +6,7 @@ and `1m30.1s` is 90.1 seconds; formatting picks the shortest exact spelling when
 
 from __future__ import annotations
 
+import datetime
 import math
 import re
 from decimal import Decimal, InvalidOperation
@@ -64,6 +65,9 @@ _DURATION_UNITS: dict[str, Decimal] = {
     "d": Decimal(86400),
     "w": Decimal(604800),
 }
+_DURATION_UNITS_ORDER: tuple[str, ...] = ("w", "d", "h", "m", "s", "ms")
+"""The order a duration's parts are written in, each at most once: `1h30m`, not `30m1h` or `1m1m`
+(which a summing reader would take as 2 minutes: most likely a typo)."""
 _FORMAT_DURATION_UNITS: tuple[tuple[str, int], ...] = (("d", 86400), ("h", 3600), ("m", 60))
 
 # ASCII digits only: `\d` would also take '٣' or '５', which no other reader of a config (the JSON
@@ -81,7 +85,6 @@ def _any_case(unit: str) -> str:
 
 _ZERO = r"(?:0+(?:\.0*)?|\.0+)"
 _SIZE_UNIT_PATTERN = "|".join(_any_case(u) for u in sorted(_SIZE_UNITS, key=len, reverse=True) if u)
-_DURATION_UNIT_PATTERN = "|".join(map(_any_case, _DURATION_UNITS))
 
 
 def _size_pattern(number: str) -> str:
@@ -89,7 +92,10 @@ def _size_pattern(number: str) -> str:
 
 
 def _duration_pattern(number: str) -> str:
-    return rf"^(?:\s*{number}\s*|(?:\s*{number}\s*(?:{_DURATION_UNIT_PATTERN})\s*)+)$"
+    # each unit at most once, largest first (as parse_duration reads them); the lookahead keeps an
+    # empty or blank string out, since every part is optional
+    parts = "".join(rf"(?:\s*{number}\s*{_any_case(u)}\s*)?" for u in _DURATION_UNITS_ORDER)
+    return rf"^(?:\s*{number}\s*|(?=\s*[0-9.]){parts})$"
 
 
 SIZE_PATTERN = _size_pattern(_NUMBER)
@@ -113,6 +119,11 @@ def shown(v: object, limit: int = SHOWN_MAX) -> str:
     (Python refuses to turn one of more than 4300 digits into text) is described, never converted."""
     if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 3 * limit:
         return f"an integer of about {int(v.bit_length() * math.log10(2)) + 1} digits"
+    if isinstance(v, datetime.date | datetime.time):  # YAML turns an unquoted 2026-12-05 into a date
+        is_datetime = isinstance(v, datetime.datetime)
+        text = v.isoformat(sep=" ") if isinstance(v, datetime.datetime) else v.isoformat()
+        kind = "date-time" if is_datetime else type(v).__name__
+        return f"the {kind} {text} (YAML reads it unquoted as one: put it in quotes)"
     text = repr(v)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -163,10 +174,17 @@ def parse_duration(v: int | float | str) -> float:
         return _finite(float(Decimal(v.strip())), v)
     total = Decimal(0)
     pos = 0
+    rank = -1
     for m in _DURATION_PART_RE.finditer(v):
         if m.start() != pos:
             break
-        total += Decimal(m.group(1)) * _DURATION_UNITS[m.group(2).lower()]
+        unit = m.group(2).lower()
+        if _DURATION_UNITS_ORDER.index(unit) <= rank:
+            raise ValueError(
+                f"{_DURATION_EXPECTED}; write each unit once, largest first (e.g. '1h30m'), got {shown(v)}"
+            )
+        rank = _DURATION_UNITS_ORDER.index(unit)
+        total += Decimal(m.group(1)) * _DURATION_UNITS[unit]
         pos = m.end()
     if pos == 0 or pos != len(v):
         raise ValueError(f"{_DURATION_EXPECTED}, got {shown(v)}")

@@ -89,6 +89,7 @@ SIZES = [
     "",
 ]
 DURATIONS = ["30m", "30M", "1h30m", "1h 30m", "5MS", "90", "1.5h", "1m30", "x", "1h-1m", "inf", "1e3", ""]
+DURATIONS += ["1m1m", "30m1h", "5ms5m", "5m5ms", "1w2d3h4m5s6ms", " 1h  30m ", "1s1S", " ", "."]
 
 
 @pytest.mark.parametrize("text", SIZES)

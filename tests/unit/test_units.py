@@ -201,3 +201,12 @@ def test_parse_duration_refuses_numbers_too_large_for_a_float(huge: int | str) -
     # float() of these is inf: a duration must stay finite ("forever" is the keep-alive's own word)
     with pytest.raises(ValueError, match="too large"):
         parse_duration(huge)
+
+
+@pytest.mark.parametrize("typo", ["1m1m", "30m1h", "5ms5m", "1s1S", "1h 2h"])
+def test_parse_duration_takes_each_unit_once_largest_first(typo: str) -> None:
+    """`1m1m` was read as 2 minutes and `30m1h` as 90 minutes: a repeated or misordered unit is far
+    more likely a typo than meant, so it is refused, saying how to write it."""
+    with pytest.raises(ValueError, match=r"each unit once, largest first \(e\.g\. '1h30m'\)"):
+        parse_duration(typo)
+    assert parse_duration("1w2d3h4m5s6ms") == 604800 + 2 * 86400 + 3 * 3600 + 4 * 60 + 5 + 0.006
