@@ -10,6 +10,15 @@ socket costs tens of microseconds.
   a pickle: the request is a list of `(model, inputs)`, the reply the list of `InferResult`s, in
   order (pickle is safe here: only processes of the same user, who could ptrace the host anyway,
   can connect). A bad frame closes that connection, never the host.
+* A request runs once. A reply over `MAX_FRAME` is not sent: the host keeps those results (at most
+  `HELD_MAX`, for `HELD_S`) and answers a `HeldReply`; the client raises `ReplyTooLarge` and the
+  caller fetches them through Ray (`take`, the actor's `channel_reply`), never by running the batch
+  again (a stateful model, a VAD or a world model's session, would step twice).
+* Socket names are `<name>-<pid>-<random>.sock`: unique, so a host never replaces another's socket,
+  even one of another container (its own pid namespace) sharing the directory. A socket is stale
+  when a connection to it is refused (no process listens on it, whatever its pid says), and is
+  removed when a new host starts; a host binds under `.bind` and renames to `.sock` once it listens,
+  so a host that is starting is never taken for a stale one.
 * `ChannelClient(address)` is the manager's side, on its event loop: `await client.infer_many(items)`
   sends one frame on a free connection (up to `connections` frames in flight) and awaits the reply.
   A broken connection raises `ChannelError`; the caller falls back to Ray (which reports a dead actor
@@ -25,10 +34,13 @@ import contextlib
 import logging
 import os
 import pickle
+import re
+import secrets
 import socket
 import struct
 import tempfile
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +66,32 @@ class ChannelError(Exception):
 
 class FrameTooLarge(ChannelError):
     """A batch too large for one frame: it goes through Ray instead; the channel stays up."""
+
+
+HELD_MAX = 4
+"""Over-limit replies a host keeps at once for their fetch through Ray (the oldest goes first)."""
+HELD_S = 300.0
+"""How long a host keeps an over-limit reply no one fetched (its caller gave up or died)."""
+
+
+@dataclass(frozen=True)
+class HeldReply:
+    """The host's answer to a batch whose reply is over `MAX_FRAME`: the batch ran, and its results
+    wait in the host under `token` for one `ChannelServer.take`."""
+
+    token: str
+    nbytes: int
+
+
+class ReplyTooLarge(Exception):
+    """The batch ran, but its reply (`nbytes`) is over the frame limit: the host holds the results
+    under `token`, to be fetched through Ray. Not a `ChannelError`: the channel is fine, and running
+    the batch again through Ray would run every request in it twice."""
+
+    def __init__(self, token: str, nbytes: int) -> None:
+        super().__init__(f"a {nbytes}-byte reply is over the channel's {MAX_FRAME}-byte frame limit")
+        self.token = token
+        self.nbytes = nbytes
 
 
 @dataclass(frozen=True)
@@ -86,15 +124,47 @@ def _socket_dir() -> Path:
     return d
 
 
-def _remove_stale(d: Path) -> None:
-    """Sockets of hosts that are gone (`<name>-<pid>.sock` whose pid no longer runs)."""
-    for p in d.glob("*.sock"):
+_SUN_PATH_MAX = 107
+"""The longest socket path `bind` takes (sockaddr_un's sun_path, less its terminating NUL)."""
+STALE_BIND_S = 60.0
+"""A `.bind` (a host between bind and listen) older than this is one whose host died starting."""
+
+
+def _socket_path(d: Path, name: str) -> Path:
+    """A new, unique socket path in `d` for host `name`: `<name>-<pid>-<random>.sock`, the name made
+    safe for a file name and cut to what fits in a socket address (the pid and random part stay)."""
+    tail = f"-{os.getpid()}-{secrets.token_hex(6)}.sock"
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+    room = _SUN_PATH_MAX - len(os.fsencode(d)) - 1 - len(tail)
+    return d / (safe[: max(room, 0)] + tail)
+
+
+def _refused(p: Path) -> bool:
+    """Is a connection to the socket at `p` refused (no process listens on it, in any container)?
+    A full backlog, a path gone meanwhile, or anything else is not taken for that."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.setblocking(False)  # a live host's full backlog answers EAGAIN at once, not a wait
         try:
-            os.kill(int(p.stem.rpartition("-")[2]), 0)
-        except ProcessLookupError:
-            with contextlib.suppress(OSError):
+            s.connect(str(p))
+        except ConnectionRefusedError:
+            return True
+        except OSError:
+            return False
+    return False
+
+
+def _remove_stale(d: Path) -> None:
+    """Remove the sockets of hosts that are gone: those no process listens on (a connection is
+    refused). A pid says nothing here: it may run again as another process, or belong to another
+    pid namespace (a container sharing this directory) whose live host must keep its socket."""
+    now = time.time()
+    for p in d.iterdir():
+        try:
+            if p.suffix == ".bind" and now - p.lstat().st_mtime < STALE_BIND_S:
+                continue  # a host between bind and listen, most likely
+            if p.suffix in (".sock", ".bind") and _refused(p):
                 p.unlink()
-        except (ValueError, PermissionError):
+        except OSError:
             pass
 
 
@@ -120,20 +190,28 @@ class ChannelServer:
         self.host = host
         d = _socket_dir()
         _remove_stale(d)
-        self.path = str(d / f"{name}-{os.getpid()}.sock")
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        path = _socket_path(d, name)
+        binding = path.with_suffix(".bind")  # the same length: it fits where the path fits
+        self.path = str(path)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)
         try:
-            self.sock.bind(self.path)
-        finally:
-            os.umask(old)
-        self.sock.listen(64)
+            old = os.umask(0o177)
+            try:
+                self.sock.bind(str(binding))
+            finally:
+                os.umask(old)
+            self.sock.listen(64)
+            os.rename(binding, path)  # under its `.sock` name only once it listens (see the module doc)
+        except OSError:
+            self.sock.close()
+            with contextlib.suppress(OSError):
+                binding.unlink()
+            raise
         self.address = ChannelAddress(self.path, boot_id(), os.getpid())
         self._closed = False
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
+        self._held: dict[str, tuple[float, Any]] = {}  # token -> (when, results): see `take`
         threading.Thread(target=self._accept, name="residency-channel", daemon=True).start()
 
     def _accept(self) -> None:
@@ -175,6 +253,9 @@ class ChannelServer:
                 items = pickle.loads(body)
                 results = self.host.infer_many(items)
                 out = pickle.dumps(results, protocol=pickle.HIGHEST_PROTOCOL)
+                if len(out) > MAX_FRAME:  # held for a fetch through Ray: the batch never runs twice
+                    held = HeldReply(self._hold(results), len(out))
+                    out = pickle.dumps(held, protocol=pickle.HIGHEST_PROTOCOL)
                 conn.sendall(_LEN.pack(len(out)) + out)
             except (OSError, EOFError):
                 return
@@ -182,11 +263,35 @@ class ChannelServer:
                 logger.exception("channel %s: bad frame; closing the connection", self.path)
                 return
 
+    def _hold(self, results: Any) -> str:
+        """Keep `results` (an over-limit reply) for one `take`; the token to take it with."""
+        token = secrets.token_hex(16)
+        now = time.monotonic()
+        with self._lock:
+            self._expire(now)
+            while len(self._held) >= HELD_MAX:  # the oldest (dicts keep insertion order)
+                del self._held[next(iter(self._held))]
+            self._held[token] = (now, results)
+        return token
+
+    def _expire(self, now: float) -> None:
+        for token in [t for t, (at, _) in self._held.items() if now - at > HELD_S]:
+            del self._held[token]
+
+    def take(self, token: str) -> list[P.InferResult] | None:
+        """The results of the batch whose over-limit reply was held under `token`, once; None when
+        there are none (taken already, or dropped: older than HELD_S, or beyond HELD_MAX)."""
+        with self._lock:
+            self._expire(time.monotonic())
+            got = self._held.pop(token, None)
+        return None if got is None else list(got[1])
+
     def close(self) -> None:
         """Stop listening and end the open connections (their clients see the channel break)."""
         with self._lock:
             self._closed = True
             conns, self._conns = self._conns, set()
+            self._held.clear()
         for c in conns:
             with contextlib.suppress(OSError):
                 c.shutdown(socket.SHUT_RDWR)
@@ -288,7 +393,7 @@ class ChannelClient:
             (n,) = _LEN.unpack(await self._recv(sock, _LEN.size))
             if n > MAX_FRAME:
                 raise ValueError(f"a {n}-byte reply is over the limit")
-            results: list[P.InferResult] = pickle.loads(await self._recv(sock, n))
+            reply: list[P.InferResult] | HeldReply = pickle.loads(await self._recv(sock, n))
         except Exception as e:  # a broken connection or a reply that does not decode (not a cancel)
             self.broken = True
             sock.close()
@@ -299,7 +404,9 @@ class ChannelClient:
             self._release(None)
             raise
         self._release(sock)
-        return results
+        if isinstance(reply, HeldReply):  # it ran; its results are fetched through Ray
+            raise ReplyTooLarge(reply.token, reply.nbytes)
+        return reply
 
     def close(self) -> None:
         """Close the idle connections (those in flight close when their frame ends)."""

@@ -49,6 +49,7 @@ from workers.channel import (
     ChannelError,
     ChannelServer,
     FrameTooLarge,
+    ReplyTooLarge,
     same_machine,
 )
 from workers.host import DESCRIBE_TIMEOUT_S, DeviceHost
@@ -78,6 +79,11 @@ class DeviceHostActor:
     @ray.method(concurrency_group="data")
     def channel(self) -> ChannelAddress | None:
         return self.server.address if self.server is not None else None
+
+    @ray.method(concurrency_group="data")
+    def channel_reply(self, token: str) -> list[P.InferResult] | None:
+        """The results of a batch that ran over the channel with a reply over its frame limit."""
+        return self.server.take(token) if self.server is not None else None
 
     @ray.method(concurrency_group="commands")
     def apply(self, cmd: P.Command, op_id: str) -> P.CommandResult:
@@ -538,6 +544,15 @@ def _why(device: str, e: Exception) -> str:
     return f"device host {device!r} {kind}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
+def _unheld(device: str, model: str, e: ReplyTooLarge) -> P.InferResult:
+    """The answer to a request that ran, whose over-limit reply its host no longer held to fetch."""
+    why = (
+        f"model {model!r} ran on device {device!r}, but its batch's {e.nbytes}-byte reply (over the data "
+        "channel's frame limit) was no longer held there to fetch; it is not run again"
+    )
+    return P.InferResult(model, False, error_code=P.INTERNAL, error=why)
+
+
 def _died(device: str, op: str, cmd: P.Command, e: Exception) -> P.CommandResult:
     return P.CommandResult(
         op, P.command_model(cmd), P.command_op(cmd), False, error_code=P.WORKER_DIED, error=_why(device, e),
@@ -549,7 +564,9 @@ class _Batcher:
     """Per device: at most MAX_INFLIGHT batches in flight; what queues meanwhile goes next, up to
     MAX_BATCH requests per batch. A batch goes over the host's data channel when it is on this
     machine (`workers.channel`), else (or while the channel is being found, or after it broke) in
-    one `infer_many` actor call. Runs on the caller's event loop."""
+    one `infer_many` actor call. A batch that ran over the channel with a reply too large for it has
+    its results fetched with a `channel_reply` actor call: it is never run a second time. Runs on the
+    caller's event loop."""
 
     MAX_INFLIGHT = 2
     MAX_BATCH = 64
@@ -628,6 +645,10 @@ class _Batcher:
                 try:
                     results = await channel.infer_many(items)
                     self.channel_batches += 1
+                except ReplyTooLarge as e:  # it ran: its results come through Ray, not a second run
+                    logger.info("device %s: %s; its results come through Ray", self.device, e)
+                    held = await self.handle.channel_reply.remote(e.token)
+                    results = held if held is not None else [_unheld(self.device, m, e) for m, _ in items]
                 except FrameTooLarge as e:
                     logger.info("device %s: %s; going through Ray", self.device, e)
                 except ChannelError as e:
