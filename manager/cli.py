@@ -35,6 +35,8 @@ MAX_BAD_LINES_SHOWN = 10
 MAX_REASONS_SHOWN = 5
 DEFAULT_SINCE = "7d"
 """How far back `tune --from-store` reads the request log unless --since says."""
+MIN_REPORT_PERIOD_S = 60.0
+"""The shortest period `tune --report` plots: a holdout of one short request still shows its loads."""
 
 
 UNLIMITED_WIDTH = 100_000
@@ -122,11 +124,19 @@ def _prepare_dir(path: Path, flag: str, *, create: bool = True, for_file: str | 
         raise UsageError(f"{head}: the folder {path} is not writable")
 
 
+def _not_empty(value: str, flag: str, what: str) -> str:
+    """`value` unless it is empty (an unset shell variable, say): UsageError naming `flag`. An empty
+    path would be the current folder, or an optional flag silently not given."""
+    if not value:
+        raise UsageError(f"{flag} is empty; give the path of {what}")
+    return value
+
+
 def _prepare_out_file(value: str, flag: str, *, create: bool = True) -> Path:
-    """The file `flag` names, checked before any work is done: not a directory, its folder made
-    (as `trace synth` does; with `create` False only checked) and writable, an existing file
-    writable. UsageError naming `flag`."""
-    path = Path(value)
+    """The file `flag` names, checked before any work is done: not empty, not a directory, its
+    folder made (as `trace synth` does; with `create` False only checked) and writable, an existing
+    file writable. UsageError naming `flag`."""
+    path = Path(_not_empty(value, flag, "a file to write"))
     if path.is_dir() or not path.name:
         raise UsageError(f"{flag} {value}: is a directory; give the path of a file to write")
     _prepare_dir(path.parent, flag, create=create, for_file=value)
@@ -135,13 +145,25 @@ def _prepare_out_file(value: str, flag: str, *, create: bool = True) -> Path:
     return path
 
 
-def _load_trace(path: str, config: Config, strict: bool) -> tuple[list[Request], int]:
-    res = read_trace(
-        path,
-        strict=strict,
-        known_models=config.model_names(),
-        known_classes=[c.name for c in config.classes],
-    )
+def _load_trace(
+    path: str, config: Config, strict: bool, flag: str | None = None
+) -> tuple[list[Request], int]:
+    """The valid requests of the trace `path` and how many bad lines were skipped. `flag` (the
+    option that named `path`) prefixes the errors about the file as a whole: `tune` reads two."""
+    head = f"{flag} {path}" if flag else path
+    if flag:
+        _not_empty(path, flag, "a trace file")
+    try:
+        res = read_trace(
+            path,
+            strict=strict,
+            known_models=config.model_names(),
+            known_classes=[c.name for c in config.classes],
+        )
+    except TraceError as e:
+        if e.line or not flag:  # a bad line says "path:line:" as the contract has it
+            raise
+        raise UsageError(f"{head}: {e.reason}") from None
     for line, reason in res.bad_lines[:MAX_BAD_LINES_SHOWN]:
         # a reason quotes the user's text ("model": "[/x]"): escaped, it is printed, not parsed as markup
         err.print(f"[yellow]skipped[/] {escape(f'{path}:{line}: {reason}')}", highlight=False)
@@ -158,7 +180,7 @@ def _load_trace(path: str, config: Config, strict: bool) -> tuple[list[Request],
         if len(res.bad_lines) > MAX_BAD_LINES_SHOWN:  # what the lines not printed were skipped for
             _print_reasons(res.bad_lines)
         if not res.requests:  # not a trace at all (a config given as --trace, say): nothing to replay
-            raise UsageError(f"{path}: no valid request line (all {len(res.bad_lines)} lines are bad)")
+            raise UsageError(f"{head}: no valid request line (all {len(res.bad_lines)} lines are bad)")
     return res.requests, len(res.bad_lines)
 
 
@@ -218,7 +240,7 @@ def _table(results: list[ReplayResult], title: str, names: list[str] | None = No
 
 def cmd_replay(a: argparse.Namespace) -> int:
     config = load_config(a.config)
-    reqs, bad = _load_trace(a.trace, config, a.strict)
+    reqs, bad = _load_trace(a.trace, config, a.strict, "--trace")
     if not reqs:  # an export of a quiet hour, say: figures of no request would read as a result
         raise UsageError(f"{a.trace}: no request to replay (the file has no line but blank ones)")
     if a.json:
@@ -250,7 +272,12 @@ def cmd_synth(a: argparse.Namespace) -> int:
         sys.stdout.flush()
         n = len(reqs)
     else:
-        n = write_trace(a.out, reqs)
+        try:
+            n = write_trace(a.out, reqs)
+        except BrokenPipeError:  # --out /dev/stdout, its reader gone: main ends quietly
+            raise
+        except OSError as e:  # the disk filled up, say: the flag and the system's words, one line
+            raise UsageError(f"--out {a.out}: {e.strerror or e}") from None
     err.print(
         f"wrote {n} requests ({a.days} days, profile {a.profile}, seed {a.seed}) to "
         f"{'standard output' if to_stdout else a.out}",
@@ -392,13 +419,18 @@ def cmd_tune(a: argparse.Namespace) -> int:
 
     config = load_config(a.config)
     a.policy = a.policy or config.policy.name  # the policy the config runs, as the service's tuning job
-    if not a.from_store and not a.trace:
+    # an empty value (an unset shell variable) is said, not taken as the flag not given
+    if not a.from_store and a.trace is None:
         raise UsageError("give --trace FILE, or --from-store to tune on the service's request log")
-    if a.from_store and a.trace:  # one would be ignored: the user would not know which was tuned on
+    if a.from_store and a.trace is not None:  # one would be ignored: which was tuned on?
         raise UsageError(f"--trace {a.trace} and --from-store: give one of them, not both")
     if a.since is not None and not a.from_store:
         raise UsageError(f"--since {a.since}: only with --from-store (--trace tunes on the whole file)")
-    a.since = a.since or DEFAULT_SINCE
+    a.since = DEFAULT_SINCE if a.since is None else a.since
+    if a.holdout is not None:
+        _not_empty(a.holdout, "--holdout", "a trace file")
+    if a.report is not None:
+        _not_empty(a.report, "--report", "a folder for the report")
     # the outputs are checked first, not after the (long) search: a bad --out or --report fails now
     _prepare_out_file(a.out, "--out", create=False)
     if a.report:
@@ -409,9 +441,9 @@ def cmd_tune(a: argparse.Namespace) -> int:
         reqs = _load_store_trace(config, a.since, a.strict)
         a.trace = f"the store's last {a.since} ({redact(config.store.url)})"
     else:
-        reqs, _ = _load_trace(a.trace, config, a.strict)
+        reqs, _ = _load_trace(a.trace, config, a.strict, "--trace")
     if a.holdout:
-        search, holdout = reqs, _load_trace(a.holdout, config, a.strict)[0]
+        search, holdout = reqs, _load_trace(a.holdout, config, a.strict, "--holdout")[0]
     else:
         search, holdout = split_holdout(reqs)
     if not search and reqs:
@@ -424,13 +456,7 @@ def cmd_tune(a: argparse.Namespace) -> int:
         raise UsageError(f"{a.trace}: no valid requests to tune on")
     if a.holdout and not holdout:
         raise UsageError(f"--holdout {a.holdout}: no valid requests to judge the result on")
-    shown = holdout or search  # what the report replays
-    if a.report and shown[-1].t <= shown[0].t:
-        which = f"--holdout {a.holdout}" if a.holdout else "the held-out part of the trace"
-        raise UsageError(
-            f"--report needs requests over a period of time; {which} has {len(shown)} request(s), "
-            f"all at t={shown[0].t}"
-        )
+    shown = holdout or search  # what the report replays (one request will do: see _report)
     # the inputs are good: the folders are made now, before the search (as `trace synth` does)
     _prepare_out_file(a.out, "--out")
     if a.report:
@@ -482,6 +508,9 @@ def _report(a: argparse.Namespace, config: Config, res: Any, reqs: list[Request]
     after = replay(res.config, reqs, a.policy, record=True)
     weights = {m.name: m.memory for m in config.models}
     t0, t1 = report_period(reqs) if reqs else (0.0, 1.0)
+    # a holdout of a moment (one request; requests of busy_s 0 at one instant span no time at all)
+    # is shown over at least a minute from its first arrival: the loads it started, not nothing
+    t1 = max(t1, t0 + MIN_REPORT_PERIOD_S)
     notes = [f"change: {c}" for c in res.changes] or ["no change beat the running config"]
     write_report(
         Path(a.report), before=before, after=after, t_start=t0, t_end=t1, model_weights=weights, notes=notes
@@ -686,6 +715,7 @@ def cmd_ps(a: argparse.Namespace) -> int:
 
 
 def cmd_export(a: argparse.Namespace) -> int:
+    _not_empty(a.out, "--out", "a file to write")  # not ".", the folder an empty path is
     to_stdout = a.out == "-"  # as `trace synth --out -` (a file named "-" is ./-)
     n = _export(load_config(a.config), a.since, sys.stdout if to_stdout else Path(a.out))
     where = "standard output" if to_stdout else a.out

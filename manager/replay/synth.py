@@ -235,7 +235,13 @@ def _home_week(rng: random.Random, days: list[tuple[float, int]], out: Out) -> N
         weekdays = []
     away = rng.choice(weekdays) if weekdays else -1
     others = [i for i in range(len(days)) if i != away]
-    party = set(rng.sample(others, min(len(others), rng.randint(2, 3))))
+    n_party = rng.randint(2, 3)  # a whole week's evening spikes
+    if len(days) < 7:
+        # a part of a week has those of a whole week's spikes that fall on its days (of 7 drawn
+        # without repeats), not all of them crammed into its few evenings: 2.5 x days / 7 on average.
+        # Whole weeks draw nothing more: their traces (bench/traces) stay as they were
+        n_party = sum(d < len(days) for d in rng.sample(range(7), n_party))
+    party = set(rng.sample(others, min(len(others), n_party)))
     for i, (day_start, wd) in enumerate(days):
         gens = _HOME_BACKGROUND if i == away else _HOME_INTERACTIVE + _HOME_BACKGROUND
         for gen in gens:

@@ -36,19 +36,6 @@ def test_trace_values_that_look_like_markup_are_printed_as_they_are(
     assert f"unknown model {model!r}" in err
 
 
-def test_tune_report_on_a_holdout_without_a_period_is_a_usage_error(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    trace, one = tmp_path / "week.jsonl", tmp_path / "one.jsonl"
-    reqs = synth("home", 2, 1)
-    write_trace(trace, reqs)
-    write_trace(one, reqs[:1])
-    args = ["tune", "--config", str(HOME), "--trace", str(trace), "--out", str(tmp_path / "t.yaml")]
-    assert main([*args, "--holdout", str(one), "--report", str(tmp_path / "rep")]) == 2
-    assert "--report needs requests over a period of time" in capsys.readouterr().err
-    assert not (tmp_path / "t.yaml").exists()  # refused before the search
-
-
 def test_tune_holdout_without_valid_requests_is_a_usage_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
