@@ -38,6 +38,7 @@ import torch
 from workers import batching
 from workers import protocol as P
 from workers.adapters import Adapter, AdapterError, HostCopy, make_adapter
+from workers.bounded import SingleFlight, TimedOut, run_on_thread
 from workers.measure import CpuProbe, CudaProbe, MemoryProbe, Phases, nvml_power_w, rss_bytes, wait_released
 from workers.st_io import cached_fraction
 from workers.world import NotResident, SessionNotOpen, WorldSessions
@@ -73,17 +74,6 @@ class _Resident:
     """Rows one call may take (dynamic batching); None until its first batch decides it."""
     read_bytes: int = 0
     """Bytes its load read from disk."""
-
-
-@dataclass
-class _Describing:
-    """One describe of `spec` running on a thread of its own (`DeviceHost.describe`)."""
-
-    spec: P.ModelSpec
-    started: float = field(default_factory=time.monotonic)
-    done: threading.Event = field(default_factory=threading.Event)
-    answer: tuple[list[P.TensorSpec], list[P.TensorSpec]] | None = None
-    error: BaseException | None = None
 
 
 class DeviceHost:
@@ -123,11 +113,11 @@ class DeviceHost:
         self.ops_done = 0
         self._lock = threading.Lock()
         self.world = WorldSessions(self.torch_device)
-        self._describe_lock = threading.Lock()
-        self._described: dict[str, tuple[P.ModelSpec, tuple[list[P.TensorSpec], list[P.TensorSpec]]]] = {}
-        """A successful describe's answer by model name, for the spec it was for."""
-        self._describing: dict[str, _Describing] = {}
-        """The describe running by model name (at most one a name: a later one of its spec joins it)."""
+        self._describing: SingleFlight[tuple[list[P.TensorSpec], list[P.TensorSpec]]] = SingleFlight(
+            describe_timeout_s
+        )
+        """Describes by model name: one running a name (a later one of its spec joins it), a successful
+        answer kept for the spec it was for."""
         self.session_root = Path(tempfile.gettempdir()) / f"residency-sessions-{device}-{os.getpid()}"
 
     # ---- commands
@@ -247,39 +237,22 @@ class DeviceHost:
         reads) on a thread of its own, waited for at most `load_timeout_s`. One that hangs fails its
         command (LOAD_TIMEOUT) instead of holding the device's commands for good; what it makes, if it
         ever ends, is thrown away (until then, what it holds stays held)."""
-        box: list[tuple[bool, Any]] = []
-        done = threading.Event()
-
-        def run() -> None:
-            try:
-                box.append((True, fn()))
-            except BaseException as e:  # raised again in the command's thread
-                box.append((False, e))
-            finally:
-                done.set()
-
-        threading.Thread(target=run, name=f"residency-{what}-{self.name}-{model}", daemon=True).start()
-        if not done.wait(self.load_timeout_s):
+        try:
+            return run_on_thread(fn, self.load_timeout_s, f"residency-{what}-{self.name}-{model}")
+        except TimedOut:
             logger.error("device %s: %s of %s did not finish within %g s; abandoned", self.name, what,
                          model, self.load_timeout_s)  # fmt: skip
             raise AdapterError(
                 P.LOAD_TIMEOUT,
                 f"model {model!r}: {what} did not finish within {self.load_timeout_s:g} s on {self.name} "
                 "(a factory or a read that hangs?); abandoned, the device's other commands go on",
-            )
-        ok, value = box.pop()
-        if ok:
-            return value  # type: ignore[no-any-return]
-        try:
-            raise value
-        finally:
-            del value  # no cycle through this frame: what the failed work held goes with the error
+            ) from None
 
     def _load(self, cmd: P.Load, op_id: str) -> P.CommandResult:
         r, source, ph, t0, used0, rss0 = self._bounded("load", cmd.model.name, lambda: self._build(cmd))
         self.models[r.spec.name] = r
-        with self._describe_lock:  # its own build now says what it declares (a kept answer may be stale)
-            self._described.pop(r.spec.name, None)
+        # its own build now says what it declares (a kept answer may be stale)
+        self._describing.forget(r.spec.name)
         return self._result(r, op_id, "load", "disk", ph, t0, used0, rss0, moved=r.read_bytes, source=source)
 
     def _build(self, cmd: P.Load) -> tuple[_Resident, str, Phases, float, int, int]:
@@ -611,18 +584,12 @@ class DeviceHost:
         good. One build a spec at a time: a describe of a spec whose build still runs waits for that one
         (within the limit counted from its start; past it, it fails at once) rather than start another.
         A successful answer is kept for its spec."""
-        with self._describe_lock:
-            kept = self._described.get(spec.name)
-            if kept is not None and kept[0] == spec:
-                return list(kept[1][0]), list(kept[1][1])  # copies: every caller gets lists of its own
-            work = self._describing.get(spec.name)
-            if work is None or work.spec != spec:
-                work = self._describing[spec.name] = _Describing(spec)
-                name = f"residency-describe-{self.name}-{spec.name}"
-                threading.Thread(target=self._describe_run, args=(work,), name=name, daemon=True).start()
-        left = work.started + self.describe_timeout_s - time.monotonic()
-        if not work.done.wait(max(0.0, left)):
-            if left > 0:
+        name = f"residency-describe-{self.name}-{spec.name}"
+        work = self._describing.begin(spec.name, spec, lambda: self._describe_build(spec), name)
+        try:
+            work.wait()
+        except TimedOut as e:
+            if e.waited:
                 logger.error("device %s: describe of %s did not finish within %g s; abandoned", self.name,
                              spec.name, self.describe_timeout_s)  # fmt: skip
             raise AdapterError(
@@ -630,8 +597,8 @@ class DeviceHost:
                 f"model {spec.name!r}: reading its inputs and outputs (its factory, built on the meta "
                 f"device) did not finish within {self.describe_timeout_s:g} s on {self.name} (a factory "
                 "that hangs?); "
-                + ("abandoned" if left > 0 else "that build is still running, so no other is started"),
-            )
+                + ("abandoned" if e.waited else "that build is still running, so no other is started"),
+            ) from None
         if isinstance(work.error, AdapterError):
             raise AdapterError(
                 work.error.code, work.error.message
@@ -639,27 +606,15 @@ class DeviceHost:
         if work.error is not None:
             raise AdapterError(P.INTERNAL, f"model {spec.name!r}: describe failed: {work.error!r}")
         assert work.answer is not None
-        return list(work.answer[0]), list(work.answer[1])
+        return list(work.answer[0]), list(work.answer[1])  # copies: every caller gets lists of its own
 
-    def _describe_run(self, work: _Describing) -> None:
-        spec = work.spec
-        try:
-            r = self.models.get(spec.name)
-            adapter = (
-                r.adapter
-                if r is not None and r.spec == spec
-                else self.adapter_factory(spec, self.torch_device)
-            )
-            work.answer = (adapter.inputs(), adapter.outputs())
-        except BaseException as e:  # raised (as an AdapterError) in each caller's thread
-            work.error = e
-        finally:
-            with self._describe_lock:
-                if self._describing.get(spec.name) is work:  # not one replaced by another spec's since
-                    del self._describing[spec.name]
-                    if work.answer is not None:
-                        self._described[spec.name] = (spec, work.answer)
-            work.done.set()
+    def _describe_build(self, spec: P.ModelSpec) -> tuple[list[P.TensorSpec], list[P.TensorSpec]]:
+        """A describe's work (on its own thread): the resident model's adapter when it is this spec's."""
+        r = self.models.get(spec.name)
+        adapter = (
+            r.adapter if r is not None and r.spec == spec else self.adapter_factory(spec, self.torch_device)
+        )
+        return adapter.inputs(), adapter.outputs()
 
     # ---- status
 

@@ -19,8 +19,9 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import grpc
@@ -37,6 +38,7 @@ from manager.journal import RequestJournal
 from manager.live import LiveManager
 from residency_proto.inference import grpc_service_pb2
 from residency_proto.v1 import residency_pb2
+from workers.bounded import SingleFlight, TimedOut
 
 logger = logging.getLogger(__name__)
 
@@ -124,27 +126,6 @@ def auth_token(config: Config) -> str | None:
     return token or None
 
 
-def _on_own_thread(loop: asyncio.AbstractEventLoop, name: str, fn: Callable[[Any], Any], arg: Any) -> Any:
-    """A future of `fn(arg)` run on a daemon thread of its own (not the loop's executor: a call that
-    never returns would hold the executor's shutdown, and so the process's exit)."""
-    fut: asyncio.Future[Any] = loop.create_future()
-
-    def settle(ok: bool, value: Any) -> None:
-        if not fut.done():
-            fut.set_result(value) if ok else fut.set_exception(value)
-
-    def run() -> None:
-        try:
-            result: tuple[bool, Any] = (True, fn(arg))
-        except BaseException as e:  # (handed to the awaiting caller)
-            result = (False, e)
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits any more
-            loop.call_soon_threadsafe(settle, *result)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return fut
-
-
 DESCRIBE_TIMEOUT_S = 60.0
 """How long ModelMetadata (and a request's check against the model's inputs) waits for the module to
 be built on the meta device to read what it declares (its factory runs: one that hangs held the
@@ -159,8 +140,7 @@ def describer(
     refused at once (the hung build is not started again) until it ends."""
     from workers.adapters import AdapterError, make_adapter
 
-    cache: dict[str, tuple[Any, tuple[Any, Any]]] = {}  # name -> (the spec, its answer)
-    building: dict[str, tuple[Any, float, asyncio.Future[tuple[Any, Any]]]] = {}  # name -> spec, start
+    flights: SingleFlight[tuple[Any, Any]] = SingleFlight(timeout_s)
 
     def build(spec: Any) -> tuple[Any, Any]:
         import torch
@@ -172,34 +152,20 @@ def describer(
         from manager.errors import WorkerUnavailable
 
         spec = manager.specs[name]
-        hit = cache.get(name)
-        if hit is not None and hit[0] == spec:
-            return hit[1]
-        loop = asyncio.get_running_loop()
-        run = building.get(name)
-        if run is None or run[0] != spec:
-            run = (spec, loop.time(), _on_own_thread(loop, f"residency-describe-{name}", build, spec))
-            building[name] = run
-
-            def done(f: asyncio.Future[tuple[Any, Any]], name: str = name, spec: Any = spec) -> None:
-                if building.get(name, (None, 0.0, None))[2] is f:
-                    del building[name]
-                if not f.cancelled() and f.exception() is None:
-                    cache[name] = (spec, f.result())
-
-            run[2].add_done_callback(done)
-        left = run[1] + timeout_s - loop.time()
+        run = flights.begin(name, spec, lambda: build(spec), f"residency-describe-{name}")
         try:
-            if left <= 0:
-                raise TimeoutError
-            return await asyncio.wait_for(asyncio.shield(run[2]), left)
-        except TimeoutError:
+            await run.wait_async()
+        except TimedOut:
             raise WorkerUnavailable(
                 f"model {name!r}: reading its inputs and outputs (its module built on the meta device) "
                 f"took more than {timeout_s:g} s; its factory may hang"
             ) from None
-        except AdapterError as e:
-            raise WorkerUnavailable(e.message) from None
+        if isinstance(run.error, AdapterError):
+            raise WorkerUnavailable(run.error.message) from None
+        if run.error is not None:
+            raise run.error
+        assert run.answer is not None
+        return run.answer
 
     return describe
 
@@ -269,6 +235,52 @@ class StoppedAtStartUp(Exception):
         super().__init__(f"stopped during start-up ({signal.Signals(signum).name})")
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""The signals that stop `serve` (SIGHUP: its terminal closed)."""
+
+
+class _StepsInterrupted(KeyboardInterrupt):
+    """A stop signal within `_stop_signals_end_start_up` (a KeyboardInterrupt, so that no `except
+    Exception` on its way holds it up); StoppedAtStartUp once out of it."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def _stop_signals_end_start_up() -> Iterator[None]:
+    """Within it (start-up's steps before Ray's start: the listen check, the token and TLS pair, the
+    journal and the store's opening), a stop signal ends start-up at once: StoppedAtStartUp. `serve`'s
+    own handlers run on its event loop, which these blocking steps and then Ray's start keep from
+    running: the signal was acted on only once Ray had started. The handlers from before (the
+    loop's) are put back after it. Only on the main thread (the one Python runs signal handlers on)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    fired = False
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        nonlocal fired
+        if not fired:  # once: a second signal does not break off what the first one undoes
+            fired = True
+            raise _StepsInterrupted(signum)
+
+    try:
+        for s in STOP_SIGNALS:
+            signal.signal(s, interrupt)
+        yield
+    except _StepsInterrupted as e:
+        raise StoppedAtStartUp(e.signum) from None
+    finally:
+        # none raised while the handlers go back (it would pass this `except`): one that comes now
+        # reaches the event loop's handler all the same (Python's wakeup fd), as after this
+        fired = True
+        for s, h in held.items():
+            signal.signal(s, signal.SIG_DFL if h is None else h)
+
+
 def _not_stopped(signals: list[int]) -> None:
     """StoppedAtStartUp when a stop signal came (`signals`: those that came, in order)."""
     if signals:
@@ -296,14 +308,16 @@ def _journal_and_store(config: Config) -> tuple[RequestJournal | None, Any]:
     from manager.store import StoreError, open_store
 
     journal = RequestJournal(Path(config.store.journal)) if config.store.journal is not None else None
+    store = None
     try:
         store = open_store(config.store.url)
         why = store.refused()  # a wrong password is said now: waiting for the store would not mend it
         if why is not None:
-            store.close()
             raise StoreError(store.url, why)
         return journal, store
-    except BaseException:
+    except BaseException:  # (a stop signal too, `_stop_signals_end_start_up`)
+        if store is not None:
+            store.close()
         if journal is not None:
             journal.close()
         raise
@@ -581,18 +595,20 @@ async def serve(
         stop.set()
 
     # a Ctrl-C during start-up stops it cleanly; SIGHUP (its terminal closed) stops it as cleanly, the
-    # request log flushed, instead of killing it. While Ray starts (`create_pool`), `ensure_ray` holds
-    # these signals itself: one stops the start at once (StartInterrupted), and these handlers are
-    # back after it.
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    # request log flushed, instead of killing it. Until Ray starts, `_stop_signals_end_start_up` holds
+    # these signals (the event loop cannot run their handlers before Ray's start has ended); while Ray
+    # starts (`create_pool`), `ensure_ray` holds them itself: one stops the start at once
+    # (StartInterrupted). These handlers are back after each.
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
-    probe_listen(config.server.listen)  # a port in use is said now, not after Ray has started
-    token = auth_token(config)  # so is a missing or unusable token
-    if config.server.tls_cert and config.server.tls_key:
-        from manager.api.runtime import read_tls
+    with _stop_signals_end_start_up():
+        probe_listen(config.server.listen)  # a port in use is said now, not after Ray has started
+        token = auth_token(config)  # so is a missing or unusable token
+        if config.server.tls_cert and config.server.tls_key:
+            from manager.api.runtime import read_tls
 
-        read_tls(config.server.tls_cert, config.server.tls_key)  # and an unusable TLS pair
-    journal, store = _journal_and_store(config)
+            read_tls(config.server.tls_cert, config.server.tls_key)  # and an unusable TLS pair
+        journal, store = _journal_and_store(config)
     pool = _pool_or_stop(
         lambda: create_pool(config, in_process=in_process, cpu_fallback=cpu_fallback), store, journal
     )
