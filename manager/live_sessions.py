@@ -92,7 +92,9 @@ def _du(d: Path) -> tuple[int, float]:
         except FileNotFoundError:
             continue
         if stat.S_ISREG(st.st_mode):
-            size += st.st_size
+            # the blocks it holds: a segment log gives a retired slot's blocks back (a hole) and
+            # keeps its length
+            size += min(st.st_size, st.st_blocks * 512)
             last = max(last, st.st_mtime)
     return size, last if last > -math.inf else d.stat().st_mtime
 

@@ -7,6 +7,13 @@ bytes before the last 4 the id of the log it was written for (0: none, as logs b
 in its last 4 bytes, a crc32 of the header block itself. `encode_header` builds the block (ValueError
 if the header does not fit); `decode_header` parses and verifies it (`CorruptSlotError` if it fails a
 check); `log_id_of` reads a verified block's log id.
+
+A retired slot (found corrupt, its payload's space given back) has a retired-slot marker in place of
+its header (`encode_retired`): the magic ``WPRET\0\1\0``, the format version, the slot number and
+slot size, why it was retired, the log id and the block's crc32 at the same places. `decode_header`
+raises `RetiredSlotError` for a valid marker (a reader before markers sees "bad magic": corrupt, never
+a segment). A header block intact but written for another slot or format version raises
+`ForeignSlotError`: its bytes are left as they are, never retired.
 """
 
 from __future__ import annotations
@@ -24,24 +31,33 @@ __all__ = [
     "MAX_NAME",
     "MAX_PAGES",
     "MAX_POSE",
+    "MAX_REASON",
+    "RETIRED_MAGIC",
     "SLOT_ALIGN",
     "CorruptSlotError",
+    "ForeignSlotError",
+    "RetiredSlotError",
     "SegmentHeader",
     "SegmentLogError",
     "decode_header",
     "encode_header",
+    "encode_retired",
     "log_id_of",
 ]
 
 SLOT_ALIGN = 4096
 HEADER_SIZE = SLOT_ALIGN
 MAGIC = b"WPSEG\0\1\0"
+RETIRED_MAGIC = b"WPRET\0\1\0"
+MAX_REASON = 1024  # UTF-8 bytes of a retired slot's reason kept in its marker
 FORMAT_VERSION = 1
 MAX_POSE = 8
 MAX_NAME = 16
 # magic, version, n_pose, n_pages, flags, slot, slot_size, segment_id, frame_start, frame_end, position,
 # payload_len, payload crc32, codec, position_state; then pose (f64), page offsets (u64), page crc32s (u32).
 _FIXED = struct.Struct("<8sHHHHQQqqqqQI16s16s")
+# retired-slot marker: magic, version, reason length, slot, slot_size; then the reason (UTF-8).
+_RETIRED = struct.Struct("<8sHHQQ")
 _CRC = struct.Struct("<I")
 _LOG_ID = struct.Struct("<Q")
 _BODY = HEADER_SIZE - _CRC.size
@@ -65,6 +81,22 @@ class CorruptSlotError(SegmentLogError):
     def __str__(self) -> str:
         where = f"{self.path}: " if self.path else ""
         return f"{where}slot {self.slot}: {self.reason}"
+
+
+class ForeignSlotError(CorruptSlotError):
+    """A slot whose header block is intact but was written for another log, slot, slot size or
+    format version: unusable here, but its bytes may be another log's segment, so never retired."""
+
+
+class RetiredSlotError(CorruptSlotError):
+    """A retired slot: its header is a retired-slot marker (`encode_retired`). ``reason``: why it was
+    retired; ``slot_size`` and ``log_id``: the marker's."""
+
+    def __init__(
+        self, slot: int, reason: str, path: str | None = None, *, slot_size: int = 0, log_id: int = 0
+    ) -> None:
+        super().__init__(slot, reason, path)
+        self.slot_size, self.log_id = slot_size, log_id
 
 
 @dataclass(frozen=True)
@@ -136,27 +168,55 @@ def encode_header(h: SegmentHeader, slot: int, slot_size: int, log_id: int = 0) 
     return block + _CRC.pack(zlib.crc32(block))
 
 
+def encode_retired(slot: int, slot_size: int, reason: str, log_id: int = 0) -> bytes:
+    """The 4 KiB retired-slot marker written over the header of ``slot`` of the log ``log_id``;
+    ``reason`` is cut to MAX_REASON bytes (at a character boundary)."""
+    raw = reason.encode("utf-8")[:MAX_REASON].decode("utf-8", "ignore").encode("utf-8")
+    body = _RETIRED.pack(RETIRED_MAGIC, FORMAT_VERSION, len(raw), slot, slot_size) + raw
+    block = body.ljust(_LOG_ID_AT, b"\0") + _LOG_ID.pack(log_id)
+    return block + _CRC.pack(zlib.crc32(block))
+
+
+def _retired(block: bytes, slot: int) -> RetiredSlotError:
+    """The `RetiredSlotError` of a marker block whose crc32 was checked; CorruptSlotError if its
+    fields cannot be a marker's, ForeignSlotError if it belongs to another slot or version."""
+    _, version, n, at, slot_size = _RETIRED.unpack_from(block)
+    if version != FORMAT_VERSION:
+        raise ForeignSlotError(slot, f"unsupported format version {version}")
+    if at != slot:
+        raise ForeignSlotError(slot, f"retired-slot marker belongs to slot {at}")
+    if n > MAX_REASON:
+        raise CorruptSlotError(slot, f"retired-slot marker with a reason of {n} bytes")
+    reason = block[_RETIRED.size : _RETIRED.size + n].decode("utf-8", "replace")
+    return RetiredSlotError(slot, reason, slot_size=slot_size, log_id=log_id_of(block))
+
+
 def log_id_of(block: bytes) -> int:
     """The id of the log a header block (verified by `decode_header`) was written for; 0: none."""
     return int(_LOG_ID.unpack_from(block, _LOG_ID_AT)[0])
 
 
 def decode_header(block: bytes, slot: int) -> tuple[SegmentHeader, int]:
-    """(header, slot_size) from a header block read at ``slot``; CorruptSlotError if it fails checks."""
+    """(header, slot_size) from a header block read at ``slot``; CorruptSlotError if it fails checks
+    (`RetiredSlotError` for a retired-slot marker, `ForeignSlotError` for an intact header of another
+    slot or format version)."""
     if len(block) < HEADER_SIZE:
         raise CorruptSlotError(slot, "truncated: header past end of file")
-    if block[: len(MAGIC)] != MAGIC:
+    magic = block[: len(MAGIC)]
+    if magic not in (MAGIC, RETIRED_MAGIC):
         raise CorruptSlotError(slot, "bad magic")
     if zlib.crc32(block[:_BODY]) != _CRC.unpack_from(block, _BODY)[0]:
         raise CorruptSlotError(slot, "header checksum mismatch")
+    if magic == RETIRED_MAGIC:
+        raise _retired(block, slot)
     f = _FIXED.unpack_from(block)
     n_pose, n_pages = f[2], f[3]
     if f[1] != FORMAT_VERSION:
-        raise CorruptSlotError(slot, f"unsupported format version {f[1]}")
+        raise ForeignSlotError(slot, f"unsupported format version {f[1]}")
     if n_pose > MAX_POSE or n_pages > MAX_PAGES:
         raise CorruptSlotError(slot, f"header counts out of range ({n_pose} pose, {n_pages} pages)")
     if f[5] != slot:
-        raise CorruptSlotError(slot, f"header belongs to slot {f[5]}")
+        raise ForeignSlotError(slot, f"header belongs to slot {f[5]}")
     tail = struct.unpack_from(_tail_format(n_pose, n_pages), block, _FIXED.size)
     try:
         codec, state = (raw.rstrip(b"\0").decode("utf-8") for raw in f[13:15])

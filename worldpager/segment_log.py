@@ -22,6 +22,18 @@ One directory per session holds three files:
   or truncated slots are reported (corrupt_slots()), never indexed; their slot numbers are not reused.
   A slot a reader later finds corrupt is taken out of the index the same way (mark_corrupt()).
 
+Retiring: a corrupt slot is retired by mark_corrupt() and by retire_corrupt() (called by whoever
+reported the slots a reopen found): a retired-slot marker (`encode_retired`) is written over its
+header and its payload's disk blocks are given back (a hole punched: the file keeps its length, so
+later slots stay where they are, and slot numbers are still never reused: a session's roll-backs
+count on that). A retired slot is never read as good again, even by a scan, and a later open lists it
+in retired_slots(), not corrupt_slots(). ``index.json`` keeps it under ``corrupt`` and names it under
+``retired`` (an index without ``retired``, as written before, reads as retiring nothing). Only slots
+whose bytes fail verification when checked again are retired: a slot that verifies in full (a
+transient read error) is indexed again, and one written for another log (`ForeignSlotError`: a file
+copied in) is left as it is. ``max_bytes`` bounds the bytes the log holds: the file's length less the
+payload space retired slots gave back.
+
 Writes: append() does one ``os.pwritev`` of header + payload (a torn write fails the header or payload
 checksum), then extends the file to the slot boundary; no fsync per append (flush() does that). Reads
 verify the header against the on-disk block and the payload/page crc32s; corrupt bytes are never returned:
@@ -36,10 +48,12 @@ only once every thread is done with the log.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import json
 import os
 import secrets
+import sys
 import threading
 import zlib
 from collections.abc import Iterable
@@ -57,10 +71,13 @@ from worldpager.segment_header import (
     MAX_POSE,
     SLOT_ALIGN,
     CorruptSlotError,
+    ForeignSlotError,
+    RetiredSlotError,
     SegmentHeader,
     SegmentLogError,
     decode_header,
     encode_header,
+    encode_retired,
     log_id_of,
 )
 
@@ -76,7 +93,9 @@ __all__ = [
     "META_NAME",
     "SLOT_ALIGN",
     "CorruptSlotError",
+    "ForeignSlotError",
     "LogFullError",
+    "RetiredSlotError",
     "SegmentHeader",
     "SegmentLog",
     "SegmentLogError",
@@ -115,6 +134,30 @@ def _fsync_dir(directory: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+_fallocate: Any = None  # libc's fallocate, looked up on first use (False: none)
+
+
+def _punch_hole(fd: int, offset: int, length: int) -> bool:
+    """Give the disk blocks of [offset, offset + length) back (they read as zeros, the file keeps its
+    length): True when the filesystem did (Linux fallocate), False when it cannot."""
+    global _fallocate
+    if length <= 0 or not sys.platform.startswith("linux"):
+        return False
+    if _fallocate is None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fn = getattr(libc, "fallocate64", None) or libc.fallocate
+            fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+            fn.restype = ctypes.c_int
+            _fallocate = fn
+        except (OSError, AttributeError):
+            _fallocate = False
+    if _fallocate is False:
+        return False
+    return bool(_fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) == 0)
 
 
 def _atomic_write_json(path: Path, obj: object) -> None:
@@ -157,13 +200,15 @@ def _read_meta(d: Path, fd: int) -> tuple[int, int | None, int]:
     meta: object = None
     with contextlib.suppress(OSError, ValueError, RecursionError):
         meta = json.loads(path.read_text(encoding="utf-8"))
-    first: tuple[SegmentHeader, int] | CorruptSlotError | None = None
+    first: tuple[SegmentHeader | None, int] | CorruptSlotError | None = None
     first_id = 0
     if os.fstat(fd).st_size:
         block = os.pread(fd, HEADER_SIZE, 0)
         try:
             first = decode_header(block, 0)
             first_id = log_id_of(block)
+        except RetiredSlotError as e:  # a retired slot's marker names them too
+            first, first_id = (None, e.slot_size), e.log_id
         except CorruptSlotError as e:
             first = e
     if not isinstance(meta, dict):  # meta.json lost: every header names its slot size
@@ -201,7 +246,9 @@ class SegmentLog:
         self._write_lock = threading.Lock()  # appends, index writes
         self._headers: dict[int, SegmentHeader] = {}
         self._by_id: dict[int, int] = {}
-        self._corrupt: dict[int, str] = {}
+        self._corrupt: dict[int, str] = {}  # unusable slots, retired ones included: slot -> reason
+        self._retired: dict[int, bool] = {}  # retired slots: slot -> whether its space was given back
+        self._retired_before: set[int] = set()  # retired when this object opened the log
         self._n_slots = 0
         self._claimed = 0  # slots a consistent index file named when the log was reopened (trusted or not)
         self.bytes_written = 0  # header + payload bytes appended by this object
@@ -304,8 +351,11 @@ class SegmentLog:
             slot = self._n_slots
             offset, end = slot * self.slot_size, (slot + 1) * self.slot_size
             block = encode_header(h, slot, self.slot_size, self.log_id)
-            if self.max_bytes is not None and end > self.max_bytes:
-                raise LogFullError(f"slot {slot} would end at {end} bytes, past max_bytes={self.max_bytes}")
+            held = end - self._given_back()
+            if self.max_bytes is not None and held > self.max_bytes:
+                raise LogFullError(
+                    f"slot {slot} would bring the log to {held} bytes, past max_bytes={self.max_bytes}"
+                )
             old_size = os.fstat(self._fd).st_size
             try:
                 _pwrite_all(self._fd, (block, view), offset)
@@ -343,7 +393,8 @@ class SegmentLog:
         try:
             disk = self._decode(self._pread(HEADER_SIZE, offset), slot)[0]
         except CorruptSlotError as e:
-            raise CorruptSlotError(slot, e.reason, self.path) from None
+            e.path = self.path  # (its class kept: a retired slot's marker reads as RetiredSlotError)
+            raise e from None
         if disk != h:
             raise CorruptSlotError(slot, "header on disk differs from the index", self.path)
         payload = self._pread(h.payload_len, offset + HEADER_SIZE)
@@ -375,27 +426,51 @@ class SegmentLog:
             return self._by_id.get(segment_id)
 
     def corrupt_slots(self) -> dict[int, str]:
-        """Slots found corrupt or truncated when the index was recovered, or marked so by
-        mark_corrupt(): slot -> reason."""
+        """Slots this object found corrupt, truncated or missing when the index was recovered, or
+        marked so by mark_corrupt(): slot -> reason. Slots retired before this object opened the log
+        are not listed (they were reported when found): see retired_slots()."""
         with self._lock:
-            return dict(self._corrupt)
+            return {s: r for s, r in self._corrupt.items() if s not in self._retired_before}
+
+    def retired_slots(self) -> dict[int, str]:
+        """Retired slots (see the module docstring): slot -> why."""
+        with self._lock:
+            return {s: self._corrupt[s] for s in sorted(self._retired)}
 
     def mark_corrupt(self, slot: int, reason: str) -> None:
-        """Take ``slot`` out of the index as corrupt (a reader found its bytes failing their checks):
-        never returned again, recorded as corrupt by the next index write, so a reopen neither trusts
-        nor reads it; find() gives the latest other copy of its segment, if any. A slot not indexed
-        (already corrupt, or past the end) is left as it is."""
+        """Take ``slot`` out of the index as corrupt (a reader found its bytes failing their checks)
+        and retire it: never returned again, its payload's space given back, recorded by the next
+        index write, so a reopen neither trusts, reads nor reports it; find() gives the latest other
+        copy of its segment, if any. If its bytes verify in full when checked again (a transient read
+        error), it is indexed again instead; if they are another log's, they are left as they are.
+        A slot not indexed (already corrupt, or past the end) is left as it is."""
         with self._lock:
             h = self._headers.pop(slot, None)
             if h is None:
                 return
             self._corrupt[slot] = reason
-            if self._by_id.get(h.segment_id) == slot:
-                copies = [s for s, o in self._headers.items() if o.segment_id == h.segment_id]
-                if copies:
-                    self._by_id[h.segment_id] = max(copies)
-                else:
-                    del self._by_id[h.segment_id]
+            self._drop_id(slot, h.segment_id)
+        with self._write_lock:
+            if self._fd >= 0:  # (closed: out of the index only, as its reader was told)
+                self._retire(slot)
+
+    def retire_corrupt(self) -> dict[int, str]:
+        """Retire every corrupt slot not retired yet (those a reopen found: call once they have been
+        reported) and save the index; returns the slots retired: slot -> reason. Slots whose bytes
+        verify in full when checked again are indexed again; slots of another log are left as
+        they are (both unlisted)."""
+        retired: dict[int, str] = {}
+        with self._write_lock:
+            self._require_open()
+            with self._lock:
+                todo = [s for s in sorted(self._corrupt) if s not in self._retired]
+            for slot in todo:
+                if self._retire(slot):
+                    with self._lock:
+                        retired[slot] = self._corrupt[slot]
+        if todo:
+            self._write_index()
+        return retired
 
     @property
     def n_slots(self) -> int:
@@ -421,11 +496,17 @@ class SegmentLog:
         return data
 
     def _decode(self, block: bytes, slot: int) -> tuple[SegmentHeader, int]:
-        """`decode_header`, and CorruptSlotError for a slot written for another log than this one."""
-        h, slot_size = decode_header(block, slot)
-        other = log_id_of(block)
+        """`decode_header`, and ForeignSlotError for a slot (or a retired slot's marker) written for
+        another log than this one."""
+        try:
+            h, slot_size = decode_header(block, slot)
+            other = log_id_of(block)
+        except RetiredSlotError as e:
+            if not self.log_id or e.log_id == self.log_id:
+                raise
+            other = e.log_id
         if self.log_id and other != self.log_id:
-            raise CorruptSlotError(
+            raise ForeignSlotError(
                 slot, f"written for another log (id {other:x}, this log's {self.log_id:x})"
             )
         return h, slot_size
@@ -435,27 +516,94 @@ class SegmentLog:
         if self._by_id.get(h.segment_id, -1) < slot:
             self._by_id[h.segment_id] = slot
 
-    def _scan_slot(self, slot: int, size: int) -> None:
-        """Verify ``slot`` in full (header and payload) and index it, or record why it is corrupt."""
-        offset = slot * self.slot_size
+    def _drop_id(self, slot: int, segment_id: int) -> None:
+        """find() of ``segment_id`` no longer gives ``slot`` (taken out of the index), but the latest
+        other copy, if any. Under self._lock."""
+        if self._by_id.get(segment_id) == slot:
+            copies = [s for s, o in self._headers.items() if o.segment_id == segment_id]
+            if copies:
+                self._by_id[segment_id] = max(copies)
+            else:
+                del self._by_id[segment_id]
+
+    def _given_back(self) -> int:
+        """Bytes of the file whose disk space retired slots gave back (their payloads)."""
+        return sum(self._retired.values()) * (self.slot_size - HEADER_SIZE)
+
+    def _retire(self, slot: int) -> bool:
+        """Retire corrupt ``slot`` (under self._write_lock): checked again in full first; True when
+        retired. One that verifies is indexed again; one of another log, or whose marker cannot be
+        written (an I/O error: retried by the next retire_corrupt()), is left as it is."""
         try:
-            h, slot_size = self._decode(self._pread(HEADER_SIZE, offset), slot)
-            if slot_size != self.slot_size:
-                raise CorruptSlotError(slot, f"slot size {slot_size} != log's {self.slot_size}")
-            if offset + HEADER_SIZE + h.payload_len > size:
+            h = self._verify(slot, os.fstat(self._fd).st_size)
+        except OSError:
+            return False  # cannot be read to tell: nothing destroyed
+        except RetiredSlotError:
+            pass  # its marker is there (a run that stopped before its index write): give back again
+        except ForeignSlotError:
+            return False
+        except CorruptSlotError:
+            with self._lock:
+                reason = self._corrupt[slot]
+            marker = encode_retired(slot, self.slot_size, reason, self.log_id)
+            try:
+                _pwrite_all(self._fd, (marker,), slot * self.slot_size)
+            except OSError:
+                return False
+        else:
+            with self._lock:
+                del self._corrupt[slot]
+                self._install(slot, h)
+            return False
+        given_back = _punch_hole(self._fd, slot * self.slot_size + HEADER_SIZE, self.slot_size - HEADER_SIZE)
+        with self._lock:
+            self._retired[slot] = given_back
+        return True
+
+    def _verify(self, slot: int, size: int) -> SegmentHeader:
+        """The header of ``slot`` verified in full (header and payload) against the disk;
+        CorruptSlotError (of its kind) saying why not."""
+        offset = slot * self.slot_size
+        h, slot_size = self._decode(self._pread(HEADER_SIZE, offset), slot)
+        if slot_size != self.slot_size:
+            raise ForeignSlotError(slot, f"slot size {slot_size} != log's {self.slot_size}")
+        if offset + HEADER_SIZE + h.payload_len > size:
+            raise CorruptSlotError(slot, "truncated: payload past end of file")
+        crc, pos, left = 0, offset + HEADER_SIZE, h.payload_len
+        while left:
+            chunk = self._pread(min(left, _CHUNK), pos)
+            if not chunk:
                 raise CorruptSlotError(slot, "truncated: payload past end of file")
-            crc, pos, left = 0, offset + HEADER_SIZE, h.payload_len
-            while left:
-                chunk = self._pread(min(left, _CHUNK), pos)
-                if not chunk:
-                    raise CorruptSlotError(slot, "truncated: payload past end of file")
-                crc, pos, left = zlib.crc32(chunk, crc), pos + len(chunk), left - len(chunk)
-            if crc != h.checksum:
-                raise CorruptSlotError(slot, "payload checksum mismatch")
+            crc, pos, left = zlib.crc32(chunk, crc), pos + len(chunk), left - len(chunk)
+        if crc != h.checksum:
+            raise CorruptSlotError(slot, "payload checksum mismatch")
+        return h
+
+    def _scan_slot(self, slot: int, size: int) -> None:
+        """Verify ``slot`` in full (header and payload) and index it, or record why it is corrupt
+        (or retired: a marker; whether its space was given back is read from the file's holes)."""
+        try:
+            h = self._verify(slot, size)
+        except RetiredSlotError as e:
+            self._corrupt[slot] = e.reason
+            self._retired[slot] = self._is_hole(
+                slot * self.slot_size + HEADER_SIZE, (slot + 1) * self.slot_size
+            )
+            return
         except CorruptSlotError as e:
             self._corrupt[slot] = e.reason
             return
         self._install(slot, h)
+
+    def _is_hole(self, start: int, end: int) -> bool:
+        """Whether [start, end) of the file holds no data (a hole, or past its end)."""
+        seek_data = getattr(os, "SEEK_DATA", None)
+        if seek_data is None:
+            return False
+        try:
+            return os.lseek(self._fd, start, seek_data) >= end
+        except OSError as e:
+            return e.errno == errno.ENXIO  # no data from start on (else: cannot tell, count it held)
 
     def _load_index(self, size: int) -> int | None:
         """Install a trustworthy index.json and return how many slots it covers, or None if stale."""
@@ -468,13 +616,14 @@ class SegmentLog:
             n_idx, recorded = int(idx["n_slots"]), int(idx["file_size"])
             headers = {int(e["slot"]): _header_from_json(e) for e in idx["entries"]}
             corrupt = {int(k): str(v) for k, v in idx["corrupt"].items()}
+            retired = {int(k): bool(v) for k, v in idx.get("retired", {}).items()}  # (none before)
         except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError):
             return None  # (OverflowError: int() of an Infinity that json.loads accepts)
         # Its slots must be exactly 0..n_slots-1, each indexed or corrupt: checked by count first, so a
         # corrupt n_slots costs nothing (no range of it is ever built).
         if n_idx < 0 or n_idx != len(headers) + len(corrupt) or set(headers) & set(corrupt):
             return None
-        if set(headers) | set(corrupt) != set(range(n_idx)):
+        if set(headers) | set(corrupt) != set(range(n_idx)) or not set(retired) <= set(corrupt):
             return None
         self._claimed = n_idx  # a consistent index, though maybe stale: its slots are not reused
         if size < recorded or recorded > n_idx * self.slot_size:
@@ -492,6 +641,7 @@ class SegmentLog:
         for slot in sorted(headers):
             self._install(slot, headers[slot])
         self._corrupt.update(corrupt)
+        self._retired.update(retired)
         return n_idx
 
     def _recover(self) -> None:
@@ -503,6 +653,7 @@ class SegmentLog:
         for slot in range(n, self._claimed):  # named by a stale index, wholly past the end of the file
             self._corrupt[slot] = "missing: the index names it but the log file ends before it"
         self._n_slots = max(n, trusted or 0, self._claimed)
+        self._retired_before = set(self._retired)
         if trusted is None:
             self.index_state = "rebuilt"
         else:
@@ -517,11 +668,12 @@ class SegmentLog:
             with self._lock:
                 entries = [{"slot": s, **asdict(h)} for s, h in sorted(self._headers.items())]
                 corrupt = {str(s): r for s, r in sorted(self._corrupt.items())}
+                retired = {str(s): given for s, given in sorted(self._retired.items())}
                 n_slots = self._n_slots
             size = os.fstat(self._fd).st_size
             index = {"version": FORMAT_VERSION, "slot_size": self.slot_size, "n_slots": n_slots}
             index["log_id"] = self.log_id
             _atomic_write_json(
                 self.directory / INDEX_NAME,
-                {**index, "file_size": size, "entries": entries, "corrupt": corrupt},
+                {**index, "file_size": size, "entries": entries, "corrupt": corrupt, "retired": retired},
             )

@@ -9,8 +9,12 @@ restores the rolling window (from ``window.bin`` when it matches the log, else r
 segments in the log at codec precision: keys are stored post-RoPE at their true positions, as the cache
 holds them) and continues at the next frame. Slots found corrupt when the log is reopened or on
 read-back, and slots that do not fit the session (another codec or shape: `misfit`), are reported as
-`CorruptSlot` events and never attended to; one found corrupt on read-back is marked so in the log's
-index, so a later reopen reports it without reading it again and never takes it for a segment.
+`CorruptSlot` events and never attended to. A corrupt slot is reported once: the resume that finds it
+(or the step whose read-back finds it: a `Corrupt` event) retires it in the log (`SegmentLog.
+retire_corrupt`, `SegmentLog.mark_corrupt`: its space given back, a marker over its header), and a
+later resume neither reads, uses nor reports it; the segment it held is reported as missing
+(`MissingSegment`) as long as the log holds no other copy. Slots that do not fit are left as they are
+(another codec's segments, not damaged) and reported at every resume.
 
 ``window.bin`` matches the log when ``session.json`` names the step it was saved at and no segment it
 holds has another copy in the log than the one recorded with it (``window.segments``). A resume
@@ -46,6 +50,7 @@ from worldpager.retrieval import Pose, SegmentInfo, check_pose
 from worldpager.segment_log import (
     META_NAME,
     CorruptSlotError,
+    RetiredSlotError,
     SegmentHeader,
     SegmentLog,
     SegmentLogError,
@@ -244,7 +249,9 @@ def save_state(
 
 def open_log(log_dir: Path, segment_bytes: int, max_bytes: int | None, *, resume: bool) -> SegmentLog:
     """The session's `SegmentLog`: created, or reopened (``resume``; its slots must fit the segments,
-    and it must be the log ``session.json`` was written with, when that names one)."""
+    and it must be the log ``session.json`` was written with, when that names one). On a resume the
+    slots the reopen found corrupt are retired (`SegmentLog.retire_corrupt`): its corrupt_slots()
+    still lists them, for this resume to report, and a later reopen does not."""
     if not resume:
         return SegmentLog.create(log_dir, slot_size_for(segment_bytes), max_bytes=max_bytes)
     log = SegmentLog.open(log_dir, max_bytes=max_bytes)
@@ -261,6 +268,13 @@ def open_log(log_dir: Path, segment_bytes: int, max_bytes: int | None, *, resume
             f"{log_dir}: the segment log is another one than {SESSION_FILE} was saved with (log id "
             f"{log.log_id:x}, expected {saved:x}): a log copied from another session cannot be resumed"
         )
+    try:
+        log.retire_corrupt()  # (after the checks: a log refused is left as it is)
+    except OSError:
+        pass  # the index could not be saved (a full disk): the next index write saves it
+    except BaseException:
+        log.close()
+        raise
     return log
 
 
@@ -318,8 +332,9 @@ def register_stored(
     placeholder that the newer ones evict before anything can read it). Returns the registered
     segments (id order) and the slots found unusable: every slot of the log that does not fit the
     session (`misfit` against ``handler.layout``; left as it is in the log) and those found corrupt
-    on read-back (dropped from ``stored`` and marked corrupt in the log, so a later reopen neither
-    trusts nor reads them: `SegmentLog.mark_corrupt`)."""
+    on read-back (dropped from ``stored`` and retired in the log, so a later reopen neither trusts,
+    reads nor reports them: `SegmentLog.mark_corrupt`). A slot that reads back as retired already (a
+    run that retired it stopped before saving the index) is dropped and marked, not reported again."""
     corrupt = [
         CorruptSlot(slot, f"does not fit this session: {why}")
         for slot in log.slots()
@@ -339,7 +354,8 @@ def register_stored(
             room -= segment_bytes
         if bad is None:
             break
-        corrupt.append(CorruptSlot(bad[1].slot, bad[1].reason))  # never used: out of the index
+        if not isinstance(bad[1], RetiredSlotError):  # (retired: reported when it was found)
+            corrupt.append(CorruptSlot(bad[1].slot, bad[1].reason))  # never used: out of the index
         log.mark_corrupt(bad[1].slot, bad[1].reason)
         del stored[bad[0]]
     placeholder = bytes(segment_bytes) if len(resident) < len(stored) else b""

@@ -16,12 +16,13 @@
 
 Failure handling: a corrupt slot (checksum) is reported as ``Failure.CORRUPT`` -> the PageManager takes
 the segment out of every step (a `Corrupt` event, with the slot and the reason added here) and it is
-never uploaded, so never attended to; a full log (`LogFullError`) is reported as ``Failure.DISK_FULL``
--> host-only mode (a `DiskFull` event), the session goes on. A new segment that finds no host room a
-spill could make (every host byte is protected by the next step's retrieval set, or reserved for reads)
-is written straight to the log by the caller's thread (a `WrittenThrough` event) and registered as
-NVMe-only: no segment is lost while the log is usable. Only in host-only mode is such a segment
-dropped (a `Dropped` event): it is never retrievable, generation continues.
+never uploaded, so never attended to; the slot is retired in the log (`SegmentLog.mark_corrupt`: its
+space given back, never reported again by a resume); a full log (`LogFullError`) is reported as
+``Failure.DISK_FULL`` -> host-only mode (a `DiskFull` event), the session goes on. A new segment that
+finds no host room a spill could make (every host byte is protected by the next step's retrieval set,
+or reserved for reads) is written straight to the log by the caller's thread (a `WrittenThrough`
+event) and registered as NVMe-only: no segment is lost while the log is usable. Only in host-only
+mode is such a segment dropped (a `Dropped` event): it is never retrievable, generation continues.
 """
 
 from __future__ import annotations
@@ -440,7 +441,7 @@ class TransferHandler:
                     data = None
             except CorruptSlotError as e:
                 reason = e.reason
-                self.log.mark_corrupt(slot, reason)  # out of the index: a later resume does not count it
+                self.log.mark_corrupt(slot, reason)  # retired: a later resume neither counts nor reports it
             except OSError as e:
                 reason = f"unreadable: {e}"
         with self._cond:
