@@ -19,10 +19,16 @@ socket costs tens of microseconds.
   when a connection to it is refused (no process listens on it, whatever its pid says), and is
   removed when a new host starts; a host binds under `.bind` and renames to `.sock` once it listens,
   so a host that is starting is never taken for a stale one.
+* A reply that does not pickle in the host (an output the model made of something pickle cannot
+  write) is not a broken connection: each request whose result does not pickle is answered with an
+  `internal` error saying so, the others with their results.
 * `ChannelClient(address)` is the manager's side, on its event loop: `await client.infer_many(items)`
   sends one frame on a free connection (up to `connections` frames in flight) and awaits the reply.
-  A broken connection raises `ChannelError`; the caller falls back to Ray (which reports a dead actor
-  the usual way) and rediscovers the channel later (a restarted actor has a new socket).
+  A connection that breaks before the request is fully sent (nothing ran) raises `ChannelError`: the
+  caller falls back to Ray (which reports a dead actor the usual way). One that breaks after it
+  (the reply was cut or did not decode: the batch may have run) raises `ReplyLost`, a `ChannelError`
+  the caller must not answer by running the batch again. Either way the caller rediscovers the
+  channel later (a restarted actor has a new socket).
 * `same_machine(address)`: the channel is used only when the host's boot id is this machine's and
   its socket exists here (a host on another Ray node is reached through Ray).
 """
@@ -66,6 +72,12 @@ class ChannelError(Exception):
 
 class FrameTooLarge(ChannelError):
     """A batch too large for one frame: it goes through Ray instead; the channel stays up."""
+
+
+class ReplyLost(ChannelError):
+    """The channel broke after the request frame was fully sent: the host may have run the batch
+    (it runs a frame once it has read all of it), and its reply was lost. Running the batch again
+    would run each request in it a second time (a stateful model would step twice)."""
 
 
 HELD_MAX = 4
@@ -252,7 +264,7 @@ class ChannelServer:
                     return
                 items = pickle.loads(body)
                 results = self.host.infer_many(items)
-                out = pickle.dumps(results, protocol=pickle.HIGHEST_PROTOCOL)
+                out = self._encode(results)
                 if len(out) > MAX_FRAME:  # held for a fetch through Ray: the batch never runs twice
                     held = HeldReply(self._hold(results), len(out))
                     out = pickle.dumps(held, protocol=pickle.HIGHEST_PROTOCOL)
@@ -262,6 +274,28 @@ class ChannelServer:
             except Exception:  # a frame that is not a request: drop this connection only
                 logger.exception("channel %s: bad frame; closing the connection", self.path)
                 return
+
+    def _encode(self, results: list[P.InferResult]) -> bytes:
+        """The reply frame's body. A result that does not pickle (an output of something pickle cannot
+        write) becomes an `internal` error saying so: the batch ran, so its requests get an answer,
+        not a closed connection (the caller could not tell whether they ran)."""
+        try:
+            return pickle.dumps(results, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:
+            return pickle.dumps([self._picklable(r) for r in results], protocol=pickle.HIGHEST_PROTOCOL)
+
+    def _picklable(self, r: P.InferResult) -> P.InferResult:
+        try:
+            pickle.dumps(r, protocol=pickle.HIGHEST_PROTOCOL)
+            return r
+        except Exception as e:
+            device = getattr(self.host, "name", self.path)
+            logger.warning("channel %s: the result of model %r does not pickle: %r", self.path, r.model, e)
+            why = (
+                f"model {r.model!r} ran on device {device!r}, but its result could not be sent back "
+                f"(it does not pickle: {type(e).__name__}: {e})"
+            )
+            return P.InferResult(r.model, False, error_code=P.INTERNAL, error=why)
 
     def _hold(self, results: Any) -> str:
         """Keep `results` (an over-limit reply) for one `take`; the token to take it with."""
@@ -388,8 +422,10 @@ class ChannelClient:
             )
         sock = await self._conn()
         loop = asyncio.get_running_loop()
+        sent = False  # the whole request frame written: from then on the host may have run it
         try:
             await loop.sock_sendall(sock, _LEN.pack(len(body)) + body)
+            sent = True
             (n,) = _LEN.unpack(await self._recv(sock, _LEN.size))
             if n > MAX_FRAME:
                 raise ValueError(f"a {n}-byte reply is over the limit")
@@ -398,7 +434,10 @@ class ChannelClient:
             self.broken = True
             sock.close()
             self._release(None)
-            raise ChannelError(f"channel {self.address.path}: {type(e).__name__}: {e}") from None
+            why = f"channel {self.address.path}: {type(e).__name__}: {e}"
+            if sent:  # a host reads a frame whole before it runs it: a partial one never ran
+                raise ReplyLost(f"{why} (after the request was sent)") from None
+            raise ChannelError(why) from None
         except BaseException:  # cancelled mid-frame: this connection's stream position is unknown
             sock.close()
             self._release(None)

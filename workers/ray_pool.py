@@ -49,6 +49,7 @@ from workers.channel import (
     ChannelError,
     ChannelServer,
     FrameTooLarge,
+    ReplyLost,
     ReplyTooLarge,
     same_machine,
 )
@@ -553,6 +554,17 @@ def _unheld(device: str, model: str, e: ReplyTooLarge) -> P.InferResult:
     return P.InferResult(model, False, error_code=P.INTERNAL, error=why)
 
 
+def _lost(device: str, model: str, e: ReplyLost, why: str, code: str) -> P.InferResult:
+    """The answer to a request whose batch went over the channel, which broke before its reply came
+    (`e`): it may have run, so it is not run again. `why`: what became of the host; `code`: INTERNAL
+    when it is alive (the manager keeps it and does not retry), WORKER_DIED when it is not."""
+    error = (
+        f"model {model!r} on device {device!r}: the data channel broke after the request was sent "
+        f"({e}); it may have run, and its answer was lost; it is not run again ({why})"
+    )
+    return P.InferResult(model, False, error_code=code, error=error)
+
+
 def _died(device: str, op: str, cmd: P.Command, e: Exception) -> P.CommandResult:
     return P.CommandResult(
         op, P.command_model(cmd), P.command_op(cmd), False, error_code=P.WORKER_DIED, error=_why(device, e),
@@ -565,12 +577,16 @@ class _Batcher:
     MAX_BATCH requests per batch. A batch goes over the host's data channel when it is on this
     machine (`workers.channel`), else (or while the channel is being found, or after it broke) in
     one `infer_many` actor call. A batch that ran over the channel with a reply too large for it has
-    its results fetched with a `channel_reply` actor call: it is never run a second time. Runs on the
-    caller's event loop."""
+    its results fetched with a `channel_reply` actor call: it is never run a second time. Nor is one
+    whose channel broke after it was sent (it may have run): its requests get an error saying so,
+    `internal` while the host that was sent it answers (it is alive: no retry, no resync), else
+    `worker_died`. Runs on the caller's event loop."""
 
     MAX_INFLIGHT = 2
     MAX_BATCH = 64
     REDISCOVER_S = 1.0
+    CHECK_S = 10.0
+    """How long the check of a host whose channel broke under a sent batch waits for its answer."""
 
     def __init__(self, handle: Any, device: str, deaths: _Deaths) -> None:
         self.handle = handle
@@ -636,8 +652,34 @@ class _Batcher:
         if addr is not None and same_machine(addr) and self.channel is None:
             self.channel = ChannelClient(addr, connections=self.MAX_INFLIGHT)
 
+    async def _reply_lost(
+        self, items: list[tuple[str, dict[str, np.ndarray]]], channel: ChannelClient, e: ReplyLost
+    ) -> tuple[list[P.InferResult], bool]:
+        """The answers to a batch whose channel broke after it was sent, and whether the device's
+        host answered a check. Whether the host that was sent it lives on decides the code: it still
+        answers (with the same channel address) = INTERNAL; it died, or a restarted one answers (a
+        new address) = WORKER_DIED, as a call through Ray says."""
+        import asyncio
+
+        answered = False
+        try:
+            addr = await asyncio.wait_for(self.handle.channel.remote(), self.CHECK_S)
+        except TimeoutError:  # unknown: the request still must not run twice
+            why, code = f"its host did not answer a check within {self.CHECK_S:g} s", P.INTERNAL
+        except Exception as err:
+            self.deaths.seen(self.device, err)
+            why, code = _why(self.device, err), P.WORKER_DIED
+        else:
+            answered = True
+            if addr == channel.address:
+                why, code = f"device host {self.device!r} is alive", P.INTERNAL
+            else:
+                why, code = f"device host {self.device!r} restarted meanwhile", P.WORKER_DIED
+        return [_lost(self.device, m, e, why, code) for m, _ in items], answered
+
     async def _run(self, batch: list[tuple[str, dict[str, np.ndarray], Any]]) -> None:
         items = [(m, x) for m, x, _ in batch]
+        answered = True  # (False: the host did not answer the check after its channel broke)
         try:
             results = None
             channel = self.channel
@@ -651,13 +693,19 @@ class _Batcher:
                     results = held if held is not None else [_unheld(self.device, m, e) for m, _ in items]
                 except FrameTooLarge as e:
                     logger.info("device %s: %s; going through Ray", self.device, e)
+                except ReplyLost as e:  # it may have run: an error, never a second run
+                    logger.warning("device %s: data channel broke under a sent batch (%s)", self.device, e)
+                    if self.channel is channel:
+                        self.close()
+                    results, answered = await self._reply_lost(items, channel, e)
                 except ChannelError as e:
                     logger.warning("device %s: data channel broke (%s); going through Ray", self.device, e)
                     if self.channel is channel:  # (not one found again meanwhile)
                         self.close()
             if results is None:
                 results = await self.handle.infer_many.remote(items)
-            self.deaths.alive(self.device)
+            if answered:
+                self.deaths.alive(self.device)
         except Exception as e:  # the actor died, or anything else: every waiter gets an answer
             self.deaths.seen(self.device, e)
             why = _why(self.device, e)
