@@ -23,6 +23,12 @@ class WorkerUnavailable(ResidencyError):
     """The device host is down or the load failed (UNAVAILABLE)."""
 
 
+class ModelFailed(ResidencyError):
+    """The model ran and failed (its code raised), or it may have run and its answer was lost
+    (INTERNAL). Not UNAVAILABLE: a client's retry policy retries that, and running a stateful model's
+    request again (a voice detector, a world session's step) would step it twice."""
+
+
 class DeadlineExceeded(ResidencyError):
     """The request's deadline passed while it waited (DEADLINE_EXCEEDED)."""
 

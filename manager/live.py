@@ -37,6 +37,7 @@ from manager.errors import (
     DeadlineExceeded,
     InsufficientCapacity,
     InvalidRequest,
+    ModelFailed,
     ModelNotFound,
     WorkerUnavailable,
 )
@@ -945,6 +946,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         return b
 
     def _raise_infer_error(self, r: P.InferResult) -> None:
+        if r.error_code == P.INTERNAL:  # it ran and failed, or may have run: not UNAVAILABLE (retried)
+            raise ModelFailed(r.error or "inference failed")
         raise worker_error(r.error_code, r.error or "inference failed")
 
     def _log_request(

@@ -13,6 +13,7 @@ from manager.errors import (
     DeadlineExceeded,
     InsufficientCapacity,
     InvalidRequest,
+    ModelFailed,
     ModelNotFound,
     ResidencyError,
     Unauthenticated,
@@ -26,6 +27,7 @@ STATUS: dict[type[ResidencyError], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     InsufficientCapacity: grpc.StatusCode.RESOURCE_EXHAUSTED,
     WorkerUnavailable: grpc.StatusCode.UNAVAILABLE,
+    ModelFailed: grpc.StatusCode.INTERNAL,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
 }
