@@ -52,13 +52,20 @@ def model_specs(config: Config) -> dict[str, Any]:
 
 
 def create_pool(
-    config: Config, *, in_process: bool = False, cpu_fallback: frozenset[str] = frozenset(), **ray_init: Any
+    config: Config,
+    *,
+    in_process: bool = False,
+    cpu_fallback: frozenset[str] = frozenset(),
+    host_kwargs: dict[str, Any] | None = None,
+    **ray_init: Any,
 ) -> Any:
+    """The worker pool; `host_kwargs` (in process only) go to each `DeviceHost` (e.g. `load_timeout_s`)
+    and to the pool (`close_grace_s`)."""
     specs = device_specs(config, cpu_fallback)
     if in_process:
         from workers.pool import InProcessWorkerPool
 
-        return InProcessWorkerPool(specs)
+        return InProcessWorkerPool(specs, **(host_kwargs or {}))
     import ray
 
     from workers.ray_pool import RayUnreachable, RayWorkerPool, ensure_ray, unreachable

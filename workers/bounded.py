@@ -5,8 +5,6 @@ describe (building the module on the meta device), must not hold its caller (the
 thread, a Ray data thread, the manager's event loop) for good with it.
 
 * `start_on_thread(fn, name, done)`: `fn()` on a daemon thread of its own, then `done(ok, value)`.
-* `run_on_thread(fn, timeout_s, name)`: `fn()` so, waited for at most `timeout_s`: its value, its
-  exception raised again, or `TimedOut` (the thread is left to run; what it makes is thrown away).
 * `SingleFlight`: one build a key at a time, each on a thread of its own and waited for at most the
   limit counted from its start; a later call for the same spec joins the build under way (one past
   its limit is refused at once, not started again while it runs); a successful answer is kept per
@@ -51,30 +49,6 @@ def start_on_thread(fn: Callable[[], T], name: str, done: Callable[[bool, Any], 
         done(*result)
 
     threading.Thread(target=run, name=name, daemon=True).start()
-
-
-def run_on_thread(fn: Callable[[], T], timeout_s: float, name: str) -> T:
-    """`fn()` on a daemon thread of its own (named `name`), waited for at most `timeout_s`: its value,
-    or the exception it raised, raised again here. Past the limit, TimedOut (waited); the thread is
-    left to run, and what it makes, if it ever ends, is thrown away (until then, what it holds stays
-    held)."""
-    box: list[tuple[bool, Any]] = []
-    finished = threading.Event()
-
-    def done(ok: bool, value: Any) -> None:
-        box.append((ok, value))
-        finished.set()
-
-    start_on_thread(fn, name, done)
-    if not finished.wait(timeout_s):
-        raise TimedOut(waited=True)
-    ok, value = box.pop()
-    if ok:
-        return value  # type: ignore[no-any-return]
-    try:
-        raise value
-    finally:
-        del value  # no cycle through this frame: what the failed work held goes with the error
 
 
 class Flight(Generic[V]):

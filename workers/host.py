@@ -38,7 +38,7 @@ import torch
 from workers import batching
 from workers import protocol as P
 from workers.adapters import Adapter, AdapterError, HostCopy, make_adapter
-from workers.bounded import SingleFlight, TimedOut, run_on_thread
+from workers.bounded import SingleFlight, TimedOut, start_on_thread
 from workers.measure import CpuProbe, CudaProbe, MemoryProbe, Phases, nvml_power_w, rss_bytes, wait_released
 from workers.st_io import cached_fraction
 from workers.world import NotResident, SessionNotOpen, WorldSessions
@@ -74,6 +74,20 @@ class _Resident:
     """Rows one call may take (dynamic batching); None until its first batch decides it."""
     read_bytes: int = 0
     """Bytes its load read from disk."""
+
+
+@dataclass
+class _Work:
+    """A load's or promote's work running on a thread of its own (`DeviceHost._bounded`)."""
+
+    what: str
+    """"load" or "promote"."""
+    started: float
+    """When it started (time.monotonic)."""
+    wake: threading.Event = field(default_factory=threading.Event)
+    """Set when it ends, or when the host stops (whoever waits for it then gives it up)."""
+    abandoned: bool = False
+    """Given up (past its limit, or at the host's stop) while it still ran: what it makes is thrown away."""
 
 
 class DeviceHost:
@@ -119,6 +133,11 @@ class DeviceHost:
         """Describes by model name: one running a name (a later one of its spec joins it), a successful
         answer kept for the spec it was for."""
         self.session_root = Path(tempfile.gettempdir()) / f"residency-sessions-{device}-{os.getpid()}"
+        self._stopping = False
+        self._work_lock = threading.Lock()
+        self._work: dict[str, _Work] = {}
+        """Loads and promotes running by model name: the one a command waits for, and those abandoned
+        that still run (they may still take memory: no other of that model starts until they end)."""
 
     # ---- commands
 
@@ -162,6 +181,11 @@ class DeviceHost:
 
     def _run(self, cmd: P.Command, op_id: str) -> P.CommandResult:
         name = P.command_model(cmd)
+        if self._stopping:
+            raise AdapterError(
+                P.NOT_AVAILABLE,
+                f"model {name!r}: the device host {self.name} is stopping; {P.command_op(cmd)} not run",
+            )
         r = self.models.get(name)
         if isinstance(cmd, P.Load):
             if r is not None and r.spec != cmd.model:
@@ -234,19 +258,96 @@ class DeviceHost:
 
     def _bounded(self, what: str, model: str, fn: Callable[[], T]) -> T:
         """`fn()` (a load's or promote's work, which runs the model's own code: its factory, its
-        reads) on a thread of its own, waited for at most `load_timeout_s`. One that hangs fails its
-        command (LOAD_TIMEOUT) instead of holding the device's commands for good; what it makes, if it
-        ever ends, is thrown away (until then, what it holds stays held)."""
-        try:
-            return run_on_thread(fn, self.load_timeout_s, f"residency-{what}-{self.name}-{model}")
-        except TimedOut:
+        reads) on a thread of its own, waited for at most `load_timeout_s`, or until the host stops.
+        One that hangs fails its command (LOAD_TIMEOUT; NOT_AVAILABLE at a stop) instead of holding
+        the device's commands, or the process's stop, for good; what it makes, if it ever ends, is
+        thrown away (until then, what it holds stays held, so no other load or promote of that model
+        starts meanwhile: it is refused at once, naming the one still running)."""
+        with self._work_lock:
+            if self._stopping:
+                raise AdapterError(
+                    P.NOT_AVAILABLE,
+                    f"model {model!r}: the device host {self.name} is stopping; {what} not run",
+                )
+            running = self._work.get(model)
+            if running is not None:
+                raise AdapterError(
+                    P.LOAD_TIMEOUT,
+                    f"model {model!r}: its abandoned {running.what} on {self.name} is still running "
+                    f"({time.monotonic() - running.started:.0f} s, a factory or a read that hangs?) and may "
+                    f"still hold memory; no other {what} of it starts until that one ends",
+                )
+            work = self._work[model] = _Work(what, time.monotonic())
+        box: list[tuple[bool, Any]] = []
+
+        def done(ok: bool, value: Any) -> None:  # (on the work's thread)
+            with self._work_lock:
+                if self._work.get(model) is work:
+                    del self._work[model]
+                late = work.abandoned
+                if not late:
+                    box.append((ok, value))
+            work.wake.set()
+            if late:  # nobody takes what it made: it goes with this frame
+                logger.warning(
+                    "device %s: the abandoned %s of %s ended after %.1f s (%s); what it made is thrown away",
+                    self.name, what, model, time.monotonic() - work.started,
+                    "done" if ok else f"failed: {value!r}",
+                )  # fmt: skip
+
+        start_on_thread(fn, f"residency-{what}-{self.name}-{model}", done)
+        work.wake.wait(self.load_timeout_s)
+        with self._work_lock:  # under the lock: it either ended in time, or its end finds it abandoned
+            work.abandoned = gave_up = not box
+            stopping = self._stopping
+        if gave_up:
+            if stopping:  # said by `stop`, naming the model and the device
+                raise AdapterError(
+                    P.NOT_AVAILABLE,
+                    f"model {model!r}: {what} abandoned on {self.name}: the device host is stopping",
+                )
             logger.error("device %s: %s of %s did not finish within %g s; abandoned", self.name, what,
                          model, self.load_timeout_s)  # fmt: skip
             raise AdapterError(
                 P.LOAD_TIMEOUT,
                 f"model {model!r}: {what} did not finish within {self.load_timeout_s:g} s on {self.name} "
                 "(a factory or a read that hangs?); abandoned, the device's other commands go on",
-            ) from None
+            )
+        ok, value = box.pop()
+        if ok:
+            return value  # type: ignore[no-any-return]
+        try:
+            raise value
+        finally:
+            del value  # no cycle through this frame: what the failed work held goes with the error
+
+    def abandoned(self) -> dict[str, tuple[str, float]]:
+        """Loads and promotes given up that still run, by model: (load or promote, seconds running).
+        Their threads cannot be killed: what they hold stays held until they end, or the process."""
+        now = time.monotonic()
+        with self._work_lock:
+            return {m: (w.what, now - w.started) for m, w in self._work.items() if w.abandoned}
+
+    def stop(self) -> None:
+        """The host stops taking commands (each is answered NOT_AVAILABLE, "stopping"); the load or
+        promote a command waits for is given up now (its command answers at once), not waited for:
+        its thread is left to the process's end. What is abandoned so is logged, naming the model."""
+        with self._work_lock:
+            self._stopping = True
+            works = list(self._work.items())
+        now = time.monotonic()
+        for model, w in works:
+            if w.abandoned:
+                logger.warning(
+                    "device %s: stopping with the abandoned %s of %s still running (%.0f s); it is left "
+                    "to the process's end", self.name, w.what, model, now - w.started,
+                )  # fmt: skip
+            else:
+                logger.warning(
+                    "device %s: stopping: the %s of %s (running %.1f s) is abandoned, not waited for; "
+                    "its thread is left to the process's end", self.name, w.what, model, now - w.started,
+                )  # fmt: skip
+            w.wake.set()
 
     def _load(self, cmd: P.Load, op_id: str) -> P.CommandResult:
         r, source, ph, t0, used0, rss0 = self._bounded("load", cmd.model.name, lambda: self._build(cmd))

@@ -5,15 +5,21 @@ op id at once; `poll()` returns the results that have finished since the last po
 `status(device)` reads what a host really holds (to reconcile); `infer(device, model, inputs)` is the
 data plane. `RayWorkerPool` (workers.ray_pool) runs each device host in a named Ray actor;
 `InProcessWorkerPool` runs them in this process, one command thread per device — the same device host
-code, for unit tests and single-process use.
+code, for unit tests and single-process use. Its `close` does not wait for a model's own code that
+hangs (a load's factory or read): the hosts stop, the command threads get `close_grace_s` to end, and
+what still runs then is abandoned, said in the log (device, command, model), and left to the
+process's end (daemon threads: the interpreter's exit does not wait for them either).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
+import queue
 import threading
+import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -21,6 +27,12 @@ import numpy as np
 
 from workers import protocol as P
 from workers.host import DeviceHost
+
+logger = logging.getLogger(__name__)
+
+CLOSE_GRACE_S = 5.0
+"""How long `InProcessWorkerPool.close` lets the commands running end (a load waited for ends at
+once: its host stops) before it abandons them."""
 
 
 @dataclass(frozen=True)
@@ -62,18 +74,59 @@ class UnknownDevice(KeyError):
         return f"unknown device {self.args[0]!r}"
 
 
+class _CommandThread:
+    """One device's commands, in submission order, on a daemon thread of its own (an executor's
+    thread would hold the interpreter's exit while a command hangs in a model's own code)."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.queue: queue.SimpleQueue[tuple[Future[P.CommandResult], DeviceHost, P.Command, str] | None] = (
+            queue.SimpleQueue()
+        )
+        self.running: tuple[P.Command, float] | None = None
+        """The command running now, and when it started (time.monotonic)."""
+        self.thread = threading.Thread(target=self._loop, name=f"dev-{device}", daemon=True)
+        self.thread.start()
+
+    def submit(self, host: DeviceHost, cmd: P.Command, op_id: str) -> Future[P.CommandResult]:
+        fut: Future[P.CommandResult] = Future()
+        self.queue.put((fut, host, cmd, op_id))
+        return fut
+
+    def _loop(self) -> None:
+        while (item := self.queue.get()) is not None:
+            fut, host, cmd, op_id = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            self.running = (cmd, time.monotonic())
+            try:
+                fut.set_result(host.apply(cmd, op_id))  # never raises
+            except BaseException as e:  # handed to whoever polls it, never lost
+                fut.set_exception(e)
+            finally:
+                self.running = None
+
+    def stop(self) -> None:
+        """No command after those queued (a stopping host answers them at once)."""
+        self.queue.put(None)
+
+
 class InProcessWorkerPool:
     """Device hosts in this process; commands run on one thread per device, in submission order."""
 
-    def __init__(self, devices: list[DeviceSpec], **host_kwargs: object) -> None:
+    def __init__(
+        self, devices: list[DeviceSpec], *, close_grace_s: float = CLOSE_GRACE_S, **host_kwargs: object
+    ) -> None:
         self.hosts = {
             d.name: DeviceHost(d.name, d.kind, index=d.index, node=d.node, **host_kwargs)  # type: ignore[arg-type]
             for d in devices
         }
-        self._exec = {d.name: ThreadPoolExecutor(1, thread_name_prefix=f"dev-{d.name}") for d in devices}
+        self.close_grace_s = close_grace_s
+        self._threads = {d.name: _CommandThread(d.name) for d in devices}
         self._futures: dict[str, Future[P.CommandResult]] = {}
         self._lock = threading.Lock()
         self._seq = itertools.count()
+        self._closed = False
 
     def _host(self, device: str) -> DeviceHost:
         if device not in self.hosts:
@@ -85,8 +138,12 @@ class InProcessWorkerPool:
 
     def submit(self, device: str, cmd: P.Command, op_id: str | None = None) -> str:
         host = self._host(device)
+        if self._closed:
+            raise RuntimeError(
+                f"device {device!r}: the worker pool is closed; {P.command_op(cmd)} not queued"
+            )
         op = op_id or new_op_id()
-        fut = self._exec[device].submit(host.apply, cmd, op)
+        fut = self._threads[device].submit(host, cmd, op)
         with self._lock:
             self._futures[f"{next(self._seq)}:{op}"] = fut
         return op
@@ -121,5 +178,25 @@ class InProcessWorkerPool:
         return reply
 
     def close(self) -> None:
-        for ex in self._exec.values():
-            ex.shutdown(wait=True)
+        """Stop the hosts and their command threads, within `close_grace_s`: a load or promote a
+        command waits for is abandoned at once (its host stops), commands queued are answered
+        "stopping"; a command still running past the grace (a model's own code that hangs) is
+        abandoned, and said, not waited for. A second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        for host in self.hosts.values():
+            host.stop()
+        for t in self._threads.values():
+            t.stop()
+        deadline = time.monotonic() + self.close_grace_s
+        for t in self._threads.values():
+            t.thread.join(max(0.0, deadline - time.monotonic()))
+            running = t.running
+            if t.thread.is_alive() and running is not None:
+                cmd, since = running
+                logger.warning(
+                    "device %s: %s of %s still running %.1f s after it began, past the stop's grace "
+                    "(%g s); abandoned, its thread is left to the process's end", t.device,
+                    P.command_op(cmd), P.command_model(cmd), time.monotonic() - since, self.close_grace_s,
+                )  # fmt: skip

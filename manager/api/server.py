@@ -519,7 +519,8 @@ STOP_GRACE_S = 5.0
 """How long a stop lets the requests in flight end by themselves (a load they wait for may finish);
 past it, those still waiting for a load are answered UNAVAILABLE (the service is stopping), and the
 load is abandoned to its device host (a Ray actor finishes it, or not, on its own; device hosts in
-this process finish it before the process exits: Python waits for their threads)."""
+this process abandon it at the pool's close, logged naming the model and device: the process's exit
+does not wait for it)."""
 STOP_ANSWER_S = 1.0
 """After the grace, how long the gRPC server gives the requests answered so to be sent, before it
 cancels what is still running."""

@@ -13,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
-from workers.bounded import SingleFlight, TimedOut, run_on_thread, start_on_thread
+from workers.bounded import SingleFlight, TimedOut, start_on_thread
 
 PREFIX = "residency-test-bounded-"
 
@@ -61,42 +62,42 @@ class Clock:
         return self.now
 
 
-# ---- run_on_thread, start_on_thread
+# ---- start_on_thread
 
 
-def test_run_on_thread_returns_the_value_from_a_thread_of_its_own() -> None:
+def _started(work: Any, name: str) -> tuple[bool, Any]:
+    """What `start_on_thread` hands its `done` for `work`, waited for."""
+    got: list[tuple[bool, Any]] = []
+    finished = threading.Event()
+
+    def done(ok: bool, value: Any) -> None:
+        got.append((ok, value))
+        finished.set()
+
+    start_on_thread(work, name, done)
+    assert finished.wait(30)
+    return got[0]
+
+
+def test_start_on_thread_hands_back_the_value_from_a_thread_of_its_own() -> None:
     seen: list[str] = []
 
     def work() -> int:
         seen.append(threading.current_thread().name)
         return 42
 
-    assert run_on_thread(work, 10, f"{PREFIX}value") == 42
+    assert _started(work, f"{PREFIX}value") == (True, 42)
     assert seen == [f"{PREFIX}value"]  # not the caller's thread
     assert seen[0] != threading.current_thread().name
 
 
 @pytest.mark.parametrize("error", [ValueError("bad checkpoint"), KeyboardInterrupt(), SystemExit(3)])
-def test_run_on_thread_raises_the_works_own_exception(error: BaseException) -> None:
+def test_start_on_thread_hands_back_the_works_own_exception(error: BaseException) -> None:
     def work() -> None:
         raise error
 
-    with pytest.raises(type(error)) as e:
-        run_on_thread(work, 10, f"{PREFIX}error")
-    assert e.value is error  # the very one (any BaseException: none is lost on the thread)
-
-
-def test_run_on_thread_gives_up_past_its_limit_and_leaves_the_work_running(gate: Gate) -> None:
-    gate.open.clear()
-    with pytest.raises(TimedOut) as e:
-        run_on_thread(gate.build, 0.2, f"{PREFIX}hangs")
-    assert e.value.waited is True
-    assert str(e.value) == "waited past its limit"
-    running = [t for t in threading.enumerate() if t.name == f"{PREFIX}hangs"]
-    assert len(running) == 1 and running[0].daemon  # left to run; never holds the process's exit
-    gate.open.set()
-    running[0].join(30)
-    assert gate.calls == 1
+    ok, value = _started(work, f"{PREFIX}error")
+    assert ok is False and value is error  # the very one (any BaseException: none is lost on the thread)
 
 
 def test_start_on_thread_hands_on_the_value_or_the_exception() -> None:
