@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from typing import Annotated, Any, Literal
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -22,6 +22,7 @@ from pydantic import (
     model_validator,
 )
 
+from manager.store.redis_url import redis_url_problem
 from manager.units import (
     DURATION_PATTERN,
     MAX_SIZE,
@@ -253,6 +254,12 @@ class StoreConfig(_Model):
         return v
 
 
+def _redis_url_problem(url: str) -> str | None:
+    """What `open_store` refuses in a redis(s):// url, or None: the store's own rules
+    (store/redis_url.py, which imports no redis). The message never quotes the user info."""
+    return redis_url_problem(url)
+
+
 def _sqlite_url_problem(url: str) -> str | None:
     """What `open_store` refuses in a sqlite:/// url (the rules of store/sqlite.py), or None."""
     parts = urlsplit(url)
@@ -262,49 +269,6 @@ def _sqlite_url_problem(url: str) -> str | None:
     if not path or path.endswith("/"):
         return "no database file in the url; expected sqlite:///PATH/TO/FILE.db"
     return None
-
-
-def _redis_url_problem(url: str) -> str | None:
-    """What `open_store` refuses in a redis(s):// url (the rules of store/redis.py), or None. The
-    message never quotes the url: it may hold a password. Everything up to the last "@" is the user
-    info, as the store takes it (a password may hold "/", "#", "?" or "@")."""
-    scheme, sep, rest = url.partition("://")
-    parts = urlsplit(f"{scheme}{sep}{rest.rpartition('@')[2]}")
-    try:
-        parts.port  # noqa: B018 - raises ValueError unless the port is ASCII digits 0-65535
-    except ValueError:
-        return "the port must be a number 0-65535 (ASCII digits); expected redis://HOST:PORT/DB"
-    if not parts.hostname:
-        return "no host; expected redis://HOST:PORT/DB"
-    path = parts.path.lstrip("/")
-    if parts.fragment or not (path == "" or (path.isascii() and path.isdigit())):
-        return "the database must be a number, like redis://HOST:PORT/0"
-    params = parse_qs(parts.query, keep_blank_values=True)
-    allowed = ("prefix", *_REDIS_TLS_PARAMS)
-    unknown = sorted(params.keys() - set(allowed))
-    if unknown:
-        return f"unknown url parameter {shown(unknown[0])} (allowed: {', '.join(allowed)})"
-    values = params.get("prefix", ["residency"])
-    if len(values) != 1 or not values[0] or values[0].strip() != values[0]:
-        return "prefix must be one non-empty name without spaces"
-    for name in _REDIS_TLS_PARAMS:
-        if name not in params:
-            continue
-        if scheme != "rediss":
-            return f"{name} needs TLS: a rediss:// url"
-        if len(params[name]) != 1 or not params[name][0]:
-            return f"{name} must be given once, not empty"
-    reqs = params.get("ssl_cert_reqs", ["required"])[0]
-    if reqs not in ("none", "optional", "required"):
-        return f"ssl_cert_reqs must be one of none, optional, required, got {shown(reqs)}"
-    if "ssl_keyfile" in params and "ssl_certfile" not in params:
-        return "ssl_keyfile needs ssl_certfile (the client certificate it is the key of)"
-    return None
-
-
-_REDIS_TLS_PARAMS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
-"""rediss:// only: redis-py's names for the CA file, the client certificate and key, and whether the
-server's certificate is checked (none, optional, required). open_store checks that the files load."""
 
 
 class RayConfig(_Model):

@@ -20,11 +20,15 @@ the largest such lateness is kept in `:requests:lag`. `requests()` widens its XR
 that lateness, filters on the exact t, and re-orders through a small heap: entries come back in time
 order all the same, and when nothing was late the heap holds at most one page.
 
-Primitives: parse_redis_url (url -> connection settings, display url, prefix), open_redis (url ->
+Primitives: parse_redis_url (url -> connection settings, display url, prefix; the url rules are
+redis_url.py's, which the config check shares), open_redis (url ->
 RedisStore; connects lazily), RedisStore (the `Store` protocol over an injected redis client).
 
 Errors: any Redis or socket failure is a StoreError whose url has the password replaced by ***;
-`ping()` returns False instead. Thread safety: redis-py clients are thread-safe (a connection pool);
+`ping()` returns False instead. A key of another type than the store keeps there (WRONGTYPE) is named
+with its type, in the same words whatever the Redis version. `refused()` tells a login, a database, a
+server certificate or a client certificate (missing, or not trusted) that the server refuses for
+good from an outage. Thread safety: redis-py clients are thread-safe (a connection pool);
 a batch is one Lua script (read the newest id, place the ids, add the entries), which Redis runs
 whole: all of it is written or none, and racing writers cannot interleave with it.
 """
@@ -35,13 +39,14 @@ import heapq
 import json
 import logging
 import math
+import socket
 import ssl
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import unquote
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -56,12 +61,12 @@ from manager.store.base import (
     normalize_record,
     redact,
 )
+from manager.store.redis_url import DEFAULT_PREFIX, TLS_FILES, split_redis_url
 
 __all__ = ["DEFAULT_PREFIX", "PAGE", "RedisStore", "RedisURL", "open_redis", "parse_redis_url"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PREFIX = "residency"
 PAGE = 1000
 
 
@@ -135,43 +140,11 @@ class RedisURL:
     """rediss:// only: none, optional or required: whether the server's certificate is checked."""
 
 
-_TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
-_TLS_PARAMS = (*_TLS_FILES, "ssl_cert_reqs")
-_CERT_REQS = ("none", "optional", "required")
-
-
-def _url_params_problem(query: str, *, tls: bool) -> str | None:
-    """What is wrong with a redis url's `?query` (`prefix`; the `ssl_*` ones with `rediss://` only),
-    or None; never quotes the url. config_schema._redis_url_problem keeps the same rules (the config
-    may not import redis)."""
-    params = parse_qs(query, keep_blank_values=True)
-    allowed = ("prefix", *_TLS_PARAMS)
-    unknown = sorted(params.keys() - set(allowed))
-    if unknown:
-        return f"unknown url parameter {unknown[0]!r} (allowed: {', '.join(allowed)})"
-    values = params.get("prefix", [DEFAULT_PREFIX])
-    if len(values) != 1 or not values[0] or values[0].strip() != values[0]:
-        return f"prefix must be one non-empty name without spaces, got {values!r}"
-    for name in _TLS_PARAMS:
-        if name not in params:
-            continue
-        if not tls:
-            return f"{name} needs TLS: a rediss:// url"
-        if len(params[name]) != 1 or not params[name][0]:
-            return f"{name} must be given once, not empty, got {params[name]!r}"
-    reqs = params.get("ssl_cert_reqs", ["required"])[0]
-    if reqs not in _CERT_REQS:
-        return f"ssl_cert_reqs must be one of {', '.join(_CERT_REQS)}, got {reqs!r}"
-    if "ssl_keyfile" in params and "ssl_certfile" not in params:
-        return "ssl_keyfile needs ssl_certfile (the client certificate it is the key of)"
-    return None
-
-
 def _check_tls_files(u: RedisURL) -> None:
     """StoreError naming the parameter and path of a TLS file that cannot be read or used (a CA file
     or a client certificate and key that do not load): such a url never connects, and a failed
     handshake would otherwise look like a server that is down."""
-    for name in _TLS_FILES:
+    for name in TLS_FILES:
         path = getattr(u, name)
         if path is None:
             continue
@@ -202,49 +175,34 @@ def _check_tls_files(u: RedisURL) -> None:
 
 
 def parse_redis_url(url: str) -> RedisURL:
-    """Parse `redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?prefix=NAME]`; StoreError when it is bad.
+    """Parse `redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?prefix=NAME]`; StoreError when it is bad
+    (the rules: redis_url.py, which the config check uses too).
 
     Everything up to the last "@" is the user info, as `redact` takes it: a password may hold "/",
     "#", "?" or "@" as password tools make them (`openssl rand -base64`); "%XX" in it is decoded.
     """
-    shown = redact(url)
-    scheme, sep, rest = url.partition("://")
-    userinfo, at, hostpart = rest.rpartition("@")
-    parts = urlsplit(f"{scheme}{sep}{hostpart}")  # host, port, db and query: no password in them
-    if parts.scheme not in ("redis", "rediss"):
-        raise StoreError(shown, "not a redis:// or rediss:// url")
-    username, colon, password = userinfo.partition(":")
     try:
-        port = parts.port if parts.port is not None else 6379
-    except ValueError:
-        raise StoreError(shown, "the port must be a number 0-65535") from None
-    if not parts.hostname:
-        raise StoreError(shown, "no host; expected redis://HOST:PORT/DB")
-    path = parts.path.lstrip("/")
-    if parts.fragment or not (path == "" or (path.isascii() and path.isdigit())):
-        raise StoreError(shown, f"the database must be a number, like redis://HOST:PORT/0, got {path!r}")
-    tls = parts.scheme == "rediss"
-    problem = _url_params_problem(parts.query, tls=tls)
-    if problem:
-        raise StoreError(shown, problem)
-    params = {k: v[0] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
-    prefix = params.get("prefix", DEFAULT_PREFIX)
+        parts = split_redis_url(url)
+    except ValueError as e:
+        raise StoreError(redact(url), str(e)) from None
+    userinfo, at = (parts.userinfo, "@") if parts.userinfo is not None else ("", "")
+    username, colon, password = userinfo.partition(":")
+    prefix = parts.params.get("prefix", DEFAULT_PREFIX)
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
     query = "" if prefix == DEFAULT_PREFIX else f"?prefix={prefix}"
-    db = int(path or 0)
     return RedisURL(
         host=parts.hostname,
-        port=port,
-        db=db,
+        port=parts.port,
+        db=parts.db,
         username=unquote(username) if username else None,
         password=unquote(password) if colon else None,
-        ssl=tls,
+        ssl=parts.tls,
         prefix=prefix,
-        display=redact(f"{parts.scheme}://{userinfo}{at}{host}:{port}/{db}{query}"),
-        ssl_ca_certs=params.get("ssl_ca_certs"),
-        ssl_certfile=params.get("ssl_certfile"),
-        ssl_keyfile=params.get("ssl_keyfile"),
-        ssl_cert_reqs=params.get("ssl_cert_reqs", "required"),
+        display=redact(f"{parts.scheme}://{userinfo}{at}{host}:{parts.port}/{parts.db}{query}"),
+        ssl_ca_certs=parts.params.get("ssl_ca_certs"),
+        ssl_certfile=parts.params.get("ssl_certfile"),
+        ssl_keyfile=parts.params.get("ssl_keyfile"),
+        ssl_cert_reqs=parts.params.get("ssl_cert_reqs", "required"),
     )
 
 
@@ -275,7 +233,71 @@ def open_redis(url: str, *, timeout_s: float = 5.0) -> RedisStore:
         # make ping() on a dead server take seconds.
         retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), retries=2),
     )
-    return RedisStore(client, url=u.display, prefix=u.prefix)
+    return RedisStore(client, url=u.display, prefix=u.prefix, tls=u if u.ssl else None, timeout_s=timeout_s)
+
+
+_CERT_ALERTS = frozenset(
+    {
+        "TLSV13_ALERT_CERTIFICATE_REQUIRED",  # TLS 1.3: no client certificate
+        "SSLV3_ALERT_HANDSHAKE_FAILURE",  # TLS 1.2: no client certificate (or nothing in common)
+        "TLSV1_ALERT_UNKNOWN_CA",
+        "SSLV3_ALERT_BAD_CERTIFICATE",
+        "SSLV3_ALERT_UNSUPPORTED_CERTIFICATE",
+        "SSLV3_ALERT_CERTIFICATE_REVOKED",
+        "SSLV3_ALERT_CERTIFICATE_EXPIRED",
+        "SSLV3_ALERT_CERTIFICATE_UNKNOWN",
+        "TLSV1_ALERT_ACCESS_DENIED",
+        "TLSV1_ALERT_DECRYPT_ERROR",
+    }
+)
+"""TLS alerts with which a server refuses this client's certificate (or its lack): for good."""
+
+_CLIENT_CERT = "?ssl_certfile=CLIENT.pem&ssl_keyfile=CLIENT.key"
+_VERIFY = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
+
+
+def _tls_refusal(u: RedisURL, timeout_s: float) -> str | None:
+    """Why the TLS server of `u` refuses this client for good, from the alert with which it ends a
+    bare handshake (no client certificate, or one it does not trust); None when it sends none (it is
+    down, or it takes the handshake). Sends no password and no command: the handshake, then a read.
+    Under TLS 1.3 a server sends that alert only after the handshake, and a client that writes first
+    (redis-py sends its first command) may find the socket closed and the alert lost: an SSLEOFError,
+    which looks like an outage."""
+    try:
+        ctx = ssl.create_default_context(cafile=u.ssl_ca_certs)
+        ctx.check_hostname = False  # the ping that failed checked the name (a mismatch is said first)
+        ctx.verify_mode = _VERIFY[u.ssl_cert_reqs]
+        if u.ssl_certfile is not None:
+            ctx.load_cert_chain(u.ssl_certfile, u.ssl_keyfile, password=lambda: b"")
+        with (
+            socket.create_connection((u.host, u.port), timeout=timeout_s) as raw,
+            ctx.wrap_socket(raw, server_hostname=u.host) as conn,
+        ):
+            conn.recv(1)  # a server that took the handshake waits for a command: a timeout
+        return None
+    except ssl.SSLError as e:
+        reason = e.reason
+        if reason not in _CERT_ALERTS:
+            return None
+        alert = reason.split("_ALERT_", 1)[1].lower().replace("_", " ")  # "certificate required"
+    except OSError:
+        return None
+    if u.ssl_certfile is not None:
+        return (
+            f"the server does not accept the client certificate {u.ssl_certfile!r} (TLS alert: "
+            f"{alert}) (store.url: ssl_certfile must be signed by a CA the server trusts, its "
+            "tls-ca-cert-file, and not expired)"
+        )
+    if reason == "TLSV13_ALERT_CERTIFICATE_REQUIRED":
+        return (
+            f"the server asks for a client certificate and store.url gives none (TLS alert: {alert}) "
+            f"(store.url: add {_CLIENT_CERT}, signed by a CA the server trusts)"
+        )
+    return (
+        f"the server ends the TLS handshake (TLS alert: {alert}): it most likely asks for a client "
+        f"certificate and store.url gives none (store.url: add {_CLIENT_CERT}, signed by a CA the "
+        "server trusts)"
+    )
 
 
 def _text(v: bytes | str) -> str:
@@ -285,15 +307,33 @@ def _text(v: bytes | str) -> str:
 class RedisStore:
     """The `Store` protocol on Redis (see the module docstring). `client` must not decode responses."""
 
-    def __init__(self, client: redis.Redis, *, url: str, prefix: str = DEFAULT_PREFIX) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        url: str,
+        prefix: str = DEFAULT_PREFIX,
+        tls: RedisURL | None = None,
+        timeout_s: float = 5.0,
+    ) -> None:
+        """`tls`: the parsed rediss:// url the client was made from, for `refused` to ask a TLS
+        server why it ends the connection (see _tls_refusal); `timeout_s` bounds that question."""
         self.url = url
         self.prefix = prefix
         self._client = client
         self._closed = False
+        self._tls = tls
+        self._timeout_s = timeout_s
         self._requests_key = f"{prefix}:requests"
         self._lag_key = f"{prefix}:requests:lag"
         self._docs_key = f"{prefix}:docs"
         self._intents_key = f"{prefix}:intents"
+        self._types = {  # what each key holds, as Redis's TYPE names it
+            self._requests_key: "stream",
+            self._lag_key: "zset",
+            self._docs_key: "hash",
+            self._intents_key: "hash",
+        }
         self._append = client.register_script(_APPEND_LUA)
 
     @contextmanager
@@ -303,8 +343,31 @@ class RedisStore:
             raise StoreError(self.url, f"{what}: the store is closed")
         try:
             yield self._client
+        except redis.ResponseError as e:
+            # Redis 6 wraps a script's WRONGTYPE in its own "Error running script" text; 7 does not
+            if "WRONGTYPE" in str(e):
+                raise StoreError(self.url, f"{what}: ResponseError: WRONGTYPE: {self._wrong_types()}") from e
+            raise StoreError(self.url, f"{what}: {type(e).__name__}: {e}") from e
         except (redis.RedisError, OSError) as e:
             raise StoreError(self.url, f"{what}: {type(e).__name__}: {e}") from e
+
+    def _wrong_types(self) -> str:
+        """Which of this store's keys hold another kind of value than the store keeps there, and
+        what to do: the message of a WRONGTYPE error, the same whatever the Redis version."""
+        try:
+            found = {key: _text(self._client.type(key)) for key in self._types}
+        except (redis.RedisError, OSError):
+            found = {}
+        wrong = [
+            f"{key} holds a {kind}, not a {self._types[key]}"
+            for key, kind in found.items()
+            if kind not in ("none", self._types[key])
+        ]
+        what = ", ".join(wrong) or f"a key under the prefix {self.prefix!r} holds another kind of value"
+        return (
+            f"{what} (another program's data under the prefix {self.prefix!r}? give this store its own "
+            "?prefix=NAME in store.url)"
+        )
 
     # ---- request log -----------------------------------------------------------------------------
 
@@ -423,11 +486,14 @@ class RedisStore:
         except redis.ResponseError as e:  # NOAUTH, WRONGPASS, an out-of-range database number
             return f"the server refuses this store: {e} (store.url)"
         except redis.ConnectionError as e:
-            if isinstance(e.__cause__ or e.__context__, ssl.SSLCertVerificationError):
+            cause = e.__cause__ or e.__context__
+            if isinstance(cause, ssl.SSLCertVerificationError):
                 return (
                     f"the server's TLS certificate is not trusted: {e} (store.url: give the CA that "
                     "signed it as ?ssl_ca_certs=PATH)"
                 )
+            if isinstance(cause, ssl.SSLError) and self._tls is not None:
+                return _tls_refusal(self._tls, self._timeout_s)
             return None
         except (redis.RedisError, OSError):
             return None  # down, or unreachable: an outage, which the service rides out
