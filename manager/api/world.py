@@ -59,14 +59,18 @@ class WorldSessionServicer(pb_grpc.WorldSessionServicer):
 
     async def _next(self, it: AsyncIterator[pb.WorldInput]) -> pb.WorldInput | None:
         """The client's next message, or None when it ended its stream; ServerStopping once the server
-        stops (the read is given up)."""
+        stops (the read is given up). A stop wins over a message that is there already: a client that
+        always has its next pose waiting kept the session stepping through the stop's whole grace, and
+        its stream then ended with gRPC's own cancel, not naming the session to resume."""
+        if self.stopping.is_set():
+            raise ServerStopping
         read = asyncio.ensure_future(anext(it, None))
         stop = asyncio.ensure_future(self.stopping.wait())
         try:
             await asyncio.wait((read, stop), return_when=asyncio.FIRST_COMPLETED)
         finally:
             stop.cancel()
-        if read.done():
+        if read.done() and not self.stopping.is_set():
             return read.result()
         read.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
