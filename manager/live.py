@@ -76,6 +76,9 @@ this often, this many times."""
 RESYNC_LATER_S = 5.0
 """A device whose resync found no status after those tries is resynced again this often, by the
 reconciler, until its host reports one (what it holds meanwhile is unknown to the books)."""
+HELD_CHECK_S = 2.0
+"""While a device host runs a load it abandoned (LOAD_TIMEOUT) whose room the books keep held, its
+status is read again (a resync) this often, until it no longer lists that load."""
 NOT_HELD = "not held by its device host (resync)"
 """The reason of the moves by which a resync takes a model its device host no longer holds off the
 books (no eviction: nothing was decided, and a reload after it is no thrash)."""
@@ -188,6 +191,10 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self._resync_again: dict[str, str] = {}  # device -> why another resync follows the one under way
         self._unsynced: dict[str, tuple[float, str]] = {}  # device -> (next resync at, why): status unread
         self._results: dict[str, int] = {}  # model -> how many command results were taken for it
+        self._held_loads: dict[str, str] = {}
+        """Models whose load or promote their device host abandoned (LOAD_TIMEOUT) but still runs, with
+        the error that said so: their bytes stay booked on their device (`_hold_abandoned`)."""
+        self._held_check: dict[str, float] = {}  # device -> when its abandoned loads are checked again
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -252,6 +259,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                     self._load_pins(now)
                     self._flush()
                     self._resync_unsynced(now)
+                    self._check_abandoned(now)
                     next_tick = now + 1.0
                 full = len(self._log_buf) >= LOG_BATCH and not self._log_failing
                 if self._log_buf and (now >= self._next_flush or full):
@@ -370,6 +378,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             live.loads_pending -= 1
         if r.ok:
             self._drops_refused.discard(model)
+            self._held_loads.pop(model, None)
             if not r.noop:
                 self.metrics.load_seconds.labels(model, r.transition).observe(r.timing.total_s)
             live.tier = r.to_tier
@@ -406,9 +415,12 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             m.prewarm_ok = False
             live.load_error = r.error or r.error_code or "load failed"
         if kind in (ActionKind.LOAD, ActionKind.PROMOTE) and m.tier == Tier.GPU and live.loads_pending == 0:
-            self.engine.evict(m, now, f"load failed: {r.error}", failed=True)
-            self._flush()
-            live.ready.set()  # wake the waiters: they see the error
+            if r.error_code == P.LOAD_TIMEOUT:  # it still runs there: its room is not free
+                self._hold_abandoned(m, r.error or f"its {r.op} did not finish in time")
+            else:
+                self.engine.evict(m, now, f"load failed: {r.error}", failed=True)
+                self._flush()
+                live.ready.set()  # wake the waiters: they see the error
         elif kind == ActionKind.LOAD_HOST and m.tier == Tier.HOST:
             self.engine.drop_host(m, now, f"load to host RAM failed: {r.error}")
             self._flush()
@@ -489,7 +501,9 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         it failed, a drop it refused) is put on the books if it fits them, else dropped there
         (`_held_beyond_books`); one it holds that is not configured there is dropped. A model with a
         command on its way, a request or session in flight, or a result taken while the status was
-        read is left to those (their results tell). Returns the models taken off."""
+        read is left to those (their results tell). A model whose abandoned load still runs there
+        (`WorkerStatus.abandoned`) stays held, or is held, on the books; its hold ends once the status no
+        longer lists it (`_resync_abandoned`). Returns the models taken off."""
         on_device = [m for m in self.engine.models.values() if m.device == device]
         busy = {name for name, _ in self._ops.values()}
         seen = {m.name: self._results.get(m.name, 0) for m in on_device}
@@ -520,12 +534,12 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             self._boots[device] = st.boot_id
         busy |= {name for name, _ in self._ops.values()}
         lost = []
-        beyond = []
+        beyond: list[str] = []
         repin = False  # a model held in another tier than the books' was dropped (it did not fit)
         for m in on_device:
             if m.name in busy or self.live[m.name].inflight > 0:
                 continue
-            if self._results.get(m.name, 0) != seen[m.name]:
+            if self._results.get(m.name, 0) != seen[m.name] or self._resync_abandoned(m, st, why, beyond):
                 continue
             want = {Tier.GPU: "gpu", Tier.HOST: "host"}.get(m.tier)
             held = st.models.get(m.name)
@@ -564,6 +578,109 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             self.engine.load_pinned(self.clock())  # a pinned model lost goes back at once
             self._flush()
         return lost
+
+    def _resync_abandoned(self, m: Any, st: P.WorkerStatus, why: str, done: list[str]) -> bool:
+        """A resync's part for a model whose abandoned load the books hold, or that `st` lists as
+        abandoned (what was done goes to `done`): the hold ends when `st` no longer lists it
+        (`_release_abandoned`; the rest of the resync then goes on for it as for any model); one the
+        books have on disk (a restarted manager's books) or on the GPU is held (`_hold_abandoned`).
+        True when the rest of the resync leaves it alone: its load still runs there, so its host holds
+        nothing of it to book yet."""
+        running = st.abandoned.get(m.name)
+        if m.name in self._held_loads:
+            if running is None:
+                done.append(self._release_abandoned(m, why))
+                return False
+            return True
+        if running is None:
+            return False
+        op, secs = running
+        if m.tier != Tier.HOST and self._hold_abandoned(
+            m, f"{why}; its abandoned {op} has run {secs:.0f} s on {m.device}"
+        ):
+            done.append(f"{m.name} held (its abandoned {op} still runs)")
+        return True
+
+    def _hold_abandoned(self, m: Any, why: str) -> bool:
+        """`m`'s device host abandoned its load or promote (LOAD_TIMEOUT, `why`) but that still runs
+        there (a thread cannot be killed): what it allocates stays allocated until it ends. So its
+        bytes stay booked on its device: the model stays on the books as loading, for good (never
+        served, never evicted, its room never given to another model) until a status of its host no
+        longer lists that load (`WorkerStatus.abandoned`; a resync reads one every HELD_CHECK_S
+        meanwhile, `_release_abandoned`). It is not resident: its requests are refused meanwhile,
+        saying why (`_refuse_held`), and a load of it is tried again once the hold ends. A model the
+        books have on disk (a restarted manager's) is booked so when it fits; False when not."""
+        now = self.clock()
+        if m.tier == Tier.DISK and not self.engine.adopt(m, Tier.GPU, now):
+            logger.warning(
+                "device %s: %s (%s), and its room does not fit the books: it is not held there",
+                m.device,
+                m.name,
+                why,
+            )
+            return False
+        if m.tier != Tier.GPU:  # (the books moved it meanwhile: nothing of it is booked there)
+            return False
+        self._held_loads[m.name] = why
+        m.ready_at = math.inf  # loading for good: no hit, no eviction, no keep-alive running out
+        live = self.live[m.name]
+        live.tier = "disk"
+        live.ready.set()  # its waiters wake and find it held (`_refuse_held`)...
+        live.ready.clear()  # ...and it is not ready: not resident
+        self._set_intent(m.name, "disk", "abandoned load")
+        self._held_check.setdefault(m.device, now + HELD_CHECK_S)
+        self._gauge_resident()
+        held = f"{fmt_bytes(m.gpu_bytes)} on {m.device}"
+        logger.warning("device %s: %s; its %s stay booked until that load ends", m.device, why, held)
+        self._publish("held", m.name, f"{why}; its {held} stay booked until that load ends", m.device, now)
+        return True
+
+    def _release_abandoned(self, m: Any, why: str) -> str:
+        """A status of `m`'s device host no longer lists its abandoned load (it ended, or the host
+        restarted): the room held for it is free on the books (no command: the host holds nothing of
+        it from that load). Returns what was done."""
+        now = self.clock()
+        self._held_loads.pop(m.name, None)
+        if m.tier == Tier.GPU:
+            m.ready_at = now
+            self.engine.unbook(m, now)
+            self._gauge_resident()
+        detail = f"{why}; its abandoned load no longer runs: the room held for it is free"
+        logger.info("device %s: %s: %s", m.device, m.name, detail)
+        self._publish("released", m.name, detail, m.device, now)
+        return f"{m.name} released (its abandoned load ended)"
+
+    def _check_abandoned(self, now: float) -> None:
+        """The reconciler's check of the abandoned loads whose room the books hold: their device's
+        status is read again (a resync) every HELD_CHECK_S, until it no longer lists them."""
+        devices: dict[str, list[str]] = {}
+        for name in self._held_loads:
+            devices.setdefault(self.engine.models[name].device, []).append(name)
+        for device in self._held_check.keys() - devices.keys():
+            del self._held_check[device]
+        for device, names in devices.items():
+            if now >= self._held_check.get(device, now):
+                self._held_check[device] = now + HELD_CHECK_S
+                self._resync_soon(device, f"checking whether the abandoned load of {', '.join(names)} ended")
+
+    def _refuse_held(self, m: Any) -> None:
+        """WorkerUnavailable when `m`'s abandoned load still runs on its device host (`_hold_abandoned`):
+        no other load of it starts until that one ends."""
+        why = self._held_loads.get(m.name)
+        if why is not None:
+            raise WorkerUnavailable(
+                f"model {m.name!r} could not be loaded: {why}; that load is still running on its device "
+                f"host, which holds its memory on {m.device} until it ends: retry later"
+            )
+
+    def _held_note(self, device: str) -> str:
+        """What the abandoned loads still running on `device` hold there ("" when none)."""
+        held = [
+            f"{fmt_bytes(m.gpu_bytes)} by the abandoned load of {name!r}"
+            for name in self._held_loads
+            if (m := self.engine.models[name]).device == device and m.tier == Tier.GPU
+        ]
+        return f" ({', '.join(held)} held on {device}: still running on its device host)" if held else ""
 
     def _resync_unsynced(self, now: float) -> None:
         """The reconciler's light check: a device whose last resync could not read its host's status
@@ -656,7 +773,12 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         """Whether `name` is ready to serve at once: its load on the GPU confirmed, none pending. A
         failed load also wakes its waiters (the ready event) but leaves the model on disk: not ready."""
         live = self.live[name]
-        return live.ready.is_set() and not live.loads_pending and self.engine.models[name].tier == Tier.GPU
+        return (
+            live.ready.is_set()
+            and not live.loads_pending
+            and self.engine.models[name].tier == Tier.GPU
+            and name not in self._held_loads
+        )
 
     def _model(self, name: str) -> Any:
         m = self.engine.models.get(name)
@@ -689,9 +811,12 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             if now - arrival > max_wait:
                 raise InsufficientCapacity(
                     f"model {m.name!r}: no room within its class's max_wait ({max_wait} s)"
+                    + self._held_note(m.device)
                 )
             if now >= deadline:
-                raise DeadlineExceeded(f"model {m.name!r}: no room became free before the deadline")
+                raise DeadlineExceeded(
+                    f"model {m.name!r}: no room became free before the deadline{self._held_note(m.device)}"
+                )
             self._if_stopping(m, "no room became free for it in time")
             await asyncio.sleep(WAIT_RETRY_S)
 
@@ -704,6 +829,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         died = ""
         no_room = False  # taken off its device meanwhile, and no room to load it again yet
         while not live.ready.is_set() or live.loads_pending:
+            self._refuse_held(m)
             self._if_stopping(m)
             left = deadline - self.clock()
             if left <= 0 and died:
@@ -720,6 +846,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                 raise DeadlineExceeded(f"model {m.name!r} did not finish loading before the deadline")
             # at least once a second: a model taken off its device meanwhile is admitted again
             await self._wait_ready(live, min(left, 1.0))
+            self._refuse_held(m)
             if live.error and m.tier != Tier.GPU and live.error_code == P.WORKER_DIED and not died:
                 died = live.error
                 why = f"died during the load, loading again: {died}"
@@ -964,6 +1091,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
     # ---- admin --------------------------------------------------------------------------------
     async def preload(self, model: str, tier: str = "gpu", timeout_s: float = 120.0) -> None:
         m = self._model(model)
+        self._refuse_held(m)
         now = self.clock()
         if tier == "host":
             if m.tier == Tier.DISK and not self.engine.load_host(m, now, "preload"):
@@ -1002,6 +1130,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                 continue
             why = (
                 "pinned" if c.pinned
+                else "its abandoned load still runs on its device host" if c.name in self._held_loads
                 else "loading" if c.ready_at > now
                 else "in use" if not c.idle(now)
                 else f"class {names[c.rank]}, above {names[m.rank]}" if c.rank < m.rank
@@ -1045,7 +1174,11 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
     def _evict_now(self, m: Any, to: str) -> None:
         """To disk: dropped at once (demoted on the way, it could push other models out of host RAM
         for a copy dropped next). To host: demoted when host RAM has room (or the policy makes it
-        some), whatever the policy's own use of the host tier; else dropped."""
+        some), whatever the policy's own use of the host tier; else dropped. Not a model whose
+        abandoned load still runs (`_hold_abandoned`): it is not resident, and the room held for that
+        load is not the books' to free."""
+        if m.name in self._held_loads:
+            return
         if m.tier == Tier.GPU:
             self.engine.evict(m, self.clock(), "admin evict", to_host=to == "host")
         elif m.tier == Tier.HOST and to == "disk":

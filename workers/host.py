@@ -732,5 +732,5 @@ class DeviceHost:
                 for n, r in self.models.copy().items()  # a copy, in one C call: commands change it
             },
             ops_done=self.ops_done, device_free_bytes=free, device_total_bytes=total, rss_bytes=rss_bytes(),
-            sessions=self.world.status(), boot_id=self.boot_id,
+            sessions=self.world.status(), boot_id=self.boot_id, abandoned=self.abandoned(),
         )  # fmt: skip

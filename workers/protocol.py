@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import struct
 import sys
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal
 
 import numpy as np
@@ -213,6 +213,18 @@ class WorkerStatus:
     boot_id: str = ""
     """Unique to this host process (a restarted host has a new one, as every `CommandResult` of it
     says); "" from an older host."""
+    abandoned: dict[str, tuple[str, float]] = field(default_factory=dict)
+    """Loads and promotes given up (LOAD_TIMEOUT) whose threads still run, by model: ("load" or
+    "promote", seconds running). What they allocate stays allocated on the device until they end, so
+    the manager keeps that room booked meanwhile; {} from an older host."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickled (a status over Ray): a field that an older host's status lacks takes its default.
+        A plain default falls back on its class attribute by itself; a `default_factory` one has none."""
+        for f in fields(self):
+            if f.name not in state and f.default_factory is not MISSING:
+                state = {**state, f.name: f.default_factory()}
+        self.__dict__.update(state)
 
 
 OIP_DATATYPES: dict[str, str] = {
