@@ -8,14 +8,18 @@ by outcome. (WorldPager stall figures join with world sessions.)
 
 from __future__ import annotations
 
+import errno
+import logging
 import socket
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
+
+logger = logging.getLogger(__name__)
 
 WAIT_BUCKETS = (
     0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0
@@ -103,41 +107,142 @@ def _authorized(
     return guarded
 
 
+LOOPBACKS = ("127.0.0.1", "::1")
+"""What `localhost` binds: both loopback addresses, whatever the resolver says (as gRPC binds
+`server.listen: localhost:…`), so a scraper of either finds it."""
+
+
+def _addresses(host: str, port: int) -> list[tuple[socket.AddressFamily, tuple[Any, ...]]]:
+    """(family, sockaddr) of each address `host` stands for, in the resolver's order, once each."""
+    seen: list[tuple[socket.AddressFamily, tuple[Any, ...]]] = []
+    for h in LOOPBACKS if host == "localhost" else (host,):
+        for family, _, _, _, sockaddr in socket.getaddrinfo(
+            h, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        ):
+            if (family, sockaddr) not in seen:
+                seen.append((family, tuple(sockaddr)))
+    return seen
+
+
+UNAVAILABLE = (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT)
+"""Bind errors of an address this host does not have (::1 where IPv6 is off): skipped when another
+address of the name binds. Any other error (a port another server holds) fails the whole start."""
+
+
+class _Server(ThreadingWSGIServer):
+    """The endpoint on one address, listening: a connection past `slots` is closed unanswered.
+    `peers`: the same endpoint on the name's other addresses, stopped and closed with this one."""
+
+    def __init__(
+        self,
+        family: socket.AddressFamily,
+        sockaddr: tuple[Any, ...],
+        slots: threading.BoundedSemaphore,
+        v6only: bool,
+    ) -> None:
+        self.address_family = family  # (read by the constructor, which makes the socket)
+        self.slots = slots
+        self.peers: list[_Server] = []
+        super().__init__(sockaddr, _Handler, bind_and_activate=False)
+        try:
+            if v6only and family == socket.AF_INET6:  # `::` beside `0.0.0.0` would clash
+                self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            self.server_bind()
+            self.server_activate()
+        except BaseException:
+            self.server_close()
+            raise
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):  # too many at once: this one is closed unanswered
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        for p in self.peers:
+            p.shutdown()
+
+    def server_close(self) -> None:
+        super().server_close()
+        for p in self.peers:
+            p.server_close()
+
+
+def _shown(sockaddr: tuple[Any, ...]) -> str:
+    host, port = sockaddr[0], sockaddr[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _bind_all(host: str, port: int, slots: threading.BoundedSemaphore) -> list[_Server]:
+    """A listening server on each address of `host` that this host has, all on one port (port 0:
+    the first one's); OSError when one cannot be had for another reason, or none can."""
+    addresses = _addresses(host, port)
+    bound: list[_Server] = []
+    skipped: OSError | None = None
+    try:
+        for family, sockaddr in addresses:
+            if bound:
+                sockaddr = (sockaddr[0], bound[0].server_address[1], *sockaddr[2:])
+            try:
+                bound.append(_Server(family, sockaddr, slots, v6only=len(addresses) > 1))
+            except OSError as e:
+                # which of the name's addresses failed is said (`localhost` is two)
+                where = OSError(e.errno, f"{e.strerror or e} on {_shown(sockaddr)}")
+                if e.errno not in UNAVAILABLE:
+                    raise where from None
+                skipped = skipped or where
+                logger.warning("metrics: %s: not served there", where.strerror)
+    except BaseException:
+        for s in bound:
+            s.server_close()
+        raise
+    if not bound:
+        assert skipped is not None
+        raise skipped
+    return bound
+
+
 def serve_metrics(
     host: str, port: int, registry: CollectorRegistry, allows: Callable[[str], bool] | None = None
 ) -> tuple[WSGIServer, threading.Thread]:
     """Prometheus' exposition over HTTP on host:port in a daemon thread, as prometheus_client's
     `start_http_server`, but with a bearer token when `allows` is given, a read timeout and a bound
     on the connections served at once (an idle or slow client held a thread each, without end).
-    Returns (server, thread): `server.shutdown()` and `server_close()` stop it. OSError if the
-    address cannot be had."""
-    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    family, bind_host = info[0], str(info[4][0])
-    slots = threading.BoundedSemaphore(HTTP_MAX_CONNECTIONS)
-
-    class Server(ThreadingWSGIServer):
-        address_family = family
-
-        def process_request(self, request: Any, client_address: Any) -> None:
-            if not slots.acquire(blocking=False):  # too many at once: this one is closed unanswered
-                self.shutdown_request(request)
-                return
-            try:
-                super().process_request(request, client_address)
-            except BaseException:
-                slots.release()
-                raise
-
-        def process_request_thread(self, request: Any, client_address: Any) -> None:
-            try:
-                super().process_request_thread(request, client_address)
-            finally:
-                slots.release()
-
+    Every address `host` stands for is bound (`localhost`: 127.0.0.1 and ::1), on one port: only the
+    first one was, so a scraper of the other loopback address found nothing there.
+    Returns (server, thread): `server.shutdown()` and `server_close()` stop it on every address, and
+    the thread ends once it has. OSError if the address cannot be had."""
     app = make_wsgi_app(registry)
-    httpd = make_server(
-        bind_host, port, app if allows is None else _authorized(app, allows), Server, _Handler
-    )
-    thread = threading.Thread(target=httpd.serve_forever, name="residency-metrics", daemon=True)
+    app = app if allows is None else _authorized(app, allows)
+    first, *others = _bind_all(host, port, threading.BoundedSemaphore(HTTP_MAX_CONNECTIONS))
+    first.peers = others
+    threads = [
+        threading.Thread(target=s.serve_forever, name="residency-metrics", daemon=True) for s in others
+    ]
+    for s in (first, *others):
+        s.set_app(app)
+    for t in threads:
+        t.start()
+
+    def serve_all() -> None:
+        try:
+            first.serve_forever()
+        finally:  # `first.shutdown()` stops the peers next: this thread ends with the last of them
+            for t in threads:
+                t.join()
+
+    thread = threading.Thread(target=serve_all, name="residency-metrics", daemon=True)
     thread.start()
-    return httpd, thread
+    return first, thread

@@ -93,6 +93,20 @@ async def preload_host(manager: LiveManager, name: str, timeout_s: float = PRELO
         manager.unsubscribe(events)
 
 
+def _caught_up_gap(q: asyncio.Queue[dict[str, Any]], t: float) -> pb.Event | None:
+    """The note on the events dropped for a watcher too slow for them, once it has read all its
+    queue holds: the manager puts it in the queue before the next event that fits, which may come
+    hours later, and meanwhile the watcher saw a history that ended without a word on its last
+    events (often the latest state: the end of a burst). None when nothing was dropped, or the
+    queue still holds events (the note then comes in its place, from the manager)."""
+    dropped = int(getattr(q, "dropped", 0))
+    if not dropped or not q.empty():
+        return None
+    q.dropped = 0  # type: ignore[attr-defined]  # (said now: not again with the next event)
+    note = f"{dropped} events were dropped here: this watcher read them too slowly"
+    return pb.Event(t=t, kind="events_dropped", model="", detail=note, device="")
+
+
 class AdminServicer(pb_grpc.ResidencyServicer):
     def __init__(
         self, manager: LiveManager, config_path: str | None = None, stopping: asyncio.Event | None = None
@@ -156,6 +170,10 @@ class AdminServicer(pb_grpc.ResidencyServicer):
         get: asyncio.Future[dict[str, Any]] | None = None
         try:
             while True:
+                caught_up = _caught_up_gap(q, self.manager.clock())
+                if caught_up is not None:
+                    yield caught_up
+                    continue
                 get = asyncio.ensure_future(q.get())
                 await asyncio.wait((get, stopping), return_when=asyncio.FIRST_COMPLETED)
                 if not get.done():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 from typing import Any
 
 import grpc
@@ -22,6 +23,8 @@ def list_models(
 ) -> Any:
     """The server's List answer. `root_cert` (PEM): talk TLS, trusting that certificate (a server
     with `server.tls_cert` serves nothing else); None: plaintext."""
+    if root_cert is not None:
+        check_root_cert(root_cert)
     meta = [("authorization", f"Bearer {token}")] if token else None
     ch = (
         grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=root_cert))
@@ -34,7 +37,39 @@ def list_models(
                 residency_pb2.ListRequest(), timeout=timeout_s, metadata=meta
             )
         except grpc.RpcError as e:
-            raise ClientError(f"{target}: {e.code().name}: {e.details()}", e.code().name) from None
+            details = str(e.details())
+            raise ClientError(
+                f"{target}: {e.code().name}: {details}{_tls_hint(details, root_cert is not None)}",
+                e.code().name,
+            ) from None
+
+
+def check_root_cert(root_cert: bytes) -> None:
+    """ClientError unless `root_cert` holds a PEM certificate: gRPC took any file, printed lines of
+    its C core's log ("Could not load any root certificate") and then failed the call with "Failed
+    to create security handshaker", naming neither the file nor what is wrong with it."""
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=root_cert.decode("ascii"))
+    except (UnicodeDecodeError, ssl.SSLError) as e:
+        why = "not text" if isinstance(e, UnicodeDecodeError) else e.reason or str(e)
+        raise ClientError(
+            "the TLS certificate to trust (--tls-cert, or the config's server.tls_cert) holds no PEM "
+            f"certificate ({why}): give the server's certificate (-----BEGIN CERTIFICATE-----), not its key"
+        ) from None
+
+
+def _tls_hint(details: str, tls: bool) -> str:
+    """Why a connection failed, when gRPC's words leave it to guess: a plaintext call to a server
+    that speaks TLS only sees the connection closed (it reads as a server that is down), a TLS call
+    to a plaintext server a "wrong version number"."""
+    if not tls and "Socket closed" in details:
+        return (
+            " (the server closed the connection at once: if it serves TLS, give its certificate with "
+            "--tls-cert, or --config with its server.tls_cert)"
+        )
+    if tls and "WRONG_VERSION_NUMBER" in details:
+        return " (the server does not speak TLS there: leave out --tls-cert, or check server.tls_cert)"
+    return ""
 
 
 def as_dict(msg: Any) -> dict[str, Any]:
