@@ -411,7 +411,27 @@ def _load_store_trace(config: Config, since: str, strict: bool) -> list[Request]
             highlight=False,
             markup=False,
         )
-        return _load_trace(str(out), config, strict)[0]
+        try:
+            res = read_trace(out, known_classes=[c.name for c in config.classes])
+        except TraceError as e:  # (named as the store's log: the temporary file is gone by now)
+            raise UsageError(f"the store's request log: {e.reason}") from None
+    names = set(config.model_names())
+    reqs = [r for r in res.requests if r.model in names]
+    if len(reqs) < len(res.requests):  # the log keeps them; tuning is for the models configured now
+        gone = sorted({r.model for r in res.requests} - names)
+        err.print(
+            f"left out {len(res.requests) - len(reqs)} logged requests of models no longer in the "
+            f"config: {', '.join(gone[:MAX_REASONS_SHOWN])}{', …' if len(gone) > MAX_REASONS_SHOWN else ''}",
+            highlight=False,
+            markup=False,
+        )
+    if res.bad_lines:  # a class renamed since, say: counted (fatal with --strict), never a temp file named
+        line, reason = res.bad_lines[0]
+        what = f"{len(res.bad_lines)} logged requests the replay cannot take (record {line}: {reason})"
+        if strict:
+            raise UsageError(f"the store's request log: {what}")
+        err.print(f"[yellow]skipped[/] {escape(what)}", highlight=False)
+    return reqs
 
 
 def cmd_tune(a: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import heapq
 import json
 import logging
 import math
@@ -30,7 +31,7 @@ from manager.store.base import CorruptDocument, StoreError, normalize_record
 from workers import protocol as P
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
     from manager.live import _Live
 
@@ -118,6 +119,25 @@ def _when(x: Any) -> float:
     raise ValueError(f"{x!r} is not a time")
 
 
+def _complete_until(d: dict[str, Any], hist: ReuseHistogram) -> float | None:
+    """Up to when a model's saved entry `d` (its histogram `hist`) has every arrival: the time of the
+    save that wrote it (`seen_until`: arrivals are observed as they come, so none before it is left
+    out) or its last arrival, whichever is later; None when it says neither (an older document's
+    entry of a model never asked for)."""
+    seen = d.get("seen_until")
+    times = [float(seen)] if seen is not None and _time_or_none(seen) else []
+    if hist.count:
+        times.append(hist.last_t)
+    return max(times, default=None)
+
+
+def _saved_until(doc: dict[str, Any]) -> float | None:
+    """The time of the newest save in `doc` (None when no entry says): a model configured then has an
+    entry, so one without has no arrival before it (as far as this document knows)."""
+    seen = [d.get("seen_until") for d in doc.values() if isinstance(d, dict)]
+    return max((float(t) for t in seen if t is not None and _time_or_none(t)), default=None)
+
+
 class PersistenceMixin:
     """Statistics, intents and the request log of `LiveManager` (see the module's docstring)."""
 
@@ -150,6 +170,7 @@ class PersistenceMixin:
     if TYPE_CHECKING:  # LiveManager's
 
         def _gauge_resident(self) -> None: ...
+        def _hold_abandoned(self, m: Any, why: str) -> bool: ...
         def _publish(
             self, kind: str, model: str, detail: str, device: str, t: float, **extra: Any
         ) -> None: ...
@@ -175,14 +196,18 @@ class PersistenceMixin:
             self._stats_unread = False
             self._merge_stats(saved)
         doc = dict(self._stats_others or {})  # models configured no longer (or not yet again): kept
+        now = self.clock()  # every arrival before it is in the histograms (`_complete_until`)
         doc.update({
             name: {"hist": m.hist.capture(), "cost": m.cost.capture(), "weights": m.weights,
                    "measured": name in self._measured, "spec": self._spec_of(name),
-                   "requests": self.live[name].requests, "last_used": self.live[name].last_used}
+                   "requests": self.live[name].requests, "last_used": self.live[name].last_used,
+                   "seen_until": now}
             for name, m in self.engine.models.items()
         })  # fmt: skip
         try:
             self.store.put_doc("stats", doc)
+        except StoreError as e:  # (a full disk, a lock: said in one line each time, not a traceback)
+            logger.error("could not save statistics to the store: %s", e)
         except Exception:
             logger.exception("could not save statistics to the store")
 
@@ -213,6 +238,10 @@ class PersistenceMixin:
         if self.store is None:
             return 0
         self._stats_until = min(self._stats_until, self.clock())  # what the log has before: caught up
+        # What is this run's in the request log: its arrivals from its first on (none yet, at start).
+        # Not the clock: one set back between the runs (NTP) would leave the last run's latest
+        # requests out of the statistics, as this run's own.
+        until = {n: m.hist.first_t if m.hist.count else math.inf for n, m in self.engine.models.items()}
         try:
             doc = self.store.get_doc("stats") or {}
         except CorruptDocument as e:  # it answers, but cannot read it: fresh, overwritten at the next save
@@ -226,6 +255,7 @@ class PersistenceMixin:
             self._stats_unread = True  # merged in when the store is back (save_stats)
             return 0
         self._stats_others = {n: d for n, d in doc.items() if n not in self.engine.models}
+        since: dict[str, float | None] = dict.fromkeys(self.engine.models, _saved_until(doc))
         restored = 0
         for name, d in doc.items():
             m = self.engine.models.get(name)
@@ -244,6 +274,7 @@ class PersistenceMixin:
                 logger.warning("statistics of %s in the store are unreadable (%s); starting fresh", name, e)
                 continue
             m.hist, m.cost = hist, cost
+            since[name] = _complete_until(d, hist)
             # How long it has been idle counts from its last arrival, before the restart too.
             m.last_arrival = max(m.last_arrival, m.hist.last_t)
             if weights is not None:  # a measured footprint; an estimate gives way to the config's
@@ -253,7 +284,7 @@ class PersistenceMixin:
             self.live[name].last_used = last_used
             restored += 1
         self.engine.recheck_fit()  # restored footprints change what can ever fit
-        self._catch_up_stats()  # also with no snapshot: a run killed before its first save
+        self._catch_up_stats(since, until)  # also with no snapshot: a run killed before its first save
         return restored
 
     def _merge_stats(self, doc: dict[str, Any]) -> None:
@@ -264,6 +295,7 @@ class PersistenceMixin:
         (the engine's books count them)."""
         saved: dict[str, tuple[ReuseHistogram, LoadCost, int, float]] = {}
         self._stats_others = {n: d for n, d in doc.items() if n not in self.engine.models}
+        since: dict[str, float | None] = dict.fromkeys(self.engine.models, _saved_until(doc))
         for name, d in doc.items():
             m = self.engine.models.get(name)
             if m is None or not isinstance(d, dict):
@@ -277,10 +309,11 @@ class PersistenceMixin:
                 logger.warning("statistics of %s in the store are unreadable (%s); not merged", name, e)
                 continue
             saved[name] = (hist, cost, requests, last_used)
+            since[name] = _complete_until(d, hist)
         before = {n: saved[n][0] if n in saved else ReuseHistogram() for n in self.engine.models}
         # this run's first arrival of each model bounds what is an earlier run's (a clock step aside)
         until = {n: min(self._stats_until, m.hist.first_t) for n, m in self.engine.models.items()}
-        caught = self._take_missed(before, until)
+        caught = self._take_missed(before, since, until)
         for name, m in self.engine.models.items():
             live = self.live[name]
             if name in saved:
@@ -294,61 +327,76 @@ class PersistenceMixin:
                 live.last_used = max(live.last_used, caught[name][1])
 
     def _take_missed(
-        self, hists: dict[str, ReuseHistogram], until: dict[str, float]
+        self, hists: dict[str, ReuseHistogram], since: dict[str, float | None], until: dict[str, float]
     ) -> dict[str, tuple[int, float]]:
-        """Each of `hists` (a model's statistics up to its last arrival) observes the requests the log
-        has after that, before `until` of the model (`_missed_requests`). Returns per model how many
-        and when its last one ended. The log unreadable: nothing is taken (said)."""
+        """Each of `hists` (a model's statistics, complete up to its `since`) observes the requests the
+        log has after that, before its `until` (`_missed_requests`), in time order; the histograms that
+        took them replace those in `hists`. Returns per model how many and when its last one ended.
+        The log unreadable: nothing is taken (said), `hists` are left as they were."""
         self._stats_caught_up = True
-        lasts = {n: h.last_t if h.count else None for n, h in hists.items()}
-        try:
-            missed = self._missed_requests(lasts, until)
-        except Exception:  # the store failed between the two reads: the snapshot alone
-            logger.exception("could not read the request log to bring the statistics up to date")
-            return {}
+        work = {n: copy.deepcopy(h) for n, h in hists.items()}  # (a read failing half-way takes none)
         out: dict[str, tuple[int, float]] = {}
-        for rec in missed:
-            name, t = rec["model"], rec["t"]
-            hists[name].observe(t)
-            n, end = out.get(name, (0, 0.0))
-            out[name] = (n + 1, max(end, t + rec.get("wait_s", 0.0) + rec["busy_s"]))
-        if missed:
-            logger.info("statistics brought up to date with %d requests from the request log", len(missed))
+        try:
+            for rec in self._missed_requests(since, until):
+                name, t = rec["model"], rec["t"]
+                work[name].observe(t)
+                n, end = out.get(name, (0, 0.0))
+                out[name] = (n + 1, max(end, t + rec.get("wait_s", 0.0) + rec["busy_s"]))
+        except Exception as e:  # the store failed between the two reads: the snapshot alone
+            if isinstance(e, StoreError):  # (said in one line: the store names what failed)
+                logger.error("could not read the request log to bring the statistics up to date: %s", e)
+            else:
+                logger.exception("could not read the request log to bring the statistics up to date")
+            return {}
+        hists.update(work)
+        taken = sum(n for n, _ in out.values())
+        if taken:
+            logger.info("statistics brought up to date with %d requests from the request log", taken)
         return out
 
     def _missed_requests(
-        self, lasts: dict[str, float | None], until: dict[str, float]
-    ) -> list[dict[str, Any]]:
-        """The request records of the models in `lasts` after each one's last arrival there (all of
-        them when None) and before its `until` (this run's own are seen already), in time order: those
-        the store has, and those still waiting for it (the journal's, read at start while the store
-        was down), each once: a waiting record the store has already (a batch it took just before a
-        kill, which the journal still had) is taken from the store alone."""
-        known = [t for t in lasts.values() if t is not None]
+        self, since: dict[str, float | None], until: dict[str, float]
+    ) -> Iterator[dict[str, Any]]:
+        """The request records of the models in `since` after each one's `since` (all of them when
+        None) and before its `until` (this run's own are seen already), in time order (equal times
+        in the log's order): those the store has, and those still waiting for it (the journal's,
+        read at start while the store was down), each once: a waiting record the store has already
+        (a batch it took just before a kill, which the journal still had) is taken from the store
+        alone. Streamed: a log of millions read since a model's last use months ago is never held
+        whole, only the waiting records are."""
+
+        def wanted(rec: dict[str, Any]) -> bool:
+            name, t = rec["model"], rec["t"]
+            if name not in since or t >= until[name]:
+                return False  # a model no longer configured, or a request this run has seen
+            after = since[name]
+            return after is None or t > after  # (else in the snapshot already)
+
+        lo = min((0.0 if t is None else t for t in since.values()), default=0.0)
         ends = [t for t in until.values() if math.isfinite(t)]
         hi = max(ends) if len(ends) == len(until) and ends else None
-        recs = list(self.store.requests(min(known, default=0.0), hi))
-        held = Counter(map(_same, recs))
+        waiting = []
         for rec in self._log_buf:
             try:
                 rec = normalize_record(rec)
             except ValueError:
                 continue  # (dropped, and said, when the store refuses it)
-            if held[_same(rec)] > 0:  # one for one: the store's copy stands for it
-                held[_same(rec)] -= 1
-                continue
-            recs.append(rec)
-        out = []
-        for rec in recs:
-            name, t = rec["model"], rec["t"]
-            if name not in lasts or t >= until[name]:
-                continue  # a model no longer configured, or a request this run has seen
-            last = lasts[name]
-            if last is not None and t <= last:
-                continue  # in the snapshot already
-            out.append(rec)
-        out.sort(key=lambda r: r["t"])  # (stable: equal times keep the log's order)
-        return out
+            if wanted(rec):
+                waiting.append(rec)
+        waiting.sort(key=lambda r: r["t"])  # (stable: equal times keep the buffer's order)
+        keys = Counter(map(_same, waiting))
+        held: Counter[tuple[tuple[str, Any], ...]] = Counter()
+        stored = ((rec, True) for rec in self.store.requests(max(lo, 0.0), hi) if wanted(rec))
+        # merged by time, the store's first at equal times: its copy of a waiting record comes before it
+        for rec, in_store in heapq.merge(stored, ((rec, False) for rec in waiting), key=lambda x: x[0]["t"]):
+            if keys:
+                same = _same(rec)
+                if in_store and same in keys:
+                    held[same] += 1
+                elif not in_store and held[same] > 0:  # one for one: the store's copy stands for it
+                    held[same] -= 1
+                    continue
+            yield rec
 
     def _rewrite_intents(self) -> None:
         """Every model's intended tier (the engine's books), after writes were lost to a store outage."""
@@ -360,18 +408,27 @@ class PersistenceMixin:
         except Exception:
             logger.warning("the store is still down: intents not rewritten")
 
-    def _catch_up_stats(self) -> int:
+    def _catch_up_stats(
+        self, since: dict[str, float | None] | None = None, until: dict[str, float] | None = None
+    ) -> int:
         """Requests that arrived after the saved statistics were taken (a killed manager saves none
         at its end) are in the request log (the journal has just put the last ones there): each
         model's reuse histogram, request count and last use take them in, so a kill loses no
         statistics. Each model's histogram says up to when it is complete (its last arrival); the
         only ones not recovered are requests in flight at that snapshot. Once per run (at start, by
-        `restore_stats`; later, with the store down at start, by `_merge_stats`). Returns how many."""
+        `restore_stats`; later, with the store down at start, by `_merge_stats`). `since` and `until`:
+        per model, up to when its statistics are complete and from when the log's records are this
+        run's (`_take_missed`; by default its last arrival and now). Returns how many."""
         if self.store is None or self._stats_caught_up:
             return 0
         hists = {n: m.hist for n, m in self.engine.models.items()}
-        until = {n: min(self._stats_until, self.clock()) for n in hists}
-        caught = self._take_missed(hists, until)
+        if since is None:
+            since = {n: h.last_t if h.count else None for n, h in hists.items()}
+        if until is None:
+            until = {n: min(self._stats_until, self.clock()) for n in hists}
+        caught = self._take_missed(hists, since, until)
+        for name, m in self.engine.models.items():
+            m.hist = hists[name]
         for name, (n, end) in caught.items():
             m, live = self.engine.models[name], self.live[name]
             m.last_arrival = max(m.last_arrival, m.hist.last_t)  # as `restore_stats` has it: idle since
@@ -426,6 +483,10 @@ class PersistenceMixin:
                     live.ready.set()
                 self._set_intent(name, ms.tier)
                 adopted.append(name)
+            for name, (op, secs) in getattr(st, "abandoned", {}).items():  # (an older host: none)
+                m = self.engine.models.get(name)
+                if m is not None and m.device == device and m.tier == Tier.DISK:  # an earlier run's
+                    self._hold_abandoned(m, f"at start: its abandoned {op} has run {secs:.0f} s on {device}")
         self._gauge_resident()
         return adopted
 
@@ -586,7 +647,8 @@ class PersistenceMixin:
                 self._keep_log(good)  # written at the next flush; the journal loses the bad ones then
                 return
         # the store is down: keep the records (bounded) and try again later
-        logger.warning("could not write %d requests to the store; kept for a retry", len(batch))
+        why = str(e) or type(e).__name__
+        logger.warning("could not write %d requests to the store (%s); kept for a retry", len(batch), why)
         self._log_failing = True
         self._keep_log(batch)
 

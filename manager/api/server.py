@@ -310,7 +310,7 @@ def _journal_and_store(config: Config) -> tuple[RequestJournal | None, Any]:
     journal = RequestJournal(Path(config.store.journal)) if config.store.journal is not None else None
     store = None
     try:
-        store = open_store(config.store.url)
+        store = open_store(config.store.url, hold=True)
         why = store.refused()  # a wrong password is said now: waiting for the store would not mend it
         if why is not None:
             raise StoreError(store.url, why)

@@ -23,9 +23,11 @@ __all__ = ["CorruptDocument", "Store", "StoreError", "open_store"]
 _EXPECTED = "expected sqlite:///PATH or redis://HOST:PORT/DB"
 
 
-def open_store(url: str, *, create: bool = True) -> Store:
+def open_store(url: str, *, create: bool = True, hold: bool = False) -> Store:
     """Open the store at `url`; `create` False (for read-only commands): a missing SQLite file is
-    a StoreError ("no store at PATH") and nothing is created.
+    a StoreError ("no store at PATH") and nothing is created. `hold` (a service): an SQLite store is
+    held for as long as it is open (a lock file beside it), so a second service on it is refused,
+    naming the first; a Redis store is shared by design.
 
     Raises:
         StoreError: unknown scheme or malformed url (the message names the url, password hidden,
@@ -38,7 +40,7 @@ def open_store(url: str, *, create: bool = True) -> Store:
     if scheme == "sqlite":
         from manager.store.sqlite import open_sqlite
 
-        return open_sqlite(url, create=create)
+        return open_sqlite(url, create=create, hold=hold)
     if scheme in ("redis", "rediss"):
         from manager.store.redis import open_redis
 

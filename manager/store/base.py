@@ -15,8 +15,11 @@ service extras, and nothing else, so the log can never hold payloads:
               required), "class" (str), "kind" ("infer" | "session"), "client" (str)
   extras:     "wait_s" (float >= 0), "outcome" ("ok" | "rejected" | "error"), "source" (str)
 The trace keys are checked by `manager.replay.trace.parse_line`, the very validator `read_trace` uses,
-so whatever the store accepts exports to a valid trace. Canonical form: floats for numbers, keys whose
-value is None dropped, and "kind" dropped when it is the default "infer" (as `request_to_json` does).
+so whatever the store accepts exports to a valid trace (and its line is no longer than `read_trace`
+reads). Strings must be text a store can keep (UTF-8: no lone surrogate, which `json.loads` makes of
+a `"\ud800"` escape in a damaged journal line, and which every later write would fail on).
+Canonical form: floats for numbers, keys whose value is None dropped, and "kind" dropped when it is
+the default "infer" (as `request_to_json` does).
 
 Errors: invalid input is a ValueError naming the key (the caller's bug); a backend that cannot serve
 is a StoreError. `ping()` never raises.
@@ -30,7 +33,7 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from manager.replay.trace import ALLOWED_FIELDS, parse_line, parse_object
+from manager.replay.trace import ALLOWED_FIELDS, MAX_LINE_CHARS, parse_line, parse_object, request_to_json
 
 __all__ = [
     "EXTRA_FIELDS",
@@ -151,6 +154,15 @@ def _finite_non_negative(record: Mapping[str, Any], key: str) -> float | None:
     raise ValueError(f"request field {key!r} must be a finite number >= 0, got {v!r}")
 
 
+def _text(what: str, v: str) -> None:
+    """ValueError naming `what` unless `v` can be written as UTF-8 (what SQLite and Redis store)."""
+    if not v.isascii():
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{what} is not valid text ({e.reason} at position {e.start})") from None
+
+
 def _extras(record: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     wait_s = _finite_non_negative(record, "wait_s")
@@ -165,6 +177,7 @@ def _extras(record: Mapping[str, Any]) -> dict[str, Any]:
     if source is not None:
         if not isinstance(source, str):
             raise ValueError(f"request field 'source' must be a string, got {source!r}")
+        _text("request field 'source'", source)
         out["source"] = source
     return out
 
@@ -193,6 +206,17 @@ def normalize_record(record: Mapping[str, Any]) -> dict[str, Any]:
         r = parse_object(trace) if plain else parse_line(line, 0)
     except ValueError as e:
         raise ValueError(f"request record: {e}") from None
+    text = 0
+    for key, v in (("model", r.model), ("class", r.cls), ("client", r.client)):
+        if v is not None:
+            _text(f"request field {key!r}", v)
+            text += len(v)
+    # (12 characters for one: "\ud83d\ude00"; a line and its newline are at most MAX_LINE_CHARS)
+    if text * 12 + 200 >= MAX_LINE_CHARS and len(request_to_json(r)) >= MAX_LINE_CHARS:
+        raise ValueError(
+            f"request record: its trace line would be longer than {MAX_LINE_CHARS - 1} characters, "
+            "which a trace reader refuses"
+        )
     out: dict[str, Any] = {"t": r.t, "model": r.model, "busy_s": r.busy_s}
     if r.cls is not None:
         out["class"] = r.cls
@@ -208,6 +232,7 @@ def encode_doc(key: str, doc: Mapping[str, Any]) -> str:
     """Document `doc` as compact JSON. ValueError (naming `key`) for a bad key or a non-JSON doc."""
     if not isinstance(key, str) or not key:
         raise ValueError(f"a document key must be a non-empty string, got {key!r}")
+    _text(f"document key {key!r}", key)
     if not isinstance(doc, Mapping):
         raise ValueError(f"document {key!r} must be a dict, got {type(doc).__name__}")
     try:
@@ -231,5 +256,6 @@ def check_intent(model: str, tier: str) -> None:
     """ValueError unless `model` is a non-empty string and `tier` one of gpu, host, disk."""
     if not isinstance(model, str) or not model:
         raise ValueError(f"a model name must be a non-empty string, got {model!r}")
+    _text(f"model name {model!r}", model)
     if tier not in TIERS:
         raise ValueError(f"tier for {model!r} must be one of {', '.join(TIERS)}, got {tier!r}")

@@ -15,6 +15,18 @@ pages of `PAGE` rows by (t, id), so the lock is never held while a caller iterat
 `append_requests` call is one transaction. The file survives restarts; WAL lets a second process
 (e.g. `residency trace export`) read while the service writes.
 
+Opening for the service (create=True): a file that is not a residency store is refused at the open,
+in one line naming it and the fix, never served with every write failing: not a database, damaged
+(`PRAGMA quick_check`), another program's database (tables of its own: never given ours), a
+residency store of a newer schema or with tables missing, a file or folder this user may not
+write, a lock another process holds past BUSY_TIMEOUT_S, a full disk.
+
+One service per store (hold=True, for `serve`): an advisory lock on PATH.lock beside the file, held
+while the store is open (the OS lets it go when the process ends, however it ends), refuses a second
+service naming the one that holds it. Two services on one store would each overwrite the other's
+statistics and intents, and count the other's requests again at a restart. Read-only commands and
+other opens do not take it.
+
 Read-only opening (create=False, `trace export` and `tune --from-store`): nothing is written, and a
 file without this schema (empty, another program's database) is refused, not given tables. A user
 who may read the file but not write its folder (the service's /var/lib folder) cannot make the
@@ -24,6 +36,8 @@ as immutable; with a -wal file holding data that user cannot open, it is refused
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import math
 import os
@@ -51,8 +65,16 @@ logger = logging.getLogger(__name__)
 
 PAGE = 1000
 SCHEMA_VERSION = 1
+BUSY_TIMEOUT_S = 10.0
+"""How long a statement waits for another process's lock on the file before it fails."""
+_TABLES: dict[str, frozenset[str]] = {
+    "requests": frozenset(("id", *RECORD_FIELDS)),
+    "docs": frozenset(("key", "value")),
+    "intents": frozenset(("model", "tier")),
+}
 _COLUMNS = ", ".join(f'"{c}"' for c in RECORD_FIELDS)
 _SCHEMA = f"""
+BEGIN;
 CREATE TABLE IF NOT EXISTS requests (
     id INTEGER PRIMARY KEY,
     t REAL NOT NULL,
@@ -69,6 +91,7 @@ CREATE INDEX IF NOT EXISTS requests_t ON requests (t);
 CREATE TABLE IF NOT EXISTS docs (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS intents (model TEXT PRIMARY KEY, tier TEXT NOT NULL);
 PRAGMA user_version = {SCHEMA_VERSION};
+COMMIT;
 """
 _INSERT = f"INSERT INTO requests ({_COLUMNS}) VALUES ({', '.join('?' for _ in RECORD_FIELDS)})"
 _SELECT_PAGE = f"SELECT id, {_COLUMNS} FROM requests WHERE (t, id) > (?, ?) AND t < ? ORDER BY t, id LIMIT ?"
@@ -82,6 +105,46 @@ def _read_only(e: sqlite3.Error) -> bool:
     (a WAL file whose -shm this user cannot make)."""
     code = getattr(e, "sqlite_errorcode", 0) & 0xFF
     return code in (sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN)
+
+
+def _fix(path: str, e: sqlite3.Error) -> str:
+    """What to do about an error opening the database at `path` ("" when there is nothing to say)."""
+    code = getattr(e, "sqlite_errorcode", 0) & 0xFF
+    where = os.path.dirname(os.path.abspath(path))
+    if code in (sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT):
+        return (
+            f"{path} is not a SQLite database, or is damaged: point store.url at another file, or move "
+            f"it aside (with its -wal and -shm files) and a new, empty store is made"
+        )
+    if code in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+        return (
+            f"another process has held a lock on {path} for over {BUSY_TIMEOUT_S:g} s (a write "
+            "transaction: a sqlite3 shell, a VACUUM, another program); end it, then start again"
+        )
+    if code == sqlite3.SQLITE_READONLY:
+        return (
+            f"this user may not write {path} or its folder {where} (SQLite writes its -wal and -shm "
+            "files beside it): give this user write access to both, or run as the store's owner"
+        )
+    if code == sqlite3.SQLITE_CANTOPEN:
+        if os.path.isdir(path):
+            return f"{path} is a folder; give store.url the path of a file"
+        return f"this user may not open {path}, or may not create files in its folder {where}"
+    if code in (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR):
+        try:
+            full = os.statvfs(where).f_bavail == 0
+        except OSError:
+            full = code == sqlite3.SQLITE_FULL
+        if full:  # (a full disk fails the -shm file's mapping as an I/O error)
+            return f"the disk holding {path} is full: free some space, then start again"
+        if code == sqlite3.SQLITE_IOERR:
+            return f"reading or writing {path} or its -wal and -shm files failed: check the disk"
+    return ""
+
+
+def _cannot_open(url: str, path: str, e: sqlite3.Error) -> StoreError:
+    fix = _fix(path, e)
+    return StoreError(url, f"cannot open the database: {e}" + (f"; {fix}" if fix else ""))
 
 
 def parse_sqlite_url(url: str) -> str:
@@ -99,40 +162,52 @@ def parse_sqlite_url(url: str) -> str:
     return path
 
 
-def open_sqlite(url: str, *, create: bool = True) -> SQLiteStore:
-    """Open (creating if needed, unless `create` is False) the SQLite store at `url`.
+def open_sqlite(url: str, *, create: bool = True, hold: bool = False) -> SQLiteStore:
+    """Open (creating if needed, unless `create` is False) the SQLite store at `url`; `hold`: as the
+    one service on it (see the module docstring).
 
-    StoreError when it cannot be opened, or when `create` is False and there is no file yet."""
-    return SQLiteStore(parse_sqlite_url(url), url=url, create=create)
+    StoreError when it cannot be opened, when `create` is False and there is no file yet, or when
+    `hold` and another service holds it."""
+    return SQLiteStore(parse_sqlite_url(url), url=url, create=create, hold=hold)
 
 
 class SQLiteStore:
     """The `Store` protocol on one SQLite file (see the module docstring)."""
 
-    def __init__(self, path: str | Path, *, url: str | None = None, create: bool = True) -> None:
+    def __init__(
+        self, path: str | Path, *, url: str | None = None, create: bool = True, hold: bool = False
+    ) -> None:
         """Open `path` (":memory:" for a private in-memory database), creating folders and schema.
         With `create` False a missing file is an error and nothing is created (a mistyped path given
-        to a read-only command must not become a new, empty store).
+        to a read-only command must not become a new, empty store). With `hold`, the store is held
+        for this service until `close` (see the module docstring).
 
         Raises:
-            StoreError: the folder cannot be created, the file is not a usable database, or it does
-                not exist and `create` is False.
+            StoreError: the folder cannot be created, the file is not a usable database, it does
+                not exist and `create` is False, or `hold` and another service holds it.
         """
         self.path = str(path)
         self.url = url if url is not None else f"sqlite:///{self.path}"
         self._lock = threading.Lock()
         self._closed = False
+        self._hold_fd = -1
         if not create and self.path != ":memory:" and not Path(self.path).exists():
             raise StoreError(self.url, f"no store at {self.path} (nothing recorded yet?)")
         if self.path != ":memory:":
+            parent = Path(self.path).parent
             try:
-                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+                parent.mkdir(parents=True, exist_ok=True)
             except OSError as e:
-                raise StoreError(self.url, f"cannot create the folder for the database: {e}") from None
+                raise StoreError(
+                    self.url, f"cannot create the folder {parent} for the database: {e.strerror or e}"
+                ) from None
+            if hold:
+                self._hold_fd = self._hold()
         try:
-            self._conn = sqlite3.connect(self.path, timeout=10.0, check_same_thread=False)
+            self._conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, check_same_thread=False)
         except sqlite3.Error as e:
-            raise StoreError(self.url, f"cannot open the database: {e}") from None
+            self._let_go()
+            raise _cannot_open(self.url, self.path, e) from None
         try:
             try:
                 self._init_schema(create)
@@ -144,31 +219,135 @@ class SQLiteStore:
                 self._init_schema(create, immutable=True)
         except (sqlite3.Error, StoreError) as e:
             self._conn.close()
+            self._let_go()
             self._closed = True
             if isinstance(e, StoreError):
                 raise
-            raise StoreError(self.url, f"cannot open the database: {e}") from None
+            raise _cannot_open(self.url, self.path, e) from None
         logger.debug("opened sqlite store %s", self.url)
+
+    def _hold(self) -> int:
+        """The lock file beside the store, held, with this process's id in it (for a refused service
+        to name); StoreError when another process holds it."""
+        path = f"{self.path}.lock"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # (not inherited by children)
+        except OSError as e:
+            raise StoreError(
+                self.url, f"cannot open the store's lock file {path}: {e.strerror or e}"
+            ) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            except OSError:
+                text = ""
+            os.close(fd)
+            who = f"another residency service (pid {text})" if text.isdigit() else "another residency service"
+            raise StoreError(
+                self.url,
+                f"{who} is serving this store (it holds {path}); stop that one, or give this one a "
+                "store.url of its own",
+            ) from None
+        except OSError as e:  # a file system without locks (some network ones): served, unguarded
+            logger.warning(
+                "%s: cannot lock the store (%s); a second service on it would not be refused", path, e
+            )
+            return fd
+        with contextlib.suppress(OSError):  # (the pid only helps the message of a refused one)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return fd
+
+    def _let_go(self) -> None:
+        fd, self._hold_fd = self._hold_fd, -1
+        if fd >= 0:
+            os.close(fd)  # the lock goes with its last descriptor
 
     def _init_schema(self, create: bool, *, immutable: bool = False) -> None:
         (version,) = self._conn.execute("PRAGMA user_version").fetchone()
         if version > SCHEMA_VERSION:
             raise StoreError(
-                self.url, f"schema version {version} is newer than this program's ({SCHEMA_VERSION})"
+                self.url,
+                f"schema version {version} is newer than this program's ({SCHEMA_VERSION}): {self.path} "
+                "was written by a newer residency; run that version, or point store.url at another file",
             )
         if version < SCHEMA_VERSION and not create:  # a read-only command writes nothing
             raise StoreError(
                 self.url,
                 f"{self.path} holds no residency store (an empty file, or another program's database)",
             )
+        self._check_tables(version)
         if immutable:
             return
         (mode,) = self._conn.execute("PRAGMA journal_mode=WAL").fetchone()
         if mode != "wal" and self.path != ":memory:":
             logger.warning("sqlite store %s: journal_mode is %s, not wal", self.url, mode)
         self._conn.execute("PRAGMA synchronous=NORMAL")
+        if create and version == SCHEMA_VERSION:  # (a new file is written just below)
+            self._check_writable()
+            self._check_intact()
         if version < SCHEMA_VERSION:  # a store at this version has its tables: nothing to write
             self._conn.executescript(_SCHEMA)  # (so a user who may only read it can export it)
+
+    def _check_tables(self, version: int) -> None:
+        """StoreError unless the file holds this store's tables with their columns (all of them at
+        this schema version; before it, a new file, none but ours: another program's database is
+        never given tables of ours, its own `user_version` set, or served with every write failing)."""
+        rows = self._conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite%'"
+        ).fetchall()
+        tables = {name for (name,) in rows}
+        foreign = sorted(tables - _TABLES.keys())
+        missing = sorted(_TABLES.keys() - tables) if version == SCHEMA_VERSION else []
+        if foreign or missing:
+            names, plural = (foreign, "s" if len(foreign) > 1 else "") if foreign else (missing, "")
+            what = (
+                f"table{plural} {', '.join(names)} of its own"
+                if foreign
+                else f"no {', '.join(names)} table{'s' if len(names) > 1 else ''}"
+            )
+            raise StoreError(
+                self.url,
+                f"{self.path} is not a residency store ({what}: another program's database?); "
+                "point store.url at a file of its own",
+            )
+        for table in sorted(tables):
+            columns = {row[1] for row in self._conn.execute(f'PRAGMA table_info("{table}")')}
+            lacking = sorted(_TABLES[table] - columns)
+            if lacking:
+                raise StoreError(
+                    self.url,
+                    f"{self.path} is not a residency store (its {table} table has no column "
+                    f"{', '.join(lacking)}: another program's database?); point store.url at a file "
+                    "of its own",
+                )
+
+    def _check_writable(self) -> None:
+        """A write, rolled back: SQLite opens a file this user may not write read-only, without a
+        word, and the service would then fail every write while it serves. Waits BUSY_TIMEOUT_S for
+        another process's write lock."""
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            self._conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        finally:
+            self._conn.rollback()
+
+    def _check_intact(self) -> None:
+        """StoreError when `PRAGMA quick_check` finds the file damaged (a few tenths of a second per
+        million requests): said at the start, not as a write or a read that fails while serving."""
+        try:
+            (first,) = self._conn.execute("PRAGMA quick_check(1)").fetchone()
+        except sqlite3.DatabaseError as e:
+            first = str(e)
+        if first != "ok":
+            first = " ".join(str(first).replace("*** in database main ***", "").split())  # one line
+            raise StoreError(
+                self.url,
+                f"{self.path} is damaged ({first}): move it aside (with its -wal and -shm files) and a "
+                f"new, empty store is made, or recover what it holds: sqlite3 {self.path} .recover",
+            )
 
     def _open_immutable(self, cause: sqlite3.Error) -> sqlite3.Connection:
         """The file read as immutable (no -shm, no locks), for a reader who cannot write its folder;
@@ -306,6 +485,7 @@ class SQLiteStore:
                 return
             self._closed = True
             self._conn.close()
+            self._let_go()
         logger.debug("closed sqlite store %s", self.url)
 
     def __repr__(self) -> str:

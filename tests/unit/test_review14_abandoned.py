@@ -215,3 +215,38 @@ class TestWorkerStatusAbandoned:
         back = pickle.loads(pickle.dumps(old))
         assert back.abandoned == {} and back.device == "cpu0"
         assert P.WorkerStatus("cpu0", "cpu", "n", 1, 0.0, {}, 0).abandoned == {}
+
+
+def test_a_restarted_manager_holds_the_room_of_a_load_an_earlier_run_abandoned(
+    gate: _Gate, tmp_path: Path
+) -> None:
+    """A manager that starts on device hosts still running an abandoned load of an earlier run (the
+    manager restarted, the Ray actors lived on) learnt of it only at that device's next resync, or at
+    the host's refusal of a load: meanwhile another model could be placed into its room. Its start
+    (`adopt`) now holds that room at once, from the hosts' statuses."""
+    config = _config(tmp_path)
+
+    async def main() -> None:
+        pool = create_pool(config, in_process=True, host_kwargs={"load_timeout_s": 0.5})
+        host = pool.hosts["cpu0"]
+        first = LiveManager(config, pool)
+        await first.start()
+        try:
+            with pytest.raises(WorkerUnavailable):
+                await first.infer("stuck", X, timeout_s=30)
+        finally:
+            await first.stop()
+        assert set(host.abandoned()) == {"stuck"}  # still running on the host
+        again = LiveManager(config, pool)
+        await again.start()
+        try:
+            assert again.engine.state.devices["cpu0"].used >= 600 * MiB
+            assert not again.serving("stuck")
+            with pytest.raises(WorkerUnavailable, match="still running"):
+                await again.infer("stuck", X, timeout_s=30)
+        finally:
+            gate.open.set()
+            await again.stop()
+            pool.close()
+
+    asyncio.run(main())
