@@ -447,8 +447,8 @@ class PersistenceMixin:
         for device in self.pool.devices():
             try:
                 st = await asyncio.to_thread(self.pool.status, device, 10.0)
-            except Exception:  # a host that does not answer is reconciled by its next command
-                logger.warning("device %s did not report its status at start", device)
+            except Exception as e:  # a host that does not answer is reconciled by its next command
+                logger.warning("device %s did not report its status at start (%s)", device, e)
                 continue
             if st.boot_id:
                 self._boots[device] = st.boot_id

@@ -9,11 +9,13 @@ process instead (tests, single-process use). An address where nothing answers is
 CPU fallback: when a `kind: cuda` device's hosts would run on this machine (a local Ray or
 in-process) and this machine has no usable CUDA, `serve` runs that device's models on the CPU, as
 Ollama does, and says so; the device keeps its configured budget. `fallback=False` turns it off (the
-models then answer NOT_AVAILABLE, naming the missing CUDA).
+models then answer NOT_AVAILABLE, naming the missing CUDA; on a local Ray, whose node has no GPU, the
+pool says the device's host cannot be placed, and how to run it on the CPU instead).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from manager.config import Config
@@ -72,11 +74,14 @@ def create_pool(
 
     address = config.ray.address
     field = f"ray.address {'null' if address is None else repr(address)}"
-    why = None if ray.is_initialized() else unreachable(address)
+    started = not ray.is_initialized()
+    why = unreachable(address) if started else None
     if why is not None:
         raise RayUnreachable(f"{field}: {why}")
     try:
         ensure_ray(address, **ray_init)
     except ConnectionError as e:  # Ray's own: what answers there is not Ray, or "auto" found none
         raise RayUnreachable(f"{field}: {e}") from None
-    return RayWorkerPool(specs)
+    # a local Ray has this machine's node only: a GPU it lacks is this machine's (the hint: the CPU fallback)
+    local = started and address is None and not os.environ.get("RAY_ADDRESS")
+    return RayWorkerPool(specs, local=local)

@@ -12,6 +12,14 @@
   host still restarting (Ray: `ActorUnavailableError`) is sent again every `UNAVAILABLE_RETRY_S`
   until the host answers, for at most `UNAVAILABLE_MAX_S`: the reload the manager asks for after a
   crash waits for the new host instead of failing a second time.
+* A host no Ray node can take (it asks for a GPU and no node has one, or names a `node` not in the
+  cluster) is said at once, not left pending for good: its commands are answered NOT_AVAILABLE,
+  naming the device, what it asks for and what the cluster has, and the pool's start logs it as an
+  error. Commands wait for the host's first answer (they are never sent to an actor not yet placed:
+  a node that took it later would run them long after their answer); the cluster is asked again at
+  each later attempt, so a node that joins meanwhile is used. One that the cluster could take but
+  that is not placed within PLACEMENT_WAIT_S (its GPUs held elsewhere) is refused the same way until
+  it is placed.
 * `ray.address` null starts a local Ray; "auto" or an address joins an existing cluster.
   `unreachable` says at once when nothing answers at the address to join (Ray itself retries for
   minutes). A stop signal while Ray starts raises `StartInterrupted`, once what the start began is
@@ -64,6 +72,12 @@ UNAVAILABLE_RETRY_S = 0.5
 UNAVAILABLE_MAX_S = 60.0
 """How long a command waits for a restarting host before it fails as `worker_died`."""
 ACTOR_PREFIX = "residency-device-"
+PLACEMENT_CHECK_S = 1.0
+"""How often the Ray cluster is asked again whether a host not yet placed can be (poll runs often)."""
+PLACEMENT_WAIT_S = 30.0
+"""How long a host whose resources the cluster has may wait for a node before its commands fail."""
+NODE_SHARE = 0.001
+"""How much of its `node:<address>` resource a host placed on a named node asks for."""
 
 
 class DeviceHostActor:
@@ -324,6 +338,110 @@ def unreachable(address: str | None, timeout_s: float = PROBE_TIMEOUT_S) -> str 
     return f"cannot connect to {where}: {why}"
 
 
+class HostNotPlaced(RuntimeError):
+    """A device's host actor is on no Ray node: none offers what it asks for (the message says)."""
+
+
+def needs(d: DeviceSpec) -> dict[str, float]:
+    """The Ray resources a device's host actor asks of one node (beside `num_cpus=0`)."""
+    asks: dict[str, float] = {}
+    if d.kind == "cuda":
+        asks["GPU"] = 1.0
+    if d.node:
+        asks[f"node:{d.node}"] = NODE_SHARE
+    return asks
+
+
+def _res(n: dict[str, Any]) -> dict[str, float]:
+    res: dict[str, float] = n.get("Resources") or {}
+    return res
+
+
+def unplaceable(d: DeviceSpec, nodes: list[dict[str, Any]], where: str, *, local: bool = False) -> str | None:
+    """Why no live node of `nodes` (`ray.nodes()` records) can take device `d`'s host, or None when
+    one can. `where` names the cluster; `local`: it is the local Ray `serve` started (this machine)."""
+    alive = [n for n in nodes if n.get("Alive")]
+    asks = needs(d)
+    if not asks or any(all(_res(n).get(k, 0.0) >= v for k, v in asks.items()) for n in alive):
+        return None
+    if d.node:
+        at = [n for n in alive if f"node:{d.node}" in _res(n)]
+        if not at:
+            names = ", ".join(sorted(str(n.get("NodeManagerAddress", "?")) for n in alive)) or "none"
+            hint = (
+                "a local Ray has this machine's node only (ray.address is null)"
+                if local
+                else "it is placed once that node joins the cluster"
+            )
+            return (
+                f"device {d.name!r} is to run on Ray node {d.node!r}, which is not in {where} "
+                f"(its nodes: {names}); {hint}"
+            )
+        return (
+            f"device {d.name!r} needs a GPU on Ray node {d.node!r}, which has none "
+            f"(GPU: {_res(at[0]).get('GPU', 0.0):g})"
+        )
+    gpus = sum(_res(n).get("GPU", 0.0) for n in alive)
+    count = "1 node" if len(alive) == 1 else f"{len(alive)} nodes"
+    hint = (
+        "on a machine without CUDA, serve without --no-cpu-fallback to run it on the CPU"
+        if local
+        else "it is placed once a Ray node with a GPU joins the cluster"
+    )
+    return f"device {d.name!r} needs a GPU, and {where} has none (GPU: {gpus:g} on its {count}); {hint}"
+
+
+def not_placed(d: DeviceSpec, nodes: list[dict[str, Any]], free: dict[str, float], where: str) -> str:
+    """Why device `d`'s host, which a live node of `nodes` could take, is on none after
+    PLACEMENT_WAIT_S: what it needs is held elsewhere (`free`: `ray.available_resources()`)."""
+    wants = (["a GPU"] if d.kind == "cuda" else []) + ([f"Ray node {d.node!r}"] if d.node else [])
+    has = ""
+    if d.kind == "cuda":
+        total = sum(_res(n).get("GPU", 0.0) for n in nodes if n.get("Alive"))
+        has = f" (GPU: {total:g}, free: {free.get('GPU', 0.0):g})"
+    return (
+        f"device {d.name!r} was not placed on a Ray node within {PLACEMENT_WAIT_S:g} s: it needs "
+        f"{' on '.join(wants) or 'a node'}, which {where} has{has} but holds for other actors or "
+        "tasks; it is placed once that comes free"
+    )
+
+
+def _scheduled(handle: Any) -> bool | None:
+    """Whether Ray found the actor `handle` a node (its constructor may still run there), from its
+    entry in the GCS actor table (Ray's private state API: the public one needs the dashboard); None
+    when that cannot be told."""
+    try:
+        from ray._private import state
+
+        entry = state.actors(handle._actor_id.hex())
+    except Exception:
+        return None
+    if not entry:
+        return None
+    if entry.get("State") not in ("PENDING_CREATION", "DEPENDENCIES_UNREADY"):
+        return True  # alive, restarting or dead: what its calls say is the answer
+    return bool((entry.get("Address") or {}).get("IPAddress"))  # a worker is leased for it
+
+
+def _cluster_name() -> str:
+    try:
+        gcs = ray.get_runtime_context().gcs_address
+    except Exception:  # (a Ray client connection may not tell)
+        gcs = None
+    return f"the Ray cluster at {gcs}" if gcs else "the Ray cluster"
+
+
+class _Placing:
+    """A host that has not answered yet: its readiness call, since when it is waited for, and the last
+    verdict on it (why it is refused, or None) with when that was reached."""
+
+    def __init__(self, probe: Any, since: float) -> None:
+        self.probe = probe
+        self.since = since
+        self.checked_at = -math.inf
+        self.why: str | None = None
+
+
 class RayWorkerPool:
     """`WorkerPool` over named, detached device-host actors (created, or reattached if they exist)."""
 
@@ -333,9 +451,12 @@ class RayWorkerPool:
         *,
         namespace: str = NAMESPACE,
         max_restarts: int = -1,
+        local: bool = False,
     ) -> None:
+        """`local`: the cluster is the local Ray `serve` started (a GPU it lacks is this machine's)."""
         if not ray.is_initialized():
             ensure_ray()
+        self.local = local
         self.specs = {d.name: d for d in devices}
         self.actors: dict[str, Any] = {}
         self.reattached: dict[str, bool] = {}
@@ -350,6 +471,14 @@ class RayWorkerPool:
         self._deaths = _Deaths()
         self._lock = threading.Lock()
         self._batchers: dict[str, _Batcher] = {}
+        # Hosts not yet heard from; commands wait for them (or are refused: `_placement`).
+        self._where = _cluster_name()
+        now = time.monotonic()
+        self._placing = {d: _Placing(h.__ray_ready__.remote(), now) for d, h in self.actors.items()}
+        self._refused: list[P.CommandResult] = []  # answered meanwhile, for the next `poll`
+        with self._lock:
+            for device in self.actors:  # one no node can take is said at the start
+                self._placement(device, now)
 
     @staticmethod
     def _actor(d: DeviceSpec, namespace: str, max_restarts: int) -> tuple[Any, bool]:
@@ -370,7 +499,7 @@ class RayWorkerPool:
         if d.kind == "cuda":
             opts["num_gpus"] = 1
         if d.node:
-            opts["resources"] = {f"node:{d.node}": 0.001}
+            opts["resources"] = {f"node:{d.node}": NODE_SHARE}
         return RemoteDeviceHost.options(**opts).remote(d.name, d.kind, d.index, d.node), False
 
     def _handle(self, device: str) -> Any:
@@ -390,20 +519,73 @@ class RayWorkerPool:
         return op
 
     def _pump(self, device: str) -> None:
-        held = time.monotonic() < self._not_before[device]  # its host is restarting: wait a moment
+        now = time.monotonic()
+        held = now < self._not_before[device]  # its host is restarting: wait a moment
         if self._inflight[device] is None and self._queued[device] and not held:
+            placed, why = self._placement(device, now)
+            if why is not None:  # no node takes its host: every command waiting for it is answered
+                queued = self._queued[device]
+                while queued:
+                    op, cmd = queued.popleft()
+                    self._refused.append(_not_placed(device, op, cmd, why))
+                return
+            if not placed:
+                return
             op, cmd = self._queued[device].popleft()
             self._inflight[device] = (self.actors[device].apply.remote(cmd, op), op, cmd)
+
+    def _placement(self, device: str, now: float) -> tuple[bool, str | None]:
+        """(placed, why): whether `device`'s host is placed on a Ray node (it answered, or Ray found it
+        one a while ago), and, when not, why it is refused: no live node offers what it asks for, or
+        it waited for one past PLACEMENT_WAIT_S; (False, None): it may just take a moment yet. The
+        cluster is asked at most every PLACEMENT_CHECK_S; a refusal is logged as an error when it
+        begins. Under the lock."""
+        p = self._placing.get(device)
+        if p is None:
+            return True, None
+        ready, _ = ray.wait([p.probe], num_returns=1, timeout=0)
+        if ready:  # (an error there, a constructor that raised, is for its calls to report)
+            del self._placing[device]
+            if p.why is not None:
+                logger.info("device %s: its host is placed on a Ray node now", device)
+            return True, None
+        if now - p.checked_at < PLACEMENT_CHECK_S:
+            return False, p.why
+        p.checked_at = now
+        d, before = self.specs[device], p.why
+        try:
+            nodes = ray.nodes()  # type: ignore[no-untyped-call]
+        except Exception as e:  # the cluster cannot be asked now: the host is waited for
+            logger.debug("device %s: the Ray cluster's nodes could not be read (%s)", device, e)
+            return False, p.why
+        p.why = unplaceable(d, nodes, self._where, local=self.local)
+        if p.why is None and now - p.since >= PLACEMENT_WAIT_S:
+            scheduled = _scheduled(self.actors[device])
+            if scheduled is None or scheduled:  # on a node, starting (slow imports): as before, sent
+                del self._placing[device]
+                return True, None
+            free = ray.available_resources()  # type: ignore[no-untyped-call]
+            p.why = not_placed(d, nodes, free, self._where)
+        if p.why is not None and p.why != before:
+            logger.error("%s", p.why)
+        return False, p.why
+
+    def _refusal(self, device: str) -> str | None:
+        """Why `device`'s host, not yet placed, is refused (see `_placement`), or None."""
+        if device not in self._placing:  # (placed: the common case, without the lock)
+            return None
+        with self._lock:
+            return self._placement(device, time.monotonic())[1]
 
     def poll(self) -> list[P.CommandResult]:
         with self._lock:
             for device in self.actors:  # a command held back while its host restarts goes again
                 self._pump(device)
+            out, self._refused = self._refused, []
             flying = {v[0]: d for d, v in self._inflight.items() if v is not None}
             if not flying:
-                return []
+                return out
             ready, _ = ray.wait(list(flying), num_returns=len(flying), timeout=0)
-            out = []
             for ref in ready:
                 device = flying[ref]
                 entry = self._inflight[device]
@@ -446,6 +628,10 @@ class RayWorkerPool:
             )
 
     def status(self, device: str, timeout_s: float = 10.0) -> P.WorkerStatus:
+        """What `device`'s host holds; HostNotPlaced at once when no Ray node can take it."""
+        why = self._refusal(device)
+        if why is not None:
+            raise HostNotPlaced(why)
         result: P.WorkerStatus = ray.get(self._handle(device).status.remote(), timeout=timeout_s)
         return result
 
@@ -468,11 +654,19 @@ class RayWorkerPool:
     def infer(
         self, device: str, model: str, inputs: dict[str, np.ndarray], timeout_s: float = 30.0
     ) -> P.InferResult:
+        refused = self._refusal(device)
+        if refused is not None:
+            return P.InferResult(
+                model, False, error_code=P.NOT_AVAILABLE, error=f"model {model!r}: {refused}"
+            )
         ref = self._handle(device).infer.remote(model, inputs)
         result, why = self._get(ref, device, timeout_s, f"model {model!r}")
         return P.InferResult(model, False, error_code=P.WORKER_DIED, error=why) if why else result
 
     def session(self, device: str, method: str, *args: object, timeout_s: float = 120.0) -> P.SessionReply:
+        refused = self._refusal(device)
+        if refused is not None:
+            return P.SessionReply(False, error_code=P.NOT_AVAILABLE, error=refused)
         ref = self._handle(device).session.remote(method, *args)
         reply, why = self._get(ref, device, timeout_s, f"world session {method}")
         return P.SessionReply(False, error_code=P.WORKER_DIED, error=why) if why else reply
@@ -484,6 +678,11 @@ class RayWorkerPool:
         together in one actor call (`infer_many`), so a burst pays one Ray round trip, not one each."""
         import asyncio
 
+        refused = self._refusal(device)
+        if refused is not None:
+            return P.InferResult(
+                model, False, error_code=P.NOT_AVAILABLE, error=f"model {model!r}: {refused}"
+            )
         batcher = self._batchers.get(device)
         if batcher is None:
             batcher = self._batchers[device] = _Batcher(self._handle(device), device, self._deaths)
@@ -563,6 +762,14 @@ def _lost(device: str, model: str, e: ReplyLost, why: str, code: str) -> P.Infer
         f"({e}); it may have run, and its answer was lost; it is not run again ({why})"
     )
     return P.InferResult(model, False, error_code=code, error=error)
+
+
+def _not_placed(device: str, op: str, cmd: P.Command, why: str) -> P.CommandResult:
+    model = P.command_model(cmd)
+    return P.CommandResult(
+        op, model, P.command_op(cmd), False, error_code=P.NOT_AVAILABLE, error=f"model {model!r}: {why}",
+        device=device,
+    )  # fmt: skip
 
 
 def _died(device: str, op: str, cmd: P.Command, e: Exception) -> P.CommandResult:
