@@ -109,10 +109,19 @@ class Served:
     cold: bool
 
 
-class _EventQueue(asyncio.Queue[dict[str, Any]]):
+class EventQueue(asyncio.Queue[dict[str, Any]]):
     """A watcher's events; `dropped`: how many did not fit since the last that did (a slow reader)."""
 
     dropped = 0
+
+    def gap_note(self, t: float) -> dict[str, Any] | None:
+        """The event that says where the events dropped for this watcher were (once: the count is
+        reset), or None when none were."""
+        if not self.dropped:
+            return None
+        note = f"{self.dropped} events were dropped here: this watcher read them too slowly"
+        self.dropped = 0
+        return {"t": t, "kind": "events_dropped", "model": "", "detail": note, "device": ""}
 
 
 class LiveManager(PersistenceMixin, WorldSessionsMixin):
@@ -143,7 +152,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self._drop_retries: set[str] = set()  # op ids of drops sent again after a failed one
         self._last_drops: set[str] = set()  # op ids of drops neither retried nor resynced if they fail
         self._drops_refused: set[str] = set()  # models resynced after a refused drop, until a success
-        self._subscribers: list[_EventQueue] = []
+        self._subscribers: list[EventQueue] = []
         self._task: asyncio.Task[None] | None = None
         self.started = False
         self._stopping = asyncio.Event()  # set at stop: requests still waiting for a load give up
@@ -1285,8 +1294,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             self._flush()
 
     # ---- events -------------------------------------------------------------------------------
-    def subscribe(self) -> asyncio.Queue[dict[str, Any]]:
-        q = _EventQueue(EVENTS_QUEUE)
+    def subscribe(self) -> EventQueue:
+        q = EventQueue(EVENTS_QUEUE)
         self._subscribers.append(q)
         return q
 
@@ -1299,8 +1308,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             if q.qsize() + (2 if q.dropped else 1) > q.maxsize:  # a watcher reading too slowly
                 q.dropped += 1
                 continue
-            if q.dropped:  # where the gap is, once there is room: it is said, not silent
-                note = f"{q.dropped} events were dropped here: this watcher read them too slowly"
-                q.put_nowait({"t": t, "kind": "events_dropped", "model": "", "detail": note, "device": ""})
-                q.dropped = 0
+            gap = q.gap_note(t)  # where the gap is, once there is room: it is said, not silent
+            if gap is not None:
+                q.put_nowait(gap)
             q.put_nowait(ev)

@@ -12,7 +12,7 @@ import grpc
 
 from manager.api.errors import mapped
 from manager.errors import DeadlineExceeded, WorkerUnavailable
-from manager.live import LiveManager
+from manager.live import EventQueue, LiveManager
 from manager.policy.types import Tier
 from manager.replay.sim import p99
 from residency_proto.v1 import residency_pb2 as pb
@@ -99,12 +99,8 @@ def _caught_up_gap(q: asyncio.Queue[dict[str, Any]], t: float) -> pb.Event | Non
     hours later, and meanwhile the watcher saw a history that ended without a word on its last
     events (often the latest state: the end of a burst). None when nothing was dropped, or the
     queue still holds events (the note then comes in its place, from the manager)."""
-    dropped = int(getattr(q, "dropped", 0))
-    if not dropped or not q.empty():
-        return None
-    q.dropped = 0  # type: ignore[attr-defined]  # (said now: not again with the next event)
-    note = f"{dropped} events were dropped here: this watcher read them too slowly"
-    return pb.Event(t=t, kind="events_dropped", model="", detail=note, device="")
+    gap = q.gap_note(t) if isinstance(q, EventQueue) and q.empty() else None
+    return None if gap is None else pb.Event(**gap)
 
 
 class AdminServicer(pb_grpc.ResidencyServicer):
