@@ -160,12 +160,23 @@ def as_json(measures: list[ModelMeasure]) -> dict[str, Any]:
 
 
 def write_measured_config(src: Path, dst: Path, measures: list[ModelMeasure]) -> Config:
+    """`src` with the measured figures into `dst` (which may be `src` itself), whole or not at all:
+    a disk that fills up, or a service watching the file, never meets half a config. A symlink at
+    `dst` is kept (its target written), an existing `dst` keeps its mode and owner, and a new one
+    takes `src`'s mode (a private config's copy stays private). OSError (`NotWritable`) naming
+    `dst` when it cannot be written; `dst` is then as it was."""
     from manager.config import load_config, write_config_with_updates
+    from manager.tuning_job import write_config_atomically
 
-    return write_config_with_updates(
-        src,
-        dst,
-        config_updates(measures, load_config(src)),
-        header_comment=f"load_seconds and memory measured by `residency measure --config {src}`",
-        note_measured=True,
-    )
+    updates = config_updates(measures, load_config(src))
+
+    def write(tmp: Path) -> Config:
+        return write_config_with_updates(
+            src,
+            tmp,
+            updates,
+            header_comment=f"load_seconds and memory measured by `residency measure --config {src}`",
+            note_measured=True,
+        )
+
+    return write_config_atomically(dst, write, mode=src.stat().st_mode & 0o7777)

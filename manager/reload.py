@@ -51,19 +51,57 @@ def _model_shape(config: Config) -> dict[str, tuple[object, ...]]:
     return shapes
 
 
+def _said(field: str, v: object) -> str:
+    """A setting's value as the config would say it (sizes in units)."""
+    return format_size(v) if field in ("memory", "reserve") and isinstance(v, int) else repr(v)
+
+
+def _fields_changed(what: str, old: Mapping[str, object], new: Mapping[str, object]) -> str:
+    """`{what} memory changed (24GiB -> 12GiB), ...`: each field that differs, old and new."""
+    said = [
+        f"{f} changed ({_said(f, old.get(f))} -> {_said(f, new.get(f))})"
+        for f in dict.fromkeys([*old, *new])
+        if old.get(f) != new.get(f)
+    ]
+    return f"{what} {', '.join(said)}"
+
+
+def _added_removed(what: str, before: list[str], after: list[str]) -> str:
+    """`models added ['x'], removed ['y']` (each part only when not empty), or the order changed."""
+    added, gone = [n for n in after if n not in before], [n for n in before if n not in after]
+    parts = ([f"added {added}"] if added else []) + ([f"removed {gone}"] if gone else [])
+    return f"{what} {', '.join(parts)}" if parts else f"{what}: their order changed"
+
+
+def _device_change(old: Config, new: Config) -> str | None:
+    """What changed in the devices (the first device that differs, and its fields), or None."""
+    olds, news = [d.name for d in old.devices], [d.name for d in new.devices]
+    if olds != news:
+        return _added_removed("devices", olds, news)
+    for o, n in zip(old.devices, new.devices, strict=True):
+        if o.model_dump() != n.model_dump():
+            return _fields_changed(f"device {o.name!r}:", o.model_dump(), n.model_dump())
+    return None
+
+
 def plan_reload(old: Config, new: Config) -> list[str]:
-    if [d.model_dump() for d in old.devices] != [d.model_dump() for d in new.devices]:
-        raise RestartNeeded("devices changed")
+    """The changes a reload from `old` to `new` applies (and those read at the next restart), or
+    RestartNeeded naming the first structural change, its fields and their old and new values."""
+    devices = _device_change(old, new)
+    if devices is not None:
+        raise RestartNeeded(devices)
     if old.host != new.host:  # the books of host RAM are built once, around what it holds now
-        raise RestartNeeded("host memory or reserve changed")
+        raise RestartNeeded(_fields_changed("host", old.host.model_dump(), new.host.model_dump()))
     if [c.name for c in old.classes] != [c.name for c in new.classes]:
-        raise RestartNeeded("class names or their order changed")
+        raise RestartNeeded(
+            "class names or their order changed: "
+            f"{[c.name for c in old.classes]} -> {[c.name for c in new.classes]}"
+        )
     if old.policy.name != new.policy.name:
         raise RestartNeeded(f"policy changed from {old.policy.name!r} to {new.policy.name!r}")
     before, after = _model_shape(old), _model_shape(new)
     if set(before) != set(after):
-        added, gone = sorted(set(after) - set(before)), sorted(set(before) - set(after))
-        raise RestartNeeded(f"models added {added} or removed {gone}")
+        raise RestartNeeded(_added_removed("models", list(before), list(after)))
     for name in before:
         if before[name] != after[name]:
             changed = [f for f, b, a in zip(_SHAPE_FIELDS, before[name], after[name], strict=True) if b != a]

@@ -6,19 +6,25 @@ does by hand). Applying is the caller's business: with `tuning.apply: auto`, and
 true, the service writes the tuned fields into its config file (the file it replaced is kept beside the
 proposal, as `previous.yaml`), so that they outlive a restart, and hot-reloads it. A run that fails is
 recorded and tried again after `RETRY_S`, not at every check of the schedule.
+
+The config file is written whole or not at all (`write_config_atomically`): a reload or an editor
+never reads half of it, a symlink keeps pointing at it, its mode and owner are kept, and a file that
+changed while the run went on (a user's edit) is not overwritten.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from manager.config import Config, ConfigError, write_config_with_updates
 from manager.replay.sim import replay
@@ -30,6 +36,9 @@ from manager.store.export import export_trace
 PERIOD_S = {"daily": 86400.0, "weekly": 7 * 86400.0}
 RETRY_S = 3600.0
 """A scheduled run that failed is tried again after this long."""
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -53,10 +62,35 @@ def run_tuning(
     now: float | None = None,
     stop: Callable[[], bool] | None = None,
 ) -> TuningOutcome:
+    """One run, its files under `tuning.out_dir`. `stop` ends it (TuningStopped) at its next replay
+    or before its next file, and the files it wrote are removed: a stopped run leaves nothing."""
     now = time.time() if now is None else now
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now))
     out_dir = Path(config.tuning.out_dir) / stamp
+    made = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return _run(config, config_path, store, now, stamp, out_dir, stop)
+    except TuningStopped:
+        if made:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        raise
+
+
+def _stopped(stop: Callable[[], bool] | None) -> None:
+    if stop is not None and stop():
+        raise TuningStopped("the tuning run was stopped (the service is stopping)")
+
+
+def _run(
+    config: Config,
+    config_path: Path,
+    store: Any,
+    now: float,
+    stamp: str,
+    out_dir: Path,
+    stop: Callable[[], bool] | None,
+) -> TuningOutcome:
     trace = out_dir / "requests.jsonl"
     n = export_trace(store, config.tuning.since, now, trace)
     names = {m.name for m in config.models}
@@ -65,14 +99,21 @@ def run_tuning(
     if not search or not holdout:
         return TuningOutcome(None, None, n, reason=f"{n} requests logged: too few days to tune and hold out")
     res = tune(config, search, holdout, policy=config.policy.name, stop=stop)
+    _stopped(stop)  # (the held-out replays, after the search, do not look)
     proposal = out_dir / "proposed.yaml"
     header = f"Proposed by the service's tuning on {stamp} from {len(search)} requests; changes: " + (
         "; ".join(res.changes) or "none"
     )
-    write_config_with_updates(
-        config_path, proposal, res.model_updates, res.class_updates, header, note_changes=True
-    )
-    report = _report(out_dir / "report", config, res, holdout)
+    mode = config_path.stat().st_mode & 0o7777  # a private config's proposal is as private
+
+    def write(tmp: Path) -> Config:
+        return write_config_with_updates(
+            config_path, tmp, res.model_updates, res.class_updates, header, note_changes=True
+        )
+
+    write_config_atomically(proposal, write, mode=mode)
+    report = _report(out_dir / "report", config, res, holdout, stop)
+    _stopped(stop)
     before, after = res.holdout_before, res.holdout_after
     assert before is not None and after is not None
     better = bool(res.changes) and objective(after) < objective(before)
@@ -83,16 +124,22 @@ def run_tuning(
     )  # fmt: skip
 
 
-def _report(out: Path, config: Config, res: Any, reqs: list[Any]) -> Path | None:
+def _report(
+    out: Path, config: Config, res: Any, reqs: list[Any], stop: Callable[[], bool] | None = None
+) -> Path | None:
     """The held-out days' report, over the period until the last request ends (as `residency tune
-    --report`); None when that period is empty (every request at one instant, none busy)."""
+    --report`); None when that period is empty (every request at one instant, none busy). `stop` is
+    looked at before each replay."""
     from manager.replay.report import report_period, write_report
 
     t0, t1 = report_period(reqs)
     if t1 <= t0:
         return None
+    _stopped(stop)
     before = replay(config, reqs, config.policy.name, record=True)
+    _stopped(stop)
     after = replay(res.config, reqs, config.policy.name, record=True)
+    _stopped(stop)
     notes = [f"change: {c}" for c in res.changes] or ["no change beat the running config"]
     return write_report(
         out, before=before, after=after, t_start=t0, t_end=t1,
@@ -104,15 +151,19 @@ def _report(out: Path, config: Config, res: Any, reqs: list[Any]) -> Path | None
 def due(config: Config, store: Any, now: float) -> bool:
     """Whether the schedule says a tuning run is due (the last run's time is kept in the store); a run
     that failed is tried again `RETRY_S` after its failure. A record that cannot be read (not JSON, or
-    times that are not numbers) counts as no record: the next run writes a good one."""
+    times that are not numbers) counts as no record: the next run writes a good one. A recorded time
+    ahead of `now` (the clock was set back since) counts by its distance from `now`."""
     period = PERIOD_S.get(config.tuning.schedule)
     if period is None:
         return False
     doc = _record(store)
+    # A time recorded ahead of `now` was taken while the clock ran ahead (set back since): as far
+    # ahead as behind counts as as long ago, so a clock a year ahead once does not stop the schedule
+    # for a year, and a small step back does not run again a run just made.
     failed = _seconds(doc, "failed_at")
-    if failed is not None and now - failed < RETRY_S:
+    if failed is not None and abs(now - failed) < RETRY_S:
         return False
-    return bool(now - (_seconds(doc, "last_run") or 0.0) >= period)
+    return bool(abs(now - (_seconds(doc, "last_run") or 0.0)) >= period)
 
 
 def _record(store: Any) -> dict[str, Any]:
@@ -146,22 +197,128 @@ def _keep_copy(src: Path, dst: Path) -> None:
         os.close(fd)
 
 
-def write_back(config_path: Path, outcome: TuningOutcome) -> str:
-    """Write the tuned fields into the config file itself (comments kept; the replaced file kept as
-    `previous.yaml` beside the proposal). Returns "" when written, else why not."""
-    assert outcome.proposal is not None
-    target = config_path.resolve()  # a symlinked config stays a symlink: its target is rewritten
-    tmp = target.with_name(f".{target.name}.tuned")
+class ConfigChanged(Exception):
+    """The config file no longer holds what its writer read from it: someone saved it meanwhile."""
+
+
+class NotWritable(OSError):
+    """A file left as it was, and why (`path`: the file; `why`: what stopped the write)."""
+
+    def __init__(self, path: Path, why: str) -> None:
+        super().__init__(f"{path}: {why}")
+        self.path, self.why = path, why
+
+
+def write_config_atomically(
+    dst: Path,
+    write: Callable[[Path], T],
+    *,
+    mode: int | None = None,
+    expected: bytes | None = None,
+) -> T:
+    """Replace `dst` whole, or leave it as it was: `write(tmp)` fills a temporary file beside the
+    file `dst` names (created private; a symlink at `dst` is kept, its target replaced), which is
+    given `dst`'s mode and owner (`mode` for a new file), synced and renamed over it, so a reload,
+    an editor or a power cut never meets half a config. Returns what `write` returned.
+
+    NotWritable when the file is read-only (its mode, though root could write it), its folder is
+    not writable, its owner cannot be kept (a service that is not root, writing a user's file
+    through a group's permission, would take it from them) or the write failed (a disk full), the
+    file unchanged; ConfigChanged, nothing written, when `expected` (the bytes the caller read) is
+    not what the file holds, before or after the write."""
+    target = Path(os.path.realpath(dst))
+    folder = target.parent
     try:
-        _keep_copy(target, outcome.proposal.parent / "previous.yaml")
-        write_config_with_updates(
+        st: os.stat_result | None = os.stat(target)
+    except FileNotFoundError:
+        st = None
+    if st is not None and (not st.st_mode & 0o222 or not os.access(target, os.W_OK)):
+        raise NotWritable(dst, "the file is read-only")
+    fst = os.stat(folder)
+    if not fst.st_mode & 0o222 or not os.access(folder, os.W_OK | os.X_OK):
+        raise NotWritable(dst, f"its folder {folder} is not writable")
+
+    def unchanged() -> None:
+        if expected is None:
+            return
+        try:
+            now = target.read_bytes()
+        except OSError:
+            now = None
+        if now != expected:
+            raise ConfigChanged(f"{dst} changed while the run went on")
+
+    unchanged()
+    fd, name = tempfile.mkstemp(dir=folder, prefix=f".{target.name}.", suffix=".tmp")  # 0600
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        try:
+            result = write(tmp)
+            if st is not None:
+                mode = st.st_mode & 0o7777
+                if (st.st_uid, st.st_gid) != (os.stat(tmp).st_uid, os.stat(tmp).st_gid):
+                    try:
+                        os.chown(tmp, st.st_uid, st.st_gid)
+                    except OSError:
+                        raise NotWritable(
+                            dst,
+                            f"the file belongs to uid {st.st_uid} (gid {st.st_gid}), and this process "
+                            "cannot give them the new file that would replace it",
+                        ) from None
+            if mode is not None:
+                os.chmod(tmp, mode)  # (after chown, which may clear set-id bits)
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # on disk before the rename: a power cut leaves the old file or the new
+            finally:
+                os.close(fd)
+            unchanged()
+            os.replace(tmp, target)
+        except ConfigError as e:
+            if e.file == str(tmp):  # the result's own check: said of the file it would have been
+                e.file = str(dst)
+            raise
+        except OSError as e:
+            if isinstance(e, NotWritable):
+                raise
+            what = e.strerror or str(e)
+            if e.filename and Path(e.filename) != tmp:  # (the temporary file's name says nothing)
+                what += f": {e.filename}"
+            raise NotWritable(dst, f"not written ({what}); the file is unchanged") from None
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    with contextlib.suppress(OSError):  # the rename itself on disk (best effort)
+        dfd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    return result
+
+
+def write_back(config_path: Path, outcome: TuningOutcome, expected: bytes | None = None) -> str:
+    """Write the tuned fields into the config file itself, whole or not at all (comments, mode,
+    owner and a symlink kept; the replaced file kept as `previous.yaml` beside the proposal).
+    Returns "" when written, else why not. ConfigChanged (nothing written) when `expected`, the
+    file's bytes when the run began, is not what it holds: a user's edit is not overwritten."""
+    assert outcome.proposal is not None
+    target = Path(os.path.realpath(config_path))  # a symlinked config stays a symlink
+    previous = outcome.proposal.parent / "previous.yaml"
+
+    def write(tmp: Path) -> Config:
+        _keep_copy(target, previous)
+        return write_config_with_updates(
             target, tmp, outcome.model_updates, outcome.class_updates, note_changes=True
         )
-        shutil.copymode(target, tmp)
-        os.replace(tmp, target)
-    except (OSError, ValueError, ConfigError) as e:  # ConfigError: the file changed under us
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
+
+    try:
+        write_config_atomically(config_path, write, expected=expected)
+    except NotWritable as e:
+        return f"not written into {config_path}: {e.why}"
+    except (OSError, ValueError, ConfigError) as e:  # ConfigError: the file was broken meanwhile
         return f"not written into {config_path}: {e}"
     return ""
 
@@ -172,30 +329,17 @@ def tuning_step(
     """One scheduled run: tune, record it in the store, and apply it when `apply: auto` and better
     (written into the config file, then hot-reloaded; when the file cannot be written, the tuned
     fields alone are applied to the running config, so an edit hot-reloaded while the run went on
-    is kept, as the file keeps it)."""
-    from pydantic import ValidationError
-
-    from manager.config import load_config
-    from manager.reload import RestartNeeded
-    from manager.replay.tune import with_settings
-
+    is kept, as the file keeps it; when the file changed while the run went on, nothing: `_apply`)."""
     config: Config = manager.config
+    try:  # the file as the run begins: an edit saved while it goes on is not overwritten
+        began: bytes | None = Path(config_path).read_bytes()
+    except OSError:
+        began = None
     outcome = run_tuning(config, config_path, store, now, stop)
-    if stop is not None and stop():  # the service is stopping: nothing is written or reloaded now
-        raise TuningStopped("the tuning run was stopped (the service is stopping)")
+    _stopped(stop)  # the service is stopping: nothing is written or reloaded now
     applied = False
     if outcome.better and config.tuning.apply == "auto" and outcome.proposal is not None:
-        unwritten = write_back(config_path, outcome)
-        try:
-            if unwritten:  # not the proposal, made from the config as it was when the run began
-                new = with_settings(manager.config, outcome.model_updates, outcome.class_updates)
-            else:
-                new = load_config(config_path)
-            manager.reload(new)
-            applied = True
-            outcome.reason += "; applied" + (f", but {unwritten}: a restart reverts it" if unwritten else "")
-        except (ConfigError, RestartNeeded, ValidationError) as e:
-            outcome.reason += f"; not applied: {e}"
+        applied = _apply(manager, config_path, outcome, began)
     store.put_doc(
         "tuning",
         {
@@ -207,6 +351,39 @@ def tuning_step(
         },
     )  # fmt: skip
     return outcome
+
+
+def _apply(manager: Any, config_path: Path, outcome: TuningOutcome, began: bytes | None) -> bool:
+    """Write a better run's tuned fields into the config file and hot-reload it (said in
+    `outcome.reason`); whether they were applied. A file that cannot be written gets the tuned
+    fields applied to the running config alone (a restart reverts them); a file that changed since
+    the run began (`began`: its bytes then) is left to its editor, and nothing is applied."""
+    from pydantic import ValidationError
+
+    from manager.config import load_config
+    from manager.reload import RestartNeeded
+    from manager.replay.tune import with_settings
+
+    assert outcome.proposal is not None
+    try:
+        unwritten = write_back(config_path, outcome, expected=began)
+    except ConfigChanged as e:  # tuned against the file as it was: its edit is neither undone nor mixed
+        outcome.reason += f"; not applied: {e} (the proposal: {outcome.proposal})"
+        logger.warning("scheduled tuning: %s", outcome.reason)
+        return False
+    if unwritten:
+        logger.warning("scheduled tuning: %s (the service goes on)", unwritten)
+    try:
+        if unwritten:  # not the proposal, made from the config as it was when the run began
+            new = with_settings(manager.config, outcome.model_updates, outcome.class_updates)
+        else:
+            new = load_config(config_path)
+        manager.reload(new)
+    except (ConfigError, RestartNeeded, ValidationError) as e:
+        outcome.reason += f"; not applied: {e}"
+        return False
+    outcome.reason += "; applied" + (f", but {unwritten}: a restart reverts it" if unwritten else "")
+    return True
 
 
 def scheduled_tuning(
