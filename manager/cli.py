@@ -142,6 +142,8 @@ def _prepare_out_file(value: str, flag: str, *, create: bool = True) -> Path:
     _prepare_dir(path.parent, flag, create=create, for_file=value)
     if path.exists() and not os.access(path, os.W_OK):
         raise UsageError(f"{flag} {value}: the file is not writable")
+    if path.is_file() and not path.stat().st_mode & 0o222:  # (root may write it: its owner said no)
+        raise UsageError(f"{flag} {value}: the file is read-only")
     return path
 
 
@@ -434,6 +436,24 @@ def _load_store_trace(config: Config, since: str, strict: bool) -> list[Request]
     return reqs
 
 
+def _write_tuned(config: str, out: str, res: Any, header: str) -> None:
+    """The tuned config at `out`, whole or not at all (`out` may be the config itself, which a
+    running service watches), with the config's mode; UsageError naming --out when it is not."""
+    from manager.tuning_job import NotWritable, write_config_atomically
+
+    def write(tmp: Path) -> Config:
+        return write_config_with_updates(
+            Path(config), tmp, res.model_updates, res.class_updates, header, note_changes=True
+        )
+
+    try:
+        write_config_atomically(Path(out), write, mode=Path(config).stat().st_mode & 0o7777)
+    except NotWritable as e:
+        raise UsageError(f"--out {out}: not written: {e.why}") from None
+    except ValueError as e:  # a YAML share the tuned fields cannot be written through (said how)
+        raise UsageError(f"--out {out}: not written: {e}") from None
+
+
 def cmd_tune(a: argparse.Namespace) -> int:
     from manager.replay.tune import split_holdout, tune
 
@@ -490,12 +510,7 @@ def cmd_tune(a: argparse.Namespace) -> int:
         f"Tuned by `residency tune` from {a.config} on {a.trace} ({len(search)} requests); "
         f"{len(res.changes)} change(s): {'; '.join(res.changes) or 'none'}"
     )
-    try:
-        write_config_with_updates(
-            Path(a.config), Path(a.out), res.model_updates, res.class_updates, header, note_changes=True
-        )
-    except ValueError as e:  # a YAML share the tuned fields cannot be written through (said how)
-        raise UsageError(f"--out {a.out}: not written: {e}") from None
+    _write_tuned(a.config, a.out, res, header)
     fig: dict[str, Any] = {
         "out": a.out,
         "evaluations": res.evaluations,

@@ -59,7 +59,7 @@ def reload_from_file(manager: LiveManager, path: str | None) -> list[str]:
     except ConfigError as e:
         raise InvalidRequest(f"config not reloaded: {e}") from None
     except RestartNeeded as e:
-        raise InvalidRequest(f"config not reloaded: {e}; restart the service to apply it") from None
+        raise InvalidRequest(f"config not reloaded: {path}: {e}; restart the service to apply it") from None
 
 
 PRELOAD_TIMEOUT_S = 120.0

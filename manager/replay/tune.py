@@ -111,12 +111,15 @@ def tune(
     classes: dict[str, dict[str, Any]] = {}
     evals = 0
 
+    def stopped() -> None:
+        if stop is not None and stop():
+            raise TuningStopped("the tuning run was stopped (the service is stopping)")
+
     def score(
         ms: dict[str, dict[str, Any]], cs: dict[str, dict[str, Any]]
     ) -> tuple[float, ReplayResult] | None:
         nonlocal evals
-        if stop is not None and stop():
-            raise TuningStopped("the tuning run was stopped (the service is stopping)")
+        stopped()
         try:
             cfg = with_settings(config, ms, cs)
         except ValidationError:
@@ -155,8 +158,11 @@ def tune(
                 changes.append(f"{c.name}.reserve = {yaml_value('reserve', gib * 2**30)}")
     tuned = with_settings(config, models, classes)
     hb = ha = None
-    if holdout:
-        hb, ha = replay(config, holdout, policy), replay(tuned, holdout, policy)
+    if holdout:  # (a stop is looked at before each of these replays too: each is a week's)
+        stopped()
+        hb = replay(config, holdout, policy)
+        stopped()
+        ha = replay(tuned, holdout, policy)
     return TuneResult(
         config=tuned,
         model_updates={k: {f: yaml_value(f, v) for f, v in d.items()} for k, d in models.items()},

@@ -351,3 +351,75 @@ def test_measured_figures_keep_a_symlink_and_a_private_configs_mode(tmp_path: Pa
     write_measured_config(src, link, _measures())
     assert link.is_symlink() and (real.stat().st_mode & 0o777) == 0o640
     assert load_config(real).models[0].memory == 2_500_000 and not _leftovers(real)
+
+
+def test_a_stop_after_the_search_ends_the_run_before_its_held_out_replays(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The search looked at `stop` before each replay, but the two held-out replays after it (a week
+    each) ran whatever: a service stopping then waited for them. Now they look too."""
+    import manager.replay.tune as tune_mod
+
+    config = load_config(Path(__file__).resolve().parents[2] / "configs" / "home.yaml")
+    reqs = synth("home", 3, 5)
+    search, holdout = tune_mod.split_holdout(reqs)
+    real = tune_mod.replay
+    calls = {"n": 0}
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tune_mod, "replay", counting)
+    tune_mod.tune(config, search, holdout)
+    in_search = calls["n"] - 2  # the search's replays, then the held-out two
+    calls["n"] = 0
+    with pytest.raises(tune_mod.TuningStopped):
+        tune_mod.tune(config, search, holdout, stop=lambda: calls["n"] >= in_search)
+    assert calls["n"] == in_search  # neither held-out replay ran
+
+
+def test_a_reload_needing_a_restart_names_the_file(tmp_path: Path) -> None:
+    """The admin ReloadConfig's refusal for a restart said what changed but not which file."""
+    from live_helpers import local_config, run
+
+    from manager.api.admin import reload_from_file
+    from manager.errors import InvalidRequest
+
+    config = local_config(tmp_path, ("voice",))
+    path = tmp_path / "changed.yaml"
+    text = (Path(__file__).resolve().parents[2] / "configs" / "local-cpu.yaml").read_text()
+    path.write_text(text.replace("memory: ", "memory: 1", 1))  # a device's size: a restart
+
+    async def body(lm: Any) -> None:
+        with pytest.raises(InvalidRequest) as e:
+            reload_from_file(lm, str(path))
+        assert str(e.value).startswith(f"config not reloaded: {path}: ")
+        assert str(e.value).endswith("restart the service to apply it")
+
+    run(config, body)
+
+
+@pytest.mark.parametrize("cmd", ["tune", "measure"])
+def test_a_read_only_output_file_is_refused_before_the_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], cmd: str
+) -> None:
+    """`tune --out` and `measure --write-config` naming a read-only file (a user's `chmod a-w`):
+    run as root, the check before the work passed (root may write it), and the file was then
+    replaced (tune) or refused only after the measuring (measure). Refused first now, as the
+    service's tuning job refuses it."""
+    from manager.cli import main
+
+    out = tmp_path / "tuned.yaml"
+    out.write_text("# mine\n")
+    out.chmod(0o444)
+    home = Path(__file__).resolve().parents[2] / "configs"
+    if cmd == "tune":
+        trace = tmp_path / "t.jsonl"
+        write_trace(trace, synth("home", 3, 1))
+        args = ["tune", "--config", str(home / "home.yaml"), "--trace", str(trace), "--out", str(out)]
+    else:
+        args = ["measure", "--config", str(home / "local-cpu.yaml"), "--write-config", str(out)]
+    assert main(args) == 2
+    assert f"{out}: the file is read-only" in capsys.readouterr().err
+    assert out.read_text() == "# mine\n"
