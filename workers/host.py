@@ -328,24 +328,31 @@ class DeviceHost:
         with self._work_lock:
             return {m: (w.what, now - w.started) for m, w in self._work.items() if w.abandoned}
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 0.0) -> None:
         """The host stops taking commands (each is answered NOT_AVAILABLE, "stopping"); the load or
-        promote a command waits for is given up now (its command answers at once), not waited for:
-        its thread is left to the process's end. What is abandoned so is logged, naming the model."""
+        promote a command waits for is given `grace_s` to end (most take a second: one cut short
+        would leave its thread inside the model's native code while the process exits, which can
+        abort it), then given up (its command answers at once), not waited for: its thread is left
+        to the process's end. What is abandoned so is logged, naming the model."""
+        deadline = time.monotonic() + grace_s
         with self._work_lock:
             self._stopping = True
             works = list(self._work.items())
-        now = time.monotonic()
         for model, w in works:
             if w.abandoned:
                 logger.warning(
                     "device %s: stopping with the abandoned %s of %s still running (%.0f s); it is left "
-                    "to the process's end", self.name, w.what, model, now - w.started,
+                    "to the process's end", self.name, w.what, model, time.monotonic() - w.started,
                 )  # fmt: skip
-            else:
+                continue
+            w.wake.wait(max(0.0, deadline - time.monotonic()))  # (set when it ends)
+            with self._work_lock:
+                running = self._work.get(model) is w
+            if running:
                 logger.warning(
                     "device %s: stopping: the %s of %s (running %.1f s) is abandoned, not waited for; "
-                    "its thread is left to the process's end", self.name, w.what, model, now - w.started,
+                    "its thread is left to the process's end", self.name, w.what, model,
+                    time.monotonic() - w.started,
                 )  # fmt: skip
             w.wake.set()
 

@@ -31,8 +31,8 @@ from workers.host import DeviceHost
 logger = logging.getLogger(__name__)
 
 CLOSE_GRACE_S = 5.0
-"""How long `InProcessWorkerPool.close` lets the commands running end (a load waited for ends at
-once: its host stops) before it abandons them."""
+"""How long `InProcessWorkerPool.close` lets the commands running end (a load or promote one waits
+for included: its host's `stop` gives it the same grace) before it abandons them."""
 
 
 @dataclass(frozen=True)
@@ -179,17 +179,17 @@ class InProcessWorkerPool:
 
     def close(self) -> None:
         """Stop the hosts and their command threads, within `close_grace_s`: a load or promote a
-        command waits for is abandoned at once (its host stops), commands queued are answered
-        "stopping"; a command still running past the grace (a model's own code that hangs) is
-        abandoned, and said, not waited for. A second call does nothing."""
+        command waits for may end within it (its host's `stop`), commands queued are answered
+        "stopping"; one still running past the grace (a model's own code that hangs) is abandoned,
+        and said, not waited for. A second call does nothing."""
         if self._closed:
             return
         self._closed = True
-        for host in self.hosts.values():
-            host.stop()
+        deadline = time.monotonic() + self.close_grace_s
+        for host in self.hosts.values():  # (a load about to end is let end, within the grace)
+            host.stop(max(0.0, deadline - time.monotonic()))
         for t in self._threads.values():
             t.stop()
-        deadline = time.monotonic() + self.close_grace_s
         for t in self._threads.values():
             t.thread.join(max(0.0, deadline - time.monotonic()))
             running = t.running

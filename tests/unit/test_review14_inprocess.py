@@ -132,6 +132,25 @@ class TestStopWithAHungLoad:
         with pytest.raises(RuntimeError, match="closed"):
             pool.submit("cpu0", P.Drop("after"))
 
+    def test_a_load_that_ends_within_the_grace_is_let_end_not_abandoned(
+        self, gate: _Gate, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """A stop right after the start (a pinned model's load under way, a second long) gave the
+        load up at once: the process then exited with the load's thread inside torch's native code,
+        and aborted ("terminate called without an active exception", exit -6, not 0). A load about
+        to end is now let end within the close's grace."""
+        pool = InProcessWorkerPool([DeviceSpec("cpu0")], close_grace_s=10)
+        gate.open.clear()
+        op = pool.submit("cpu0", P.Load(_spec("soon", _checkpoint(tmp_path))))
+        assert gate.entered.wait(30)
+        threading.Timer(0.3, gate.open.set).start()  # it ends a moment after the stop
+        with caplog.at_level(logging.WARNING):
+            returned, _ = _in_thread(pool.close, 30)
+        assert returned
+        (result,) = [r for r in _drain(pool, 1, timeout=10) if r.op_id == op]
+        assert result.ok, result
+        assert "abandoned" not in caplog.text
+
     def test_a_command_held_past_the_grace_by_a_hung_inference_is_abandoned_and_said(
         self, gate: _Gate, tmp_path: Path, caplog: pytest.LogCaptureFixture
     ) -> None:
