@@ -3,7 +3,8 @@
 Inputs arrive as little-endian bytes in `raw_input_contents` (one entry per input, in order) or in
 typed `contents`; BYTES elements are a 4-byte little-endian length followed by the bytes. Every
 mismatch (unknown datatype, element count vs shape, raw length, a typed value outside its datatype's
-range, raw and typed data both given) raises InvalidRequest naming the input and what was expected.
+range, raw and typed data both given, typed values in another datatype's field) raises InvalidRequest
+naming the input and what was expected.
 """
 
 from __future__ import annotations
@@ -123,13 +124,24 @@ def decode_input(name: str, datatype: str, shape: list[int], raw: bytes | None, 
         raise InvalidRequest(
             f"input {name!r}: unsupported datatype {datatype!r}; use one of BYTES, {', '.join(DTYPES)}"
         )
-    if raw is None:  # typed contents: the count first, before converting any
-        given = len(getattr(contents, CONTENTS_FIELD[datatype]))
+    if raw is None:  # typed contents: the field and the count first, before converting any
+        field = CONTENTS_FIELD[datatype]
+        given = len(getattr(contents, field))
+        # values in another field would be dropped unread (an input's values are in one field)
+        stray = next(((f, k) for f in TYPED_FIELDS if f != field and (k := len(getattr(contents, f)))), None)
+        where = (
+            ""
+            if stray is None
+            else f"contents.{stray[0]} holds {stray[1]} value{'s' if stray[1] != 1 else ''}, but {datatype} "
+            f"values go in contents.{field}"
+        )
         if given != n:
             raise InvalidRequest(
-                f"input {name!r}: {given} elements given in contents.{CONTENTS_FIELD[datatype]}, "
-                f"shape {shape} needs {n}"
+                f"input {name!r}: {given} elements given in contents.{field}, shape {shape} needs {n}"
+                + (f" ({where})" if where else "")
             )
+        if where:
+            raise InvalidRequest(f"input {name!r}: {where}")
     if datatype == "BYTES":
         arr = (
             decode_bytes(name, raw, n)

@@ -6,7 +6,11 @@ connections over them), sends each ModelInfer call to the manager's process over
 bytes with its metadata (the admin bearer token included) and deadline, to the manager's own gRPC
 server on a private Unix socket, where the usual interceptor, servicers and error mapping answer it.
 So every service (health, reflection, admin, world sessions, events) works through a front end as
-it does directly; only ModelInfer takes the short way.
+it does directly; only ModelInfer takes the short way. Each method is relayed as what it is (`METHODS`):
+a unary request goes with its call, never written after it (grpcio's aio client loses the status of a
+call that its server ended before a request was written: grpc/grpc#36066, INTERNAL "Internal error
+from Core" instead of, say, UNIMPLEMENTED); a method the manager does not serve is answered here as
+its server answers it (UNIMPLEMENTED "Method not found!").
 
 This module stays light (no torch, no manager state): a front end imports grpc and the fast path.
 `FrontEndProcesses` is the manager's side: it starts them, waits for each to say it is listening, starts a
@@ -33,9 +37,13 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection_pb2
 
 from manager.api.fastpath import FastPathClient
 from manager.api.runtime import add_port, event_loop_factory, keepalive_options, message_options
+from residency_proto.inference import grpc_service_pb2
+from residency_proto.v1 import residency_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +60,26 @@ _STATUS = {s.value[0]: s for s in grpc.StatusCode}
 _NOT_FORWARDED = frozenset({"user-agent", "content-type", "te", "host"})
 
 
+def _methods() -> dict[str, tuple[bool, bool]]:
+    """Every method the manager's gRPC server serves (`manager.api.server.build_server`): its path ->
+    (client streaming, server streaming), read from the services' descriptors."""
+    services = (
+        grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"],
+        residency_pb2.DESCRIPTOR.services_by_name["Residency"],
+        residency_pb2.DESCRIPTOR.services_by_name["WorldSession"],
+        health_pb2.DESCRIPTOR.services_by_name["Health"],
+        reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"],
+    )
+    return {
+        f"/{s.full_name}/{m.name}": (m.client_streaming, m.server_streaming)
+        for s in services
+        for m in s.methods
+    }
+
+
+METHODS = _methods()
+
+
 def forwarded(metadata: Sequence[Any] | None) -> tuple[tuple[str, Any], ...]:
     """The call's own metadata (e.g. `authorization`), without the transport's headers."""
     return tuple(
@@ -66,12 +94,19 @@ class Front(grpc.GenericRpcHandler):
         self.fast = fast
         self.backend = backend
 
-    def service(self, handler_call_details: Any) -> grpc.RpcMethodHandler:
+    def service(self, handler_call_details: Any) -> grpc.RpcMethodHandler | None:
         method = handler_call_details.method
         if method == MODEL_INFER:
             return grpc.unary_unary_rpc_method_handler(self._infer)
-        # A stream-stream relay serves any method: on the wire every call is a stream of messages.
-        return grpc.stream_stream_rpc_method_handler(functools.partial(self._relay, method))
+        kind = METHODS.get(method)
+        if kind is None:  # not the manager's: gRPC answers UNIMPLEMENTED "Method not found!", as there
+            return None
+        client_streaming, server_streaming = kind
+        if client_streaming:  # (the manager's own have streamed responses too: world sessions, reflection)
+            return grpc.stream_stream_rpc_method_handler(functools.partial(self._relay, method))
+        if server_streaming:
+            return grpc.unary_stream_rpc_method_handler(functools.partial(self._relay_stream, method))
+        return grpc.unary_unary_rpc_method_handler(functools.partial(self._relay_unary, method))
 
     async def _infer(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
         code, details, body = await self.fast.call(raw, context.time_remaining())
@@ -79,25 +114,59 @@ class Front(grpc.GenericRpcHandler):
             await context.abort(_STATUS.get(code, grpc.StatusCode.UNKNOWN), details)
         return body
 
-    async def _relay(
-        self, method: str, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
+    @staticmethod
+    def _options(context: grpc.aio.ServicerContext[Any, Any]) -> dict[str, Any]:
+        """The relayed call's metadata and deadline: the client's call's."""
+        return {"metadata": forwarded(context.invocation_metadata()), "timeout": context.time_remaining()}
+
+    @staticmethod
+    async def _ended(context: grpc.aio.ServicerContext[Any, Any], call: Any, e: Any = None) -> None:
+        """The relayed call's end, the client's: its trailing metadata, and its status if it failed."""
+        trailing = forwarded(await call.trailing_metadata() if e is None else e.trailing_metadata())
+        if trailing:
+            context.set_trailing_metadata(trailing)
+        if e is not None:
+            await context.abort(e.code(), e.details() or "")
+
+    async def _relay_unary(
+        self, method: str, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> bytes:
+        call = self.backend.unary_unary(method)(request, **self._options(context))
+        try:
+            response: bytes = await call
+            await self._ended(context, call)
+            return response
+        except grpc.aio.AioRpcError as e:
+            await self._ended(context, call, e)
+            raise AssertionError("unreachable") from None  # context.abort raises
+        finally:
+            call.cancel()  # the client went away (or it ended): end the relayed call too
+
+    async def _relay_stream(
+        self, method: str, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[bytes]:
-        call = self.backend.stream_stream(method)(
-            requests, metadata=forwarded(context.invocation_metadata()), timeout=context.time_remaining()
-        )
+        call = self.backend.unary_stream(method)(request, **self._options(context))
         try:
             async for msg in call:
                 yield msg
-            trailing = forwarded(await call.trailing_metadata())
-            if trailing:
-                context.set_trailing_metadata(trailing)
+            await self._ended(context, call)
         except grpc.aio.AioRpcError as e:
-            trailing = forwarded(e.trailing_metadata())
-            if trailing:
-                context.set_trailing_metadata(trailing)
-            await context.abort(e.code(), e.details() or "")
+            await self._ended(context, call, e)
         finally:
-            call.cancel()  # the client went away (or it ended): end the relayed call too
+            call.cancel()
+
+    async def _relay(
+        self, method: str, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[bytes]:
+        call = self.backend.stream_stream(method)(requests, **self._options(context))
+        try:
+            async for msg in call:
+                yield msg
+            await self._ended(context, call)
+        except grpc.aio.AioRpcError as e:
+            await self._ended(context, call, e)
+        finally:
+            call.cancel()
 
 
 async def run_front(a: argparse.Namespace) -> int:

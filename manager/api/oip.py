@@ -9,7 +9,9 @@ model-repository extension: index, load (= preload to the GPU tier), unload (= d
 Every model has one version, "1" ("" names it too). An infer request is checked against the model's
 declared inputs and outputs before any of its data is decoded, as Triton checks it: each declared
 input given once with the declared datatype, rank and fixed dimensions, no other input, and only
-declared outputs asked for - INVALID_ARGUMENT naming the input, what was expected and what came.
+declared outputs asked for - INVALID_ARGUMENT naming the input, what was expected and what came. So is
+a tensor parameter asking for what this server does not do (an output's `classification`, a shared-memory
+region): ignored, the client would read an answer it did not ask for.
 """
 
 from __future__ import annotations
@@ -68,6 +70,28 @@ def _spec_str(t: Any) -> str:
     return f"{t.name} ({t.datatype} {list(t.shape)})"
 
 
+def _check_parameters(model: str, where: str, tensor: Any) -> None:
+    """An input's or a requested output's parameters: INVALID_ARGUMENT for those asking for what this
+    server does not do (Triton's classification extension, shared-memory regions); others are the
+    model's business, ignored as Triton ignores them."""
+    for key in sorted(tensor.parameters):
+        if key.startswith("shared_memory_"):
+            instead = (
+                "in raw_input_contents" if where == "input" else "from the response's raw_output_contents"
+            )
+            raise InvalidRequest(
+                f"model {model!r} {where} {tensor.name!r}: parameter {key!r}: shared memory is not supported "
+                f"by this server (it serves no SystemSharedMemory or CudaSharedMemory call); its data goes "
+                f"{instead}"
+            )
+        if key == "classification" and where == "output":
+            raise InvalidRequest(
+                f"model {model!r} output {tensor.name!r}: parameter 'classification' (tritonclient's "
+                "class_count): the classification extension is not supported by this server; ask for the "
+                "output without it and rank its values yourself"
+            )
+
+
 def check_request(request: pb.ModelInferRequest, inputs: Sequence[Any], outputs: Sequence[Any]) -> None:
     """The request's input names, datatypes and shapes and its requested outputs against the model's
     declared TensorSpecs (shape -1: any size); the element counts are checked as the data decodes."""
@@ -105,6 +129,10 @@ def check_request(request: pb.ModelInferRequest, inputs: Sequence[Any], outputs:
             f"model {model!r} has no output {', '.join(map(repr, unknown))}; its outputs: "
             + (", ".join(t.name for t in outputs) or "none")
         )
+    for t in request.inputs:
+        _check_parameters(model, "input", t)
+    for o in request.outputs:
+        _check_parameters(model, "output", o)
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
