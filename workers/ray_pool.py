@@ -42,7 +42,6 @@ import urllib.parse
 import warnings
 from collections import deque
 from collections.abc import Iterator
-from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -63,6 +62,7 @@ from workers.channel import (
 )
 from workers.host import DESCRIBE_TIMEOUT_S, DeviceHost
 from workers.pool import DeviceSpec, UnknownDevice, new_op_id
+from workers.signals import StopSignal, stop_signals_raise
 
 logger = logging.getLogger(__name__)
 
@@ -218,17 +218,10 @@ def _end_all(pids: set[int]) -> None:
             obj.returncode = ended[obj.pid] if ended[obj.pid] is not None else -signal.SIGKILL
 
 
-class StartInterrupted(KeyboardInterrupt):
+class StartInterrupted(StopSignal):
     """A stop signal (SIGINT, SIGTERM or SIGHUP) came while `ensure_ray` started or joined Ray; what
     the start had begun is shut down. A KeyboardInterrupt, so that no `except Exception` (in Ray's
     own start either) holds it up, and a caller stops as it does for Ctrl-C."""
-
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
-        super().__init__(signal.Signals(signum).name)
-
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 @contextlib.contextmanager
@@ -238,29 +231,13 @@ def _stop_signals_interrupt() -> Iterator[None]:
     loop) would act only once it ended; and `ray.init` installs a SIGTERM handler of its own, which
     exits the process at once (`sys.exit(signum)`) and is left in place: that exit is taken for the
     StartInterrupted it is. Only on the main thread (the one Python runs signal handlers on)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held = {s: signal.getsignal(s) for s in STOP_SIGNALS}
-    fired = False
-
-    def interrupt(signum: int, frame: FrameType | None) -> None:
-        nonlocal fired
-        if not fired:  # once: a second signal does not break off what the first one undoes
-            fired = True
-            raise StartInterrupted(signum)
-
-    try:
-        for s in STOP_SIGNALS:
-            signal.signal(s, interrupt)
-        yield
-    except SystemExit as e:
-        if e.code != signal.SIGTERM:
-            raise
-        raise StartInterrupted(signal.SIGTERM) from None
-    finally:
-        for s, h in held.items():  # SIGTERM first: Ray's handler is the one to go soonest
-            signal.signal(s, signal.SIG_DFL if h is None else h)
+    with stop_signals_raise(StartInterrupted):
+        try:
+            yield
+        except SystemExit as e:
+            if e.code != signal.SIGTERM:
+                raise
+            raise StartInterrupted(signal.SIGTERM) from None
 
 
 def ensure_ray(address: str | None = None, **init_kwargs: Any) -> None:

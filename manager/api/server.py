@@ -21,7 +21,6 @@ import signal
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import grpc
@@ -39,6 +38,7 @@ from manager.live import LiveManager
 from residency_proto.inference import grpc_service_pb2
 from residency_proto.v1 import residency_pb2
 from workers.bounded import SingleFlight, TimedOut
+from workers.signals import STOP_SIGNALS, StopSignal, stop_signals_raise
 
 logger = logging.getLogger(__name__)
 
@@ -235,17 +235,8 @@ class StoppedAtStartUp(Exception):
         super().__init__(f"stopped during start-up ({signal.Signals(signum).name})")
 
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-"""The signals that stop `serve` (SIGHUP: its terminal closed)."""
-
-
-class _StepsInterrupted(KeyboardInterrupt):
-    """A stop signal within `_stop_signals_end_start_up` (a KeyboardInterrupt, so that no `except
-    Exception` on its way holds it up); StoppedAtStartUp once out of it."""
-
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
-        super().__init__(signal.Signals(signum).name)
+class _StepsInterrupted(StopSignal):
+    """A stop signal within `_stop_signals_end_start_up`; StoppedAtStartUp once out of it."""
 
 
 @contextlib.contextmanager
@@ -255,30 +246,11 @@ def _stop_signals_end_start_up() -> Iterator[None]:
     own handlers run on its event loop, which these blocking steps and then Ray's start keep from
     running: the signal was acted on only once Ray had started. The handlers from before (the
     loop's) are put back after it. Only on the main thread (the one Python runs signal handlers on)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held = {s: signal.getsignal(s) for s in STOP_SIGNALS}
-    fired = False
-
-    def interrupt(signum: int, frame: FrameType | None) -> None:
-        nonlocal fired
-        if not fired:  # once: a second signal does not break off what the first one undoes
-            fired = True
-            raise _StepsInterrupted(signum)
-
     try:
-        for s in STOP_SIGNALS:
-            signal.signal(s, interrupt)
-        yield
+        with stop_signals_raise(_StepsInterrupted):
+            yield
     except _StepsInterrupted as e:
         raise StoppedAtStartUp(e.signum) from None
-    finally:
-        # none raised while the handlers go back (it would pass this `except`): one that comes now
-        # reaches the event loop's handler all the same (Python's wakeup fd), as after this
-        fired = True
-        for s, h in held.items():
-            signal.signal(s, signal.SIG_DFL if h is None else h)
 
 
 def _not_stopped(signals: list[int]) -> None:
@@ -550,7 +522,6 @@ async def tuning_loop(manager: LiveManager, path: str, store: Any, check_s: floa
     failed run is logged, said in a "tuning" event and tried again later (`scheduled_tuning`).
     Cancelled (the service stopping), a run under way ends at its next replay, writing nothing, and
     the cancellation waits for that (at most STOP_TUNING_S), so the store it uses is still open."""
-    import threading
 
     from manager.tuning_job import scheduled_tuning
 
