@@ -1,7 +1,9 @@
 """Open Inference Protocol tensors <-> numpy arrays (the wire facts: docs/OIP_WIRE.md).
 
 Inputs arrive as little-endian bytes in `raw_input_contents` (one entry per input, in order) or in
-typed `contents`; BYTES elements are a 4-byte little-endian length followed by the bytes. Every
+typed `contents`; BYTES elements are a 4-byte little-endian length followed by the bytes. BF16 has no
+typed field: it comes as raw bytes only (2 per element), and, numpy having no bfloat16, decodes to
+its bit patterns in a uint16 array (`BF16_CARRIER`), which a model declaring BF16 reads as such. Every
 mismatch (unknown datatype, element count vs shape, raw length, a typed value outside its datatype's
 range, raw and typed data both given, typed values in another datatype's field) raises InvalidRequest
 naming the input and what was expected.
@@ -18,7 +20,12 @@ import numpy as np
 from manager.errors import InvalidRequest
 from workers.protocol import OIP_DATATYPES
 
-DTYPES: dict[str, Any] = {name: np.dtype(np_name).type for name, np_name in OIP_DATATYPES.items()}
+BF16_CARRIER = np.uint16
+"""How a BF16 tensor is held in numpy, which has no bfloat16 (`ml_dtypes` is no dependency): its bit
+patterns, 2 bytes per element as on the wire."""
+DTYPES: dict[str, Any] = {name: np.dtype(np_name).type for name, np_name in OIP_DATATYPES.items()} | {
+    "BF16": BF16_CARRIER
+}
 CONTENTS_FIELD = {
     "BOOL": "bool_contents", "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
     "UINT64": "uint64_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
@@ -120,11 +127,17 @@ def decode_input(name: str, datatype: str, shape: list[int], raw: bytes | None, 
         raise InvalidRequest(
             f"input {name!r}: has both raw_input_contents and typed contents; send its data in one of them"
         )
-    if datatype not in CONTENTS_FIELD:
+    if datatype not in DTYPES and datatype != "BYTES":
         raise InvalidRequest(
             f"input {name!r}: unsupported datatype {datatype!r}; use one of BYTES, {', '.join(DTYPES)}"
         )
-    if raw is None:  # typed contents: the field and the count first, before converting any
+    if raw is None and datatype == "BF16" and (n or (contents is not None and typed_count(contents))):
+        # InferTensorContents has no 16-bit float field: fp32_contents would be rounded here, unasked
+        raise InvalidRequest(
+            f"input {name!r}: BF16 has no typed contents field; send its data in raw_input_contents "
+            "(2 bytes per element, little-endian)"
+        )
+    if raw is None and datatype != "BF16":  # typed contents: the field and the count first
         field = CONTENTS_FIELD[datatype]
         given = len(getattr(contents, field))
         # values in another field would be dropped unread (an input's values are in one field)
@@ -159,6 +172,8 @@ def decode_input(name: str, datatype: str, shape: list[int], raw: bytes | None, 
             if datatype == "BOOL":
                 _check_bool_bytes(name, raw)
             arr = np.frombuffer(raw, dtype=dt).astype(dt.newbyteorder("="))
+        elif datatype == "BF16":  # no elements (refused above otherwise)
+            arr = np.zeros(0, BF16_CARRIER)
         else:
             arr = _typed(name, datatype, getattr(contents, CONTENTS_FIELD[datatype]))
     return arr.reshape(shape)

@@ -284,7 +284,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 f"model {request.model_name!r} is a world model: it generates frames in a world session "
                 "(residency.v1.WorldSession/Run), not by ModelInfer"
             )
-        check_request(request, *(await self.describe(request.model_name)))
+        declared_in, declared_out = await self.describe(request.model_name)
+        check_request(request, declared_in, declared_out)
         timeout_s = self._timeout(request, seconds_left)
         inputs = await self._decoded(request)
         timeout_s = self._left(request.model_name, timeout_s, arrived)
@@ -293,9 +294,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         )
         wanted = {o.name for o in request.outputs}
         resp = pb.ModelInferResponse(model_name=request.model_name, model_version=VERSIONS[0], id=request.id)
+        bf16 = {t.name for t in declared_out if t.datatype == "BF16"}
         for name, (dtype, shape, raw) in served.result.outputs.items():
             if wanted and name not in wanted:
                 continue
+            if dtype == "UINT16" and name in bf16:  # numpy has no bfloat16: a BF16 output comes from
+                dtype = "BF16"  # its host as its bit patterns in uint16, the bytes BF16 sends as they are
             resp.outputs.add(name=name, datatype=dtype, shape=list(shape))
             resp.raw_output_contents.append(raw)
         resp.parameters["residency_wait_s"].double_param = served.wait_s

@@ -7,8 +7,10 @@ match). One FP32 input `input` [batch, features], one FP32 output `output`; the 
 `residency_inputs` / `residency_outputs` (lists of (name, datatype, shape)) to declare others.
 A module whose float parameters all have one dtype other than an input's declared one (a bf16 or fp16
 checkpoint for a module built in fp32) gets that input, sent as declared, in its own dtype; its
-outputs come back in their declared datatypes. A forward answers a tensor, or a tuple with one tensor
-per declared output (anything else is an error naming what it returned).
+outputs come back in their declared datatypes. BF16 (numpy has none) travels as its bit patterns in
+a uint16 array, both ways: a BF16 input reaches the module as torch.bfloat16, bit for bit, and a BF16
+output leaves it as bf16 bits. A forward answers a tensor, or a tuple with one tensor per declared
+output (anything else is an error naming what it returned).
 """
 
 from __future__ import annotations
@@ -92,6 +94,13 @@ class SafetensorsModuleAdapter(ModuleAdapter):
                 f"model {self.spec.name!r}: its module's {attr} {declared!r} is not a list of "
                 f"(name, datatype, shape): {e}",
             ) from None
+        for t in specs:  # ModelMetadata would advertise a datatype that every request is refused
+            if t.datatype not in _DECLARABLE:
+                raise AdapterError(
+                    P.FACTORY_FAILED,
+                    f"model {self.spec.name!r}: its module's {attr} declares {t.name!r} as {t.datatype!r}; "
+                    f"an Open Inference Protocol datatype is one of {', '.join(_DECLARABLE)}",
+                )
         return specs
 
     def _specs(self, which: int, default: P.TensorSpec) -> list[P.TensorSpec]:
@@ -118,7 +127,10 @@ class SafetensorsModuleAdapter(ModuleAdapter):
         args = []
         for s in ins:
             a = np.ascontiguousarray(self.input_array(inputs, s))
-            t = torch.as_tensor(a, device=self.device)
+            if s.datatype == "BF16" and a.dtype == _BF16_CARRIER:  # its bit patterns: as torch's bf16
+                t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).to(self.device)
+            else:
+                t = torch.as_tensor(a, device=self.device)
             if compute is not None and t.is_floating_point() and t.dtype != compute and _is_declared(s, a):
                 # a module given bf16/fp16 weights (the factory built it in fp32) computes in that dtype:
                 # the FP32 input it declares failed every request BAD_INPUT ("mat1 and mat2 must have
@@ -155,8 +167,11 @@ class SafetensorsModuleAdapter(ModuleAdapter):
 
     def _as_declared(self, spec: P.TensorSpec, t: torch.Tensor) -> np.ndarray:
         """An output in its declared datatype (a bf16 or fp16 module still answers FP32 when it says
-        FP32; numpy has no bf16 at all, nor fp8)."""
+        FP32; numpy has no bf16 at all, nor fp8: a BF16 output is its bit patterns in uint16, which
+        the service sends as BF16)."""
         t = t.detach().cpu()
+        if spec.datatype == "BF16":  # it was sent as FP32, against what ModelMetadata said
+            return t.to(torch.bfloat16).view(torch.int16).numpy().view(_BF16_CARRIER)
         if t.is_floating_point() and t.dtype not in (torch.float16, torch.float32, torch.float64):
             t = t.float()  # bf16, fp8: numpy has neither (an fp8 output failed INTERNAL)
         a = t.numpy()
@@ -187,5 +202,14 @@ def _compute_dtype(module: Any) -> torch.dtype | None:
 def _is_declared(spec: P.TensorSpec, a: np.ndarray) -> bool:
     """`a` has exactly the datatype `spec` declares (another float width is the caller's mistake, said
     as it was: not converted here)."""
+    if spec.datatype == "BF16":
+        return a.dtype == _BF16_CARRIER
     want = P.OIP_DATATYPES.get(spec.datatype)
     return want is not None and a.dtype == np.dtype(want)
+
+
+_BF16_CARRIER = np.dtype(np.uint16)
+"""A BF16 tensor in numpy, which has no bfloat16: its bit patterns (as manager.api.convert decodes
+BF16 raw bytes; the service labels a declared BF16 output's uint16 answer BF16 again)."""
+_DECLARABLE = (*P.OIP_DATATYPES, "BF16", "BYTES")
+"""The datatypes a module may declare: those the service decodes and sends."""
