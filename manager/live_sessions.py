@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import re
 import shutil
 import stat
@@ -70,8 +71,11 @@ class SessionResumable(WorkerUnavailable):
 def _unsaved(d: Path) -> str | None:
     """Why `d` holds no saved session that a resume reopens (None: it holds one), read as the device
     host's resume reads it (`worldpager.session_store.read_saved_state`)."""
-    from worldpager.session_store import read_saved_state  # (imports torch: only for a stream's error)
+    from workers.world import not_plain  # (imports torch: only for a stream's error)
+    from worldpager.session_store import read_saved_state
 
+    if not_plain(d) is not None:  # (a named pipe would hold this read for good)
+        return "its saved state is damaged"
     try:
         if read_saved_state(d) is not None:
             return None
@@ -121,20 +125,36 @@ the host died does, so no segment is lost to the client. Removed once a resume h
 
 
 def _write_sent(d: Path, next_segment: int) -> None:
-    """Record `next_segment` in `d`'s SENT_FILE (nothing when `d` is gone: nothing left to resume)."""
-    if not d.is_dir():
-        return
-    tmp = d / (SENT_FILE + ".tmp")
+    """Record `next_segment` in `d`'s SENT_FILE (nothing when `d` is gone, or is no folder of its own:
+    nothing left to resume). Never written through a symbolic link (a fresh file, renamed into place)."""
     with contextlib.suppress(OSError):
-        tmp.write_text(json.dumps({"next_segment": int(next_segment)}), encoding="utf-8")
+        if not stat.S_ISDIR(d.lstat().st_mode):
+            return
+        tmp = d / (SENT_FILE + ".tmp")
+        tmp.unlink(missing_ok=True)  # (left by a crash, or a link: removed, not followed)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps({"next_segment": int(next_segment)}))
         tmp.replace(d / SENT_FILE)
 
 
+SENT_MAX_BYTES = 4096
+"""The most of a SENT_FILE that is read (it holds one small number)."""
+
+
 def _read_sent(d: Path) -> int | None:
-    """The next segment recorded in `d`'s SENT_FILE (None when there is none, or it is not ours)."""
+    """The next segment recorded in `d`'s SENT_FILE (None when there is none, or it is not ours: not a
+    regular file - a named pipe would hold the read for good -, too long, or not what we write)."""
     try:
-        n = json.loads((d / SENT_FILE).read_text(encoding="utf-8")).get("next_segment")
-    except (OSError, ValueError, AttributeError):
+        fd = os.open(d / SENT_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return None
+            data = f.read(SENT_MAX_BYTES + 1)
+        if len(data) > SENT_MAX_BYTES:
+            return None
+        n = json.loads(data.decode("utf-8")).get("next_segment")
+    except (OSError, ValueError, AttributeError, RecursionError):
         return None
     return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
 
@@ -241,9 +261,11 @@ class WorldSessionsMixin:
             return []
         saved = []
         for d in self.session_dir.iterdir():
-            if not d.is_dir() or not _SESSION_ID.fullmatch(d.name):
+            if not _SESSION_ID.fullmatch(d.name):
                 continue  # only what looks like a session of ours
             try:
+                if not stat.S_ISDIR(d.lstat().st_mode):
+                    continue  # a folder, not a link to one elsewhere: never counted nor deleted
                 size, last = _du(d)
             except FileNotFoundError:
                 continue  # deleted meanwhile
@@ -253,7 +275,7 @@ class WorldSessionsMixin:
         for _, name, size, d in sorted(saved):
             if total <= self.config.store.sessions_keep:
                 break
-            if name in keep:
+            if name in keep or self._in_use(name):
                 continue
             shutil.rmtree(d, ignore_errors=True)
             total -= size
@@ -261,6 +283,13 @@ class WorldSessionsMixin:
         if gone:
             logger.info("deleted saved world sessions %s (store.sessions_keep)", ", ".join(gone))
         return gone
+
+    def _in_use(self, sid: str) -> bool:
+        """Whether session `sid` is open, opening or closing now. A prune runs on a thread while the
+        event loop goes on: a session another world model began to open (or resume) after the prune
+        started is looked at again just before its folder would go. (Membership tests and one copy of
+        a set: atomic under the GIL.)"""
+        return sid in self.sessions or sid in self._opening_ids or sid in self._closing()
 
     async def _resize_session(self, device: str, sid: str, lease: int) -> int | None:
         """Apply `lease` to session `sid`; the lease in force on the host then (None: not applied)."""
@@ -294,9 +323,10 @@ class WorldSessionsMixin:
         self._not_open(resume_id)
         running = next((sid for sid, (name, _, _) in self.sessions.items() if name == model), None)
         if running is not None or model in self._world_opening:
+            # not naming the session: its id is all a resume needs, and this client is another one
             raise InsufficientCapacity(
-                f"world model {model!r} runs a session ({running or 'opening'}); a world model runs one at "
-                "a time (its rolling KV window is the model's): retry when it ends"
+                f"world model {model!r} runs a session{'' if running else ' (opening)'}; a world model "
+                "runs one at a time (its rolling KV window is the model's): retry when it ends"
             )
         rank = self.rank_of(m, cls)
         deadline = self.clock() + timeout_s

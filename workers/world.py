@@ -22,6 +22,8 @@ segments, so a host that dies loses no segment it returned, and the session reop
 from __future__ import annotations
 
 import logging
+import os
+import stat
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -46,6 +48,58 @@ class SessionNotOpen(KeyError):
 
 class NotResident(RuntimeError):
     """The world model left the gpu tier (a drop or demote) before its session could open."""
+
+
+SAVED_FILES = (
+    "session.json", "window.bin", "meta.json", "index.json", "segments.wplog", "sent.json",
+    "session.json.tmp", "window.bin.tmp", "meta.json.tmp", "index.json.tmp", "sent.json.tmp",
+)  # fmt: skip
+"""The files of a saved session's folder that a resume reads or writes (WorldPager's, with the temporary
+names its atomic writes use, and the manager's `sent.json`)."""
+
+
+def not_plain(log_dir: Path) -> str | None:
+    """Why the saved session in ``log_dir`` is not to be read or written (None: no reason): its folder,
+    or one of its files, is a symbolic link or not a regular file. A named pipe would hold the read for
+    good (and with it every later open on this host), a link to /dev/zero be read until memory ran
+    out, and a link to another folder or file be written through (a resume's records, the steps'
+    segments, the holes a retired slot punches). Nothing there: None (the caller says so)."""
+    try:
+        if stat.S_ISLNK(os.lstat(log_dir).st_mode):
+            return "its folder is a symbolic link"
+    except OSError:
+        return None
+    for name in SAVED_FILES:
+        try:
+            mode = os.lstat(log_dir / name).st_mode
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            return f"{name} cannot be looked at ({e.strerror})"
+        if stat.S_ISLNK(mode):
+            return f"{name} is a symbolic link"
+        if not stat.S_ISREG(mode):
+            return f"{name} is not a regular file"
+    return None
+
+
+def _unpathed(message: str, log_dir: Path) -> str:
+    """``message`` without ``log_dir``'s path (a client is told the file and the field, not where the
+    server keeps its sessions)."""
+    d = str(log_dir)
+    return message.replace(f"{d}: ", "").replace(d + os.sep, "").replace(d, "its folder")
+
+
+class SavedStateDamaged(ValueError):
+    """A saved session cannot be resumed: its folder's files are damaged, missing or not plain files."""
+
+
+def _damaged(session_id: str, log_dir: Path, why: str) -> SavedStateDamaged:
+    """The refusal of a resume of the damaged saved state in ``log_dir`` (logged with its path)."""
+    logger.warning("world session %r: its saved state in %s is damaged: %s", session_id, log_dir, why)
+    return SavedStateDamaged(
+        f"world session {session_id!r}: its saved state is damaged: {_unpathed(why, log_dir)}"
+    )
 
 
 @dataclass
@@ -93,7 +147,7 @@ class WorldSessions:
         ``resident`` (checked under the lock `closing` holds while a model leaves the gpu tier) says
         whether ``module`` is still the model's; NotResident when it is not."""
         from worldpager.layout import SegmentLayout
-        from worldpager.session import CorruptSlot, MissingSegment, Session, read_saved_state
+        from worldpager.session import CorruptSlot, MissingSegment, Session
 
         with self._opening:  # one open at a time: the check below holds until the session is in
             if resident is not None and not resident():
@@ -109,10 +163,9 @@ class WorldSessions:
                     f"model {model!r} runs world session {running!r}: one session at a time per world "
                     "model (its rolling KV window is the model's)"
                 )
-            saved = read_saved_state(log_dir) if resume else None
+            saved = self._saved(session_id, log_dir) if resume else None
             if resume:
-                if saved is None:
-                    raise SessionNotOpen(f"no saved world session {session_id!r} to resume")
+                assert saved is not None
                 owner = (saved.get("metadata") or {}).get("model", model)
                 if owner != model:
                     raise ValueError(
@@ -126,7 +179,9 @@ class WorldSessions:
             host = max(int(kv_bytes), MIN_SEGMENTS * seg) if kind == "cpu" else 64 * seg
             opts: dict[str, Any] = {"host_budget_bytes": host, "device": self.device, "keep_outputs": True}
             if resume:
-                session = Session.resume(log_dir, module, codec=codec, resume_at=resume_at, **opts)
+                session = self._resumed(session_id, log_dir, lambda: Session.resume(
+                    log_dir, module, codec=codec, resume_at=resume_at, **opts
+                ))  # fmt: skip
             else:
                 session = Session(module, codec=codec, log_dir=log_dir, metadata={"model": model}, **opts)
             o = _Open(session, model, seg, kind, lease=host)
@@ -146,6 +201,47 @@ class WorldSessions:
                 "corrupt_slots": {e.slot: e.reason for e in events if isinstance(e, CorruptSlot)},
                 "missing_segments": [e.segment_id for e in events if isinstance(e, MissingSegment)],
             }  # fmt: skip
+
+    @staticmethod
+    def _saved(session_id: str, log_dir: Path) -> dict[str, Any]:
+        """The saved state of the session in ``log_dir`` (its ``session.json``). SessionNotOpen when
+        nothing is saved there; `SavedStateDamaged` when what is there cannot be resumed."""
+        from worldpager.segment_log import LOG_NAME
+        from worldpager.session import SESSION_FILE, read_saved_state
+
+        why = not_plain(log_dir)
+        if why is not None:
+            raise _damaged(session_id, log_dir, why)
+        try:
+            saved = read_saved_state(log_dir)
+        except ValueError as e:  # a value that is not what `save_state` writes: names the file and field
+            raise _damaged(session_id, log_dir, str(e)) from None
+        has_log = (log_dir / LOG_NAME).exists()
+        if saved is None and (has_log or (log_dir / SESSION_FILE).exists()):
+            state = "unreadable" if (log_dir / SESSION_FILE).exists() else "missing"
+            raise _damaged(session_id, log_dir, f"{SESSION_FILE} is {state}")
+        if saved is None:
+            raise SessionNotOpen(f"no saved world session {session_id!r} to resume")
+        if not has_log:
+            raise _damaged(session_id, log_dir, f"{LOG_NAME} is missing")
+        return saved
+
+    @staticmethod
+    def _resumed(session_id: str, log_dir: Path, resume: Callable[[], Any]) -> Any:
+        """``resume()``, a saved state it finds damaged (a log it cannot reopen, a file gone meanwhile)
+        said as `SavedStateDamaged`, and its other refusals without the server's paths."""
+        from worldpager.segment_log import LogFullError, SegmentLogError
+
+        try:
+            return resume()
+        except FileNotFoundError as e:
+            raise _damaged(session_id, log_dir, f"{Path(e.filename or '?').name} is missing") from None
+        except SegmentLogError as e:
+            if isinstance(e, LogFullError):
+                raise
+            raise _damaged(session_id, log_dir, str(e)) from None
+        except ValueError as e:  # the session's own (another model config, codec or log than saved)
+            raise ValueError(_unpathed(str(e), log_dir)) from None
 
     def status(self) -> tuple[P.SessionStatus, ...]:
         """The open sessions, for the host's status (what a restarted manager reconciles with)."""

@@ -27,17 +27,35 @@ from residency_proto.v1 import residency_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 
-def _unusable(d: dict[str, Any]) -> list[str]:
+MAX_UNUSABLE = 100
+"""The most lines of `unusable` one output carries; one more says how many were left out. A resume of
+a long session whose log lost its tail lists every segment missing, at every resume: listed whole, the
+first output outgrew a client's message limit (4 MiB by default) and the session could never be
+resumed."""
+
+
+def _cut(lines: list[str]) -> list[str]:
+    if len(lines) <= MAX_UNUSABLE:
+        return lines
+    return [*lines[:MAX_UNUSABLE], f"… and {len(lines) - MAX_UNUSABLE:,} more"]
+
+
+def _unusable_lines(d: dict[str, Any]) -> list[str]:
     """What a reopen found unusable in the saved state (never attended to), one line each."""
     slots = [f"slot {slot}: {why}" for slot, why in sorted((d.get("corrupt_slots") or {}).items())]
     return slots + [f"segment {i}: missing" for i in d.get("missing_segments") or []]
+
+
+def _unusable(d: dict[str, Any]) -> list[str]:
+    """`_unusable_lines`, at most MAX_UNUSABLE of them, then how many more."""
+    return _cut(_unusable_lines(d))
 
 
 def _output(sid: str, d: dict[str, Any]) -> pb.WorldOutput:
     # a step's own reads that failed their checks (the host's log alone said so), as a reopen's are
     met = [f"segment {c['segment']}: slot {c['slot']}: {c['reason']}" for c in d.get("corrupt") or []]
     return pb.WorldOutput(
-        resumed=bool(d.get("resumed")), unusable=(_unusable(d) if d.get("resumed") else []) + met,
+        resumed=bool(d.get("resumed")), unusable=_cut((_unusable_lines(d) if d.get("resumed") else []) + met),
         session_id=sid, segment=int(d["step"]), latents=d["latents"], shape=list(d["shape"]),
         stall_s=float(d["stall_s"]), compute_s=float(d["compute_s"]), lease_bytes=int(d["lease_bytes"]),
         host_bytes=int(d["host_bytes"]), hits=int(d["hits"]), misses=int(d["misses"]),
