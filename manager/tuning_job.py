@@ -4,8 +4,10 @@ report, and say whether it beats the running config on the most recent days (hel
 `run_tuning` is what `tuning.schedule` runs inside the service (and what `residency tune --from-store`
 does by hand). Applying is the caller's business: with `tuning.apply: auto`, and only when `better` is
 true, the service writes the tuned fields into its config file (the file it replaced is kept beside the
-proposal, as `previous.yaml`), so that they outlive a restart, and hot-reloads it. A run that fails is
-recorded and tried again after `RETRY_S`, not at every check of the schedule.
+proposal, as `previous.yaml`), so that they outlive a restart, and hot-reloads it: both or neither
+(a tuned config the reload's plan refuses is not written; one the reload refuses is taken out of the
+file again, unless it was edited meanwhile). A run that fails is recorded and tried again after
+`RETRY_S`, not at every check of the schedule.
 
 The config file is written whole or not at all (`write_config_atomically`): a reload or an editor
 never reads half of it, a symlink keeps pointing at it, its mode and owner are kept, and a file that
@@ -183,9 +185,9 @@ def _seconds(doc: dict[str, Any], key: str) -> float | None:
     return None
 
 
-def _keep_copy(src: Path, dst: Path) -> None:
+def _keep_copy(src: Path, dst: Path) -> bytes:
     """`src`'s bytes into `dst` with `src`'s file mode (a 0600 config stays private in its copy), never
-    through a symlink at `dst` (OSError)."""
+    through a symlink at `dst` (OSError); returns the bytes kept."""
     data, mode = src.read_bytes(), src.stat().st_mode & 0o7777
     fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
     try:
@@ -195,6 +197,7 @@ def _keep_copy(src: Path, dst: Path) -> None:
             view = view[os.write(fd, view) :]
     finally:
         os.close(fd)
+    return data
 
 
 class ConfigChanged(Exception):
@@ -304,32 +307,80 @@ def write_back(config_path: Path, outcome: TuningOutcome, expected: bytes | None
     owner and a symlink kept; the replaced file kept as `previous.yaml` beside the proposal).
     Returns "" when written, else why not. ConfigChanged (nothing written) when `expected`, the
     file's bytes when the run began, is not what it holds: a user's edit is not overwritten."""
+    written = _write_tuned(config_path, outcome, expected)
+    return written if isinstance(written, str) else ""
+
+
+@dataclass
+class _Written:
+    """What `_write_tuned` put in the config file: the config it holds now, and its bytes before
+    (as `previous.yaml` keeps them) and after."""
+
+    config: Config
+    before: bytes
+    after: bytes
+
+
+class _Refused(Exception):
+    """The running service would refuse the tuned config (`check`): the file was not written."""
+
+
+def _write_tuned(
+    config_path: Path,
+    outcome: TuningOutcome,
+    expected: bytes | None = None,
+    check: Callable[[Config], object] | None = None,
+) -> _Written | str:
+    """`write_back`, returning what was written, or why not (a str). `check(tuned config)` is
+    called before the file is replaced: what it raises, as `_Refused`, leaves the file untouched
+    (and `previous.yaml` unwritten)."""
     assert outcome.proposal is not None
     target = Path(os.path.realpath(config_path))  # a symlinked config stays a symlink
     previous = outcome.proposal.parent / "previous.yaml"
 
-    def write(tmp: Path) -> Config:
-        _keep_copy(target, previous)
-        return write_config_with_updates(
+    def write(tmp: Path) -> _Written:
+        new = write_config_with_updates(
             target, tmp, outcome.model_updates, outcome.class_updates, note_changes=True
         )
+        if check is not None:
+            try:
+                check(new)
+            except Exception as e:
+                raise _Refused(str(e)) from e
+        return _Written(new, _keep_copy(target, previous), tmp.read_bytes())
 
     try:
-        write_config_atomically(config_path, write, expected=expected)
+        return write_config_atomically(config_path, write, expected=expected)
     except NotWritable as e:
         return f"not written into {config_path}: {e.why}"
     except (OSError, ValueError, ConfigError) as e:  # ConfigError: the file was broken meanwhile
         return f"not written into {config_path}: {e}"
-    return ""
+
+
+def _put_back(config_path: Path, written: _Written) -> str:
+    """The config file as it was before the job wrote it (its mode, owner and symlink kept), only
+    if it still holds what the job wrote: an edit saved since is never overwritten. Says what
+    became of it."""
+    try:
+        write_config_atomically(
+            config_path, lambda tmp: tmp.write_bytes(written.before), expected=written.after
+        )
+    except ConfigChanged:
+        return f"{config_path} was edited since the tuning wrote it: the edit is kept"
+    except OSError as e:
+        why = e.why if isinstance(e, NotWritable) else str(e)
+        return f"{config_path} could not be put back ({why}): it holds the refused tuned values"
+    return f"{config_path} put back as it was"
 
 
 def tuning_step(
     manager: Any, config_path: Path, store: Any, now: float, stop: Callable[[], bool] | None = None
 ) -> TuningOutcome:
     """One scheduled run: tune, record it in the store, and apply it when `apply: auto` and better
-    (written into the config file, then hot-reloaded; when the file cannot be written, the tuned
-    fields alone are applied to the running config, so an edit hot-reloaded while the run went on
-    is kept, as the file keeps it; when the file changed while the run went on, nothing: `_apply`)."""
+    (written into the config file and hot-reloaded, both or neither; when the file cannot be
+    written, the tuned fields alone are applied to the running config, so an edit hot-reloaded while
+    the run went on is kept, as the file keeps it; when the file changed while the run went on,
+    nothing: `_apply`)."""
     config: Config = manager.config
     try:  # the file as the run begins: an edit saved while it goes on is not overwritten
         began: bytes | None = Path(config_path).read_bytes()
@@ -355,32 +406,55 @@ def tuning_step(
 
 def _apply(manager: Any, config_path: Path, outcome: TuningOutcome, began: bytes | None) -> bool:
     """Write a better run's tuned fields into the config file and hot-reload it (said in
-    `outcome.reason`); whether they were applied. A file that cannot be written gets the tuned
-    fields applied to the running config alone (a restart reverts them); a file that changed since
-    the run began (`began`: its bytes then) is left to its editor, and nothing is applied."""
+    `outcome.reason`); whether they were applied. The file and the running service agree after:
+    a tuned config the reload's plan refuses (a restart needed) is not written, and one the reload
+    itself refuses (pins that do not fit at their measured sizes) is taken out of the file again,
+    unless the file was edited meanwhile (each with a warning). A file that cannot be written gets
+    the tuned fields applied to the running config alone (a restart reverts them); a file that
+    changed since the run began (`began`: its bytes then) is left to its editor, nothing applied."""
     from pydantic import ValidationError
 
-    from manager.config import load_config
-    from manager.reload import RestartNeeded
+    from manager.reload import RestartNeeded, plan_reload
     from manager.replay.tune import with_settings
 
     assert outcome.proposal is not None
-    try:
-        unwritten = write_back(config_path, outcome, expected=began)
+    running = manager.config
+    try:  # what the reload's plan refuses is found before the file is written
+        written = _write_tuned(config_path, outcome, began, check=lambda new: plan_reload(running, new))
     except ConfigChanged as e:  # tuned against the file as it was: its edit is neither undone nor mixed
         outcome.reason += f"; not applied: {e} (the proposal: {outcome.proposal})"
         logger.warning("scheduled tuning: %s", outcome.reason)
         return False
+    except _Refused as e:
+        outcome.reason += (
+            f"; not applied: the service would refuse it ({e}); {config_path} left as it was "
+            f"(the proposal: {outcome.proposal})"
+        )
+        logger.warning("scheduled tuning: %s", outcome.reason)
+        return False
+    unwritten = written if isinstance(written, str) else ""
     if unwritten:
         logger.warning("scheduled tuning: %s (the service goes on)", unwritten)
     try:
-        if unwritten:  # not the proposal, made from the config as it was when the run began
+        if isinstance(written, _Written):
+            new = written.config  # what the file holds (not read again: an edit since is not it)
+        else:  # not the proposal, made from the config as it was when the run began
             new = with_settings(manager.config, outcome.model_updates, outcome.class_updates)
-        else:
-            new = load_config(config_path)
         manager.reload(new)
-    except (ConfigError, RestartNeeded, ValidationError) as e:
-        outcome.reason += f"; not applied: {e}"
+    except TimeoutError:  # the reload did not answer: it may still be applied, so the file stays
+        raise
+    except Exception as e:
+        refused = isinstance(e, ConfigError | RestartNeeded | ValidationError)  # else a bug: raised
+        if isinstance(written, _Written) and manager.config is running:  # not taken: the file follows
+            back = _put_back(config_path, written)
+            outcome.reason += (
+                f"; not applied: the service refused it ({e}); {back} (the proposal: {outcome.proposal})"
+            )
+            logger.warning("scheduled tuning: %s", outcome.reason)
+        elif refused:
+            outcome.reason += f"; not applied: {e}"
+        if not refused:
+            raise  # (recorded as a failed run, tried again later)
         return False
     outcome.reason += "; applied" + (f", but {unwritten}: a restart reverts it" if unwritten else "")
     return True
