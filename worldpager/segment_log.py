@@ -20,6 +20,9 @@ One directory per session holds three files:
   (appended after the last flush) are verified in full (header and payload). A missing or stale index
   (or one whose slots are not exactly ``0 .. n_slots-1``) is rebuilt by scanning every slot. Corrupt
   or truncated slots are reported (corrupt_slots()), never indexed; their slot numbers are not reused.
+  A scan skips holes unread: never-written slots (a hole, an all-zero header) after the last written
+  one are the end of the log (cut off), between written ones corrupt; with a ``max_bytes`` budget it
+  stops at the first slot whose header alone would pass it (see `SegmentLog._scan`).
   A slot a reader later finds corrupt is taken out of the index the same way (mark_corrupt()).
 
 Retiring: a corrupt slot is retired by mark_corrupt() and by retire_corrupt() (called by whoever
@@ -33,6 +36,9 @@ whose bytes fail verification when checked again are retired: a slot that verifi
 transient read error) is indexed again, and one written for another log (`ForeignSlotError`: a file
 copied in) is left as it is. ``max_bytes`` bounds the bytes the log holds: the file's length less the
 payload space retired slots gave back.
+
+Atomic writes (index.json, meta.json) go through a ``.tmp`` file created afresh (`open_fresh`: a link
+planted under its name is never written through).
 
 Writes: append() does one ``os.pwritev`` of header + payload (a torn write fails the header or payload
 checksum), then extends the file to the slot boundary; no fsync per append (flush() does that). Reads
@@ -60,7 +66,7 @@ from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeGuard
+from typing import Any, BinaryIO, TypeGuard
 
 from worldpager.segment_header import (
     FORMAT_VERSION,
@@ -101,6 +107,7 @@ __all__ = [
     "SegmentLogError",
     "decode_header",
     "encode_header",
+    "open_fresh",
     "slot_size_for",
 ]
 
@@ -160,9 +167,19 @@ def _punch_hole(fd: int, offset: int, length: int) -> bool:
     return bool(_fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) == 0)
 
 
+def open_fresh(path: Path) -> BinaryIO:
+    """``path`` (a temporary file of an atomic write) created afresh for writing: whatever is there
+    (a stale one, or a symbolic link planted in its place) is unlinked first, and the open never
+    follows a link nor reuses a file (O_CREAT | O_EXCL | O_NOFOLLOW), so nothing is written through."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    return os.fdopen(os.open(path, flags, 0o644), "wb")
+
+
 def _atomic_write_json(path: Path, obj: object) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with open_fresh(tmp) as f:
         f.write(json.dumps(obj, separators=(",", ":")).encode("utf-8"))
         f.flush()
         os.fsync(f.fileno())
@@ -560,11 +577,13 @@ class SegmentLog:
             self._retired[slot] = given_back
         return True
 
-    def _verify(self, slot: int, size: int) -> SegmentHeader:
-        """The header of ``slot`` verified in full (header and payload) against the disk;
-        CorruptSlotError (of its kind) saying why not."""
+    def _verify(self, slot: int, size: int, block: bytes | None = None) -> SegmentHeader:
+        """The header of ``slot`` verified in full (header and payload) against the disk (``block``:
+        its header block, read already); CorruptSlotError (of its kind) saying why not."""
         offset = slot * self.slot_size
-        h, slot_size = self._decode(self._pread(HEADER_SIZE, offset), slot)
+        if block is None:
+            block = self._pread(HEADER_SIZE, offset)
+        h, slot_size = self._decode(block, slot)
         if slot_size != self.slot_size:
             raise ForeignSlotError(slot, f"slot size {slot_size} != log's {self.slot_size}")
         if offset + HEADER_SIZE + h.payload_len > size:
@@ -579,11 +598,11 @@ class SegmentLog:
             raise CorruptSlotError(slot, "payload checksum mismatch")
         return h
 
-    def _scan_slot(self, slot: int, size: int) -> None:
+    def _scan_slot(self, slot: int, size: int, block: bytes | None = None) -> None:
         """Verify ``slot`` in full (header and payload) and index it, or record why it is corrupt
         (or retired: a marker; whether its space was given back is read from the file's holes)."""
         try:
-            h = self._verify(slot, size)
+            h = self._verify(slot, size, block)
         except RetiredSlotError as e:
             self._corrupt[slot] = e.reason
             self._retired[slot] = self._is_hole(
@@ -604,6 +623,53 @@ class SegmentLog:
             return os.lseek(self._fd, start, seek_data) >= end
         except OSError as e:
             return e.errno == errno.ENXIO  # no data from start on (else: cannot tell, count it held)
+
+    def _next_data(self, offset: int) -> int | None:
+        """Where the first data of the file at or after ``offset`` is (``offset`` when the filesystem
+        cannot tell holes), None when there is none (a hole, or the end of the file)."""
+        seek_data = getattr(os, "SEEK_DATA", None)
+        if seek_data is None:
+            return offset
+        try:
+            return os.lseek(self._fd, offset, seek_data)
+        except OSError as e:
+            return None if e.errno == errno.ENXIO else offset
+
+    def _scan(self, start: int, n: int, size: int) -> int:
+        """Scan slots ``start .. n-1`` (each verified in full and indexed, or recorded corrupt) and
+        return where the written log ends: after its last written slot. A never-written slot (its
+        header a hole or all zeros) is no slot when none is written after it: a sparse or zero tail
+        (cut off here) is the end of the log, not thousands of corrupt slots; between written slots
+        it is corrupt. Holes are skipped, never read. With a ``max_bytes`` budget the scan stops at
+        the first slot the log could not have appended (its header alone would pass the budget):
+        when something is there, the log is taken to end there, so no append ever cuts it off."""
+        ss = self.slot_size
+        limit = n if self.max_bytes is None else min(n, max(start, self.max_bytes // HEADER_SIZE))
+        end = slot = start
+        while slot < limit:
+            offset = slot * ss
+            at = self._next_data(offset)
+            if at is None:
+                break  # nothing written from here on
+            if at >= offset + HEADER_SIZE:  # the header is a hole: skip to the slot the data is in
+                slot = max(slot + 1, at // ss)
+                continue
+            block = self._pread(HEADER_SIZE, offset)
+            if not block.strip(b"\0"):
+                slot += 1
+                continue
+            for never in range(end, slot):  # never written, yet a written slot follows
+                self._corrupt[never] = "never written: its header is all zeros"
+            self._scan_slot(slot, size, block)
+            end = slot = slot + 1
+        if limit < n and self._next_data(limit * ss) is not None:
+            for never in range(end, limit):  # (the budget's end: appends past it fail, cut nothing)
+                self._corrupt[never] = "never written: its header is all zeros"
+            return max(end, limit)
+        if end * ss < size:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, end * ss)  # never-written bytes (an append would cut them too)
+        return end
 
     def _load_index(self, size: int) -> int | None:
         """Install a trustworthy index.json and return how many slots it covers, or None if stale."""
@@ -648,11 +714,15 @@ class SegmentLog:
         size = os.fstat(self._fd).st_size
         n = -(-size // self.slot_size)
         trusted = self._load_index(size)
-        for slot in range(trusted or 0, n):
-            self._scan_slot(slot, size)
-        for slot in range(n, self._claimed):  # named by a stale index, wholly past the end of the file
-            self._corrupt[slot] = "missing: the index names it but the log file ends before it"
-        self._n_slots = max(n, trusted or 0, self._claimed)
+        end = self._scan(trusted or 0, n, size)
+        n = -(-os.fstat(self._fd).st_size // self.slot_size)  # (a never-written tail was cut off)
+        for slot in range(end, self._claimed):  # named by a stale index, never written or cut off
+            self._corrupt[slot] = (
+                "missing: the index names it but the log file ends before it"
+                if slot >= n
+                else "missing: the index names it but it was never written (an all-zero header)"
+            )
+        self._n_slots = max(end, trusted or 0, self._claimed)
         self._retired_before = set(self._retired)
         if trusted is None:
             self.index_state = "rebuilt"

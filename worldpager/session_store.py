@@ -7,14 +7,16 @@ it. `Session.resume` reopens the log and its index, registers every stored segme
 (the newest that fit the host budget are read back into host, verified; the rest stay on NVMe),
 restores the rolling window (from ``window.bin`` when it matches the log, else rebuilt from the last
 segments in the log at codec precision: keys are stored post-RoPE at their true positions, as the cache
-holds them) and continues at the next frame. Slots found corrupt when the log is reopened or on
-read-back, and slots that do not fit the session (another codec or shape: `misfit`), are reported as
-`CorruptSlot` events and never attended to. A corrupt slot is reported once: the resume that finds it
-(or the step whose read-back finds it: a `Corrupt` event) retires it in the log (`SegmentLog.
-retire_corrupt`, `SegmentLog.mark_corrupt`: its space given back, a marker over its header), and a
-later resume neither reads, uses nor reports it; the segment it held is reported as missing
-(`MissingSegment`) as long as the log holds no other copy. Slots that do not fit are left as they are
-(another codec's segments, not damaged) and reported at every resume.
+holds them) and continues at the next frame. A ``window.bin`` whose size is not the one
+``session.json`` and the model imply, or that is not a regular file, is refused (ValueError naming it
+and both sizes) before anything of it is read. Slots found corrupt when the log is reopened or on
+read-back, and slots that do not fit the session (another codec or shape, a segment id past the log's
+slot count: `misfit`), are reported as `CorruptSlot` events and never attended to. A corrupt slot is
+reported once: the resume that finds it (or the step whose read-back finds it: a `Corrupt` event)
+retires it in the log (`SegmentLog.retire_corrupt`, `SegmentLog.mark_corrupt`: its space given back,
+a marker over its header), and a later resume neither reads, uses nor reports it; the segment it held
+is reported as missing (`MissingSegment`) as long as the log holds no other copy. Slots that do not
+fit are left as they are (another codec's segments, not damaged) and reported at every resume.
 
 ``window.bin`` matches the log when ``session.json`` names the step it was saved at and no segment it
 holds has another copy in the log than the one recorded with it (``window.segments``). A resume
@@ -33,7 +35,9 @@ import contextlib
 import ctypes
 import dataclasses
 import json
+import logging
 import os
+import stat
 import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -54,11 +58,14 @@ from worldpager.segment_log import (
     SegmentHeader,
     SegmentLog,
     SegmentLogError,
+    open_fresh,
     slot_size_for,
     whole,
 )
 from worldpager.session_records import CorruptSlot
 from worldpager.transfer import TransferHandler
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "SESSION_FILE",
@@ -89,7 +96,7 @@ Stored = dict[int, tuple[int, SegmentHeader]]  # segment id -> (slot, header)
 
 def _atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with open_fresh(tmp) as f:  # (never through a link planted as the .tmp)
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -194,7 +201,7 @@ def save_window(
     global_end = int(caches[0]["global_end_index"].item()) if caches else 0
     crc, nbytes = 0, 0
     tmp = log_dir / (WINDOW_FILE + ".tmp")
-    with open(tmp, "wb") as f:
+    with open_fresh(tmp) as f:  # (never through a link planted as the .tmp)
         for cache in caches:
             for name in ("k", "v"):
                 data = _tensor_bytes(cache[name][:, :tokens])
@@ -285,9 +292,15 @@ def abandoned(segment_id: int, slot: int, rollbacks: Sequence[Sequence[int]]) ->
     return any(segment_id >= at and slot < slots for at, slots in rollbacks)
 
 
-def misfit(h: SegmentHeader, layout: SegmentLayout) -> str | None:
+def misfit(h: SegmentHeader, layout: SegmentLayout, n_slots: int | None = None) -> str | None:
     """Why a stored segment's header does not fit a session of ``layout`` (None when it fits): such a
-    slot (another codec or model shape, written by something else) is never used."""
+    slot (another codec or model shape, written by something else) is never used. ``n_slots``: the
+    log's slot count. A session's ids start at 0 and each segment it writes takes a slot of its own, so an id
+    at or past the slot count is taken for none of its own (a valid header with a huge id would have
+    the resume walk every id up to it); a segment written ahead of earlier ones that never reached a
+    full log is taken so too, and generated again."""
+    if n_slots is not None and not 0 <= h.segment_id < n_slots:
+        return f"segment id {h.segment_id}, past the log's {n_slots} slots"
     fpb = layout.frames
     if h.codec != layout.codec:
         return f"codec {h.codec}, expected {layout.codec}"
@@ -319,7 +332,7 @@ def stored_segments(
         h = log.header(slot)
         if h.segment_id in stored or abandoned(h.segment_id, slot, rollbacks):
             continue  # superseded by a later copy, or of an abandoned timeline
-        if misfit(h, layout) is None:
+        if misfit(h, layout, log.n_slots) is None:
             stored[h.segment_id] = (slot, h)
     return dict(sorted(stored.items()))
 
@@ -338,7 +351,7 @@ def register_stored(
     corrupt = [
         CorruptSlot(slot, f"does not fit this session: {why}")
         for slot in log.slots()
-        if (why := misfit(log.header(slot), handler.layout)) is not None
+        if (why := misfit(log.header(slot), handler.layout, log.n_slots)) is not None
     ]
     while True:  # the newest segments that fit the budget, each read back and verified
         resident: dict[int, bytes] = {}
@@ -396,20 +409,45 @@ def checkpoint_window(
     if w.get("dtype") != str(p.dtype).removeprefix("torch."):
         return None
     per = tokens * cfg.heads * cfg.head_dim * p.element_size()
-    try:
-        data = (log_dir / WINDOW_FILE).read_bytes()
-    except OSError:
+    if w.get("nbytes") != 2 * cfg.layers * per:
         return None
-    if (
-        len(data) != 2 * cfg.layers * per
-        or len(data) != w.get("nbytes")
-        or zlib.crc32(data) != w.get("crc32")
-    ):
+    data = _read_window(log_dir / WINDOW_FILE, 2 * cfg.layers * per, tokens)
+    if data is None or zlib.crc32(data) != w.get("crc32"):
         return None
     flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
     shape = (1, tokens, cfg.heads, cfg.head_dim)
     parts = [flat[i * per : (i + 1) * per].view(p.dtype).view(shape) for i in range(2 * cfg.layers)]
     return [(parts[2 * i], parts[2 * i + 1]) for i in range(cfg.layers)]
+
+
+def _read_window(path: Path, nbytes: int, tokens: int) -> bytes | None:
+    """The ``nbytes`` of ``window.bin``, or None (the window is then rebuilt from the log, as for any
+    other mismatch) when it cannot be opened, is not a regular file or is not that size. Its size is
+    checked on the open file before anything is read: a huge or sparse file is never read into
+    memory. What is wrong with it is logged, naming the file and both sizes."""
+    try:  # (O_NONBLOCK: a named pipe does not hold the open; O_NOFOLLOW: a link is not followed)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        logger.warning("%s: cannot be opened (%s): the window is rebuilt from the log", path, e.strerror)
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != nbytes:
+            what = f"{st.st_size} bytes" if stat.S_ISREG(st.st_mode) else "not a regular file"
+            logger.warning(
+                "%s: %s, expected %d (the %d-token window %s records): the window is rebuilt from the log",
+                path, what, nbytes, tokens, SESSION_FILE,
+            )  # fmt: skip
+            return None
+        buf = bytearray(nbytes)
+        view, got = memoryview(buf), 0
+        while got < nbytes and (n := os.readv(fd, [view[got:]])):
+            got += n
+    finally:
+        os.close(fd)
+    return bytes(buf) if got == nbytes else None
 
 
 def window_from_log(
