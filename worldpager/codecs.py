@@ -10,7 +10,8 @@ length against :func:`packed_nbytes`, so a truncated or over-long payload is ref
 Layout of ``payload`` (``n`` values, ``G = ceil(n / 128)`` groups)
 ------------------------------------------------------------------
 * ``bf16``: the ``n`` values as bfloat16, native byte order: ``2·n`` bytes. Exact for bf16 input;
-  other float inputs are rounded to bf16 (and cast back to their dtype on decode).
+  other float inputs are rounded to bf16 (and cast back to their dtype on decode; for fp16 pages
+  clamped to ±65504, since fp16's largest values round up to 65536 in bf16).
 * ``int8``: ``n`` code bytes, then ``G`` fp16 scales, then ``G`` fp16 zeros: ``n + 4·G`` bytes
   (8.25 bits/value when ``n`` is a multiple of 128).
 * ``int4``: ``ceil(n / 2)`` bytes of codes packed two per byte, value ``2i`` in the low nibble and
@@ -275,7 +276,13 @@ def decode(p: Packed, device: torch.device | str | None = None) -> torch.Tensor:
         return torch.empty(p.shape, dtype=out_dtype, device=dev)
 
     if p.codec == "bf16":
-        return _as_dtype(payload, torch.bfloat16).reshape(p.shape).to(out_dtype, copy=True)
+        x = _as_dtype(payload, torch.bfloat16).reshape(p.shape)
+        if torch.finfo(out_dtype).max < torch.finfo(torch.bfloat16).max:
+            # an fp16 page: its largest values round up past fp16's range in bf16 (65504 -> 65536),
+            # so the cast back would give inf; clamped, as every original value lies within range
+            big = torch.finfo(out_dtype).max
+            return x.float().clamp_(-big, big).to(out_dtype)
+        return x.to(out_dtype, copy=True)
 
     g = _groups(n)
     c = _code_nbytes(n, p.codec)

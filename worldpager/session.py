@@ -351,10 +351,23 @@ class Session:
 
     def resize_lease(self, host_budget_bytes: int | None = None, gpu_budget_bytes: int | None = None) -> None:
         """Change the host and/or GPU byte budgets while the session runs (the manager's elastic
-        lease): see `TransferHandler.resize`. ``gpu_budget_bytes`` then reports the new GPU lease."""
+        lease): see `TransferHandler.resize`. ``gpu_budget_bytes`` then reports the new GPU lease.
+
+        A shrink holds when this returns, for the step already prefetched too: when that step's
+        buffer has more slots than the new GPU lease allows, or its protected segments keep the host
+        over the new budget, it is released and prepared again within the new lease (the rule's best
+        segments are kept; host hits are uploaded again, evicted ones read back when room allows)."""
         self.handler.resize(host_budget_bytes, gpu_budget_bytes)
         if gpu_budget_bytes is not None:  # (a refused one raised above: the old lease holds)
             self.gpu_budget_bytes = gpu_budget_bytes
+        n = self._next
+        plan = self._plans.get(n)
+        if plan is not None and (len(plan.slots) > self.pm.slots_per_buffer or self.pm.pending_bytes > 0):
+            # PageManager.resize applies to steps prepared from now on: re-plan the prefetched one
+            self.handler.wait_ready(n)
+            self.handler.release(n)
+            del self._plans[n]
+            self._prepare(n)
 
     def wait_written(self, step: int, timeout: float = 60.0) -> bool:
         """Block until segment ``step`` has been written to the log (not fsynced: it survives the
