@@ -126,5 +126,9 @@ class Policy:
 
 def host_models(engine: Engine) -> list[ModelState]:
     """The host tier's models, less the one being loaded to the GPU from there this moment (a victim
-    chosen among them would drop it, and it would load again from disk)."""
-    return [m for m in engine.models.values() if m.tier == HOST and m is not engine.incoming]
+    chosen among them would drop it, and it would load again from disk) and those already chosen to
+    leave host RAM this moment (`Engine.host_leaving`)."""
+    leaving = engine.host_leaving
+    return [
+        m for m in engine.models.values() if m.tier == HOST and m is not engine.incoming and m not in leaving
+    ]

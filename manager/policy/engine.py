@@ -60,6 +60,7 @@ class Engine(TierMoves):
         self.never_fits: dict[str, str] = {}
         self.incoming: ModelState | None = None
         """The model `make_room` is making room for (not a host-tier victim meanwhile)."""
+        self.host_leaving: list[ModelState] = []
         self.recheck_fit()
 
     # ---- requests ---------------------------------------------------------------------------
@@ -163,8 +164,13 @@ class Engine(TierMoves):
         """Load `m` before a predicted request, displacing only what the policy values less.
         A model with `prewarm: false` is never loaded ahead of its request, by any policy; nor is
         one whose explicit keep-alive expired (`ModelState.held_off`: the user's word), before it is
-        asked for again - or, `chained`, expected right after a request just made."""
+        asked for again - or, `chained`, expected right after a request just made. Nor is one whose
+        keep-alive is eager and zero (`keep_alive: 0`): it would be unloaded the moment its load is
+        over, a wasted load, and its request's reload would count as thrash."""
         if m.tier == GPU or self.never_fits[m.name] or not m.prewarm_ok or (m.held_off and not chained):
+            return False
+        pol = self.policy
+        if pol.is_eager(m) and pol.keep_alive(m, now) <= 0.0:
             return False
         if not self.make_room(m, m.rank, now, may_evict=True, prewarm=True):
             return False
@@ -298,7 +304,11 @@ class Engine(TierMoves):
         if m.tier == GPU:
             dev = self.state.devices[m.device]
             dev.add(m, delta)
+            # Each move that fits it back checks the budget while the surplus it removes is still
+            # there: what counts is where the device ends, checked once.
+            violations = self.counters.budget_violations
             self._fit_back(dev, m, now)
+            self.counters.budget_violations = violations
             self._check_budget(dev)
         elif m.tier == HOST:
             self.host.used += delta
@@ -309,43 +319,84 @@ class Engine(TierMoves):
     def _fit_back_host(self, m: ModelState, now: float) -> None:
         """`m`, in the host tier and measured larger than its estimate, left host RAM over its usable
         bytes: other host residents are dropped to disk - the one the policy values least
-        (`host_victim`; least recently on the GPU first for a policy without a host tier) - while
-        the policy would rather keep `m`; if it still does not fit, `m` itself leaves host RAM (its
-        file is still on disk). Host RAM is never left over budget."""
+        (`host_victim`; least recently on the GPU first for a policy without a host tier) - when
+        those the policy would rather drop than `m` make its room; if they do not, `m` itself leaves
+        host RAM (its file is still on disk) and no other does. Host RAM is never left over budget."""
         host = self.host
-        why = f"host room after '{m.name}' measured larger than its estimate"
-        self.incoming = m  # not a victim of its own fit
-        try:
-            while host.used > host.usable:
-                if self.policy.uses_host_tier:
-                    v = self.policy.host_victim(m, now)
-                else:
-                    others = [c for c in self.models.values() if c.tier == HOST and c is not m]
-                    v = min(others, key=lambda c: (c.left_gpu_at, c.ready_at, c.name), default=None)
-                if v is None or v is m:
+        if host.used <= host.usable:
+            return
+        short = host.used - host.usable
+        victims: list[ModelState] | None
+        if self.policy.uses_host_tier:
+            self.incoming = m  # not a victim of its own fit
+            try:
+                victims = self._host_victims(m, short, now)
+            finally:
+                self.incoming = None
+        else:
+            others = sorted(
+                (c for c in self.models.values() if c.tier == HOST and c is not m),
+                key=lambda c: (c.left_gpu_at, c.ready_at, c.name),
+            )
+            victims = []
+            for c in others:
+                if short <= 0:
                     break
-                self.drop_host(v, now, why)
-        finally:
-            self.incoming = None
-        if host.used > host.usable:
+                victims.append(c)
+                short -= c.weights
+            if short > 0:
+                victims = None
+        if victims is None:  # the others cannot make its room (or are worth more): it leaves, alone
             self.drop_host(m, now, f"'{m.name}' measured larger than host RAM can hold beside what it holds")
+            return
+        why = f"host room after '{m.name}' measured larger than its estimate"
+        for v in victims:
+            self.drop_host(v, now, why)
 
     def _fit_back(self, dev: DeviceState, m: ModelState, now: float) -> None:
-        """`m`, measured larger than its estimate, left `dev` over its usable bytes: other leases
-        shrink, then idle models (not `m`, not pinned) leave, the longest idle first, until it fits.
-        What is busy or pinned stays (the budget counter then says so)."""
+        """`m`, measured larger than its estimate, took more than its room on `dev` (its class's room:
+        the usable bytes less the higher classes' unused reservations). What leaves for it is what
+        a load of `m` at its measured size could have displaced, within the admission rules: leases
+        shrink first, then idle models `m`'s admission may evict go, the longest idle first (never a
+        higher class within its keep-alive); then `m` itself, when idle and not pinned (the guess or
+        the idle model that does not fit). Only a device still over its usable bytes for real - `m`
+        busy or pinned - takes more: other leases at their minimum, then idle higher-class models
+        (the budget wins over the class rule: the device holds those bytes already, in its
+        emergency reserve). What is busy, loading or pinned stays (the budget counter then says so)."""
+        if dev.room(m.rank) >= 0:
+            return
         why = f"room after '{m.name}' measured larger than its estimate"
+        tenants = [
+            t for t in dev.models if t is not m and t.tier == GPU and t.elastic and t.lease > t.lease_min
+        ]
+        self._shrink_leases(dev, m, tenants, 0, now, reason=why)
+        rank, may_evict = m.rank, self.state.class_may_evict[m.rank]
+        idle = [c for c in dev.models if c is not m and c.tier == GPU and not c.pinned and c.idle(now)]
+        idle.sort(key=lambda c: (self.idle_since(c), c.name))
+        eligible = [c for c in idle if self._eligible(c, m, rank, now, may_evict, m.prewarmed)]
+        # Why each goes is decided before any goes (as in `make_room`).
+        expired = [self.policy.expired(c, now) for c in eligible]
+        for c, gone in zip(eligible, expired, strict=True):
+            if dev.room(m.rank) >= 0:
+                return
+            self.evict(c, now, "keep-alive expired" if gone else why, expiry=gone)
+        if dev.room(m.rank) >= 0:
+            return
+        if not m.pinned and m.idle(now):
+            self.evict(m, now, f"'{m.name}' measured larger than its room on '{dev.name}'")
+            return
+        # The device holds more than its usable bytes (into its emergency reserve): the budget wins.
         for t in dev.models:
             over = dev.used - dev.usable
             if over <= 0:
                 return
             if t is not m and t.tier == GPU and t.elastic and t.lease > t.lease_min:
                 self._set_lease(t, t.lease - min(t.lease - t.lease_min, over), now, reason=why)
-        idle = [c for c in dev.models if c is not m and c.tier == GPU and not c.pinned and c.idle(now)]
-        for c in sorted(idle, key=lambda c: (self.idle_since(c), c.name)):
+        for c in idle:
             if dev.used <= dev.usable:
                 return
-            self.evict(c, now, why)
+            if c.tier == GPU and c.ready_at <= now:
+                self.evict(c, now, why)
 
     # ---- accounting -------------------------------------------------------------------------
     def close(self, now: float) -> None:

@@ -36,17 +36,35 @@ class TierMoves:
     gpu_time: dict[str, float]
     wakeups: list[float]
     _on_gpu_at: dict[str, float]
+    host_leaving: list[ModelState]
+    """Host residents already chosen to leave host RAM this moment (`_host_victims`): no policy
+    chooses them again (`base.host_models` leaves them out)."""
 
     # ---- elastic leases ---------------------------------------------------------------------
     def _shrink_leases(
-        self, dev: DeviceState, m: ModelState, tenants: list[ModelState], need: int, now: float
+        self,
+        dev: DeviceState,
+        m: ModelState,
+        tenants: list[ModelState],
+        need: int,
+        now: float,
+        reason: str | None = None,
     ) -> None:
-        for t in tenants:
+        """Shrink `tenants`' leases until `dev.room(m.rank)` reaches `need`: the lowest class's first
+        (a lower class's session gives back its lent room before a higher class's loses KV), and a
+        higher class's lease only by what its class holds beyond its reservation (bytes given back
+        inside that reservation are no room for `m`: spilling them would only delay its load)."""
+        for t in sorted(tenants, key=lambda t: -t.rank):
             short = need - dev.room(m.rank)
             if short <= 0:
                 return
-            give = min(t.lease - t.lease_min, short)
-            self._set_lease(t, t.lease - give, now, reason=f"room for '{m.name}'")
+            spare = t.lease - t.lease_min
+            if t.rank < m.rank:
+                spare = min(spare, dev.class_used[t.rank] - dev.reserves[t.rank])
+            give = min(spare, short)
+            if give <= 0:
+                continue
+            self._set_lease(t, t.lease - give, now, reason=reason or f"room for '{m.name}'")
             # WorldPager spills the KV pages to host RAM at PCIe speed before the bytes are free.
             spill_s = give / max(1.0, t.weights / max(1e-6, t.cost.get("host")))
             dev.loader_free_at = max(dev.loader_free_at, now) + spill_s
@@ -219,15 +237,39 @@ class TierMoves:
         return True
 
     def _host_make_room(self, c: ModelState, now: float) -> bool:
+        """Room in host RAM for `c`, dropping the host residents the policy values less than `c`; or,
+        when they are not enough, nothing dropped (False)."""
         host = self.host
         if c.weights > host.usable:
             return False
-        while host.usable - host.used < c.weights:
-            v = self.policy.host_victim(c, now)
-            if v is None:
-                return False
+        victims = self._host_victims(c, c.weights - (host.usable - host.used), now)
+        if victims is None:
+            return False
+        for v in victims:
             self.drop_host(v, now, f"host room for '{c.name}'")
         return True
+
+    def _host_victims(self, incoming: ModelState, short: int, now: float) -> list[ModelState] | None:
+        """The host residents whose drop frees `short` bytes of host RAM for `incoming`, the policy's
+        choice one at a time (`host_victim`, each weighed as if those before it were gone already);
+        None when the policy would rather keep one than make the whole room. Nothing is dropped
+        here: a room that cannot be made costs no host resident."""
+        host = self.host
+        chosen: list[ModelState] = []
+        used = host.used
+        try:
+            self.host_leaving = chosen
+            while short > 0:
+                v = self.policy.host_victim(incoming, now)
+                if v is None or v is incoming:
+                    return None
+                chosen.append(v)
+                short -= v.weights
+                host.used -= v.weights  # as if dropped: what the next choice is weighed against
+        finally:
+            host.used = used
+            self.host_leaving = []
+        return chosen
 
     def drop_host(self, v: ModelState, now: float, reason: str) -> None:
         self.host.used -= v.weights

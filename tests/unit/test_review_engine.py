@@ -214,7 +214,9 @@ class TestTheUsersKeepAlive:
             record=True,
         )
         loads = [(t, kind, pw) for t, kind, pw in acts(r.actions, "big") if kind in ("load", "promote")]
-        assert loads == [(-600.0, "load", True), (10.0, "promote", False)]  # boot, then its request
+        # its request only: a `keep_alive: 0` model is not prewarmed to the GPU at boot (it would be
+        # unloaded the moment its load was over); it waits in host RAM from boot
+        assert loads == [(10.0, "promote", False)]
         assert r.thrash == 0
 
     def test_the_engine_holds_it_off_until_it_is_asked_for_again(self) -> None:
