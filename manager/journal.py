@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import json
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
+from manager import pidlock
 from manager.store.base import normalize_record
 
 logger = logging.getLogger(__name__)
@@ -69,41 +69,21 @@ class RequestJournal:
         name). Two services on one journal would both append to it, both send it to the store at
         their start (the other's records logged twice), and one's rewrite would cut what the other
         had just appended. The journal itself is not what is locked: its rewrite replaces the file."""
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)  # (not inherited by children)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            pid = self._holder(fd)
-            os.close(fd)
-            who = f"another residency service (pid {pid})" if pid else "another residency service"
+            fd, unlocked = pidlock.hold(self.lock_path)
+        except pidlock.Held as e:
+            who = f"another residency service (pid {e.pid})" if e.pid else "another residency service"
             raise JournalInUse(
                 errno.EAGAIN,
                 f"store.journal {str(self.path)!r}: {who} is using this request journal (it holds "
                 f"{str(self.lock_path)!r}); stop that one, or give this one a store.journal of its own",
             ) from None
-        except OSError as e:  # a file system without locks (some network ones): served, unguarded
+        if unlocked is not None:  # a file system without locks (some network ones): served, unguarded
             logger.warning(
                 "%s: cannot lock the request journal (%s); a second service on it would not be refused",
-                self.path, e,
+                self.path, unlocked,
             )  # fmt: skip
-            return fd
-        except BaseException:
-            os.close(fd)
-            raise
-        with contextlib.suppress(OSError):  # (the pid only helps the message of a refused one)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         return fd
-
-    @staticmethod
-    def _holder(fd: int) -> int | None:
-        """The process id the lock file at `fd` names (None when it names none: an older holder, or
-        one that has not written it yet)."""
-        try:
-            text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-        except OSError:
-            return None
-        return int(text) if text.isdigit() else None
 
     def _end_line(self) -> None:
         """End a torn last line (a kill mid-write) so the next record starts a line of its own

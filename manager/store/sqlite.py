@@ -36,8 +36,6 @@ as immutable; with a -wal file holding data that user cannot open, it is refused
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import logging
 import math
 import os
@@ -49,6 +47,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit
 
+from manager import pidlock
 from manager.store.base import (
     RECORD_FIELDS,
     CorruptDocument,
@@ -231,33 +230,22 @@ class SQLiteStore:
         to name); StoreError when another process holds it."""
         path = f"{self.path}.lock"
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # (not inherited by children)
-        except OSError as e:
-            raise StoreError(
-                self.url, f"cannot open the store's lock file {path}: {e.strerror or e}"
-            ) from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            try:
-                text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-            except OSError:
-                text = ""
-            os.close(fd)
-            who = f"another residency service (pid {text})" if text.isdigit() else "another residency service"
+            fd, unlocked = pidlock.hold(path)
+        except pidlock.Held as e:
+            who = f"another residency service (pid {e.pid})" if e.pid else "another residency service"
             raise StoreError(
                 self.url,
                 f"{who} is serving this store (it holds {path}); stop that one, or give this one a "
                 "store.url of its own",
             ) from None
-        except OSError as e:  # a file system without locks (some network ones): served, unguarded
+        except OSError as e:
+            raise StoreError(
+                self.url, f"cannot open the store's lock file {path}: {e.strerror or e}"
+            ) from None
+        if unlocked is not None:  # a file system without locks (some network ones): served, unguarded
             logger.warning(
-                "%s: cannot lock the store (%s); a second service on it would not be refused", path, e
+                "%s: cannot lock the store (%s); a second service on it would not be refused", path, unlocked
             )
-            return fd
-        with contextlib.suppress(OSError):  # (the pid only helps the message of a refused one)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         return fd
 
     def _let_go(self) -> None:
