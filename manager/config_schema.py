@@ -199,6 +199,14 @@ class ServerConfig(_Model):
     answer within this long (20 s at most) is dropped and its calls are cancelled, so the world session
     of a client that vanished (a laptop asleep, a dropped Wi-Fi link) is closed and frees its model.
     At most 1d (gRPC keeps it in milliseconds in a C int). A change takes effect at the next start."""
+    world_idle_timeout: Duration | None = 600
+    """How long an open world session waits for its client's next action: a client that keeps its
+    `residency.v1.WorldSession` stream open and sends nothing for this long has its session closed,
+    its state saved (as when the client ends its stream), and the stream ends DEADLINE_EXCEEDED with
+    a message saying how long it was idle and the session id to resume it with; its world model is
+    free for the next session. Null: wait for ever (the session holds its model until its client ends
+    it or vanishes: `keepalive`); 0 is refused (no session could take a step). A change applies from
+    the next wait on (a reload)."""
     frontends: int = Field(default=0, ge=0, le=16, strict=True)
     """Extra gRPC front-end processes on `listen` (they share the address with SO_REUSEPORT; Linux
     spreads connections over them): each does gRPC's per-call work on its own core, sends ModelInfer
@@ -215,6 +223,13 @@ class ServerConfig(_Model):
     @classmethod
     def _host_port(cls, v: str | None) -> str | None:
         return v if v is None else check_host_port(v)
+
+    @field_validator("world_idle_timeout")
+    @classmethod
+    def _some_wait(cls, v: float | None) -> float | None:
+        if v == 0:
+            raise ValueError("expected a duration above 0, like '10m' (null: no idle timeout), got 0")
+        return v
 
 
 class StoreConfig(_Model):
@@ -348,8 +363,10 @@ class ClassConfig(_Model):
     max_wait: Duration | None = None
     """A request of this class that waits longer than this for room is rejected; null: wait."""
     max_queue: int | None = Field(default=None, ge=1, strict=True)
-    """At most this many requests of this class may wait for their model at once; more are refused
-    (RESOURCE_EXHAUSTED, "queue full"). Null: no limit."""
+    """At most this many requests of this class may wait for their model at once (for room, or for
+    its load to end); one more that would wait is refused (RESOURCE_EXHAUSTED, "queue full"), one
+    whose model is loaded and ready is served. `residency replay` and `tune` count the same. Null: no
+    limit."""
 
 
 class LoadSeconds(_Model):

@@ -988,10 +988,14 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
     async def _queue_for(
         self, m: Any, rank: int, cls_name: str, deadline: float, *, retry: bool = False
     ) -> tuple[float, bool]:
-        """Admission and the wait for the model's confirmed load, under the class's queue limit (a
-        `retry` of an accepted request skips the limit, is not observed again nor counted rejected)."""
+        """Admission and the wait for the model's confirmed load, under the class's queue limit: at
+        most `max_queue` requests of the class wait for their model's load (or for room) at once; one
+        more that would wait is refused, one whose model is loaded and ready is not (a `retry` of an
+        accepted request skips the limit, is not observed again nor counted rejected)."""
         limit = None if retry else self.config.classes[rank].max_queue
-        if limit is not None and self.queued.get(cls_name, 0) >= limit:
+        # A request for a model loaded and ready waits for no load and no room: never "queue full".
+        waits = not self.live[m.name].ready.is_set()
+        if limit is not None and waits and self.queued.get(cls_name, 0) >= limit:
             self.rejected += 1
             self.metrics.child("requests", m.name, cls_name, "rejected").inc()
             raise InsufficientCapacity(
@@ -1194,18 +1198,35 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             self.engine.drop_host(m, self.clock(), "admin evict")
         self._flush()
 
-    def reload(self, new: Config) -> list[str]:
-        """Take a changed config, dropping nothing in flight (RestartNeeded: structural changes;
-        PinsDoNotFit: its pinned models do not fit a device together at their measured footprints).
-        The command line's `server` fields (`server_overrides`) hold over the file's, as at start."""
-        from manager.reload import apply_reload, check_measured_fit, plan_reload
+    def check_reload(self, new: Config) -> list[str]:
+        """What `reload(new)` would apply (its list of changes), or the error it would raise
+        (RestartNeeded, PinsDoNotFit), changing nothing: every check the reload makes, the pinned
+        models at the footprints their device hosts measured included, and none of its effects (the
+        engine, the device hosts, the events and the metrics are as they were). On the event loop's
+        thread, as `reload`: what it reads is the loop's to change."""
+        return self._checked(new)[1]
+
+    def _checked(self, new: Config) -> tuple[Config, list[str]]:
+        """The checks of a reload to `new` (`check_reload` and `reload` both make them, so they cannot
+        say different things): `new` as the reload takes it (the command line's `server` fields over
+        the file's) and its changes, or what refuses it."""
+        from manager.reload import check_measured_fit, plan_reload
 
         if self.server_overrides:
             new = new.model_copy(update={"server": new.server.model_copy(update=self.server_overrides)})
-
         changes = plan_reload(self.config, new)
         pins = {m.name: self.pin_overrides.get(m.name, m.pin) for m in new.models}  # an admin's hold
         check_measured_fit(self.engine, new, pins, self._measured)
+        return new, changes
+
+    def reload(self, new: Config) -> list[str]:
+        """Take a changed config, dropping nothing in flight (RestartNeeded: structural changes;
+        PinsDoNotFit: its pinned models do not fit a device together at their measured footprints;
+        both found by `check_reload`'s checks before anything changes). The command line's `server`
+        fields (`server_overrides`) hold over the file's, as at start."""
+        from manager.reload import apply_reload
+
+        new, changes = self._checked(new)
         apply_reload(self.engine, new)
         self.config = new
         for name, live in self.live.items():  # a model that failed to load is still not prewarmed

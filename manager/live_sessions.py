@@ -132,7 +132,7 @@ def _write_sent(d: Path, next_segment: int) -> None:
             return
         tmp = d / (SENT_FILE + ".tmp")
         tmp.unlink(missing_ok=True)  # (left by a crash, or a link: removed, not followed)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(json.dumps({"next_segment": int(next_segment)}))
         tmp.replace(d / SENT_FILE)
@@ -157,6 +157,25 @@ def _read_sent(d: Path) -> int | None:
     except (OSError, ValueError, AttributeError, RecursionError):
         return None
     return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
+
+
+def _private_sessions_dir(d: Path) -> None:
+    """Make `store.sessions` (`d`) its user's alone (0700): it lists the saved sessions' ids, and an id
+    is all a resume needs. Created so when missing (with any missing parent, as WorldPager creates a
+    session's folder: `worldpager.segment_log.make_private_dirs`); one that exists with group or other
+    access (made by an earlier version, or by hand) is tightened, logged. Only this folder: a parent
+    of it, the user's, is left as it is. A failure is logged: a session still opens (its own folder
+    and files are private whatever this one's mode)."""
+    from worldpager.segment_log import make_private_dirs
+
+    try:
+        make_private_dirs(d)
+        mode = d.stat().st_mode  # (a link the user put there: the folder it names is the sessions')
+        if stat.S_IMODE(mode) & 0o077:
+            os.chmod(d, stat.S_IMODE(mode) & ~0o077)
+            logger.warning("store.sessions %s was open to other users: their access is taken away", d)
+    except OSError as e:
+        logger.warning("store.sessions %s: cannot make it private: %s", d, e)
 
 
 _CLOSING = "world-session-close:"
@@ -411,6 +430,7 @@ class WorldSessionsMixin:
         closing = self._closing()
         if closing:
             await asyncio.wait(closing.values(), timeout=max(0.0, deadline - self.clock()))
+        await asyncio.to_thread(_private_sessions_dir, self.session_dir)
         # not one open, nor one opening (another world model may be resuming one this moment)
         keep = {*self.sessions, *self._opening_ids, *self._closing(), sid}
         await asyncio.to_thread(self._prune_sessions, keep=keep)

@@ -2,10 +2,11 @@
 
 `plan_reload(old, new)` returns the fields that changed (a model's `memory` and `load_seconds`,
 which only seed what the running service measures, and the `server`, `store`, `ray` settings, read
-at start, marked as taking effect at the next restart, but for `store.sessions_keep`, read at each
-use; `tuning.schedule` too when it was off: its loop starts at start), or raises
-`RestartNeeded` naming the first structural change (devices, host memory, the set of models, a model's
-adapter/device/source/class/elastic range/max_batch, the classes' names or order, the policy's name).
+at start, marked as taking effect at the next restart, but for `store.sessions_keep` and
+`server.world_idle_timeout`, read at each use; `tuning.schedule` too when it was off: its loop starts
+at start), or raises `RestartNeeded` naming the first structural change (devices, host memory, the
+set of models, a model's adapter/device/source/class/elastic range/max_batch, the classes' names or
+order, the policy's name).
 `check_measured_fit(engine, new, pins, measured)` refuses (`PinsDoNotFit`) a config whose pinned
 models, at the footprints their device hosts measured, do not fit a device together with its class
 reservations (the config's own check sees only its estimates). `apply_reload(engine, new)` then
@@ -152,9 +153,10 @@ def _service_changes(old: Config, new: Config) -> list[str]:
     return changes
 
 
-_READ_LIVE = {("store", "sessions_keep")}
+_READ_LIVE = {("store", "sessions_keep"), ("server", "world_idle_timeout")}
 """Settings of the sections read at start that the running service reads at each use all the same
-(the saved world sessions are trimmed to `store.sessions_keep` each time one closes)."""
+(the saved world sessions are trimmed to `store.sessions_keep` each time one closes; a world stream
+reads `server.world_idle_timeout` at each wait for its client's next action)."""
 
 
 def check_measured_fit(

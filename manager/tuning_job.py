@@ -5,8 +5,10 @@ report, and say whether it beats the running config on the most recent days (hel
 does by hand). Applying is the caller's business: with `tuning.apply: auto`, and only when `better` is
 true, the service writes the tuned fields into its config file (the file it replaced is kept beside the
 proposal, as `previous.yaml`), so that they outlive a restart, and hot-reloads it: both or neither
-(a tuned config the reload's plan refuses is not written; one the reload refuses is taken out of the
-file again, unless it was edited meanwhile). A run that fails is recorded and tried again after
+(a tuned config the service's reload would refuse - its plan, or the pinned models at the sizes their
+device hosts measured, as `LiveManager.check_reload` finds, changing nothing - is not written; one the
+reload refuses all the same, the service having changed between the check and the reload, is taken out
+of the file again, unless it was edited meanwhile). A run that fails is recorded and tried again after
 `RETRY_S`, not at every check of the schedule.
 
 The config file is written whole or not at all (`write_config_atomically`): a reload or an editor
@@ -16,12 +18,14 @@ changed while the run went on (a user's edit) is not overwritten.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +42,9 @@ from manager.store.export import export_trace
 PERIOD_S = {"daily": 86400.0, "weekly": 7 * 86400.0}
 RETRY_S = 3600.0
 """A scheduled run that failed is tried again after this long."""
+CHECK_S = 60.0
+"""How long the check of a tuned config (`_check_reload`, on the service's event loop) may take: one
+that does not answer by then is not written (as a reload, which waits as long)."""
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -325,6 +332,45 @@ class _Refused(Exception):
     """The running service would refuse the tuned config (`check`): the file was not written."""
 
 
+class _NoAnswer(TimeoutError):
+    """The service did not answer the check of a tuned config in `CHECK_S`: it is not written."""
+
+
+def _check_reload(manager: Any, new: Config) -> None:
+    """Raise what the service's reload of `new` would raise, changing nothing: the manager's
+    `check_reload` (every check its reload makes, the pinned models at the footprints their device
+    hosts measured included), run on its event loop's thread when `manager` is the tuning thread's
+    view of the live manager (its `manager`, run on its `loop`, as its reloads are). A manager with
+    no `check_reload` (a stand-in) is checked by the reload's plan alone. `_NoAnswer`: no answer in
+    `CHECK_S`."""
+    from manager.reload import plan_reload
+
+    check = getattr(manager, "check_reload", None)
+    if callable(check):
+        check(new)
+        return
+    live, loop = getattr(manager, "manager", None), getattr(manager, "loop", None)
+    check = getattr(live, "check_reload", None)
+    if not callable(check) or not isinstance(loop, asyncio.AbstractEventLoop):
+        plan_reload(manager.config, new)
+        return
+
+    given_up = threading.Event()
+
+    async def on_loop() -> object:
+        return None if given_up.is_set() else check(new)  # (a check given up on is not made late)
+
+    answer = asyncio.run_coroutine_threadsafe(on_loop(), loop)
+    try:
+        answer.result(timeout=CHECK_S)
+    except TimeoutError:
+        given_up.set()
+        answer.cancel()
+        raise _NoAnswer(
+            f"the service did not answer the check of the tuned config in {CHECK_S:g} s"
+        ) from None
+
+
 def _write_tuned(
     config_path: Path,
     outcome: TuningOutcome,
@@ -407,27 +453,29 @@ def tuning_step(
 def _apply(manager: Any, config_path: Path, outcome: TuningOutcome, began: bytes | None) -> bool:
     """Write a better run's tuned fields into the config file and hot-reload it (said in
     `outcome.reason`); whether they were applied. The file and the running service agree after:
-    a tuned config the reload's plan refuses (a restart needed) is not written, and one the reload
-    itself refuses (pins that do not fit at their measured sizes) is taken out of the file again,
-    unless the file was edited meanwhile (each with a warning). A file that cannot be written gets
-    the tuned fields applied to the running config alone (a restart reverts them); a file that
-    changed since the run began (`began`: its bytes then) is left to its editor, nothing applied."""
+    a tuned config the service would refuse (`_check_reload`: a restart needed, or pins that do not
+    fit at their measured sizes) is not written, and one the reload refuses all the same (the
+    service changed since the check) is taken out of the file again, unless the file was edited
+    meanwhile (each with a warning). A file that cannot be written gets the tuned fields applied to
+    the running config alone (a restart reverts them); a file that changed since the run began
+    (`began`: its bytes then) is left to its editor, nothing applied."""
     from pydantic import ValidationError
 
-    from manager.reload import RestartNeeded, plan_reload
+    from manager.reload import RestartNeeded
     from manager.replay.tune import with_settings
 
     assert outcome.proposal is not None
     running = manager.config
-    try:  # what the reload's plan refuses is found before the file is written
-        written = _write_tuned(config_path, outcome, began, check=lambda new: plan_reload(running, new))
+    try:  # what the reload would refuse is found before the file is written
+        written = _write_tuned(config_path, outcome, began, check=lambda new: _check_reload(manager, new))
     except ConfigChanged as e:  # tuned against the file as it was: its edit is neither undone nor mixed
         outcome.reason += f"; not applied: {e} (the proposal: {outcome.proposal})"
         logger.warning("scheduled tuning: %s", outcome.reason)
         return False
     except _Refused as e:
+        why = "could not check it" if isinstance(e.__cause__, _NoAnswer) else "would refuse it"
         outcome.reason += (
-            f"; not applied: the service would refuse it ({e}); {config_path} left as it was "
+            f"; not applied: the service {why} ({e}); {config_path} left as it was "
             f"(the proposal: {outcome.proposal})"
         )
         logger.warning("scheduled tuning: %s", outcome.reason)

@@ -83,6 +83,38 @@ def not_plain(log_dir: Path) -> str | None:
     return None
 
 
+OTHERS = 0o077
+"""The group's and others' permission bits: none on a saved session's folder and files."""
+
+
+def make_private(session_id: str, log_dir: Path) -> None:
+    """Take group and other access away from the saved session in ``log_dir``: its folder and its
+    files (`SAVED_FILES`). WorldPager creates them private (folders 0700, files 0600); a session saved
+    before that was not (0755 and 0644), and is made so when it is resumed. Each is opened without
+    following a link (nothing is changed through one) and changed through that descriptor; one that
+    cannot be (another user's, say) is logged and left as it is: the resume goes on."""
+    tightened = []
+    for path in (log_dir, *(log_dir / name for name in SAVED_FILES)):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:  # not there (or a link, refused before this)
+            continue
+        try:
+            mode = os.fstat(fd).st_mode
+            if (stat.S_ISDIR(mode) or stat.S_ISREG(mode)) and mode & OTHERS:
+                os.fchmod(fd, stat.S_IMODE(mode) & ~OTHERS)
+                tightened.append(path.name if path != log_dir else "its folder")
+        except OSError as e:
+            logger.warning("world session %r: cannot make %s private: %s", session_id, path, e)
+        finally:
+            os.close(fd)
+    if tightened:
+        logger.info(
+            "world session %r: %s in %s could be read by other users: made private",
+            session_id, ", ".join(tightened), log_dir,
+        )  # fmt: skip
+
+
 def _unpathed(message: str, log_dir: Path) -> str:
     """``message`` without ``log_dir``'s path (a client is told the file and the field, not where the
     server keeps its sessions)."""
@@ -224,6 +256,7 @@ class WorldSessions:
             raise SessionNotOpen(f"no saved world session {session_id!r} to resume")
         if not has_log:
             raise _damaged(session_id, log_dir, f"{LOG_NAME} is missing")
+        make_private(session_id, log_dir)  # (saved before its files were created private)
         return saved
 
     @staticmethod

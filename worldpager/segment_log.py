@@ -40,6 +40,10 @@ payload space retired slots gave back.
 Atomic writes (index.json, meta.json) go through a ``.tmp`` file created afresh (`open_fresh`: a link
 planted under its name is never written through).
 
+Privacy: a log holds a user's world state, so what it creates is its user's alone: files 0600
+(`PRIVATE_FILE`), its folder and any missing parent folder 0700 (`PRIVATE_DIR`; `make_private_dirs`).
+Folders that exist already are left as they are (a caller tightens what it owns).
+
 Writes: append() does one ``os.pwritev`` of header + payload (a torn write fails the header or payload
 checksum), then extends the file to the slot boundary; no fsync per append (flush() does that). Reads
 verify the header against the on-disk block and the payload/page crc32s; corrupt bytes are never returned:
@@ -112,6 +116,9 @@ __all__ = [
 ]
 
 LOG_NAME, INDEX_NAME, META_NAME = "segments.wplog", "index.json", "meta.json"
+PRIVATE_FILE, PRIVATE_DIR = 0o600, 0o700
+"""The modes a log's files and folders are created with (the process's umask can only take more away):
+its owner's alone, never readable by another local user."""
 _CHUNK = 16 << 20
 _INT_FIELDS = ("segment_id", "frame_start", "frame_end", "position", "payload_len", "checksum")
 
@@ -174,7 +181,25 @@ def open_fresh(path: Path) -> BinaryIO:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    return os.fdopen(os.open(path, flags, 0o644), "wb")
+    return os.fdopen(os.open(path, flags, PRIVATE_FILE), "wb")
+
+
+def make_private_dirs(directory: str | os.PathLike[str]) -> Path:
+    """``directory`` as a folder, created with any missing parent folder `PRIVATE_DIR` (0700, where
+    ``Path.mkdir(parents=True)`` gives the parents the default mode); folders that exist are left as
+    they are. FileExistsError when it is something else than a folder (as ``mkdir`` says)."""
+    d = Path(directory)
+    missing: list[Path] = []
+    p = d
+    while not os.path.lexists(p) and p.parent != p:
+        missing.append(p)
+        p = p.parent
+    for p in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # (made meanwhile, by another session's open)
+            os.mkdir(p, PRIVATE_DIR)
+    if not d.is_dir():
+        raise FileExistsError(errno.EEXIST, "exists and is not a folder", str(d))
+    return d
 
 
 def _atomic_write_json(path: Path, obj: object) -> None:
@@ -282,9 +307,8 @@ class SegmentLog:
             raise ValueError(f"slot_size must be a multiple of {SLOT_ALIGN} and >= {HEADER_SIZE}")
         if max_bytes is not None and max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
-        fd = os.open(d / LOG_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        d = make_private_dirs(directory)
+        fd = os.open(d / LOG_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, PRIVATE_FILE)
         log = cls(d, fd, slot_size, max_bytes, secrets.randbits(64) or 1)
         try:
             meta = {"format": "worldpager-segment-log", "version": FORMAT_VERSION, "slot_size": slot_size}

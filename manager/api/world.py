@@ -5,7 +5,13 @@ cancelled), its state kept for a later resume. A device host that dies under the
 from the saved state (the output says `resumed`); if that cannot be done in time the stream ends
 UNAVAILABLE with a message naming the session id to resume. Any other error that ends the stream once
 the session is open (a step that failed on the device host) closes the session first, and its status
-says which id to resume it with when its state is saved, or that it was not saved."""
+says which id to resume it with when its state is saved, or that it was not saved. A client that sends no
+action for `server.world_idle_timeout` (default 10m; null: no limit) while its stream stays open has its
+session closed the same way, its state saved, and the stream ends DEADLINE_EXCEEDED saying how long it
+was idle and which id to resume it with: an idle client must not hold the world model (busy, its KV
+lease held) from every other tenant. DEADLINE_EXCEEDED, not ABORTED: a time limit ran out (gRPC's
+ABORTED is a concurrency conflict, to retry at once), and the session is not lost: a new stream resumes
+it when the client is back."""
 
 from __future__ import annotations
 
@@ -18,9 +24,10 @@ from typing import Any
 import grpc
 
 from manager.api.errors import details_of, status_of
-from manager.errors import InvalidRequest, ResidencyError
+from manager.errors import DeadlineExceeded, InvalidRequest, ResidencyError
 from manager.live import LiveManager
 from manager.live_sessions import SessionResumable
+from manager.units import format_duration
 from residency_proto.v1 import residency_pb2 as pb
 from residency_proto.v1 import residency_pb2_grpc as pb_grpc
 
@@ -68,6 +75,21 @@ class ServerStopping(Exception):
     """The server stops while a world session's stream is open."""
 
 
+class ClientIdle(Exception):
+    """No action came within `server.world_idle_timeout` (`idle_s`, the wait that ran out)."""
+
+    def __init__(self, idle_s: float) -> None:
+        super().__init__(idle_s)
+        self.idle_s = idle_s
+
+
+def _idle(sid: str, idle_s: float) -> DeadlineExceeded:
+    return DeadlineExceeded(
+        f"world session {sid} was idle for {format_duration(idle_s)} (no action within "
+        "server.world_idle_timeout): closed, its world model freed for others"
+    )
+
+
 class WorldSessionServicer(pb_grpc.WorldSessionServicer):
     def __init__(self, manager: LiveManager) -> None:
         self.manager = manager
@@ -75,17 +97,20 @@ class WorldSessionServicer(pb_grpc.WorldSessionServicer):
         """Set when the server stops: open streams end at once, UNAVAILABLE naming the session to
         resume (they held the server's stop for its whole grace, then got gRPC's own cancel)."""
 
-    async def _next(self, it: AsyncIterator[pb.WorldInput]) -> pb.WorldInput | None:
+    async def _next(
+        self, it: AsyncIterator[pb.WorldInput], idle_s: float | None = None
+    ) -> pb.WorldInput | None:
         """The client's next message, or None when it ended its stream; ServerStopping once the server
-        stops (the read is given up). A stop wins over a message that is there already: a client that
-        always has its next pose waiting kept the session stepping through the stop's whole grace, and
-        its stream then ended with gRPC's own cancel, not naming the session to resume."""
+        stops, ClientIdle when none came within `idle_s` seconds (None: no limit); either way the read
+        is given up. A stop wins over a message that is there already: a client that always has its
+        next pose waiting kept the session stepping through the stop's whole grace, and its stream then
+        ended with gRPC's own cancel, not naming the session to resume."""
         if self.stopping.is_set():
             raise ServerStopping
         read = asyncio.ensure_future(anext(it, None))
         stop = asyncio.ensure_future(self.stopping.wait())
         try:
-            await asyncio.wait((read, stop), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((read, stop), timeout=idle_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
             stop.cancel()
         if read.done() and not self.stopping.is_set():
@@ -93,7 +118,10 @@ class WorldSessionServicer(pb_grpc.WorldSessionServicer):
         read.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await read
-        raise ServerStopping
+        if self.stopping.is_set():
+            raise ServerStopping
+        assert idle_s is not None  # (without a limit, the wait ends only with the read or the stop)
+        raise ClientIdle(idle_s)
 
     async def _ended(self, sid: str | None, e: ResidencyError | str) -> str:
         """The status details of a stream that ends on error `e`: once its session is open, the session
@@ -127,12 +155,18 @@ class WorldSessionServicer(pb_grpc.WorldSessionServicer):
                 unusable=_unusable(opened),
             )  # fmt: skip
             it = aiter(request_iterator)
-            while (msg := await self._next(it)) is not None:
+            # the limit read at each wait: a reload's new value holds from the next one on
+            while (msg := await self._next(it, self.manager.config.server.world_idle_timeout)) is not None:
                 if msg.WhichOneof("msg") != "action":
                     raise InvalidRequest("after `start`, a world session takes only `action` messages")
                 a = msg.action
                 data = await self.manager.step_session(sid, (a.x, a.y, a.z, a.pitch, a.yaw))
                 yield _output(sid, data)
+        except ClientIdle as idle:
+            assert sid is not None  # (idle only once the session is open)
+            logger.info("world session %s: no action for %s: closed", sid, format_duration(idle.idle_s))
+            e = _idle(sid, idle.idle_s)
+            await context.abort(status_of(e), await self._ended(sid, e))
         except ServerStopping:
             # closed first, so the details say what was saved (as a stream ended by an error does)
             note = f"world session {sid} is closed"

@@ -10,11 +10,14 @@ dropping are not charged time; shrinking an elastic lease is (its KV spills at P
 Time advances from request to request; between them the engine ticks at the times it asked for
 (keep-alive expiries, prewarms, session ends, retries of waiting requests).
 
-A request without room waits, as in the live manager: within its class's `max_queue` (the extra
-one is rejected, "queue full") and until its class's `max_wait` (then it is rejected, never served
-later); a later request of a higher class for the same model is not held behind it. The figures
-cover the service's start to the trace's end (the last request's end, had it been served on
-arrival), the same span for every policy.
+A request without room waits, as in the live manager, until its class's `max_wait` (then it is
+rejected, never served later); a later request of a higher class for the same model is not held
+behind it. A class's `max_queue` counts what the live manager counts (`LiveManager._queue_for`):
+the requests of the class that wait for their model's load, for room or behind a load already
+under way (not those whose model is loaded and only busy). A request of the class that arrives
+while that many wait is rejected, "queue full", unless its model is loaded and ready (it would not
+wait). The figures cover the service's start to the trace's end (the last request's end, had it
+been served on arrival), the same span for every policy.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from manager.policy.base import Policy
 from manager.policy.engine import Engine
 from manager.policy.factory import create_policy
 from manager.policy.state import ModelState
-from manager.policy.types import Action, Request
+from manager.policy.types import GPU, Action, Request
 
 DRAIN_S = 7 * 86400.0
 """How long after the last request pending events are still played out."""
@@ -164,6 +167,12 @@ class Simulator:
         self.waits: dict[str, list[float]] = {c: [] for c in self.class_names}
         self.figs = {name: ModelFigures() for name in self.engine.models}
         self.waiting: deque[_Waiting] = deque()
+        # Per class rank: `max_queue`; how many of `waiting` are of that class; for a class with a
+        # `max_queue`, when the loads its served requests still wait for end (a heap, so the count
+        # at each arrival is amortized O(log n), not a scan).
+        self.queue_limit: list[int | None] = [c.max_queue for c in config.classes]
+        self.waiting_n: list[int] = [0] * len(self.class_names)
+        self.loading: list[list[float]] = [[] for _ in self.class_names]
         self.heap: list[float] = []
         self._retry_at = math.nan
 
@@ -175,6 +184,7 @@ class Simulator:
         eng.start(t_start)
         self._push_wakeups()
         models = eng.models
+        limits = self.queue_limit
         n = len(reqs)
         for i, r in enumerate(reqs):
             now = r.t
@@ -188,6 +198,11 @@ class Simulator:
                 self._reject(what)
                 continue
             eng.observe(m, now)
+            limit = limits[rank]
+            if limit is not None and self._queued(rank, now) >= limit and not self._ready(m, now):
+                # The live manager's words (manager/live.py `_queue_for`), checked at arrival.
+                self._reject(f"class '{self.class_names[rank]}': queue full ({limit} requests waiting)")
+                continue
             # Behind an earlier request for its model of its class or a higher one, or no room yet.
             if self._behind(m, rank) or not self._handle(r, m, rank, now, now):
                 self._arrive_waiting(r, m, rank, now)
@@ -213,6 +228,7 @@ class Simulator:
                 for _ in self.waiting:
                     self._reject("no room became free before the end of the trace")
                 self.waiting.clear()
+                self.waiting_n = [0] * len(self.class_names)
                 break
             last = self.heap[0]
             self._drain(last)
@@ -247,6 +263,8 @@ class Simulator:
         if adm.status == "wait":
             return False
         ready = adm.ready_at
+        if ready > now and self.queue_limit[rank] is not None:
+            heapq.heappush(self.loading[rank], ready)  # waits for its model's load until then
         start = max(now, ready, m.busy_until)
         cold = ready > arrival
         lw = ready - arrival if cold else 0.0
@@ -270,13 +288,23 @@ class Simulator:
         of a higher class is tried at once: it may take room the earlier ones may not.)"""
         return m.waiting > 0 and any(w.m is m and w.rank <= rank for w in self.waiting)
 
+    @staticmethod
+    def _ready(m: ModelState, now: float) -> bool:
+        """Is `m` loaded on its device and ready at `now`? (A request for it waits for no load and no
+        room, so a full queue does not refuse it.)"""
+        return m.tier == GPU and m.ready_at <= now
+
+    def _queued(self, rank: int, now: float) -> int:
+        """How many requests of class `rank` wait for their model at `now`, as the live manager
+        counts them (`queued`): for room, or for a load under way (one that ends at `now` is over)."""
+        loading = self.loading[rank]
+        while loading and loading[0] <= now:
+            heapq.heappop(loading)
+        return self.waiting_n[rank] + len(loading)
+
     def _arrive_waiting(self, req: Request, m: ModelState, rank: int, now: float) -> None:
-        """A request that just arrived must wait for room: within its class's `max_queue` (the
-        extra one is rejected, as the live manager does) and, at most, until its `max_wait`."""
-        cls = self.config.classes[rank]
-        if cls.max_queue is not None and sum(1 for w in self.waiting if w.rank == rank) >= cls.max_queue:
-            self._reject(f"class '{cls.name}': queue full ({cls.max_queue} requests waiting)")
-            return
+        """A request that just arrived (within its class's `max_queue`) must wait for room: at most
+        until its `max_wait`."""
         max_wait = self.engine.state.class_max_wait[rank]
         w = _Waiting(req, m, rank, now, now + max_wait)
         if now < w.deadline < math.inf:
@@ -291,6 +319,7 @@ class Simulator:
             return
         self.waiting.append(w)
         w.m.waiting += 1
+        self.waiting_n[w.rank] += 1
         self._schedule_retry(now)
 
     def _schedule_retry(self, now: float) -> None:
@@ -311,6 +340,7 @@ class Simulator:
             blocked: dict[str, int] = {}  # model -> the highest class (lowest rank) left waiting
             for w in pending:
                 w.m.waiting -= 1
+                self.waiting_n[w.rank] -= 1
                 if w.rank >= blocked.get(w.m.name, len(self.class_names)):
                     self._wait(w, now)  # behind an earlier request for its model
                 elif self._handle(w.req, w.m, w.rank, w.arrival, now):

@@ -50,6 +50,14 @@ estimates (2 + 100 + 40 MiB: the config's own check passes) but not at the measu
 REFUSED = {"interactive": {"reserve": "100MiB"}}
 
 
+class _StaleCheck(_ReloadOnLoop):
+    """A check before the write that saw a service that would take the tuned config (the service
+    changed before the reload): the reload's refusal is then the second line of defence."""
+
+    def check_reload(self, new: Config) -> list[str]:
+        return []
+
+
 def _setup(tmp_path: Path) -> tuple[Path, Path]:
     """The config as a symlink (`etc/config.yaml`) to a 0640 file; returns (link, its target)."""
     (tmp_path / "etc").mkdir()
@@ -119,7 +127,7 @@ def test_a_tuned_config_the_service_refuses_is_taken_out_of_the_file_again(
     def body(lm: LiveManager, on_loop: _ReloadOnLoop) -> Any:
         running = lm.config
         with caplog.at_level(logging.WARNING, logger="manager.tuning_job"):
-            out = tuning_step(on_loop, link, store, 1e9)
+            out = tuning_step(_StaleCheck(lm, on_loop.loop), link, store, 1e9)
         assert lm.config is running and lm.engine.state.devices["gpu0"].reserves == [0, 0, 0]
         return out
 
@@ -153,7 +161,7 @@ def test_an_edit_saved_between_the_write_and_the_refusal_is_kept(
         "# my home box", "# edited by hand while the service reloaded"
     )
 
-    class EditedMeanwhile(_ReloadOnLoop):
+    class EditedMeanwhile(_StaleCheck):
         def reload(self, new: Config) -> list[str]:
             assert "reserve: 100MiB" in real.read_text()  # the job's write
             real.write_text(mine)  # the user's save, in place

@@ -109,10 +109,12 @@ class TestMaxQueue:
             assert r.reject_reasons == {"class 'background': queue full (1 requests waiting)": 2}, policy
 
     def test_requests_served_at_once_do_not_count_against_the_queue(self) -> None:
-        """Three batch requests for a model with room: none waits for room, none is refused."""
+        """Three batch requests for a model with room, each after its load (4 s) is over: none waits
+        for its model, none is refused. (Requests that come during the load wait for it and count,
+        as the live manager counts them: tests/unit/test_review15_sim_queue.py.)"""
         classes = [{"name": "interactive"}, {"name": "background", "may_evict": False, "max_queue": 1}]
         cfg = server([m("batch", "background", "4GiB")], classes)
-        r = replay(cfg, [req(10, "batch"), req(11, "batch"), req(12, "batch")], "gdsf")
+        r = replay(cfg, [req(10, "batch"), req(15, "batch"), req(20, "batch")], "gdsf")
         assert (r.served, r.rejected) == (3, 0)
 
 
