@@ -1,5 +1,5 @@
-"""Prometheus metrics of the live manager (a private registry; served over HTTP by `residency serve`
-when `server.metrics_listen` is set).
+"""Prometheus metrics of the live manager (a private registry, without prometheus_client's `*_created`
+series; served over HTTP by `residency serve` when `server.metrics_listen` is set).
 
 loads / evictions per model and tier, load durations per transition, cold-start wait per class,
 resident bytes per device and tier, queue depth per model, thrash, elastic lease size, and requests
@@ -8,16 +8,18 @@ by outcome. (WorldPager stall figures join with world sessions.)
 
 from __future__ import annotations
 
+import copy
 import errno
 import logging
 import socket
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client.metrics_core import Metric
 
 logger = logging.getLogger(__name__)
 
@@ -29,9 +31,49 @@ more, and a histogram_quantile that falls past the last finite bucket reads as t
 load was reported as 30 s)."""
 
 
+CREATED_TYPES = ("counter", "histogram", "summary")
+"""The metric types prometheus_client gives a `<name>_created` series (a timestamp per child)."""
+
+
+def _without_created(metrics: Iterable[Metric]) -> Iterator[Metric]:
+    """`metrics` less each counter's, histogram's and summary's `<name>_created` samples; what else they
+    hold is untouched (a gauge named `…_created` stays)."""
+    for m in metrics:
+        if m.type in CREATED_TYPES:
+            created = m.name + "_created"
+            if any(s.name == created for s in m.samples):
+                m = copy.copy(m)
+                m.samples = [s for s in m.samples if s.name != created]
+        yield m
+
+
+class _Filtered:
+    """A registry's view (`restricted_registry`, for `?name[]=` scrapes) with `_without_created`."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def collect(self) -> Iterator[Metric]:
+        return _without_created(self.inner.collect())
+
+
+class NoCreatedRegistry(CollectorRegistry):
+    """A registry that exposes no `*_created` series: prometheus_client adds one per child of every
+    counter, histogram and summary (its creation time), which doubles the series a scrape stores and
+    tells a home server's Prometheus nothing it uses. Only this registry's exposition drops them;
+    prometheus_client's global switch (`disable_created_metrics()`, or PROMETHEUS_DISABLE_CREATED_SERIES
+    in the environment) would drop them from every registry of a process that imports this module."""
+
+    def collect(self) -> Iterator[Metric]:
+        return _without_created(super().collect())
+
+    def restricted_registry(self, names: Iterable[str]) -> Any:
+        return _Filtered(super().restricted_registry(names))
+
+
 class Metrics:
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
+        r = self.registry = NoCreatedRegistry()
         self.loads = Counter(
             "residency_loads", "Model loads by target tier", ["model", "tier", "source"], registry=r
         )

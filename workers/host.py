@@ -56,6 +56,25 @@ CACHED_AT = 0.9
 """A disk load counts as from the page cache when at least this share of its files is cached."""
 
 
+def _answer(
+    model: str, out: dict[str, np.ndarray], carried: dict[str, str], took: float, held: float
+) -> P.InferResult:
+    """A call's outputs as an `InferResult`: each output held in a carrier (`carried`: a BF16 output's
+    bit patterns in uint16) labelled with the datatype it stands for, not the carrier's. An adapter
+    that answers a declared BF16 output in another dtype fails the request INTERNAL, naming it."""
+    outputs = {}
+    for k, v in out.items():
+        try:
+            outputs[k] = P.encode_output(v, carried.get(k))
+        except ValueError as e:
+            return P.InferResult(
+                model, False, error_code=P.INTERNAL, error=f"model {model!r}: output {k!r}: {e}"
+            )
+    return P.InferResult(
+        model, True, outputs=outputs, seconds=took, hold_seconds=held, carriers_labelled=True
+    )
+
+
 @dataclass
 class _Resident:
     spec: P.ModelSpec
@@ -504,9 +523,8 @@ class DeviceHost:
         got = self._call(model, inputs)
         if isinstance(got, P.InferResult):
             return got
-        out, took, held = got
-        outputs = {k: P.encode_output(v) for k, v in out.items()}
-        return P.InferResult(model, True, outputs=outputs, seconds=took, hold_seconds=held)
+        out, took, held, carried = got
+        return _answer(model, out, carried, took, held)
 
     def infer_many(self, items: list[tuple[str, dict[str, np.ndarray]]]) -> list[P.InferResult]:
         """Run several requests (a batch that queued together), results in their order. For a model
@@ -566,21 +584,19 @@ class DeviceHost:
                 "model %s: its outputs do not have one row per input row; dynamic batching off", model
             )
             return [self.infer(model, x) for x in inputs]
-        _, took, held = got
+        _, took, held, carried = got
         total = sum(rows)
         if r is not None:
             r.inferences += len(inputs) - 1  # one per request, not one per call
-        out = []
-        for part, n in zip(parts, rows, strict=True):
-            outputs = {k: P.encode_output(v) for k, v in part.items()}
-            share = held * n / total
-            out.append(P.InferResult(model, True, outputs=outputs, seconds=took, hold_seconds=share))
-        return out
+        return [
+            _answer(model, part, carried, took, held * n / total) for part, n in zip(parts, rows, strict=True)
+        ]
 
     def _call(
         self, model: str, inputs: dict[str, np.ndarray]
-    ) -> tuple[dict[str, np.ndarray], float, float] | P.InferResult:
-        """One call of a model in the gpu tier: (outputs, wall seconds, seconds held), or an error."""
+    ) -> tuple[dict[str, np.ndarray], float, float, dict[str, str]] | P.InferResult:
+        """One call of a model in the gpu tier: (outputs, wall seconds, seconds held, the datatypes its
+        outputs held in a carrier stand for: `Adapter.carried_outputs`), or an error."""
         r = self.models.get(model)
         if r is None or r.tier != "gpu" or r.runnable is None:
             where = "not resident" if r is None else f"in the {r.tier} tier"
@@ -601,6 +617,7 @@ class DeviceHost:
                 out = adapter.infer(runnable, inputs)
                 t1 = time.perf_counter()
                 c1 = time.thread_time()
+                carried = adapter.carried_outputs()
         except AdapterError as e:
             return P.InferResult(model, False, error_code=e.code, error=e.message)
         except Exception as e:
@@ -610,7 +627,7 @@ class DeviceHost:
         r.inferences += 1
         # what the call held its caller's thread for, free of GIL waits behind other threads: its
         # CPU time on a CPU device; on CUDA the wall time (it may wait on the GPU)
-        return out, t1 - t0, (c1 - c0) if self.kind == "cpu" else t1 - t0
+        return out, t1 - t0, ((c1 - c0) if self.kind == "cpu" else t1 - t0), carried
 
     # ---- world sessions (workers.world)
 

@@ -251,11 +251,29 @@ costs microseconds on every output otherwise."""
 _LITTLE = sys.byteorder == "little"
 
 
-def encode_output(a: np.ndarray) -> tuple[str, tuple[int, ...], bytes]:
+CARRIERS: dict[str, str] = {"BF16": "uint16"}
+"""Open Inference Protocol datatypes numpy has no dtype for -> the numpy dtype that holds their bit
+patterns (a BF16 tensor is each bfloat16's 16 bits in a uint16 array). An output so held is labelled
+with the datatype it stands for (`encode_output(a, "BF16")`), not its carrier's UINT16."""
+
+
+def encode_output(a: np.ndarray, datatype: str | None = None) -> tuple[str, tuple[int, ...], bytes]:
     """An output as OIP wire data: its datatype, shape and raw bytes, as `raw_output_contents`
-    carries them (numbers little-endian; a dtype OIP lacks goes as FP32; strings as BYTES)."""
+    carries them (numbers little-endian; a dtype OIP lacks goes as FP32; strings as BYTES).
+    `datatype`: a datatype of `CARRIERS` that `a` holds as its carrier (BF16 in uint16): labelled so,
+    the bytes as they are; ValueError when `a` is not its carrier. None: `a`'s dtype says it."""
     shape = tuple(int(d) for d in a.shape)
     dt = a.dtype
+    if datatype is not None:
+        carrier = CARRIERS.get(datatype)
+        if carrier is None:
+            raise ValueError(
+                f"{datatype!r} is not a datatype numpy holds in a carrier (those are {', '.join(CARRIERS)})"
+            )
+        want = np.dtype(carrier)
+        if dt.kind != want.kind or dt.itemsize != want.itemsize:
+            raise ValueError(f"a {datatype} output is held as {carrier} (its bit patterns), not {dt}")
+        return datatype, shape, np.ascontiguousarray(a, dtype=want.newbyteorder("<")).tobytes()
     if dt.kind in "OSU":
         return "BYTES", shape, encode_bytes(a)
     try:
@@ -270,11 +288,13 @@ def encode_output(a: np.ndarray) -> tuple[str, tuple[int, ...], bytes]:
 
 
 def output_array(entry: tuple[str, tuple[int, ...], bytes]) -> np.ndarray:
-    """The values of a numeric `InferResult` output (the inverse of `encode_output`)."""
+    """The values of a numeric `InferResult` output (the inverse of `encode_output`); a BF16 output's
+    are its bit patterns, in uint16 (`CARRIERS`)."""
     datatype, shape, raw = entry
-    if datatype not in OIP_DATATYPES:
+    name = OIP_DATATYPES.get(datatype) or CARRIERS.get(datatype)
+    if name is None:
         raise ValueError(f"output_array reads numeric outputs, not {datatype}")
-    dt = np.dtype(OIP_DATATYPES[datatype]).newbyteorder("<")
+    dt = np.dtype(name).newbyteorder("<")
     return np.frombuffer(raw, dtype=dt).reshape(shape)
 
 
@@ -292,7 +312,7 @@ class TensorSpec:
 @dataclass(frozen=True)
 class InferResult:
     """Outputs by name as OIP wire data: (datatype, shape, raw bytes), see `encode_output`; the
-    service sends the bytes as they are. `ok=False` names the cause."""
+    service sends them as they are. `ok=False` names the cause."""
 
     model: str
     ok: bool
@@ -301,6 +321,10 @@ class InferResult:
     error: str | None = None
     seconds: float = 0.0
     hold_seconds: float = 0.0  # the caller's thread held: CPU time on a CPU device, wall time on CUDA
+    carriers_labelled: bool = False
+    """Its outputs held in a carrier (`CARRIERS`) say the datatype they stand for: a BF16 output says
+    BF16, not UINT16. A device host sets it on every answer; False from an older host, whose BF16
+    outputs say UINT16 (the service then relabels them from the model's declared outputs)."""
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 
 from manager.errors import InvalidRequest
-from workers.protocol import OIP_DATATYPES
+from workers.protocol import CARRIERS, OIP_DATATYPES
 
-BF16_CARRIER = np.uint16
+BF16_CARRIER = np.dtype(CARRIERS["BF16"]).type
 """How a BF16 tensor is held in numpy, which has no bfloat16 (`ml_dtypes` is no dependency): its bit
-patterns, 2 bytes per element as on the wire."""
+patterns, 2 bytes per element as on the wire (uint16: `workers.protocol.CARRIERS`)."""
 DTYPES: dict[str, Any] = {name: np.dtype(np_name).type for name, np_name in OIP_DATATYPES.items()} | {
     "BF16": BF16_CARRIER
 }

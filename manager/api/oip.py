@@ -294,12 +294,16 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         )
         wanted = {o.name for o in request.outputs}
         resp = pb.ModelInferResponse(model_name=request.model_name, model_version=VERSIONS[0], id=request.id)
-        bf16 = {t.name for t in declared_out if t.datatype == "BF16"}
+        # a device host labels a BF16 output (its bit patterns in uint16) BF16 itself; an older host's
+        # result (carriers_labelled False) says UINT16, relabelled here from the declared outputs
+        bf16: set[str] = set()
+        if not served.result.carriers_labelled:
+            bf16 = {t.name for t in declared_out if t.datatype == "BF16"}
         for name, (dtype, shape, raw) in served.result.outputs.items():
             if wanted and name not in wanted:
                 continue
-            if dtype == "UINT16" and name in bf16:  # numpy has no bfloat16: a BF16 output comes from
-                dtype = "BF16"  # its host as its bit patterns in uint16, the bytes BF16 sends as they are
+            if dtype == "UINT16" and name in bf16:  # the bytes are the same: only the label was wrong
+                dtype = "BF16"
             resp.outputs.add(name=name, datatype=dtype, shape=list(shape))
             resp.raw_output_contents.append(raw)
         resp.parameters["residency_wait_s"].double_param = served.wait_s

@@ -280,8 +280,9 @@ class TestDeviceHost:
         CALLS.clear()
         got = host.infer_many([("bf16", x) for x in items])
         assert CALLS == [4]  # stacked: one call of four rows
-        for i, r in enumerate(got):  # (the host labels bf16 bits UINT16: the service sends them as BF16)
+        for i, r in enumerate(got):  # (the host labels bf16 bits BF16, carried as uint16)
             assert r.ok, r.error
+            assert r.outputs["same"][0] == r.outputs["doubled"][0] == "BF16"
             assert r.outputs["same"][1:] == ((1, 3), BITS[i : i + 1].astype("<u2").tobytes())
             assert r.outputs["doubled"][1:] == ((1, 3), DOUBLED[i : i + 1].astype("<u2").tobytes())
             assert r.outputs["is_bf16"] == ("BOOL", (1,), b"\x01")

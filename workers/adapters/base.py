@@ -73,6 +73,12 @@ class Adapter(ABC):
     @abstractmethod
     def outputs(self) -> list[P.TensorSpec]: ...
 
+    def carried_outputs(self) -> dict[str, str]:
+        """The outputs declared in a datatype numpy has no dtype for, by name: that datatype (BF16). Its
+        `infer` answers each as the datatype's carrier (`P.CARRIERS`: BF16's bit patterns in uint16),
+        and the host labels it with the declared datatype, not the carrier's."""
+        return {t.name: t.datatype for t in self.outputs() if t.datatype in P.CARRIERS}
+
     def disk_paths(self) -> list[Path]:
         """Files a disk load reads (to tell a page-cache load from a disk load)."""
         return []

@@ -9,8 +9,9 @@ A module whose float parameters all have one dtype other than an input's declare
 checkpoint for a module built in fp32) gets that input, sent as declared, in its own dtype; its
 outputs come back in their declared datatypes. BF16 (numpy has none) travels as its bit patterns in
 a uint16 array, both ways: a BF16 input reaches the module as torch.bfloat16, bit for bit, and a BF16
-output leaves it as bf16 bits. A forward answers a tensor, or a tuple with one tensor per declared
-output (anything else is an error naming what it returned).
+output leaves it as bf16 bits, which the host labels BF16 (`carried_outputs`), not UINT16. A forward
+answers a tensor, or a tuple with one tensor per declared output (anything else is an error naming
+what it returned).
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ class SafetensorsModuleAdapter(ModuleAdapter):
     def _as_declared(self, spec: P.TensorSpec, t: torch.Tensor) -> np.ndarray:
         """An output in its declared datatype (a bf16 or fp16 module still answers FP32 when it says
         FP32; numpy has no bf16 at all, nor fp8: a BF16 output is its bit patterns in uint16, which
-        the service sends as BF16)."""
+        the host labels BF16)."""
         t = t.detach().cpu()
         if spec.datatype == "BF16":  # it was sent as FP32, against what ModelMetadata said
             return t.to(torch.bfloat16).view(torch.int16).numpy().view(_BF16_CARRIER)
@@ -208,8 +209,8 @@ def _is_declared(spec: P.TensorSpec, a: np.ndarray) -> bool:
     return want is not None and a.dtype == np.dtype(want)
 
 
-_BF16_CARRIER = np.dtype(np.uint16)
+_BF16_CARRIER = np.dtype(P.CARRIERS["BF16"])
 """A BF16 tensor in numpy, which has no bfloat16: its bit patterns (as manager.api.convert decodes
-BF16 raw bytes; the service labels a declared BF16 output's uint16 answer BF16 again)."""
-_DECLARABLE = (*P.OIP_DATATYPES, "BF16", "BYTES")
+BF16 raw bytes; a declared BF16 output's uint16 answer is labelled BF16 by the host: P.CARRIERS)."""
+_DECLARABLE = (*P.OIP_DATATYPES, *P.CARRIERS, "BYTES")
 """The datatypes a module may declare: those the service decodes and sends."""
