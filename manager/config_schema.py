@@ -200,13 +200,15 @@ class ServerConfig(_Model):
     of a client that vanished (a laptop asleep, a dropped Wi-Fi link) is closed and frees its model.
     At most 1d (gRPC keeps it in milliseconds in a C int). A change takes effect at the next start."""
     world_idle_timeout: Duration | None = 600
-    """How long an open world session waits for its client's next action: a client that keeps its
-    `residency.v1.WorldSession` stream open and sends nothing for this long has its session closed,
-    its state saved (as when the client ends its stream), and the stream ends DEADLINE_EXCEEDED with
-    a message saying how long it was idle and the session id to resume it with; its world model is
-    free for the next session. Null: wait for ever (the session holds its model until its client ends
-    it or vanishes: `keepalive`); 0 is refused (no session could take a step). A change applies from
-    the next wait on (a reload)."""
+    """How long an open world session waits for its client: for its next action, and for it to take
+    each output (a client that stops reading fills its HTTP/2 window and the server's send waits). A
+    client that keeps its `residency.v1.WorldSession` stream open and sends nothing for this long, or
+    reads nothing for this long (a frozen app), has its session closed, its state saved (as when the
+    client ends its stream), and the stream ends DEADLINE_EXCEEDED with a message saying how long it
+    was idle or did not read its outputs and the session id to resume it with; its world model is free
+    for the next session. Null: wait for ever (the session holds its model until its client ends it or
+    vanishes: `keepalive`); 0 is refused (no session could take a step). A change applies from the
+    next wait on (a reload)."""
     frontends: int = Field(default=0, ge=0, le=16, strict=True)
     """Extra gRPC front-end processes on `listen` (they share the address with SO_REUSEPORT; Linux
     spreads connections over them): each does gRPC's per-call work on its own core, sends ModelInfer

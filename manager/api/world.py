@@ -11,7 +11,19 @@ session closed the same way, its state saved, and the stream ends DEADLINE_EXCEE
 was idle and which id to resume it with: an idle client must not hold the world model (busy, its KV
 lease held) from every other tenant. DEADLINE_EXCEEDED, not ABORTED: a time limit ran out (gRPC's
 ABORTED is a concurrency conflict, to retry at once), and the session is not lost: a new stream resumes
-it when the client is back."""
+it when the client is back.
+
+The same limit bounds each output's send: a client that keeps its stream open (and may go on sending
+actions) but stops reading its outputs (a frozen app, a stuck UI thread) fills its HTTP/2 receive window
+within a few outputs, and the server's next send then waits on flow control for ever, the idle timer not
+running (the server does not wait for input). An output that cannot be sent within
+`server.world_idle_timeout` closes the session the same way (state saved, model freed), and the stream
+ends DEADLINE_EXCEEDED saying that the client did not read its outputs for that long and which id to
+resume with. One limit, not a second setting: both say how long a session waits on its client, and a
+client that reads nothing for 10 minutes is as absent as one that sends nothing. The outputs already
+queued, and the status after them, reach a client that reads again; one that never does holds only its
+connection, no longer the world model. So the outputs are written with `context.write` (raced against the
+limit and the server's stop), not yielded: an async generator's `yield` cannot be given a time limit."""
 
 from __future__ import annotations
 
@@ -83,6 +95,23 @@ class ClientIdle(Exception):
         self.idle_s = idle_s
 
 
+class ClientNotReading(Exception):
+    """An output could not be sent within `server.world_idle_timeout` (`waited_s`): the client does
+    not read its outputs (its receive window is full)."""
+
+    def __init__(self, waited_s: float) -> None:
+        super().__init__(waited_s)
+        self.waited_s = waited_s
+
+
+def _unread(sid: str, waited_s: float) -> DeadlineExceeded:
+    return DeadlineExceeded(
+        f"world session {sid}: its client did not read its outputs for {format_duration(waited_s)} "
+        "(an output could not be sent within server.world_idle_timeout): closed, its world model "
+        "freed for others"
+    )
+
+
 def _idle(sid: str, idle_s: float) -> DeadlineExceeded:
     return DeadlineExceeded(
         f"world session {sid} was idle for {format_duration(idle_s)} (no action within "
@@ -123,6 +152,32 @@ class WorldSessionServicer(pb_grpc.WorldSessionServicer):
         assert idle_s is not None  # (without a limit, the wait ends only with the read or the stop)
         raise ClientIdle(idle_s)
 
+    async def _send(self, context: Any, out: pb.WorldOutput, limit_s: float | None) -> None:
+        """Write `out` to the client's stream; ServerStopping once the server stops, ClientNotReading
+        when it could not be sent within `limit_s` seconds (None: no limit); either way the wait is
+        given up. A send that gRPC's flow control holds (the client reads nothing, its window is
+        full) would otherwise wait for ever. The write given up stays queued in gRPC (its callback
+        finds its waiter cancelled, as when a client cancels mid-send): the client gets it, and the
+        status after it, if it ever reads again."""
+        write = asyncio.ensure_future(context.write(out))
+        stop = asyncio.ensure_future(self.stopping.wait())
+        try:
+            await asyncio.wait((write, stop), timeout=limit_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            sent = write.done()
+            if not sent:  # (also when this task is cancelled: the client cancelled its call)
+                write.cancel()
+        if sent:
+            write.result()  # sent (or gRPC's own error, a grpc.aio.BaseError: the stream is gone)
+            return
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await write
+        if self.stopping.is_set():
+            raise ServerStopping
+        assert limit_s is not None  # (without a limit, the wait ends only with the write or the stop)
+        raise ClientNotReading(limit_s)
+
     async def _ended(self, sid: str | None, e: ResidencyError | str) -> str:
         """The status details of a stream that ends on error `e`: once its session is open, the session
         is closed first (its state saved) and the details say how to resume it, or that it cannot be."""
@@ -136,6 +191,13 @@ class WorldSessionServicer(pb_grpc.WorldSessionServicer):
     async def Run(
         self, request_iterator: AsyncIterator[pb.WorldInput], context: Any
     ) -> AsyncIterator[pb.WorldOutput]:
+        """An async generator (as `add_servicer` registers stream handlers) that yields nothing: its
+        outputs are written with `context.write`, each send bounded (`_send`)."""
+        await self._run(request_iterator, context)
+        return
+        yield  # (never reached: it makes this an async generator)
+
+    async def _run(self, request_iterator: AsyncIterator[pb.WorldInput], context: Any) -> None:
         sid: str | None = None
         try:
             first = await anext(aiter(request_iterator), None)
@@ -149,19 +211,28 @@ class WorldSessionServicer(pb_grpc.WorldSessionServicer):
                 codec=st.codec or ("" if resume else "bf16"),
                 resume_id=resume,
             )
-            yield pb.WorldOutput(
+            opened_out = pb.WorldOutput(
                 session_id=sid, segment=-1, lease_bytes=int(opened["lease_bytes"]),
                 resumed=bool(opened.get("resumed")), next_segment=int(opened.get("next_segment", 0)),
                 unusable=_unusable(opened),
             )  # fmt: skip
+            # the limit read at each wait (for an action or a send): a reload's value holds from the next
+            await self._send(context, opened_out, self.manager.config.server.world_idle_timeout)
             it = aiter(request_iterator)
-            # the limit read at each wait: a reload's new value holds from the next one on
             while (msg := await self._next(it, self.manager.config.server.world_idle_timeout)) is not None:
                 if msg.WhichOneof("msg") != "action":
                     raise InvalidRequest("after `start`, a world session takes only `action` messages")
                 a = msg.action
                 data = await self.manager.step_session(sid, (a.x, a.y, a.z, a.pitch, a.yaw))
-                yield _output(sid, data)
+                await self._send(context, _output(sid, data), self.manager.config.server.world_idle_timeout)
+        except ClientNotReading as unread:
+            assert sid is not None  # (sends only once the session is open)
+            logger.info(
+                "world session %s: its client read no output for %s: closed",
+                sid, format_duration(unread.waited_s),
+            )  # fmt: skip
+            e = _unread(sid, unread.waited_s)
+            await context.abort(status_of(e), await self._ended(sid, e))
         except ClientIdle as idle:
             assert sid is not None  # (idle only once the session is open)
             logger.info("world session %s: no action for %s: closed", sid, format_duration(idle.idle_s))
@@ -174,6 +245,11 @@ class WorldSessionServicer(pb_grpc.WorldSessionServicer):
                 saved, note = await self.manager.end_session(sid)
                 note += " once the server is back" if saved else ""
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the server is stopping: {note}")
+        except grpc.aio.BaseError:
+            # gRPC's own, from a write (the stream is gone: the client cancelled, the server stopped):
+            # nothing can be told; gRPC handles it as when it wrote a yielded output (the session is
+            # closed below)
+            raise
         except ResidencyError as e:
             await context.abort(status_of(e), await self._ended(sid, e))
         except Exception:
