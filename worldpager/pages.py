@@ -19,6 +19,9 @@ Protocol (per step ``n``, all calls from the runtime):
    (the ``Upload`` of a segment whose ``Read`` landed; the retry of a ``TRANSIENT`` failure).
 4. ``buffer_ready(n + 1)`` before step n+1 attends to its slots; ``release_step(n)`` after step n.
 5. ``take_events()`` drains what happened. ``lookup`` and ``resize`` may come between any calls.
+   A shrink can leave a step prepared before it out of the new lease (more slots than a buffer now
+   has, or host held over budget by the segments it protects): ``needs_replan(step)`` then says so
+   (until it is released), and the runtime releases it and prepares it again before it runs.
 
 Each job is handed out once and completed once, except write-backs cancelled by ``DiskFull`` (their
 completion is optional). ``Backpressure.spills`` and ``resize``'s result name write-backs that were
@@ -99,6 +102,7 @@ class _Step:
     slots: dict[SegId, int]
     waiting: set[SegId]  # Read outstanding, Upload not issued yet
     uploading: set[SegId]  # Upload issued, not completed
+    outdated: bool = False  # a lease shrink after it was prepared may leave it out of the lease
 
 
 def _check_fits(name: str, budget: int, need: int, what: str = "one segment") -> None:
@@ -129,6 +133,7 @@ class PageManager:
         _check_fits("host_budget_bytes", host_budget_bytes, segment_bytes or 0)
         self.host_budget_bytes, self.gpu_slot_bytes = host_budget_bytes, gpu_slot_bytes
         self.slots_per_buffer, self.nvme_enabled = slots_per_buffer, nvme_enabled
+        self.gpu_budget_bytes = 2 * slots_per_buffer * gpu_slot_bytes  # the GPU lease (both buffers)
         self.host_used_bytes = 0
         self._largest = segment_bytes or 1  # a host budget must hold the largest segment
         self._segs: dict[SegId, _Seg] = {}
@@ -161,6 +166,17 @@ class PageManager:
             if seg_id in st.slots
         )
         return Location(seg_id, seg.state, seg.nbytes, gpu)
+
+    def needs_replan(self, step: int) -> bool:
+        """Whether prepared ``step`` must be released and prepared again before it runs, because a
+        ``resize`` since it was prepared left it out of the lease in force: it has more slots than a
+        buffer now has, or the host is still over its budget (``pending_bytes``) while it protects
+        segments there. False for a step not prepared, and for one prepared after the last shrink
+        (a step prepared again is planned within the lease: never re-planned twice for one shrink)."""
+        st = self._steps.get(step)
+        if st is None or not st.outdated:
+            return False
+        return len(st.slots) > self.slots_per_buffer or (self.pending_bytes > 0 and bool(st.slots))
 
     def buffer_ready(self, step: int) -> bool:
         """Every segment placed for ``step`` is uploaded (False if not prepared)."""
@@ -309,14 +325,23 @@ class PageManager:
         over is ``pending_bytes`` (no add or read is admitted meanwhile) and the oldest dirty segments
         are marked to spill: their write-backs (already handed out) are returned. Host-only mode
         cannot spill: pending bytes then last until steps release or the budget grows.
+        A step prepared before a shrink keeps its plan here (its uploads may be in flight), but once
+        that plan is out of the new lease ``needs_replan`` says so: the runtime re-plans it (release,
+        prepare again) before it runs, so it never runs on slots or host room the lease no longer has.
         Raises ValueError for a budget smaller than one segment (or one slot per buffer).
         """
         if gpu_budget_bytes is not None:
             _check_fits("gpu_budget_bytes", gpu_budget_bytes, 2 * self.gpu_slot_bytes, "one slot per buffer")
+            shrunk = gpu_budget_bytes // (2 * self.gpu_slot_bytes) < self.slots_per_buffer
             self.slots_per_buffer = gpu_budget_bytes // (2 * self.gpu_slot_bytes)
+            self.gpu_budget_bytes = gpu_budget_bytes
+            if shrunk:
+                self._outdate()
         spills: tuple[WriteBack, ...] = ()
         if host_budget_bytes is not None:
             _check_fits("host_budget_bytes", host_budget_bytes, self._largest)
+            if host_budget_bytes < self.host_budget_bytes:
+                self._outdate()
             self.host_budget_bytes = host_budget_bytes
             self._draining = True
             self._drain()
@@ -455,6 +480,11 @@ class PageManager:
         self.host_used_bytes -= seg.nbytes
         self._clean_bytes -= seg.nbytes
         self._events.append(Spilled(sid, seg.nbytes) if spilled else Evicted(sid, seg.nbytes))
+
+    def _outdate(self) -> None:
+        """A shrink: every step prepared so far may now be out of the lease (see ``needs_replan``)."""
+        for st in self._steps.values():
+            st.outdated = True
 
     def _drain(self) -> None:
         """After a shrink: back under budget as far as clean unprotected segments allow."""

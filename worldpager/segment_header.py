@@ -10,10 +10,13 @@ check); `log_id_of` reads a verified block's log id.
 
 A retired slot (found corrupt, its payload's space given back) has a retired-slot marker in place of
 its header (`encode_retired`): the magic ``WPRET\0\1\0``, the format version, the slot number and
-slot size, why it was retired, the log id and the block's crc32 at the same places. `decode_header`
-raises `RetiredSlotError` for a valid marker (a reader before markers sees "bad magic": corrupt, never
-a segment). A header block intact but written for another slot or format version raises
-`ForeignSlotError`: its bytes are left as they are, never retired.
+slot size, why it was retired, the log id and the block's crc32 at the same places. A marker may
+retire a *run* of never-written slots at once (its first slot's header block holds it, the run's
+other slots stay holes): the run's length is a u64 past the longest reason, where a reader before
+runs never looks (it reads the marker as retiring its own slot; 0 there, as such readers wrote, is a
+run of one). `decode_header` raises `RetiredSlotError` for a valid marker (a reader before markers
+sees "bad magic": corrupt, never a segment). A header block intact but written for another slot or
+format version raises `ForeignSlotError`: its bytes are left as they are, never retired.
 """
 
 from __future__ import annotations
@@ -62,6 +65,11 @@ _CRC = struct.Struct("<I")
 _LOG_ID = struct.Struct("<Q")
 _BODY = HEADER_SIZE - _CRC.size
 _LOG_ID_AT = _BODY - _LOG_ID.size  # no field reaches it: the tail ends there at most
+# a marker's run length (slots it retires; 0 = 1, as markers before runs have there): past the longest
+# reason, so a reader before runs never reads it
+_RUN = struct.Struct("<Q")
+_RUN_AT = _RETIRED.size + MAX_REASON
+assert _RUN_AT + _RUN.size <= _LOG_ID_AT
 MAX_PAGES = (_LOG_ID_AT - _FIXED.size - 8 * MAX_POSE) // 12
 assert _FIXED.size + 8 * MAX_POSE + 12 * MAX_PAGES <= _LOG_ID_AT
 
@@ -90,13 +98,21 @@ class ForeignSlotError(CorruptSlotError):
 
 class RetiredSlotError(CorruptSlotError):
     """A retired slot: its header is a retired-slot marker (`encode_retired`). ``reason``: why it was
-    retired; ``slot_size`` and ``log_id``: the marker's."""
+    retired; ``slot_size`` and ``log_id``: the marker's; ``run``: how many slots from this one it
+    retires (1: this one; more: the never-written slots after it too)."""
 
     def __init__(
-        self, slot: int, reason: str, path: str | None = None, *, slot_size: int = 0, log_id: int = 0
+        self,
+        slot: int,
+        reason: str,
+        path: str | None = None,
+        *,
+        slot_size: int = 0,
+        log_id: int = 0,
+        run: int = 1,
     ) -> None:
         super().__init__(slot, reason, path)
-        self.slot_size, self.log_id = slot_size, log_id
+        self.slot_size, self.log_id, self.run = slot_size, log_id, run
 
 
 @dataclass(frozen=True)
@@ -168,11 +184,15 @@ def encode_header(h: SegmentHeader, slot: int, slot_size: int, log_id: int = 0) 
     return block + _CRC.pack(zlib.crc32(block))
 
 
-def encode_retired(slot: int, slot_size: int, reason: str, log_id: int = 0) -> bytes:
-    """The 4 KiB retired-slot marker written over the header of ``slot`` of the log ``log_id``;
-    ``reason`` is cut to MAX_REASON bytes (at a character boundary)."""
+def encode_retired(slot: int, slot_size: int, reason: str, log_id: int = 0, run: int = 1) -> bytes:
+    """The 4 KiB retired-slot marker written over the header of ``slot`` of the log ``log_id``,
+    retiring ``run`` slots from ``slot`` on (ValueError unless 1 <= run < 2**64); ``reason`` is cut
+    to MAX_REASON bytes (at a character boundary)."""
+    if not 1 <= run < 1 << 64:
+        raise ValueError(f"a retired-slot marker retires 1 to 2**64-1 slots, not {run}")
     raw = reason.encode("utf-8")[:MAX_REASON].decode("utf-8", "ignore").encode("utf-8")
     body = _RETIRED.pack(RETIRED_MAGIC, FORMAT_VERSION, len(raw), slot, slot_size) + raw
+    body = body.ljust(_RUN_AT, b"\0") + (_RUN.pack(run) if run > 1 else bytes(_RUN.size))
     block = body.ljust(_LOG_ID_AT, b"\0") + _LOG_ID.pack(log_id)
     return block + _CRC.pack(zlib.crc32(block))
 
@@ -188,7 +208,8 @@ def _retired(block: bytes, slot: int) -> RetiredSlotError:
     if n > MAX_REASON:
         raise CorruptSlotError(slot, f"retired-slot marker with a reason of {n} bytes")
     reason = block[_RETIRED.size : _RETIRED.size + n].decode("utf-8", "replace")
-    return RetiredSlotError(slot, reason, slot_size=slot_size, log_id=log_id_of(block))
+    run = max(1, int(_RUN.unpack_from(block, _RUN_AT)[0]))
+    return RetiredSlotError(slot, reason, slot_size=slot_size, log_id=log_id_of(block), run=run)
 
 
 def log_id_of(block: bytes) -> int:

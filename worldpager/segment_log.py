@@ -29,9 +29,15 @@ Retiring: a corrupt slot is retired by mark_corrupt() and by retire_corrupt() (c
 reported the slots a reopen found): a retired-slot marker (`encode_retired`) is written over its
 header and its payload's disk blocks are given back (a hole punched: the file keeps its length, so
 later slots stay where they are, and slot numbers are still never reused: a session's roll-backs
-count on that). A retired slot is never read as good again, even by a scan, and a later open lists it
-in retired_slots(), not corrupt_slots(). ``index.json`` keeps it under ``corrupt`` and names it under
-``retired`` (an index without ``retired``, as written before, reads as retiring nothing). Only slots
+count on that). A run of adjacent never-written slots (a hole between written ones, found for the
+same reason) is retired at once: one marker over its first slot's header names the run's length, and
+one hole is punched over the rest of the run (a run past the end of the file extends the file to its
+last slot, so a scan still counts its slots). A retired slot is never read as good again, even by a
+scan, and a later open lists it in retired_slots(), not corrupt_slots(). ``index.json`` keeps it under
+``corrupt`` and names it under ``retired`` (slot -> whether its space was given back: every slot of a
+run, as before runs, so older readers read the index as it is; an index without ``retired``, as
+written before, reads as retiring nothing). An older reader that scans sees a run's first slot
+retired and its other slots as never written (corrupt), as before they were retired. Only slots
 whose bytes fail verification when checked again are retired: a slot that verifies in full (a
 transient read error) is indexed again, and one written for another log (`ForeignSlotError`: a file
 copied in) is left as it is. ``max_bytes`` bounds the bytes the log holds: the file's length less the
@@ -505,10 +511,26 @@ class SegmentLog:
             self._require_open()
             with self._lock:
                 todo = [s for s in sorted(self._corrupt) if s not in self._retired]
-            for slot in todo:
-                if self._retire(slot):
-                    with self._lock:
-                        retired[slot] = self._corrupt[slot]
+                reasons = {s: self._corrupt[s] for s in todo}
+            unwritten = self._unwritten(todo) if todo else set()
+            i = 0
+            while i < len(todo):
+                first, j = todo[i], i + 1
+                if first not in unwritten:  # bytes there: checked again in full, retired alone
+                    if self._retire(first):
+                        retired[first] = reasons[first]
+                    i = j
+                    continue
+                while (  # a run: adjacent never-written slots, found so for the same reason
+                    j < len(todo)
+                    and todo[j] == todo[j - 1] + 1
+                    and todo[j] in unwritten
+                    and reasons[todo[j]] == reasons[first]
+                ):
+                    j += 1
+                if self._retire_run(first, todo[j - 1] + 1, reasons[first]):
+                    retired.update((s, reasons[first]) for s in todo[i:j])
+                i = j
         if todo:
             self._write_index()
         return retired
@@ -601,6 +623,47 @@ class SegmentLog:
             self._retired[slot] = given_back
         return True
 
+    def _unwritten(self, slots: list[int]) -> set[int]:
+        """Which of ``slots`` (ascending) were never written: their header block a hole, past the end
+        of the file, or all zeros (under self._write_lock). Holes are skipped unread: one lseek per run
+        of them (one read per slot only where the filesystem cannot tell holes)."""
+        ss, size = self.slot_size, os.fstat(self._fd).st_size
+        out: set[int] = set()
+        i = 0
+        while i < len(slots):
+            slot = slots[i]
+            offset = slot * ss
+            at = None if offset >= size else self._next_data(offset)
+            if at is None or at >= offset + HEADER_SIZE:  # this header, and those up to the data: holes
+                stop = None if at is None else at // ss + (at % ss >= HEADER_SIZE)
+                while i < len(slots) and (stop is None or slots[i] < stop):
+                    out.add(slots[i])
+                    i += 1
+                continue
+            if not self._pread(HEADER_SIZE, offset).strip(b"\0"):
+                out.add(slot)
+            i += 1
+        return out
+
+    def _retire_run(self, first: int, stop: int, reason: str) -> bool:
+        """Retire the never-written slots ``first .. stop-1`` at once (under self._write_lock): one
+        marker over ``first``'s header naming the run, one hole punched over the rest of the run; True
+        when retired. Never-written slots hold nothing to check again. The file is made to reach the
+        run's last slot (as that slot's own marker would have), so a scan still counts its slots."""
+        ss = self.slot_size
+        marker = encode_retired(first, ss, reason, self.log_id, run=stop - first)
+        try:
+            _pwrite_all(self._fd, (marker,), first * ss)
+            if os.fstat(self._fd).st_size < (stop - 1) * ss + HEADER_SIZE:
+                os.ftruncate(self._fd, (stop - 1) * ss + HEADER_SIZE)
+        except OSError:
+            return False  # (a marker written is found again by the next retire_corrupt())
+        given_back = _punch_hole(self._fd, first * ss + HEADER_SIZE, (stop - first) * ss - HEADER_SIZE)
+        with self._lock:
+            for slot in range(first, stop):
+                self._retired[slot] = given_back
+        return True
+
     def _verify(self, slot: int, size: int, block: bytes | None = None) -> SegmentHeader:
         """The header of ``slot`` verified in full (header and payload) against the disk (``block``:
         its header block, read already); CorruptSlotError (of its kind) saying why not."""
@@ -622,21 +685,23 @@ class SegmentLog:
             raise CorruptSlotError(slot, "payload checksum mismatch")
         return h
 
-    def _scan_slot(self, slot: int, size: int, block: bytes | None = None) -> None:
+    def _scan_slot(self, slot: int, size: int, block: bytes | None = None, last: int = 0) -> int:
         """Verify ``slot`` in full (header and payload) and index it, or record why it is corrupt
-        (or retired: a marker; whether its space was given back is read from the file's holes)."""
+        (or retired: a marker; whether its space was given back is read from the file's holes). For a
+        marker of a run of slots, where the run stops (at most ``last``, the file's slot count; its
+        other slots are the scan's to retire), else ``slot + 1``."""
         try:
             h = self._verify(slot, size, block)
         except RetiredSlotError as e:
+            stop = max(slot + 1, min(slot + e.run, last))
             self._corrupt[slot] = e.reason
-            self._retired[slot] = self._is_hole(
-                slot * self.slot_size + HEADER_SIZE, (slot + 1) * self.slot_size
-            )
-            return
+            self._retired[slot] = self._is_hole(slot * self.slot_size + HEADER_SIZE, stop * self.slot_size)
+            return stop
         except CorruptSlotError as e:
             self._corrupt[slot] = e.reason
-            return
+            return slot + 1
         self._install(slot, h)
+        return slot + 1
 
     def _is_hole(self, start: int, end: int) -> bool:
         """Whether [start, end) of the file holds no data (a hole, or past its end)."""
@@ -664,12 +729,15 @@ class SegmentLog:
         return where the written log ends: after its last written slot. A never-written slot (its
         header a hole or all zeros) is no slot when none is written after it: a sparse or zero tail
         (cut off here) is the end of the log, not thousands of corrupt slots; between written slots
-        it is corrupt. Holes are skipped, never read. With a ``max_bytes`` budget the scan stops at
-        the first slot the log could not have appended (its header alone would pass the budget):
-        when something is there, the log is taken to end there, so no append ever cuts it off."""
+        it is corrupt. Holes are skipped, never read. A marker retiring a run of slots retires the
+        never-written slots it names (within the file; a run reaching past the last written slot ends
+        the log there). With a ``max_bytes`` budget the scan stops at the first slot the log could
+        not have appended (its header alone would pass the budget): when something is there, the log
+        is taken to end there, so no append ever cuts it off."""
         ss = self.slot_size
         limit = n if self.max_bytes is None else min(n, max(start, self.max_bytes // HEADER_SIZE))
         end = slot = start
+        run: tuple[int, int, str] = (-1, 0, "")  # the last run marker's (slot, run stop, reason)
         while slot < limit:
             offset = slot * ss
             at = self._next_data(offset)
@@ -682,18 +750,34 @@ class SegmentLog:
             if not block.strip(b"\0"):
                 slot += 1
                 continue
-            for never in range(end, slot):  # never written, yet a written slot follows
-                self._corrupt[never] = "never written: its header is all zeros"
-            self._scan_slot(slot, size, block)
+            self._never_written(end, slot, run)  # never written, yet a written slot follows
+            stop = self._scan_slot(slot, size, block, n)
+            if stop > slot + 1:
+                run = (slot, stop, self._corrupt[slot])
             end = slot = slot + 1
-        if limit < n and self._next_data(limit * ss) is not None:
-            for never in range(end, limit):  # (the budget's end: appends past it fail, cut nothing)
-                self._corrupt[never] = "never written: its header is all zeros"
-            return max(end, limit)
-        if end * ss < size:
+        budget_end = limit < n and self._next_data(limit * ss) is not None
+        if budget_end:  # (the budget's end: appends past it fail, cut nothing)
+            self._never_written(end, limit, run)
+            end = max(end, limit)
+        if run[1] > end:  # the last run reaches past the last written slot: the log ends after it
+            self._never_written(end, run[1], run)
+            end = run[1]
+        if not budget_end and end * ss < size:
             with contextlib.suppress(OSError):
                 os.ftruncate(self._fd, end * ss)  # never-written bytes (an append would cut them too)
         return end
+
+    def _never_written(self, start: int, stop: int, run: tuple[int, int, str]) -> None:
+        """Record the never-written slots ``start .. stop-1`` a scan found between written ones:
+        retired where the run marker ``run`` names them (its reason; their space given back when the
+        run's was), else corrupt."""
+        marker, run_stop, reason = run
+        for never in range(start, stop):
+            if marker < never < run_stop:
+                self._corrupt[never] = reason
+                self._retired[never] = self._retired[marker]
+            else:
+                self._corrupt[never] = "never written: its header is all zeros"
 
     def _load_index(self, size: int) -> int | None:
         """Install a trustworthy index.json and return how many slots it covers, or None if stale."""

@@ -158,7 +158,6 @@ class Session:
         self.pm = PageManager(
             host_budget_bytes, self.layout.decoded_nbytes, gpu_slots, segment_bytes=self.segment_bytes
         )
-        self.gpu_budget_bytes = 2 * gpu_slots * self.layout.decoded_nbytes
         self.rule: RetrievalRule = rule if rule is not None else FovOverlapRule(seed=seed)
         self.max_records = max_records
         self.records: list[StepRecord] = []  # the last `max_records` steps of this run
@@ -229,6 +228,11 @@ class Session:
         return self._next - self._first
 
     @property
+    def gpu_budget_bytes(self) -> int:
+        """The GPU lease in force (both retrieval buffers): the page manager's, however it was set."""
+        return self.pm.gpu_budget_bytes
+
+    @property
     def warmup_segments(self) -> int:
         return self.meter.warmup_segments
 
@@ -293,9 +297,12 @@ class Session:
         self._poses[n] = pose
         self._poses.pop(n - 3, None)
         t0 = time.perf_counter()
+        replan_wait = 0.0
         if self.mode == "on_demand" or n == self._first:
             self._prepare(n)
-        stall = self.handler.wait_ready(n)
+        elif self.pm.needs_replan(n):  # the lease shrank since the prefetch, not by resize_lease
+            replan_wait = self._replan(n)
+        stall = replan_wait + self.handler.wait_ready(n)
         if self.mode == "on_demand":
             stall = time.perf_counter() - t0
         if self.mode == "prefetch":
@@ -355,19 +362,23 @@ class Session:
 
         A shrink holds when this returns, for the step already prefetched too: when that step's
         buffer has more slots than the new GPU lease allows, or its protected segments keep the host
-        over the new budget, it is released and prepared again within the new lease (the rule's best
-        segments are kept; host hits are uploaded again, evicted ones read back when room allows)."""
+        over the new budget (the page manager's `PageManager.needs_replan`), it is released and
+        prepared again within the new lease (the rule's best segments are kept; host hits are
+        uploaded again, evicted ones read back when room allows). A lease shrunk another way (through
+        ``handler.resize`` or ``pm.resize``) is caught the same way when the step starts, before it
+        runs; a step is re-planned at most once per shrink."""
         self.handler.resize(host_budget_bytes, gpu_budget_bytes)
-        if gpu_budget_bytes is not None:  # (a refused one raised above: the old lease holds)
-            self.gpu_budget_bytes = gpu_budget_bytes
-        n = self._next
-        plan = self._plans.get(n)
-        if plan is not None and (len(plan.slots) > self.pm.slots_per_buffer or self.pm.pending_bytes > 0):
-            # PageManager.resize applies to steps prepared from now on: re-plan the prefetched one
-            self.handler.wait_ready(n)
-            self.handler.release(n)
-            del self._plans[n]
-            self._prepare(n)
+        if self.pm.needs_replan(self._next):
+            self._replan(self._next)
+
+    def _replan(self, n: int) -> float:
+        """Release prefetched step ``n`` (once its transfers are done) and prepare it again within the
+        lease in force; the seconds waited for those transfers."""
+        waited = self.handler.wait_ready(n)
+        self.handler.release(n)
+        del self._plans[n]
+        self._prepare(n)
+        return waited
 
     def wait_written(self, step: int, timeout: float = 60.0) -> bool:
         """Block until segment ``step`` has been written to the log (not fsynced: it survives the
