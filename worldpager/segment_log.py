@@ -31,13 +31,15 @@ header and its payload's disk blocks are given back (a hole punched: the file ke
 later slots stay where they are, and slot numbers are still never reused: a session's roll-backs
 count on that). A run of adjacent never-written slots (a hole between written ones, found for the
 same reason) is retired at once: one marker over its first slot's header names the run's length, and
-one hole is punched over the rest of the run (a run past the end of the file extends the file to its
-last slot, so a scan still counts its slots). A retired slot is never read as good again, even by a
+one hole is punched over the rest of the run; a run of more than one slot also gets a marker of one
+over its last slot's header (a run past the end of the file so reaches its last slot, and a scan
+still counts its slots). A retired slot is never read as good again, even by a
 scan, and a later open lists it in retired_slots(), not corrupt_slots(). ``index.json`` keeps it under
 ``corrupt`` and names it under ``retired`` (slot -> whether its space was given back: every slot of a
 run, as before runs, so older readers read the index as it is; an index without ``retired``, as
-written before, reads as retiring nothing). An older reader that scans sees a run's first slot
-retired and its other slots as never written (corrupt), as before they were retired. Only slots
+written before, reads as retiring nothing). An older reader that scans sees a run's first and last
+slots retired and the slots between as never written (corrupt), as before they were retired, and
+never takes them for the log's tail. Only slots
 whose bytes fail verification when checked again are retired: a slot that verifies in full (a
 transient read error) is indexed again, and one written for another log (`ForeignSlotError`: a file
 copied in) is left as it is. ``max_bytes`` bounds the bytes the log holds: the file's length less the
@@ -648,17 +650,23 @@ class SegmentLog:
     def _retire_run(self, first: int, stop: int, reason: str) -> bool:
         """Retire the never-written slots ``first .. stop-1`` at once (under self._write_lock): one
         marker over ``first``'s header naming the run, one hole punched over the rest of the run; True
-        when retired. Never-written slots hold nothing to check again. The file is made to reach the
-        run's last slot (as that slot's own marker would have), so a scan still counts its slots."""
-        ss = self.slot_size
+        when retired. Never-written slots hold nothing to check again. A run of more than one slot
+        also gets a marker of one over its last slot's header (so the file reaches that slot and a
+        scan still counts its slots, and a reader from before runs sees the run end there)."""
+        ss, last = self.slot_size, stop - 1
         marker = encode_retired(first, ss, reason, self.log_id, run=stop - first)
         try:
             _pwrite_all(self._fd, (marker,), first * ss)
-            if os.fstat(self._fd).st_size < (stop - 1) * ss + HEADER_SIZE:
-                os.ftruncate(self._fd, (stop - 1) * ss + HEADER_SIZE)
+            if last > first:
+                # and a marker of one over its last slot: a reader from before runs, scanning, would
+                # take the never-written slots after the first marker for the log's tail, when the
+                # run ends the file, and hand their numbers out again (the new reader skips it)
+                _pwrite_all(self._fd, (encode_retired(last, ss, reason, self.log_id),), last * ss)
         except OSError:
             return False  # (a marker written is found again by the next retire_corrupt())
-        given_back = _punch_hole(self._fd, first * ss + HEADER_SIZE, (stop - first) * ss - HEADER_SIZE)
+        given_back = _punch_hole(self._fd, first * ss + HEADER_SIZE, (last - first or 1) * ss - HEADER_SIZE)
+        if last > first:
+            given_back = _punch_hole(self._fd, last * ss + HEADER_SIZE, ss - HEADER_SIZE) and given_back
         with self._lock:
             for slot in range(first, stop):
                 self._retired[slot] = given_back
@@ -695,7 +703,9 @@ class SegmentLog:
         except RetiredSlotError as e:
             stop = max(slot + 1, min(slot + e.run, last))
             self._corrupt[slot] = e.reason
-            self._retired[slot] = self._is_hole(slot * self.slot_size + HEADER_SIZE, stop * self.slot_size)
+            # (up to the marker of one over a run's last slot, which has its own)
+            end = (stop - 1 if stop - slot > 1 else stop) * self.slot_size
+            self._retired[slot] = self._is_hole(slot * self.slot_size + HEADER_SIZE, end)
             return stop
         except CorruptSlotError as e:
             self._corrupt[slot] = e.reason
