@@ -56,6 +56,16 @@ them (`manager.api.server`: STOP_GRACE_S, then STOP_ANSWER_S to send what was an
 from there (a front end stays light)."""
 KILL_AFTER_S = 5.0
 """How long past its grace a front end gets to exit before it is killed."""
+BACKEND_WINDOW: list[tuple[str, Any]] = [("grpc.http2.bdp_probe", 0)]
+"""The channel to the manager's process keeps gRPC's initial 64 KiB receive window per call: BDP
+probing would grow it to megabytes on the fast Unix socket, and a world session's client that stops
+reading its outputs would then have the manager's sends go through into that window (4 MiB or more:
+hundreds of the micro preset's outputs) long before one was held, its `server.world_idle_timeout` send
+limit firing only that much later, the world model held meanwhile. With the window fixed, a relayed
+stream that its client does not read holds the manager's send within a few outputs, as a direct
+client's full window does. Large messages are not slowed: gRPC still widens a call's window to take in
+a message it is reading, and the socket is local (a 64 MiB response or stream message through the
+relay took as long as before, within the measurement's noise)."""
 _STATUS = {s.value[0]: s for s in grpc.StatusCode}
 _NOT_FORWARDED = frozenset({"user-agent", "content-type", "te", "host"})
 
@@ -172,7 +182,9 @@ class Front(grpc.GenericRpcHandler):
 async def run_front(a: argparse.Namespace) -> int:
     fast = FastPathClient()
     await fast.connect(a.fast)
-    backend = grpc.aio.insecure_channel(f"unix:{a.backend}", options=message_options(a.max_message_bytes))
+    backend = grpc.aio.insecure_channel(
+        f"unix:{a.backend}", options=[*message_options(a.max_message_bytes), *BACKEND_WINDOW]
+    )
     server = grpc.aio.server(
         options=[
             ("grpc.so_reuseport", 1),
