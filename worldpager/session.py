@@ -30,7 +30,7 @@ from worldpager import session_store as store
 from worldpager.layout import SegmentLayout
 from worldpager.memory import RSS_SLACK, RssMeter, malloc_trim
 from worldpager.model import TINY, TinyCausalWan, TinyConfig
-from worldpager.page_types import Read, StepPlan
+from worldpager.page_types import Read
 from worldpager.pages import PageManager
 from worldpager.retrieval import (
     FovOverlapRule,
@@ -164,7 +164,7 @@ class Session:
         self.outputs: list[torch.Tensor] | None = [] if keep_outputs else None  # denoised preds
         self._infos: list[SegmentInfo] = []  # retrieval candidates: every stored segment, id order
         self._poses: dict[int, Pose] = {}  # the last three steps' poses (predict_pose needs two)
-        self._plans: dict[int, StepPlan] = {}
+        self._prepared: set[int] = set()  # steps prepared, not released (plans: `handler.plan`)
         self._stalls, self._computes = array("d"), array("d")
         self._hits = self._misses = 0
         self._max_position = -1
@@ -285,7 +285,8 @@ class Session:
         # the rule's best first: with fewer slots than wanted the best are kept; placed oldest first,
         # so virtual positions keep true-time order (segment id = time order)
         wanted, start = self.wanted(step), self._window_start(step)
-        self._plans[step] = self.handler.prepare(step, wanted, start, place_by_id=True)
+        self.handler.prepare(step, wanted, start, place_by_id=True)
+        self._prepared.add(step)
 
     # ---- stepping -------------------------------------------------------------------------------
     def step(self, pose: Pose) -> StepRecord:
@@ -300,7 +301,7 @@ class Session:
         replan_wait = 0.0
         if self.mode == "on_demand" or n == self._first:
             self._prepare(n)
-        elif self.pm.needs_replan(n):  # the lease shrank since the prefetch, not by resize_lease
+        elif self.pm.needs_replan(n):  # shrunk since the prefetch by `pm.resize` (the handler re-plans)
             replan_wait = self._replan(n)
         stall = replan_wait + self.handler.wait_ready(n)
         if self.mode == "on_demand":
@@ -321,8 +322,9 @@ class Session:
             sleep_until(t1 + self.compute_s)
         compute = time.perf_counter() - t1
         rss_mid = self.meter.rss()  # the step's working set is live here
+        plan = self.handler.plan(n)  # (a re-plan's, when a shrink prepared the step again)
         self.handler.release(n)
-        plan = self._plans.pop(n)
+        self._prepared.discard(n)
         misses = sum(isinstance(j, Read) for j in plan.jobs)
         hits = len(plan.slots) - misses
         del plan
@@ -364,11 +366,12 @@ class Session:
         buffer has more slots than the new GPU lease allows, or its protected segments keep the host
         over the new budget (the page manager's `PageManager.needs_replan`), it is released and
         prepared again within the new lease (the rule's best segments are kept; host hits are
-        uploaded again, evicted ones read back when room allows). A lease shrunk another way (through
-        ``handler.resize`` or ``pm.resize``) is caught the same way when the step starts, before it
-        runs; a step is re-planned at most once per shrink."""
+        uploaded again, evicted ones read back when room allows): `TransferHandler.resize` does that
+        itself, so it holds however the handler was called. A lease shrunk through ``pm.resize``
+        alone is caught the same way when the step starts, before it runs; a step is re-planned at
+        most once per shrink."""
         self.handler.resize(host_budget_bytes, gpu_budget_bytes)
-        if self.pm.needs_replan(self._next):
+        if self.pm.needs_replan(self._next):  # (only if its memory was handed out already: started)
             self._replan(self._next)
 
     def _replan(self, n: int) -> float:
@@ -376,7 +379,7 @@ class Session:
         lease in force; the seconds waited for those transfers."""
         waited = self.handler.wait_ready(n)
         self.handler.release(n)
-        del self._plans[n]
+        self._prepared.discard(n)
         self._prepare(n)
         return waited
 
@@ -405,10 +408,10 @@ class Session:
         try:
             try:
                 nxt = self._next
-                if nxt in self._plans:
+                if nxt in self._prepared:
                     self.handler.wait_ready(nxt)
                     self.handler.release(nxt)
-                    del self._plans[nxt]
+                    self._prepared.discard(nxt)
             finally:  # also after a transfer thread failed: stop the threads that are left
                 self.handler.close()
         finally:

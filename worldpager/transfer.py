@@ -11,7 +11,9 @@
   decode the codec, re-rotate the keys' temporal dims from their true frames to virtual positions just
   before the rolling window (`rope.rerotate_time` / `rope.virtual_positions`), place the result in the
   step's retrieval buffer. Every PageManager call is made under one lock; completions go back through
-  `PageManager.complete`, and a per-step `threading.Event` says the step's buffer is ready.
+  `PageManager.complete`, and a per-step `threading.Event` says the step's buffer is ready. A lease
+  shrink (`resize`) re-plans the prepared steps it left out of the lease before it returns, except
+  a step already started (its memory handed out by `memory`), which keeps its buffer until released.
 * `Dropped` / `RuntimeEvent` -- what the handler records besides the PageManager's events.
 
 Failure handling: a corrupt slot (checksum) is reported as ``Failure.CORRUPT`` -> the PageManager takes
@@ -121,11 +123,16 @@ RuntimeEvent = Event | Dropped | WrittenThrough
 
 @dataclass
 class _StepBuf:
+    plan: StepPlan  # the plan in force (a re-plan's after `TransferHandler.resize` re-planned it)
+    wanted: tuple[int, ...]  # prepare()'s arguments, to prepare the step again after a shrink
+    window_start_frame: int
+    place_by_id: bool
     slot_seg: dict[int, int]  # slot -> segment
     targets: dict[int, int]  # slot -> virtual start frame
     kv: dict[int, list[KV]] = field(default_factory=dict)  # slot -> uploaded KV
     ready: threading.Event = field(default_factory=threading.Event)
     cuda_events: list[torch.cuda.Event] = field(default_factory=list)
+    started: bool = False  # its memory was handed out (`memory`): it runs on it until released
 
 
 class TransferHandler:
@@ -258,7 +265,14 @@ class TransferHandler:
         """The elastic lease, at run time. Growing is immediate. Shrinking the host tier evicts clean
         segments and spills dirty ones to NVMe first (their write-backs jump the queue); this waits
         until the spills have landed, so no segment is lost and the new budget then holds. A GPU
-        shrink applies to steps prepared from now on. A budget below one segment: ValueError.
+        shrink applies to steps prepared from now on, and to those already prepared but not started
+        (their memory not yet handed out by `memory`): each one the shrink left out of the lease
+        (`PageManager.needs_replan`: more slots than a buffer now has, or its protected segments
+        holding the host over the new budget) is re-planned here before this returns -- once its
+        transfers are done it is released (its uploads leave the retrieval buffer) and prepared
+        again with the same arguments within the new lease -- so the room the shrink gives back is
+        free when this returns (its new transfers may still be running: `wait_ready`). A started
+        step keeps its buffer until it is released. A budget below one segment: ValueError.
         Size a host lease to hold the retrieval sets of the running and the next step plus the
         incoming segment: with less, a new segment can find every host slot protected and goes
         straight to the log (a `WrittenThrough` event; dropped only in host-only mode) rather than
@@ -271,6 +285,35 @@ class TransferHandler:
             while spills & self._outstanding and self.error is None:
                 self._wait_jobs(spills)
             self._raise_error()
+            for step in sorted(self._steps):
+                self._replan_if_outdated(step)
+
+    def _replan_if_outdated(self, step: int) -> None:
+        """Under the lock: re-plan prepared ``step`` if a shrink left it out of the lease and it has
+        not started. Waits for its transfers first (the lock is released while waiting, so the copy
+        threads -- and other callers -- go on); what changed meanwhile is checked again after."""
+        buf = self._steps.get(step)
+        if buf is None or buf.started or not self.pm.needs_replan(step):
+            return
+
+        def settled() -> bool:  # done waiting: transfers over, or the step is no longer ours to re-plan
+            return (
+                self._steps.get(step) is not buf
+                or buf.started
+                or self.pm.buffer_ready(step)
+                or self.error is not None
+                or self._closing
+            )
+
+        while not self._cond.wait_for(settled, 5.0):
+            pass
+        self._raise_error()
+        if self._closing or self._steps.get(step) is not buf or buf.started:
+            return  # closing, released (or prepared again) or started meanwhile: not re-planned here
+        if not self.pm.needs_replan(step):
+            return  # (a grow meanwhile: its plan fits again)
+        self.release(step)
+        self.prepare(step, buf.wanted, buf.window_start_frame, place_by_id=buf.place_by_id)
 
     def _wait_jobs(self, ids: set[int]) -> None:
         self._cond.wait_for(lambda: not ids & self._outstanding or self.error is not None, 5.0)
@@ -281,12 +324,14 @@ class TransferHandler:
         """Plan ``step``'s retrieval buffer and start its transfers; memory lands at virtual frames just
         before ``window_start_frame`` (slot order = oldest-to-newest placement: ``wanted`` order, or id
         order with ``place_by_id``; ``wanted`` is best first: see `PageManager.prepare_step`)."""
+        wanted = tuple(wanted)  # (kept: a shrink may have to prepare the step again, see `resize`)
         with self._cond:
             self._raise_error()
             plan = self.pm.prepare_step(step, wanted, place_by_id=place_by_id)
             starts = rope.virtual_positions(window_start_frame, len(plan.slots), self.layout.frames)
             slot_seg = {slot: sid for sid, slot in plan.slots.items()}
-            self._steps[step] = _StepBuf(slot_seg, {slot: starts[slot] for slot in slot_seg})
+            targets = {slot: starts[slot] for slot in slot_seg}
+            self._steps[step] = _StepBuf(plan, wanted, window_start_frame, place_by_id, slot_seg, targets)
             self._drain_events()
             self._submit(plan.jobs)
             self._check_ready()
@@ -306,14 +351,30 @@ class TransferHandler:
         self._raise_error()
         return stall
 
+    def plan(self, step: int) -> StepPlan:
+        """The plan in force for prepared ``step``: `prepare`'s, or the re-plan's when a shrink
+        (`resize`) prepared it again. KeyError if it is not prepared."""
+        with self._cond:
+            if step not in self._steps:
+                raise KeyError(f"step {step} is not prepared")
+            return self._steps[step].plan
+
     def memory(self, step: int) -> tuple[list[KV] | None, tuple[int, ...]]:
         """Per-layer ``(K, V)`` of the segments uploaded for ``step`` (slot order) and their ids;
-        ``(None, ())`` when there are none. Lost (corrupt) segments are never in it."""
-        with self._cond:
-            buf = self._steps[step]
-            slots = sorted(s for s in buf.kv if s in buf.slot_seg)
-            kvs = [buf.kv[s] for s in slots]
-            ids = tuple(buf.slot_seg[s] for s in slots)
+        ``(None, ())`` when there are none. Lost (corrupt) segments are never in it. This starts the
+        step: from here until `release` a shrink never re-plans it (its buffer stays as it is).
+        Called after `wait_ready`; should a `resize` from another thread have re-planned the step
+        in between, this first waits for the new plan's buffer (`wait_ready`)."""
+        while True:
+            with self._cond:
+                buf = self._steps[step]
+                if buf.ready.is_set():
+                    buf.started = True
+                    slots = sorted(s for s in buf.kv if s in buf.slot_seg)
+                    kvs = [buf.kv[s] for s in slots]
+                    ids = tuple(buf.slot_seg[s] for s in slots)
+                    break
+            self.wait_ready(step)
         if not kvs:
             return None, ()
         layers = len(kvs[0])
