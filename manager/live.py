@@ -998,6 +998,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         live = self.live[m.name]
         waits = not (live.ready.is_set() and m.tier == Tier.GPU and live.loads_pending == 0)
         if limit is not None and waits and self.queued.get(cls_name, 0) >= limit:
+            # still asked for: the statistics learn the demand (as the replay's do), none is served
+            self.engine.observe(m, self.clock())
             self.rejected += 1
             self.metrics.child("requests", m.name, cls_name, "rejected").inc()
             raise InsufficientCapacity(

@@ -90,8 +90,11 @@ class TestTheSimulatorRefusesWhereTheLiveManagerDoes:
                 second = asyncio.ensure_future(lm.infer("embed", TEXT, timeout_s=60))
                 await until(lambda: lm.queued.get("background") == 2, "the second waits behind the load")
                 assert lm.live["embed"].loads_pending  # both wait behind the load under way
+                asked = lm.engine.models["embed"].hist.count
                 with pytest.raises(InsufficientCapacity, match=LIVE_FULL):
                     await lm.infer("embed", TEXT, timeout_s=60)
+                # refused, but asked for: its statistics learn the demand, as the replay's do
+                assert lm.engine.models["embed"].hist.count == asked + 1
                 assert lm.serving("voice")
                 assert (await lm.infer("voice", AUDIO, cls="background", timeout_s=60)).result.ok
                 pool.hold.clear()
