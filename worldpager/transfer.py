@@ -364,7 +364,9 @@ class TransferHandler:
         ``(None, ())`` when there are none. Lost (corrupt) segments are never in it. This starts the
         step: from here until `release` a shrink never re-plans it (its buffer stays as it is).
         Called after `wait_ready`; should a `resize` from another thread have re-planned the step
-        in between, this first waits for the new plan's buffer (`wait_ready`)."""
+        in between, this first waits for the new plan's buffer (`wait_ready`), and on CUDA the
+        compute stream always waits on the uploads of the buffer handed out (a re-planned buffer
+        ready already was handed out with the stream waiting only on the old one's)."""
         while True:
             with self._cond:
                 buf = self._steps[step]
@@ -373,8 +375,13 @@ class TransferHandler:
                     slots = sorted(s for s in buf.kv if s in buf.slot_seg)
                     kvs = [buf.kv[s] for s in slots]
                     ids = tuple(buf.slot_seg[s] for s in slots)
+                    events = list(buf.cuda_events)
                     break
             self.wait_ready(step)
+        if self._cuda:  # (again for events `wait_ready` waited on: a no-op on the stream)
+            stream = torch.cuda.current_stream(self.device)
+            for ev in events:
+                stream.wait_event(ev)
         if not kvs:
             return None, ()
         layers = len(kvs[0])

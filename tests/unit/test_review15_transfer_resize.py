@@ -213,3 +213,65 @@ def test_memory_after_a_replan_behind_wait_ready_waits_for_the_new_buffer(make: 
     finally:
         gate.set()
     h.release(0)
+
+
+class _FakeEvent:
+    """A CUDA event stand-in (this machine has no CUDA): an id to see which ones were waited on."""
+
+    made = 0
+
+    def __init__(self) -> None:
+        _FakeEvent.made += 1
+        self.id = _FakeEvent.made
+
+
+class _FakeStream:
+    """The compute stream stand-in: records the events it was made to wait on."""
+
+    def __init__(self) -> None:
+        self.waited: list[int] = []
+
+    def wait_event(self, ev: _FakeEvent) -> None:
+        self.waited.append(ev.id)
+
+
+def test_memory_makes_the_compute_stream_wait_on_a_replanned_buffers_uploads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resize from another thread re-planned the step between the caller's `wait_ready` and
+    `memory`, and the new buffer was ready already (its segments were in host RAM): `memory` handed it
+    out with the compute stream waiting only on the old plan's upload events, so on CUDA the model
+    could read buffers the side stream was still writing (found in review; CUDA stood in by fakes)."""
+    stream = _FakeStream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    with SegmentLog.create(tmp_path, slot_size_for(SEG)) as log:
+        h = TransferHandler(PageManager(8 * SEG, SLOT, 3, segment_bytes=SEG), log, LAYOUT)
+        try:
+            for sid in range(6):
+                info = SegmentInfo(sid, 3 * sid, 3 * sid + 3, Pose(0, 0, 0, 0, 0))
+                assert h.add_segment(info, _payload(sid))
+            h.drain()
+            made: list[int] = []
+
+            def upload(payload: bytes, f: int, t: int) -> Any:
+                ev = _FakeEvent()
+                made.append(ev.id)
+                return h.layout.rerotate(h.layout.decode(payload), f, t), ev
+
+            monkeypatch.setattr(h, "_upload", upload)
+            monkeypatch.setattr(h, "_cuda", True)
+            h.prepare(0, [0, 1, 2], 18)
+            h.wait_ready(0)
+            old = set(made)
+            assert old and old <= set(stream.waited)
+            h.resize(gpu_budget_bytes=2 * SLOT)  # step 0 re-planned within the smaller lease
+            assert h._steps[0].ready.wait(10)
+            new = set(made) - old
+            assert new  # the re-plan uploaded
+            _, ids = h.memory(0)
+            assert ids == (0,)
+            assert new <= set(stream.waited)
+            h.release(0)
+        finally:
+            monkeypatch.setattr(h, "_cuda", False)
+            h.close()
