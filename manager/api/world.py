@@ -23,7 +23,10 @@ resume with. One limit, not a second setting: both say how long a session waits 
 client that reads nothing for 10 minutes is as absent as one that sends nothing. The outputs already
 queued, and the status after them, reach a client that reads again; one that never does holds only its
 connection, no longer the world model. So the outputs are written with `context.write` (raced against the
-limit and the server's stop), not yielded: an async generator's `yield` cannot be given a time limit."""
+limit and the server's stop), not yielded: an async generator's `yield` cannot be given a time limit. A
+server stop closes and saves such a session at once too, but its stream's status (queued behind the
+unsent output) ends the call only when the client reads again or at the stop's grace: grpc.aio has no
+way to reset one stream from the server."""
 
 from __future__ import annotations
 
@@ -112,6 +115,12 @@ def _unread(sid: str, waited_s: float) -> DeadlineExceeded:
     )
 
 
+def _retrieve(f: asyncio.Future[Any]) -> None:
+    """Read a finished future's exception, so asyncio never logs it as not retrieved."""
+    if not f.cancelled():
+        f.exception()
+
+
 def _idle(sid: str, idle_s: float) -> DeadlineExceeded:
     return DeadlineExceeded(
         f"world session {sid} was idle for {format_duration(idle_s)} (no action within "
@@ -160,6 +169,9 @@ class WorldSessionServicer(pb_grpc.WorldSessionServicer):
         finds its waiter cancelled, as when a client cancels mid-send): the client gets it, and the
         status after it, if it ever reads again."""
         write = asyncio.ensure_future(context.write(out))
+        # its error read whatever becomes of this task (a client's cancel fails the write and cancels
+        # the handler in one turn: asyncio logged "Task exception was never retrieved" at each)
+        write.add_done_callback(_retrieve)
         stop = asyncio.ensure_future(self.stopping.wait())
         try:
             await asyncio.wait((write, stop), timeout=limit_s, return_when=asyncio.FIRST_COMPLETED)

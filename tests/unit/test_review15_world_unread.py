@@ -121,3 +121,41 @@ def test_grpcs_own_write_error_passes_through_and_the_session_is_closed() -> Non
         assert e.value is gone and context.aborted == [] and manager.closed == ["s1"]
 
     asyncio.run(main())
+
+
+def test_a_write_that_fails_as_the_client_cancels_leaves_no_unretrieved_error() -> None:
+    """A client's cancel fails the held write and cancels the handler in one turn of the loop: the
+    handler's cancel went on up, and the write's error was never read, so asyncio logged "Task
+    exception was never retrieved" (an ERROR with a traceback) at each such cancel (found in review)."""
+    import gc
+
+    seen: list[str] = []
+
+    class FailsWhenTold:
+        def __init__(self) -> None:
+            self.gate = asyncio.Event()
+
+        async def write(self, out: Any) -> None:
+            await self.gate.wait()
+            raise RuntimeError("the stream is gone")
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: seen.append(ctx["message"]))
+        servicer = WorldSessionServicer(manager=None)  # type: ignore[arg-type]  # (_send uses none)
+        context = FailsWhenTold()
+        send = asyncio.ensure_future(servicer._send(context, OUT, None))
+        for _ in range(3):
+            await asyncio.sleep(0)  # the write waits, the send waits for it
+        context.gate.set()  # the write fails ...
+        send.cancel()  # ... as the handler is cancelled, in the same turn
+        with pytest.raises(asyncio.CancelledError):
+            await send
+        del send
+        for _ in range(3):
+            await asyncio.sleep(0)
+        gc.collect()
+        await asyncio.sleep(0)
+
+    asyncio.run(main())
+    gc.collect()
+    assert not [m for m in seen if "never retrieved" in m], seen
