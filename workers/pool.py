@@ -8,7 +8,10 @@ data plane. `RayWorkerPool` (workers.ray_pool) runs each device host in a named 
 code, for unit tests and single-process use. Its `close` does not wait for a model's own code that
 hangs (a load's factory or read): the hosts stop, the command threads get `close_grace_s` to end, and
 what still runs then is abandoned, said in the log (device, command, model), and left to the
-process's end (daemon threads: the interpreter's exit does not wait for them either).
+process's end (daemon threads: the interpreter's exit does not wait for them either). `left_running()`
+says what the pools closed in this process left so and still runs: a daemon thread inside a model's
+native code while the interpreter finalizes can abort the process, so `residency serve` then ends it
+at once instead (`manager.cli`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import queue
 import threading
 import time
 import uuid
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
@@ -111,6 +115,35 @@ class _CommandThread:
         self.queue.put(None)
 
 
+_closed_hosts: weakref.WeakSet[DeviceHost] = weakref.WeakSet()
+_closed_threads: weakref.WeakSet[_CommandThread] = weakref.WeakSet()
+"""The device hosts and command threads of the in-process pools closed in this process (`left_running`).
+Weak: what a thread still runs holds its host, and its thread object, while it runs, not after."""
+
+
+def left_running() -> list[str]:
+    """What the in-process pools closed in this process abandoned that still runs, one phrase each
+    ("the load of 'x' on cpu0 (running 12 s)"): the loads and promotes their hosts gave up
+    (`DeviceHost.abandoned`), and the commands still running on their command threads. Empty when
+    none (and for Ray's pools: their device hosts run in other processes)."""
+    now = time.monotonic()
+    out: list[str] = []
+    seen: set[tuple[str, str]] = set()
+    for host in list(_closed_hosts):
+        for model, (what, secs) in sorted(host.abandoned().items()):
+            seen.add((host.name, model))
+            out.append(f"the {what} of {model!r} on {host.name} (running {secs:.0f} s)")
+    for t in list(_closed_threads):
+        running = t.running
+        if running is None or not t.thread.is_alive():
+            continue
+        cmd, since = running
+        op, model = P.command_op(cmd), P.command_model(cmd)
+        if (t.device, model) not in seen:  # (one its host gave up is said above)
+            out.append(f"the {op} of {model!r} on {t.device} (running {now - since:.0f} s)")
+    return sorted(out)
+
+
 class InProcessWorkerPool:
     """Device hosts in this process; commands run on one thread per device, in submission order."""
 
@@ -185,6 +218,8 @@ class InProcessWorkerPool:
         if self._closed:
             return
         self._closed = True
+        _closed_hosts.update(self.hosts.values())
+        _closed_threads.update(self._threads.values())
         deadline = time.monotonic() + self.close_grace_s
         for host in self.hosts.values():  # (a load about to end is let end, within the grace)
             host.stop(max(0.0, deadline - time.monotonic()))
