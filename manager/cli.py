@@ -758,8 +758,20 @@ def cmd_export(a: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    """The installed package's version (pyproject.toml's), or "unknown" when run from a source tree
+    that was never installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("residency")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="residency", description="Decides which models stay resident.")
+    p.add_argument("--version", action="version", version=f"residency {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     r = sub.add_parser("replay", help="replay a request trace through the policies")
