@@ -869,8 +869,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line's status. As the program (`argv` None: the `residency` script), a `serve` that
-    stopped with a model's load still running in this process (`--in-process`, abandoned at the
-    stop) ends the process here (`_exit_past_abandoned`)."""
+    stopped with a model's load (`--in-process`, abandoned at the stop) or describe still running in
+    this process ends the process here (`_exit_past_abandoned`)."""
     args = build_parser().parse_args(argv)
     rc = _run(args)
     if argv is None and args.fn is cmd_serve:
@@ -880,13 +880,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _exit_past_abandoned(rc: int) -> None:
     """When the in-process device hosts `serve` stopped left a load (or promote, or another command)
-    still running (abandoned past the stop's grace: a factory or a read that hangs), the process ends
-    now with `rc`, by `os._exit`, after what a normal exit does first (non-daemon threads joined,
-    atexit handlers run: the log's handlers flushed) and stdout and stderr flushed: the interpreter's
-    finalization is skipped, which that load's daemon thread, inside a model's native code (torch),
+    still running (abandoned past the stop's grace: a factory or a read that hangs), or a describe
+    (a model's factory run to read its inputs and outputs) still runs, the process ends now with
+    `rc`, by `os._exit`, after what a normal exit does first (non-daemon threads joined, atexit
+    handlers run: the log's handlers flushed) and stdout and stderr flushed: the interpreter's
+    finalization is skipped, which that daemon thread, inside a model's native code (torch),
     can abort (SIGABRT, "terminate called without an active exception"), losing the exit status and
-    the last lines. One line in the log names what still ran. Without such a load (Ray's device hosts
-    run in their own processes), nothing happens here: the interpreter ends as usual."""
+    the last lines. One line in the log names what still ran (`workers.pool.left_running`). Without
+    such a thread (Ray's device hosts run in their own processes), nothing happens here: the
+    interpreter ends as usual."""
     pool = sys.modules.get("workers.pool")  # (not imported: no device host ran in this process)
     left: list[str] = pool.left_running() if pool is not None else []
     if not left:

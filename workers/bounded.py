@@ -9,6 +9,10 @@ thread, a Ray data thread, the manager's event loop) for good with it.
   limit counted from its start; a later call for the same spec joins the build under way (one past
   its limit is refused at once, not started again while it runs); a successful answer is kept per
   key, for the spec it was built for (another spec under that key is built on its own).
+* `running_builds()`: the builds of this process's single flights (the manager's describes) that
+  still run, one phrase each: `workers.pool.left_running` names them to `residency serve`'s exit
+  (a thread inside a model's native code can abort the interpreter's finalization). A device host's
+  own (`listed=False`) it names itself, once its pool is closed (`DeviceHost.describing`).
 
 Daemon threads, not an executor's: a call that never returns would hold the executor's shutdown,
 and so the process's exit. Plain Python (no torch, no Ray): the manager uses it as the hosts do.
@@ -20,6 +24,7 @@ import asyncio
 import contextlib
 import threading
 import time
+import weakref
 from collections.abc import Callable, Hashable
 from typing import Any, Generic, TypeVar
 
@@ -125,16 +130,34 @@ class SingleFlight(Generic[V]):
     """Builds by key (a model's name), one a key at a time, each on a thread of its own and waited for
     at most `timeout_s` from its start; a successful answer kept per key for its spec.
 
-    Thread-safe: callers on any thread (and event loops, `Flight.wait_async`) share it."""
+    Thread-safe: callers on any thread (and event loops, `Flight.wait_async`) share it.
 
-    def __init__(self, timeout_s: float, *, clock: Callable[[], float] = time.monotonic) -> None:
+    `what` and `where` name its builds in `running_builds` ("the describe of 'x' in the manager");
+    `listed=False` leaves them out of it (an owner that says them itself: `running()`)."""
+
+    def __init__(
+        self,
+        timeout_s: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        what: str = "build",
+        where: str = "in this process",
+        listed: bool = True,
+    ) -> None:
         self.timeout_s = timeout_s
         self.clock = clock
+        self.what = what
+        self.where = where
         self._lock = threading.Lock()
         self._kept: dict[Hashable, tuple[Any, V]] = {}
         """A successful build's answer by key, with the spec it was for."""
         self._running: dict[Hashable, Flight[V]] = {}
         """The build under way by key (at most one a key: a later call for its spec joins it)."""
+        self._live: dict[Flight[V], Hashable] = {}
+        """Every build whose thread still runs, with its key: those in `_running`, and those a build
+        of another spec under their key replaced there (left to end by themselves)."""
+        if listed:
+            _listed.add(self)
 
     def begin(self, key: Hashable, spec: Any, build: Callable[[], V], name: str) -> Flight[V]:
         """The flight that answers `spec` under `key`: the answer kept for that spec (done already),
@@ -150,8 +173,18 @@ class SingleFlight(Generic[V]):
             if running is not None and running.spec == spec:
                 return running
             flight = self._running[key] = Flight(spec, self.timeout_s, self.clock)
+            self._live[flight] = key
         start_on_thread(build, name, lambda ok, value: self._ended(key, flight, ok, value))
         return flight
+
+    def running(self) -> list[tuple[Hashable, float]]:
+        """The builds whose threads still run (a factory that hangs, past its limit or not): their key
+        and the seconds each has run, oldest first. A thread cannot be killed: it is left to end by
+        itself, or with the process."""
+        now = self.clock()
+        with self._lock:
+            live = sorted(self._live.items(), key=lambda fk: fk[0].started)
+        return [(key, now - flight.started) for flight, key in live]
 
     def forget(self, key: Hashable) -> None:
         """The answer kept under `key` goes (what was built it may no longer say)."""
@@ -160,8 +193,24 @@ class SingleFlight(Generic[V]):
 
     def _ended(self, key: Hashable, flight: Flight[V], ok: bool, value: Any) -> None:
         with self._lock:
+            self._live.pop(flight, None)
             if self._running.get(key) is flight:  # not one replaced by another spec's since
                 del self._running[key]
                 if ok:
                     self._kept[key] = (flight.spec, value)
         flight._finish(ok, value)
+
+
+_listed: weakref.WeakSet[SingleFlight[Any]] = weakref.WeakSet()
+"""The single flights made `listed` in this process (`running_builds`). Weak: a build still running
+holds its own (its thread's end calls it), one with none running may go."""
+
+
+def running_builds() -> list[str]:
+    """The builds still running on the threads of this process's listed single flights, one phrase
+    each ("the describe of 'x' in the manager (running 12 s)"); empty when none."""
+    return sorted(
+        f"the {flights.what} of {key!r} {flights.where} (running {secs:.0f} s)"
+        for flights in list(_listed)
+        for key, secs in flights.running()
+    )

@@ -147,10 +147,11 @@ class DeviceHost:
         self._lock = threading.Lock()
         self.world = WorldSessions(self.torch_device)
         self._describing: SingleFlight[tuple[list[P.TensorSpec], list[P.TensorSpec]]] = SingleFlight(
-            describe_timeout_s
+            describe_timeout_s, listed=False
         )
         """Describes by model name: one running a name (a later one of its spec joins it), a successful
-        answer kept for the spec it was for."""
+        answer kept for the spec it was for. Not listed in `workers.bounded.running_builds`: those
+        still running are said by `describing` (`workers.pool.left_running`, once its pool closed)."""
         self.session_root = Path(tempfile.gettempdir()) / f"residency-sessions-{device}-{os.getpid()}"
         self._stopping = False
         self._work_lock = threading.Lock()
@@ -347,16 +348,28 @@ class DeviceHost:
         with self._work_lock:
             return {m: (w.what, now - w.started) for m, w in self._work.items() if w.abandoned}
 
+    def describing(self) -> list[tuple[str, float]]:
+        """The describes whose threads still run (a factory that hangs, past its limit or not): the
+        model and the seconds each has run, oldest first. Like an abandoned load, a thread that cannot
+        be killed: it ends by itself, or with the process."""
+        return [(str(model), secs) for model, secs in self._describing.running()]
+
     def stop(self, grace_s: float = 0.0) -> None:
         """The host stops taking commands (each is answered NOT_AVAILABLE, "stopping"); the load or
         promote a command waits for is given `grace_s` to end (most take a second: one cut short
         would leave its thread inside the model's native code while the process exits, which can
         abort it), then given up (its command answers at once), not waited for: its thread is left
-        to the process's end. What is abandoned so is logged, naming the model."""
+        to the process's end. What is abandoned so is logged, naming the model, and so is a describe
+        still running (not waited for: nothing waits for its answer at a stop)."""
         deadline = time.monotonic() + grace_s
         with self._work_lock:
             self._stopping = True
             works = list(self._work.items())
+        for model, secs in self.describing():
+            logger.warning(
+                "device %s: stopping with the describe of %s still running (%.0f s); it is left to the "
+                "process's end", self.name, model, secs,
+            )  # fmt: skip
         for model, w in works:
             if w.abandoned:
                 logger.warning(

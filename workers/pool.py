@@ -8,10 +8,12 @@ data plane. `RayWorkerPool` (workers.ray_pool) runs each device host in a named 
 code, for unit tests and single-process use. Its `close` does not wait for a model's own code that
 hangs (a load's factory or read): the hosts stop, the command threads get `close_grace_s` to end, and
 what still runs then is abandoned, said in the log (device, command, model), and left to the
-process's end (daemon threads: the interpreter's exit does not wait for them either). `left_running()`
-says what the pools closed in this process left so and still runs: a daemon thread inside a model's
-native code while the interpreter finalizes can abort the process, so `residency serve` then ends it
-at once instead (`manager.cli`).
+process's end (daemon threads: the interpreter's exit does not wait for them either), as is a
+describe still running on its host (a factory that hangs). `left_running()` says what the pools
+closed in this process left so and still runs, and the other describes still running in this
+process (the manager's: `workers.bounded.running_builds`): a daemon thread inside a model's native
+code while the interpreter finalizes can abort the process, so `residency serve` then ends it at
+once instead (`manager.cli`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Protocol
 import numpy as np
 
 from workers import protocol as P
+from workers.bounded import running_builds
 from workers.host import DeviceHost
 
 logger = logging.getLogger(__name__)
@@ -122,17 +125,22 @@ Weak: what a thread still runs holds its host, and its thread object, while it r
 
 
 def left_running() -> list[str]:
-    """What the in-process pools closed in this process abandoned that still runs, one phrase each
-    ("the load of 'x' on cpu0 (running 12 s)"): the loads and promotes their hosts gave up
-    (`DeviceHost.abandoned`), and the commands still running on their command threads. Empty when
-    none (and for Ray's pools: their device hosts run in other processes)."""
+    """What still runs model code on a thread of this process that nothing waits for any more, one
+    phrase each ("the load of 'x' on cpu0 (running 12 s)"): of the in-process pools closed in this
+    process, the loads and promotes their hosts gave up (`DeviceHost.abandoned`: a model's factory,
+    read or warm-up), the describes still running on their hosts (`DeviceHost.describing`: a
+    factory), and the commands still running on their command threads; and the builds still running
+    of this process's other single flights (the manager's describes: `running_builds`). Empty when
+    none (Ray's device hosts run in other processes)."""
     now = time.monotonic()
-    out: list[str] = []
+    out: list[str] = running_builds()
     seen: set[tuple[str, str]] = set()
     for host in list(_closed_hosts):
         for model, (what, secs) in sorted(host.abandoned().items()):
             seen.add((host.name, model))
             out.append(f"the {what} of {model!r} on {host.name} (running {secs:.0f} s)")
+        for model, secs in host.describing():
+            out.append(f"the describe of {model!r} on {host.name} (running {secs:.0f} s)")
     for t in list(_closed_threads):
         running = t.running
         if running is None or not t.thread.is_alive():

@@ -140,7 +140,7 @@ def describer(
     refused at once (the hung build is not started again) until it ends."""
     from workers.adapters import AdapterError, make_adapter
 
-    flights: SingleFlight[tuple[Any, Any]] = SingleFlight(timeout_s)
+    flights: SingleFlight[tuple[Any, Any]] = SingleFlight(timeout_s, what="describe", where="in the manager")
 
     def build(spec: Any) -> tuple[Any, Any]:
         import torch
@@ -492,7 +492,8 @@ STOP_GRACE_S = 5.0
 past it, those still waiting for a load are answered UNAVAILABLE (the service is stopping), and the
 load is abandoned to its device host (a Ray actor finishes it, or not, on its own; device hosts in
 this process abandon it at the pool's close, logged naming the model and device: the process's exit
-does not wait for it)."""
+does not wait for it; `residency serve` then ends the process itself when a load it abandoned still
+runs: `manager.cli._exit_past_abandoned`)."""
 STOP_ANSWER_S = 1.0
 """After the grace, how long the gRPC server gives the requests answered so to be sent, before it
 cancels what is still running."""
