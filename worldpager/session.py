@@ -369,10 +369,17 @@ class Session:
         uploaded again, evicted ones read back when room allows): `TransferHandler.resize` does that
         itself, so it holds however the handler was called. A lease shrunk through ``pm.resize``
         alone is caught the same way when the step starts, before it runs; a step is re-planned at
-        most once per shrink."""
+        most once per shrink. RuntimeError after `close`.
+
+        The session re-plans nothing here itself: when the handler's resize returns, a prepared step
+        still out of the lease is one already started (its memory handed out by `step`, the model
+        computing on it), which keeps its buffer until `step` releases it -- releasing it here
+        would free it under the model. Called between steps (the Session is not thread-safe; the
+        world worker serialises step, resize and close under one lock per session) no step is
+        started then, so the prefetched step is always the handler's to re-plan."""
+        if self._closed:
+            raise RuntimeError("session is closed: cannot resize its lease")
         self.handler.resize(host_budget_bytes, gpu_budget_bytes)
-        if self.pm.needs_replan(self._next):  # (only if its memory was handed out already: started)
-            self._replan(self._next)
 
     def _replan(self, n: int) -> float:
         """Release prefetched step ``n`` (once its transfers are done) and prepare it again within the

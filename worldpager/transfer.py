@@ -168,7 +168,8 @@ class TransferHandler:
         self._read_failures: dict[int, tuple[int | None, str]] = {}  # segment -> (slot, reason), briefly
         self._uploads: queue.Queue[Upload | None] = queue.Queue()
         self._steps: dict[int, _StepBuf] = {}
-        self._closing = False
+        self._closing = False  # the threads stop once their work is done (set after close's drain)
+        self._closed = False  # close() has begun: no resize or prepare is accepted from then on
         self.events: list[RuntimeEvent] = []
         self.bytes_read = 0  # NVMe bytes read (header + payload)
         self.bytes_written = 0
@@ -227,6 +228,8 @@ class TransferHandler:
             with self._cond:
                 while True:
                     self._raise_error()
+                    # (once close has begun: a write-back queued now would never run)
+                    self._refuse_if_closed(f"add segment {sid}")
                     res = self.pm.add_segment(sid, len(payload))
                     self._drain_events()
                     if isinstance(res, list):
@@ -273,11 +276,16 @@ class TransferHandler:
         again with the same arguments within the new lease -- so the room the shrink gives back is
         free when this returns (its new transfers may still be running: `wait_ready`). A started
         step keeps its buffer until it is released. A budget below one segment: ValueError.
+        After `close` has begun: RuntimeError (nothing changed). A close that begins while this
+        waits on a step's transfers abandons the re-plans not made yet (those steps keep their
+        plans; the budgets are in force); a re-plan made before it has its transfers finished by
+        close's drain.
         Size a host lease to hold the retrieval sets of the running and the next step plus the
         incoming segment: with less, a new segment can find every host slot protected and goes
         straight to the log (a `WrittenThrough` event; dropped only in host-only mode) rather than
         let the budget be exceeded, and a retrieved segment may find no room to be read back."""
         with self._cond:
+            self._refuse_if_closed("resize")
             self._raise_error()
             spills = {j.job_id for j in self.pm.resize(host_budget_bytes, gpu_budget_bytes)}
             self._drain_events()
@@ -293,7 +301,7 @@ class TransferHandler:
         not started. Waits for its transfers first (the lock is released while waiting, so the copy
         threads -- and other callers -- go on); what changed meanwhile is checked again after."""
         buf = self._steps.get(step)
-        if buf is None or buf.started or not self.pm.needs_replan(step):
+        if self._closed or buf is None or buf.started or not self.pm.needs_replan(step):
             return
 
         def settled() -> bool:  # done waiting: transfers over, or the step is no longer ours to re-plan
@@ -302,14 +310,16 @@ class TransferHandler:
                 or buf.started
                 or self.pm.buffer_ready(step)
                 or self.error is not None
-                or self._closing
+                or self._closed
             )
 
         while not self._cond.wait_for(settled, 5.0):
             pass
         self._raise_error()
-        if self._closing or self._steps.get(step) is not buf or buf.started:
+        if self._closed or self._steps.get(step) is not buf or buf.started:
             return  # closing, released (or prepared again) or started meanwhile: not re-planned here
+        # (release and prepare below run under the lock held since the check: a close waits for them,
+        # then drains their reads, so every Upload they lead to is queued before the stop marker)
         if not self.pm.needs_replan(step):
             return  # (a grow meanwhile: its plan fits again)
         self.release(step)
@@ -323,9 +333,11 @@ class TransferHandler:
     ) -> StepPlan:
         """Plan ``step``'s retrieval buffer and start its transfers; memory lands at virtual frames just
         before ``window_start_frame`` (slot order = oldest-to-newest placement: ``wanted`` order, or id
-        order with ``place_by_id``; ``wanted`` is best first: see `PageManager.prepare_step`)."""
+        order with ``place_by_id``; ``wanted`` is best first: see `PageManager.prepare_step`).
+        RuntimeError once `close` has begun (its transfers would never run)."""
         wanted = tuple(wanted)  # (kept: a shrink may have to prepare the step again, see `resize`)
         with self._cond:
+            self._refuse_if_closed(f"prepare step {step}")
             self._raise_error()
             plan = self.pm.prepare_step(step, wanted, place_by_id=place_by_id)
             starts = rope.virtual_positions(window_start_frame, len(plan.slots), self.layout.frames)
@@ -366,9 +378,12 @@ class TransferHandler:
         Called after `wait_ready`; should a `resize` from another thread have re-planned the step
         in between, this first waits for the new plan's buffer (`wait_ready`), and on CUDA the
         compute stream always waits on the uploads of the buffer handed out (a re-planned buffer
-        ready already was handed out with the stream waiting only on the old one's)."""
+        ready already was handed out with the stream waiting only on the old one's). After a
+        transfer thread failed it raises that error, as `wait_ready` does (a failure marks every
+        buffer ready to wake its waiters, so the buffer may be partial): never a partial buffer."""
         while True:
             with self._cond:
+                self._raise_error()  # (under the lock: the failure sets the error and `ready` together)
                 buf = self._steps[step]
                 if buf.ready.is_set():
                     buf.started = True
@@ -405,7 +420,13 @@ class TransferHandler:
         self._raise_error()
 
     def close(self) -> None:
-        """Finish outstanding I/O, stop the threads (the log stays open)."""
+        """Finish outstanding I/O, stop the threads (the log stays open). From its start no `resize`
+        or `prepare` is accepted (RuntimeError), and a resize waiting on transfers abandons the
+        re-plans it has not made, so every transfer handed out is done before the threads stop.
+        Closing again is a no-op (it only joins the stopped threads)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()  # (a resize waiting on a step's transfers gives up its re-plan)
         try:
             if self.error is None:
                 self.drain()
@@ -418,6 +439,10 @@ class TransferHandler:
                 t.join(timeout=10.0)
 
     # ---- internals (the caller holds self._cond unless said otherwise) -----------------------
+    def _refuse_if_closed(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"transfer handler is closed: cannot {what}")
+
     def _raise_error(self) -> None:
         if self.error is not None:
             raise RuntimeError(f"transfer thread failed: {self.error!r}") from self.error
