@@ -869,8 +869,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line's status. As the program (`argv` None: the `residency` script), a `serve` that
-    stopped with a model's load (`--in-process`, abandoned at the stop) or describe still running in
-    this process ends the process here (`_exit_past_abandoned`)."""
+    stopped with a model's load (`--in-process`, abandoned at the stop), describe or inference still
+    running in this process ends the process here (`_exit_past_abandoned`)."""
     args = build_parser().parse_args(argv)
     rc = _run(args)
     if argv is None and args.fn is cmd_serve:
@@ -881,16 +881,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _exit_past_abandoned(rc: int) -> None:
     """When the in-process device hosts `serve` stopped left a load (or promote, or another command)
     still running (abandoned past the stop's grace: a factory or a read that hangs), or a describe
-    (a model's factory run to read its inputs and outputs) still runs, the process ends now with
-    `rc`, by `os._exit`, after what a normal exit does first (non-daemon threads joined, atexit
-    handlers run: the log's handlers flushed) and stdout and stderr flushed: the interpreter's
-    finalization is skipped, which that daemon thread, inside a model's native code (torch),
-    can abort (SIGABRT, "terminate called without an active exception"), losing the exit status and
-    the last lines. One line in the log names what still ran (`workers.pool.left_running`). Without
-    such a thread (Ray's device hosts run in their own processes), nothing happens here: the
-    interpreter ends as usual."""
+    (a model's factory run to read its inputs and outputs) still runs, or an inference (a world step)
+    that the stop abandoned on its thread (`manager.api.server.abandoned_calls`: a forward that never
+    returns), the process ends now with `rc`, by `os._exit`, after what a normal exit does first
+    (non-daemon threads joined, atexit handlers run: the log's handlers flushed) and stdout and
+    stderr flushed: the interpreter's finalization is skipped, which that daemon thread, inside a
+    model's native code (torch), can abort (SIGABRT, "terminate called without an active
+    exception"), losing the exit status and the last lines. One line in the log names what still
+    ran (`workers.pool.left_running`, `abandoned_calls`). Without such a thread (Ray's device hosts
+    run in their own processes), nothing happens here: the interpreter ends as usual."""
     pool = sys.modules.get("workers.pool")  # (not imported: no device host ran in this process)
     left: list[str] = pool.left_running() if pool is not None else []
+    server = sys.modules.get("manager.api.server")  # the inferences (world steps) its stop abandoned
+    left = sorted(left + (server.abandoned_calls() if server is not None else []))
     if not left:
         return
     import atexit

@@ -10,18 +10,27 @@ without one is refused at start. TLS from `server.tls_cert`/`tls_key`.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import contextvars
+import dataclasses
 import errno
+import functools
 import hashlib
 import hmac
 import ipaddress
+import itertools
 import logging
 import os
+import queue
 import signal
+import sys
 import threading
+import time
+import weakref
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -37,10 +46,12 @@ from manager.journal import RequestJournal
 from manager.live import LiveManager
 from residency_proto.inference import grpc_service_pb2
 from residency_proto.v1 import residency_pb2
+from workers import protocol as P
 from workers.bounded import SingleFlight, TimedOut
 from workers.signals import STOP_SIGNALS, StopSignal, stop_signals_raise
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 ADMIN_PREFIXES = (
     "/residency.v1.Residency/",
@@ -493,10 +504,299 @@ past it, those still waiting for a load are answered UNAVAILABLE (the service is
 load is abandoned to its device host (a Ray actor finishes it, or not, on its own; device hosts in
 this process abandon it at the pool's close, logged naming the model and device: the process's exit
 does not wait for it; `residency serve` then ends the process itself when a load it abandoned still
-runs: `manager.cli._exit_past_abandoned`)."""
+runs: `manager.cli._exit_past_abandoned`). So are those whose model's forward still runs in this
+process (in-process device hosts: a forward that may never return), answered UNAVAILABLE "the server
+is stopping", its thread left to the process's end (`StopBoundedExecutor.abandon_running`)."""
 STOP_ANSWER_S = 1.0
 """After the grace, how long the gRPC server gives the requests answered so to be sent, before it
 cancels what is still running."""
+
+
+STOP_EXECUTOR_GRACE_S = STOP_GRACE_S
+"""How long the end of a stop (the event loop's close: its default executor's shutdown) waits for
+the calls on `serve`'s threads that still run and were not abandoned at the grace (a store's write,
+a file read), before it abandons them too."""
+
+
+def _to_thread_target(
+    fn: Callable[..., Any], args: tuple[Any, ...]
+) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """The function and arguments `asyncio.to_thread` was given (it hands the executor a
+    `functools.partial(context.run, func, *args)`); others as they are."""
+    if isinstance(fn, functools.partial) and isinstance(
+        getattr(fn.func, "__self__", None), contextvars.Context
+    ):
+        return fn.args[0], fn.args[1:]
+    return fn, args
+
+
+def _call_named(fn: Callable[..., Any], args: tuple[Any, ...]) -> str:
+    """A call on `serve`'s threads, for the log: "the inference of 'x' on cpu0", "the world step of
+    session 's1' on cpu0", else "a call of Class.method"."""
+    fn, args = _to_thread_target(fn, args)
+    got = _model_call(fn, args, 0.0)
+    if got is not None:
+        return got[0]
+    return f"a call of {getattr(fn, '__qualname__', None) or type(fn).__name__}"
+
+
+def _model_call(fn: Callable[..., Any], args: tuple[Any, ...], grace_s: float) -> tuple[str, Any] | None:
+    """When `fn(*args)` (as `asyncio.to_thread` was given it) runs a model's code on this process's
+    device hosts, an inference (the in-process pool's `infer` or `infer_many`, a dynamic batch:
+    `LocalBatcher._call`) or a world session's step: what it is ("the inference of 'x' on cpu0") and
+    the answer its caller gets when the stop abandons it `grace_s` into the stop, a failed one of
+    the kind it returns, saying that the server is stopping (the manager answers its request
+    UNAVAILABLE, and logs it). None for any other call (a store's write, a status read: waited for)."""
+    from manager.live_batch import LocalBatcher
+
+    fn, args = _to_thread_target(fn, args)
+    owner, name = getattr(fn, "__self__", None), getattr(fn, "__name__", "")
+    pools = sys.modules.get("workers.pool")  # (not imported: no device host in this process)
+    items: list[Any]
+    if isinstance(owner, LocalBatcher) and name == "_call":
+        device, items = owner.device, list(args[0])
+    elif pools is not None and isinstance(owner, pools.InProcessWorkerPool) and args:
+        device = args[0]
+        if name == "infer":
+            items = [(args[1], None)]
+        elif name == "infer_many":
+            items = list(args[1])
+        elif name == "session" and len(args) >= 3 and args[1] == "step":
+            return f"the world step of session {args[2]!r} on {device}", P.SessionReply(
+                False,
+                error=f"the server is stopping, and this step on {device} had not ended {grace_s:g} s into "
+                "the stop; it was abandoned (its thread left running to the process's end)",
+            )
+        else:
+            return None
+    else:
+        return None
+    models = sorted({str(m) for m, _ in items})
+    what = f"the inference of {', '.join(repr(m) for m in models)} on {device}"
+    why = (
+        f"the server is stopping, and its inference on {device} had not ended {grace_s:g} s into the "
+        "stop; it was abandoned (its thread left running to the process's end): retry when the server "
+        "is back"
+    )
+    answers = [P.InferResult(str(m), False, error=f"model {str(m)!r}: {why}") for m, _ in items]
+    return what, (answers[0] if name == "infer" else answers)
+
+
+@dataclasses.dataclass(eq=False)
+class _Call:
+    """One call on `StopBoundedExecutor`'s threads."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    future: concurrent.futures.Future[Any]
+    since: float = 0.0
+    abandoned: bool = False
+
+
+_stop_executors: weakref.WeakSet[StopBoundedExecutor] = weakref.WeakSet()
+"""The executors `serve` made in this process (`abandoned_calls`)."""
+
+
+class StopBoundedExecutor(concurrent.futures.ThreadPoolExecutor):
+    """`serve`'s event loop's default executor (what `asyncio.to_thread` runs on: in-process
+    inferences and world steps, the store's writes). A ThreadPoolExecutor whose stop is bounded: its
+    threads are daemon threads, which the interpreter's exit does not join; `abandon_running` answers
+    the calls of a model's code running now for their callers (`_model_call`) and leaves their
+    threads to the process's end; `shutdown` (the event loop's close) waits for the others at most
+    `shutdown_grace_s`, then abandons them too, logged. A ThreadPoolExecutor's shutdown waits for a
+    model's forward that never returns for good (Python 3.11's `shutdown_default_executor` has no
+    timeout), and so did the process's exit. What an abandoned call still runs is said by
+    `abandoned_calls` (`residency serve`'s exit: `manager.cli._exit_past_abandoned`)."""
+
+    def __init__(
+        self, max_workers: int | None = None, *, shutdown_grace_s: float = STOP_EXECUTOR_GRACE_S
+    ) -> None:
+        super().__init__(max_workers, thread_name_prefix="residency-serve")  # (its own threads unused)
+        self.shutdown_grace_s = shutdown_grace_s
+        self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._mu = threading.Lock()
+        self._workers: set[threading.Thread] = set()  # the threads that take calls (not abandoned)
+        self._idle = 0  # of them, waiting for a call no submit has counted on yet
+        self._running: dict[threading.Thread, _Call] = {}
+        self._abandoned: list[_Call] = []  # abandoned, still running
+        self._closed = False
+        self._names = itertools.count()
+        _stop_executors.add(self)
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
+        call = _Call(fn, args, kwargs, concurrent.futures.Future())
+        with self._mu:
+            if self._closed:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            self._queue.put(call)
+            if self._idle > 0:
+                self._idle -= 1
+            elif len(self._workers) < self._max_workers:
+                name = f"residency-serve_{next(self._names)}"
+                t = threading.Thread(target=self._work, name=name, daemon=True)
+                self._workers.add(t)
+                t.start()
+        return call.future
+
+    def _work(self) -> None:
+        me = threading.current_thread()
+        while (call := self._queue.get()) is not None:
+            if call.future.set_running_or_notify_cancel():
+                call.since = time.monotonic()
+                with self._mu:
+                    self._running[me] = call
+                try:
+                    self._settle(call, call.fn(*call.args, **call.kwargs))
+                except BaseException as e:
+                    self._settle(call, error=e)
+            with self._mu:
+                self._running.pop(me, None)
+                if call.abandoned:  # this thread was given up: the executor has others by now
+                    self._abandoned.remove(call)
+                    return
+                self._idle += 1
+            del call
+        with self._mu:
+            self._workers.discard(me)
+
+    def _settle(self, call: _Call, result: Any = None, *, error: BaseException | None = None) -> None:
+        """Its future's answer, unless it has one (the stop's, when it was abandoned)."""
+        try:
+            if error is not None:
+                call.future.set_exception(error)
+            else:
+                call.future.set_result(result)
+        except concurrent.futures.InvalidStateError:  # (checked and set under the future's own lock)
+            pass
+
+    def _abandon(self, thread: threading.Thread, call: _Call) -> None:
+        call.abandoned = True  # (under self._mu)
+        self._abandoned.append(call)
+        self._workers.discard(thread)
+
+    def abandon_running(self, grace_s: float) -> list[str]:
+        """The calls of a model's code running now (`_model_call`: inferences and world steps on this
+        process's device hosts, `grace_s` into the stop) are answered now, saying that the server is
+        stopping, and their threads are left to the process's end, logged; the other calls run on.
+        What it abandoned, one phrase each."""
+        picked: list[tuple[_Call, str, Any]] = []
+        with self._mu:
+            for thread, call in list(self._running.items()):
+                if call.abandoned or (got := _model_call(call.fn, call.args, grace_s)) is None:
+                    continue
+                self._abandon(thread, call)
+                picked.append((call, *got))
+        now = time.monotonic()
+        for call, what, answer in picked:
+            logger.warning(
+                "stopping: %s (running %.1f s) had not ended %g s into the stop; its caller is answered "
+                "that the server is stopping, and its thread is left to the process's end", what,
+                now - call.since, grace_s,
+            )  # fmt: skip
+            self._settle(call, answer)
+        return [what for _, what, _ in picked]
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """No call after it; with `wait`, the calls running (or queued) are waited for, at most
+        `shutdown_grace_s`; those still running then are abandoned, logged, their threads left to the
+        process's end (those queued are cancelled)."""
+        with self._mu:
+            self._closed = True
+            workers = list(self._workers)
+        if cancel_futures:
+            self._cancel_queued()
+        for _ in workers:
+            self._queue.put(None)
+        if not wait:
+            return
+        deadline = time.monotonic() + self.shutdown_grace_s
+        for t in workers:
+            t.join(max(0.0, deadline - time.monotonic()))
+        with self._mu:
+            left = [(t, c) for t, c in self._running.items() if not c.abandoned]
+            for t, c in left:
+                self._abandon(t, c)
+        self._cancel_queued()
+        now = time.monotonic()
+        for _, call in left:
+            what = _call_named(call.fn, call.args)
+            logger.warning(
+                "stopping: %s (running %.1f s) had not ended %g s after the service stopped; abandoned, "
+                "its thread is left to the process's end", what, now - call.since, self.shutdown_grace_s,
+            )  # fmt: skip
+            self._settle(call, error=RuntimeError(f"abandoned at the service's stop: {what}"))
+
+    def _cancel_queued(self) -> None:
+        while True:
+            try:
+                call = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if call is not None:
+                call.future.cancel()
+
+    def still_running(self) -> list[str]:
+        """The calls it abandoned that still run, one phrase each ("the inference of 'x' on cpu0
+        (running 12 s)")."""
+        now = time.monotonic()
+        with self._mu:
+            calls = list(self._abandoned)
+        return [f"{_call_named(c.fn, c.args)} (running {now - c.since:.0f} s)" for c in calls]
+
+
+def abandoned_calls() -> list[str]:
+    """What the stops of `serve` in this process abandoned on their threads (a model's forward that
+    never returns) and still runs, one phrase each; empty when none."""
+    return sorted(x for ex in list(_stop_executors) for x in ex.still_running())
+
+
+def _exit_now(signum: int) -> None:
+    """A second stop signal while the stop is under way: the process ends at once, 128 + `signum`,
+    one line on stderr. Nothing else is done (it may run in a signal handler, between any two steps
+    of the code it interrupted, whose locks it may hold): each served request is in the request
+    journal already (appended in one write(2): in the OS), which the next start sends to the store;
+    without a journal (`store.journal: null`) the last second's request log, not yet in the store, is
+    lost, and so are the statistics the stop would have saved."""
+    name = signal.Signals(signum).name
+    line = f"residency: second {name}: exiting now, without waiting for the stop to finish\n"
+    with contextlib.suppress(OSError):
+        os.write(2, line.encode())
+    os._exit(128 + signum)
+
+
+class _StopSignals:
+    """`serve`'s stop signals, on its event loop: the first stops the service (`stop` set, and each
+    one's number in `came`); a second, while the stop is under way, ends the process at once
+    (`_exit_now`)."""
+
+    def __init__(self, stop: asyncio.Event, came: list[int]) -> None:
+        self.stop = stop
+        self.came = came
+        self.held: dict[int, Any] = {}  # the handlers the first signal replaced
+
+    def on_signal(self, sig: int) -> None:
+        if self.came:  # a second one while the stop is under way: the process ends now
+            _exit_now(sig)
+        self.came.append(sig)
+        self.stop.set()
+        self._next_exits()
+
+    def _next_exits(self) -> None:
+        """After the first stop signal, the next one ends the process from Python's own handler,
+        which runs even while the event loop is held (a blocking step of the stop): the loop's own
+        handler (`on_signal`) would run only once the loop is free again."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for s in STOP_SIGNALS:
+            self.held[s] = signal.signal(s, lambda signum, frame: _exit_now(signum))
+
+    def put_back(self) -> None:
+        """The handlers from before the first signal (the event loop's: `on_signal` says a second
+        one, until the loop closes)."""
+        for s, h in self.held.items():
+            signal.signal(s, h)
+        self.held.clear()
 
 
 class _ReloadOnLoop:
@@ -562,10 +862,12 @@ async def serve(
     stop = asyncio.Event()
     stopped_by: list[int] = []  # the signals that came
     loop = asyncio.get_running_loop()
-
-    def on_signal(sig: int) -> None:
-        stopped_by.append(sig)
-        stop.set()
+    # its threads (asyncio.to_thread: in-process inferences, world steps, the store's writes) do not
+    # hold the stop, nor the process's exit, when a model's forward never returns
+    executor = StopBoundedExecutor()
+    loop.set_default_executor(executor)
+    signals = _StopSignals(stop, stopped_by)
+    on_signal = signals.on_signal
 
     # a Ctrl-C during start-up stops it cleanly; SIGHUP (its terminal closed) stops it as cleanly, the
     # request log flushed, instead of killing it. Until Ray starts, `_stop_signals_end_start_up` holds
@@ -650,6 +952,10 @@ async def serve(
         # the front ends stop beside this server, not before it: the calls they relay are answered by
         # it as its own are (world streams told their session, loads given up at the grace)
         fronts_stopping = asyncio.ensure_future(fronts.stop()) if fronts is not None else None
+        # at the grace, the requests whose model's forward still runs in this process (it may never
+        # return) are answered, from a timer: through the front ends (the fast path), this server's
+        # own stop may end long before
+        grace_end = loop.call_later(STOP_GRACE_S, executor.abandon_running, STOP_GRACE_S)
         if server is not None:
             server.world_stopping.set()  # open world streams end now (their sessions saved), not at grace
             closing = asyncio.ensure_future(server.stop(grace=STOP_GRACE_S + STOP_ANSWER_S))
@@ -666,3 +972,5 @@ async def serve(
             thread.join(5.0)
         pool.close()
         store.close()
+        grace_end.cancel()  # (what still runs then is the executor's shutdown's: bounded too)
+        signals.put_back()
