@@ -617,7 +617,8 @@ class StopBoundedExecutor(concurrent.futures.ThreadPoolExecutor):
         self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self._mu = threading.Lock()
         self._workers: set[threading.Thread] = set()  # the threads that take calls (not abandoned)
-        self._idle = 0  # of them, waiting for a call no submit has counted on yet
+        self._waiting = 0  # of them, blocked waiting for a call
+        self._queued = 0  # calls queued, not taken by a worker yet
         self._running: dict[threading.Thread, _Call] = {}
         self._abandoned: list[_Call] = []  # abandoned, still running
         self._closed = False
@@ -630,18 +631,31 @@ class StopBoundedExecutor(concurrent.futures.ThreadPoolExecutor):
             if self._closed:
                 raise RuntimeError("cannot schedule new futures after shutdown")
             self._queue.put(call)
-            if self._idle > 0:
-                self._idle -= 1
-            elif len(self._workers) < self._max_workers:
-                name = f"residency-serve_{next(self._names)}"
-                t = threading.Thread(target=self._work, name=name, daemon=True)
-                self._workers.add(t)
-                t.start()
+            self._queued += 1
+            self._staff()
         return call.future
+
+    def _staff(self) -> None:
+        """(Under self._mu.) A worker more while queued calls outnumber the workers waiting for one,
+        within `max_workers`: a call never waits for a worker that is busy (or abandoned: its thread
+        no longer counts) while the executor may start another."""
+        if self._queued > self._waiting and len(self._workers) < self._max_workers:
+            name = f"residency-serve_{next(self._names)}"
+            t = threading.Thread(target=self._work, name=name, daemon=True)
+            self._workers.add(t)
+            self._waiting += 1  # (it is about to wait for the call it was started for)
+            t.start()
 
     def _work(self) -> None:
         me = threading.current_thread()
-        while (call := self._queue.get()) is not None:
+        while True:
+            call = self._queue.get()  # (counted in `_waiting` meanwhile)
+            with self._mu:
+                self._waiting -= 1
+                if call is None:  # the shutdown's
+                    self._workers.discard(me)
+                    return
+                self._queued -= 1
             if call.future.set_running_or_notify_cancel():
                 call.since = time.monotonic()
                 with self._mu:
@@ -655,10 +669,8 @@ class StopBoundedExecutor(concurrent.futures.ThreadPoolExecutor):
                 if call.abandoned:  # this thread was given up: the executor has others by now
                     self._abandoned.remove(call)
                     return
-                self._idle += 1
+                self._waiting += 1
             del call
-        with self._mu:
-            self._workers.discard(me)
 
     def _settle(self, call: _Call, result: Any = None, *, error: BaseException | None = None) -> None:
         """Its future's answer, unless it has one (the stop's, when it was abandoned)."""
@@ -674,6 +686,8 @@ class StopBoundedExecutor(concurrent.futures.ThreadPoolExecutor):
         call.abandoned = True  # (under self._mu)
         self._abandoned.append(call)
         self._workers.discard(thread)
+        if not self._closed:
+            self._staff()  # the calls queued behind it get a thread of their own
 
     def abandon_running(self, grace_s: float) -> list[str]:
         """The calls of a model's code running now (`_model_call`: inferences and world steps on this
@@ -734,6 +748,8 @@ class StopBoundedExecutor(concurrent.futures.ThreadPoolExecutor):
             except queue.Empty:
                 return
             if call is not None:
+                with self._mu:
+                    self._queued -= 1
                 call.future.cancel()
 
     def still_running(self) -> list[str]:

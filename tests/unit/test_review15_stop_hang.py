@@ -418,3 +418,43 @@ def test_a_call_still_running_past_the_shutdown_grace_is_abandoned_and_named(gat
     _until(lambda: not any("stuck_r15" in x for x in abandoned_calls()), "its end to be seen")
     with pytest.raises(RuntimeError, match="after shutdown"):
         executor.submit(print)
+
+
+def test_a_call_after_a_burst_and_hung_forwards_still_gets_a_thread() -> None:
+    """The executor counted a worker as idle when it finished a call, though it then took a call queued
+    behind it (a burst of one more call than it has threads): the count stayed one too high. Once
+    every thread ran a forward that never returns and the grace abandoned them, the next call (the
+    stop's log flush) was counted on that idle worker, no thread was started, and it never ran (found
+    in review)."""
+    never = threading.Event()
+
+    class HungPool(InProcessWorkerPool):
+        def infer(self, device: str, model: str, inputs: Any, timeout_s: float = 30.0) -> P.InferResult:
+            never.wait()
+            return P.InferResult(model, True)
+
+    pool = HungPool([DeviceSpec("cpu9")])
+    ex = StopBoundedExecutor(shutdown_grace_s=1.0)
+    n = ex._max_workers
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_default_executor(ex)
+        gate = threading.Event()
+        burst = [asyncio.ensure_future(asyncio.to_thread(gate.wait, 30)) for _ in range(n + 1)]
+        await asyncio.sleep(0.1)
+        gate.set()
+        assert all(await asyncio.gather(*burst))
+        hung = [asyncio.ensure_future(asyncio.to_thread(pool.infer, "cpu9", "hung", {})) for _ in range(n)]
+        while len(ex._running) < n:
+            await asyncio.sleep(0.01)
+        assert len(ex.abandon_running(0.0)) == n
+        answers = await asyncio.gather(*hung)
+        assert all(not a.ok and "the server is stopping" in a.error for a in answers)
+        flushed = asyncio.ensure_future(asyncio.to_thread(lambda: "flushed"))
+        done, _ = await asyncio.wait([flushed], timeout=30)
+        assert flushed in done and flushed.result() == "flushed"
+
+    try:
+        asyncio.run(main())
+    finally:
+        never.set()
