@@ -557,9 +557,9 @@ def _model_call(fn: Callable[..., Any], args: tuple[Any, ...], grace_s: float) -
         device, items = owner.device, list(args[0])
     elif pools is not None and isinstance(owner, pools.InProcessWorkerPool) and args:
         device = args[0]
-        if name == "infer":
+        if name == "infer" and len(args) >= 2:
             items = [(args[1], None)]
-        elif name == "infer_many":
+        elif name == "infer_many" and len(args) >= 2:
             items = list(args[1])
         elif name == "session" and len(args) >= 3 and args[1] == "step":
             return f"the world step of session {args[2]!r} on {device}", P.SessionReply(
@@ -697,7 +697,10 @@ class StopBoundedExecutor(concurrent.futures.ThreadPoolExecutor):
         picked: list[tuple[_Call, str, Any]] = []
         with self._mu:
             for thread, call in list(self._running.items()):
-                if call.abandoned or (got := _model_call(call.fn, call.args, grace_s)) is None:
+                # (a call whose answer is set is ending: its worker is about to let it go)
+                if call.abandoned or call.future.done():
+                    continue
+                if (got := _model_call(call.fn, call.args, grace_s)) is None:
                     continue
                 self._abandon(thread, call)
                 picked.append((call, *got))

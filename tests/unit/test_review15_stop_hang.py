@@ -458,3 +458,29 @@ def test_a_call_after_a_burst_and_hung_forwards_still_gets_a_thread() -> None:
         asyncio.run(main())
     finally:
         never.set()
+
+
+def test_a_call_that_has_answered_is_not_taken_for_abandoned() -> None:
+    """Between a call's answer (whose done-callbacks run at once, on its worker) and its worker letting
+    it go, the grace's `abandon_running` took it for a forward that had not ended: logged so, named in
+    what the exit says still runs, and its worker thread given up (found in review)."""
+
+    class QuickPool(InProcessWorkerPool):
+        def infer(self, device: str, model: str, inputs: Any, timeout_s: float = 30.0) -> P.InferResult:
+            return P.InferResult(model, True)
+
+    pool = QuickPool([DeviceSpec("cpu8")])
+    ex = StopBoundedExecutor(max_workers=2, shutdown_grace_s=1.0)
+    in_callback, go_on = threading.Event(), threading.Event()
+    try:
+        fut = ex.submit(pool.infer, "cpu8", "quick", {}, 30.0)
+        fut.add_done_callback(lambda _f: (in_callback.set(), go_on.wait(30)))
+        assert in_callback.wait(30)  # answered; its worker is still inside the callback
+        assert fut.result().ok
+        assert ex.abandon_running(5.0) == []
+        go_on.set()
+    finally:
+        go_on.set()
+        ex.shutdown()
+        pool.close()
+    assert ex.still_running() == []
