@@ -33,8 +33,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, NoReturn
 
 import grpc
 
@@ -153,13 +153,7 @@ class WorldSessionServicer(pb_grpc.WorldSessionServicer):
             stop.cancel()
         if read.done() and not self.stopping.is_set():
             return read.result()
-        read.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await read
-        if self.stopping.is_set():
-            raise ServerStopping
-        assert idle_s is not None  # (without a limit, the wait ends only with the read or the stop)
-        raise ClientIdle(idle_s)
+        await self._given_up(read, idle_s, ClientIdle)
 
     async def _send(self, context: Any, out: pb.WorldOutput, limit_s: float | None) -> None:
         """Write `out` to the client's stream; ServerStopping once the server stops, ClientNotReading
@@ -183,12 +177,20 @@ class WorldSessionServicer(pb_grpc.WorldSessionServicer):
         if sent:
             write.result()  # sent (or gRPC's own error, a grpc.aio.BaseError: the stream is gone)
             return
+        await self._given_up(write, limit_s, ClientNotReading)
+
+    async def _given_up(
+        self, task: asyncio.Future[Any], limit_s: float | None, timed_out: Callable[[float], Exception]
+    ) -> NoReturn:
+        """A read or write given up: `task` cancelled and let end, then ServerStopping when the server
+        stops, else `timed_out(limit_s)` (its limit ran out)."""
+        task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
-            await write
+            await task
         if self.stopping.is_set():
             raise ServerStopping
-        assert limit_s is not None  # (without a limit, the wait ends only with the write or the stop)
-        raise ClientNotReading(limit_s)
+        assert limit_s is not None  # (without a limit, the wait ends only with the task or the stop)
+        raise timed_out(limit_s)
 
     async def _ended(self, sid: str | None, e: ResidencyError | str) -> str:
         """The status details of a stream that ends on error `e`: once its session is open, the session
