@@ -28,6 +28,11 @@ class RestartNeeded(ValueError):
     """The new config changes what the running service is built from."""
 
 
+class CheckNotAnswered(TimeoutError):
+    """A reload check that got no answer in its time (the service's event loop is held up): what it
+    would have said is not known, and the check is not made later."""
+
+
 class PinsDoNotFit(ConfigError):
     """The new config pins models that, at their measured footprints, do not fit their device together
     with its class reservations (a ConfigError: reported, and the running config kept, as a config

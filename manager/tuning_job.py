@@ -18,14 +18,12 @@ changed while the run went on (a user's edit) is not overwritten.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import math
 import os
 import shutil
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,10 +40,6 @@ from manager.store.export import export_trace
 PERIOD_S = {"daily": 86400.0, "weekly": 7 * 86400.0}
 RETRY_S = 3600.0
 """A scheduled run that failed is tried again after this long."""
-CHECK_S = 60.0
-"""How long the check of a tuned config (`_check_reload`, on the service's event loop) may take: one
-that does not answer by then is not written (as a reload, which waits as long)."""
-
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -332,43 +326,19 @@ class _Refused(Exception):
     """The running service would refuse the tuned config (`check`): the file was not written."""
 
 
-class _NoAnswer(TimeoutError):
-    """The service did not answer the check of a tuned config in `CHECK_S`: it is not written."""
-
-
 def _check_reload(manager: Any, new: Config) -> None:
     """Raise what the service's reload of `new` would raise, changing nothing: the manager's
     `check_reload` (every check its reload makes, the pinned models at the footprints their device
-    hosts measured included), run on its event loop's thread when `manager` is the tuning thread's
-    view of the live manager (its `manager`, run on its `loop`, as its reloads are). A manager with
-    no `check_reload` (a stand-in) is checked by the reload's plan alone. `_NoAnswer`: no answer in
-    `CHECK_S`."""
+    hosts measured included; the service's view, `_ReloadOnLoop`, runs it on the event loop and
+    raises CheckNotAnswered when that does not answer). A manager with no `check_reload` (a stand-in)
+    is checked by the reload's plan alone."""
     from manager.reload import plan_reload
 
     check = getattr(manager, "check_reload", None)
     if callable(check):
         check(new)
-        return
-    live, loop = getattr(manager, "manager", None), getattr(manager, "loop", None)
-    check = getattr(live, "check_reload", None)
-    if not callable(check) or not isinstance(loop, asyncio.AbstractEventLoop):
+    else:
         plan_reload(manager.config, new)
-        return
-
-    given_up = threading.Event()
-
-    async def on_loop() -> object:
-        return None if given_up.is_set() else check(new)  # (a check given up on is not made late)
-
-    answer = asyncio.run_coroutine_threadsafe(on_loop(), loop)
-    try:
-        answer.result(timeout=CHECK_S)
-    except TimeoutError:
-        given_up.set()
-        answer.cancel()
-        raise _NoAnswer(
-            f"the service did not answer the check of the tuned config in {CHECK_S:g} s"
-        ) from None
 
 
 def _write_tuned(
@@ -461,7 +431,7 @@ def _apply(manager: Any, config_path: Path, outcome: TuningOutcome, began: bytes
     (`began`: its bytes then) is left to its editor, nothing applied."""
     from pydantic import ValidationError
 
-    from manager.reload import RestartNeeded
+    from manager.reload import CheckNotAnswered, RestartNeeded
     from manager.replay.tune import with_settings
 
     assert outcome.proposal is not None
@@ -473,7 +443,7 @@ def _apply(manager: Any, config_path: Path, outcome: TuningOutcome, began: bytes
         logger.warning("scheduled tuning: %s", outcome.reason)
         return False
     except _Refused as e:
-        why = "could not check it" if isinstance(e.__cause__, _NoAnswer) else "would refuse it"
+        why = "could not check it" if isinstance(e.__cause__, CheckNotAnswered) else "would refuse it"
         outcome.reason += (
             f"; not applied: the service {why} ({e}); {config_path} left as it was "
             f"(the proposal: {outcome.proposal})"

@@ -819,12 +819,36 @@ class _StopSignals:
 
 
 class _ReloadOnLoop:
-    """The manager as the tuning thread sees it: its config, and a reload that runs on the event
-    loop's thread (the manager is not thread-safe), waiting for its result."""
+    """The manager as the tuning thread sees it: its config, and a reload and a reload's check that
+    run on the event loop's thread (the manager is not thread-safe), waiting for their result."""
+
+    CHECK_S = 60.0
+    """How long `check_reload` waits for the event loop: as long as a reload does."""
 
     def __init__(self, manager: LiveManager, loop: asyncio.AbstractEventLoop) -> None:
         self.manager = manager
         self.loop = loop
+
+    def check_reload(self, new: Config) -> list[str]:
+        """`LiveManager.check_reload(new)` on the event loop: what a reload would apply, or the error
+        it would raise, changing nothing. CheckNotAnswered: no answer in CHECK_S (the check given up
+        on is not made late)."""
+        from manager.reload import CheckNotAnswered
+
+        given_up = threading.Event()
+
+        async def on_loop() -> list[str]:
+            return [] if given_up.is_set() else self.manager.check_reload(new)
+
+        answer = asyncio.run_coroutine_threadsafe(on_loop(), self.loop)
+        try:
+            return answer.result(timeout=self.CHECK_S)
+        except TimeoutError:
+            given_up.set()
+            answer.cancel()
+            raise CheckNotAnswered(
+                f"the service did not answer the check of the tuned config in {self.CHECK_S:g} s"
+            ) from None
 
     @property
     def config(self) -> Config:

@@ -18,7 +18,6 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -354,7 +353,7 @@ def test_a_check_the_service_does_not_answer_leaves_the_file_unwritten(
     before = path.read_bytes()
     store = open_store(f"sqlite:///{tmp_path / 'state.db'}")
     monkeypatch.setattr(job, "run_tuning", _tuned(FITS))
-    monkeypatch.setattr(job, "CHECK_S", 0.05)
+    monkeypatch.setattr(_ReloadOnLoop, "CHECK_S", 0.05)
     checked: list[Config] = []
     reloaded: list[Config] = []
 
@@ -370,7 +369,13 @@ def test_a_check_the_service_does_not_answer_leaves_the_file_unwritten(
     thread.start()
     held = threading.Event()
     loop.call_soon_threadsafe(held.wait)  # the loop is busy until the test lets it go
-    bridge = SimpleNamespace(manager=Live(), loop=loop, config=Live.config, reload=reloaded.append)
+
+    class Bridge(_ReloadOnLoop):  # the service's own view; its reload is recorded, never made
+        def reload(self, new: Config) -> list[str]:
+            reloaded.append(new)
+            return []
+
+    bridge = Bridge(Live(), loop)  # type: ignore[arg-type]
     try:
         with caplog.at_level(logging.WARNING, logger="manager.tuning_job"):
             out = tuning_step(bridge, path, store, 1e9)
