@@ -166,14 +166,14 @@ def _private_sessions_dir(d: Path) -> None:
     access (made by an earlier version, or by hand) is tightened, logged. Only this folder: a parent
     of it, the user's, is left as it is. A failure is logged: a session still opens (its own folder
     and files are private whatever this one's mode)."""
-    from worldpager.segment_log import make_private_dirs
+    from worldpager.segment_log import OTHERS, make_private_dirs
 
     try:
         make_private_dirs(d)
         mode = d.stat().st_mode  # (a link the user put there: the folder it names is the sessions')
-        if stat.S_IMODE(mode) & 0o077:
-            os.chmod(d, stat.S_IMODE(mode) & ~0o077)
-            logger.warning("store.sessions %s was open to other users: their access is taken away", d)
+        if stat.S_IMODE(mode) & OTHERS:
+            os.chmod(d, stat.S_IMODE(mode) & ~OTHERS)
+            logger.warning("store.sessions %s was open to other users: made private", d)
     except OSError as e:
         logger.warning("store.sessions %s: cannot make it private: %s", d, e)
 

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from workers import protocol as P
+from worldpager.segment_log import OTHERS
 
 logger = logging.getLogger(__name__)
 
@@ -83,10 +84,6 @@ def not_plain(log_dir: Path) -> str | None:
     return None
 
 
-OTHERS = 0o077
-"""The group's and others' permission bits: none on a saved session's folder and files."""
-
-
 def make_private(session_id: str, log_dir: Path) -> None:
     """Take group and other access away from the saved session in ``log_dir``: its folder and its
     files (`SAVED_FILES`). WorldPager creates them private (folders 0700, files 0600); a session saved
@@ -110,7 +107,7 @@ def make_private(session_id: str, log_dir: Path) -> None:
             os.close(fd)
     if tightened:
         logger.info(
-            "world session %r: %s in %s could be read by other users: made private",
+            "world session %r: %s in %s was open to other users: made private",
             session_id, ", ".join(tightened), log_dir,
         )  # fmt: skip
 

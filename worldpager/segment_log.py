@@ -109,6 +109,7 @@ __all__ = [
     "MAX_PAGES",
     "MAX_POSE",
     "META_NAME",
+    "OTHERS",
     "SLOT_ALIGN",
     "CorruptSlotError",
     "ForeignSlotError",
@@ -127,6 +128,10 @@ LOG_NAME, INDEX_NAME, META_NAME = "segments.wplog", "index.json", "meta.json"
 PRIVATE_FILE, PRIVATE_DIR = 0o600, 0o700
 """The modes a log's files and folders are created with (the process's umask can only take more away):
 its owner's alone, never readable by another local user."""
+OTHERS = 0o077
+"""The group's and others' permission bits: none on a saved session's folders and files (a folder or
+file made by an earlier version with them is tightened when found: `workers.world.make_private`,
+`manager.live_sessions`)."""
 _CHUNK = 16 << 20
 _INT_FIELDS = ("segment_id", "frame_start", "frame_end", "position", "payload_len", "checksum")
 
