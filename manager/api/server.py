@@ -784,22 +784,45 @@ def _exit_now(signum: int) -> None:
     os._exit(128 + signum)
 
 
+SAME_STOP_S = 0.2
+"""A stop signal within this long of the first is taken for the same stop, not a second one: a
+supervisor that signals the whole process group while the `make` above the service forwards its own
+signal delivers two at once (a person's second Ctrl-C comes later than this)."""
+
+
 class _StopSignals:
     """`serve`'s stop signals, on its event loop: the first stops the service (`stop` set, and each
     one's number in `came`); a second, while the stop is under way, ends the process at once
-    (`_exit_now`)."""
+    (`_exit_now`); one within SAME_STOP_S of the first is the same stop (said on stderr)."""
 
-    def __init__(self, stop: asyncio.Event, came: list[int]) -> None:
+    def __init__(
+        self, stop: asyncio.Event, came: list[int], clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.stop = stop
         self.came = came
+        self.clock = clock
+        self.first_at: float | None = None
         self.held: dict[int, Any] = {}  # the handlers the first signal replaced
 
     def on_signal(self, sig: int) -> None:
-        if self.came:  # a second one while the stop is under way: the process ends now
-            _exit_now(sig)
+        if self.came:  # another one while the stop is under way
+            self._again(sig)
+            return
+        self.first_at = self.clock()
         self.came.append(sig)
         self.stop.set()
         self._next_exits()
+
+    def _again(self, sig: int) -> None:
+        """A signal after the first: the same stop when it came with it, else the process ends now.
+        It may run in a signal handler: it writes with os.write alone (no lock it could hold)."""
+        if self.first_at is not None and self.clock() - self.first_at < SAME_STOP_S:
+            name = signal.Signals(sig).name
+            line = f"residency: {name} came with the first stop signal: the same stop\n"
+            with contextlib.suppress(OSError):
+                os.write(2, line.encode())
+            return
+        _exit_now(sig)
 
     def _next_exits(self) -> None:
         """After the first stop signal, the next one ends the process from Python's own handler,
@@ -808,7 +831,7 @@ class _StopSignals:
         if threading.current_thread() is not threading.main_thread():
             return
         for s in STOP_SIGNALS:
-            self.held[s] = signal.signal(s, lambda signum, frame: _exit_now(signum))
+            self.held[s] = signal.signal(s, lambda signum, frame: self._again(signum))
 
     def put_back(self) -> None:
         """The handlers from before the first signal (the event loop's: `on_signal` says a second

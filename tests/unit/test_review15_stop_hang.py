@@ -38,7 +38,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from manager.api.server import StopBoundedExecutor, abandoned_calls
+from manager.api.server import SAME_STOP_S, StopBoundedExecutor, abandoned_calls
 from manager.live_batch import LocalBatcher
 from residency_proto.inference import grpc_service_pb2 as pb
 from residency_proto.inference import grpc_service_pb2_grpc as pb_grpc
@@ -259,6 +259,7 @@ def test_a_second_sigint_while_the_stop_waits_for_an_inference_exits_at_once(ser
     s.until(lambda: (s.work / "inferring").exists(), "the inference to start")
     s.proc.send_signal(signal.SIGTERM)
     s.until(s.stopping, "the stop to begin")
+    time.sleep(SAME_STOP_S + 0.1)  # a second signal, not one that came with the first
     s.proc.send_signal(signal.SIGINT)
     rc = s.wait()
     text = s.text()
@@ -278,6 +279,7 @@ def test_a_second_sigint_while_a_blocking_step_holds_the_event_loop_exits_at_onc
     s.until(lambda: (s.work / "loading").exists(), "the load to start")
     s.proc.send_signal(signal.SIGTERM)
     s.until(lambda: (s.work / "closing").exists(), "the pool's close")
+    time.sleep(SAME_STOP_S + 0.1)
     s.proc.send_signal(signal.SIGINT)
     rc = s.wait()
     text = s.text()
@@ -285,6 +287,25 @@ def test_a_second_sigint_while_a_blocking_step_holds_the_event_loop_exits_at_onc
     assert text.strip().splitlines()[-1] == (
         "residency: second SIGINT: exiting now, without waiting for the stop to finish"
     )
+
+
+def test_two_signals_that_come_together_are_one_stop(served: Any) -> None:
+    """Review 16: a supervisor that signals the whole process group (systemd's control-group kill)
+    while the `make run` above the service forwards its own SIGTERM delivers two at once. Before, the
+    second ended the process at once (exit 143: no stop, nothing flushed). Now one within SAME_STOP_S
+    of the first is the same stop: the stop runs to its end, exit status 0."""
+    s = served("infer")
+    s.ask()
+    s.until(lambda: (s.work / "inferring").exists(), "the inference to start")
+    os.kill(s.proc.pid, signal.SIGTERM)
+    time.sleep(0.03)  # (two sent at the same moment are one: the kernel merges a pending signal)
+    os.kill(s.proc.pid, signal.SIGTERM)
+    rc = s.wait()
+    text = s.text()
+    assert rc == 0, text
+    assert "residency: SIGTERM came with the first stop signal: the same stop" in text
+    assert "exiting now" not in text
+    assert (s.work / "atexit").exists()  # the stop's own steps ran (the log flushed)
 
 
 # ---- the executor itself, in this process
