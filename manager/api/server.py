@@ -1025,7 +1025,10 @@ async def serve(
         if server is not None:
             server.world_stopping.set()  # open world streams end now (their sessions saved), not at grace
             closing = asyncio.ensure_future(server.stop(grace=STOP_GRACE_S + STOP_ANSWER_S))
-            await asyncio.wait([closing], timeout=STOP_GRACE_S)  # requests in flight may end by themselves
+            # requests in flight may end by themselves: this server's, and the front ends' (their
+            # ModelInfer calls come over the fast path, not through this server)
+            in_flight = [closing] if fronts_stopping is None else [closing, fronts_stopping]
+            await asyncio.wait(in_flight, timeout=STOP_GRACE_S)
             manager.abandon_waits()  # those still waiting for a load are answered now, not cancelled
             await closing
         if fronts_stopping is not None:

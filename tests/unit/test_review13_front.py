@@ -268,6 +268,19 @@ class TestAStopThroughAFrontEnd:
     def test_the_front_ends_grace_is_the_managers(self) -> None:
         assert front_mod.STOP_GRACE_S >= server_mod.STOP_GRACE_S + server_mod.STOP_ANSWER_S
 
+    def test_a_call_whose_load_ends_within_the_grace_is_served(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Review 16: the stop waited STOP_GRACE_S for the manager's own gRPC server's calls alone;
+        through a front end a ModelInfer call is none of them (it comes over the fast path), so the
+        requests waiting for a load were answered "the service is stopping" at once, not after the
+        grace. Now the grace waits for the front ends' calls too: a load that ends 2 s into the
+        stop serves its request."""
+        seen = self._stop_during(tmp_path, monkeypatch, "load", release_after_s=2.0)
+        assert "error" not in seen, seen["error"]
+        assert seen["answer"].model_name == "embed"
+        assert seen["after_s"] >= 2.0
+
     def test_a_call_waiting_for_a_load_is_answered_that_the_service_is_stopping(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
