@@ -17,9 +17,12 @@ from typing import Any, get_args
 import annotated_types
 from pydantic import BaseModel, ValidationError
 from ruamel.yaml import YAML
-from ruamel.yaml.comments import CommentedMap
+from ruamel.yaml.comments import CommentedMap, TaggedScalar
+from ruamel.yaml.constructor import ConstructorError, RoundTripConstructor
 from ruamel.yaml.error import MarkedYAMLError, YAMLError
+from ruamel.yaml.reader import ReaderError
 from ruamel.yaml.representer import RoundTripRepresenter
+from ruamel.yaml.scalarbool import ScalarBoolean
 from ruamel.yaml.tokens import CommentToken
 
 from manager.config_schema import (
@@ -91,9 +94,39 @@ _Representer.add_representer(
 )
 
 
+class _Constructor(RoundTripConstructor):
+    """Round-trip constructor whose `!!bool maybe`, `!!int abc` and `!!float x` are YAML errors at
+    their line: ruamel let a KeyError (a traceback from `config check`) or a ValueError out."""
+
+    def _scalar(self, node: Any, tag: str, kind: str) -> Any:
+        try:
+            return RoundTripConstructor.yaml_constructors[f"tag:yaml.org,2002:{tag}"](self, node)
+        except (KeyError, ValueError) as exc:
+            if "Exceeds the limit" in str(exc):  # an integer of 5000 digits: said by _parse_yaml
+                raise
+            problem = f"{shown(node.value)} is not {kind}, as its tag !!{tag} says"
+            raise ConstructorError(None, None, problem, node.start_mark) from None
+
+    def construct_checked_bool(self, node: Any) -> Any:
+        return self._scalar(node, "bool", "true or false")
+
+    def construct_checked_int(self, node: Any) -> Any:
+        return self._scalar(node, "int", "a whole number")
+
+    def construct_checked_float(self, node: Any) -> Any:
+        return self._scalar(node, "float", "a number")
+
+
+_BOOL_TAG, _INT_TAG, _FLOAT_TAG = (f"tag:yaml.org,2002:{t}" for t in ("bool", "int", "float"))
+_Constructor.add_constructor(_BOOL_TAG, _Constructor.construct_checked_bool)
+_Constructor.add_constructor(_INT_TAG, _Constructor.construct_checked_int)
+_Constructor.add_constructor(_FLOAT_TAG, _Constructor.construct_checked_float)
+
+
 def _yaml() -> YAML:
     yaml = YAML(typ="rt")
     yaml.Representer = _Representer
+    yaml.Constructor = _Constructor
     yaml.preserve_quotes = True
     yaml.width = 4096
     return yaml
@@ -106,6 +139,11 @@ MAX_NODES = 100_000
 
 class _TooManyNodes(Exception):
     pass
+
+
+_STR_TAG = "tag:yaml.org,2002:str"
+"""YAML's own tag for a string (`name: !!str 2026`), which the round-trip loader keeps as a tagged
+scalar rather than making it a str."""
 
 
 def _plain(node: Any, budget: list[int] | None = None) -> Any:
@@ -123,6 +161,10 @@ def _plain(node: Any, budget: list[int] | None = None) -> Any:
         return [_plain(v, budget) for v in node]
     if isinstance(node, bool) or node is None:
         return node
+    if isinstance(node, ScalarBoolean):  # an anchored `&b true`: an int subclass, not a bool (was 1)
+        return bool(node)
+    if isinstance(node, TaggedScalar) and node.tag.value == _STR_TAG:  # `!!str 2026`: a string
+        return str(node.value)
     for kind in (str, int, float):
         if isinstance(node, kind):
             return kind(node)
@@ -209,6 +251,9 @@ def _readable_errors(exc: ValidationError, data: Any) -> list[tuple[Loc, str]]:
         loc = _user_loc(data, err["loc"])
         if err["type"] == "invalid_key":
             loc = loc[:-1]
+        elif err["loc"][-1:] == ("[key]",):  # a key of a free mapping (`source: {1: x}`) that is no name:
+            loc = loc[:-1]  # said at the mapping, as invalid_key is, not as `source[1]` (a list index)
+            err = {**err, "type": "invalid_key"}
         inner = err.get("ctx", {}).get("error")
         if isinstance(inner, _FieldErrors):
             out.extend(((*loc, *sub), msg) for sub, msg in inner.errors)
@@ -270,6 +315,11 @@ def _parse_yaml(text: str, file: str) -> Any:
         raise ConfigError(
             file, [("", f"YAML syntax error: {problem}")], [mark.line + 1 if mark else None]
         ) from None
+    except ReaderError as exc:  # a character YAML does not allow: its line, not "<unicode string>"
+        row = text.count("\n", 0, max(exc.position, 0)) + 1
+        char = exc.character if isinstance(exc.character, int) else ord(str(exc.character)[:1] or "\0")
+        msg = f"a character that YAML does not allow in a file (U+{char:04X}, not text); remove it"
+        raise ConfigError(file, [("", msg)], [row]) from None
     except YAMLError as exc:
         raise ConfigError(file, [("", f"YAML error: {exc}")]) from None
     except RecursionError:
@@ -314,7 +364,9 @@ def _validate(data: Any, file: str) -> Config:
     except RecursionError:
         raise ConfigError(file, [("", "YAML nested too deeply")]) from None
     try:
-        return Config.model_validate(plain)
+        # by_name=False: a model's class is `class` in the file, as the JSON Schema says; `class_` (the
+        # Python name, which code may use) was taken from a file too
+        return Config.model_validate(plain, by_name=False)
     except RecursionError:
         raise ConfigError(file, [("", "YAML nested too deeply")]) from None
     except ValidationError as exc:
@@ -375,7 +427,7 @@ def _bound_units(model: type[BaseModel], props: dict[str, Any], defs: dict[str, 
         sub = _submodel(field.annotation)
         if sub is not None and sub.__name__ in defs and sub.__name__ not in seen:
             _bound_units(sub, defs[sub.__name__].get("properties", {}), defs, seen)
-        branches = props.get(field.alias or name, {}).get("anyOf", [])
+        branches = _branches(props.get(field.alias or name, {}))
         bounds = [
             (key, getattr(m, attr))
             for m in field.metadata
@@ -394,6 +446,21 @@ def _bound_units(model: type[BaseModel], props: dict[str, Any], defs: dict[str, 
                     branch[key] = value if old is None else tighter(old, value)
             elif positive and branch.get("pattern") in _ZERO_PATTERNS:
                 branch["not"] = {"pattern": _ZERO_PATTERNS[branch["pattern"]]}
+
+
+def _branches(schema: dict[str, Any]) -> list[dict[str, Any]]:
+    """The alternatives of a field's schema, those of an optional one's value included (`Duration |
+    None` is `anyOf: [{anyOf: [string, number]}, null]`: its bounds go on the inner ones). The
+    `gt: 0` pydantic leaves beside an inner `anyOf` (no JSON Schema word) is dropped."""
+    out: list[dict[str, Any]] = []
+    for branch in schema.get("anyOf", []):
+        if "anyOf" in branch:
+            for attr, _ in _NUMBER_BOUNDS.values():
+                branch.pop(attr, None)
+            out.extend(_branches(branch))
+        else:
+            out.append(branch)
+    return out
 
 
 def _set_path(entry: Any, key: str, value: Any, where: str) -> None:

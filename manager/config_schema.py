@@ -58,10 +58,13 @@ times near float's limits would turn the replay's sums into infinity."""
 
 # What the JSON Schema says of sizes and durations: the spellings parse_size / parse_duration read
 # (not any letters after any digits and dots), up to the largest value load_config takes.
+HOST_DEVICE = "host"
+"""Host RAM's name where a device's would be (an action's `device`, an event's): no device may have it."""
+
 _SIZE_SCHEMA: dict[str, Any] = {
     "anyOf": [
         {"type": "string", "pattern": SIZE_PATTERN},
-        {"type": "number", "minimum": 0, "maximum": MAX_SIZE},  # a fraction of a byte is rounded
+        {"type": "number", "minimum": 0, "maximum": MAX_SIZE},  # a fraction of a byte is rounded up
     ],
     "examples": ["24GiB", "512MiB", 1073741824],
 }
@@ -199,7 +202,7 @@ class ServerConfig(_Model):
     answer within this long (20 s at most) is dropped and its calls are cancelled, so the world session
     of a client that vanished (a laptop asleep, a dropped Wi-Fi link) is closed and frees its model.
     At most 1d (gRPC keeps it in milliseconds in a C int). A change takes effect at the next start."""
-    world_idle_timeout: Duration | None = 600
+    world_idle_timeout: Duration | None = Field(default=600, gt=0)
     """How long an open world session waits for its client: for its next action, and for it to take
     each output (a client that stops reading fills its HTTP/2 window and the server's send waits). A
     client that keeps its `residency.v1.WorldSession` stream open and sends nothing for this long, or
@@ -226,11 +229,19 @@ class ServerConfig(_Model):
     def _host_port(cls, v: str | None) -> str | None:
         return v if v is None else check_host_port(v)
 
-    @field_validator("world_idle_timeout")
+    @field_validator("world_idle_timeout", mode="before")
     @classmethod
-    def _some_wait(cls, v: float | None) -> float | None:
-        if v == 0:
-            raise ValueError("expected a duration above 0, like '10m' (null: no idle timeout), got 0")
+    def _some_wait(cls, v: Any) -> Any:
+        """Zero refused with its own words, before `gt=0` (which puts the bound in the JSON Schema)
+        would say it less helpfully; anything else is left to the duration's own parsing."""
+        try:
+            zero = v is not None and _parse_config_duration(v) == 0
+        except ValueError:
+            zero = False
+        if zero:
+            raise ValueError(
+                f"expected a duration above 0, like '10m' (null: no idle timeout), got {shown(v)}"
+            )
         return v
 
 
@@ -314,8 +325,9 @@ def _check_reserve(memory: int, reserve: int) -> None:
 
 
 class DeviceConfig(_Model):
-    name: str = Field(min_length=1)
-    """Name models refer to, e.g. gpu0."""
+    name: str = Field(min_length=1, json_schema_extra={"not": {"const": HOST_DEVICE}})
+    """Name models refer to, e.g. gpu0. Not `host`: that is host RAM's name in the decisions, events
+    and replay outputs (an action on device `host` is a host-tier move)."""
     kind: Literal["cuda", "cpu"]
     """cuda (a GPU) or cpu (models run on the host's CPU)."""
     index: int = Field(default=0, ge=0, le=255, strict=True)
@@ -326,6 +338,16 @@ class DeviceConfig(_Model):
     """Emergency reserve no model is ever given (driver, CUDA context, fragmentation)."""
     node: str | None = None
     """Ray node the device is on; null for the local node."""
+
+    @field_validator("name")
+    @classmethod
+    def _not_host(cls, v: str) -> str:
+        if v == HOST_DEVICE:
+            raise ValueError(
+                f"expected a device name other than {HOST_DEVICE!r} (host RAM's name in the decisions "
+                "and events), like 'gpu0'"
+            )
+        return v
 
     @model_validator(mode="after")
     def _reserve_below_memory(self) -> DeviceConfig:

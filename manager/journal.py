@@ -8,7 +8,9 @@ second of requests): at the next start the records the store already holds are n
 (`replayed`, `manager.live_persist`).
 One journal serves one service: it is held (an advisory lock on a file beside it, released by `close`
 and by the OS when the process ends, however it ends) for as long as it is open, and a second service
-on the same file (two started from one folder) is refused at its start, naming the one that holds it.
+on the same file (two started from one folder, or one given a symbolic link to the other's journal) is
+refused at its start, naming the one that holds it. A journal named through a symbolic link is kept in
+the file the link points to (a rewrite replaces that file, and leaves the link as it is).
 A line that cannot be read (a torn write at a crash, a damaged byte, a record the store would refuse)
 is skipped, counted and logged with its line number: one bad line must not hold up the others.
 """
@@ -39,10 +41,16 @@ class RequestJournal:
         """OSError naming the file (and the `store.journal` setting) when it cannot be opened;
         `JournalInUse` (an OSError) when another service holds it."""
         self.path = path
-        self.lock_path = path.with_name(path.name + ".lock")
+        """As configured (what messages name); `file` is where it is written."""
+        self.file = self.lock_path = path
         self._lock_fd = self._fd = -1
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
+            # a journal reached through a symbolic link is the file it points to: its lock is beside
+            # that file (a service given the link and one given the file are refused as two on one
+            # journal, not both served), and a rewrite replaces that file, not the link
+            self.file = Path(os.path.realpath(path))
+            self.lock_path = self.file.with_name(self.file.name + ".lock")
             self._lock_fd = self._lock()
             self._fd = self._open()
         except OSError as e:
@@ -87,17 +95,23 @@ class RequestJournal:
 
     def _end_line(self) -> None:
         """End a torn last line (a kill mid-write) so the next record starts a line of its own
-        instead of being glued to the torn one and lost with it."""
-        with self.path.open("rb") as f:
-            if f.seek(0, os.SEEK_END) == 0:
-                return
-            f.seek(-1, os.SEEK_END)
-            torn = f.read(1) != b"\n"
-        if torn:
-            os.write(self._fd, b"\n")
+        instead of being glued to the torn one and lost with it. Never raises: where the newline
+        cannot be written now (a full disk, the very state a kill mid-write may have come from), the
+        next record that is appended starts with it, as after a failed append; the start goes on."""
+        try:
+            with self.file.open("rb") as f:
+                if f.seek(0, os.SEEK_END) == 0:
+                    return
+                f.seek(-1, os.SEEK_END)
+                torn = f.read(1) != b"\n"
+            if torn:
+                os.write(self._fd, b"\n")
+        except OSError as e:
+            self._torn = True  # (a needless newline is an empty line, which `read` skips)
+            logger.warning("%s: cannot end the journal's torn last line now (%s)", self.path, e)
 
     def _open(self) -> int:
-        return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        return os.open(self.file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def append(self, rec: dict[str, Any]) -> None:
         """Never raises: the request was served, and a journal that cannot take its record (a full
@@ -126,7 +140,7 @@ class RequestJournal:
     def read(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         try:
-            data = self.path.read_bytes()
+            data = self.file.read_bytes()
         except FileNotFoundError:
             return out
         for n, raw in enumerate(data.split(b"\n"), 1):
@@ -149,13 +163,13 @@ class RequestJournal:
         it runs after the store took a batch, and a failure taken for the store's would send the batch
         again. Without room for the temp file (a full disk) the journal is cut and `pending` written
         in place, so it does not keep what the store has (sent again at the next start)."""
-        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+        tmp = self.file.with_name(self.file.name + ".tmp")
         try:
             with tmp.open("w", encoding="utf-8") as f:
                 for rec in pending:
                     f.write(_ENCODE(rec) + "\n")
             self._close_fd()
-            os.replace(tmp, self.path)
+            os.replace(tmp, self.file)
             self._fd = self._open()
         except OSError as e:
             logger.warning(
@@ -171,7 +185,7 @@ class RequestJournal:
     def _rewrite_in_place(self, pending: list[dict[str, Any]]) -> None:
         try:
             self._close_fd()
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_TRUNC, 0o644)
+            self._fd = os.open(self.file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError as e:
             logger.error("%s: cannot rewrite the request journal (%s)", self.path, e)
             return  # (the next append tries to open it again)

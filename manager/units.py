@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime
 import math
 import re
-from decimal import Decimal, InvalidOperation
+from decimal import ROUND_CEILING, Decimal, InvalidOperation
 
 __all__ = [
     "DURATION_PATTERN",
@@ -74,7 +74,7 @@ _FORMAT_DURATION_UNITS: tuple[tuple[str, int], ...] = (("d", 86400), ("h", 3600)
 # Schema, YAML's own numbers) does
 _NUMBER = r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
 _SIZE_RE = re.compile(rf"^\s*({_NUMBER})\s*([A-Za-z]*)\s*$")
-_DURATION_PART_RE = re.compile(rf"\s*({_NUMBER})\s*(ms|s|m|h|d|w)\s*", re.IGNORECASE)
+
 _PLAIN_NUMBER_RE = re.compile(rf"^\s*{_NUMBER}\s*$")
 
 
@@ -84,6 +84,9 @@ def _any_case(unit: str) -> str:
 
 
 _ZERO = r"(?:0+(?:\.0*)?|\.0+)"
+# Units spelled in either case letter by letter, not with re.IGNORECASE: that also takes 'ſ' (U+017F)
+# for 's', a unit no table here has (parse_duration failed on it with Python's own message)
+_DURATION_PART_RE = re.compile(rf"\s*({_NUMBER})\s*({'|'.join(_any_case(u) for u in _DURATION_UNITS)})\s*")
 _SIZE_UNIT_PATTERN = "|".join(_any_case(u) for u in sorted(_SIZE_UNITS, key=len, reverse=True) if u)
 
 
@@ -142,8 +145,10 @@ def _number(v: int | float, expected: str) -> Decimal:
 def parse_size(v: int | float | str) -> int:
     """Bytes from `24GiB`, `512MiB`, `1.5GiB`, `10GB` (decimal), `123`, `123B` or a number.
 
-    Units are case-insensitive; a space between number and unit is allowed. Fractions of a byte are
-    rounded to the nearest byte. Raises ValueError saying what was expected.
+    Units are case-insensitive; a space between number and unit is allowed. A fraction of a byte
+    counts as a whole byte (rounded up: `0.4` is 1 byte, not 0, so a size written non-zero is never
+    read as zero, and one at most N is never read as more than N: the JSON Schema's bounds say the
+    same). Raises ValueError saying what was expected.
     """
     if isinstance(v, str):
         m = _SIZE_RE.match(v)
@@ -156,7 +161,7 @@ def parse_size(v: int | float | str) -> int:
             raise ValueError(f"{_SIZE_EXPECTED}, got {shown(v)}") from exc
     else:
         value = _number(v, _SIZE_EXPECTED)
-    size = int(value.to_integral_value())
+    size = int(value.to_integral_value(rounding=ROUND_CEILING))
     if size > MAX_SIZE:
         raise ValueError(f"expected a size of at most 1024PiB, got {shown(v)}")
     return size

@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 
 from manager.api.errors import mapped
+from manager.config import Config
 from manager.errors import DeadlineExceeded, WorkerUnavailable
 from manager.live import EventQueue, LiveManager
 from manager.policy.types import Tier
@@ -48,16 +49,38 @@ def model_status(manager: LiveManager, name: str) -> pb.ModelStatus:
 
 def reload_from_file(manager: LiveManager, path: str | None) -> list[str]:
     """Re-read the config file and hot-apply it; InvalidRequest says why it was not applied."""
+    return _apply_reload(manager, path, _read_for_reload(path))
+
+
+async def reload_from_file_on_loop(manager: LiveManager, path: str | None) -> list[str]:
+    """`reload_from_file` as the service makes it: the file is read and checked on a thread (a
+    config's parse takes milliseconds, a large one seconds: the event loop, and every request, would
+    wait for it), the reload applied on the event loop."""
+    new = await asyncio.to_thread(_read_for_reload, path)
+    return _apply_reload(manager, path, new)
+
+
+def _read_for_reload(path: str | None) -> Config:
     from manager.config import ConfigError, load_config
     from manager.errors import InvalidRequest
-    from manager.reload import RestartNeeded
 
     if path is None:
         raise InvalidRequest("this server was not started from a config file; nothing to reload")
     try:
-        return manager.reload(load_config(path))
+        return load_config(path)
     except ConfigError as e:
         raise InvalidRequest(f"config not reloaded: {e}") from None
+
+
+def _apply_reload(manager: LiveManager, path: str | None, new: Config) -> list[str]:
+    from manager.config import ConfigError
+    from manager.errors import InvalidRequest
+    from manager.reload import RestartNeeded
+
+    try:
+        return manager.reload(new)
+    except ConfigError as e:  # (pins that do not fit at their measured sizes: the file named, as below)
+        raise InvalidRequest(f"config not reloaded: {path}: {e}") from None
     except RestartNeeded as e:
         raise InvalidRequest(f"config not reloaded: {path}: {e}; restart the service to apply it") from None
 
@@ -142,7 +165,7 @@ class AdminServicer(pb_grpc.ResidencyServicer):
 
     @mapped
     async def ReloadConfig(self, request: pb.ReloadConfigRequest, context: Any) -> pb.ReloadConfigResponse:
-        changes = reload_from_file(self.manager, self.config_path)
+        changes = await reload_from_file_on_loop(self.manager, self.config_path)
         msg = "changed: " + ", ".join(changes) if changes else "no changes"
         return pb.ReloadConfigResponse(changed=bool(changes), message=msg)
 

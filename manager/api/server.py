@@ -464,7 +464,7 @@ class Frontends:
 
 async def watch_config(manager: LiveManager, path: str, every_s: float = 2.0) -> None:
     """Hot reload when the config file changes (a bad or structural change is logged, not applied)."""
-    from manager.api.admin import reload_from_file
+    from manager.api.admin import reload_from_file_on_loop
     from manager.errors import ResidencyError
 
     def identity() -> tuple[int, int, int, int]:
@@ -484,7 +484,7 @@ async def watch_config(manager: LiveManager, path: str, every_s: float = 2.0) ->
             continue
         seen = now
         try:
-            changes = reload_from_file(manager, path)
+            changes = await reload_from_file_on_loop(manager, path)
             logger.info("config %s reloaded: %s", path, ", ".join(changes) or "no changes")
         except ResidencyError as e:
             logger.warning("%s", e)

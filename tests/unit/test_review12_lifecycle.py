@@ -167,15 +167,15 @@ def test_an_unusable_tls_pair_is_said_before_the_store_and_ray_start(
 
 
 class _Reloads:
-    """Stands in for `reload_from_file` and the manager it is given (unit test only): counts reloads,
-    raising the errors it is told to first."""
+    """Stands in for `reload_from_file_on_loop` and the manager it is given (unit test only): counts
+    reloads, raising the errors it is told to first."""
 
     def __init__(self, errors: list[Exception]) -> None:
         self.errors = errors
         self.calls = 0
         self.published: list[tuple[str, str]] = []
 
-    def reload(self, manager: Any, path: str) -> list[str]:
+    async def reload(self, manager: Any, path: str) -> list[str]:
         self.calls += 1
         if self.errors:
             raise self.errors.pop(0)
@@ -206,7 +206,7 @@ def test_the_config_watcher_sees_a_same_time_change_and_outlives_a_failed_reload
     link = tmp_path / "cfg.yaml"
     link.symlink_to(one.name)
     fake = _Reloads([RuntimeError("a bug in a reload")])
-    monkeypatch.setattr(manager.api.admin, "reload_from_file", fake.reload)
+    monkeypatch.setattr(manager.api.admin, "reload_from_file_on_loop", fake.reload)
 
     async def body() -> None:
         task = asyncio.create_task(watch_config(fake, str(link), every_s=0.01))  # type: ignore[arg-type]

@@ -89,7 +89,7 @@ class TestAReloadThatPinsModelsTheirMeasuredSizesDoNotFit:
                 with pytest.raises(InvalidRequest) as e:
                     reload_from_file(lm, str(path))
                 said = str(e.value)
-                assert said.startswith("config not reloaded: device 'cpu0': ")
+                assert said.startswith(f"config not reloaded: {path}: device 'cpu0': "), said
                 for part in (
                     "embed 86.65MiB measured (the config says 40MiB)",
                     "voice 2.08MiB",
