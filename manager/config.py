@@ -383,6 +383,8 @@ MAX_CONFIG_BYTES = 1 << 20
 def load_config(path: str | Path) -> Config:
     """Read and validate a YAML config; every problem is reported through ConfigError."""
     file = str(path)
+    if not file.strip():  # (Path("") is the current folder: "Is a directory: '.'", naming no file)
+        raise ConfigError("(no path)", [("", "expected a config file's path, got an empty one")])
     try:
         with Path(path).open("rb") as f:  # a cap first: a 3 MB file took 18 s and 465 MB to refuse
             raw = f.read(MAX_CONFIG_BYTES + 1)

@@ -40,3 +40,15 @@ def test_other_names_load_and_pass_the_schema(tmp_path: Path, name: str) -> None
     path.write_text(CONFIG.format(name=name), encoding="utf-8")
     assert load_config(path).devices[0].name == name
     assert jsonschema.Draft202012Validator(config_json_schema()).is_valid(yaml.safe_load(path.read_text()))
+
+
+def test_an_empty_config_path_is_named_as_one(capsys: pytest.CaptureFixture[str]) -> None:
+    """`residency config check ""` said ": cannot read config file: [Errno 21] Is a directory: '.'"
+    (Path("") is the current folder), naming no file."""
+    from manager.cli import main
+
+    with pytest.raises(ConfigError, match=r"\(no path\): expected a config file's path, got an empty one"):
+        load_config("")
+    assert main(["config", "check", ""]) == 2
+    err = capsys.readouterr().err
+    assert "expected a config file's path, got an empty one" in err and "Errno" not in err
