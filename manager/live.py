@@ -22,7 +22,6 @@ import contextlib
 import functools
 import logging
 import math
-import time
 import uuid
 from collections import deque
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from manager.clock import SteadyWallClock
 from manager.config import Config
 from manager.errors import (
     DeadlineExceeded,
@@ -131,7 +131,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         pool: Any,
         *,
         store: Any = None,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
         poll_s: float = POLL_S,
         journal: str | Path | RequestJournal | None = None,
     ) -> None:
@@ -140,7 +140,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         """`server` fields given on the command line (`serve --listen`): a reload of the file keeps them."""
         self.pool = pool
         self.store = store
-        self.clock = clock
+        self.clock: Callable[[], float] = SteadyWallClock() if clock is None else clock
+        """Unix seconds that never go back within a run (`manager.clock`); tests give their own."""
         self.poll_s = poll_s
         self.engine = Engine(config, create_policy(config.policy.name))
         self.engine.actions = []
