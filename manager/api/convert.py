@@ -48,6 +48,13 @@ def _count(name: str, shape: list[int]) -> int:
     n = math.prod(shape)
     if n > MAX_ELEMENTS:
         raise InvalidRequest(f"input {name!r}: shape {shape} has {n} elements; the limit is {MAX_ELEMENTS}")
+    # an empty tensor's other dimensions count too: numpy cannot shape an array whose non-zero
+    # dimensions multiply past its index range ([0, 2**28, 2**28, 2**28] was a ValueError, INTERNAL)
+    if n == 0 and (rest := math.prod(d for d in shape if d)) > MAX_ELEMENTS:
+        raise InvalidRequest(
+            f"input {name!r}: shape {shape} has no elements, but its non-zero dimensions multiply to "
+            f"{rest}; the limit is {MAX_ELEMENTS}"
+        )
     return n
 
 

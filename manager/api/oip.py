@@ -196,6 +196,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     "parameter 'residency_class' must be a string (string_param) naming a class, got "
                     f"{shown(cls, 40)}; classes: {', '.join(classes)}"
                 )
+            if cls not in classes:  # said before its inputs are decoded, naming the parameter
+                raise InvalidRequest(
+                    f"parameter 'residency_class': unknown class {shown(cls, 40)}; classes: "
+                    + ", ".join(classes)
+                )
             return cls
         if "priority" in params:
             p = _param(params["priority"])
@@ -226,7 +231,21 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     def _inputs(self, request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
         raw = list(request.raw_input_contents)
         if raw and len(raw) != len(request.inputs):
-            raise InvalidRequest(f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs")
+            # Triton's rule: raw data for every input or for none (it cannot say whose entry is missing)
+            typed = [t.name for t in request.inputs if typed_count(t.contents)]
+            raise InvalidRequest(
+                f"model {request.model_name!r}: {len(raw)} raw_input_contents for {len(request.inputs)} "
+                f"inputs ({', '.join(repr(t.name) for t in request.inputs)}); raw_input_contents holds "
+                "every input's data, one entry per input in their order, or none (each input's data then "
+                "in its typed contents)"
+                + (
+                    ""
+                    if not typed
+                    else f": input {typed[0]!r} has typed contents beside raw data"
+                    if len(typed) == 1
+                    else f": inputs {', '.join(map(repr, typed))} have typed contents beside raw data"
+                )
+            )
         out = {}
         for i, t in enumerate(request.inputs):
             out[t.name] = decode_input(t.name, t.datatype, list(t.shape), raw[i] if raw else None, t.contents)
@@ -287,11 +306,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         declared_in, declared_out = await self.describe(request.model_name)
         check_request(request, declared_in, declared_out)
         timeout_s = self._timeout(request, seconds_left)
+        cls = self._class_of(request)
         inputs = await self._decoded(request)
         timeout_s = self._left(request.model_name, timeout_s, arrived)
-        served = await self.manager.infer(
-            request.model_name, inputs, cls=self._class_of(request), timeout_s=timeout_s
-        )
+        served = await self.manager.infer(request.model_name, inputs, cls=cls, timeout_s=timeout_s)
         wanted = {o.name for o in request.outputs}
         resp = pb.ModelInferResponse(model_name=request.model_name, model_version=VERSIONS[0], id=request.id)
         # a device host labels a BF16 output (its bit patterns in uint16) BF16 itself; an older host's
@@ -321,13 +339,22 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryIndex(
         self, request: pb.RepositoryIndexRequest, context: Any
     ) -> pb.RepositoryIndexResponse:
+        """Each model's state in Triton's words (READY, LOADING, UNAVAILABLE: a model off the GPU is
+        UNAVAILABLE "unloaded", as Triton says it, with the tier that holds it)."""
         resp = pb.RepositoryIndexResponse()
         for name, live in self.manager.live.items():
             ready = self.manager.serving(name)
             if request.ready and not ready:
                 continue
-            state = "READY" if ready else ("UNAVAILABLE" if live.error else "UNLOADED")
-            resp.models.add(name=name, version="1", state=state, reason=live.error or "")
+            if ready:
+                state, reason = "READY", ""
+            elif live.error:
+                state, reason = "UNAVAILABLE", live.error
+            elif live.loads_pending:
+                state, reason = "LOADING", ""
+            else:  # "UNLOADED" was no state of Triton's: a client matching its states met an unknown one
+                state, reason = "UNAVAILABLE", f"unloaded (in the {live.tier} tier; a request loads it)"
+            resp.models.add(name=name, version="1", state=state, reason=reason)
         return resp
 
     @mapped

@@ -164,7 +164,12 @@ _CLOCK_STEPS_S = (1, 5, 10, 30, 60, 300, 600, 900, 1800, 3600, 7200, 10800)
 
 
 def _xlabel(t_start: float, t_end: float) -> str:
-    return "days since start (UTC)" if t_end - t_start >= DAY else "time of day (UTC wall clock)"
+    """What the x axis's labels are, as `_day_axis` writes them: over more than MAX_DAY_MARKS
+    days they are dates (`Dec 2026`, `2031`), which under "days since start" read as day counts."""
+    span = t_end - t_start
+    if span > MAX_DAY_MARKS * DAY:
+        return "date (UTC)"
+    return "days since start (UTC)" if span >= DAY else "time of day (UTC wall clock)"
 
 
 def _day_axis(ax: Any, t_start: float, t_end: float) -> None:

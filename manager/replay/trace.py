@@ -23,7 +23,9 @@ Notes:
   A line longer than MAX_LINE_CHARS is bad and is never held whole (a whole trace as one JSON array,
   as `jq -sc` writes it). A file whose first NOT_A_TRACE_AFTER non-blank lines hold no JSON object is
   not a trace (a model checkpoint, a CSV log, text in UTF-16): `read_trace` stops there with a
-  TraceError for the file as a whole, instead of counting its lines one by one for minutes.
+  TraceError for the file as a whole, instead of counting its lines one by one for minutes. A
+  shorter file with NUL bytes and no JSON object (a UTF-16 trace, as Windows PowerShell's `>`
+  writes one) is refused the same way at its end, rather than as "not valid JSON" on every line.
 """
 
 from __future__ import annotations
@@ -264,8 +266,9 @@ def read_trace(
                     # the line it follows named: one line far in the future makes all after it late
                     raise ValueError(f"out of time order: t={r.t} after t={last_t} (line {last_line})")
             except ValueError as e:
-                if strict:
-                    raise TraceError(p, line_no, str(e)) from None
+                if strict:  # (a binary file's first line: what the file is, not only the column)
+                    at_start = not objects and text is not None and "\x00" in text
+                    raise TraceError(p, line_no, str(e) + (_BINARY if at_start else "")) from None
                 result.bad_lines.append((line_no, str(e)))
                 if objects or not isinstance(e, _NotAnObject):
                     objects = True
@@ -277,6 +280,8 @@ def read_trace(
             objects = True
             last_t, last_line = r.t, line_no
             result.requests.append(r)
+    if nul and not objects:  # a short binary file (a UTF-16 trace): said as a whole, as a long one
+        raise TraceError(p, 0, _not_a_trace(result.bad_lines[0], nul, len(result.bad_lines)))
     return result
 
 
@@ -295,11 +300,16 @@ def _lines(f: TextIO) -> Iterator[str | None]:
         yield None
 
 
-def _not_a_trace(first: tuple[int, str], nul: bool) -> str:
+_BINARY = "; the file holds NUL bytes: a binary file, or text in UTF-16 (a trace is UTF-8 JSON Lines)"
+
+
+def _not_a_trace(first: tuple[int, str], nul: bool, lines: int | None = None) -> str:
+    """Why a file is not a trace; `lines`: how many non-blank lines it has, when it ended before
+    NOT_A_TRACE_AFTER of them."""
     line, reason = first
-    what = f"not a request trace: none of its first {NOT_A_TRACE_AFTER} lines is a JSON object"
-    binary = "; it holds NUL bytes: a binary file, or text in UTF-16 (a trace is UTF-8 JSON Lines)"
-    return f"{what} (line {line}: {reason}){binary if nul else ''}"
+    which = f"first {NOT_A_TRACE_AFTER} lines" if lines is None else f"{lines} non-blank line(s)"
+    what = f"not a request trace: none of its {which} is a JSON object"
+    return f"{what} (line {line}: {reason}){_BINARY if nul else ''}"
 
 
 def request_to_json(r: Request) -> str:

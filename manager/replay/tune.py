@@ -50,6 +50,9 @@ class TuneResult:
     holdout_after: ReplayResult | None
     evaluations: int
     changes: list[str] = field(default_factory=list)
+    """The settings the tuned config holds that differ from the config's, `llm.keep_alive = 1h`, in
+    the order the search first changed them (a setting changed in the first pass and changed back in
+    the second is not one)."""
 
 
 def split_holdout(reqs: Sequence[Request], days: float = HOLDOUT_DAYS) -> tuple[list[Request], list[Request]]:
@@ -132,7 +135,7 @@ def tune(
     assert first is not None, "the starting config is valid"
     best, before = first
     best_r = before
-    changes: list[str] = []
+    changed: list[tuple[str, str, str]] = []  # (models or classes, name, field), first change first
     tunable = [m for m in config.models if not m.pin]
     for _ in range(2):
         for m in tunable:
@@ -143,7 +146,7 @@ def tune(
                 s = score(trial, classes)
                 if s is not None and s[0] < best * (1.0 - MIN_GAIN):
                     best, best_r, models = s[0], s[1], trial
-                    changes.append(", ".join(f"{m.name}.{k} = {yaml_value(k, v)}" for k, v in cand.items()))
+                    changed += [("models", m.name, k) for k in cand]
             if progress is not None:
                 progress(f"{m.name}: objective {best:.1f}")
     for c in config.classes:
@@ -155,8 +158,9 @@ def tune(
             s = score(models, trial_c)
             if s is not None and s[0] < best * (1.0 - MIN_GAIN):
                 best, best_r, classes = s[0], s[1], trial_c
-                changes.append(f"{c.name}.reserve = {yaml_value('reserve', gib * 2**30)}")
+                changed.append(("classes", c.name, "reserve"))
     tuned = with_settings(config, models, classes)
+    model_updates, class_updates, changes = _net(config, changed, models, classes)
     hb = ha = None
     if holdout:  # (a stop is looked at before each of these replays too: each is a week's)
         stopped()
@@ -165,8 +169,8 @@ def tune(
         ha = replay(tuned, holdout, policy)
     return TuneResult(
         config=tuned,
-        model_updates={k: {f: yaml_value(f, v) for f, v in d.items()} for k, d in models.items()},
-        class_updates={k: {f: yaml_value(f, v) for f, v in d.items()} for k, d in classes.items()},
+        model_updates=model_updates,
+        class_updates=class_updates,
         search_before=before,
         search_after=best_r,
         holdout_before=hb,
@@ -174,3 +178,35 @@ def tune(
         evaluations=evals,
         changes=changes,
     )
+
+
+def _net(
+    config: Config,
+    changed: list[tuple[str, str, str]],
+    models: dict[str, dict[str, Any]],
+    classes: dict[str, dict[str, Any]],
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]], list[str]]:
+    """The settings the search left different from `config`'s: the model and class updates (as
+    YAML scalars) and one `name.field = value` per setting, in the order of `changed` (each change
+    the search kept). A setting changed back is in none of them: the config's writer would note
+    a value it did not change, and the header count a change the config does not hold."""
+    updates: dict[str, dict[str, dict[str, Any]]] = {"models": {}, "classes": {}}
+    chosen: dict[str, dict[str, dict[str, Any]]] = {"models": models, "classes": classes}
+    was: dict[str, dict[str, Any]] = {
+        "models": {m.name: m for m in config.models},
+        "classes": {c.name: c for c in config.classes},
+    }
+    out: list[str] = []
+    for what, name, field_name in dict.fromkeys(changed):
+        v = chosen[what][name][field_name]
+        if v != getattr(was[what][name], field_name):
+            updates[what].setdefault(name, {})[field_name] = yaml_value(field_name, v)
+            out.append(f"{name}.{field_name} = {_yaml_text(yaml_value(field_name, v))}")
+    return updates["models"], updates["classes"], out
+
+
+def _yaml_text(v: Any) -> str:
+    """A YAML scalar as it reads in the config: `false`, not Python's `False`."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)
