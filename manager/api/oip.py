@@ -160,8 +160,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @mapped
     async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
-        self.manager._model(request.name)
-        check_version(request.name, request.version)
+        """Whether the model serves now. An unknown model or version is not ready, answered OK as
+        Triton answers it (`InferenceServer::ModelIsReady`), so a stock client's `is_model_ready`
+        returns False rather than raising; ModelMetadata and ModelInfer say NOT_FOUND with the names."""
+        known = request.name in self.manager.engine.models
+        if not known or (request.version and request.version not in VERSIONS):
+            return pb.ModelReadyResponse(ready=False)
         return pb.ModelReadyResponse(ready=self.manager.serving(request.name))
 
     @mapped

@@ -62,6 +62,8 @@ def drive(target: str, admin: dict[str, str] | None = None) -> int:
     assert not c.is_model_ready("embed")
     c.load_model("embed", headers=admin)
     assert c.is_model_ready("embed")
+    assert not c.is_model_ready("nope")  # False, as Triton answers it, not an exception
+    assert not c.is_model_ready("embed", model_version="2")
     again = c.infer("embed", [text_input(b"hello")], parameters={"residency_class": "background"})
     np.testing.assert_allclose(again.as_numpy("embedding")[0], emb[0], atol=1e-6)
 

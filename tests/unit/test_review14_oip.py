@@ -317,12 +317,13 @@ class TestRelayedCallsAnswerAsDirectly:
             assert [(t.name, t.datatype) for t in m.outputs] == [(f"out_{d}", d) for d in NUMERIC]
             ready = service.both("ModelReady", ser(pb.ModelReadyRequest(name="voice", version=version)))
             assert ready[2] == ser(pb.ModelReadyResponse(ready=True))
-        for method, req in (
-            ("ModelMetadata", pb.ModelMetadataRequest(name="echo", version="2")),
-            ("ModelReady", pb.ModelReadyRequest(name="echo", version="2")),
-        ):
-            code, details, _ = service.both(method, ser(req))
-            assert (code, details) == ("NOT_FOUND", "model 'echo' has no version '2'; versions: 1")
+        meta = pb.ModelMetadataRequest(name="echo", version="2")
+        code, details, _ = service.both("ModelMetadata", ser(meta))
+        assert (code, details) == ("NOT_FOUND", "model 'echo' has no version '2'; versions: 1")
+        # not ready, answered OK, as Triton answers an unknown version or model (review 16)
+        for req in (pb.ModelReadyRequest(name="echo", version="2"), pb.ModelReadyRequest(name="nope")):
+            code, _, body = service.both("ModelReady", ser(req))
+            assert (code, pb.ModelReadyResponse.FromString(body).ready) == ("OK", False)
         code, details, _ = service.both("ModelMetadata", ser(pb.ModelMetadataRequest(name="nope")))
         assert code == "NOT_FOUND" and "unknown model 'nope'" in details
         index = pb.RepositoryIndexResponse.FromString(service.both("RepositoryIndex", b"")[2])
