@@ -147,6 +147,28 @@ def _prepare_out_file(value: str, flag: str, *, create: bool = True) -> Path:
     return path
 
 
+def _same_file(a: str, b: str) -> bool:
+    """Whether the paths `a` and `b` name one file (through links too); a path not there yet is
+    compared as a path."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _check_report_files(folder: Path) -> None:
+    """The report's files in `folder` can be written (none is a folder, none read-only): checked
+    before `tune`'s search, so the tuned config is not written and then the report refused."""
+    from manager.replay.report import REPORT_FILES
+
+    for name in REPORT_FILES:
+        path = folder / name
+        if path.is_dir():
+            raise UsageError(f"--report {folder}: {path} is a directory; the report writes a file there")
+        if path.exists() and not os.access(path, os.W_OK):
+            raise UsageError(f"--report {folder}: {path} is not writable")
+
+
 def _load_trace(
     path: str, config: Config, strict: bool, flag: str | None = None
 ) -> tuple[list[Request], int]:
@@ -473,8 +495,12 @@ def cmd_tune(a: argparse.Namespace) -> int:
         _not_empty(a.report, "--report", "a folder for the report")
     # the outputs are checked first, not after the (long) search: a bad --out or --report fails now
     _prepare_out_file(a.out, "--out", create=False)
+    for flag, value in (("--trace", a.trace), ("--holdout", a.holdout)):
+        if value and _same_file(a.out, value):  # the config written over the trace: the week lost
+            raise UsageError(f"--out {a.out} is the {flag} file; give another path for the tuned config")
     if a.report:
         _prepare_dir(Path(a.report), "--report", create=False)
+        _check_report_files(Path(a.report))
     if a.from_store:
         from manager.store.base import redact
 
@@ -919,6 +945,9 @@ def _run(args: argparse.Namespace) -> int:
     try:
         rc: int = args.fn(args)
         return rc
+    except KeyboardInterrupt:  # Ctrl-C in a replay or a tune: one line, not a traceback (serve has its own)
+        err.print("residency: interrupted", highlight=False, markup=False)
+        return 128 + signal.SIGINT
     except ConfigError as e:
         err.print(str(e), highlight=False, markup=False)
     except TraceError as e:

@@ -296,6 +296,10 @@ def report_period(reqs: Sequence[Request]) -> tuple[float, float]:
     return reqs[0].t, max(r.t + r.busy_s for r in reqs)
 
 
+REPORT_FILES = ("index.html", "timeline.png", "memory.png", "cold_starts.png")
+"""The files `write_report` writes into its folder (checked by `residency tune` before its search)."""
+
+
 def write_report(
     out_dir: Path,
     *,

@@ -1,0 +1,78 @@
+"""Review 16 of `residency tune` and `replay` on the command line (found by the replay review):
+- `--out` naming the `--trace` (or `--holdout`) file wrote the tuned config over the trace: the week
+  of requests was lost. It is refused before anything is read or written.
+- a `--report` folder whose `index.html` (or a PNG) could not be written failed only after the tuned
+  config was written, naming no flag. It is refused before the search.
+- Ctrl-C during a replay or a tune printed a Python traceback; now one line, exit 130.
+Real files, the real CLI (`main`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import manager.cli as cli
+from manager.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+HOME = ROOT / "configs" / "home.yaml"
+WEEK1 = ROOT / "bench" / "traces" / "home-week-seed1.jsonl"
+
+
+def _trace_copy(tmp_path: Path) -> Path:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    trace = tmp_path / "week.jsonl"
+    trace.write_bytes(WEEK1.read_bytes())
+    return trace
+
+
+@pytest.mark.parametrize("flag", ["--trace", "--holdout"])
+def test_out_naming_a_trace_is_refused_and_the_trace_kept(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str
+) -> None:
+    trace = _trace_copy(tmp_path)
+    link = tmp_path / "link.yaml"
+    link.symlink_to(trace.name)  # the same file by another name
+    before = trace.read_bytes()
+    other = _trace_copy(tmp_path / "other") if flag == "--holdout" else None
+    for out in (trace, link):
+        if flag == "--trace":
+            args = ["tune", "--config", str(HOME), "--trace", str(trace), "--out", str(out)]
+        else:
+            args = ["tune", "--config", str(HOME), "--trace", str(other), "--holdout", str(trace)]
+            args += ["--out", str(out)]
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert f"--out {out} is the {flag} file; give another path for the tuned config" in err, err
+        assert trace.read_bytes() == before
+
+
+def test_a_report_file_that_cannot_be_written_is_refused_before_the_config_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    report = tmp_path / "report"
+    (report / "index.html").mkdir(parents=True)
+    out = tmp_path / "tuned.yaml"
+    args = ["tune", "--config", str(HOME), "--trace", str(WEEK1), "--out", str(out), "--report", str(report)]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"--report {report}: {report / 'index.html'} is a directory" in err, err
+    assert not out.exists()  # was: written, then the report refused
+
+
+def test_ctrl_c_in_a_replay_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C: Python's handler raises KeyboardInterrupt
+        raise AssertionError("not reached")
+
+    monkeypatch.setattr(cli, "_load_trace", interrupted)
+    rc = main(["replay", "--config", str(HOME), "--trace", str(WEEK1)])
+    assert rc == 128 + signal.SIGINT
+    err = capsys.readouterr().err
+    assert err.strip() == "residency: interrupted" and "Traceback" not in err
