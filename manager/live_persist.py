@@ -62,15 +62,35 @@ def _join_hist(a: ReuseHistogram, b: ReuseHistogram) -> ReuseHistogram:
     return _read_hist(out)
 
 
+MAX_COUNT = 2**53
+"""The largest count a saved entry may hold (a request count, a histogram bin, a footprint in bytes):
+every count up to it is exact as a float, which the policy's arithmetic makes of it. A larger one
+(a damaged or hand-edited document) would fail that arithmetic at every decision."""
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_COUNT
+
+
 def _shaped(x: Any, like: Any) -> bool:
-    """`x` has the nested-list shape of `like`, with a count (an int >= 0) at each leaf."""
+    """`x` has the nested-list shape of `like`, with a count (`_is_count`) at each leaf."""
     if isinstance(like, list):
         return isinstance(x, list) and len(x) == len(like) and all(map(_shaped, x, like))
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+    return _is_count(x)
+
+
+def _finite(x: Any) -> bool:
+    """`x` is a JSON number a float can hold (not NaN or infinite, nor an integer too large for one)."""
+    if not isinstance(x, int | float) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # a huge JSON integer
+        return False
 
 
 def _time_or_none(x: Any) -> bool:
-    return x is None or (isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x))
+    return x is None or _finite(x)
 
 
 def _read_hist(doc: Any) -> ReuseHistogram:
@@ -82,6 +102,11 @@ def _read_hist(doc: Any) -> ReuseHistogram:
     for k in ("bins", "how_bins", "arrivals_how", "arrivals_hod", "count"):
         if not _shaped(doc.get(k), fresh[k]):
             raise ValueError(f"reuse histogram: {k} of the wrong shape")
+    # Each arrival but the first adds at most one interval (`_join_hist` leaves out one across a clock
+    # stepped back): more intervals than that would make the policy's hazard divide by zero.
+    intervals = max(doc["count"] - 1, 0)
+    if sum(doc["bins"]) > intervals or sum(map(sum, doc["how_bins"])) > intervals:
+        raise ValueError(f"reuse histogram: more intervals in its bins than its {doc['count']} arrivals make")
     if not (_time_or_none(doc.get("first_t")) and _time_or_none(doc.get("last_t"))):
         raise ValueError("reuse histogram: first_t/last_t not a time")
     h = ReuseHistogram()
@@ -92,7 +117,9 @@ def _read_hist(doc: Any) -> ReuseHistogram:
 def _read_cost(cost: LoadCost, doc: Any) -> LoadCost:
     """`cost` (left as it is) with the saved samples `doc` folded in, as a new object."""
     if not isinstance(doc, dict) or not all(
-        isinstance(v, list) and all(isinstance(x, int | float) and not isinstance(x, bool) for x in v)
+        # (NaN and infinities are floats, which `LoadCost.measure` leaves out; an integer too large
+        # for a float would fail it)
+        isinstance(v, list) and all(isinstance(x, float) or _finite(x) for x in v)
         for v in doc.values()
     ):
         raise ValueError("load costs: not lists of seconds by source")
@@ -107,9 +134,14 @@ def _same(rec: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted(rec.items()))
 
 
+def _why(e: Exception) -> str:
+    """What is wrong with a saved entry, from the error reading it (a KeyError names only the key)."""
+    return f"it has no {e.args[0]!r}" if isinstance(e, KeyError) and e.args else str(e)
+
+
 def _count(x: Any) -> int:
-    if isinstance(x, int) and not isinstance(x, bool) and x >= 0:
-        return x
+    if _is_count(x):
+        return int(x)
     raise ValueError(f"{x!r} is not a count")
 
 
@@ -259,9 +291,11 @@ class PersistenceMixin:
         restored = 0
         for name, d in doc.items():
             m = self.engine.models.get(name)
-            if m is None or not isinstance(d, dict):
+            if m is None:
                 continue
             try:  # all of a model's entry is read before any of it is taken (none, if unreadable)
+                if not isinstance(d, dict):
+                    raise ValueError(f"an entry that is not an object but {type(d).__name__}")
                 hist, cost = _read_hist(d["hist"]), _read_cost(m.cost, d["cost"])
                 requests, last_used = _count(d.get("requests", 0)), _when(d.get("last_used", 0.0))
                 measured = d.get("measured", True)  # (older documents do not say)
@@ -271,7 +305,12 @@ class PersistenceMixin:
                 if weights == 0:
                     raise ValueError("a footprint of 0 bytes")
             except (KeyError, TypeError, ValueError) as e:
-                logger.warning("statistics of %s in the store are unreadable (%s); starting fresh", name, e)
+                logger.warning(
+                    "statistics of %s in the store are unreadable (%s); rebuilt from the request log",
+                    name,
+                    _why(e),
+                )
+                since[name] = None  # its whole history is in the log: the catch-up takes all of it
                 continue
             m.hist, m.cost = hist, cost
             since[name] = _complete_until(d, hist)
@@ -298,15 +337,22 @@ class PersistenceMixin:
         since: dict[str, float | None] = dict.fromkeys(self.engine.models, _saved_until(doc))
         for name, d in doc.items():
             m = self.engine.models.get(name)
-            if m is None or not isinstance(d, dict):
+            if m is None:
                 continue
             try:  # all of a model's entry is read before any of it is merged (none, if unreadable)
+                if not isinstance(d, dict):
+                    raise ValueError(f"an entry that is not an object but {type(d).__name__}")
                 hist, cost = _read_hist(d["hist"]), _read_cost(m.cost, d["cost"])
                 requests, last_used = _count(d.get("requests", 0)), _when(d.get("last_used", 0.0))
                 if not self._same_spec(name, d):
                     cost = m.cost
             except (KeyError, TypeError, ValueError) as e:
-                logger.warning("statistics of %s in the store are unreadable (%s); not merged", name, e)
+                logger.warning(
+                    "statistics of %s in the store are unreadable (%s); rebuilt from the request log",
+                    name,
+                    _why(e),
+                )
+                since[name] = None  # (as restore_stats does)
                 continue
             saved[name] = (hist, cost, requests, last_used)
             since[name] = _complete_until(d, hist)
@@ -405,8 +451,8 @@ class PersistenceMixin:
             for name, m in self.engine.models.items():
                 self.store.set_intent(name, tiers.get(m.tier, "disk"))
             self._intents_stale = False
-        except Exception:
-            logger.warning("the store is still down: intents not rewritten")
+        except Exception as e:
+            logger.warning("the store is still down: intents not rewritten (%s)", str(e) or type(e).__name__)
 
     def _catch_up_stats(
         self, since: dict[str, float | None] | None = None, until: dict[str, float] | None = None
@@ -553,8 +599,14 @@ class PersistenceMixin:
             return []
         try:
             intents = self.store.intents()
-        except Exception:  # the store is down: the policy's start-up decides alone
-            logger.warning("could not read the recorded intents at start; not restored")
+        except Exception as e:  # the store is down, or holds an intent it cannot read back
+            if isinstance(e, StoreError):  # (it names what failed: said in one line)
+                logger.warning("could not read the recorded intents at start (%s); not restored", e)
+            else:
+                logger.exception("could not read the recorded intents at start; not restored")
+            # the policy's start-up decides alone; every intent is rewritten from its books at the
+            # next save (a damaged one replaced, else every later start would read none either)
+            self._intents_stale = True
             return []
         restored: list[str] = []
         models = self.engine.models
@@ -592,7 +644,10 @@ class PersistenceMixin:
             self._set_intent(a.model, tier, a.kind.value)
 
     def _set_intent(self, model: str, tier: str, why: str = "adopted") -> None:
-        if self.store is None:
+        """Record `model`'s intended tier. Runs on the event loop: once a write has failed, the next
+        ones are not tried (a store that hangs would hold every request for its timeout, each time);
+        every intent is rewritten from the engine's books once it answers (`_rewrite_intents`)."""
+        if self.store is None or self._intents_stale:
             return
         try:
             self.store.set_intent(model, tier)

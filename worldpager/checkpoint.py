@@ -43,7 +43,9 @@ def load_mg2_checkpoint(model: nn.Module, path: str | Path) -> None:
     """Load a safetensors state dict into `model` (strict: names and shapes must all match).
 
     Needs the optional `safetensors` package (not a project dependency): without it a `RuntimeError`
-    says so. A missing file raises `FileNotFoundError`; mismatched names or shapes `CheckpointMismatch`.
+    says so. A missing file raises `FileNotFoundError`; a file that is no safetensors checkpoint
+    (damaged, truncated, another format) a `ValueError` naming it; mismatched names or shapes
+    `CheckpointMismatch`.
     A real MG2 checkpoint holds parts the stand-in lacks (cross-attention, modulation, patch embedding,
     mouse/keyboard modules) and is therefore reported as a mismatch.
     """
@@ -56,7 +58,10 @@ def load_mg2_checkpoint(model: nn.Module, path: str | Path) -> None:
         raise RuntimeError(
             f"loading {p} needs the 'safetensors' package, which is not installed (pip install safetensors)"
         ) from exc
-    state: dict[str, torch.Tensor] = st.load_file(str(p))
+    try:
+        state: dict[str, torch.Tensor] = st.load_file(str(p))
+    except Exception as e:  # (safetensors raises its own SafetensorError, naming no file)
+        raise ValueError(f"{p}: not a readable safetensors checkpoint: {e}") from None
     own = model.state_dict()
     check_checkpoint_keys(own.keys(), state.keys(), str(p))
     bad = [

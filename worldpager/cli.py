@@ -358,6 +358,7 @@ def _resume_settings(args: argparse.Namespace) -> tuple[str | None, str | None]:
     """--resume: the preset and codec to run (the saved session's unless given; UsageError when the
     saved session is missing, damaged, or ran another preset)."""
     from worldpager.session import SESSION_FILE, SESSION_PRESETS, read_saved_state
+    from worldpager.session_store import config_dict
 
     preset, codec = args.preset, args.codec
     if not args.log_dir:
@@ -371,20 +372,34 @@ def _resume_settings(args: argparse.Namespace) -> tuple[str | None, str | None]:
             f"--resume: no saved session in {args.log_dir} ({SESSION_FILE} missing or unreadable)"
         )
     saved_preset = (saved.get("metadata") or {}).get("preset")
-    if saved_preset is not None and saved_preset not in SESSION_PRESETS:
+    named = isinstance(saved_preset, str) and saved_preset in SESSION_PRESETS
+    if saved_preset is not None and not named:
         raise UsageError(
-            f"--resume: {Path(args.log_dir) / SESSION_FILE}: metadata.preset is {saved_preset!r}, "
+            f"--resume: {Path(args.log_dir) / SESSION_FILE}: metadata.preset is {_shown(saved_preset)}, "
             f"expected one of {', '.join(SESSION_PRESETS)}"
         )
     if preset is not None and saved_preset is not None and preset != saved_preset:
         raise UsageError(f"--preset {preset}: the saved session ran --preset {saved_preset}")
-    return preset or saved_preset or "tiny", codec or saved.get("codec")
+    if saved_preset is None:  # saved without one (a world session, a Session of one's own)
+        ran_as = [n for n, cfg in SESSION_PRESETS.items() if config_dict(cfg.on_the_fly()) == saved["config"]]
+        saved_preset = ran_as[0] if ran_as else None
+        if saved_preset is None:
+            raise UsageError(
+                f"--resume: the session saved in {args.log_dir} ran a model that is none of the "
+                f"presets ({', '.join(SESSION_PRESETS)}): resume it with the program that made it"
+            )
+        if preset is not None and preset != saved_preset:
+            raise UsageError(f"--preset {preset}: the saved session ran --preset {saved_preset}")
+    return preset or saved_preset, codec or saved.get("codec")
 
 
 def _host_budget(args: argparse.Namespace, host_memory: int, cap: int, seg_bytes: int) -> int:
     """The host tier's budget in bytes; UsageError when it cannot hold what one step needs there: the
     next step's retrieval set (protected while it is prepared) and the new segment. With less, new
-    segments would go straight to the log and retrieved ones find no room to be read back."""
+    segments would go straight to the log and retrieved ones find no room to be read back.
+    In ``prefetch`` mode the next step's set is read back while the running step still holds its
+    own, so with fewer than 2k + 1 segments a retrieved segment may find no room and the step
+    attends to fewer than on_demand would (counted in ``retrieval_unavailable``): a warning says so."""
     budget = min(host_memory, cap * seg_bytes) if cap else host_memory
     if budget < seg_bytes:
         raise UsageError(f"--host-memory {args.host_memory} is smaller than one segment ({seg_bytes} bytes)")
@@ -397,6 +412,16 @@ def _host_budget(args: argparse.Namespace, host_memory: int, cap: int, seg_bytes
             f"{given}: the host tier holds {budget // seg_bytes} segment(s) of {seg_bytes} B; "
             f"--retrieval-k {args.retrieval_k} needs at least {need} (the next step's "
             f"{args.retrieval_k} retrieved segments and the new one): give at least {need * seg_bytes} bytes"
+        )
+    overlap = 2 * args.retrieval_k + 1  # the running step's set, the next one's, the new segment
+    if args.mode == "prefetch" and args.retrieval_k and budget // seg_bytes < overlap:
+        print(
+            f"worldpager: warning: the host tier holds {budget // seg_bytes} segment(s) of {seg_bytes} B; "
+            f"prefetch with --retrieval-k {args.retrieval_k} needs {overlap} (the running step's "
+            f"{args.retrieval_k} retrieved segments, the next step's and the new one) to read back every "
+            f"retrieved segment: with less a step may attend to fewer (see retrieval_unavailable); give "
+            f"at least {overlap * seg_bytes} bytes",
+            file=sys.stderr,
         )
     return budget
 

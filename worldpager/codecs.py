@@ -193,11 +193,16 @@ def _fp16_up_nonneg(v: torch.Tensor) -> torch.Tensor:
 
 
 def _raise_bad_values(x: torch.Tensor, codec: str) -> None:
+    """The ValueError for input ``x`` (as given, before any conversion: a finite float64 or fp32
+    value past the range of bf16 or fp32 is named as out of range, not as inf)."""
     n_nan = int(torch.isnan(x).sum())
     n_inf = int(torch.isinf(x).sum())
     if n_nan or n_inf:
         raise ValueError(f"cannot encode non-finite values with {codec}: {n_nan} NaN, {n_inf} inf")
     big = float(x.abs().max())
+    if codec == "bf16":
+        limit = torch.finfo(torch.bfloat16).max
+        raise ValueError(f"values out of range for bf16: |x| must be <= {limit:g}; max |x| = {big:g}")
     raise ValueError(
         f"values out of range for {codec}: a group's min/scale must fit in fp16 "
         f"(|min| <= {_FP16_MAX:g}); max |x| = {big:g}"
@@ -226,7 +231,7 @@ def encode(x: torch.Tensor, codec: str) -> Packed:
         # a sum is ~5x cheaper than isfinite().all() on CPU and is non-finite whenever a value is;
         # only then (or on a rare overflow of the sum itself) look value by value
         if not bool(torch.isfinite(buf.sum())) and not bool(torch.isfinite(buf).all()):
-            _raise_bad_values(buf, codec)
+            _raise_bad_values(flat, codec)
         return Packed(codec, shape, dtype, buf.view(torch.uint8))
 
     levels = _LEVELS[codec]
@@ -243,7 +248,7 @@ def encode(x: torch.Tensor, codec: str) -> Packed:
     zf = zero.float()
     scale = _fp16_up_nonneg((mx - zf) / levels)
     if not bool((torch.isfinite(zero) & torch.isfinite(scale)).all()):
-        _raise_bad_values(xf[:n], codec)
+        _raise_bad_values(flat, codec)
     sf = scale.float()
     denom = torch.where(sf > 0, sf, torch.ones_like(sf))
 

@@ -328,10 +328,14 @@ class PageManager:
         A step prepared before a shrink keeps its plan here (its uploads may be in flight), but once
         that plan is out of the new lease ``needs_replan`` says so: the runtime re-plans it (release,
         prepare again) before it runs, so it never runs on slots or host room the lease no longer has.
-        Raises ValueError for a budget smaller than one segment (or one slot per buffer).
+        Raises ValueError for a budget smaller than one segment (or one slot per buffer); then
+        neither budget changes.
         """
-        if gpu_budget_bytes is not None:
+        if gpu_budget_bytes is not None:  # both checked before either changes
             _check_fits("gpu_budget_bytes", gpu_budget_bytes, 2 * self.gpu_slot_bytes, "one slot per buffer")
+        if host_budget_bytes is not None:
+            _check_fits("host_budget_bytes", host_budget_bytes, self._largest)
+        if gpu_budget_bytes is not None:
             shrunk = gpu_budget_bytes // (2 * self.gpu_slot_bytes) < self.slots_per_buffer
             self.slots_per_buffer = gpu_budget_bytes // (2 * self.gpu_slot_bytes)
             self.gpu_budget_bytes = gpu_budget_bytes
@@ -339,7 +343,6 @@ class PageManager:
                 self._outdate()
         spills: tuple[WriteBack, ...] = ()
         if host_budget_bytes is not None:
-            _check_fits("host_budget_bytes", host_budget_bytes, self._largest)
             if host_budget_bytes < self.host_budget_bytes:
                 self._outdate()
             self.host_budget_bytes = host_budget_bytes

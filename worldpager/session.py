@@ -30,7 +30,7 @@ from worldpager import session_store as store
 from worldpager.layout import SegmentLayout
 from worldpager.memory import RSS_SLACK, RssMeter, malloc_trim
 from worldpager.model import TINY, TinyCausalWan, TinyConfig
-from worldpager.page_types import Read
+from worldpager.page_types import Corrupt, Read
 from worldpager.pages import PageManager
 from worldpager.retrieval import (
     FovOverlapRule,
@@ -167,6 +167,7 @@ class Session:
         self._prepared: set[int] = set()  # steps prepared, not released (plans: `handler.plan`)
         self._stalls, self._computes = array("d"), array("d")
         self._hits = self._misses = 0
+        self._unavailable = 0  # wanted segments a step could not attend to (lost, or no host room)
         self._max_position = -1
         self._events = EventLog(max_events)
         self._trim = malloc_trim() if trim_memory else None
@@ -268,9 +269,12 @@ class Session:
         return max(0, step * fpb - (self.cfg.window_frames - fpb))
 
     def wanted(self, step: int) -> list[int]:
-        """Retrieval set for ``step`` (needs the poses of steps < step, known at the start of step-1)."""
+        """Retrieval set for ``step`` (needs the poses of steps < step, known at the start of step-1).
+        A segment whose NVMe copy failed its check (a `Corrupt` event: lost) is no candidate: it
+        would take a pick that a segment which can still come back should have."""
         if self.k == 0 or step < 1:
             return []
+        self._drain_events()  # (a read-back found corrupt since the last step: no longer a candidate)
         fpb = self.cfg.frames_per_block
         now = step * fpb
         cands = outside_window(self._infos, now, self.cfg.window_frames - fpb)
@@ -327,6 +331,7 @@ class Session:
         self._prepared.discard(n)
         misses = sum(isinstance(j, Read) for j in plan.jobs)
         hits = len(plan.slots) - misses
+        self._unavailable += len(plan.unavailable)
         del plan
         info = SegmentInfo(n, n * fpb, (n + 1) * fpb, pose)
         payload = self.layout.encode(kv)
@@ -403,7 +408,11 @@ class Session:
         return [self.step(p) for p in poses]
 
     def _drain_events(self) -> None:
-        self._events.extend(self.handler.take_events())
+        events = self.handler.take_events()
+        lost = {e.seg_id for e in events if isinstance(e, Corrupt)}
+        if lost:  # never retrieved again (its log copy failed its check and was retired)
+            self._infos = [i for i in self._infos if i.segment_id not in lost]
+        self._events.extend(events)
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def close(self) -> None:
@@ -520,6 +529,7 @@ class Session:
             "nvme_reads": self.handler.reads,
             "host_hits": self._hits,
             "host_misses": self._misses,
+            "retrieval_unavailable": self._unavailable,
             "peak_host_bytes": self.host_peak_bytes,
             "events": self.event_counts(),
             "resumed": self.window_source is not None,

@@ -383,8 +383,19 @@ class RedisStore:
             logger.debug("records up to %s ms late stored at later ids", late)
 
     def _lag_ms(self, r: redis.Redis) -> int:
+        """How far (ms) an entry's id may be ahead of its t; StoreError when the lag set holds no
+        such number (an infinite or huge score, which no stream id can be widened by)."""
         lag = r.zscore(self._lag_key, "late_ms")
-        return int(lag) if lag is not None else 0
+        if lag is None or lag <= 0:
+            return 0
+        if not lag <= _ms(MAX_T):  # (NaN and infinity too)
+            raise StoreError(
+                self.url,
+                f"{self._lag_key} is corrupt: its late_ms score {lag!r} is not a lateness in ms (0 to "
+                f"{_ms(MAX_T)}); another program's data under the prefix {self.prefix!r}? give this "
+                "store its own ?prefix=NAME in store.url",
+            )
+        return int(lag)
 
     def requests(self, since: float, until: float | None = None) -> Iterator[dict[str, Any]]:
         if math.isnan(since) or (until is not None and math.isnan(until)):
