@@ -196,6 +196,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self._pins_set: set[str] = set()  # pinned or unpinned by an admin since this start
         self._pins_unread = False  # the store was down at start: its pins are still to be read
         self._flush_lock = asyncio.Lock()
+        self._save_lock = asyncio.Lock()
+        self._intent_gen = 0
         self._boots: dict[str, str] = {}  # device -> the boot id of its host process, as last read
         self._resyncing: dict[str, asyncio.Task[None]] = {}  # device -> its resync under way
         self._resync_again: dict[str, str] = {}  # device -> why another resync follows the one under way
@@ -248,7 +250,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         if self._background:  # session closes and lease changes on their way to a host (5 s at most)
             await asyncio.wait(set(self._background), timeout=5.0)
         await self.flush_log()
-        self.save_stats()
+        await self.save_stats_async()
         if self.journal is not None:
             self.journal.close()
 
@@ -278,7 +280,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                 if now >= self._next_save:
                     if self._pins_unread:
                         self._restore_pins(late=True)
-                    self.save_stats()
+                    await self.save_stats_async()
                     self._next_save = now + SAVE_EVERY_S
             except Exception:  # the reconciler must outlive any one bad result
                 logger.exception("reconciler step failed")

@@ -20,7 +20,8 @@ import math
 import uuid
 from bisect import bisect_right
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from manager.journal import RequestJournal
 from manager.metrics import Metrics
@@ -31,7 +32,7 @@ from manager.store.base import CorruptDocument, StoreError, normalize_record
 from workers import protocol as P
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Iterator
 
     from manager.live import _Live
 
@@ -60,6 +61,20 @@ def _join_hist(a: ReuseHistogram, b: ReuseHistogram) -> ReuseHistogram:
         out["how_bins"][hour_of_week(a.last_t)][bisect_right(HOW_EDGES, gap)] += 1
     out.update(count=a.count + b.count, first_t=min(a.first_t, b.first_t), last_t=max(a.last_t, b.last_t))
     return _read_hist(out)
+
+
+T = TypeVar("T")
+
+
+async def _off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on a thread. Cancelled, the caller waits for it to end before the cancellation
+    goes on: a store write is never left running behind a later one."""
+    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        await asyncio.wait({work})
+        raise
 
 
 MAX_COUNT = 2**53
@@ -192,6 +207,8 @@ class PersistenceMixin:
     _stats_others: dict[str, Any] | None = None
     """The saved statistics of models not configured now, as read: saved again as they are."""
     _flush_lock: asyncio.Lock
+    _save_lock: asyncio.Lock  # one statistics save at a time (`save_stats_async`)
+    _intent_gen: int  # intents decided so far: a rewrite taken before one more is not the books
     _drop_retries: set[str]  # op ids of drops sent a second time (a refusal then: a resync)
     _measured: set[str]  # models whose `weights` a device host measured (not the config's estimate)
     sessions: dict[str, tuple[str, float, int]]
@@ -211,23 +228,76 @@ class PersistenceMixin:
     def save_stats(self) -> None:
         """Reuse histograms, measured load costs and footprints → the store (doc "stats"). After the
         store was down: first the intents it missed, and the statistics it held at start-up merged in
-        (saving without them would overwrite the earlier runs' history)."""
+        (saving without them would overwrite the earlier runs' history). The store's calls are made
+        here, on the caller's thread: the service saves with `save_stats_async`."""
         if self.store is None:
             return
         if self._intents_stale:
-            self._rewrite_intents()
+            gen = self._intent_gen
+            if self._write_intents(self._intent_tiers()) and self._intent_gen == gen:
+                self._intents_stale = False
         if self._stats_unread:
-            try:
-                saved = self.store.get_doc("stats") or {}
-            except CorruptDocument as e:  # it answers, but cannot read it: replaced (else never saved)
-                logger.error("the statistics saved in the store are unreadable (%s); overwritten", e)
-                saved = {}
-            except Exception:
-                logger.warning("the store is still down: statistics not saved")
+            saved = self._read_saved_stats()
+            if saved is None:
                 return
             self._stats_unread = False
             self._merge_stats(saved)
-        doc = dict(self._stats_others or {})  # models configured no longer (or not yet again): kept
+        self._put_stats(self._stats_doc())
+
+    async def save_stats_async(self) -> None:
+        """`save_stats` as the service makes it: what is saved is taken on the event loop, the store's
+        calls are made on a thread. A store that hangs (a stopped Redis, a network that drops its
+        packets, a SQLite file another program holds locked) held the event loop, and every request,
+        for its timeout at each save (15 s a minute with Redis). One save at a time; a cancelled
+        caller (the stop) waits for a write under way, so an older one never lands after a newer."""
+        if self.store is None:
+            return
+        async with self._save_lock:
+            if self._intents_stale:
+                gen, tiers = self._intent_gen, self._intent_tiers()
+                written = await _off_loop(self._write_intents, tiers)
+                if written and self._intent_gen == gen:  # (else decided meanwhile: rewritten next time)
+                    self._intents_stale = False
+            if self._stats_unread:
+                saved = await _off_loop(self._read_saved_stats)
+                if saved is None:
+                    return
+                self._stats_unread = False
+                self._merge_stats(saved)
+            await _off_loop(self._put_stats, self._stats_doc())
+
+    def _intent_tiers(self) -> dict[str, str]:
+        tiers = {Tier.GPU: "gpu", Tier.HOST: "host"}
+        return {name: tiers.get(m.tier, "disk") for name, m in self.engine.models.items()}
+
+    def _write_intents(self, tiers: dict[str, str]) -> bool:
+        """Every model's intended tier, as `tiers` has it (the engine's books, after writes were lost
+        to a store outage); whether all were written. Any thread."""
+        try:
+            for name, tier in tiers.items():
+                self.store.set_intent(name, tier)
+            return True
+        except Exception as e:
+            logger.warning("the store is still down: intents not rewritten (%s)", str(e) or type(e).__name__)
+            return False
+
+    def _read_saved_stats(self) -> dict[str, Any] | None:
+        """The statistics the store held at start (read late: it was down then), {} when it cannot
+        read them (replaced at this save), None when it is still down. Any thread."""
+        try:
+            saved: dict[str, Any] = self.store.get_doc("stats") or {}
+            return saved
+        except CorruptDocument as e:  # it answers, but cannot read it: replaced (else never saved)
+            logger.error("the statistics saved in the store are unreadable (%s); overwritten", e)
+            return {}
+        except Exception:
+            logger.warning("the store is still down: statistics not saved")
+            return None
+
+    def _stats_doc(self) -> dict[str, Any]:
+        """The "stats" document: each model's statistics now, and the saved ones of models not
+        configured now (kept as they were). On the event loop: it reads the engine's books."""
+        doc = dict(self._stats_others or {})
         now = self.clock()  # every arrival before it is in the histograms (`_complete_until`)
         doc.update({
             name: {"hist": m.hist.capture(), "cost": m.cost.capture(), "weights": m.weights,
@@ -236,9 +306,13 @@ class PersistenceMixin:
                    "seen_until": now}
             for name, m in self.engine.models.items()
         })  # fmt: skip
+        return doc
+
+    def _put_stats(self, doc: dict[str, Any]) -> None:
+        """`doc` to the store; a failure is logged (one line each time, not a traceback). Any thread."""
         try:
             self.store.put_doc("stats", doc)
-        except StoreError as e:  # (a full disk, a lock: said in one line each time, not a traceback)
+        except StoreError as e:  # (a full disk, a lock)
             logger.error("could not save statistics to the store: %s", e)
         except Exception:
             logger.exception("could not save statistics to the store")
@@ -444,16 +518,6 @@ class PersistenceMixin:
                     continue
             yield rec
 
-    def _rewrite_intents(self) -> None:
-        """Every model's intended tier (the engine's books), after writes were lost to a store outage."""
-        tiers = {Tier.GPU: "gpu", Tier.HOST: "host"}
-        try:
-            for name, m in self.engine.models.items():
-                self.store.set_intent(name, tiers.get(m.tier, "disk"))
-            self._intents_stale = False
-        except Exception as e:
-            logger.warning("the store is still down: intents not rewritten (%s)", str(e) or type(e).__name__)
-
     def _catch_up_stats(
         self, since: dict[str, float | None] | None = None, until: dict[str, float] | None = None
     ) -> int:
@@ -646,7 +710,8 @@ class PersistenceMixin:
     def _set_intent(self, model: str, tier: str, why: str = "adopted") -> None:
         """Record `model`'s intended tier. Runs on the event loop: once a write has failed, the next
         ones are not tried (a store that hangs would hold every request for its timeout, each time);
-        every intent is rewritten from the engine's books once it answers (`_rewrite_intents`)."""
+        every intent is rewritten from the engine's books once it answers (`save_stats_async`)."""
+        self._intent_gen += 1
         if self.store is None or self._intents_stale:
             return
         try:
@@ -694,6 +759,8 @@ class PersistenceMixin:
             self._write_done()
         if cancelled:
             raise asyncio.CancelledError
+        if error is None and (self._intents_stale or self._stats_unread):  # the store answers again:
+            await self.save_stats_async()  # what else it missed
 
     def _write_failed(self, batch: list[dict[str, Any]], e: BaseException) -> None:
         if isinstance(e, ValueError):  # records the store refuses (it answers): those go, the rest stay
@@ -710,8 +777,6 @@ class PersistenceMixin:
     def _write_done(self) -> None:
         self.metrics.log_buffered.set(len(self._log_buf))
         self._log_failing = False
-        if self._intents_stale or self._stats_unread:  # the store answers again: what else it missed
-            self.save_stats()
 
     def _valid_records(self, batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The records of `batch` the store can take; each other one is dropped, said and counted (a
