@@ -210,7 +210,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             p = _param(params["priority"])
             if not isinstance(p, int) or isinstance(p, bool) or p < 0:
                 raise InvalidRequest(f"parameter 'priority' must be a non-negative integer, got {p!r}")
-            return None if p == 0 else classes[min(p, len(classes)) - 1]
+            # 0, or a level above the classes: the model's own class (Triton's default priority level)
+            return None if p == 0 or p > len(classes) else classes[p - 1]
         return None
 
     def _timeout(self, request: pb.ModelInferRequest, left: float | None) -> float:
