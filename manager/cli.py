@@ -760,7 +760,8 @@ def cmd_ps(a: argparse.Namespace) -> int:
             if m.keep_alive_left_s < 0
             else (f"{m.keep_alive_left_s:.0f} s" if m.keep_alive_left_s else "-")
         )
-        last = f"{_time.time() - m.last_used:.0f} s ago" if m.last_used else "never"
+        ago = max(0.0, _time.time() - m.last_used)  # (the server's clock may be ahead: manager.clock)
+        last = f"{ago:.0f} s ago" if m.last_used else "never"
         ls = m.load_seconds
         names = [escape(x) for x in (m.name, m.tier, m.device, m.class_name)]  # the server's text, not markup
         t.add_row(*names, "yes" if m.pinned else "", f"{m.bytes / 2**20:.1f}",

@@ -26,14 +26,20 @@ Notes:
   TraceError for the file as a whole, instead of counting its lines one by one for minutes. A
   shorter file with NUL bytes and no JSON object (a UTF-16 trace, as Windows PowerShell's `>`
   writes one) is refused the same way at its end, rather than as "not valid JSON" on every line.
+  The path "-" is standard input (as the shell's tools take it, and as `trace synth --out -` writes
+  to standard output; a file named "-" is ./-), read as UTF-8 with the same checks; its errors name
+  it STDIN_NAME. Standard input can be read once: a second `read_trace("-")` finds it at its end.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
+import sys
 from collections.abc import Collection, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -47,6 +53,8 @@ __all__ = [
     "MAX_BUSY_S",
     "MAX_LINE_CHARS",
     "NOT_A_TRACE_AFTER",
+    "STDIN",
+    "STDIN_NAME",
     "TraceError",
     "TraceReadResult",
     "parse_line",
@@ -66,6 +74,10 @@ MAX_LINE_CHARS = 1 << 20
 """The longest line read, in characters (a request is a line of about a hundred)."""
 NOT_A_TRACE_AFTER = 1000
 """With no JSON object in a file's first this many non-blank lines, it is not a trace."""
+STDIN = "-"
+"""The path `read_trace` reads standard input for."""
+STDIN_NAME = "<stdin>"
+"""What errors about standard input call it (TraceError.path, TraceReadResult.path)."""
 _ALLOWED_SET = frozenset(ALLOWED_FIELDS)
 
 
@@ -239,20 +251,15 @@ def read_trace(
     Raises:
         TraceError: the file cannot be read or is not a trace (line 0), or `strict` and a line is bad.
     """
-    p = str(path)
+    stdin = isinstance(path, str) and path == STDIN  # (a PathLike "-" too is ./-, as Path("-") is)
+    p = STDIN_NAME if stdin else str(path)
     models = frozenset(known_models) if known_models is not None else None
     classes = frozenset(known_classes) if known_classes is not None else None
     result = TraceReadResult(requests=[], bad_lines=[], path=p)
     last_t, last_line = -math.inf, 0
-    try:
-        f = open(p, encoding="utf-8", errors="replace")  # noqa: SIM115 - closed by the with below
-    except FileNotFoundError:
-        raise TraceError(p, 0, "no such file") from None
-    except OSError as e:
-        raise TraceError(p, 0, e.strerror or str(e)) from None
     objects = False  # has a line held a JSON object yet?
     nul = False  # has a line before the first object held a NUL character?
-    with f:
+    with _open_stdin() if stdin else _open(p) as f, _read_errors(p):
         for line_no, text in enumerate(_lines(f), start=1):
             if line_no == 1 and text is not None:
                 text = text.removeprefix("\ufeff")  # a byte-order mark some editors write
@@ -283,6 +290,64 @@ def read_trace(
     if nul and not objects:  # a short binary file (a UTF-16 trace): said as a whole, as a long one
         raise TraceError(p, 0, _not_a_trace(result.bad_lines[0], nul, len(result.bad_lines)))
     return result
+
+
+@contextmanager
+def _open(p: str) -> Iterator[TextIO]:
+    """The file `p` as UTF-8 text (a byte that is not UTF-8 read as U+FFFD, so the line it is on
+    is bad, not the file), closed at the end; TraceError (line 0) when it cannot be opened."""
+    try:
+        f = open(p, encoding="utf-8", errors="replace")  # noqa: SIM115 - closed by the with below
+    except FileNotFoundError:
+        raise TraceError(p, 0, "no such file") from None
+    except OSError as e:
+        raise TraceError(p, 0, e.strerror or str(e)) from None
+    with f:
+        yield f
+
+
+@contextmanager
+def _open_stdin() -> Iterator[TextIO]:
+    """Standard input as `_open` reads a file: its bytes decoded as UTF-8 whatever the locale's
+    encoding, lines ended by \\n, \\r\\n or \\r. Left open (the process's, not ours): the reader
+    over its bytes is detached, not closed. A terminal is refused, not waited on for a trace
+    typed by hand (the command would seem to hang)."""
+    stream = sys.stdin
+    if stream is None:  # (started with no standard input at all)
+        raise TraceError(STDIN_NAME, 0, "there is no standard input to read a trace from")
+    try:
+        tty = stream.isatty()
+    except (OSError, ValueError):  # closed
+        tty = False
+    if tty:
+        raise TraceError(
+            STDIN_NAME,
+            0,
+            "standard input is a terminal; pipe a trace into it (`residency trace synth --out - | ...`) "
+            "or give the trace's file",
+        )
+    buffer = getattr(stream, "buffer", None)
+    if buffer is None:  # a text stream with no bytes beneath it: read as it is
+        yield stream
+        return
+    f = io.TextIOWrapper(buffer, encoding="utf-8", errors="replace")
+    try:
+        yield f
+    finally:
+        try:
+            f.detach()
+        except ValueError:  # pragma: no cover - the buffer closed under us
+            pass
+
+
+@contextmanager
+def _read_errors(p: str) -> Iterator[None]:
+    """An error reading `p` after it opened (a folder given as standard input, a disk's I/O
+    error) as TraceError for the file as a whole, not a traceback."""
+    try:
+        yield
+    except OSError as e:
+        raise TraceError(p, 0, f"cannot be read: {e.strerror or e}") from None
 
 
 _TOO_LONG = f"line longer than {MAX_LINE_CHARS} characters (a trace is JSON Lines: one request per line)"
