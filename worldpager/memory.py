@@ -4,8 +4,9 @@ Bounded memory: a session keeps no per-step tensors (a block's KV becomes its pa
 is dropped unless ``keep_outputs``), per-step records are small numbers and only the last
 ``max_records`` are kept (the stall/compute series are arrays of floats), events are drained from the
 transfer handler every step into counts, the rare notable ones (`Corrupt`, `DiskFull`, `Dropped`,
-`LeaseResized`, `CorruptSlot`) and the last ``max_events`` routine ones. What grows with the session is
-the segment index (the log index, the PageManager, the retrieval candidates and the rule's cache:
+`CorruptSlot`), the last ``max_events`` `LeaseResized` (a manager may resize often) and the last
+``max_events`` routine ones. What grows with the session is the segment index (the log index, the
+PageManager, the retrieval candidates and the rule's cache:
 about 2.3 KB of RSS per segment measured over 1,500 ``micro`` steps). On glibc, ``trim_memory``
 returns the allocator's free memory to the OS after each step (``malloc_trim``), so RSS follows live
 bytes rather than the allocator's high-water mark.

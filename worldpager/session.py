@@ -255,7 +255,8 @@ class Session:
 
     @property
     def events(self) -> list[SessionEvent]:
-        """Notable events (all of them) and the last ``max_events`` routine ones."""
+        """Notable events (all of them, but only the last ``max_events`` `LeaseResized`) and the last
+        ``max_events`` routine ones."""
         self._drain_events()
         return self._events.events()
 

@@ -3,8 +3,9 @@
 a series of seconds).
 
 Events are drained from the transfer handler every step into counts, the rare notable ones (`Corrupt`,
-`DiskFull`, `Dropped`, `LeaseResized`, `CorruptSlot`, `MissingSegment`) and the last ``max_events``
-routine ones.
+`DiskFull`, `Dropped`, `CorruptSlot`, `MissingSegment`), the last ``max_events`` `LeaseResized` ones
+(a lease can be resized any number of times in a long session) and the last ``max_events`` routine
+ones.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import statistics
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from heapq import merge
 
 from worldpager.page_types import Corrupt, DiskFull, LeaseResized
 from worldpager.transfer import Dropped, RuntimeEvent
@@ -55,7 +57,8 @@ class MissingSegment:
 
 
 SessionEvent = RuntimeEvent | CorruptSlot | MissingSegment
-_NOTABLE = (Corrupt, DiskFull, Dropped, LeaseResized, CorruptSlot, MissingSegment)
+_NOTABLE = (Corrupt, DiskFull, Dropped, CorruptSlot, MissingSegment)  # kept, all of them
+# (`LeaseResized` is notable too, but only the last ``max_events`` are kept: see `EventLog`)
 
 
 def stall_stats(values: Sequence[float]) -> dict[str, float]:
@@ -68,18 +71,26 @@ def stall_stats(values: Sequence[float]) -> dict[str, float]:
 
 
 class EventLog:
-    """Counts of every event by type name, every notable event and the last ``max_events`` others."""
+    """Counts of every event by type name (all of them, kept or not), every notable event, the last
+    ``max_events`` `LeaseResized` events and the last ``max_events`` others."""
 
     def __init__(self, max_events: int) -> None:
+        if max_events < 0:
+            raise ValueError(f"max_events must be >= 0, got {max_events}")
         self._counts: dict[str, int] = {}
-        self._notable: list[SessionEvent] = []
+        self._seq = 0  # events recorded so far: keeps the notable ones and the resizes in their order
+        self._notable: list[tuple[int, SessionEvent]] = []
+        self._resized: deque[tuple[int, SessionEvent]] = deque(maxlen=max_events)
         self._recent: deque[SessionEvent] = deque(maxlen=max_events)
 
     def record(self, e: SessionEvent) -> None:
         name = type(e).__name__
         self._counts[name] = self._counts.get(name, 0) + 1
-        if isinstance(e, _NOTABLE):
-            self._notable.append(e)
+        self._seq += 1
+        if isinstance(e, LeaseResized):
+            self._resized.append((self._seq, e))
+        elif isinstance(e, _NOTABLE):
+            self._notable.append((self._seq, e))
         else:
             self._recent.append(e)
 
@@ -88,8 +99,11 @@ class EventLog:
             self.record(e)
 
     def events(self) -> list[SessionEvent]:
-        """Notable events (all of them) and the last ``max_events`` routine ones."""
-        return [*self._notable, *self._recent]
+        """Notable events (all of them, with the last ``max_events`` `LeaseResized` ones among them,
+        in the order they came) and then the last ``max_events`` routine ones."""
+        kept = merge(self._notable, self._resized, key=lambda item: item[0])
+        return [*(e for _, e in kept), *self._recent]
 
     def counts(self) -> dict[str, int]:
+        """How many events of each type were recorded, including those no longer kept."""
         return dict(self._counts)

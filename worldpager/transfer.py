@@ -16,7 +16,11 @@
   a step already started (its memory handed out by `memory`), which keeps its buffer until released.
 * `Dropped` / `RuntimeEvent` -- what the handler records besides the PageManager's events.
 
-Failure handling: a corrupt slot (checksum) is reported as ``Failure.CORRUPT`` -> the PageManager takes
+Failure handling: a read that fails with an OS error (EIO, EINTR, EAGAIN: a disk or controller hiccup)
+is retried, up to ``TransferHandler.read_retries`` more times with a short, doubling pause
+(``read_retry_delay_s``), each failure logged as a warning; one that still fails then is treated as
+corrupt (below), its slot left as it is (not retired: the data may be readable later, by a resume).
+A corrupt slot (checksum) is reported as ``Failure.CORRUPT`` -> the PageManager takes
 the segment out of every step (a `Corrupt` event, with the slot and the reason added here) and it is
 never uploaded, so never attended to; the slot is retired in the log (`SegmentLog.mark_corrupt`: its
 space given back, never reported again by a resume); a full log (`LogFullError`) is reported as
@@ -30,6 +34,7 @@ mode is such a segment dropped (a `Dropped` event): it is never retrievable, gen
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import queue
 import threading
@@ -59,11 +64,13 @@ from worldpager.page_types import (
 )
 from worldpager.pages import PageManager
 from worldpager.retrieval import SegmentInfo
+from worldpager.segment_header import SegmentHeader
 from worldpager.segment_log import HEADER_SIZE, CorruptSlotError, LogFullError, SegmentLog
 
 __all__ = ["Dropped", "RuntimeEvent", "Throttle", "TransferHandler", "WrittenThrough", "sleep_until"]
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 # ---- throttle -------------------------------------------------------------------------------------
@@ -140,7 +147,12 @@ class TransferHandler:
 
     ``log`` is shared, not owned (``close()`` leaves it open). ``host_bytes`` is what the host copies
     take; it follows the PageManager's accounting (copies leave on `Evicted`/`Spilled`).
+    A read that fails with an OS error is tried again ``read_retries`` times, after
+    ``read_retry_delay_s`` seconds and then twice as long each time, before its segment is given up.
     """
+
+    read_retries = 3
+    read_retry_delay_s = 0.05
 
     def __init__(
         self,
@@ -528,15 +540,15 @@ class TransferHandler:
         reason = "not in the log"
         if slot is not None:
             try:
-                h, data = self.throttle.run(lambda: self.log.read(slot), HEADER_SIZE + job.nbytes)
+                h, data = self._read_slot(job, slot)
                 if h.segment_id != job.seg_id or len(data) != job.nbytes:
                     reason = f"holds segment {h.segment_id} of {len(data)} bytes"
                     data = None
             except CorruptSlotError as e:
                 reason = e.reason
                 self.log.mark_corrupt(slot, reason)  # retired: a later resume neither counts nor reports it
-            except OSError as e:
-                reason = f"unreadable: {e}"
+            except OSError as e:  # (it persisted through every retry: the slot is not retired)
+                reason = f"unreadable after {max(0, self.read_retries) + 1} attempts: {e}"
         with self._cond:
             self.reads += 1
             if data is None:  # its Corrupt event says which slot failed, and why (_drain_events)
@@ -546,6 +558,31 @@ class TransferHandler:
             self.bytes_read += HEADER_SIZE + len(data)
             self._host[job.seg_id] = data
             self._complete(job.job_id, True)
+
+    def _read_slot(self, job: Read, slot: int) -> tuple[SegmentHeader, bytes]:
+        """``slot``'s header and payload through the throttle (no lock held). An OS error is retried
+        ``read_retries`` times (a transient one -- EIO, EINTR, EAGAIN -- usually clears), each logged;
+        the last one is raised. A failed integrity check (`CorruptSlotError`) is never retried."""
+        delay, retries = self.read_retry_delay_s, max(0, self.read_retries)
+        for attempt in range(1, retries + 2):
+            try:
+                return self.throttle.run(lambda: self.log.read(slot), HEADER_SIZE + job.nbytes)
+            except CorruptSlotError:
+                raise
+            except OSError as e:
+                if attempt > retries:
+                    logger.error(
+                        "%s: slot %d (segment %d): read failed %d times, giving the segment up: %s",
+                        self.log.path, slot, job.seg_id, attempt, e,
+                    )  # fmt: skip
+                    raise
+                logger.warning(
+                    "%s: slot %d (segment %d): read failed (attempt %d of %d), retrying in %.3g s: %s",
+                    self.log.path, slot, job.seg_id, attempt, retries + 1, delay, e,
+                )  # fmt: skip
+                time.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")  # (the loop returns or raises)
 
     def _do_write(self, job: WriteBack, info: SegmentInfo, payload: bytes | None) -> None:
         assert payload is not None, f"write-back of segment {job.seg_id} without a host copy"
