@@ -28,7 +28,7 @@ from manager.policy.factory import POLICY_NAMES
 from manager.policy.types import Request
 from manager.replay.sim import ReplayResult, replay
 from manager.replay.synth import MAX_DAYS, PROFILES, synth
-from manager.replay.trace import TraceError, read_trace, request_to_json, write_trace
+from manager.replay.trace import STDIN, TraceError, read_trace, request_to_json, write_trace
 
 err = Console(stderr=True, soft_wrap=True)
 MAX_BAD_LINES_SHOWN = 10
@@ -147,6 +147,25 @@ def _prepare_out_file(value: str, flag: str, *, create: bool = True) -> Path:
     return path
 
 
+def _check_tune_outputs(a: argparse.Namespace) -> None:
+    """`tune`'s outputs, checked first, not after the (long) search: a bad --out or --report fails
+    now, and an --out that is one of the traces (the week of requests written over) is refused."""
+    if a.report is not None:
+        _not_empty(a.report, "--report", "a folder for the report")
+    _prepare_out_file(a.out, "--out", create=False)
+    for flag, value in (("--trace", a.trace), ("--holdout", a.holdout)):
+        if value and value != STDIN and _same_file(a.out, value):
+            raise UsageError(f"--out {a.out} is the {flag} file; give another path for the tuned config")
+    if a.report:
+        _prepare_dir(Path(a.report), "--report", create=False)
+        _check_report_files(Path(a.report))
+
+
+def _trace_name(value: str) -> str:
+    """How a trace the user named is said in a title or a header (`-`: standard input)."""
+    return "standard input" if value == STDIN else value
+
+
 def _same_file(a: str, b: str) -> bool:
     """Whether the paths `a` and `b` name one file (through links too); a path not there yet is
     compared as a path."""
@@ -188,6 +207,7 @@ def _load_trace(
         if e.line or not flag:  # a bad line says "path:line:" as the contract has it
             raise
         raise UsageError(f"{head}: {e.reason}") from None
+    path = res.path or path  # (standard input is named `<stdin>`, as a --strict error names it)
     for line, reason in res.bad_lines[:MAX_BAD_LINES_SHOWN]:
         # a reason quotes the user's text ("model": "[/x]"): escaped, it is printed, not parsed as markup
         err.print(f"[yellow]skipped[/] {escape(f'{path}:{line}: {reason}')}", highlight=False)
@@ -273,7 +293,7 @@ def cmd_replay(a: argparse.Namespace) -> int:
         return 0
     policies = [a.policy] if a.policy else list(POLICY_NAMES)
     results = _replay_all(config, reqs, policies, bad)
-    _out().print(_table(results, escape(f"{a.trace} through {a.config}")))
+    _out().print(_table(results, escape(f"{_trace_name(a.trace)} through {a.config}")))
     return 0
 
 
@@ -491,16 +511,12 @@ def cmd_tune(a: argparse.Namespace) -> int:
     a.since = DEFAULT_SINCE if a.since is None else a.since
     if a.holdout is not None:
         _not_empty(a.holdout, "--holdout", "a trace file")
-    if a.report is not None:
-        _not_empty(a.report, "--report", "a folder for the report")
-    # the outputs are checked first, not after the (long) search: a bad --out or --report fails now
-    _prepare_out_file(a.out, "--out", create=False)
-    for flag, value in (("--trace", a.trace), ("--holdout", a.holdout)):
-        if value and _same_file(a.out, value):  # the config written over the trace: the week lost
-            raise UsageError(f"--out {a.out} is the {flag} file; give another path for the tuned config")
-    if a.report:
-        _prepare_dir(Path(a.report), "--report", create=False)
-        _check_report_files(Path(a.report))
+    if a.trace == STDIN and a.holdout == STDIN:  # one standard input: the holdout would find it empty
+        raise UsageError(
+            "--trace - and --holdout -: both read standard input, which holds one trace; give one of "
+            "them as a file"
+        )
+    _check_tune_outputs(a)
     if a.from_store:
         from manager.store.base import redact
 
@@ -533,7 +549,7 @@ def cmd_tune(a: argparse.Namespace) -> int:
             config, search, holdout, policy=a.policy, progress=lambda s: prog.update(task, description=s)
         )
     header = (
-        f"Tuned by `residency tune` from {a.config} on {a.trace} ({len(search)} requests); "
+        f"Tuned by `residency tune` from {a.config} on {_trace_name(a.trace)} ({len(search)} requests); "
         f"{len(res.changes)} change(s): {'; '.join(res.changes) or 'none'}"
     )
     _write_tuned(a.config, a.out, res, header)
@@ -803,7 +819,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("replay", help="replay a request trace through the policies")
     r.add_argument("--config", required=True)
-    r.add_argument("--trace", required=True)
+    r.add_argument("--trace", required=True, help="request trace (JSON Lines); - reads standard input")
     r.add_argument("--policy", choices=POLICY_NAMES, help="one policy (default: all side by side)")
     r.add_argument(
         "--json", action="store_true", help="one JSON object (the config's policy unless --policy)"
@@ -813,7 +829,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("tune", help="tune keep-alives, prewarm and class reservations by replay")
     t.add_argument("--config", required=True)
-    t.add_argument("--trace", help="request trace (JSON Lines); or --from-store")
+    t.add_argument("--trace", help="request trace (JSON Lines; - reads standard input); or --from-store")
     t.add_argument("--from-store", action="store_true", help="tune on the service's request log (store.url)")
     t.add_argument("--since", help=f"with --from-store: how far back (default {DEFAULT_SINCE})")
     t.add_argument("--out", required=True)

@@ -495,7 +495,32 @@ def _assign(mapping: Any, key: Any, value: Any) -> None:
             else:  # a new key goes where `value` has it (`cached` between `disk` and `host`)
                 old.insert(min(i, len(old)), k, v)
         return
+    if key not in mapping:
+        _append(mapping, key, value)
+        return
     mapping[key] = value
+
+
+def _append(mapping: Any, key: Any, value: Any) -> None:
+    """`mapping[key] = value` for a key `mapping` lacks. In a block mapping the new line goes right
+    after the last key's line, not after the comment lines that follow that line (which YAML keeps
+    with the last key): a comment that heads the next model would otherwise end up above the new
+    line, as if it spoke of it."""
+    last = next(reversed(list(mapping)), None) if isinstance(mapping, CommentedMap) else None
+    slots = mapping.ca.items.get(last) if last is not None else None
+    tok = slots[2] if slots and len(slots) > 2 else None
+    mapping[key] = value
+    if (
+        not isinstance(tok, CommentToken)
+        or isinstance(value, dict | list)  # (a collection's comments are kept in it, not here)
+        or mapping.fa.flow_style()
+        or getattr(mapping, "merge", None)  # (its last key may be a merged one)
+    ):
+        return
+    eol, newline, rest = tok.value.partition("\n")
+    if newline and rest:
+        tok.value = eol + newline
+        mapping.ca.items[key] = [None, None, CommentToken(newline + rest, tok.start_mark), None]
 
 
 def _apply(data: Any, section: str, updates: dict[str, dict[str, Any]], file: str) -> None:
@@ -625,13 +650,19 @@ def _line_of_field(data: Any, section: str, name: str, key: str) -> int | None:
         return None
 
 
-def _noted(text: str, before: Any, updates: dict[str, dict[str, dict[str, Any]]], expected: Any) -> str:
+def _noted(
+    text: str, before: Any, updates: dict[str, dict[str, dict[str, Any]]], expected: Any
+) -> tuple[str, Any]:
     """`text` with a `# residency tune: NAME.FIELD was OLD` note at the end of each line whose value
-    the updates changed. A line noted by an earlier tuning keeps the value a person had chosen (its
-    first `was`); a field tuned back to that value loses its note. `text` itself when the notes would
-    not read back as `expected` (a line that takes no comment)."""
+    the updates changed, and the plain data it reads as. A line noted by an earlier tuning keeps the
+    value a person had chosen (its first `was`); a field tuned back to that value loses its note,
+    and one tuned back to its default where the person had not set it at all (`was unset`) loses its
+    line too, as the person wrote the file (failing that, it keeps the line and its note). `text`
+    and `expected` themselves when the notes would not read back as `expected` (a line that takes
+    no comment)."""
     data = _yaml().load(text)
-    per_line: dict[int, list[tuple[str, str, str]]] = {}  # line: [(NAME.FIELD, old, new)]
+    # line: [(NAME.FIELD, old, new, (section, name, field))]
+    per_line: dict[int, list[tuple[str, str, str, tuple[str, str, str]]]] = {}
     for section, by_name in updates.items():
         items = before.get(section) if isinstance(before, dict) else None
         for name, changes in by_name.items():
@@ -642,27 +673,75 @@ def _noted(text: str, before: Any, updates: dict[str, dict[str, dict[str, Any]]]
                     continue
                 present, prior = _get_path(entry, key)
                 old = _note_value(prior, present)
-                per_line.setdefault(line, []).append((f"{name}.{key}", old, _note_value(value, True)))
-    lines = text.splitlines(keepends=True)
-    for line, fields in per_line.items():
-        if line >= len(lines):
-            continue
-        body = lines[line].rstrip("\r\n")
-        m = _NOTE_RE.search(body)
-        was: dict[str, str] = {}
-        if m:
-            body = body[: m.start()]
-            for item in m.group("items").split(", "):
-                im = _NOTE_ITEM_RE.fullmatch(item)
-                if im:
-                    was[im.group("field")] = im.group("was")
-        for field, old, new in fields:
-            first = was.setdefault(field, old)  # an earlier note holds the value a person chose
-            if _same_setting(field.rpartition(".")[2], first, new):
-                del was[field]
-        note = ", ".join(f"{f} was {w}" for f, w in was.items())
-        lines[line] = body + (f"  {TUNED_NOTE}{note}" if note else "") + "\n"
-    return _if_same("".join(lines), expected, text)
+                where = (section, name, key)
+                per_line.setdefault(line, []).append((f"{name}.{key}", old, _note_value(value, True), where))
+    for drop in (True, False):
+        lines = text.splitlines(keepends=True)
+        unset = copy.deepcopy(expected) if drop else expected
+        dropped = False
+        for line, fields in per_line.items():
+            if line >= len(lines):
+                continue
+            body = lines[line].rstrip("\r\n")
+            m = _NOTE_RE.search(body)
+            was: dict[str, str] = {}
+            if m:
+                body = body[: m.start()]
+                for item in m.group("items").split(", "):
+                    im = _NOTE_ITEM_RE.fullmatch(item)
+                    if im:
+                        was[im.group("field")] = im.group("was")
+            back: tuple[str, str, str] | None = None  # the line's one field, tuned back to unset
+            for field, old, new, where in fields:
+                first = was.setdefault(field, old)  # an earlier note holds the value a person chose
+                if _same_setting(field.rpartition(".")[2], first, new):
+                    del was[field]
+                elif drop and first == "unset" and len(fields) == 1 and _means_default(expected, *where):
+                    back = where
+            if back is not None and len(was) == 1 and _only_the_field(body, back[2]):
+                _del_path(unset, *back)
+                lines[line] = ""
+                dropped = True
+                continue
+            note = ", ".join(f"{f} was {w}" for f, w in was.items())
+            lines[line] = body + (f"  {TUNED_NOTE}{note}" if note else "") + "\n"
+        if not dropped:  # (the same lines as the pass without dropping would give)
+            return _if_same("".join(lines), expected, text), expected
+        if _if_same("".join(lines), unset, text) != text:
+            return "".join(lines), unset
+    raise AssertionError("unreachable: the second pass drops nothing")  # pragma: no cover
+
+
+def _means_default(expected: Any, section: str, name: str, key: str) -> bool:
+    """Whether the entry `name` of `section` in the plain `expected` reads the same with its field
+    `key` (dotted: nested) left out: its value is the field's default."""
+    without = copy.deepcopy(expected)
+    if not _del_path(without, section, name, key):
+        return False
+    try:
+        return bool(_validate(expected, "") == _validate(without, ""))
+    except (ConfigError, ValueError, TypeError):
+        return False
+
+
+def _del_path(plain: Any, section: str, name: str, key: str) -> bool:
+    """Remove the dotted `key` from the entry `name` of `section` in the plain data; whether it was there."""
+    items = plain.get(section) if isinstance(plain, dict) else None
+    entry = next((e for e in items or [] if isinstance(e, dict) and e.get("name") == name), None)
+    *parents, last = key.split(".")
+    for part in parents:
+        entry = entry.get(part) if isinstance(entry, dict) else None
+    if not isinstance(entry, dict) or last not in entry:
+        return False
+    del entry[last]
+    return True
+
+
+def _only_the_field(body: str, key: str) -> bool:
+    """Whether the line `body` (its tuning note cut off) is the block-mapping line `KEY: value` of
+    the last part of the dotted `key` and nothing else (no other key, no comment a person added)."""
+    last = key.rpartition(".")[2]
+    return re.fullmatch(rf"[ \t]+{re.escape(last)}[ \t]*:[ \t]+[^\s#{{\[|>&*!'\"][^#]*", body) is not None
 
 
 def _if_same(out: str, expected: Any, text: str) -> str:
@@ -796,7 +875,10 @@ def write_config_with_updates(
     (`MEASURED_NOTE`). The result is validated before `dst` is written (ConfigError naming `dst`);
     unknown model or class names raise ValueError.
     """
-    data = _parse_yaml(Path(src).read_text(encoding="utf-8"), str(src))
+    with Path(src).open(encoding="utf-8", newline="") as f:  # its line endings, as written
+        raw = f.read()
+    newline = _newline_of(raw)
+    data = _parse_yaml(raw.replace("\r\n", "\n").replace("\r", "\n"), str(src))
     try:
         expected = _plain(data)  # every alias its own copy: what the updates alone should give
     except (_TooManyNodes, RecursionError):
@@ -808,7 +890,9 @@ def write_config_with_updates(
     _apply(data, "classes", class_updates or {}, str(src))
     text = _dump_unshared(data, expected, str(src))
     if note_changes:
-        text = _noted(text, before, {"models": model_updates, "classes": class_updates or {}}, expected)
+        text, expected = _noted(
+            text, before, {"models": model_updates, "classes": class_updates or {}}, expected
+        )
     if note_measured:
         text = _measure_noted(text, before, model_updates, expected)
     if header_comment:
@@ -823,5 +907,15 @@ def write_config_with_updates(
         kept = [line for line in lines[:n] if not (own and line.startswith(own))]
         text = head + "".join(kept + lines[n:])
     config = _validate(_parse_yaml(text, str(dst)), str(dst))
-    Path(dst).write_text(text, encoding="utf-8")
+    if raw and not raw.endswith(("\n", "\r")):  # no newline at its end: none added
+        text = text.removesuffix("\n")
+    with Path(dst).open("w", encoding="utf-8", newline=newline) as f:  # `\n` written as `newline`
+        f.write(text)
     return config
+
+
+def _newline_of(text: str) -> str:
+    """The line ending `text` uses: that of its first line (`\\r\\n` in a file saved on Windows);
+    `\\n` for a file of one line."""
+    m = re.search(r"\r\n|\n|\r", text)
+    return m.group() if m else "\n"

@@ -27,6 +27,7 @@ from manager.units import (
     DURATION_PATTERN,
     MAX_SIZE,
     SIZE_PATTERN,
+    format_duration,
     format_size,
     parse_duration,
     parse_size,
@@ -75,6 +76,9 @@ _DURATION_SCHEMA: dict[str, Any] = {
     ],
     "examples": ["30m", "2h", "45s", "1h30m", 90],
 }
+DEFAULT_REQUEST_LOG_RETENTION_S = 8 * 7 * 86400
+"""`store.request_log_retention`'s default (8w): eight times the tuning's default window
+(`tuning.since`, 7d, and `residency tune --from-store`'s default `--since`)."""
 MAX_LOAD_S = 86400
 """The longest load time a config takes (a day): a load is seconds to minutes."""
 
@@ -262,6 +266,28 @@ class StoreConfig(_Model):
     sessions_keep: ByteSize = Field(default=20 * 2**30, ge=0)
     """Disk kept for saved world sessions: when a session opens, the least recently used sessions
     that are not open are deleted, oldest first, until the rest fit in this (0: keep none)."""
+    request_log_retention: Duration | None = Field(default=DEFAULT_REQUEST_LOG_RETENTION_S, gt=0)
+    """How long the request log (the served requests' times, models and durations, which the tuning
+    reads) is kept: the running service deletes the records older than this from the store about once
+    an hour, so its SQLite file or Redis stream stops growing. Default 8w (56 days). At least
+    `tuning.since` (the tuning's window; a shorter one is refused), and at least the `--since` you give
+    `residency tune --from-store` or `residency trace export` (they find only what is kept). Null: keep
+    every record for ever. A change applies from the next trim on (a reload)."""
+
+    @field_validator("request_log_retention", mode="before")
+    @classmethod
+    def _some_retention(cls, v: Any) -> Any:
+        """Zero refused with its own words (it would delete the whole log), before `gt=0` says it
+        less helpfully; anything else is left to the duration's own parsing."""
+        try:
+            zero = v is not None and _parse_config_duration(v) == 0
+        except ValueError:
+            zero = False
+        if zero:
+            raise ValueError(
+                f"expected a duration above 0, like '8w' (null: keep every request record), got {shown(v)}"
+            )
+        return v
 
     @field_validator("url")
     @classmethod
@@ -538,7 +564,7 @@ class Config(_Model):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
-        errors = _names_and_refs(self) or _budgets(self)
+        errors = (_names_and_refs(self) or _budgets(self)) + _retention(self)
         if errors:
             raise _FieldErrors(errors)
         return self
@@ -572,6 +598,20 @@ def _names_and_refs(cfg: Config) -> list[tuple[Loc, str]]:
             msg = f"unknown class {m.class_!r}; known classes: {', '.join(classes)}"
             errors.append((("models", i, "class"), msg))
     return errors
+
+
+def _retention(cfg: Config) -> list[tuple[Loc, str]]:
+    """The request log is kept at least as long as the tuning reads it (`tuning.since`)."""
+    keep, since = cfg.store.request_log_retention, cfg.tuning.since
+    if keep is None or keep >= since:
+        return []
+    msg = (  # (said at store.request_log_retention: the message names the other field)
+        f"{format_duration(keep)} is shorter than tuning.since ({format_duration(since)}), the part of "
+        f"the request log the tuning reads: it would find only the last {format_duration(keep)}; make "
+        f"request_log_retention at least {format_duration(since)} (null: keep every record), or "
+        "tuning.since shorter"
+    )
+    return [(("store", "request_log_retention"), msg)]
 
 
 def _budgets(cfg: Config) -> list[tuple[Loc, str]]:

@@ -4,9 +4,10 @@ of what reattached device hosts hold, and the loads that bring the recorded inte
 the request log (buffered, written in batches, kept while the store is down).
 
 `PersistenceMixin` is one of `manager.live.LiveManager`'s bases; it holds no state of its own
-(`LiveManager.__init__` sets the attributes it declares), but for three with class defaults: when this
-run started, whether the request log's records of an earlier run are in the statistics yet, and the
-saved statistics of models not configured now.
+(`LiveManager.__init__` sets the attributes it declares), but for four with class defaults: when this
+run started, whether the request log's records of an earlier run are in the statistics yet, the
+saved statistics of models not configured now, and when the request log is next trimmed to its
+retention (`store.request_log_retention`).
 """
 
 from __future__ import annotations
@@ -29,16 +30,21 @@ from manager.policy.engine import Engine
 from manager.policy.stats import EDGES, HOW_EDGES, LoadCost, ReuseHistogram, hour_of_week
 from manager.policy.types import Action, ActionKind, Tier
 from manager.store.base import CorruptDocument, StoreError, normalize_record
+from manager.units import format_duration
 from workers import protocol as P
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
+    from manager.config_schema import Config
     from manager.live import _Live
 
 logger = logging.getLogger("manager.live")  # the live manager's one logger (operators' log config)
 
 LOG_KEEP = 100_000
+TRIM_EVERY_S = 3600.0
+"""How often (at most) the request log's records older than `store.request_log_retention` are deleted
+from the store: at the first statistics save of a run, then at the first save an hour later, and so on."""
 
 
 def _join_hist(a: ReuseHistogram, b: ReuseHistogram) -> ReuseHistogram:
@@ -188,6 +194,7 @@ def _saved_until(doc: dict[str, Any]) -> float | None:
 class PersistenceMixin:
     """Statistics, intents and the request log of `LiveManager` (see the module's docstring)."""
 
+    config: Config
     store: Any
     pool: Any
     clock: Callable[[], float]
@@ -206,6 +213,8 @@ class PersistenceMixin:
     """The request log's records an earlier run left out of its statistics are taken in."""
     _stats_others: dict[str, Any] | None = None
     """The saved statistics of models not configured now, as read: saved again as they are."""
+    _next_trim: float = -math.inf
+    """When the request log is next trimmed to `store.request_log_retention` (`_trim_log`)."""
     _flush_lock: asyncio.Lock
     _save_lock: asyncio.Lock  # one statistics save at a time (`save_stats_async`)
     _intent_gen: int  # intents decided so far: a rewrite taken before one more is not the books
@@ -265,6 +274,37 @@ class PersistenceMixin:
                 self._stats_unread = False
                 self._merge_stats(saved)
             await _off_loop(self._put_stats, self._stats_doc())
+            await self._trim_log()
+
+    async def _trim_log(self) -> None:
+        """The request log's records older than `store.request_log_retention` (as the config is now:
+        a reload's applies at the next trim) deleted from the store, on a thread, at most once every
+        TRIM_EVERY_S; the number that went is logged. Null: nothing deleted. Only after the records of
+        an earlier run are in the statistics (`save_stats_async` returns before, while they are
+        unread): the statistics' catch-up reads them from the log."""
+        keep = self.config.store.request_log_retention
+        now = self.clock()
+        if keep is None or now < self._next_trim:
+            return
+        self._next_trim = now + TRIM_EVERY_S  # (a failure too: tried again in an hour, not each minute)
+        gone = await _off_loop(self._trim_requests, now - keep)
+        if gone:
+            logger.info(
+                "request log: %d record(s) older than %s (store.request_log_retention) deleted",
+                gone,
+                format_duration(keep),
+            )
+
+    def _trim_requests(self, before: float) -> int:
+        """`store.trim_requests(before)`; a failure is logged (one line, not a traceback for a
+        StoreError) and counts as none deleted. Any thread."""
+        try:
+            return int(self.store.trim_requests(before))
+        except StoreError as e:
+            logger.warning("could not trim the request log in the store (%s); tried again in an hour", e)
+        except Exception:
+            logger.exception("could not trim the request log in the store; tried again in an hour")
+        return 0
 
     def _intent_tiers(self) -> dict[str, str]:
         tiers = {Tier.GPU: "gpu", Tier.HOST: "host"}

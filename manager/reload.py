@@ -158,10 +158,15 @@ def _service_changes(old: Config, new: Config) -> list[str]:
     return changes
 
 
-_READ_LIVE = {("store", "sessions_keep"), ("server", "world_idle_timeout")}
+_READ_LIVE = {
+    ("store", "sessions_keep"),
+    ("store", "request_log_retention"),
+    ("server", "world_idle_timeout"),
+}
 """Settings of the sections read at start that the running service reads at each use all the same
-(the saved world sessions are trimmed to `store.sessions_keep` each time one closes; a world stream
-reads `server.world_idle_timeout` at each wait for its client's next action)."""
+(the saved world sessions are trimmed to `store.sessions_keep` each time one closes; the request log
+to `store.request_log_retention` at each hourly trim; a world stream reads
+`server.world_idle_timeout` at each wait for its client's next action)."""
 
 
 def check_measured_fit(

@@ -39,7 +39,7 @@ import math
 import os
 import sys
 from collections.abc import Collection, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -334,10 +334,8 @@ def _open_stdin() -> Iterator[TextIO]:
     try:
         yield f
     finally:
-        try:
+        with suppress(ValueError):  # (the buffer closed under us)
             f.detach()
-        except ValueError:  # pragma: no cover - the buffer closed under us
-            pass
 
 
 @contextmanager

@@ -115,6 +115,13 @@ class Store(Protocol):
         """How many request records the log holds."""
         ...
 
+    def trim_requests(self, before: float) -> int:
+        """Delete every record with t < `before` (the request log's retention), no other; returns
+        how many went. Done in bounded steps, so that writers and readers are not held up for long
+        (records appended meanwhile are never deleted unless older than `before`). ValueError when
+        `before` is not a number; StoreError when the backend fails (the steps done stay done)."""
+        ...
+
     def put_doc(self, key: str, doc: dict[str, Any]) -> None:
         """Store (replace) JSON document `key`: stats snapshots, load-cost tables, config versions."""
         ...

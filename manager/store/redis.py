@@ -63,7 +63,7 @@ from manager.store.base import (
 )
 from manager.store.redis_url import DEFAULT_PREFIX, TLS_FILES, split_redis_url
 
-__all__ = ["DEFAULT_PREFIX", "PAGE", "RedisStore", "RedisURL", "open_redis", "parse_redis_url"]
+__all__ = ["DEFAULT_PREFIX", "PAGE", "TRIM_CHUNK", "RedisStore", "RedisURL", "open_redis", "parse_redis_url"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +105,21 @@ for k = 1, #ids do
 end
 return late
 """
+
+
+# One step of `trim_requests`: up to ARGV[2] of the oldest entries with ids up to ARGV[1] (inclusive;
+# a bare ms is that ms's last id) deleted, as one script (no entry data leaves Redis); returns how many
+# went. XRANGE and XDEL, as Redis 5 has them (XTRIM MINID is 6.2), a bounded step at a time: one
+# XTRIM of years of entries would hold the server for its whole length.
+_TRIM_LUA = """
+local entries = redis.call('XRANGE', KEYS[1], '-', ARGV[1], 'COUNT', tonumber(ARGV[2]))
+if #entries == 0 then return 0 end
+local ids = {}
+for i = 1, #entries do ids[i] = entries[i][1] end
+return redis.call('XDEL', KEYS[1], unpack(ids))
+"""
+TRIM_CHUNK = 1000
+"""Entries deleted per step of `trim_requests` (each step one script, which Redis runs whole)."""
 
 
 _BATCH_KEY = "{prefix}:requests:batch:{token}"
@@ -335,6 +350,7 @@ class RedisStore:
             self._intents_key: "hash",
         }
         self._append = client.register_script(_APPEND_LUA)
+        self._trim = client.register_script(_TRIM_LUA)
 
     @contextmanager
     def _errors(self, what: str) -> Iterator[redis.Redis]:
@@ -446,6 +462,47 @@ class RedisStore:
     def count_requests(self) -> int:
         with self._errors("count requests") as r:
             return int(r.xlen(self._requests_key))
+
+    def trim_requests(self, before: float) -> int:
+        """Entries whose id is below `before`'s ms hold records with t < `before` (an id is never
+        below its record's ms) and go in steps (`_TRIM_LUA`); a record with t < `before` may also have
+        an id in `before`'s own ms, or up to the lag above it (a late record: its id placed ahead of
+        its t): the entries of those few ms are read, and the ones whose t is below `before` go too."""
+        if not isinstance(before, int | float) or isinstance(before, bool) or math.isnan(before):
+            raise ValueError(f"trim_requests: before must be a number, got {before!r}")
+        if before <= 0:
+            return 0  # (no record has t below 0)
+        edge = _ms(min(before, MAX_T + 1.0))  # the first ms whose ids are not all below `before`
+        gone, n = 0, TRIM_CHUNK if edge > 0 else 0
+        while n == TRIM_CHUNK:
+            with self._errors("trim requests") as r:
+                n = int(self._trim(keys=[self._requests_key], args=[str(edge - 1), TRIM_CHUNK], client=r))
+            gone += n
+        with self._errors("trim requests") as r:
+            lag = self._lag_ms(r)
+        return gone + self._trim_late(before, str(edge), str(edge + lag))
+
+    def _trim_late(self, before: float, start: str, end: str) -> int:
+        """Delete the entries with start <= id <= end whose record's t is below `before`; returns how
+        many went. An entry that cannot be read is left (`requests` names it)."""
+        gone = 0
+        while True:
+            with self._errors("trim requests") as r:
+                entries = r.xrange(self._requests_key, min=start, max=end, count=PAGE) or []
+            ids = [_text(eid or b"?") for eid, _ in entries]
+            old = []
+            for eid, (_, fields) in zip(ids, entries, strict=True):
+                try:
+                    if self._record(eid, fields)["t"] < before:
+                        old.append(eid)
+                except StoreError:
+                    continue
+            if old:
+                with self._errors("trim requests") as r:
+                    gone += int(r.xdel(self._requests_key, *old))
+            if len(entries) < PAGE:
+                return gone
+            start = f"({ids[-1]}"
 
     # ---- documents and intents -------------------------------------------------------------------
 

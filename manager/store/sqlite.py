@@ -58,7 +58,7 @@ from manager.store.base import (
     normalize_record,
 )
 
-__all__ = ["PAGE", "SCHEMA_VERSION", "SQLiteStore", "open_sqlite", "parse_sqlite_url"]
+__all__ = ["PAGE", "SCHEMA_VERSION", "TRIM_CHUNK", "SQLiteStore", "open_sqlite", "parse_sqlite_url"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,10 @@ _SELECT_PAGE = f"SELECT id, {_COLUMNS} FROM requests WHERE (t, id) > (?, ?) AND 
 # SQLite sorts text and blobs after every number, so a row whose t is not a number (a damaged file, a
 # hand edit) is in no time range: this finds one through the index, which the pages would pass over.
 _SELECT_NOT_A_TIME = "SELECT id, t FROM requests WHERE t >= ? ORDER BY t LIMIT 1"
+TRIM_CHUNK = 5000
+"""Request records deleted per transaction by `trim_requests`: the lock (and the file's write lock)
+is let go between chunks, so requests keep being logged while years of records go."""
+_TRIM = "DELETE FROM requests WHERE id IN (SELECT id FROM requests WHERE t < ? ORDER BY t LIMIT ?)"
 
 
 def _read_only(e: sqlite3.Error) -> bool:
@@ -411,6 +415,17 @@ class SQLiteStore:
         with self._db("count requests") as db:
             (n,) = db.execute("SELECT COUNT(*) FROM requests").fetchone()
         return int(n)
+
+    def trim_requests(self, before: float) -> int:
+        if not isinstance(before, int | float) or isinstance(before, bool) or math.isnan(before):
+            raise ValueError(f"trim_requests: before must be a number, got {before!r}")
+        gone = 0
+        while True:  # one transaction a chunk, through the index on t
+            with self._db("trim requests") as db, db:
+                n = db.execute(_TRIM, (float(before), TRIM_CHUNK)).rowcount
+            gone += n
+            if n < TRIM_CHUNK:
+                return gone
 
     # ---- documents and intents -------------------------------------------------------------------
 

@@ -94,7 +94,9 @@ class TestATornJournalOnAFullDisk:
         """The store elsewhere (a Redis, another disk): the full disk under the journal alone must not
         stop the service; what it serves still reaches the store, with the earlier run's record."""
         journal = self._torn_on_a_full_disk(small_disk)
-        config = lru_config(tmp_path)
+        config = lru_config(tmp_path)  # (kept whole: the earlier record's t=1.0 is past any retention)
+        keep_all = config.store.model_copy(update={"request_log_retention": None})
+        config = config.model_copy(update={"store": keep_all})
         store = open_store(f"sqlite:///{tmp_path / 'state.db'}")
 
         async def main() -> None:

@@ -74,3 +74,41 @@ def test_ctrl_c_in_a_replay_is_one_line(
     assert rc == 128 + signal.SIGINT
     err = capsys.readouterr().err
     assert err.strip() == "residency: interrupted" and "Traceback" not in err
+
+
+def _stdin(monkeypatch: pytest.MonkeyPatch, data: bytes) -> None:
+    """Standard input holding `data` (a byte stream under a TextIOWrapper, as the interpreter's own)."""
+    import io
+    import sys
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+
+
+def test_replay_reads_a_trace_from_standard_input(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`trace synth --out -` wrote to stdout, but `--trace -` was the file `./-` (not found)."""
+    _stdin(monkeypatch, WEEK1.read_bytes())
+    assert main(["replay", "--config", str(HOME), "--trace", "-", "--policy", "residency", "--json"]) == 0
+    import json
+
+    fig = json.loads(capsys.readouterr().out)
+    assert fig["requests"] == sum(1 for line in WEEK1.read_text().splitlines() if line.strip())
+
+
+def test_bad_lines_from_standard_input_are_named_stdin(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _stdin(monkeypatch, b'{"t": 1, "model": "voice", "busy_s": 0.5}\nbad\n')
+    assert main(["replay", "--config", str(HOME), "--trace", "-", "--policy", "residency"]) == 0
+    err = capsys.readouterr().err
+    assert "skipped <stdin>:2: not valid JSON" in err and "<stdin>: 1 bad line(s) skipped" in err, err
+
+
+def test_trace_and_holdout_both_from_standard_input_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "t.yaml"
+    assert main(["tune", "--config", str(HOME), "--trace", "-", "--holdout", "-", "--out", str(out)]) == 2
+    assert "--trace - and --holdout -: both read standard input" in capsys.readouterr().err
+    assert not out.exists()
