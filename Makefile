@@ -64,7 +64,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/replay_quality.py --heldout 10 --heldout-start 401 --no-shipped > bench/results/replay_quality_heldout401.json
 	$(BIN)/python bench/gap_decomposition.py > bench/results/gap_decomposition.json
 	$(BIN)/python bench/gap_decomposition.py --heldout 10 --heldout-start 401 --no-shipped > bench/results/gap_decomposition_heldout401.json
-	$(BIN)/python bench/replay_speed.py > bench/results/replay_speed.json
+	$(BIN)/python bench/replay_speed.py --weeks 4 --repeat 5 > bench/results/replay_speed.json
 	$(BIN)/python bench/tune_gain.py > bench/results/tune_gain.json
 	$(BIN)/python bench/results_tables.py
 

@@ -115,6 +115,15 @@ def in_process(calls: int = 200_000) -> dict[str, Any]:
     return {"ns_per_compare": out, "calls": calls}
 
 
+def write_config(tmp: Path) -> Path:
+    """The grpc_overhead bench's config in `tmp` (no front ends: the manager's process answers), with
+    `server.auth_token_env` naming ENV. (Prepending a second `server:` mapping, as this did before,
+    made the file invalid YAML once grpc_overhead wrote `server.frontends`.)"""
+    import grpc_overhead as go
+
+    return go.write_config(tmp, auth_token_env=ENV)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=3000, help="calls per header class")
@@ -130,8 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="auth-") as d:
         tmp = Path(d)
-        cfg = go.write_config(tmp)
-        cfg.write_text(f"server: {{auth_token_env: {ENV}}}\n" + cfg.read_text())
+        cfg = write_config(tmp)
         os.environ[ENV] = TOKEN  # the server's environment (start_server passes os.environ on)
         with go.running(cfg, "in_process", tmp) as (server, _):
             times = over_grpc(server.target, a.n, a.rounds, go.log)

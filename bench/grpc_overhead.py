@@ -136,9 +136,12 @@ def summarize(lat_s: list[float]) -> dict[str, float | int]:
 # ---- the server ------------------------------------------------------------------------------------
 
 
-def write_config(tmp: Path, max_batch: int = 1, frontends: int = 0) -> Path:
+def write_config(
+    tmp: Path, max_batch: int = 1, frontends: int = 0, auth_token_env: str | None = None
+) -> Path:
     """local-cpu.yaml + the tiny model (first under `models:`, dynamic batching up to `max_batch`
-    rows) + a SQLite store in `tmp` + `server.frontends`."""
+    rows) + a SQLite store in `tmp` + `server.frontends` (and `server.auth_token_env` if given: the
+    `server:` mapping is written once, so a caller cannot add a second one)."""
     write_tiny_mlp(tmp / "tiny.safetensors", WIDTH)
     base = BASE_CONFIG.read_text()
     head, sep, rest = base.partition("\nmodels:\n")
@@ -146,7 +149,8 @@ def write_config(tmp: Path, max_batch: int = 1, frontends: int = 0) -> Path:
         raise SystemExit(f"{BASE_CONFIG} has no top-level 'models:' list")
     tiny = TINY_MODEL.format(path=tmp / "tiny.safetensors", width=WIDTH, max_batch=max_batch)
     cfg = tmp / "config.yaml"
-    top = f'store: {{url: "sqlite:///{tmp}/state.db"}}\nserver: {{frontends: {frontends}}}\n'
+    token = "" if auth_token_env is None else f", auth_token_env: {auth_token_env}"
+    top = f'store: {{url: "sqlite:///{tmp}/state.db"}}\nserver: {{frontends: {frontends}{token}}}\n'
     cfg.write_text(f"{top}{head}{sep}{tiny}{rest}")
     return cfg
 

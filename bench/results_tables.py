@@ -100,7 +100,7 @@ def near_oracle(t: dict[str, Any], policy: str, factor: float = 1.5) -> bool:
     """Whether `policy`'s load wait on a week of gap_decomposition.json is within `factor` times the
     oracle's (never, when the oracle waits 0 s and `policy` does not)."""
     wait = {p: r["load_wait_s"] for p, r in t["policies"].items()}
-    return wait[policy] <= factor * wait["oracle"] if wait["oracle"] > 0 else wait[policy] == 0
+    return bool(wait[policy] <= factor * wait["oracle"] if wait["oracle"] > 0 else wait[policy] == 0)
 
 
 def speed() -> None:
@@ -112,6 +112,13 @@ def speed() -> None:
         print(f"| {p} | {v['seconds']} | {v['requests_per_s']:,} |")
 
 
+def change_pct(reduction: float) -> str:
+    """Week 2's change in load wait from `tune_gain.json`'s `reduction` (1 - after / before): a cut
+    reads "−72.7 %", a rise (a tuned config that waits longer on the unseen week) "+5.0 %"."""
+    sign = "−" if reduction >= 0 else "+"
+    return f"{sign}{100 * abs(reduction):.1f} %"
+
+
 def tune() -> None:
     d = json.loads((HERE / "tune_gain.json").read_text())
     pairs = len(next(iter(d.values())))
@@ -120,7 +127,7 @@ def tune() -> None:
     for k, rows in d.items():
         cells = " | ".join(
             f"{r['week2_load_wait_before_s']} → {r['week2_load_wait_after_s']} s "
-            f"(−{100 * r['reduction']:.1f} %)"
+            f"({change_pct(r['reduction'])})"
             for r in rows
         )
         print(f"| `{k}` | {cells} |")
