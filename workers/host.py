@@ -75,6 +75,21 @@ def _answer(
     )
 
 
+def _is_file(p: Path) -> bool:
+    """`p` is a file; False where its name cannot be one (too long, a NUL byte: the read says why)."""
+    try:
+        return p.is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def _unusable(p: Path, e: OSError | ValueError) -> str:
+    """Why the file `p` cannot be read, naming it: its stat's error, or a name with a NUL byte."""
+    if isinstance(e, ValueError):
+        return f"{str(p)!r} is not a file name (it holds a NUL byte)"
+    return f"{p}: cannot be read ({e.strerror or e})"
+
+
 @dataclass
 class _Resident:
     spec: P.ModelSpec
@@ -259,10 +274,14 @@ class DeviceHost:
     def _check_size(self, spec: P.ModelSpec, adapter: Adapter) -> None:
         if spec.budget_bytes is None:
             return
+        size = 0
         for p in adapter.disk_paths():
-            if not p.exists():
-                raise AdapterError(P.MISSING_CHECKPOINT, f"model {spec.name!r}: {p}: no such file")
-        size = sum(p.stat().st_size for p in adapter.disk_paths())
+            try:
+                size += p.stat().st_size
+            except FileNotFoundError:
+                raise AdapterError(P.MISSING_CHECKPOINT, f"model {spec.name!r}: {p}: no such file") from None
+            except (OSError, ValueError) as e:  # a name too long, a NUL byte in it (INTERNAL before)
+                raise AdapterError(P.BAD_CHECKPOINT, f"model {spec.name!r}: {_unusable(p, e)}") from None
         if size > spec.budget_bytes:
             raise AdapterError(
                 P.TOO_LARGE,
@@ -271,7 +290,7 @@ class DeviceHost:
             )
 
     def _source(self, adapter: Adapter) -> str:
-        fracs = [cached_fraction(p) for p in adapter.disk_paths() if p.is_file()]
+        fracs = [cached_fraction(p) for p in adapter.disk_paths() if _is_file(p)]
         if not fracs or any(f is None for f in fracs):
             return "disk"
         return "cached" if min(f for f in fracs if f is not None) >= CACHED_AT else "disk"

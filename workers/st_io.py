@@ -85,11 +85,15 @@ def parse_header(path: str | Path) -> Header:
     try:
         with p.open("rb") as f:
             return _parse(f, p)
-    except OSError as e:
+    except (OSError, ValueError) as e:
+        if isinstance(e, CheckpointError):
+            raise
         raise _os_error(p, e) from None
 
 
-def _os_error(p: Path, e: OSError) -> CheckpointError:
+def _os_error(p: Path, e: OSError | ValueError) -> CheckpointError:
+    if not isinstance(e, OSError):  # open's ValueError: a name with a NUL byte
+        return CheckpointError(f"{str(p)!r} is not a file name (it holds a NUL byte)")
     if isinstance(e, FileNotFoundError):
         return CheckpointError(f"{p}: no such file")
     if isinstance(e, IsADirectoryError):
@@ -196,7 +200,9 @@ def read_safetensors(
                     f.seek(header.data_offset)
                     _readinto(f, buf)
             after = os.fstat(f.fileno())
-    except OSError as e:
+    except (OSError, ValueError) as e:
+        if isinstance(e, CheckpointError):
+            raise
         raise _os_error(p, e) from None
     if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
         raise CheckpointError(f"{p}: changed while being read (written to meanwhile); try again")

@@ -12,6 +12,7 @@ Protocol terms (`TensorSpec`), and `infer` takes and returns numpy arrays by nam
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -147,6 +148,19 @@ class Adapter(ABC):
             # ("The given NumPy array is not writable") and its tensor could write through to them
             a = a.copy()
         return a
+
+
+_INTERPRETER = "The following operation failed in the TorchScript interpreter."
+
+
+def one_line(e: BaseException) -> str:
+    """What `e` says, without the TorchScript interpreter's traceback of the model's source (which an
+    error raised inside a scripted module carries; its last line is the error itself)."""
+    text = str(e)
+    if not text.startswith(_INTERPRETER):
+        return text
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1].removeprefix("builtins.") if len(lines) > 1 else text
 
 
 def _check_bool(model: str, name: str, a: np.ndarray) -> None:
@@ -343,7 +357,7 @@ class ModuleAdapter(Adapter):
             try:
                 tensors, _ = read_safetensors(path, pin=self.pin)
             except CheckpointError as e:
-                code = P.MISSING_CHECKPOINT if not path.exists() else P.BAD_CHECKPOINT
+                code = P.MISSING_CHECKPOINT if _missing(path) else P.BAD_CHECKPOINT
                 raise AdapterError(code, f"model {self.spec.name!r}: {e}") from None
         return HostCopy(tensors=tensors)
 
@@ -376,3 +390,15 @@ class ModuleAdapter(Adapter):
 
     def runnable_bytes(self, runnable: Any) -> int:
         return tensor_bytes(module_tensors(runnable).values())
+
+
+def _missing(path: Path) -> bool:
+    """No file at `path` (not one that cannot be named: a name too long or with a NUL byte is not
+    missing but unusable, and asking `exists` raised for a name too long: an INTERNAL load error)."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError):
+        return False
+    return False

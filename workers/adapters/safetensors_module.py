@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from workers import protocol as P
-from workers.adapters.base import AdapterError, ModuleAdapter, params_on_meta
+from workers.adapters.base import AdapterError, ModuleAdapter, one_line, params_on_meta
 
 
 class SafetensorsModuleAdapter(ModuleAdapter):
@@ -74,6 +74,14 @@ class SafetensorsModuleAdapter(ModuleAdapter):
             raise AdapterError(
                 P.FACTORY_FAILED,
                 f"model {self.spec.name!r}: factory returned {type(module).__name__}, not an nn.Module",
+            )
+        if isinstance(module, torch.jit.ScriptModule):
+            # its parameters cannot be replaced by the file's tensors (its load failed INTERNAL with
+            # "get_submodule is not supported on ScriptModules" and a traceback in the log)
+            raise AdapterError(
+                P.FACTORY_FAILED,
+                f"model {self.spec.name!r}: factory returned a TorchScript module ({type(module).__name__}); "
+                "this adapter takes a plain nn.Module (a TorchScript archive: adapter torchscript)",
             )
         self._declared = (
             self._declaration(module, "residency_inputs"),
@@ -147,8 +155,13 @@ class SafetensorsModuleAdapter(ModuleAdapter):
                 ValueError,
                 TypeError,
                 IndexError,
-            ) as e:  # IndexError: an id past a vocabulary
-                raise AdapterError(P.BAD_INPUT, f"model {self.spec.name!r}: inference failed: {e}") from None
+                AssertionError,
+                torch.jit.Error,
+            ) as e:  # IndexError: an id past a vocabulary; AssertionError: a forward's check of its input;
+                # torch.jit.Error: a scripted submodule's own raise (with the interpreter's traceback)
+                raise AdapterError(
+                    P.BAD_INPUT, f"model {self.spec.name!r}: inference failed: {one_line(e)}"
+                ) from None
         outs = self.outputs()
         ys = y if isinstance(y, tuple | list) else (y,)
         if len(ys) < len(outs) or not all(isinstance(t, torch.Tensor) for t in ys[: len(outs)]):
@@ -164,6 +177,19 @@ class SafetensorsModuleAdapter(ModuleAdapter):
                 f"model {self.spec.name!r}: its module returned {got}; expected a tensor for each declared "
                 f"output {[s.name for s in outs]} (a tensor, or a tuple of them in that order)",
             )
+        declared = getattr(self, "_declared", (None, None))[1] is not None
+        for s, t in zip(outs, ys, strict=False):
+            fits = t.dim() == len(s.shape) and all(
+                d in (-1, n) for d, n in zip(s.shape, t.shape, strict=False)
+            )
+            if declared and not fits:
+                # an answer of another shape than the module declares (its ModelMetadata) was sent as
+                # it was; an undeclared `output` keeps answering any shape, as before
+                raise AdapterError(
+                    P.INTERNAL,
+                    f"model {self.spec.name!r}: its module returned output {s.name!r} of shape "
+                    f"{list(t.shape)}; it declares {list(s.shape)} (-1: any)",
+                )
         return {s.name: self._as_declared(s, t) for s, t in zip(outs, ys, strict=False)}
 
     def _as_declared(self, spec: P.TensorSpec, t: torch.Tensor) -> np.ndarray:

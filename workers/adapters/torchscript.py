@@ -7,9 +7,11 @@ The host tier holds the archive's bytes; materialize deserializes it straight on
 
 from __future__ import annotations
 
+import contextlib
 import importlib.resources
 import io
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +19,15 @@ import numpy as np
 import torch
 
 from workers import protocol as P
-from workers.adapters.base import Adapter, AdapterError, HostCopy
+from workers.adapters.base import Adapter, AdapterError, HostCopy, one_line
+from workers.adapters.safetensors_module import _compute_dtype
 from workers.measure import Phases, tensor_bytes
 
 
 class TorchScriptAdapter(Adapter):
     """A TorchScript archive; one FP32 input `input`, one FP32 output `output` (any shape): the tensor
-    its forward returns, or the first of a tuple it returns."""
+    its forward returns, or the first of a tuple it returns. An archive whose float parameters share
+    one other dtype (saved in fp16, bf16 or fp64) is given the input in that dtype."""
 
     name = "torchscript"
     batchable = True
@@ -56,9 +60,14 @@ class TorchScriptAdapter(Adapter):
                 raise AdapterError(
                     P.BAD_CHECKPOINT, f"model {self.spec.name!r}: {path} is a directory"
                 ) from None
-            except OSError as e:  # permission denied, an I/O error of the disk
+            except OSError as e:  # permission denied, an I/O error of the disk, a name too long
                 raise AdapterError(
                     P.BAD_CHECKPOINT, f"model {self.spec.name!r}: {path}: cannot be read ({e.strerror or e})"
+                ) from None
+            except ValueError:  # (INTERNAL before, not naming the file)
+                raise AdapterError(
+                    P.BAD_CHECKPOINT,
+                    f"model {self.spec.name!r}: {str(path)!r} is not a file name (it holds a NUL byte)",
                 ) from None
             if got != size:
                 raise AdapterError(P.BAD_CHECKPOINT, f"model {self.spec.name!r}: {path}: short read")
@@ -72,9 +81,10 @@ class TorchScriptAdapter(Adapter):
                     warnings.simplefilter("ignore")
                     data = io.BytesIO(host.blob.numpy().tobytes())
                     module = torch.jit.load(data, map_location=self.device)  # type: ignore[no-untyped-call]
-            except Exception as e:
+            except Exception as e:  # the file read is named (a message naming the model only before)
                 raise AdapterError(
-                    P.BAD_CHECKPOINT, f"model {self.spec.name!r}: not a TorchScript archive: {e}"
+                    P.BAD_CHECKPOINT,
+                    f"model {self.spec.name!r}: {self.path()}: not a TorchScript archive: {e}",
                 ) from None
             module.eval()
         with ph.phase("to_device"):
@@ -94,6 +104,20 @@ class TorchScriptAdapter(Adapter):
             del data
         return HostCopy(blob=blob)
 
+    @contextlib.contextmanager
+    def calling(self) -> Iterator[None]:
+        """A call of the module: what it raises on its input is BAD_INPUT naming the model, in one line.
+
+        An error raised inside the TorchScript interpreter (a `raise` or `assert` in the scripted
+        code: `torch.jit.Error`, which is not a RuntimeError, as torch's own errors there are) carries
+        the interpreter's traceback of the model's source; the client is told its last line only."""
+        try:
+            yield
+        except (RuntimeError, ValueError, TypeError, IndexError, torch.jit.Error) as e:
+            raise AdapterError(
+                P.BAD_INPUT, f"model {self.spec.name!r}: inference failed: {one_line(e)}"
+            ) from None
+
     def runnable_bytes(self, runnable: Any) -> int:
         # a traced module's tensors captured as constants live in its graphs, not in its parameters or
         # buffers: such a model was measured (and written to the config) as taking 0 bytes
@@ -101,11 +125,15 @@ class TorchScriptAdapter(Adapter):
 
     def infer(self, runnable: Any, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         x = self.input_array(inputs, self.inputs()[0])
-        with torch.inference_mode():
-            try:
-                y = runnable(torch.as_tensor(np.ascontiguousarray(x, dtype=np.float32), device=self.device))
-            except (RuntimeError, ValueError, TypeError, IndexError) as e:  # as safetensors-module's
-                raise AdapterError(P.BAD_INPUT, f"model {self.spec.name!r}: inference failed: {e}") from None
+        t = torch.as_tensor(np.ascontiguousarray(x, dtype=np.float32), device=self.device)
+        compute = _compute_dtype(runnable)
+        if compute is not None and compute != t.dtype:
+            # an archive saved in fp16, bf16 or fp64 failed every request BAD_INPUT ("mat1 and mat2 must
+            # have the same dtype"), though FP32 is all it declares: its input goes in as its weights'
+            # dtype, as a safetensors-module's does, and its output comes back as FP32
+            t = t.to(compute)
+        with torch.inference_mode(), self.calling():
+            y = runnable(t)
         first = y[0] if isinstance(y, tuple | list) and y else y  # (output, extras...): its first, as
         if not isinstance(first, torch.Tensor):  # safetensors-module takes one declared output
             # a dict or None failed INTERNAL with a bare AttributeError (and a traceback) every request
@@ -195,7 +223,7 @@ class SileroVadAdapter(TorchScriptAdapter):
             )
         x = torch.as_tensor(np.ascontiguousarray(a, dtype=np.float32), device=self.device)
         probs = []
-        with torch.inference_mode():
+        with torch.inference_mode(), self.calling():
             runnable.reset_states()
             for chunk in x.view(-1, SILERO_CHUNK):
                 probs.append(runnable(chunk.unsqueeze(0), SILERO_RATE).reshape(()))
