@@ -187,6 +187,19 @@ class _Model(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
 
+def _not_zero(v: Any, like: str) -> Any:
+    """A duration field's value, zero refused in its own words (`like`: an example and what null
+    means) before `gt=0`, which puts the bound in the JSON Schema, would say it less helpfully;
+    anything else is left to the duration's own parsing."""
+    try:
+        zero = v is not None and _parse_config_duration(v) == 0
+    except ValueError:
+        zero = False
+    if zero:
+        raise ValueError(f"expected a duration above 0, {like}, got {shown(v)}")
+    return v
+
+
 class ServerConfig(_Model):
     listen: str = Field(default="127.0.0.1:50051", json_schema_extra={"pattern": HOST_PORT_PATTERN})
     """Address the gRPC service listens on, as host:port."""
@@ -236,17 +249,7 @@ class ServerConfig(_Model):
     @field_validator("world_idle_timeout", mode="before")
     @classmethod
     def _some_wait(cls, v: Any) -> Any:
-        """Zero refused with its own words, before `gt=0` (which puts the bound in the JSON Schema)
-        would say it less helpfully; anything else is left to the duration's own parsing."""
-        try:
-            zero = v is not None and _parse_config_duration(v) == 0
-        except ValueError:
-            zero = False
-        if zero:
-            raise ValueError(
-                f"expected a duration above 0, like '10m' (null: no idle timeout), got {shown(v)}"
-            )
-        return v
+        return _not_zero(v, "like '10m' (null: no idle timeout)")
 
 
 class StoreConfig(_Model):
@@ -276,18 +279,8 @@ class StoreConfig(_Model):
 
     @field_validator("request_log_retention", mode="before")
     @classmethod
-    def _some_retention(cls, v: Any) -> Any:
-        """Zero refused with its own words (it would delete the whole log), before `gt=0` says it
-        less helpfully; anything else is left to the duration's own parsing."""
-        try:
-            zero = v is not None and _parse_config_duration(v) == 0
-        except ValueError:
-            zero = False
-        if zero:
-            raise ValueError(
-                f"expected a duration above 0, like '8w' (null: keep every request record), got {shown(v)}"
-            )
-        return v
+    def _some_retention(cls, v: Any) -> Any:  # (zero would delete the whole log)
+        return _not_zero(v, "like '8w' (null: keep every request record)")
 
     @field_validator("url")
     @classmethod

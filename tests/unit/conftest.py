@@ -5,6 +5,11 @@ stop at the start hung), so a unit test meets Ray as a run of the unit tests alo
 
 from __future__ import annotations
 
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 
 
@@ -17,3 +22,16 @@ def disallow_ray_init(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(ray, "init", refuse)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
+
+
+@pytest.fixture
+def small_disk() -> Iterator[Path]:
+    """A 1 MiB file system of its own (tmpfs), to fill; skipped where this user may not mount one."""
+    with tempfile.TemporaryDirectory(prefix="residency-full-") as d:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", d], capture_output=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a small file system here: {done.stderr.decode().strip()}")
+        try:
+            yield Path(d)
+        finally:
+            subprocess.run(["umount", d], check=True)

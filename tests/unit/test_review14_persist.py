@@ -12,7 +12,6 @@ real start on in-process device hosts beside them."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import sqlite3
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from disk_helpers import fill
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from live_helpers import CONFIG
@@ -703,29 +703,6 @@ def test_a_second_service_on_one_store_is_refused_naming_the_first(tmp_path: Pat
         pass
 
 
-@pytest.fixture
-def small_disk() -> Iterator[Path]:
-    """A 1 MiB file system of its own (tmpfs), to fill; skipped where this user may not mount one."""
-    with tempfile.TemporaryDirectory(prefix="residency-full-") as d:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", d], capture_output=True)
-        if done.returncode != 0:
-            pytest.skip(f"cannot mount a small file system here: {done.stderr.decode().strip()}")
-        try:
-            yield Path(d)
-        finally:
-            subprocess.run(["umount", d], check=True)
-
-
-def _fill(folder: Path) -> Path:
-    filler = folder / "filler"
-    with open(filler, "wb", buffering=0) as f:
-        for size in (65536, 4096, 512, 1):
-            with contextlib.suppress(OSError):
-                while True:
-                    f.write(b"x" * size)
-    return filler
-
-
 def test_a_full_disk_is_named_at_the_start_and_waited_out_while_serving(small_disk: Path) -> None:
     """A full disk under a store file that exists: the start said "disk I/O error" alone (SQLite
     cannot map the -shm file); now it names the full disk. Filling while serving costs failed
@@ -733,7 +710,7 @@ def test_a_full_disk_is_named_at_the_start_and_waited_out_while_serving(small_di
     db = small_disk / "state.db"
     url = f"sqlite:///{db}"
     _good_store(db, 1)
-    filler = _fill(small_disk)
+    filler = fill(small_disk)
     with pytest.raises(StoreError, match=rf"the disk holding {db} is full: free some space"):
         open_store(url)
     filler.unlink()
@@ -741,7 +718,7 @@ def test_a_full_disk_is_named_at_the_start_and_waited_out_while_serving(small_di
     config = load_config(CONFIG)
     clock = _Clock(T0)
     lm = LiveManager(config, None, store=open_store(url), clock=clock, journal=None)
-    filler = _fill(small_disk)
+    filler = fill(small_disk)
     for i in range(50):
         _serve(lm, clock, "voice", T0 + 10 + i)
     asyncio.run(lm.flush_log())

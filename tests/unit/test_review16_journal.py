@@ -5,44 +5,17 @@ hosts (no Ray, no sockets)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import fcntl
 import json
 import os
-import subprocess
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from disk_helpers import fill
 from live_helpers import AUDIO, lru_config, started
 
 from manager.journal import JournalInUse, RequestJournal
 from manager.store import open_store
-
-
-@pytest.fixture
-def small_disk() -> Iterator[Path]:
-    """A 1 MiB file system of its own (tmpfs), to fill; skipped where this user may not mount one."""
-    with tempfile.TemporaryDirectory(prefix="residency-full-") as d:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", d], capture_output=True)
-        if done.returncode != 0:
-            pytest.skip(f"cannot mount a small file system here: {done.stderr.decode().strip()}")
-        try:
-            yield Path(d)
-        finally:
-            subprocess.run(["umount", d], check=True)
-
-
-def _fill(folder: Path) -> Path:
-    """Fill the file system of `folder` to its last byte; the file that holds the filling."""
-    filler = folder / "filler"
-    with open(filler, "wb", buffering=0) as f:
-        for size in (65536, 4096, 512, 1):
-            with contextlib.suppress(OSError):
-                while True:
-                    f.write(b"x" * size)
-    return filler
 
 
 def _lock_is_free(journal: Path) -> bool:
@@ -74,7 +47,7 @@ class TestATornJournalOnAFullDisk:
         torn = '{"t": 2.0, "model": "' + "v" * (PAGE - len(good) - 21)  # cut short: no newline
         journal.write_text(good + torn, encoding="utf-8")
         assert journal.stat().st_size == PAGE  # one more byte needs a page the full disk has not
-        _fill(disk)
+        fill(disk)
         return journal
 
     def test_it_opens_and_the_next_record_is_not_glued_to_the_torn_line(self, small_disk: Path) -> None:
