@@ -314,13 +314,29 @@ def test_measured_figures_written_into_the_config_itself_never_leave_half_a_file
     cfg = tmp_path / "c.yaml"
     cfg.write_text(LOCAL_CPU.read_text())
     original = cfg.read_text()
-    real_write_text = Path.write_text
+    real_open = Path.open
 
-    def disk_full(self: Path, data: str, *args: Any, **kwargs: Any) -> int:
-        real_write_text(self, data[: len(data) // 2], *args, **kwargs)
-        raise OSError(errno.ENOSPC, "No space left on device", str(self))
+    class HalfWritten:
+        """A file that takes half of what is written, then says the disk is full (a stand-in)."""
 
-    monkeypatch.setattr(Path, "write_text", disk_full)
+        def __init__(self, f: Any, path: Path) -> None:
+            self.f, self.path = f, path
+
+        def __enter__(self) -> HalfWritten:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.f.close()
+
+        def write(self, data: str) -> int:
+            self.f.write(data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+
+    def disk_full(self: Path, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        f = real_open(self, mode, *args, **kwargs)
+        return HalfWritten(f, self) if "w" in mode else f
+
+    monkeypatch.setattr(Path, "open", disk_full)
     with pytest.raises(OSError, match="No space left"):
         write_measured_config(cfg, cfg, _measures())
     monkeypatch.undo()

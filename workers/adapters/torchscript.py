@@ -23,11 +23,17 @@ from workers.adapters.base import Adapter, AdapterError, HostCopy, one_line
 from workers.adapters.safetensors_module import _compute_dtype
 from workers.measure import Phases, tensor_bytes
 
+MAX_RANK = 8
+"""The most dimensions `source.input_shape` / `output_shape` may declare."""
+
 
 class TorchScriptAdapter(Adapter):
-    """A TorchScript archive; one FP32 input `input`, one FP32 output `output` (any shape): the tensor
-    its forward returns, or the first of a tuple it returns. An archive whose float parameters share
-    one other dtype (saved in fp16, bf16 or fp64) is given the input in that dtype."""
+    """A TorchScript archive; one FP32 input `input`, one FP32 output `output`: the tensor its forward
+    returns, or the first of a tuple it returns. Their shapes are `source.input_shape` and
+    `source.output_shape` (lists of dimensions, -1 for any: `[-1, 3, 224, 224]` for a batch of
+    images), by default `[-1, -1]` (a batch of vectors): an archive's forward does not say its
+    ranks, and ModelInfer checks each request against the declared one. An archive whose float
+    parameters share one other dtype (saved in fp16, bf16 or fp64) is given the input in that dtype."""
 
     name = "torchscript"
     batchable = True
@@ -39,12 +45,28 @@ class TorchScriptAdapter(Adapter):
         return [self.path()]
 
     def inputs(self) -> list[P.TensorSpec]:
-        return [P.TensorSpec("input", "FP32", (-1, -1))]
+        return [P.TensorSpec("input", "FP32", self._shape("input_shape"))]
 
     def outputs(self) -> list[P.TensorSpec]:
-        return [P.TensorSpec("output", "FP32", (-1, -1))]
+        return [P.TensorSpec("output", "FP32", self._shape("output_shape"))]
+
+    def _shape(self, key: str) -> tuple[int, ...]:
+        """`source.<key>` as a shape, `(-1, -1)` when not given; BAD_CHECKPOINT naming the model and
+        the key when it is not a list of 1 to MAX_RANK dimensions, each positive or -1."""
+        v = self.spec.source.get(key)
+        if v is None:
+            return (-1, -1)
+        ok = isinstance(v, list | tuple) and 1 <= len(v) <= MAX_RANK
+        if not ok or not all(type(d) is int and (d == -1 or d > 0) for d in v):
+            raise AdapterError(
+                P.BAD_CHECKPOINT,
+                f"model {self.spec.name!r}: source.{key} must be a list of 1 to {MAX_RANK} dimensions, each "
+                f"positive or -1 (any), like [-1, 3, 224, 224]; got {v!r}",
+            )
+        return tuple(v)
 
     def read(self, ph: Phases) -> HostCopy:
+        self.inputs(), self.outputs()  # a bad declared shape fails the load, naming it
         path = self.path()
         with ph.phase("read"):
             try:
@@ -142,6 +164,14 @@ class TorchScriptAdapter(Adapter):
                 f"model {self.spec.name!r}: the TorchScript module returned {type(y).__name__}"
                 f"{'' if first is y else f' of {type(first).__name__}, ...'}; this adapter serves one "
                 "tensor as 'output' (a tensor, or a tuple whose first item is one)",
+            )
+        want = self.outputs()[0].shape
+        fits = first.dim() == len(want) and all(d in (-1, n) for d, n in zip(want, first.shape, strict=True))
+        if "output_shape" in self.spec.source and not fits:  # (an undeclared output answers any shape)
+            raise AdapterError(
+                P.INTERNAL,
+                f"model {self.spec.name!r}: the TorchScript module returned output of shape "
+                f"{list(first.shape)}; source.output_shape declares {list(want)} (-1: any)",
             )
         return {"output": first.detach().float().cpu().numpy()}
 
