@@ -5,6 +5,8 @@ longer on the unseen week as a rise, not as "−-5.0 %"."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -46,9 +48,18 @@ def test_the_auth_timing_bench_writes_a_config_that_loads(tmp_path: Path) -> Non
     """`python bench/auth_timing.py` prepended its own `server:` mapping to grpc_overhead's config,
     which has had one (`server.frontends`) since the front ends: the server refused the file
     (duplicate key "server") and the bench died before its first call."""
-    from manager.config import load_config
-
-    auth = load_bench("auth_timing")
-    cfg = load_config(auth.write_config(tmp_path))
-    assert cfg.server.auth_token_env == auth.ENV
-    assert cfg.server.frontends == 0
+    # in a process of its own: the bench imports tritonclient's stubs, which cannot share a process
+    # with residency_proto's (both register protobuf package `inference`), as a whole test run does
+    code = (
+        "import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]\n"
+        "from bench_module import load_bench\n"
+        "from manager.config import load_config\n"
+        "auth = load_bench('auth_timing')\n"
+        "cfg = load_config(auth.write_config(__import__('pathlib').Path(sys.argv[3])))\n"
+        "print(cfg.server.auth_token_env == auth.ENV, cfg.server.frontends)\n"
+    )
+    here = Path(__file__).resolve()
+    paths = [str(here.parents[1] / "integration"), str(here.parents[2]), str(tmp_path)]
+    done = subprocess.run([sys.executable, "-c", code, *paths], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "0"], done.stdout
