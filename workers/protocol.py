@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import struct
 import sys
+from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal
 
@@ -307,6 +308,12 @@ class TensorSpec:
     """OIP datatype: FP32, INT64, BYTES…"""
     shape: tuple[int, ...]
     """-1 marks a variable dimension."""
+
+    def fits(self, shape: Sequence[int]) -> bool:
+        """Whether a tensor of `shape` is one this spec declares: the same rank, and each fixed
+        dimension (not -1) equal."""
+        rank = len(shape) == len(self.shape)
+        return rank and all(d in (-1, n) for d, n in zip(self.shape, shape, strict=True))
 
 
 @dataclass(frozen=True)

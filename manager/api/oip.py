@@ -113,9 +113,7 @@ def check_request(request: pb.ModelInferRequest, inputs: Sequence[Any], outputs:
                 f"model {model!r} input {t.name!r}: datatype {t.datatype!r}, expected {spec.datatype!r}"
             )
         shape = list(t.shape)
-        if len(shape) != len(spec.shape) or any(
-            d != -1 and d != s for d, s in zip(spec.shape, shape, strict=True)
-        ):
+        if not spec.fits(shape):
             raise InvalidRequest(
                 f"model {model!r} input {t.name!r}: shape {shape}, expected {list(spec.shape)} (-1: any)"
             )

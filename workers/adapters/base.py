@@ -133,9 +133,7 @@ class Adapter(ABC):
                 P.BAD_INPUT,
                 f"model {self.spec.name!r}: input {spec.name!r} has datatype {got}, expected {spec.datatype}",
             )
-        if len(a.shape) != len(spec.shape) or any(
-            d != -1 and d != s for d, s in zip(spec.shape, a.shape, strict=True)
-        ):
+        if not spec.fits(a.shape):
             raise AdapterError(
                 P.BAD_INPUT,
                 f"model {self.spec.name!r}: input {spec.name!r} has shape {list(a.shape)}, "

@@ -179,10 +179,7 @@ class SafetensorsModuleAdapter(ModuleAdapter):
             )
         declared = getattr(self, "_declared", (None, None))[1] is not None
         for s, t in zip(outs, ys, strict=False):
-            fits = t.dim() == len(s.shape) and all(
-                d in (-1, n) for d, n in zip(s.shape, t.shape, strict=False)
-            )
-            if declared and not fits:
+            if declared and not s.fits(t.shape):
                 # an answer of another shape than the module declares (its ModelMetadata) was sent as
                 # it was; an undeclared `output` keeps answering any shape, as before
                 raise AdapterError(

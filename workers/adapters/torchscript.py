@@ -165,13 +165,12 @@ class TorchScriptAdapter(Adapter):
                 f"{'' if first is y else f' of {type(first).__name__}, ...'}; this adapter serves one "
                 "tensor as 'output' (a tensor, or a tuple whose first item is one)",
             )
-        want = self.outputs()[0].shape
-        fits = first.dim() == len(want) and all(d in (-1, n) for d, n in zip(want, first.shape, strict=True))
-        if "output_shape" in self.spec.source and not fits:  # (an undeclared output answers any shape)
+        want = self.outputs()[0]
+        if "output_shape" in self.spec.source and not want.fits(first.shape):  # (undeclared: any shape)
             raise AdapterError(
                 P.INTERNAL,
                 f"model {self.spec.name!r}: the TorchScript module returned output of shape "
-                f"{list(first.shape)}; source.output_shape declares {list(want)} (-1: any)",
+                f"{list(first.shape)}; source.output_shape declares {list(want.shape)} (-1: any)",
             )
         return {"output": first.detach().float().cpu().numpy()}
 
