@@ -48,7 +48,7 @@ from manager.live_sessions import WorldSessionsMixin, _World, worker_error
 from manager.metrics import Metrics
 from manager.policy.engine import Engine
 from manager.policy.factory import create_policy
-from manager.policy.types import Action, ActionKind, Tier
+from manager.policy.types import TIER_NAMES, Action, ActionKind, Tier
 from manager.store.base import CorruptDocument
 from manager.units import format_size as fmt_bytes
 from manager.workers_bridge import model_specs
@@ -553,7 +553,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                 continue
             if self._results.get(m.name, 0) != seen[m.name] or self._resync_abandoned(m, st, why, beyond):
                 continue
-            want = {Tier.GPU: "gpu", Tier.HOST: "host"}.get(m.tier)
+            want = None if m.tier == Tier.DISK else TIER_NAMES[m.tier]
             held = st.models.get(m.name)
             if want is None:
                 if held is not None and held.tier in ("gpu", "host"):

@@ -14,7 +14,7 @@ from manager.api.errors import mapped
 from manager.config import Config
 from manager.errors import DeadlineExceeded, WorkerUnavailable
 from manager.live import EventQueue, LiveManager
-from manager.policy.types import Tier
+from manager.policy.types import TIER_NAMES, Tier
 from manager.replay.sim import p99
 from residency_proto.v1 import residency_pb2 as pb
 from residency_proto.v1 import residency_pb2_grpc as pb_grpc
@@ -25,7 +25,7 @@ def model_status(manager: LiveManager, name: str) -> pb.ModelStatus:
     m = eng.models[name]
     live = manager.live[name]
     now = manager.clock()
-    tier = {Tier.GPU: "gpu", Tier.HOST: "host", Tier.DISK: "disk"}[m.tier]
+    tier = TIER_NAMES[m.tier]
     # on its way to the GPU, or its read into host RAM is not confirmed yet
     if (m.tier == Tier.GPU and not live.ready.is_set()) or (m.tier == Tier.HOST and live.tier == "disk"):
         tier = "loading"

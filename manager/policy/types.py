@@ -40,6 +40,9 @@ class Tier(enum.IntEnum):
 # is a lookup on the enum's metaclass (about 0.1 us in CPython 3.11, several per replayed request).
 DISK, HOST, GPU = Tier.DISK, Tier.HOST, Tier.GPU
 
+# Each tier's name where it is written down (the store's intents, the admin API, device hosts' reports).
+TIER_NAMES: dict[Tier, str] = {DISK: "disk", HOST: "host", GPU: "gpu"}
+
 
 class ActionKind(enum.Enum):
     LOAD = "load"  # disk -> gpu (from the OS page cache when the file is cached)
