@@ -160,7 +160,7 @@ class DeviceHost:
         self.results: OrderedDict[str, P.CommandResult] = OrderedDict()
         self.ops_done = 0
         self._lock = threading.Lock()
-        self.world = WorldSessions(self.torch_device)
+        self.world = WorldSessions(self.torch_device, self.probe.release if self.kind == "cuda" else None)
         self._describing: SingleFlight[tuple[list[P.TensorSpec], list[P.TensorSpec]]] = SingleFlight(
             describe_timeout_s, listed=False
         )

@@ -146,8 +146,13 @@ class _Open:
 
 
 class WorldSessions:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, release: Callable[[], None] | None = None) -> None:
         self.device = device
+        self.release = release
+        """Gives the device memory a session let go of back to the driver (on CUDA the caching
+        allocator keeps freed blocks reserved, so other processes, and the device host's own
+        free-memory probe, would not see a shrunk lease or a closed session's buffers as free):
+        called after a shrink and after a close; a failure is logged, never raised."""
         self.open_sessions: dict[str, _Open] = {}
         # held by an open and by a close (re-entered by `closing`): an open never runs while a close
         # saves a session's state and rolling window (read from the model's KV cache, which the open
@@ -341,8 +346,18 @@ class WorldSessions:
                 o.session.resize_lease(host_budget_bytes=lease)
             else:
                 o.session.resize_lease(gpu_budget_bytes=lease)
-            o.lease = lease
+            shrunk, o.lease = lease < o.lease, lease
+        if shrunk:
+            self._release()
         return lease
+
+    def _release(self) -> None:
+        if self.release is None:
+            return
+        try:
+            self.release()
+        except Exception:  # the memory stays reserved, the session goes on
+            logger.exception("could not give a world session's freed device memory back")
 
     def close(self, session_id: str) -> dict[str, Any]:
         with self._opening:  # an open waits until the session is closed and its state saved
@@ -351,7 +366,9 @@ class WorldSessions:
                 return {"session_id": session_id, "closed": False}
             with o.lock:
                 o.session.close()
-                return {"session_id": session_id, "closed": True, "segments": o.session.step_index}
+                segments = o.session.step_index
+        self._release()
+        return {"session_id": session_id, "closed": True, "segments": segments}
 
     def close_model(self, model: str) -> list[str]:
         """Close every session of `model` (before its weights leave the gpu tier)."""
