@@ -12,6 +12,13 @@ input given once with the declared datatype, rank and fixed dimensions, no other
 declared outputs asked for - INVALID_ARGUMENT naming the input, what was expected and what came. So is
 a tensor parameter asking for what this server does not do (an output's `classification`, a shared-memory
 region): ignored, the client would read an answer it did not ask for.
+
+A world model (an elastic tenant: `elastic` in its config) generates frames in a world session
+(`residency.v1.WorldSession/Run`), never by ModelInfer, which refuses it. So its ModelMetadata declares
+no inputs and no outputs (a stock client building its request from the metadata was told to send an
+`actions` tensor, then refused) and names the platform `WORLD_PLATFORM`, not its adapter's; the
+index's reason for one off its device says a world session loads it. ModelReady and RepositoryIndex
+answer it as any model: whether it is on its device, ready to serve (its sessions).
 """
 
 from __future__ import annotations
@@ -49,6 +56,10 @@ DEFAULT_TIMEOUT_S = 60.0
 MAX_TIMEOUT_S = 86400.0
 """The longest a request's own `timeout` parameter may ask to wait (a day)."""
 VERSIONS = ("1",)
+WORLD_PLATFORM = "residency/world-session"
+"""A world model's ModelMetadata platform: served by `residency.v1.WorldSession/Run`, not ModelInfer
+(other models' is `residency/<adapter>`)."""
+WORLD_SESSION = "residency.v1.WorldSession/Run"
 INLINE_DECODE_BYTES = 1 << 20
 """A request carrying more data than this is decoded in a worker thread, not on the event loop (16 MiB
 of BYTES elements takes seconds of Python)."""
@@ -64,6 +75,11 @@ def check_version(model: str, version: str) -> None:
     answers it."""
     if version and version not in VERSIONS:
         raise ModelNotFound(f"model {model!r} has no version {version!r}; versions: {', '.join(VERSIONS)}")
+
+
+def is_world(m: Any) -> bool:
+    """Whether engine model `m` is a world model (an elastic tenant), served only in world sessions."""
+    return m.cfg.elastic is not None
 
 
 def _spec_str(t: Any) -> str:
@@ -176,6 +192,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any) -> pb.ModelMetadataResponse:
         m = self.manager._model(request.name)
         check_version(request.name, request.version)
+        if is_world(m):  # ModelInfer refuses it: no tensors to build a request from
+            return pb.ModelMetadataResponse(
+                name=request.name, versions=list(VERSIONS), platform=WORLD_PLATFORM
+            )
         inputs, outputs = await self.describe(request.name)
         meta = pb.ModelMetadataResponse.TensorMetadata
         return pb.ModelMetadataResponse(
@@ -301,10 +321,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         arrived = self.clock() if arrived is None else arrived
         m = self.manager._model(request.model_name)
         check_version(request.model_name, request.model_version)
-        if m.cfg.elastic is not None:  # refused before admission: it would be loaded (evicting others)
+        if is_world(m):  # refused before admission: it would be loaded (evicting others)
             raise InvalidRequest(
                 f"model {request.model_name!r} is a world model: it generates frames in a world session "
-                "(residency.v1.WorldSession/Run), not by ModelInfer"
+                f"({WORLD_SESSION}), not by ModelInfer"
             )
         declared_in, declared_out = await self.describe(request.model_name)
         check_request(request, declared_in, declared_out)
@@ -356,7 +376,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             elif live.loads_pending:
                 state, reason = "LOADING", ""
             else:  # "UNLOADED" was no state of Triton's: a client matching its states met an unknown one
-                state, reason = "UNAVAILABLE", f"unloaded (in the {live.tier} tier; a request loads it)"
+                # (a world model's ModelInfer is refused, never loading it)
+                by = (
+                    f"a world session, {WORLD_SESSION},"
+                    if is_world(self.manager.engine.models[name])
+                    else "a request"
+                )
+                state, reason = "UNAVAILABLE", f"unloaded (in the {live.tier} tier; {by} loads it)"
             resp.models.add(name=name, version="1", state=state, reason=reason)
         return resp
 
