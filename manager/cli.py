@@ -818,7 +818,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     r = sub.add_parser("replay", help="replay a request trace through the policies")
-    r.add_argument("--config", required=True)
+    r.add_argument(
+        "--config", required=True, help="config file (YAML); `residency config check` validates one"
+    )
     r.add_argument("--trace", required=True, help="request trace (JSON Lines); - reads standard input")
     r.add_argument("--policy", choices=POLICY_NAMES, help="one policy (default: all side by side)")
     r.add_argument(
@@ -828,11 +830,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(fn=cmd_replay)
 
     t = sub.add_parser("tune", help="tune keep-alives, prewarm and class reservations by replay")
-    t.add_argument("--config", required=True)
+    t.add_argument("--config", required=True, help="the config to start from (YAML)")
     t.add_argument("--trace", help="request trace (JSON Lines; - reads standard input); or --from-store")
     t.add_argument("--from-store", action="store_true", help="tune on the service's request log (store.url)")
     t.add_argument("--since", help=f"with --from-store: how far back (default {DEFAULT_SINCE})")
-    t.add_argument("--out", required=True)
+    t.add_argument(
+        "--out", required=True, help="where to write the tuned config (comments kept; not the input file)"
+    )
     from manager.replay.tune import HOLDOUT_DAYS
 
     t.add_argument(
@@ -845,25 +849,29 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--policy", choices=POLICY_NAMES, help="policy to tune for (default: the config's policy.name)"
     )
-    t.add_argument("--json", action="store_true")
-    t.add_argument("--strict", action="store_true")
+    t.add_argument("--json", action="store_true", help="one JSON object: before/after on the holdout")
+    t.add_argument("--strict", action="store_true", help="a bad trace line is fatal")
     t.set_defaults(fn=cmd_tune)
 
     tr = sub.add_parser("trace", help="request traces").add_subparsers(dest="trace_cmd", required=True)
     s = tr.add_parser("synth", help="a synthetic home week")
     s.add_argument("--profile", default="home", help=f"one of: {', '.join(PROFILES)}")
-    s.add_argument("--days", type=int, default=7)
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--out", required=True)
+    s.add_argument("--days", type=int, default=7, help="how many days (default 7)")
+    s.add_argument(
+        "--seed", type=int, default=0, help="random seed: the same seed, the same trace (default 0)"
+    )
+    s.add_argument("--out", required=True, help="trace file to write (JSON Lines); - writes standard output")
     s.set_defaults(fn=cmd_synth)
     ex = tr.add_parser("export", help="the served requests of a time range, from the service's store")
-    ex.add_argument("--config", required=True)
+    ex.add_argument("--config", required=True, help="the service's config (its store.url is read)")
     ex.add_argument("--since", default="7d", help="how far back, e.g. 7d, 36h (default 7d)")
-    ex.add_argument("--out", required=True)
+    ex.add_argument("--out", required=True, help="trace file to write (JSON Lines); - writes standard output")
     ex.set_defaults(fn=cmd_export)
 
     sv = sub.add_parser("serve", help="run the service (gRPC: Open Inference Protocol + residency.v1)")
-    sv.add_argument("--config", required=True)
+    sv.add_argument(
+        "--config", required=True, help="config file (YAML); `residency config check` validates one"
+    )
     sv.add_argument(
         "--listen", help="host:port to listen on (overrides server.listen; port 0 = any free port)"
     )
@@ -888,14 +896,16 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument(
         "--tls-cert", help="PEM certificate of a TLS server, to trust (default: the config's server.tls_cert)"
     )
-    ps.add_argument("--json", action="store_true")
+    ps.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     ps.set_defaults(fn=cmd_ps)
 
     m = sub.add_parser("measure", help="measure real load times per transition of the configured models")
-    m.add_argument("--config", required=True)
+    m.add_argument(
+        "--config", required=True, help="config file (YAML); `residency config check` validates one"
+    )
     m.add_argument("--model", action="append", help="only this model (repeatable)")
-    m.add_argument("--repeats", type=int, default=3)
-    m.add_argument("--json", action="store_true")
+    m.add_argument("--repeats", type=int, default=3, help="measurements per transition (default 3)")
+    m.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     m.add_argument(
         "--write-config", help="write a copy of the config with the measured load_seconds and memory"
     )
@@ -905,7 +915,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("config", help="config files").add_subparsers(dest="config_cmd", required=True)
     c.add_parser("schema", help="print the JSON Schema of config files").set_defaults(fn=cmd_schema)
     ck = c.add_parser("check", help="validate a config file")
-    ck.add_argument("config")
+    ck.add_argument("config", help="config file (YAML) to validate")
     ck.set_defaults(fn=cmd_check)
     return p
 
