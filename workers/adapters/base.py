@@ -12,6 +12,7 @@ Protocol terms (`TensorSpec`), and `infer` takes and returns numpy arrays by nam
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from abc import ABC, abstractmethod
@@ -299,6 +300,57 @@ def assign_tensors(
         raise AdapterError(
             P.BAD_CHECKPOINT, f"model {model!r}: no weights in the checkpoint for {sorted(empty)[:4]}"
         )
+    _unify_float_params(module, {d for d in dtypes.values() if d.is_floating_point}, model=model)
+
+
+_UNIFIABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _unify_float_params(module: nn.Module, built: set[torch.dtype], *, model: str) -> None:
+    """A module built in one float dtype, given a checkpoint that mixes float dtypes (fp16 weights with
+    fp32 biases, an fp64 weight with an fp32 bias), gets all its float parameters in one dtype: the
+    one most of its parameter elements have in the checkpoint (where two tie, the one both fit in).
+    It loaded as it was and failed every request BAD_INPUT ("self and mat2 must have the same
+    dtype"): no input dtype suits a layer whose weight and bias differ. Its declared inputs then go
+    in as that dtype, as for a checkpoint in one other dtype. BAD_CHECKPOINT naming the tensor when
+    a value does not fit that dtype (an fp32 value past fp16's range); a module built in several
+    dtypes is left as it is (its forward is written for them)."""
+    if len(built) != 1:
+        return
+    groups: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for n, p in module.named_parameters(remove_duplicate=False):
+        if p.is_floating_point():
+            groups.setdefault(id(p), []).append(n)
+            params[id(p)] = p
+    elements: dict[torch.dtype, int] = {}
+    for p in params.values():
+        elements[p.dtype] = elements.get(p.dtype, 0) + p.numel()
+    if len(elements) < 2 or not all(d in _UNIFIABLE for d in elements):
+        return
+    most = max(elements.values())
+    target = functools.reduce(torch.promote_types, [d for d, n in elements.items() if n == most])
+    mixed = ", ".join(
+        f"{n} {str(d).removeprefix('torch.')} elements"
+        for d, n in sorted(elements.items(), key=lambda kv: -kv[1])
+    )
+    for key, p in params.items():
+        if p.dtype == target:
+            continue
+        names = groups[key]
+        t = p.detach().to(target)
+        if int(torch.isfinite(t).sum()) != int(torch.isfinite(p.detach()).sum()):
+            raise AdapterError(
+                P.BAD_CHECKPOINT,
+                f"model {model!r}: the checkpoint mixes float dtypes ({mixed}); its parameters go in as "
+                f"{str(target).removeprefix('torch.')}, the dtype of most of them, but tensor {names[0]!r} "
+                f"({str(p.dtype).removeprefix('torch.')}) holds values beyond its range: save the "
+                "checkpoint in one float dtype",
+            )
+        shared = nn.Parameter(t, requires_grad=False)
+        for alias in names:  # one Parameter for every name of a tied one
+            owner_name, _, attr = alias.rpartition(".")
+            module.get_submodule(owner_name)._parameters[attr] = shared
 
 
 def module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -5,13 +5,15 @@ is called with `kwargs` while parameters are on the meta device (no memory, no i
 tensors — read once into one buffer, pinned on CUDA — are assigned (strict: names and shapes must
 match). One FP32 input `input` [batch, features], one FP32 output `output`; the module may set
 `residency_inputs` / `residency_outputs` (lists of (name, datatype, shape)) to declare others.
-A module whose float parameters all have one dtype other than an input's declared one (a bf16 or fp16
-checkpoint for a module built in fp32) gets that input, sent as declared, in its own dtype; its
-outputs come back in their declared datatypes. BF16 (numpy has none) travels as its bit patterns in
-a uint16 array, both ways: a BF16 input reaches the module as torch.bfloat16, bit for bit, and a BF16
-output leaves it as bf16 bits, which the host labels BF16 (`carried_outputs`), not UINT16. A forward
-answers a tensor, or a tuple with one tensor per declared output (anything else is an error naming
-what it returned).
+A module whose float parameters all have one dtype other than an input's declared one (a bf16 or
+fp16 checkpoint for a module built in fp32) gets that input, sent as declared, in its own dtype; its
+outputs come back in their declared datatypes. A checkpoint mixing float dtypes (fp16 weights with
+fp32 biases) for a module built in one has its float parameters put in one dtype at the load, the
+one most of its weights have (`base.assign_tensors`): it failed every request BAD_INPUT before. BF16
+(numpy has none) travels as its bit patterns in a uint16 array, both ways: a BF16 input reaches the
+module as torch.bfloat16, bit for bit, and a BF16 output leaves it as bf16 bits, which the host
+labels BF16 (`carried_outputs`), not UINT16. A forward answers a tensor, or a tuple with one tensor
+per declared output (anything else is an error naming what it returned).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib.resources
 import io
+import os
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -70,10 +71,15 @@ class TorchScriptAdapter(Adapter):
         path = self.path()
         with ph.phase("read"):
             try:
-                size = path.stat().st_size
-                blob = torch.empty(size, dtype=torch.uint8)
+                # the size is the open file's (fstat), and the read is from that file: a file renamed
+                # over the path between a stat of the path and its open was read at the size of the
+                # other one (cut short, or a short read); one rewritten in place is seen by its stat
                 with path.open("rb") as f:
-                    got = f.readinto(memoryview(blob.numpy()).cast("B"))  # type: ignore[arg-type]
+                    before = os.fstat(f.fileno())
+                    blob = torch.empty(before.st_size, dtype=torch.uint8)
+                    got = _read_into(f, memoryview(blob.numpy()).cast("B"))  # type: ignore[arg-type]
+                    more = f.read(1)
+                    after = os.fstat(f.fileno())
             except FileNotFoundError:
                 raise AdapterError(
                     P.MISSING_CHECKPOINT, f"model {self.spec.name!r}: {path}: no such file"
@@ -91,8 +97,12 @@ class TorchScriptAdapter(Adapter):
                     P.BAD_CHECKPOINT,
                     f"model {self.spec.name!r}: {str(path)!r} is not a file name (it holds a NUL byte)",
                 ) from None
-            if got != size:
-                raise AdapterError(P.BAD_CHECKPOINT, f"model {self.spec.name!r}: {path}: short read")
+            if got != before.st_size or more or _changed(before, after):
+                raise AdapterError(
+                    P.BAD_CHECKPOINT,
+                    f"model {self.spec.name!r}: {path}: changed while being read ({before.st_size} "
+                    f"bytes when opened, {after.st_size} after its read); try again",
+                )
         return HostCopy(blob=blob)
 
     def materialize(self, host: HostCopy, ph: Phases) -> Any:
@@ -173,6 +183,22 @@ class TorchScriptAdapter(Adapter):
                 f"{list(first.shape)}; source.output_shape declares {list(want.shape)} (-1: any)",
             )
         return {"output": first.detach().float().cpu().numpy()}
+
+
+def _read_into(f: Any, view: memoryview) -> int:
+    """Read the open file `f` into `view` until it is full or the file ends; the bytes read."""
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    return got
+
+
+def _changed(before: os.stat_result, after: os.stat_result) -> bool:
+    """The open file was written to between two of its stats (its size or modification time)."""
+    return (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns)
 
 
 def _graph_constants(module: Any) -> list[torch.Tensor]:
