@@ -238,9 +238,8 @@ def _readinto(f: Any, buf: torch.Tensor) -> int:
 
 def raw_read(path: str | Path) -> int:
     """Read a whole file sequentially into one preallocated buffer: the speed limit of any loader."""
-    size = os.path.getsize(path)
-    buf = torch.empty(size, dtype=torch.uint8)
-    with open(path, "rb") as f:
+    with open(path, "rb") as f:  # sized through the open file: what was sized is what is read
+        buf = torch.empty(os.fstat(f.fileno()).st_size, dtype=torch.uint8)
         return _readinto(f, buf)
 
 
