@@ -4,7 +4,8 @@ device hosts (no Ray, no sockets), started and killed."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -105,6 +106,42 @@ def world_config(tmp_path: Path, extra: str = "") -> Config:
     """WORLD_CONFIG, its sessions saved under tmp_path, with `extra` (more model lines) added."""
     (tmp_path / "c.yaml").write_text(WORLD_CONFIG.replace("SESSIONS", str(tmp_path / "sessions")) + extra)
     return load_config(tmp_path / "c.yaml")
+
+
+def on_port_0(config: Config, tmp_path: Path) -> Config:
+    """`config` on port 0 (a free port), its SQLite store and journal under `tmp_path`."""
+    return config.model_copy(
+        update={
+            "server": config.server.model_copy(update={"listen": "127.0.0.1:0"}),
+            "store": config.store.model_copy(
+                update={"url": f"sqlite:///{tmp_path}/state.db", "journal": str(tmp_path / "j")}
+            ),
+        }
+    )
+
+
+def served_world_config(tmp_path: Path, extra: str = "") -> Config:
+    """`world_config` (WORLD_CONFIG, `extra` appended) on port 0, its state under `tmp_path`."""
+    return on_port_0(world_config(tmp_path, extra), tmp_path)
+
+
+@contextlib.asynccontextmanager
+async def grpc_service(config: Config) -> AsyncIterator[tuple[int, LiveManager, Any, Any]]:
+    """The service's gRPC server on a free port over in-process device hosts: its port, the manager,
+    the server and the pool; all stopped after."""
+    from manager.api.server import build_server
+
+    pool = create_pool(config, in_process=True)
+    manager = LiveManager(config, pool)
+    server, port, _ = await build_server(config, manager)
+    await server.start()
+    await manager.start()
+    try:
+        yield port, manager, server, pool
+    finally:
+        await server.stop(None)
+        await manager.stop()
+        pool.close()
 
 
 async def until(cond: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:

@@ -14,13 +14,11 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from live_helpers import WORLD_CONFIG, local_config, until
+from live_helpers import grpc_service, local_config, served_world_config, until
 
-from manager.api.server import build_server
-from manager.config import Config, load_config
+from manager.config import Config
 from manager.live import LiveManager
 from manager.policy.types import Tier
-from manager.workers_bridge import create_pool
 from residency_proto.inference import grpc_service_pb2 as pb
 from residency_proto.inference import grpc_service_pb2_grpc as pb_grpc
 
@@ -28,32 +26,11 @@ from residency_proto.inference import grpc_service_pb2_grpc as pb_grpc
 @contextlib.asynccontextmanager
 async def serving(config: Config) -> AsyncIterator[tuple[grpc.aio.Channel, LiveManager, grpc.aio.Server]]:
     """The service's gRPC server on a free port, a channel to it, and the server."""
-    pool = create_pool(config, in_process=True)
-    manager = LiveManager(config, pool)
-    server, port, _ = await build_server(config, manager)
-    await server.start()
-    await manager.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield channel, manager, server
-    finally:
-        await server.stop(None)
-        await manager.stop()
-        pool.close()
-
-
-def world_config(tmp_path: Path, extra: str = "") -> Config:
-    """live_helpers' world-model config (`extra` YAML appended), on port 0, its state under `tmp_path`."""
-    (tmp_path / "c.yaml").write_text(WORLD_CONFIG.replace("SESSIONS", str(tmp_path / "sessions")) + extra)
-    cfg = load_config(tmp_path / "c.yaml")
-    return cfg.model_copy(
-        update={
-            "server": cfg.server.model_copy(update={"listen": "127.0.0.1:0"}),
-            "store": cfg.store.model_copy(
-                update={"url": f"sqlite:///{tmp_path}/state.db", "journal": str(tmp_path / "j")}
-            ),
-        }
-    )
+    async with (
+        grpc_service(config) as (port, manager, server, _),
+        grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
+    ):
+        yield channel, manager, server
 
 
 def run(config: Config, body: Callable[[grpc.aio.Channel, LiveManager], Awaitable[None]]) -> None:
@@ -89,7 +66,7 @@ class TestModelInferOnAWorldModel:
     did the device host refuse it. Now it is refused before admission, and nothing moves."""
 
     def test_it_is_refused_up_front_and_the_model_stays_where_it_is(self, tmp_path: Path) -> None:
-        cfg = world_config(tmp_path, "policy: {name: lru-keepalive}\n")  # no prewarm
+        cfg = served_world_config(tmp_path, "policy: {name: lru-keepalive}\n")  # no prewarm
 
         async def body(channel: grpc.aio.Channel, manager: LiveManager) -> None:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
@@ -247,7 +224,7 @@ class TestAWorldStreamEndsAtOnceWhenTheServerStops:
         from residency_proto.v1 import residency_pb2 as rpb
         from residency_proto.v1 import residency_pb2_grpc as rpb_grpc
 
-        cfg = world_config(tmp_path)
+        cfg = served_world_config(tmp_path)
 
         async def main() -> None:
             async with serving(cfg) as (channel, manager, server):

@@ -14,16 +14,15 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from live_helpers import POSES, WORLD_CONFIG, local_config, run
+from live_helpers import POSES, grpc_service, local_config, on_port_0, run, served_world_config
 
 import manager.api.oip as oip_mod
 from manager.api.convert import decode_input
 from manager.api.oip import InferenceServicer
-from manager.api.server import build_server, describer
-from manager.config import Config, load_config
+from manager.api.server import describer
+from manager.config import Config
 from manager.errors import DeadlineExceeded, InvalidRequest
 from manager.live import LiveManager
-from manager.workers_bridge import create_pool
 from residency_proto.inference import grpc_service_pb2 as pb
 from residency_proto.inference import grpc_service_pb2_grpc as pb_grpc
 from residency_proto.v1 import residency_pb2 as rpb
@@ -34,34 +33,11 @@ from residency_proto.v1 import residency_pb2_grpc as rpb_grpc
 async def serving(config: Config) -> AsyncIterator[tuple[grpc.aio.Channel, LiveManager, Any]]:
     """The service's gRPC server on a free port over in-process hosts: a channel to it, the manager,
     and the pool."""
-    pool = create_pool(config, in_process=True)
-    manager = LiveManager(config, pool)
-    server, port, _ = await build_server(config, manager)
-    await server.start()
-    await manager.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield channel, manager, pool
-    finally:
-        await server.stop(None)
-        await manager.stop()
-        pool.close()
-
-
-def on_port_0(config: Config, tmp_path: Path) -> Config:
-    return config.model_copy(
-        update={
-            "server": config.server.model_copy(update={"listen": "127.0.0.1:0"}),
-            "store": config.store.model_copy(
-                update={"url": f"sqlite:///{tmp_path}/state.db", "journal": str(tmp_path / "j")}
-            ),
-        }
-    )
-
-
-def world_config(tmp_path: Path) -> Config:
-    (tmp_path / "c.yaml").write_text(WORLD_CONFIG.replace("SESSIONS", str(tmp_path / "sessions")))
-    return on_port_0(load_config(tmp_path / "c.yaml"), tmp_path)
+    async with (
+        grpc_service(config) as (port, manager, _, pool),
+        grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
+    ):
+        yield channel, manager, pool
 
 
 async def rpc_error(call: Awaitable[Any]) -> grpc.aio.AioRpcError:
@@ -214,7 +190,7 @@ class TestAWorldSessionWhoseHostFailsMidSession:
     nothing said that the session was saved (it is, when its stream ends) nor how to resume it."""
 
     def test_the_status_names_the_session_to_resume_and_the_resume_works(self, tmp_path: Path) -> None:
-        cfg = world_config(tmp_path)
+        cfg = served_world_config(tmp_path)
 
         async def main() -> None:
             async with serving(cfg) as (channel, manager, pool):
@@ -239,7 +215,7 @@ class TestAWorldSessionWhoseHostFailsMidSession:
         asyncio.run(main())
 
     def test_the_status_says_when_nothing_was_saved(self, tmp_path: Path) -> None:
-        cfg = world_config(tmp_path)
+        cfg = served_world_config(tmp_path)
 
         async def main() -> None:
             async with serving(cfg) as (channel, manager, pool):
@@ -265,7 +241,7 @@ class TestAWorldSessionWhoseHostFailsMidSession:
         answered NOT_FOUND."""
         from workers.host import DeviceHost
 
-        cfg = world_config(tmp_path)
+        cfg = served_world_config(tmp_path)
 
         async def main() -> None:
             async with serving(cfg) as (channel, manager, pool):

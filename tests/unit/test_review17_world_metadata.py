@@ -22,49 +22,24 @@ from pathlib import Path
 
 import grpc
 import pytest
-from live_helpers import WORLD_CONFIG, until
+from live_helpers import grpc_service, served_world_config, until
 
 from manager.api.oip import WORLD_PLATFORM
-from manager.api.server import build_server
-from manager.config import Config, load_config
+from manager.config import Config
 from manager.live import LiveManager
 from manager.policy.types import Tier
-from manager.workers_bridge import create_pool
 from residency_proto.inference import grpc_service_pb2 as pb
 from residency_proto.inference import grpc_service_pb2_grpc as pb_grpc
 
-
-def world_config(tmp_path: Path) -> Config:
-    """live_helpers' world-model config (the world model alone), no prewarm, on port 0, its state
-    under `tmp_path`."""
-    text = WORLD_CONFIG.replace("SESSIONS", str(tmp_path / "sessions")) + "policy: {name: lru-keepalive}\n"
-    (tmp_path / "c.yaml").write_text(text)
-    cfg = load_config(tmp_path / "c.yaml")
-    return cfg.model_copy(
-        update={
-            "server": cfg.server.model_copy(update={"listen": "127.0.0.1:0"}),
-            "store": cfg.store.model_copy(
-                update={"url": f"sqlite:///{tmp_path}/state.db", "journal": str(tmp_path / "j")}
-            ),
-        }
-    )
+LRU = "policy: {name: lru-keepalive}\n"  # no prewarm
 
 
 @contextlib.asynccontextmanager
 async def serving(config: Config) -> AsyncIterator[tuple[int, LiveManager]]:
     """The service's gRPC server on a free port (its port) over in-process device hosts."""
-    pool = create_pool(config, in_process=True)
-    manager = LiveManager(config, pool)
-    server, port, _ = await build_server(config, manager)
-    await server.start()
-    await manager.start()
-    try:
+    async with grpc_service(config) as (port, manager, _, _):
         await until(lambda: not manager.live["world"].loads_pending, "the start settled")
         yield port, manager
-    finally:
-        await server.stop(None)
-        await manager.stop()
-        pool.close()
 
 
 TRITON_CLIENT = r"""
@@ -121,7 +96,7 @@ class TestAWorldModelsMetadataAdvertisesNothingModelInferRefuses:
     def test_the_metadata_has_no_tensors_and_names_the_world_session_platform(self, tmp_path: Path) -> None:
         async def main() -> None:
             async with (
-                serving(world_config(tmp_path)) as (port, _),
+                serving(served_world_config(tmp_path, LRU)) as (port, _),
                 grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
             ):
                 stub = pb_grpc.GRPCInferenceServiceStub(channel)
@@ -146,7 +121,7 @@ class TestAWorldModelsMetadataAdvertisesNothingModelInferRefuses:
         result: dict[str, object] = {}
 
         async def run() -> None:
-            async with serving(world_config(tmp_path)) as (port, manager):
+            async with serving(served_world_config(tmp_path, LRU)) as (port, manager):
                 result.update(await triton_client(port))
                 result["serving"] = manager.serving("world")
 
@@ -167,7 +142,7 @@ class TestAnUnloadedWorldModelsIndexEntry:
 
     def test_it_says_a_world_session_loads_it_and_readiness_agrees(self, tmp_path: Path) -> None:
         async def main() -> None:
-            async with serving(world_config(tmp_path)) as (port, manager):
+            async with serving(served_world_config(tmp_path, LRU)) as (port, manager):
                 m = manager.engine.models["world"]
                 manager.evict("world", "disk")
                 await until(lambda: m.tier == Tier.DISK, "world evicted to disk")
