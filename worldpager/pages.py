@@ -18,6 +18,8 @@ Protocol (per step ``n``, all calls from the runtime):
    and reports each job once with ``complete(job_id, ok, failure)``, which returns follow-up jobs
    (the ``Upload`` of a segment whose ``Read`` landed; the retry of a ``TRANSIENT`` failure).
 4. ``buffer_ready(n + 1)`` before step n+1 attends to its slots; ``release_step(n)`` after step n.
+   A step released with uploads still in flight keeps the host copies they read (protected, never
+   evicted) until each upload completes; its buffer is handed out again only then.
 5. ``take_events()`` drains what happened. ``lookup`` and ``resize`` may come between any calls.
    A shrink can leave a step prepared before it out of the new lease (more slots than a buffer now
    has, or host held over budget by the segments it protects): ``needs_replan(step)`` then says so
@@ -117,7 +119,8 @@ class PageManager:
     except after ``resize`` shrinks it below what dirty/protected/reading segments hold: that excess
     is ``pending_bytes`` until spills complete or steps release. Only clean segments are evicted,
     least recently used first (uses: being wanted, a read or write-back landing), never one
-    *protected* (wanted by an unreleased step). ``gpu_slot_bytes``: one attention-ready slot.
+    *protected* (wanted by an unreleased step, or read by an upload still in flight).
+    ``gpu_slot_bytes``: one attention-ready slot.
     """
 
     def __init__(
@@ -140,7 +143,7 @@ class PageManager:
         self._clean: OrderedDict[SegId, None] = OrderedDict()  # LRU order, oldest first
         self._dirty: OrderedDict[SegId, None] = OrderedDict()  # age order: spill candidates first
         self._clean_bytes = 0
-        self._protect: dict[SegId, int] = {}  # wanted by how many unreleased steps
+        self._protect: dict[SegId, int] = {}  # wanted by how many unreleased steps (or their uploads)
         self._steps: dict[int, _Step] = {}
         self._owner: list[int | None] = [None, None]  # the step holding each buffer
         self._in_flight = [0, 0]  # uploads outstanding per buffer
@@ -308,13 +311,17 @@ class PageManager:
 
     def release_step(self, step: int) -> None:
         """Step ``step`` is done: its segments lose protection, its buffer is free (for
-        ``prepare_step`` once the uploads still in flight to it complete)."""
+        ``prepare_step`` once the uploads still in flight to it complete). A segment whose upload is
+        still in flight keeps its protection until that upload completes: the copy reads its host
+        bytes, so they are never evicted (handed to another segment) under it. ProtocolError if
+        ``step`` is not prepared."""
         st = self._steps.pop(step, None)
         if st is None:
             raise ProtocolError(f"release_step({step}): step is not prepared")
         self._owner[st.buffer] = None
         for sid in st.slots:
-            self._unprotect(sid)
+            if sid not in st.uploading:  # (else unprotected when its upload completes)
+                self._unprotect(sid)
         self._drain()
 
     def resize(self, host_budget_bytes: int | None = None, gpu_budget_bytes: int | None = None) -> list[Job]:
@@ -417,7 +424,8 @@ class PageManager:
     def _upload_done(self, job: Upload, ok: bool) -> list[Job]:
         self._in_flight[job.buffer] -= 1
         st = self._steps.get(job.step)
-        if st is None:  # released while in flight
+        if st is None:  # released while in flight: the copy no longer reads the segment's host bytes
+            self._unprotect(job.seg_id)
             return []
         st.uploading.discard(job.seg_id)
         return [] if ok else [self._issue_upload(job.step, st, job.seg_id)]
@@ -526,6 +534,13 @@ class PageManager:
             assert self._draining, "over the host budget without a shrink"
             assert all(s in self._protect for s in self._clean), "over budget with an evictable segment"
         counts: dict[SegId, int] = {}
+        for j in self._jobs.values():  # an upload reads a host copy: protected, even once released
+            if isinstance(j, Upload):
+                assert self._segs[j.seg_id].state in _IN_HOST, (
+                    f"upload {j.job_id}: segment {j.seg_id} not in host"
+                )
+                if j.step not in self._steps:
+                    counts[j.seg_id] = counts.get(j.seg_id, 0) + 1
         for n, st in self._steps.items():
             assert st.buffer == n % 2 and self._owner[st.buffer] == n, f"step {n}: buffer mix-up"
             assert len(set(st.slots.values())) == len(st.slots), f"step {n}: slot handed out twice"

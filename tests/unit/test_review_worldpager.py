@@ -311,7 +311,9 @@ def test_resume_read_back_is_counted_and_the_cli_says_so(
 def test_an_upload_of_a_released_step_is_skipped_when_its_segment_left_host(tmp_path: Path) -> None:
     """Found in review: the upload thread looked the host copy up before it checked that the step was
     still prepared; a step released with its upload queued (allowed), then the segment evicted, killed
-    the thread with a KeyError and every later call failed."""
+    the thread with a KeyError and every later call failed. Since review 17 the segment cannot leave
+    host while that upload reads it (`PageManager.release_step` keeps it protected until the upload
+    ends): the upload thread survives the released step either way, and its buffer is usable again."""
     layout = SegmentLayout.from_config(CFG, "bf16")
     kv = [(torch.randn(layout.kv_shape), torch.randn(layout.kv_shape)) for _ in range(layout.layers)]
     payload = layout.encode(kv)
@@ -325,9 +327,9 @@ def test_an_upload_of_a_released_step_is_skipped_when_its_segment_left_host(tmp_
             with h._cond:  # the upload thread cannot take its job meanwhile
                 h.prepare(0, [0], 6)
                 h.release(0)
-                for sid in (2, 3):  # segment 0, unprotected now, is evicted
+                for sid in (2, 3):  # 1 is evicted; 0 stays while its upload is queued (review 17)
                     h.add_segment(SegmentInfo(sid, 3 * sid, 3 * sid + 3, Pose(0, 0, 0, 0, 0)), payload)
-                assert 0 not in h._host
+                assert 0 in h._host and 1 not in h._host
             deadline = time.monotonic() + 10
             while any(pm._in_flight) and time.monotonic() < deadline:
                 time.sleep(0.01)
