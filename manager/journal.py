@@ -63,6 +63,9 @@ class RequestJournal:
         self.replayed: list[dict[str, Any]] = []
         """The records `read` gave (an earlier run's), until the store has them: those it held already
         (written just before a kill, the journal not yet rewritten) are not sent again."""
+        self.corrupt_said: set[str] = set()
+        """Corrupt stored rows met while `replayed` was compared with the store, each said once
+        (`manager.live_persist`): a retry of the comparison does not say them again."""
         self.skipped = 0
         self.lines = 0
         """Records in the file (as far as this process knows: read, appended, rewritten)."""

@@ -155,6 +155,18 @@ def _same(rec: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted(rec.items()))
 
 
+def _skip_corrupt(e: StoreError, said: set[str]) -> None:
+    """Say (once: `said` holds what was) a corrupt stored row that the journal's replay leaves out."""
+    if e.reason in said:
+        return
+    said.add(e.reason)
+    logger.warning(
+        "%s; left out while the request journal's records were compared with the store (a journal "
+        "record it may have been is written again); repair or delete it to read that time range",
+        e,
+    )
+
+
 def _why(e: Exception) -> str:
     """What is wrong with a saved entry, from the error reading it (a KeyError names only the key)."""
     return f"it has no {e.args[0]!r}" if isinstance(e, KeyError) and e.args else str(e)
@@ -865,12 +877,18 @@ class PersistenceMixin:
         """`batch` without those of the journal's records read at start (`replayed`) that the store
         holds already: a batch it took just before the earlier run was killed, before the journal let
         it go. Sent again, it would be in the request log twice, and counted twice by the statistics'
-        catch-up. One for one: two equal records in the journal are two requests."""
+        catch-up. One for one: two equal records in the journal are two requests. A corrupt stored
+        row in the window is named (once) and left out of the comparison: a journal record it may
+        have been is written again, rather than every record of the journal held back for good."""
         mine = {id(rec) for rec in replayed}
         times = [rec["t"] for rec in batch if id(rec) in mine]
         if not times:
             return batch
-        held = Counter(map(_same, self.store.requests(min(times), math.nextafter(max(times), math.inf))))
+        said = self.journal.corrupt_said if self.journal is not None else set()
+        window = self.store.requests(
+            min(times), math.nextafter(max(times), math.inf), on_corrupt=lambda e: _skip_corrupt(e, said)
+        )
+        held = Counter(map(_same, window))
         out = []
         for rec in batch:
             if id(rec) in mine and held[_same(rec)] > 0:

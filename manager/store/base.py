@@ -6,6 +6,8 @@ Primitives, in the order the service meets them:
                    its message names the url (never a password) and what is wrong.
   CorruptDocument - a StoreError: the backend answers, but the document it holds is unreadable
                    (replacing it with `put_doc` works; waiting for the store does not).
+  OnCorrupt      - what a reader of the request log that can do without a corrupt row gives
+                   `requests` (`on_corrupt`): told of each one, which is left out of the read.
   normalize_record - validates one request record and returns its canonical form.
   encode_doc / decode_doc, check_intent - the same for JSON documents and tier intents.
 
@@ -30,7 +32,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from manager.replay.trace import ALLOWED_FIELDS, MAX_LINE_CHARS, parse_line, parse_object, request_to_json
@@ -41,6 +43,7 @@ __all__ = [
     "RECORD_FIELDS",
     "TIERS",
     "CorruptDocument",
+    "OnCorrupt",
     "Store",
     "StoreError",
     "check_intent",
@@ -86,6 +89,10 @@ class CorruptDocument(StoreError):
     """The store answers, but the document it holds under a key is not a readable JSON object."""
 
 
+OnCorrupt = Callable[[StoreError], None]
+"""`Store.requests`'s `on_corrupt`: told of each corrupt row/entry that the read leaves out."""
+
+
 @runtime_checkable
 class Store(Protocol):
     """Request log, JSON documents and tier intents, kept across restarts.
@@ -106,9 +113,14 @@ class Store(Protocol):
         """
         ...
 
-    def requests(self, since: float, until: float | None = None) -> Iterator[dict[str, Any]]:
+    def requests(
+        self, since: float, until: float | None = None, *, on_corrupt: OnCorrupt | None = None
+    ) -> Iterator[dict[str, Any]]:
         """Canonical records with since <= t < until (no upper bound when None), in time order;
-        equal times keep the order they were appended in. StoreError names a corrupt row/entry."""
+        equal times keep the order they were appended in. StoreError names a corrupt row/entry;
+        given `on_corrupt`, each corrupt row/entry the read meets is passed to it instead (the
+        StoreError that would have been raised: it names the row or entry) and left out, and the read
+        goes on: for a reader that can do without it (the journal's replay at a start)."""
         ...
 
     def count_requests(self) -> int:

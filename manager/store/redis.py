@@ -9,16 +9,26 @@ Keys, under a prefix (default `residency`, or `?prefix=` in the url):
   <prefix>:requests      a Stream, one entry per request: field `data` = the canonical record as JSON.
                          Entry ids are `<ms>-<seq>` with ms = floor(t * 1000), so XRANGE by time
                          finds a range without a scan.
-  <prefix>:requests:lag  a sorted set, member `late_ms`: how far (ms) an entry's id is ahead of its t.
+  <prefix>:requests:lag  a sorted set: member `late_ms`, the most (ms) an entry's id was ever ahead
+                         of its t (kept for earlier versions, which widen every read by it);
+                         `tracked_from`, the newest id's ms when this version first wrote (absent:
+                         it never has), and `legacy_ms`, late_ms then: entries at or below that ms
+                         may be that late; the ones above it are in `:requests:late`.
+  <prefix>:requests:late a sorted set, one member per hour (of the records' t) that holds a late
+                         entry: score the hour (floor(t_ms / LATE_HOUR_MS)), member `<hour>:<late_ms>`,
+                         the most an entry of that hour is late. Trimmed with the log it describes.
   <prefix>:docs          a Hash, document key -> JSON object.
   <prefix>:intents       a Hash, model -> tier.
   <prefix>:requests:batch:<token>  a short-lived marker per batch written (see _BATCH_KEY).
 
 Late records: a stream's ids only grow, so a record whose t is earlier than the newest entry (two
-threads finishing out of order, or out of order in one batch) gets the newest entry's ms instead, and
-the largest such lateness is kept in `:requests:lag`. `requests()` widens its XRANGE by
-that lateness, filters on the exact t, and re-orders through a small heap: entries come back in time
-order all the same, and when nothing was late the heap holds at most one page.
+threads finishing out of order, or out of order in one batch, or a journal sent at a restart) gets the
+newest entry's ms instead, and its lateness is kept for the hour of its t in `:requests:late`.
+`requests()` widens its XRANGE by the lateness of the hours its range covers (not by one record's,
+hours late, for ever: each read by what can fall in it), filters on the exact t, and re-orders through
+a small heap: entries come back in time order all the same, and when nothing was late the heap holds
+at most one page. A store written by an earlier version (late_ms alone) is read as it read it, for the
+entries written then; `trim_requests` lets the lateness of the hours it empties go.
 
 Primitives: parse_redis_url (url -> connection settings, display url, prefix; the url rules are
 redis_url.py's, which the config check shares), open_redis (url ->
@@ -39,6 +49,7 @@ import heapq
 import json
 import logging
 import math
+import re
 import socket
 import ssl
 import uuid
@@ -54,6 +65,7 @@ from redis.retry import Retry
 
 from manager.replay.trace import MAX_T
 from manager.store.base import (
+    OnCorrupt,
     StoreError,
     check_intent,
     decode_doc,
@@ -70,13 +82,18 @@ logger = logging.getLogger(__name__)
 PAGE = 1000
 
 
+LATE_HOUR_MS = 3_600_000
+"""The request log's lateness is kept per hour of the records' t (`<prefix>:requests:late`)."""
+
+
 # One batch of the request log, as one script: Redis runs it whole, with no other command between,
 # so a batch is written all or none and its ids need no retry when writers race. KEYS: the stream, the
-# lag set and the call's own key (see _BATCH_KEY); ARGV: ms, json, ms, json, ... Every id is placed
-# before anything is written: an XADD at an id above the newest one cannot fail, so an error (a key of
-# the wrong type) comes before any write. Only commands and forms of Redis 5 (streams): the script
-# numbers the ids itself (`<ms>-*` is Redis 7) and compares the lag with ZSCORE (ZADD GT is 6.2), so a
-# Redis 6 (Ubuntu 22.04, Debian 11) writes a batch whole too.
+# lag set, the call's own key (see _BATCH_KEY) and the lateness per hour; ARGV: ms, json, ms, json, ...
+# Every id is placed, and every key read, before anything is written: an XADD at an id above the newest
+# one cannot fail, so an error (a key of the wrong type) comes before any write. Only commands and
+# forms of Redis 5 (streams): the script numbers the ids itself (`<ms>-*` is Redis 7), compares the
+# lag with ZSCORE (ZADD GT is 6.2) and finds an hour's member with ZRANGEBYSCORE, so a Redis 6
+# (Ubuntu 22.04, Debian 11) writes a batch whole too. Hours go in the order met (not `pairs`).
 _APPEND_LUA = """
 local last, seq = 0, 0
 if redis.call('EXISTS', KEYS[1]) == 1 then
@@ -88,23 +105,55 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
     end
   end
 end
-local late, ids = 0, {}
+local newest = last  -- entries at or below this ms were written before this batch
+local late, ids, hours, most = 0, {}, {}, {}
 for i = 1, #ARGV, 2 do
   local ms = tonumber(ARGV[i])
   if ms > last then last, seq = ms, 0 else seq = seq + 1 end
-  if last - ms > late then late = last - ms end
+  local d = last - ms
+  if d > 0 then
+    if d > late then late = d end
+    local h = math.floor(ms / HOUR_MS)
+    if most[h] == nil then hours[#hours + 1] = h; most[h] = d elseif d > most[h] then most[h] = d end
+  end
   ids[#ids + 1] = string.format('%.0f-%.0f', last, seq)
 end
 local lag = tonumber(redis.call('ZSCORE', KEYS[2], 'late_ms'))  -- a wrong type fails here, unwritten
+local tracked = redis.call('ZSCORE', KEYS[2], 'tracked_from')
+local held = {}
+for k = 1, #hours do
+  local h = string.format('%.0f', hours[k])
+  held[k] = redis.call('ZRANGEBYSCORE', KEYS[4], h, h)  -- (and here)
+end
 -- KEYS[3] names this call: a copy of it that redis-py sent again (a timeout while Redis was busy, and
 -- the first copy ran all the same) writes nothing
 if not redis.call('SET', KEYS[3], '1', 'NX', 'EX', 600) then return -1 end
-if late > 0 and (lag == nil or late > lag) then redis.call('ZADD', KEYS[2], late, 'late_ms') end
+-- (numbers go to Redis through '%.0f': Lua's own conversion writes 1e+14 from 15 digits on)
+if not tracked then  -- this version's first write: what is in the stream is as late as late_ms says
+  redis.call('ZADD', KEYS[2], string.format('%.0f', newest), 'tracked_from', string.format('%.0f', lag or 0),
+    'legacy_ms')
+end
+if late > 0 and (lag == nil or late > lag) then
+  redis.call('ZADD', KEYS[2], string.format('%.0f', late), 'late_ms')
+end
+for k = 1, #hours do
+  local h = hours[k]
+  local d = most[h]
+  for _, m in ipairs(held[k]) do
+    local v = tonumber(string.match(m, '^%d+:(%d+)$'))
+    if v ~= nil and v > d then d = v end
+  end
+  local member = string.format('%.0f:%.0f', h, d)
+  for _, m in ipairs(held[k]) do  -- (one that is not HOUR:LATE_MS stays, for a read to name)
+    if m ~= member and string.match(m, '^%d+:%d+$') then redis.call('ZREM', KEYS[4], m) end
+  end
+  redis.call('ZADD', KEYS[4], string.format('%.0f', h), member)
+end
 for k = 1, #ids do
   redis.call('XADD', KEYS[1], ids[k], 'data', ARGV[2 * k])
 end
 return late
-"""
+""".replace("HOUR_MS", str(LATE_HOUR_MS))
 
 
 # One step of `trim_requests`: up to ARGV[2] of the oldest entries with ids up to ARGV[1] (inclusive;
@@ -131,6 +180,64 @@ commands: a busy server runs the first copy late). The second copy finds the key
 def _ms(t: float) -> int:
     """Stream id milliseconds for time `t`: monotone in t, so ranges by ms never miss a record."""
     return math.floor(t * 1000)
+
+
+_LATE_MEMBER = re.compile(r"(\d{1,15}):(\d{1,15})")
+"""A member of `<prefix>:requests:late`: HOUR:LATE_MS."""
+
+
+@dataclass(frozen=True)
+class _Lateness:
+    """How far (ms) the entries a read can meet may have their ids ahead of their records' t.
+
+    An entry whose record's t is in an hour of `hours` is at most that hour's late_ms late; in another
+    hour, not late (its id is its t's ms), unless it is at or below `legacy_upto` (written before this
+    version kept the lateness per hour: then up to `legacy_ms`; None: every entry). `unknown`: the
+    lateness could not be read (told to on_corrupt): any entry may be any late."""
+
+    hours: tuple[tuple[int, int, str], ...] = ()
+    """(hour, late_ms, member as stored) by hour: the hours that hold a late entry, of those read."""
+    legacy_upto: int | None = None
+    legacy_ms: int = 0
+    unknown: bool = False
+
+    def end(self, until_ms: int) -> int | None:
+        """The highest id ms an entry of a record with t_ms <= until_ms may have (of the hours read);
+        None when there is no telling."""
+        if self.unknown:
+            return None
+        end = until_ms + max((late for _, late, _ in self.hours), default=0)
+        legacy = until_ms + self.legacy_ms
+        return max(end, legacy if self.legacy_upto is None else min(self.legacy_upto, legacy))
+
+
+class _Floor:
+    """For a read going up the stream: the lowest t_ms that an entry not read yet may have."""
+
+    def __init__(self, lateness: _Lateness) -> None:
+        self._late = lateness
+        self._next = 0  # the first hour of lateness.hours not yet begun
+        self._open: list[tuple[int, int, int]] = []  # (first ms, last ms, late_ms) of hours begun
+
+    def at(self, last_ms: int) -> float:
+        """The lowest t_ms of an entry whose id is above one of `last_ms` (the newest read): its own
+        ms less its lateness, at the least; -inf when the lateness is unknown."""
+        late = self._late
+        if late.unknown:
+            return -math.inf
+        floor = last_ms
+        if late.legacy_upto is None or last_ms <= late.legacy_upto:
+            floor -= late.legacy_ms
+        hours = late.hours
+        while self._next < len(hours) and hours[self._next][0] * LATE_HOUR_MS <= last_ms:
+            hour, ms, _ = hours[self._next]
+            self._open.append((hour * LATE_HOUR_MS, (hour + 1) * LATE_HOUR_MS - 1, ms))
+            self._next += 1
+        # an hour whose entries all have ids below last_ms (read, all of them) bounds nothing more
+        self._open = [h for h in self._open if h[1] + h[2] >= last_ms]
+        for first, _, ms in self._open:
+            floor = min(floor, max(first, last_ms - ms))
+        return floor
 
 
 @dataclass(frozen=True)
@@ -341,11 +448,13 @@ class RedisStore:
         self._timeout_s = timeout_s
         self._requests_key = f"{prefix}:requests"
         self._lag_key = f"{prefix}:requests:lag"
+        self._late_key = f"{prefix}:requests:late"
         self._docs_key = f"{prefix}:docs"
         self._intents_key = f"{prefix}:intents"
         self._types = {  # what each key holds, as Redis's TYPE names it
             self._requests_key: "stream",
             self._lag_key: "zset",
+            self._late_key: "zset",
             self._docs_key: "hash",
             self._intents_key: "hash",
         }
@@ -394,59 +503,120 @@ class RedisStore:
         args: list[str | int] = [x for row in rows for x in row]
         batch_key = _BATCH_KEY.format(prefix=self.prefix, token=uuid.uuid4().hex)
         with self._errors("append requests") as r:
-            late = self._append(keys=[self._requests_key, self._lag_key, batch_key], args=args, client=r)
+            keys = [self._requests_key, self._lag_key, batch_key, self._late_key]
+            late = self._append(keys=keys, args=args, client=r)
         if late > 0:
             logger.debug("records up to %s ms late stored at later ids", late)
 
-    def _lag_ms(self, r: redis.Redis) -> int:
-        """How far (ms) an entry's id may be ahead of its t; StoreError when the lag set holds no
-        such number (an infinite or huge score, which no stream id can be widened by)."""
-        lag = r.zscore(self._lag_key, "late_ms")
-        if lag is None or lag <= 0:
-            return 0
-        if not lag <= _ms(MAX_T):  # (NaN and infinity too)
-            raise StoreError(
-                self.url,
-                f"{self._lag_key} is corrupt: its late_ms score {lag!r} is not a lateness in ms (0 to "
-                f"{_ms(MAX_T)}); another program's data under the prefix {self.prefix!r}? give this "
-                "store its own ?prefix=NAME in store.url",
-            )
-        return int(lag)
+    def _corrupt(self, key: str, what: str) -> StoreError:
+        return StoreError(
+            self.url,
+            f"{key} is corrupt: {what}; another program's data under the prefix {self.prefix!r}? give "
+            "this store its own ?prefix=NAME in store.url",
+        )
 
-    def requests(self, since: float, until: float | None = None) -> Iterator[dict[str, Any]]:
+    def _lateness(
+        self, r: redis.Redis, lo_ms: int | None, hi_ms: int | None, on_corrupt: OnCorrupt | None = None
+    ) -> _Lateness:
+        """How late the entries of records with lo_ms <= t_ms <= hi_ms (None: no bound) may be.
+        StoreError naming the key when the lag set or the lateness per hour holds what no lateness is
+        (an infinite or huge score, which no stream id can be widened by); given `on_corrupt`, it is
+        told instead, and the lateness taken as unknown (the read goes to the stream's end)."""
+        pipe = r.pipeline(transaction=False)
+        pipe.zrange(self._lag_key, 0, -1, withscores=True)
+        pipe.zrangebyscore(
+            self._late_key,
+            "-inf" if lo_ms is None else lo_ms // LATE_HOUR_MS,
+            "+inf" if hi_ms is None else hi_ms // LATE_HOUR_MS,
+        )
+        lag, members = pipe.execute()
+        try:
+            return self._read_lateness(lag, members)
+        except StoreError as e:
+            if on_corrupt is None:
+                raise
+            on_corrupt(e)
+            return _Lateness(unknown=True)
+
+    def _read_lateness(self, lag: list[tuple[bytes, float]], members: list[bytes]) -> _Lateness:
+        scores = {_text(m): v for m, v in lag}
+        most = _ms(MAX_T)
+        for name, top, what in (
+            ("late_ms", most, "a lateness in ms"),
+            ("legacy_ms", most, "a lateness in ms"),
+            ("tracked_from", 2**64, "a stream id's ms"),
+        ):
+            v = scores.get(name)
+            if v is not None and not v <= top:  # (NaN and infinity too)
+                raise self._corrupt(self._lag_key, f"its {name} score {v!r} is not {what} (0 to {top})")
+        hours = []
+        for raw in members:
+            m = _LATE_MEMBER.fullmatch(_text(raw))
+            if m is None or int(m[2]) > most:
+                raise self._corrupt(
+                    self._late_key,
+                    f"member {_text(raw)!r} is not HOUR:LATE_MS (a lateness in ms, 0 to {most})",
+                )
+            hours.append((int(m[1]), int(m[2]), _text(raw)))
+        hours.sort()
+        tracked = scores.get("tracked_from")
+        if tracked is None:  # never written by this version: any entry may be as late as late_ms says
+            return _Lateness(tuple(hours), None, max(int(scores.get("late_ms", 0)), 0))
+        return _Lateness(tuple(hours), max(int(tracked), 0), max(int(scores.get("legacy_ms", 0)), 0))
+
+    def requests(
+        self, since: float, until: float | None = None, *, on_corrupt: OnCorrupt | None = None
+    ) -> Iterator[dict[str, Any]]:
         if math.isnan(since) or (until is not None and math.isnan(until)):
             raise ValueError(f"requests: since and until must be numbers, got {since!r}, {until!r}")
         if since > MAX_T or (until is not None and until <= max(since, 0)):
             return  # no record has t outside [0, MAX_T] (nor a stream id for such a bound)
+        lo = _ms(since) if since > 0 else 0
+        hi = None if until is None or until > MAX_T else _ms(until)
         with self._errors("read requests") as r:
-            lag = self._lag_ms(r)
-        start = str(max(_ms(since), 0)) if since > 0 else "-"
-        end = "+" if until is None or until > MAX_T else str(_ms(until) + lag)
+            lateness = self._lateness(r, lo, hi, on_corrupt)
+        start = str(lo) if since > 0 else "-"
+        stop = None if hi is None else lateness.end(hi)
+        end = "+" if stop is None else str(stop)
+        floor = _Floor(lateness)
         heap: list[tuple[float, int, dict[str, Any]]] = []  # (t, read order, record)
         n = 0
         while True:
-            page = self._page(start, end)
+            page = self._page(start, end, on_corrupt)
             for _, rec in page:
-                if since <= rec["t"] and (until is None or rec["t"] < until):
+                if rec is not None and since <= rec["t"] and (until is None or rec["t"] < until):
                     heapq.heappush(heap, (rec["t"], n, rec))
                     n += 1
             if len(page) < PAGE:
                 break
             last_id = page[-1][0]
             start = f"({last_id}"
-            # Unread entries have ids >= last_id, so their t is at least (ms - lag); 1 ms of slack
+            # Unread entries have ids above last_id: no t below `floor.at` its ms; 1 ms of slack
             # covers float rounding in t * 1000.
-            floor_t = (int(last_id.split("-", 1)[0]) - lag - 1) / 1000
+            floor_t = (floor.at(int(last_id.split("-", 1)[0])) - 1) / 1000
             while heap and heap[0][0] < floor_t:
                 yield heapq.heappop(heap)[2]
         while heap:
             yield heapq.heappop(heap)[2]
 
-    def _page(self, start: str, end: str) -> list[tuple[str, dict[str, Any]]]:
-        """Up to PAGE entries with start <= id <= end, as (id, canonical record)."""
+    def _page(
+        self, start: str, end: str, on_corrupt: OnCorrupt | None = None
+    ) -> list[tuple[str, dict[str, Any] | None]]:
+        """Up to PAGE entries with start <= id <= end, as (id, canonical record); a corrupt entry is
+        a StoreError, or, given `on_corrupt`, told to it and (id, None)."""
         with self._errors("read requests") as r:
             entries = r.xrange(self._requests_key, min=start, max=end, count=PAGE) or []
-        return [(_text(eid or b"?"), self._record(_text(eid or b"?"), fields)) for eid, fields in entries]
+        out: list[tuple[str, dict[str, Any] | None]] = []
+        for eid, fields in entries:
+            entry_id = _text(eid or b"?")
+            try:
+                out.append((entry_id, self._record(entry_id, fields)))
+            except StoreError as e:
+                if on_corrupt is None:
+                    raise
+                on_corrupt(e)
+                out.append((entry_id, None))
+        return out
 
     def _record(self, entry_id: str, fields: Mapping[bytes | str, bytes | str] | None) -> dict[str, Any]:
         where = f"entry {entry_id} of {self._requests_key}"
@@ -466,21 +636,30 @@ class RedisStore:
     def trim_requests(self, before: float) -> int:
         """Entries whose id is below `before`'s ms hold records with t < `before` (an id is never
         below its record's ms) and go in steps (`_TRIM_LUA`); a record with t < `before` may also have
-        an id in `before`'s own ms, or up to the lag above it (a late record: its id placed ahead of
-        its t): the entries of those few ms are read, and the ones whose t is below `before` go too."""
+        an id in `before`'s own ms, or up to its hour's lateness above it (a late record: its id placed
+        ahead of its t): the entries of those ms are read, and the ones whose t is below `before` go
+        too. Then the lateness of the hours wholly before `before` goes (see _Lateness)."""
         if not isinstance(before, int | float) or isinstance(before, bool) or math.isnan(before):
             raise ValueError(f"trim_requests: before must be a number, got {before!r}")
         if before <= 0:
             return 0  # (no record has t below 0)
         edge = _ms(min(before, MAX_T + 1.0))  # the first ms whose ids are not all below `before`
+        with self._errors("trim requests") as r:
+            lateness = self._lateness(r, None, edge)  # (of the records with t < before)
         gone, n = 0, TRIM_CHUNK if edge > 0 else 0
         while n == TRIM_CHUNK:
             with self._errors("trim requests") as r:
                 n = int(self._trim(keys=[self._requests_key], args=[str(edge - 1), TRIM_CHUNK], client=r))
             gone += n
-        with self._errors("trim requests") as r:
-            lag = self._lag_ms(r)
-        return gone + self._trim_late(before, str(edge), str(edge + lag))
+        gone += self._trim_late(before, str(edge), str(lateness.end(edge)))
+        # The hours now empty (every t in them below `before`) no longer widen a read. The members as
+        # read: one that a late write raised meanwhile (its record perhaps not trimmed) is another
+        # member, and stays.
+        empty = [member for hour, _, member in lateness.hours if (hour + 1) * LATE_HOUR_MS <= edge]
+        if empty:
+            with self._errors("trim requests") as r:
+                r.zrem(self._late_key, *empty)
+        return gone
 
     def _trim_late(self, before: float, start: str, end: str) -> int:
         """Delete the entries with start <= id <= end whose record's t is below `before`; returns how

@@ -51,6 +51,7 @@ from manager import pidlock
 from manager.store.base import (
     RECORD_FIELDS,
     CorruptDocument,
+    OnCorrupt,
     StoreError,
     check_intent,
     decode_doc,
@@ -96,7 +97,7 @@ _INSERT = f"INSERT INTO requests ({_COLUMNS}) VALUES ({', '.join('?' for _ in RE
 _SELECT_PAGE = f"SELECT id, {_COLUMNS} FROM requests WHERE (t, id) > (?, ?) AND t < ? ORDER BY t, id LIMIT ?"
 # SQLite sorts text and blobs after every number, so a row whose t is not a number (a damaged file, a
 # hand edit) is in no time range: this finds one through the index, which the pages would pass over.
-_SELECT_NOT_A_TIME = "SELECT id, t FROM requests WHERE t >= ? ORDER BY t LIMIT 1"
+_SELECT_NOT_A_TIME = "SELECT id, t FROM requests WHERE t >= ? ORDER BY t LIMIT ?"  # (-1: no limit)
 TRIM_CHUNK = 5000
 """Request records deleted per transaction by `trim_requests`: the lock (and the file's write lock)
 is let go between chunks, so requests keep being logged while years of records go."""
@@ -386,20 +387,33 @@ class SQLiteStore:
         with self._db("append requests") as db, db:
             db.executemany(_INSERT, rows)
 
-    def requests(self, since: float, until: float | None = None) -> Iterator[dict[str, Any]]:
+    def requests(
+        self, since: float, until: float | None = None, *, on_corrupt: OnCorrupt | None = None
+    ) -> Iterator[dict[str, Any]]:
         if math.isnan(since) or (until is not None and math.isnan(until)):
             raise ValueError(f"requests: since and until must be numbers, got {since!r}, {until!r}")
         hi = math.inf if until is None else float(until)
         key: tuple[float, int] = (float(since), -1)
         with self._db("read requests") as db:
-            bad = db.execute(_SELECT_NOT_A_TIME, (math.inf,)).fetchone()
-        if bad is not None:
-            raise StoreError(self.url, f"requests row id={bad[0]} is corrupt: 't' is {bad[1]!r}, not a time")
+            # (all of them for on_corrupt; else the first one is the error)
+            bad = db.execute(_SELECT_NOT_A_TIME, (math.inf, 1 if on_corrupt is None else -1)).fetchall()
+        for row_id, t in bad:  # (in no time range: passed over by every read)
+            e = StoreError(self.url, f"requests row id={row_id} is corrupt: 't' is {t!r}, not a time")
+            if on_corrupt is None:
+                raise e
+            on_corrupt(e)
         while True:
             with self._db("read requests") as db:
                 page = db.execute(_SELECT_PAGE, (*key, hi, PAGE)).fetchall()
             for row in page:
-                yield self._record(row)
+                try:
+                    rec = self._record(row)
+                except StoreError as e:
+                    if on_corrupt is None:
+                        raise
+                    on_corrupt(e)
+                    continue
+                yield rec
             if len(page) < PAGE:
                 return
             key = (page[-1][1], page[-1][0])
