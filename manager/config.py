@@ -407,7 +407,28 @@ def config_json_schema() -> dict[str, Any]:
     """JSON Schema of the config file (by alias: `class`, not `class_`)."""
     schema = Config.model_json_schema(by_alias=True)
     _bound_units(Config, schema["properties"], schema.get("$defs", {}), set())
+    _end_at_the_end(schema)
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema, "title": "Residency config"}
+
+
+_END = r"(?![\s\S])"
+"""The end of the text, as every regex dialect says it: a pattern's final `$` in Python's re (which
+Python's JSON Schema validators use: jsonschema, check-jsonschema) also matches before a final
+newline, so a model named "voice\\n" passed the schema; ECMA's and pydantic's `$` do not."""
+
+
+def _end_at_the_end(schema: Any) -> None:
+    """Each `pattern` in `schema` that ends in `$` ends in `_END` instead (in place)."""
+    if isinstance(schema, list):
+        for item in schema:
+            _end_at_the_end(item)
+    elif isinstance(schema, dict):
+        pattern = schema.get("pattern")
+        if isinstance(pattern, str) and re.search(r"(?<!\\)(?:\\\\)*\$$", pattern):
+            schema["pattern"] = pattern[:-1] + _END
+        for key, value in schema.items():
+            if key not in ("examples", "default", "const", "enum"):
+                _end_at_the_end(value)
 
 
 _NUMBER_BOUNDS: dict[type, tuple[str, str]] = {

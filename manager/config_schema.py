@@ -8,6 +8,7 @@ is `manager.config`'s job; import everything from there.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
@@ -139,6 +140,22 @@ Flag = Annotated[
 """true or false; also `yes`/`no`, `on`/`off`, `y`/`n`, `t`/`f` (any case), 1 and 0, as pydantic
 reads them (what the JSON Schema says, so that an editor takes what load_config takes)."""
 
+
+def _whole_number(v: Any) -> Any:
+    """A float without a fraction (`64.0`, `1e3`) as the int it is, as JSON Schema's `integer` takes
+    it (so an editor does); a fraction, infinity or NaN refused here in words; anything else (a bool,
+    a string) left to the strict int, which refuses it."""
+    if isinstance(v, float):
+        if not v.is_integer():
+            raise ValueError(f"expected a whole number, got {shown(v)}")
+        return int(v)
+    return v
+
+
+WholeNumber = Annotated[int, BeforeValidator(_whole_number)]
+"""An integer field (with `strict=True` on its Field: no bools, no strings): `64` or `64.0`."""
+
+
 _PORT = r"(?:[0-9]{1,4}|[0-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"
 HOST_PORT_PATTERN = rf"^[\s\S]+:{_PORT}$"
 """What check_host_port takes, as a regular expression JSON Schema can use."""
@@ -154,6 +171,9 @@ KeepAlive = Annotated[
                 {"type": "string", "pattern": r"^\s*(?:[aA][uU][tT][oO]|[fF][oO][rR][eE][vV][eE][rR])\s*$"},
                 {"type": "string", "pattern": DURATION_PATTERN},
                 {"type": "number", "minimum": 0, "maximum": MAX_DURATION_S},
+                # YAML's `.inf` (read as forever): the one number above the largest float that
+                # is no integer (a 400-digit integer is too large a duration, not forever)
+                {"type": "number", "exclusiveMinimum": sys.float_info.max, "not": {"type": "integer"}},
                 {"type": "null"},
             ],
             "examples": ["auto", "forever", "30m", 600],
@@ -229,7 +249,7 @@ class ServerConfig(_Model):
     for the next session. Null: wait for ever (the session holds its model until its client ends it or
     vanishes: `keepalive`); 0 is refused (no session could take a step). A change applies from the
     next wait on (a reload)."""
-    frontends: int = Field(default=0, ge=0, le=16, strict=True)
+    frontends: WholeNumber = Field(default=0, ge=0, le=16, strict=True)
     """Extra gRPC front-end processes on `listen` (they share the address with SO_REUSEPORT; Linux
     spreads connections over them): each does gRPC's per-call work on its own core, sends ModelInfer
     calls to the manager's process in batches over a Unix socket and relays every other call to it.
@@ -349,7 +369,7 @@ class DeviceConfig(_Model):
     and replay outputs (an action on device `host` is a host-tier move)."""
     kind: Literal["cuda", "cpu"]
     """cuda (a GPU) or cpu (models run on the host's CPU)."""
-    index: int = Field(default=0, ge=0, le=255, strict=True)
+    index: WholeNumber = Field(default=0, ge=0, le=255, strict=True)
     """Device index (CUDA ordinal) on its node."""
     memory: ByteSize = Field(gt=0)
     """Total memory of the device."""
@@ -405,7 +425,8 @@ class ClassConfig(_Model):
     """False: requests of this class never cause an eviction; they wait or run where room exists."""
     max_wait: Duration | None = None
     """A request of this class that waits longer than this for room is rejected; null: wait."""
-    max_queue: int | None = Field(default=None, ge=1, strict=True)
+    # (the bound before the validator: outside the union it would be left in the schema as `ge`)
+    max_queue: Annotated[int, Field(ge=1, strict=True), BeforeValidator(_whole_number)] | None = None
     """At most this many requests of this class may wait for their model at once (for room, or for
     its load to end); one more that would wait is refused (RESOURCE_EXHAUSTED, "queue full"), one
     whose model is loaded and ready is served. `residency replay` and `tune` count the same. Null: no
@@ -473,9 +494,11 @@ class ModelConfig(_Model):
     """The policy may load it before a predicted request."""
     elastic: ElasticConfig | None = None
     """KV lease range of an elastic tenant (e.g. a world model), on top of `memory`."""
-    source: dict[str, Any] = Field(default_factory=dict)
+    source: dict[str, Any] = Field(
+        default_factory=dict, json_schema_extra={"propertyNames": {"type": "string"}}
+    )
     """Adapter-specific keys (paths, factories, package names)."""
-    max_batch: int = Field(1, ge=1, le=4096, strict=True)
+    max_batch: WholeNumber = Field(1, ge=1, le=4096, strict=True)
     """Dynamic batching: concurrent requests for this model with the same input dtypes and shapes
     (but the first dimension) run as one call of up to this many rows, stacked along the first
     dimension and split again. For models whose rows are independent (an MLP, an embedder); 1 (the
