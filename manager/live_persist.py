@@ -339,12 +339,21 @@ class PersistenceMixin:
         try:
             saved: dict[str, Any] = self.store.get_doc("stats") or {}
             return saved
-        except CorruptDocument as e:  # it answers, but cannot read it: replaced (else never saved)
-            logger.error("the statistics saved in the store are unreadable (%s); overwritten", e)
+        except CorruptDocument as e:  # it answers, but cannot read it: kept aside, replaced
+            logger.error("the statistics saved in the store are unreadable (%s); %s", e, self._stats_aside())
             return {}
         except Exception:
             logger.warning("the store is still down: statistics not saved")
             return None
+
+    def _stats_aside(self) -> str:
+        """Move the unreadable "stats" document aside (`Store.set_aside_doc`), so the next save does
+        not overwrite it; says where it went, for the log line (or that it could not be kept)."""
+        try:
+            aside = self.store.set_aside_doc("stats")
+        except Exception as e:  # (a full disk, the store gone again): said, not raised
+            return f"could not keep it aside ({e}); starting fresh, overwritten at the next save"
+        return f"kept as document {aside!r}; starting fresh" if aside else "starting fresh"
 
     def _stats_doc(self) -> dict[str, Any]:
         """The "stats" document: each model's statistics now, and the saved ones of models not
@@ -402,8 +411,8 @@ class PersistenceMixin:
         until = {n: m.hist.first_t if m.hist.count else math.inf for n, m in self.engine.models.items()}
         try:
             doc = self.store.get_doc("stats") or {}
-        except CorruptDocument as e:  # it answers, but cannot read it: fresh, overwritten at the next save
-            logger.error("the statistics saved in the store are unreadable (%s); starting fresh", e)
+        except CorruptDocument as e:  # it answers, but cannot read it: kept aside, fresh
+            logger.error("the statistics saved in the store are unreadable (%s); %s", e, self._stats_aside())
             doc = {}
         except Exception as e:  # the store is down at start: serve anyway, with fresh statistics
             if isinstance(e, StoreError):  # supported (said, without a traceback)

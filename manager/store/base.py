@@ -33,6 +33,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from datetime import UTC, datetime
 from typing import Any, Protocol, runtime_checkable
 
 from manager.replay.trace import ALLOWED_FIELDS, MAX_LINE_CHARS, parse_line, parse_object, request_to_json
@@ -140,6 +141,12 @@ class Store(Protocol):
 
     def get_doc(self, key: str) -> dict[str, Any] | None:
         """Document `key`, or None when there is none. StoreError if it is not a JSON object."""
+        ...
+
+    def set_aside_doc(self, key: str) -> str | None:
+        """Move document `key` as stored (read or not) to ``<key>.corrupt-<UTC time>`` and return that
+        key; None when there is no document `key`. For a `CorruptDocument` about to be replaced: its
+        bytes are kept for a person to look at, not overwritten."""
         ...
 
     def set_intent(self, model: str, tier: str) -> None:
@@ -258,6 +265,11 @@ def encode_doc(key: str, doc: Mapping[str, Any]) -> str:
         return json.dumps(doc, separators=(",", ":"))
     except (TypeError, ValueError) as e:
         raise ValueError(f"document {key!r} is not plain JSON data: {e}") from None
+
+
+def aside_key(key: str) -> str:
+    """Where `Store.set_aside_doc` keeps document `key`: ``<key>.corrupt-<UTC time, microseconds>``."""
+    return f"{key}.corrupt-{datetime.now(UTC).strftime('%Y%m%dT%H%M%S.%fZ')}"
 
 
 def decode_doc(url: str, key: str, text: str | bytes) -> dict[str, Any]:

@@ -67,6 +67,7 @@ from manager.replay.trace import MAX_T
 from manager.store.base import (
     OnCorrupt,
     StoreError,
+    aside_key,
     check_intent,
     decode_doc,
     encode_doc,
@@ -694,6 +695,18 @@ class RedisStore:
         with self._errors(f"get document {key!r}") as r:
             text = r.hget(self._docs_key, key)
         return None if text is None else decode_doc(self.url, key, text)
+
+    def set_aside_doc(self, key: str) -> str | None:
+        aside = aside_key(key)
+        with self._errors(f"set document {key!r} aside") as r:
+            text = r.hget(self._docs_key, key)
+            if text is None:
+                return None
+            with r.pipeline() as p:  # (MULTI/EXEC: the copy and the delete together)
+                p.hset(self._docs_key, aside, text)
+                p.hdel(self._docs_key, key)
+                p.execute()
+        return aside
 
     def set_intent(self, model: str, tier: str) -> None:
         check_intent(model, tier)

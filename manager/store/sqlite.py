@@ -53,6 +53,7 @@ from manager.store.base import (
     CorruptDocument,
     OnCorrupt,
     StoreError,
+    aside_key,
     check_intent,
     decode_doc,
     encode_doc,
@@ -460,6 +461,12 @@ class SQLiteStore:
         if not isinstance(row[0], str | bytes):
             raise CorruptDocument(self.url, f"document {key!r} is corrupt: stored as {type(row[0]).__name__}")
         return decode_doc(self.url, key, row[0])
+
+    def set_aside_doc(self, key: str) -> str | None:
+        aside = aside_key(key)
+        with self._db(f"set document {key!r} aside") as db, db:
+            moved = db.execute("UPDATE docs SET key = ? WHERE key = ?", (aside, key)).rowcount
+        return aside if moved else None
 
     def set_intent(self, model: str, tier: str) -> None:
         check_intent(model, tier)
