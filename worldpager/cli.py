@@ -354,6 +354,25 @@ def _add_bench_stall(sub: argparse._SubParsersAction[_Parser]) -> None:
 # ---- session --------------------------------------------------------------------------------------
 
 
+def _why_unsaved(log_dir: str) -> str:
+    """Why `read_saved_state` found no saved session in `log_dir`: its session.json is missing, cannot
+    be read, is not JSON, or is not a saved session of this version."""
+    from worldpager.session import SESSION_FILE
+
+    path = Path(log_dir) / SESSION_FILE
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return f"no {SESSION_FILE}"
+    except (OSError, ValueError) as e:  # (a folder of that name, no permission, not UTF-8)
+        return f"{path} cannot be read: {getattr(e, 'strerror', None) or e}"
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError) as e:
+        return f"{path} is damaged: not JSON ({e})"
+    return f"{path} is not a session this version saved (its format or version differs)"
+
+
 def _resume_settings(args: argparse.Namespace) -> tuple[str | None, str | None]:
     """--resume: the preset and codec to run (the saved session's unless given; UsageError when the
     saved session is missing, damaged, or ran another preset)."""
@@ -368,9 +387,7 @@ def _resume_settings(args: argparse.Namespace) -> tuple[str | None, str | None]:
     except ValueError as e:  # a damaged session.json: named, not a traceback
         raise UsageError(f"--resume: {e}") from None
     if saved is None:
-        raise UsageError(
-            f"--resume: no saved session in {args.log_dir} ({SESSION_FILE} missing or unreadable)"
-        )
+        raise UsageError(f"--resume: no saved session in {args.log_dir} ({_why_unsaved(args.log_dir)})")
     saved_preset = (saved.get("metadata") or {}).get("preset")
     named = isinstance(saved_preset, str) and saved_preset in SESSION_PRESETS
     if saved_preset is not None and not named:
