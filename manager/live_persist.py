@@ -13,6 +13,7 @@ retention (`store.request_log_retention`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import heapq
 import json
@@ -21,7 +22,7 @@ import math
 import uuid
 from bisect import bisect_right
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from manager.journal import RequestJournal
@@ -246,46 +247,56 @@ class PersistenceMixin:
         ) -> None: ...
 
     # ---- statistics that survive a restart ---------------------------------------------------
-    def save_stats(self) -> None:
-        """Reuse histograms, measured load costs and footprints → the store (doc "stats"). After the
-        store was down: first the intents it missed, and the statistics it held at start-up merged in
-        (saving without them would overwrite the earlier runs' history). The store's calls are made
-        here, on the caller's thread: the service saves with `save_stats_async`."""
-        if self.store is None:
-            return
+    def _save_steps(self) -> Generator[tuple[Callable[..., Any], tuple[Any, ...]], Any, bool]:
+        """The steps of a statistics save, each store call yielded as (function, arguments) for the
+        caller to make (here: `save_stats`; on a thread: `save_stats_async`) and its result sent back.
+        After the store was down: first the intents it missed, and the statistics it held at start-up
+        merged in (saving without them would overwrite the earlier runs' history). Returns whether the
+        statistics were saved (not while the store is still down)."""
         if self._intents_stale:
-            gen = self._intent_gen
-            if self._write_intents(self._intent_tiers()) and self._intent_gen == gen:
+            gen, tiers = self._intent_gen, self._intent_tiers()
+            written = yield self._write_intents, (tiers,)
+            if written and self._intent_gen == gen:  # (else decided meanwhile: rewritten next time)
                 self._intents_stale = False
         if self._stats_unread:
-            saved = self._read_saved_stats()
+            saved = yield self._read_saved_stats, ()
             if saved is None:
-                return
+                return False
             self._stats_unread = False
             self._merge_stats(saved)
-        self._put_stats(self._stats_doc())
+        yield self._put_stats, (self._stats_doc(),)
+        return True
+
+    def save_stats(self) -> None:
+        """Reuse histograms, measured load costs and footprints → the store (doc "stats"), as
+        `_save_steps` says. The store's calls are made here, on the caller's thread: the service
+        saves with `save_stats_async`."""
+        if self.store is None:
+            return
+        steps, result = self._save_steps(), None
+        with contextlib.suppress(StopIteration):
+            while True:
+                fn, args = steps.send(result)
+                result = fn(*args)
 
     async def save_stats_async(self) -> None:
         """`save_stats` as the service makes it: what is saved is taken on the event loop, the store's
         calls are made on a thread. A store that hangs (a stopped Redis, a network that drops its
         packets, a SQLite file another program holds locked) held the event loop, and every request,
         for its timeout at each save (15 s a minute with Redis). One save at a time; a cancelled
-        caller (the stop) waits for a write under way, so an older one never lands after a newer."""
+        caller (the stop) waits for a write under way, so an older one never lands after a newer.
+        Then, once the statistics are saved, the request log's old records are trimmed."""
         if self.store is None:
             return
         async with self._save_lock:
-            if self._intents_stale:
-                gen, tiers = self._intent_gen, self._intent_tiers()
-                written = await _off_loop(self._write_intents, tiers)
-                if written and self._intent_gen == gen:  # (else decided meanwhile: rewritten next time)
-                    self._intents_stale = False
-            if self._stats_unread:
-                saved = await _off_loop(self._read_saved_stats)
-                if saved is None:
+            steps, result = self._save_steps(), None
+            try:
+                while True:
+                    fn, args = steps.send(result)
+                    result = await _off_loop(fn, *args)
+            except StopIteration as done:
+                if not done.value:
                     return
-                self._stats_unread = False
-                self._merge_stats(saved)
-            await _off_loop(self._put_stats, self._stats_doc())
             await self._trim_log()
 
     async def _trim_log(self) -> None:
