@@ -12,6 +12,7 @@ import copy
 import errno
 import logging
 import socket
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -210,6 +211,17 @@ class _Server(ThreadingWSGIServer):
             super().process_request_thread(request, client_address)
         finally:
             self.slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A connection whose client sent nothing for HTTP_TIMEOUT_S, or went away, is closed with a
+        line at debug (socketserver printed an "Exception occurred" block and a traceback on stderr
+        for each: a port scan, a TCP health check); anything else is logged, with its traceback."""
+        e = sys.exc_info()[1]
+        peer = _shown(tuple(client_address)) if isinstance(client_address, tuple) else str(client_address)
+        if isinstance(e, TimeoutError | ConnectionError):
+            logger.debug("metrics: the connection from %s was closed: %s", peer, e or type(e).__name__)
+            return
+        logger.error("metrics: serving the request from %s failed", peer, exc_info=e)
 
     def shutdown(self) -> None:
         super().shutdown()

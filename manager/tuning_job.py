@@ -66,7 +66,8 @@ def run_tuning(
     stop: Callable[[], bool] | None = None,
 ) -> TuningOutcome:
     """One run, its files under `tuning.out_dir`. `stop` ends it (TuningStopped) at its next replay
-    or before its next file, and the files it wrote are removed: a stopped run leaves nothing."""
+    or before its next file. A stopped or failed run leaves nothing: the folder it made is removed
+    (a failed run is tried again each `RETRY_S`, and each left its exported request log behind)."""
     now = time.time() if now is None else now
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now))
     out_dir = Path(config.tuning.out_dir) / stamp
@@ -74,7 +75,7 @@ def run_tuning(
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
         return _run(config, config_path, store, now, stamp, out_dir, stop)
-    except TuningStopped:
+    except BaseException:
         if made:
             shutil.rmtree(out_dir, ignore_errors=True)
         raise

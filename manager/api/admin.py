@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -52,12 +53,43 @@ def reload_from_file(manager: LiveManager, path: str | None) -> list[str]:
     return _apply_reload(manager, path, _read_for_reload(path))
 
 
+RELOAD_READS = 5
+"""How many times a reload reads a config file that changes while it is read before it gives up."""
+
+
+def file_identity(path: str) -> tuple[int, int, int, int]:
+    """What tells a changed file (device, inode, size, modification time; zeros when it cannot be
+    read): its modification time alone misses a symlink re-pointed (or a file copied in) with the
+    same time (`cp -p`, `touch -r`, an unpacked archive)."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return (0, 0, 0, 0)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 async def reload_from_file_on_loop(manager: LiveManager, path: str | None) -> list[str]:
     """`reload_from_file` as the service makes it: the file is read and checked on a thread (a
     config's parse takes milliseconds, a large one seconds: the event loop, and every request, would
-    wait for it), the reload applied on the event loop."""
-    new = await asyncio.to_thread(_read_for_reload, path)
-    return _apply_reload(manager, path, new)
+    wait for it), the reload applied on the event loop, and only while the file still holds what was
+    read: one saved again during the read (another reload of the newer file, or the tuning job's, may
+    have been applied meanwhile, and the older text would undo it) is read again."""
+    from manager.errors import InvalidRequest
+
+    for _ in range(RELOAD_READS):
+        seen, new = await asyncio.to_thread(_read_identified, path)
+        if path is None or file_identity(path) == seen:
+            return _apply_reload(manager, path, new)
+    raise InvalidRequest(
+        f"config not reloaded: {path}: it changed each time it was read ({RELOAD_READS} times); "
+        "reload it once it is saved"
+    )
+
+
+def _read_identified(path: str | None) -> tuple[tuple[int, int, int, int], Config]:
+    """The file's identity (`file_identity`) before it was read, and what it holds."""
+    seen = file_identity(path) if path is not None else (0, 0, 0, 0)
+    return seen, _read_for_reload(path)
 
 
 def _read_for_reload(path: str | None) -> Config:

@@ -36,7 +36,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from manager.api.admin import AdminServicer
+from manager.api.admin import AdminServicer, file_identity
 from manager.api.handlers import add_servicer
 from manager.api.oip import InferenceServicer
 from manager.api.runtime import ServeError, add_port, keepalive_options, message_options
@@ -462,24 +462,19 @@ class Frontends:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-async def watch_config(manager: LiveManager, path: str, every_s: float = 2.0) -> None:
-    """Hot reload when the config file changes (a bad or structural change is logged, not applied)."""
+async def watch_config(
+    manager: LiveManager, path: str, every_s: float = 2.0, seen: tuple[int, int, int, int] | None = None
+) -> None:
+    """Hot reload when the config file changes (a bad or structural change is logged, not applied).
+    `seen`: the file's identity (`file_identity`) when the service read it, so that an edit saved
+    during the start-up (Ray's start, the pinned models' loads) is reloaded too; default: as it is now."""
     from manager.api.admin import reload_from_file_on_loop
     from manager.errors import ResidencyError
 
-    def identity() -> tuple[int, int, int, int]:
-        """What tells a changed file: its modification time alone misses a symlink re-pointed (or a
-        file copied in) with the same time (`cp -p`, `touch -r`, an unpacked archive)."""
-        try:
-            st = os.stat(path)
-            return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-        except OSError:
-            return (0, 0, 0, 0)
-
-    seen = identity()
+    seen = file_identity(path) if seen is None else seen
     while True:
         await asyncio.sleep(every_s)
-        now = identity()
+        now = file_identity(path)
         if now == seen:
             continue
         seen = now
@@ -925,6 +920,9 @@ async def serve(
     (`--listen`), which a reload of the file at `config_path` keeps."""
     from manager.workers_bridge import create_pool
 
+    # the config file as the service read it: the watcher, started once the service is up, reloads
+    # an edit saved during the start-up (it took the file as it was then for the one it runs)
+    file_seen = file_identity(config_path) if config_path else None
     stop = asyncio.Event()
     stopped_by: list[int] = []  # the signals that came
     loop = asyncio.get_running_loop()
@@ -999,7 +997,9 @@ async def serve(
 
         gc.collect()
         gc.freeze()  # what start-up built stays: the collector no longer walks it on every request burst
-        watcher = asyncio.create_task(watch_config(manager, config_path)) if config_path else None
+        watcher = (
+            asyncio.create_task(watch_config(manager, config_path, seen=file_seen)) if config_path else None
+        )
         tuner = (
             asyncio.create_task(tuning_loop(manager, config_path, store))
             if config_path and config.tuning.schedule != "off"
