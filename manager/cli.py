@@ -662,10 +662,12 @@ def _serve(a: argparse.Namespace) -> int:
     from manager.api.runtime import ServeError, event_loop_factory, quiet_grpc_fork
 
     quiet_grpc_fork()  # before gRPC starts (manager.api.server imports it)
+    from manager.api.admin import file_identity
     from manager.api.server import StoppedAtStartUp, serve
     from manager.store import StoreError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    seen = file_identity(a.config)  # before it is read: an edit saved from now on is reloaded
     config = load_config(a.config)
     if a.listen is not None:
         from pydantic import ValidationError
@@ -706,6 +708,7 @@ def _serve(a: argparse.Namespace) -> int:
                     cpu_fallback=fallback,
                     ready=ready,
                     server_overrides={"listen": a.listen} if a.listen is not None else None,
+                    config_seen=seen,
                 )
             )
     except StoppedAtStartUp as e:  # a signal before it was ready: one line, as for Ctrl-C at start

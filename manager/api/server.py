@@ -915,14 +915,16 @@ async def serve(
     cpu_fallback: frozenset[str] = frozenset(),
     ready: Callable[[int], None] | None = None,
     server_overrides: dict[str, Any] | None = None,
+    config_seen: tuple[int, int, int, int] | None = None,
 ) -> None:
     """Serve `config` until a signal. `server_overrides`: the `server` fields the command line set
-    (`--listen`), which a reload of the file at `config_path` keeps."""
+    (`--listen`), which a reload of the file at `config_path` keeps. `config_seen`: that file's
+    identity (`file_identity`) from before `config` was read from it (default: as it is now)."""
     from manager.workers_bridge import create_pool
 
     # the config file as the service read it: the watcher, started once the service is up, reloads
     # an edit saved during the start-up (it took the file as it was then for the one it runs)
-    file_seen = file_identity(config_path) if config_path else None
+    file_seen = config_seen if config_seen is not None or not config_path else file_identity(config_path)
     stop = asyncio.Event()
     stopped_by: list[int] = []  # the signals that came
     loop = asyncio.get_running_loop()

@@ -73,3 +73,34 @@ def test_an_edit_saved_during_start_up_is_applied(tmp_path: Path, monkeypatch: p
     assert seen["event"] is not None, "the edit saved during start-up was neither applied nor refused"
     assert seen["event"]["kind"] == "config_reloaded", seen["event"]
     assert seen["thrash_window"] == 720
+
+
+def test_serve_takes_the_files_identity_from_before_the_command_read_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`residency serve` reads the config, then checks for CUDA (importing torch: seconds) before
+    `serve` starts: an edit saved then was taken for the file the service runs. The command now gives
+    `serve` the file's identity from before its read, so the watcher sees the edit."""
+    from manager import cli
+    from manager.api.admin import file_identity
+
+    text = CONFIG.read_text() + f"store: {{url: 'sqlite:///{tmp_path}/state.db'}}\n"
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    before = file_identity(str(path))
+    real_missing = bridge.cuda_missing_here
+
+    def missing(*args: Any, **kwargs: Any) -> Any:  # (after the read) the user saves an edit
+        path.write_text(text.replace("policy: {name: residency}", "policy: {name: lru-keepalive}"))
+        return real_missing(*args, **kwargs)
+
+    got: dict[str, Any] = {}
+
+    async def fake_serve(config: Any, **kwargs: Any) -> None:
+        got.update(kwargs, policy=config.policy.name)
+
+    monkeypatch.setattr(bridge, "cuda_missing_here", missing)
+    monkeypatch.setattr(server_mod, "serve", fake_serve)
+    assert cli.main(["serve", "--config", str(path), "--in-process"]) == 0
+    assert got["policy"] == "residency"  # the file as it was read
+    assert got["config_seen"] == before != file_identity(str(path))  # so the watcher reloads the edit
