@@ -96,7 +96,7 @@ def _run(
     stop: Callable[[], bool] | None,
 ) -> TuningOutcome:
     trace = out_dir / "requests.jsonl"
-    n = export_trace(store, config.tuning.since, now, trace)
+    n = export_trace(store, config.tuning.since, now, trace, stop)  # (weeks of records: stops too)
     names = {m.name for m in config.models}
     reqs = [r for r in read_trace(trace, strict=False).requests if r.model in names]
     search, holdout = split_holdout(reqs)

@@ -22,12 +22,13 @@ import logging
 import os
 import shutil
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TextIO
 
 from manager.policy.types import Request
 from manager.replay.trace import request_to_json, write_trace
+from manager.replay.tune import TuningStopped
 from manager.store.base import Store
 from manager.units import parse_duration
 
@@ -50,8 +51,16 @@ def parse_since(text: str) -> float:
         ) from None
 
 
-def _trace_requests(store: Store, since: float, until: float) -> Iterator[Request]:
-    for rec in store.requests(since, until):
+STOP_EVERY = 1000
+"""An export given `stop` asks it once per this many records."""
+
+
+def _trace_requests(
+    store: Store, since: float, until: float, stop: Callable[[], bool] | None = None
+) -> Iterator[Request]:
+    for i, rec in enumerate(store.requests(since, until)):
+        if stop is not None and i % STOP_EVERY == 0 and stop():
+            raise TuningStopped("the export was stopped (the service is stopping)")
         yield Request(
             t=rec["t"],
             model=rec["model"],
@@ -85,8 +94,12 @@ def _via_proc(path: Path) -> bool:
     return False  # a symlink loop: opening it reports that
 
 
-def export_trace(store: Store, since_s: float, now: float, out: Path | TextIO) -> int:
-    """Write the requests of [now - since_s, now) to `out` as a trace; return how many.
+def export_trace(
+    store: Store, since_s: float, now: float, out: Path | TextIO, stop: Callable[[], bool] | None = None
+) -> int:
+    """Write the requests of [now - since_s, now) to `out` as a trace; return how many. `stop` (the
+    service stopping, for its tuning job) is asked every `STOP_EVERY` records: when it says so, the
+    export ends with TuningStopped (a regular file is then left as it was).
 
     `out` an open text stream (standard output for `--out -`): the lines are written to it as they
     are read, and it is flushed (a store that fails part way leaves the lines before it written).
@@ -97,12 +110,13 @@ def export_trace(store: Store, since_s: float, now: float, out: Path | TextIO) -
 
     Raises:
         StoreError: the store cannot be read (nothing is written to a regular file).
+        TuningStopped: `stop` said so (nothing is written to a regular file).
         IsADirectoryError: `out` is a directory (nothing is created).
         OSError: `out` cannot be written (BrokenPipeError: its reader stopped reading).
     """
     if not isinstance(out, str | os.PathLike):
         n = 0
-        for r in _trace_requests(store, now - since_s, now):
+        for r in _trace_requests(store, now - since_s, now, stop):
             out.write(request_to_json(r) + "\n")
             n += 1
         out.flush()
@@ -114,7 +128,7 @@ def export_trace(store: Store, since_s: float, now: float, out: Path | TextIO) -
         st: os.stat_result | None = os.stat(out)  # through symlinks, as open() goes
     except FileNotFoundError:
         st = None
-    requests = _trace_requests(store, now - since_s, now)
+    requests = _trace_requests(store, now - since_s, now, stop)
     if st is not None and not stat.S_ISREG(st.st_mode):
         n = write_trace(out, requests)  # a FIFO, a terminal, /dev/null: never replaced
     elif st is not None and _via_proc(out):
