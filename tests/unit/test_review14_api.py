@@ -57,8 +57,8 @@ def test_a_world_client_that_always_has_its_next_pose_waiting_is_stopped_at_once
     grace, and then ended with gRPC's own "Cancelling all calls", not naming the session to resume.
     A stop now wins over a message already there. (End to end, in one process, the stop mostly won
     the race already: this guards the behaviour; the next test makes the race certain.)"""
+    from live_helpers import served_world_config as world_config
     from test_review12_api import serving as serving_world
-    from test_review12_api import world_config
 
     from residency_proto.v1 import residency_pb2 as rpb
     from residency_proto.v1 import residency_pb2_grpc as rpb_grpc
