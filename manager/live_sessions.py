@@ -312,8 +312,11 @@ class WorldSessionsMixin:
 
     async def _resize_session(self, device: str, sid: str, lease: int) -> int | None:
         """Apply `lease` to session `sid`; the lease in force on the host then (None: not applied)."""
+        model = self.sessions.get(sid, ("", 0.0, 0))[0]  # (before the reply: a close may come meanwhile)
         reply = await asyncio.to_thread(self.pool.session, device, "resize", sid, lease)
-        model = self.sessions.get(sid, ("", 0.0, 0))[0]
+        if not reply.ok and sid not in self.sessions:  # closed meanwhile: no lease left to change
+            logger.debug("world session %s closed before its lease change: %s", sid, reply.error)
+            return None
         detail = (
             f"session {sid}: lease {reply.data.get('lease_bytes')} bytes" if reply.ok else (reply.error or "")
         )
@@ -611,6 +614,14 @@ class WorldSessionsMixin:
             data["missing_segments"] = reopened.get("missing_segments", [])
         w.next_segment = int(data["step"]) + 1
         return data
+
+    def unsent(self, sid: str, segment: int) -> None:
+        """The output of `segment` of open session `sid` never reaches its client (its stream went,
+        the client hung up, while it was on its way): the session continues at that segment, not after
+        it (a resume, or a reopen after its host died), and its client is told so."""
+        w = self._world.get(sid)
+        if w is not None:
+            w.next_segment = min(w.next_segment, segment)
 
     async def end_session(self, sid: str) -> tuple[bool, str]:
         """Close open session `sid`, whose stream ends on an error (a step that failed on its device

@@ -212,21 +212,26 @@ class WorldSessions:
             kind = self.device.type
             host = max(int(kv_bytes), MIN_SEGMENTS * seg) if kind == "cpu" else 64 * seg
             opts: dict[str, Any] = {"host_budget_bytes": host, "device": self.device, "keep_outputs": True}
-            if resume:
-                session = self._resumed(session_id, log_dir, lambda: Session.resume(
-                    log_dir, module, codec=codec, resume_at=resume_at, **opts
-                ))  # fmt: skip
-            else:
-                session = Session(module, codec=codec, log_dir=log_dir, metadata={"model": model}, **opts)
-            o = _Open(session, model, seg, kind, lease=host)
-            if kind != "cpu":
-                o.min_lease = 2 * layout.decoded_nbytes  # the GPU buffers' floor (worldpager.pages)
-                try:
+            session = None
+            try:
+                if resume:
+                    session = self._resumed(session_id, log_dir, lambda: Session.resume(
+                        log_dir, module, codec=codec, resume_at=resume_at, **opts
+                    ))  # fmt: skip
+                else:
+                    session = Session(module, codec=codec, log_dir=log_dir, metadata={"model": model}, **opts)
+                o = _Open(session, model, seg, kind, lease=host)
+                if kind != "cpu":
+                    o.min_lease = 2 * layout.decoded_nbytes  # the GPU buffers' floor (worldpager.pages)
                     session.resize_lease(gpu_budget_bytes=self._floor(o, kv_bytes))
-                except BaseException:  # not opened after all: its threads and log go
-                    session.close()
-                    raise
-                o.lease = self._floor(o, kv_bytes)
+                    o.lease = self._floor(o, kv_bytes)
+            except BaseException:  # not opened after all: its threads and log go, its device memory back
+                try:
+                    if session is not None:
+                        session.close()
+                finally:
+                    self._release()
+                raise
             self.open_sessions[session_id] = o
             events = session.events if resume else []
             return {
@@ -364,10 +369,12 @@ class WorldSessions:
             o = self.open_sessions.pop(session_id, None)
             if o is None:
                 return {"session_id": session_id, "closed": False}
-            with o.lock:
-                o.session.close()
-                segments = o.session.step_index
-        self._release()
+            try:
+                with o.lock:
+                    o.session.close()
+                    segments = o.session.step_index
+            finally:  # (also when its state could not be saved: its buffers are gone all the same)
+                self._release()
         return {"session_id": session_id, "closed": True, "segments": segments}
 
     def close_model(self, model: str) -> list[str]:

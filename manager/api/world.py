@@ -1,17 +1,18 @@
-"""`residency.v1.WorldSession`: a bidirectional stream driving a WorldPager session on the world
-model's device host. First message: `start` (with `resume_session_id`: reopen a saved session); then one
+"""`residency.v1.WorldSession`: a bidirectional stream driving a WorldPager session on the world model's
+device host. First message: `start` (with `resume_session_id`: reopen a saved session); then one
 `action` (camera pose) per segment; the session closes when the client ends its stream (or the call is
-cancelled), its state kept for a later resume. A device host that dies under the session costs a reopen
-from the saved state (the output says `resumed`); if that cannot be done in time the stream ends
-UNAVAILABLE with a message naming the session id to resume. Any other error that ends the stream once
-the session is open (a step that failed on the device host) closes the session first, and its status
-says which id to resume it with when its state is saved, or that it was not saved. A client that sends no
-action for `server.world_idle_timeout` (default 10m; null: no limit) while its stream stays open has its
-session closed the same way, its state saved, and the stream ends DEADLINE_EXCEEDED saying how long it
-was idle and which id to resume it with: an idle client must not hold the world model (busy, its KV
-lease held) from every other tenant. DEADLINE_EXCEEDED, not ABORTED: a time limit ran out (gRPC's
-ABORTED is a concurrency conflict, to retry at once), and the session is not lost: a new stream resumes
-it when the client is back.
+cancelled), its state kept for a later resume; a segment whose output was still on its way when the
+client hung up is not counted sent: the resume continues at it. A device host that dies under the
+session costs a reopen from the saved state (the output says `resumed`); if that cannot be done in time
+the stream ends UNAVAILABLE with a message naming the session id to resume. Any other error that ends
+the stream once the session is open (a step that failed on the device host) closes the session first,
+and its status says which id to resume it with when its state is saved, or that it was not saved. A
+client that sends no action for `server.world_idle_timeout` (default 10m; null: no limit) while its
+stream stays open has its session closed the same way, its state saved, and the stream ends
+DEADLINE_EXCEEDED saying how long it was idle and which id to resume it with: an idle client must not
+hold the world model (busy, its KV lease held) from every other tenant. DEADLINE_EXCEEDED, not ABORTED:
+a time limit ran out (gRPC's ABORTED is a concurrency conflict, to retry at once), and the session is
+not lost: a new stream resumes it when the client is back.
 
 The same limit bounds each output's send: a client that keeps its stream open (and may go on sending
 actions) but stops reading its outputs (a frozen app, a stuck UI thread) fills its HTTP/2 receive window
@@ -133,7 +134,8 @@ class WorldSessionServicer(pb_grpc.WorldSessionServicer):
         self.manager = manager
         self.stopping = asyncio.Event()
         """Set when the server stops: open streams end at once, UNAVAILABLE naming the session to
-        resume (they held the server's stop for its whole grace, then got gRPC's own cancel)."""
+        resume (they held the server's stop for its whole grace, then got gRPC's own cancel); so do
+        those whose `start` has not come yet."""
 
     async def _next(
         self, it: AsyncIterator[pb.WorldInput], idle_s: float | None = None
@@ -214,7 +216,8 @@ class WorldSessionServicer(pb_grpc.WorldSessionServicer):
     async def _run(self, request_iterator: AsyncIterator[pb.WorldInput], context: Any) -> None:
         sid: str | None = None
         try:
-            first = await anext(aiter(request_iterator), None)
+            it = aiter(request_iterator)
+            first = await self._next(it)  # (no time limit: no session is held yet; a stop ends it)
             if first is None or first.WhichOneof("msg") != "start":
                 raise InvalidRequest("the first message of a world session must be `start` (with the model)")
             st = first.start
@@ -232,13 +235,19 @@ class WorldSessionServicer(pb_grpc.WorldSessionServicer):
             )  # fmt: skip
             # the limit read at each wait (for an action or a send): a reload's value holds from the next
             await self._send(context, opened_out, self.manager.config.server.world_idle_timeout)
-            it = aiter(request_iterator)
             while (msg := await self._next(it, self.manager.config.server.world_idle_timeout)) is not None:
                 if msg.WhichOneof("msg") != "action":
                     raise InvalidRequest("after `start`, a world session takes only `action` messages")
                 a = msg.action
                 data = await self.manager.step_session(sid, (a.x, a.y, a.z, a.pitch, a.yaw))
-                await self._send(context, _output(sid, data), self.manager.config.server.world_idle_timeout)
+                out = _output(sid, data)
+                try:
+                    await self._send(context, out, self.manager.config.server.world_idle_timeout)
+                except (ClientNotReading, ServerStopping):
+                    raise  # (given up, it stays queued in gRPC: a client that reads again gets it)
+                except BaseException:  # the stream is gone (the client hung up): it never gets it
+                    self.manager.unsent(sid, out.segment)
+                    raise
         except ClientNotReading as unread:
             assert sid is not None  # (sends only once the session is open)
             logger.info(
@@ -254,7 +263,7 @@ class WorldSessionServicer(pb_grpc.WorldSessionServicer):
             await context.abort(status_of(e), await self._ended(sid, e))
         except ServerStopping:
             # closed first, so the details say what was saved (as a stream ended by an error does)
-            note = f"world session {sid} is closed"
+            note = f"world session {sid} is closed" if sid is not None else "no world session was opened"
             if sid is not None and sid in self.manager.sessions:
                 saved, note = await self.manager.end_session(sid)
                 note += " once the server is back" if saved else ""

@@ -1,0 +1,77 @@
+"""Found in the 17th review of workers/world.py: a world session whose close, or whose open, failed
+midway had let its buffers go (the session's own close frees them before it saves its state) but never
+gave that memory back to the driver (`WorldSessions.release`: on CUDA, empty_cache), so other
+processes and the device host's free-memory probe went on seeing it used. Each failed before its fix."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from workers.world import WorldSessions
+from worldpager.layout import SegmentLayout
+from worldpager.model import TinyCausalWan
+from worldpager.session import SESSION_PRESETS
+
+
+def _micro() -> tuple[Any, int]:
+    cfg = SESSION_PRESETS["micro"].on_the_fly()
+    return cfg, SegmentLayout.from_config(cfg, "bf16", torch.float32).payload_nbytes
+
+
+def test_a_close_whose_save_fails_still_gives_the_memory_back(tmp_path: Path) -> None:
+    cfg, seg = _micro()
+    calls: list[str] = []
+    ws = WorldSessions(torch.device("cpu"), release=lambda: calls.append("release"))
+    ws.open("world", TinyCausalWan(cfg), "a", 10 * seg, tmp_path / "a")
+    session = ws.open_sessions["a"].session
+
+    def full_disk(*_: Any, **__: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    session._save_state = full_disk  # its buffers and threads go first, then the save fails
+    with pytest.raises(OSError, match="No space left"):
+        ws.close("a")
+    assert calls == ["release"]
+    assert "a" not in ws.open_sessions
+
+
+class _FailsOnTheDevice:
+    """WorldPager's Session as far as `WorldSessions.open` uses it, whose device buffers cannot be
+    allocated (CUDA out of memory): when it is built (`at` "build") or at its lease's resize."""
+
+    at = "resize"
+    closed = 0
+
+    def __init__(self, *_: Any, **__: Any) -> None:
+        if self.at == "build":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")
+
+    def resize_lease(self, **_: Any) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")
+
+    def close(self) -> None:
+        type(self).closed += 1
+
+
+@pytest.mark.parametrize("at", ["build", "resize"])
+def test_an_open_that_fails_on_the_device_gives_the_memory_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, at: str
+) -> None:
+    import worldpager.session
+
+    cfg, seg = _micro()
+    monkeypatch.setattr(_FailsOnTheDevice, "at", at)
+    monkeypatch.setattr(_FailsOnTheDevice, "closed", 0)
+    monkeypatch.setattr(worldpager.session, "Session", _FailsOnTheDevice)
+    calls: list[str] = []
+    # (a CUDA host's sessions, built without CUDA: the fake session touches no device)
+    ws = WorldSessions(torch.device("cuda"), release=lambda: calls.append("release"))
+    with pytest.raises(torch.OutOfMemoryError):
+        ws.open("world", TinyCausalWan(cfg), "a", 10 * seg, tmp_path / "a")
+    assert _FailsOnTheDevice.closed == (1 if at == "resize" else 0) and ws.open_sessions == {}
+    assert calls == ["release"]
