@@ -53,8 +53,10 @@ SESSION_RECOVER_S = 60.0
 
 def worker_error(code: str | None, message: str) -> Exception:
     """The domain error for a worker's error code: what the caller sent is wrong (bad input, or a
-    call the model does not offer) or the worker could not do it."""
-    if code in (P.BAD_INPUT, P.NOT_AVAILABLE):
+    call the model does not offer: BAD_INPUT), or the worker could not do it (UNAVAILABLE: a device
+    host stopping, one the cluster cannot place, a CUDA device without CUDA, all NOT_AVAILABLE, which
+    are the server's state, not the request's fault: a client may try again)."""
+    if code == P.BAD_INPUT:
         return InvalidRequest(message)
     return WorkerUnavailable(message)
 

@@ -68,8 +68,8 @@ class WorldPagerMG2Adapter(ModuleAdapter):
 
     def infer(self, runnable: Any, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         del runnable, inputs
-        raise AdapterError(
-            P.NOT_AVAILABLE,
+        raise AdapterError(  # (a call this model does not offer: the request's, not the host's)
+            P.BAD_INPUT,
             f"model {self.spec.name!r}: a world model generates frames in a world session "
             "(residency.v1.WorldSession), not by one-shot inference",
         )
