@@ -6,11 +6,12 @@ hosts, creating those that do not exist yet; `in_process=True` runs the same dev
 process instead (tests, single-process use). An address where nothing answers is said at once
 (`RayUnreachable`, naming `ray.address`), not after Ray's minutes of retries.
 
-CPU fallback: when a `kind: cuda` device's hosts would run on this machine (a local Ray or
-in-process) and this machine has no usable CUDA, `serve` runs that device's models on the CPU, as
-Ollama does, and says so; the device keeps its configured budget. `fallback=False` turns it off (the
-models then answer NOT_AVAILABLE, naming the missing CUDA; on a local Ray, whose node has no GPU, the
-pool says the device's host cannot be placed, and how to run it on the CPU instead).
+CPU fallback: when a `kind: cuda` device's hosts would run on this machine (a local Ray, not one
+RAY_ADDRESS names, or in-process) and this machine has no usable CUDA, `serve` runs that device's
+models on the CPU, as Ollama does, and says so; the device keeps its configured budget.
+`fallback=False` turns it off (the models then answer NOT_AVAILABLE, naming the missing CUDA; on a
+local Ray, whose node has no GPU, the pool says the device's host cannot be placed, and how to run
+it on the CPU instead).
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from manager.config import Config
 
 
 def cuda_missing_here(config: Config, *, in_process: bool = False) -> list[str]:
-    """The CUDA devices whose hosts would run on this machine, which has no usable CUDA."""
+    """The CUDA devices whose hosts would run on this machine, which has no usable CUDA (not so on a
+    cluster joined: `ray.address` set, or RAY_ADDRESS, which Ray joins in place of a null one)."""
     cuda = [d.name for d in config.devices if d.kind == "cuda" and not d.node]
-    if not cuda or (config.ray.address is not None and not in_process):
+    joins = config.ray.address is not None or bool(os.environ.get("RAY_ADDRESS"))
+    if not cuda or (joins and not in_process):
         return []  # a cluster's GPUs live on its nodes: their hosts report NOT_AVAILABLE themselves
     import torch
 

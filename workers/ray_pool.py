@@ -1,7 +1,8 @@
 """Device hosts as named Ray actors, and the `WorkerPool` that drives them without blocking.
 
 * One actor per configured device, named `residency-device-<name>` in namespace `residency`, detached
-  (it outlives the manager, so a restarted manager reattaches to it and reconciles with `status()`),
+  (it outlives the manager, so a restarted manager reattaches to it and reconciles with `status()`;
+  one that is another kind, or on another node, than the config now says is replaced by a new one),
   with restarts allowed. A CUDA device asks for `num_gpus=1` (logical GPUs schedule on CPU-only
   machines); a device with `node:` is placed on that Ray node (`node:<address>` resource).
 * `submit` queues the command; the pool keeps one command in flight per device (so a device's commands
@@ -288,7 +289,9 @@ def unreachable(address: str | None, timeout_s: float = PROBE_TIMEOUT_S) -> str 
     try:
         if "://" in target:
             parts = urllib.parse.urlsplit(target)
-            host, port = parts.hostname or "", parts.port or RAY_CLIENT_PORT
+            host = parts.hostname or ""
+            _, _, port_s = parts.netloc.rpartition("@")[2].rpartition("]")[2].partition(":")
+            port = int(port_s) if port_s else RAY_CLIENT_PORT  # (urllib's refuses one past 65535)
         else:
             host, _, port_s = target.rpartition(":")
             host, port = host.strip("[]"), int(port_s)
@@ -296,23 +299,32 @@ def unreachable(address: str | None, timeout_s: float = PROBE_TIMEOUT_S) -> str 
         return None
     if not host:
         return None
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return None
-    except TimeoutError:
-        why = f"no answer within {timeout_s:g} s"
-    except ConnectionRefusedError:
-        why = "connection refused (is Ray running there?)"
-    except socket.gaierror as e:
-        why = f"host name {host!r} not resolved ({e.strerror})"
-    except UnicodeError:  # the IDNA codec's: an empty or over-long label
-        why = f"{host!r} is not a valid host name"
-    except OSError as e:
-        why = str(e.strerror or e)
+    why = _probe(host, port, timeout_s)
+    if why is None:
+        return None
     where = f"{host}:{port}"
     if from_env:
         where += f" (RAY_ADDRESS {env!r}, from the environment, which Ray joins in its place)"
     return f"cannot connect to {where}: {why}"
+
+
+def _probe(host: str, port: int, timeout_s: float) -> str | None:
+    """Why a TCP connection to `host`:`port` fails within `timeout_s`, or None when it is made."""
+    if not 0 < port <= 65535:  # the resolver would take it modulo 65536, or for a service name
+        return f"port {port} is not a TCP port (1-65535)"
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except TimeoutError:
+        return f"no answer within {timeout_s:g} s"
+    except ConnectionRefusedError:
+        return "connection refused (is Ray running there?)"
+    except socket.gaierror as e:
+        return f"host name {host!r} not resolved ({e.strerror})"
+    except UnicodeError:  # the IDNA codec's: an empty or over-long label
+        return f"{host!r} is not a valid host name"
+    except OSError as e:
+        return str(e.strerror or e)
 
 
 class HostNotPlaced(RuntimeError):
@@ -408,6 +420,40 @@ def _cluster_name() -> str:
     return f"the Ray cluster at {gcs}" if gcs else "the Ray cluster"
 
 
+REATTACH_CHECK_S = 10.0
+"""How long the host of an earlier run may take to say what device it runs (`_changed`)."""
+
+
+def _changed(handle: Any, d: DeviceSpec) -> str | None:
+    """How the host `handle` of an earlier run differs from device `d` (its kind; its node, where `d`
+    names one: a host of a device that names none says its machine's name), or None: the same, or it
+    cannot tell now (not placed, not answering: it is kept, as before)."""
+    if _scheduled(handle) is False:
+        return None
+    try:
+        st: P.WorkerStatus = ray.get(handle.status.remote(), timeout=REATTACH_CHECK_S)
+    except Exception as e:
+        logger.info("device %s: its host from an earlier run did not say what it runs (%s)", d.name, e)
+        return None
+    if st.kind != d.kind:
+        return f"its host from an earlier run is a {st.kind} device, the config's is a {d.kind} one"
+    if d.node and st.node != d.node:
+        return f"its host from an earlier run is on Ray node {st.node!r}, the config names {d.node!r}"
+    return None
+
+
+def _until_gone(name: str, namespace: str, timeout_s: float = 30.0) -> None:
+    """Until the named actor (killed) is gone from Ray's names, so that its name is free again."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            return
+        time.sleep(0.1)
+    logger.warning("actor %s: still named %g s after it was killed", name, timeout_s)
+
+
 class _Placing:
     """A host that has not answered yet: its readiness call, since when it is waited for, and the last
     verdict on it (why it is refused, or None) with when that was reached."""
@@ -459,11 +505,21 @@ class RayWorkerPool:
 
     @staticmethod
     def _actor(d: DeviceSpec, namespace: str, max_restarts: int) -> tuple[Any, bool]:
+        """`d`'s host: the one of an earlier run, reattached (True), unless it is another kind or on
+        another node than `d` says (the config changed since): that one is replaced by a new one."""
         name = actor_name(d.name)
         try:
-            return ray.get_actor(name, namespace=namespace), True
+            held = ray.get_actor(name, namespace=namespace)
         except ValueError:
-            pass
+            held = None
+        if held is not None:
+            why = _changed(held, d)
+            if why is None:
+                return held, True
+            logger.warning("device %s: %s; it is replaced by a new host (what it held is loaded again)",
+                           d.name, why)  # fmt: skip
+            ray.kill(held, no_restart=True)
+            _until_gone(name, namespace)
         opts: dict[str, Any] = {
             "name": name,
             "namespace": namespace,
@@ -651,8 +707,9 @@ class RayWorkerPool:
     async def infer_async(
         self, device: str, model: str, inputs: dict[str, np.ndarray], timeout_s: float = 30.0
     ) -> P.InferResult:
-        """`infer` for an asyncio caller: requests queued for a device while its calls are in flight go
-        together in one actor call (`infer_many`), so a burst pays one Ray round trip, not one each."""
+        """`infer` for an asyncio caller: requests queued for a model while its calls are in flight go
+        together in one actor call (`infer_many`), so a burst pays one Ray round trip, not one each;
+        a model whose calls take long holds only its own requests, not its device's other models'."""
         import asyncio
 
         refused = self._refusal(device)
@@ -757,16 +814,22 @@ def _died(device: str, op: str, cmd: P.Command, e: Exception) -> P.CommandResult
 
 
 class _Batcher:
-    """Per device: at most MAX_INFLIGHT batches in flight; what queues meanwhile goes next, up to
-    MAX_BATCH requests per batch. A batch goes over the host's data channel when it is on this
-    machine (`workers.channel`), else (or while the channel is being found, or after it broke) in
-    one `infer_many` actor call. A batch that ran over the channel with a reply too large for it has
-    its results fetched with a `channel_reply` actor call: it is never run a second time. Nor is one
-    whose channel broke after it was sent (it may have run): its requests get an error saying so,
-    `internal` while the host that was sent it answers (it is alive: no retry, no resync), else
-    `worker_died`. Runs on the caller's event loop."""
+    """Per device: each batch holds one model's requests (up to MAX_BATCH), at most MAX_INFLIGHT
+    batches in flight per model and MAX_INFLIGHT_DEVICE per device; what queues meanwhile goes next.
+    A model whose calls take long (or hang) so holds its own requests only, never the device's other
+    models' (the host runs each model's calls under a lock of its own). A batch goes over the host's
+    data channel when it is on this machine (`workers.channel`), else (or while the channel is being
+    found, or after it broke) in one `infer_many` actor call. A batch that ran over the channel with
+    a reply too large for it has its results fetched with a `channel_reply` actor call: it is never
+    run a second time. Nor is one whose channel broke after it was sent (it may have run): its
+    requests get an error saying so, `internal` while the host that was sent it answers (it is
+    alive: no retry, no resync), else `worker_died`. Runs on the caller's event loop."""
 
     MAX_INFLIGHT = 2
+    """Batches of one model in flight at once (one runs while the next is on its way)."""
+    MAX_INFLIGHT_DEVICE = 8
+    """Batches in flight to one device at once (its actor's data calls run on 16 threads: the rest
+    are for status reads, sessions and describes)."""
     MAX_BATCH = 64
     REDISCOVER_S = 1.0
     CHECK_S = 10.0
@@ -778,6 +841,7 @@ class _Batcher:
         self.deaths = deaths
         self.queue: list[tuple[str, dict[str, np.ndarray], Any]] = []
         self.inflight = 0
+        self._inflight_of: dict[str, int] = {}  # per model, those with a batch in flight
         self.channel: ChannelClient | None = None
         self._looked_at = -math.inf
         self.channel_batches = 0
@@ -789,7 +853,7 @@ class _Batcher:
 
         loop = asyncio.get_running_loop()
         if loop is not self.loop:  # a new event loop (tests run several): its futures and tasks are gone
-            self.loop, self.queue, self.inflight = loop, [], 0
+            self.loop, self.queue, self.inflight, self._inflight_of = loop, [], 0, {}
         fut = loop.create_future()
         self.queue.append((model, inputs, fut))
         self._kick()
@@ -805,10 +869,23 @@ class _Batcher:
             self._spawn(loop.create_task(self._discover()))
         # a request whose caller gave up while it queued (its wait timed out, its call was cancelled)
         # is not sent: it would run for no one, ahead of every newer request
-        self.queue = [q for q in self.queue if not q[2].done()]
-        while self.inflight < self.MAX_INFLIGHT and self.queue:
-            batch, self.queue = self.queue[: self.MAX_BATCH], self.queue[self.MAX_BATCH :]
-            self.inflight += 1
+        queued = [q for q in self.queue if not q[2].done()]
+        self.queue = []
+        batches: list[list[tuple[str, dict[str, np.ndarray], Any]]] = []
+        filling: dict[str, list[tuple[str, dict[str, np.ndarray], Any]]] = {}
+        per_model = self.MAX_INFLIGHT
+        for q in queued:  # in arrival order: a model's batch, or a new one where it has room, or wait
+            batch = filling.get(q[0])
+            if batch is not None and len(batch) < self.MAX_BATCH:
+                batch.append(q)
+            elif self.inflight < self.MAX_INFLIGHT_DEVICE and self._inflight_of.get(q[0], 0) < per_model:
+                filling[q[0]] = batch = [q]
+                batches.append(batch)
+                self.inflight += 1
+                self._inflight_of[q[0]] = self._inflight_of.get(q[0], 0) + 1
+            else:
+                self.queue.append(q)
+        for batch in batches:
             self._spawn(loop.create_task(self._run(batch)))
 
     def _spawn(self, task: Any) -> None:
@@ -834,7 +911,7 @@ class _Batcher:
             logger.debug("device %s: no data channel yet (%s)", self.device, e)
             return
         if addr is not None and same_machine(addr) and self.channel is None:
-            self.channel = ChannelClient(addr, connections=self.MAX_INFLIGHT)
+            self.channel = ChannelClient(addr, connections=self.MAX_INFLIGHT_DEVICE)
 
     async def _reply_lost(
         self, items: list[tuple[str, dict[str, np.ndarray]]], channel: ChannelClient, e: ReplyLost
@@ -896,6 +973,9 @@ class _Batcher:
             results = [P.InferResult(m, False, error_code=P.WORKER_DIED, error=why) for m, _, _ in batch]
         finally:
             self.inflight -= 1
+            left = self._inflight_of.pop(batch[0][0], 0) - 1
+            if left > 0:
+                self._inflight_of[batch[0][0]] = left
         for (_, _, fut), r in zip(batch, results, strict=True):
             if not fut.done():
                 fut.set_result(r)
