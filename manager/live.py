@@ -953,7 +953,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                 raise
             end = self._call_ended(m, start)
             lost = not result.ok and result.error_code in (P.WORKER_DIED, P.BAD_TRANSITION)
-            if lost:  # the host died or restarted: its other models too (their requests in flight: no)
+            if lost or result.error_code == P.DEADLINE:  # the host died or restarted (its other models
+                # too: their requests in flight: no), or was silent (hung, or a slow model): looked at
                 self._resync_soon(
                     m.device, f"{result.error_code} under a request of {m.name}: {result.error}"
                 )

@@ -58,6 +58,8 @@ def worker_error(code: str | None, message: str) -> Exception:
     are the server's state, not the request's fault: a client may try again)."""
     if code == P.BAD_INPUT:
         return InvalidRequest(message)
+    if code == P.DEADLINE:  # no answer in time (the request's own deadline, or a slow model)
+        return DeadlineExceeded(message)
     return WorkerUnavailable(message)
 
 

@@ -39,6 +39,9 @@ NO_SESSION = "no_session"
 LOAD_TIMEOUT = "load_timeout"
 """A load or promote that did not finish within the host's `load_timeout_s` (a factory or read that hangs):
 abandoned, so that the device's later commands run."""
+DEADLINE = "deadline"
+"""A call that got no answer within its deadline: its host is silent, or still runs it (a slow model);
+not a death (the host's state is checked, `WORKER_DIED` is for a host that died)."""
 INTERNAL = "internal"
 
 

@@ -672,17 +672,18 @@ class RayWorkerPool:
         # longer than the host's own limit, so its clear error (the factory may hang) is the answer
         return ray.get(self._handle(device).describe.remote(spec), timeout=timeout_s)
 
-    def _get(self, ref: Any, device: str, timeout_s: float, what: str) -> tuple[Any, str | None]:
-        """`ray.get` with a deadline: (value, None), or (None, why) when the host died or was silent."""
+    def _get(self, ref: Any, device: str, timeout_s: float, what: str) -> tuple[Any, str | None, str]:
+        """`ray.get` with a deadline: (value, None, ""), or (None, why, code) when the host died
+        (WORKER_DIED) or did not answer in time (DEADLINE)."""
         try:
             value = ray.get(ref, timeout=timeout_s)
         except GetTimeoutError:
-            return None, _silent(what, device, timeout_s)
+            return None, _silent(what, device, timeout_s), P.DEADLINE
         except RayError as e:
             self._deaths.seen(device, e)
-            return None, _why(device, e)
+            return None, _why(device, e), P.WORKER_DIED
         self._deaths.alive(device)
-        return value, None
+        return value, None, ""
 
     def infer(
         self, device: str, model: str, inputs: dict[str, np.ndarray], timeout_s: float = 30.0
@@ -693,15 +694,16 @@ class RayWorkerPool:
                 model, False, error_code=P.NOT_AVAILABLE, error=f"model {model!r}: {refused}"
             )
         ref = self._handle(device).infer.remote(model, inputs)
-        result, why = self._get(ref, device, timeout_s, f"model {model!r}")
-        return P.InferResult(model, False, error_code=P.WORKER_DIED, error=why) if why else result
+        result, why, code = self._get(ref, device, timeout_s, f"model {model!r}")
+        return P.InferResult(model, False, error_code=code, error=why) if why else result
 
     def session(self, device: str, method: str, *args: object, timeout_s: float = 120.0) -> P.SessionReply:
         refused = self._refusal(device)
         if refused is not None:
             return P.SessionReply(False, error_code=P.NOT_AVAILABLE, error=refused)
         ref = self._handle(device).session.remote(method, *args)
-        reply, why = self._get(ref, device, timeout_s, f"world session {method}")
+        reply, why, _ = self._get(ref, device, timeout_s, f"world session {method}")
+        # (silent too: a session call that outlasts its deadline is taken for a lost host, reopened)
         return P.SessionReply(False, error_code=P.WORKER_DIED, error=why) if why else reply
 
     async def infer_async(
@@ -724,7 +726,7 @@ class RayWorkerPool:
             return await asyncio.wait_for(batcher.submit(model, inputs), timeout=timeout_s)
         except TimeoutError:
             why = _silent(f"model {model!r}", device, timeout_s)
-            return P.InferResult(model, False, error_code=P.WORKER_DIED, error=why)
+            return P.InferResult(model, False, error_code=P.DEADLINE, error=why)
 
     def kill(self, device: str, *, no_restart: bool = False) -> None:
         """Kill a device host (tests and fault drills); with restarts allowed Ray starts it again.
