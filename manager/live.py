@@ -169,6 +169,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self._world: dict[str, _World] = {}  # open session -> what a reopen needs
         self._world_opening: set[str] = set()  # world models whose session is being opened
         self._opening_ids: set[str] = set()  # ids of the sessions being opened
+        self._left_ids: set[str] = set()  # ids of sessions whose client hung up mid-open, until closed
         self._reopening: dict[str, asyncio.Task[Any]] = {}  # session id -> its reopen on the host
         # The request log is written in batches off the event loop (once a second, or sooner when
         # LOG_BATCH records wait), and at stop: a per-request write would cost more than the request.

@@ -210,6 +210,7 @@ class WorldSessionsMixin:
     _world: dict[str, _World]
     _world_opening: set[str]
     _opening_ids: set[str]
+    _left_ids: set[str]
     _reopening: dict[str, asyncio.Task[Any]]
     _ops: dict[str, tuple[str, ActionKind]]
     _background: set[asyncio.Task[Any]]
@@ -378,6 +379,7 @@ class WorldSessionsMixin:
             try:
                 return await asyncio.shield(opening)
             except asyncio.CancelledError:
+                self._left_ids.add(sid)  # (until it is closed: a retry of its resume is told to wait)
                 opening.add_done_callback(lambda t: self._abandoned(sid, t))
                 raise
         finally:
@@ -386,17 +388,30 @@ class WorldSessionsMixin:
 
     def _not_open(self, resume_id: str | None) -> None:
         """InvalidRequest when session `resume_id` is open, or being opened (on another world model:
-        its host would refuse the second open, and the manager take the first for an orphan there)."""
+        its host would refuse the second open, and the manager take the first for an orphan there);
+        WorkerUnavailable (to retry) when the stream that opened it has ended and it is being closed."""
+        if resume_id is not None and resume_id in self._left_ids:
+            raise WorkerUnavailable(
+                f"world session {resume_id!r} is still being closed (the stream that opened it ended "
+                "while it opened): retry in a moment"
+            )
         if resume_id is not None and (resume_id in self.sessions or resume_id in self._opening_ids):
             raise InvalidRequest(f"world session {resume_id!r} is open: end its stream first")
 
     def _abandoned(self, sid: str, opening: asyncio.Future[Any]) -> None:
         """The client of a session that was opening hung up: close the session if it opened (a
         failed open has nobody left to tell: its error is taken here, not left unretrieved)."""
-        if not opening.cancelled() and opening.exception() is not None:
+        if (not opening.cancelled() and opening.exception() is not None) or sid not in self.sessions:
+            self._left_ids.discard(sid)
             return
-        if sid in self.sessions:
-            self._in_background(self.close_session(sid))
+        self._in_background(self._close_left(sid))
+
+    async def _close_left(self, sid: str) -> None:
+        """Close session `sid`, whose client hung up while it opened."""
+        try:
+            await self.close_session(sid)
+        finally:
+            self._left_ids.discard(sid)
 
     async def _open_on_host(
         self, m: Any, rank: int, sid: str, codec: str, resume_id: str | None, arrival: float, deadline: float

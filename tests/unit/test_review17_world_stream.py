@@ -240,3 +240,64 @@ class TestALeaseChangeThatMeetsAClosedSession:
                 pool.close()
 
         asyncio.run(main())
+
+
+class _HeldOpen:
+    """The in-process pool, whose next session open waits (in its worker thread, before it reaches
+    the host) until `go` is set."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.entered = threading.Event()
+        self.go = threading.Event()
+
+    def __getattr__(self, k: str) -> Any:
+        return getattr(self.pool, k)
+
+    def session(self, device: str, method: str, *args: Any, **kw: Any) -> Any:
+        if method == "open" and not self.go.is_set():
+            self.entered.set()
+            self.go.wait(10)
+        return self.pool.session(device, method, *args, **kw)
+
+
+class TestAResumeRetriedWhileItsAbandonedOpenEnds:
+    """A client whose resume was cancelled mid-open (it hung up while the model loaded) and that tried
+    again at once was told INVALID_ARGUMENT "world session X is open: end its stream first" (not to
+    be retried), though it had ended its stream: the abandoned open was still under way, to be closed
+    once open. Now it is told UNAVAILABLE, to retry in a moment, until that close is done."""
+
+    def test_the_retry_is_told_to_retry_and_a_later_one_resumes(self, tmp_path: Path) -> None:
+        from manager.errors import WorkerUnavailable
+
+        config = world_config(tmp_path)
+
+        async def main() -> None:
+            pool = _HeldOpen(create_pool(config, in_process=True))
+            pool.go.set()
+            lm = LiveManager(config, pool)
+            await lm.start()
+            try:
+                sid, _ = await lm.open_session("world")
+                await lm.step_session(sid, POSES[0])
+                await lm.close_session(sid)
+                pool.go.clear()
+                first = asyncio.ensure_future(lm.open_session("world", resume_id=sid, codec=""))
+                await asyncio.to_thread(pool.entered.wait, 10)
+                first.cancel()  # the client hung up mid-open
+                with pytest.raises(asyncio.CancelledError):
+                    await first
+                with pytest.raises(WorkerUnavailable, match=r"is still being closed .* retry in a moment"):
+                    await lm.open_session("world", resume_id=sid, codec="")
+                pool.go.set()
+                await until(lambda: not lm._left_ids and sid not in lm.sessions, "the abandoned open closed")
+                await until(lambda: not lm._closing(), "the session's close")
+                got, opened = await lm.open_session("world", resume_id=sid, codec="")
+                assert got == sid and opened["next_segment"] == 1
+                await lm.close_session(sid)
+            finally:
+                pool.go.set()
+                await lm.stop()
+                pool.close()
+
+        asyncio.run(main())
