@@ -24,7 +24,7 @@ import logging
 import math
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,6 +122,22 @@ class EventQueue(asyncio.Queue[dict[str, Any]]):
         note = f"{self.dropped} events were dropped here: this watcher read them too slowly"
         self.dropped = 0
         return {"t": t, "kind": "events_dropped", "model": "", "detail": note, "device": ""}
+
+
+async def _within(
+    call: Coroutine[Any, Any, P.InferResult], timeout_s: float, device: str, model: str
+) -> P.InferResult:
+    """`call`'s result, or DEADLINE when it has none within `timeout_s` (as the Ray pool answers): a
+    forward that hangs on an in-process host held its request past the request's own deadline, for
+    good. `call` is cancelled then: a request still queued in its batch is not sent; a thread that
+    runs it goes on (a thread cannot be stopped), its late result dropped."""
+    try:
+        return await asyncio.wait_for(call, timeout_s)
+    except TimeoutError:
+        return P.InferResult(
+            model, False, error_code=P.DEADLINE,
+            error=f"model {model!r}: no answer from device {device!r} within {timeout_s:.3g} s",
+        )  # fmt: skip
 
 
 class LiveManager(PersistenceMixin, WorldSessionsMixin):
@@ -1064,14 +1080,15 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         if infer_async is not None:
             result: P.InferResult = await infer_async(device, model, inputs, timeout_s)
         elif batcher is not None:
-            result = await batcher.submit(inputs)
+            result = await _within(batcher.submit(inputs), timeout_s, device, model)
         elif self._infer_s.get(model, 1.0) < INLINE_INFER_S:
             # a turn of the loop first: a request served from memory awaits nothing that suspends,
             # so a caller serving in a loop would hold the loop (and threads' results) to itself
             await asyncio.sleep(0)
             result = self.pool.infer(device, model, inputs, timeout_s)
-        else:
-            result = await asyncio.to_thread(self.pool.infer, device, model, inputs, timeout_s)
+        else:  # (the in-process host takes no deadline: the request is answered at its own)
+            call = asyncio.to_thread(self.pool.infer, device, model, inputs, timeout_s)
+            result = await _within(call, timeout_s, device, model)
         if result.ok:  # by the time the call holds a thread (the wall time on a busy thread pool
             # grows with GIL contention, which would keep a microsecond model off the loop for good)
             prev, took = self._infer_s.get(model), result.hold_seconds

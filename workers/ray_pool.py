@@ -772,7 +772,7 @@ class _Deaths:
 
 
 def _silent(what: str, device: str, timeout_s: float) -> str:
-    return f"{what}: no answer from device {device!r} within {timeout_s} s"
+    return f"{what}: no answer from device {device!r} within {timeout_s:.3g} s"
 
 
 def _why(device: str, e: Exception) -> str:

@@ -9,6 +9,7 @@ that never answers; the live manager runs over real in-process hosts."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import types
 from pathlib import Path
 from typing import Any
@@ -84,3 +85,44 @@ def test_the_client_gets_deadline_exceeded_and_the_model_stays(tmp_path: Path) -
     assert "no answer from device" in str(err)
     assert tier == "gpu"  # not taken for lost: not reloaded
     assert len(resyncs) == 1 and resyncs[0].startswith("deadline under a request of voice")
+
+
+class _HungPool:
+    """The in-process pool, whose forwards of `voice` hang until `go` is set (a model whose code waits
+    on something that never comes)."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.go = threading.Event()
+        self.entered = threading.Event()
+
+    def __getattr__(self, k: str) -> Any:
+        return getattr(self.pool, k)
+
+    def infer(self, device: str, model: str, inputs: Any, timeout_s: float = 30.0) -> P.InferResult:
+        self.entered.set()
+        self.go.wait(30)
+        return self.pool.infer(device, model, inputs, timeout_s)
+
+
+def test_an_in_process_forward_that_hangs_is_answered_at_the_requests_deadline(tmp_path: Path) -> None:
+    """In process, the request's timeout was not applied at all: a forward that hung held its
+    request (and its client) for good. It is answered DEADLINE_EXCEEDED at its deadline now, as with
+    Ray; once the forward ends, the model serves again."""
+    cfg = local_config(tmp_path, ("voice",))
+    hung: list[_HungPool] = []
+
+    def wrap(pool: Any) -> _HungPool:
+        hung.append(_HungPool(pool))
+        return hung[0]
+
+    async def body(lm: LiveManager) -> None:
+        pool = hung[0]
+        with pytest.raises(DeadlineExceeded, match=r"no answer from device 'cpu0' within 0\.[345]\d* s"):
+            await lm.infer("voice", AUDIO, timeout_s=0.5)
+        assert pool.entered.is_set()
+        pool.go.set()
+        served = await lm.infer("voice", AUDIO, timeout_s=30)
+        assert served.result.ok
+
+    run(cfg, body, wrap=wrap)
