@@ -462,6 +462,11 @@ class Frontends:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+SETTLE_S = 0.25
+"""A changed config file is reloaded once it has not changed again for this long: an editor that
+writes it in place (truncate, then write) was caught half-way, its part applied or rejected."""
+
+
 async def watch_config(
     manager: LiveManager, path: str, every_s: float = 2.0, seen: tuple[int, int, int, int] | None = None
 ) -> None:
@@ -476,6 +481,9 @@ async def watch_config(
         await asyncio.sleep(every_s)
         now = file_identity(path)
         if now == seen:
+            continue
+        await asyncio.sleep(SETTLE_S)
+        if file_identity(path) != now:  # still being written (in place): looked at again next time
             continue
         seen = now
         try:
