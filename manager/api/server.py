@@ -62,7 +62,7 @@ ADMIN_PREFIXES = (
 
 def is_loopback(listen: str) -> bool:
     host = listen.rpartition(":")[0].strip("[]")
-    if host == "localhost":
+    if host.lower().removesuffix(".") == "localhost":  # (host names are case-insensitive)
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
