@@ -278,8 +278,9 @@ class PageManager:
         reads: dict[SegId, Read] = {}
         first, rest = candidates[: self.slots_per_buffer], candidates[self.slots_per_buffer :]
         placed: list[SegId] = []
-        # the first wanted (in slot order), then the next ones for slots a miss without room left
-        for sid in [*(sorted(first) if place_by_id else first), *rest]:
+        # the first wanted, best first (host room goes to the best when it is short; `place_by_id`
+        # orders the slots below), then the next ones for slots a miss without room left
+        for sid in [*first, *rest]:
             seg = self._segs[sid]
             if len(placed) == self.slots_per_buffer:
                 dropped.append(sid)

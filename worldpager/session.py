@@ -172,6 +172,7 @@ class Session:
         self._events = EventLog(max_events)
         self._trim = malloc_trim() if trim_memory else None
         self._closed = False
+        self._failed: tuple[int, BaseException] | None = None  # (step, cause) of a step that raised
         lag = -(-(self.cfg.window_frames - self.cfg.frames_per_block) // self.cfg.frames_per_block)
         auto_warmup = max(2, min(retrieval_k, gpu_slots) + lag + 1)  # until the buffers first fill
         warmup = auto_warmup if warmup_segments is None else warmup_segments
@@ -295,10 +296,28 @@ class Session:
 
     # ---- stepping -------------------------------------------------------------------------------
     def step(self, pose: Pose) -> StepRecord:
-        """Run the next segment; ValueError (nothing changed) for a pose `check_pose` refuses."""
+        """Run the next segment; ValueError (nothing changed) for a pose `check_pose` refuses.
+
+        A step that raises otherwise (a transfer failure, the codec refusing the block's KV, the
+        model itself) may have changed the session part-way (its buffers, the model's rolling
+        window): the session is then failed, and every later step raises a RuntimeError naming the
+        failed step and its cause. `close` still saves it; a resume continues from the log."""
         if self._closed:
             raise RuntimeError("session is closed")
+        if self._failed is not None:
+            at, cause = self._failed
+            raise RuntimeError(
+                f"session step {at} failed ({cause!r}): the session cannot go on; close it, and "
+                "resume it to continue from what its log holds"
+            ) from cause
         check_pose(pose)
+        try:
+            return self._step(pose)
+        except BaseException as e:
+            self._failed = (self._next, e)
+            raise
+
+    def _step(self, pose: Pose) -> StepRecord:
         n, fpb = self._next, self.cfg.frames_per_block
         self._poses[n] = pose
         self._poses.pop(n - 3, None)

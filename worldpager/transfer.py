@@ -20,6 +20,11 @@ Failure handling: a read that fails with an OS error (EIO, EINTR, EAGAIN: a disk
 is retried, up to ``TransferHandler.read_retries`` more times with a short, doubling pause
 (``read_retry_delay_s``), each failure logged as a warning; one that still fails then is treated as
 corrupt (below), its slot left as it is (not retired: the data may be readable later, by a resume).
+A write to the log (a write-back, or a write-through) that fails with an OS error other than a full
+disk is retried the same way (``write_retries``, ``write_retry_delay_s``: a failed append leaves the
+log as it was), each failure logged; one that still fails then stops the I/O thread: the handler
+fails (its error raised by every later call), so the session fails loudly rather than go on without
+the segments it can no longer write.
 A corrupt slot (checksum) is reported as ``Failure.CORRUPT`` -> the PageManager takes
 the segment out of every step (a `Corrupt` event, with the slot and the reason added here) and it is
 never uploaded, so never attended to; the slot is retired in the log (`SegmentLog.mark_corrupt`: its
@@ -148,11 +153,15 @@ class TransferHandler:
     ``log`` is shared, not owned (``close()`` leaves it open). ``host_bytes`` is what the host copies
     take; it follows the PageManager's accounting (copies leave on `Evicted`/`Spilled`).
     A read that fails with an OS error is tried again ``read_retries`` times, after
-    ``read_retry_delay_s`` seconds and then twice as long each time, before its segment is given up.
+    ``read_retry_delay_s`` seconds and then twice as long each time, before its segment is given up;
+    a write (a write-back or a write-through) ``write_retries`` times, after ``write_retry_delay_s``
+    seconds and then twice as long each time, before the handler fails.
     """
 
     read_retries = 3
     read_retry_delay_s = 0.05
+    write_retries = 3
+    write_retry_delay_s = 0.05
 
     def __init__(
         self,
@@ -596,22 +605,40 @@ class TransferHandler:
             self._complete(job.job_id, True)
 
     def _append(self, info: SegmentInfo, payload: bytes) -> int | None:
-        """Append one segment to the log (no lock held); its slot, or None when the log is full."""
+        """Append one segment to the log (no lock held); its slot, or None when the log is full. An
+        OS error (a failed append leaves the log as it was) is retried ``write_retries`` times, each
+        logged; the last one is raised (from the I/O thread: the handler fails, loudly)."""
         p = info.pose
-        try:
-            return self.log.append(
-                segment_id=info.segment_id,
-                frame_start=info.frame_start,
-                frame_end=info.frame_end,
-                pose=(p.x, p.y, p.z, p.pitch, p.yaw),
-                codec=self.layout.codec,
-                position_state="post-rope",
-                position=info.frame_start,
-                payload=payload,
-                page_offsets=self.layout.page_offsets,
-            )
-        except LogFullError:
-            return None
+        delay, retries = self.write_retry_delay_s, max(0, self.write_retries)
+        for attempt in range(1, retries + 2):
+            try:
+                return self.log.append(
+                    segment_id=info.segment_id,
+                    frame_start=info.frame_start,
+                    frame_end=info.frame_end,
+                    pose=(p.x, p.y, p.z, p.pitch, p.yaw),
+                    codec=self.layout.codec,
+                    position_state="post-rope",
+                    position=info.frame_start,
+                    payload=payload,
+                    page_offsets=self.layout.page_offsets,
+                )
+            except LogFullError:
+                return None
+            except OSError as e:
+                if attempt > retries:
+                    logger.error(
+                        "%s: segment %d: write failed %d times: %s",
+                        self.log.path, info.segment_id, attempt, e,
+                    )  # fmt: skip
+                    raise
+                logger.warning(
+                    "%s: segment %d: write failed (attempt %d of %d), retrying in %.3g s: %s",
+                    self.log.path, info.segment_id, attempt, retries + 1, delay, e,
+                )  # fmt: skip
+                time.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")  # (the loop returns or raises)
 
     def _upload_loop(self) -> None:
         while (job := self._uploads.get()) is not None:
