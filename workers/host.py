@@ -25,6 +25,7 @@ import socket
 import tempfile
 import threading
 import time
+import traceback
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
@@ -204,6 +205,9 @@ class DeviceHost:
                 )  # fmt: skip
             if not result.ok:
                 self._forget_partial(name, before)
+                if op in ("load", "promote") and result.error_code not in (P.LOAD_TIMEOUT, P.NOT_AVAILABLE):
+                    # (not one given up or refused: a work still running may hold the device meanwhile)
+                    self._release_failed(name, op)
                 # where it really is now: a failed reload (changed spec) or roll-back may have dropped it
                 after = self.models[name].tier if name in self.models else "disk"
                 result = replace(result, to_tier=after)
@@ -265,6 +269,15 @@ class DeviceHost:
         r = self.models.get(name)
         if r is not None and (before == "disk" or (r.runnable is None and r.host is None)):
             del self.models[name]
+
+    def _release_failed(self, name: str, op: str) -> None:
+        """After a failed load or promote: the memory it took (freed with what it built) handed back by
+        the device (CUDA's caching allocator kept it: every later measurement of a footprint against
+        the device's memory in use, and its free memory in `status`, would have been off by it)."""
+        try:
+            self.probe.release()
+        except Exception as e:  # (CUDA gone: said by the command's own error)
+            logger.debug("device %s: after the failed %s of %s, no release: %r", self.name, op, name, e)
 
     def _adapter(self, spec: P.ModelSpec) -> Adapter:
         adapter = self.adapter_factory(spec, self.torch_device)
@@ -355,6 +368,10 @@ class DeviceHost:
         ok, value = box.pop()
         if ok:
             return value  # type: ignore[no-any-return]
+        # what the failed work built (a module half-way to the device) goes now: its frames' locals
+        # were kept by the error's traceback, which its thread's frame holds in a reference cycle (freed
+        # only by a garbage collection, the device memory with it)
+        traceback.clear_frames(value.__traceback__)
         try:
             raise value
         finally:
@@ -497,7 +514,10 @@ class DeviceHost:
 
     def _drop(self, r: _Resident, op_id: str) -> P.CommandResult:
         ph, t0, used0, rss0 = Phases(), time.perf_counter(), self.probe.used(), rss_bytes()
-        name, before, expected = r.spec.name, r.tier, r.tensor_bytes
+        name, before = r.spec.name, r.tier
+        # the bytes its drop gives back to the device: on CUDA a host-tier model's are pinned host
+        # memory, not the device's (its drop waited the whole release wait for them, said unreleased)
+        expected = 0 if self.kind == "cuda" and before != "gpu" else r.tensor_bytes
         # its sessions end, and none opens, while its weights go; its running inference ends first
         with self.world.closing(name), r.lock:
             del self.models[name]

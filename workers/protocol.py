@@ -283,7 +283,8 @@ def encode_output(a: np.ndarray, datatype: str | None = None) -> tuple[str, tupl
     try:
         name = _OIP_NAME[dt]
     except KeyError:
-        name = _OIP_NAME[dt] = OIP_BY_NUMPY.get(str(dt))
+        # by its name ('int32'), not its text: a big-endian dtype's is '>i4' (it went as FP32)
+        name = _OIP_NAME[dt] = OIP_BY_NUMPY.get(dt.name)
     if name is None:
         a, name = a.astype(np.float32), "FP32"
     elif dt.isnative and _LITTLE:  # the common case: C-order bytes as they are

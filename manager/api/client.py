@@ -25,6 +25,14 @@ def list_models(
     with `server.tls_cert` serves nothing else); None: plaintext."""
     if root_cert is not None:
         check_root_cert(root_cert)
+    if token and not all(" " <= c <= "~" for c in token):
+        # gRPC's C core refused it with lines of its own log and "INTERNAL: Invalid metadata"
+        raise ClientError(
+            "the bearer token has a character a gRPC header cannot carry (a carriage return or a newline "
+            "from the file it was read from, a tab, another control character or a non-ASCII one): a "
+            "token is printable ASCII only",
+            "INVALID_ARGUMENT",
+        )
     meta = [("authorization", f"Bearer {token}")] if token else None
     ch = (
         grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=root_cert))

@@ -41,6 +41,7 @@ class SentenceEmbeddingAdapter(ModuleAdapter):
         super().__init__(spec, device)
         self._tokenizer: Any = None
         self._pooling: str | None = None
+        self._dim: int | None = None
 
     def model_dir(self) -> Path:
         if "path" in self.spec.source:
@@ -88,7 +89,12 @@ class SentenceEmbeddingAdapter(ModuleAdapter):
         return doc
 
     def dim(self) -> int:
-        return int(self._json("config.json").get("hidden_size", -1))
+        """The embedding's width (`config.json`'s `hidden_size`), read once: it is asked on every
+        inference (the outputs' datatypes), and a resident model answers from what it loaded, not from
+        a directory that may have been replaced or removed since."""
+        if self._dim is None:
+            self._dim = int(self._json("config.json").get("hidden_size", -1))
+        return self._dim
 
     def inputs(self) -> list[P.TensorSpec]:
         return [P.TensorSpec("text", "BYTES", (-1,))]
