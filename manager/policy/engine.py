@@ -135,6 +135,10 @@ class Engine(TierMoves):
             exp = self.policy.expiry(m, start)
             if exp < math.inf:
                 self.wakeups.append(max(exp, m.busy_until))
+        if m.elastic and end > start:
+            # A session's lease grows into free room as it starts (the live manager ticks every
+            # second), not at whatever tick comes next; it shrinks back when the session ends.
+            self.wakeups.append(start)
         if m.elastic or self.policy.wants_wakeup_after(m):
             self.wakeups.append(m.busy_until)
 

@@ -320,7 +320,10 @@ _STUDIO_DAILY: tuple[DayGen, ...] = (
 
 
 def _studio_week(rng: random.Random, days: list[tuple[float, int]], out: Out) -> None:
-    second_world = set(rng.sample(range(len(days)), min(3, len(days))))
+    # a second (afternoon) world session on 3 of a week's 7 days; a part of a week (1-6 days) has
+    # those of the 3 that fall on its days, not one on each of its days. (A whole week draws what it
+    # drew before: bench/traces stay as they were.)
+    second_world = {d for d in rng.sample(range(7), 3) if d < len(days)}
     for i, (day_start, wd) in enumerate(days):
         for gen in _STUDIO_DAILY:
             gen(rng, day_start, wd, out)
