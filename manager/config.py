@@ -724,6 +724,12 @@ def _noted(
                 lines[line] = ""
                 dropped = True
                 continue
+            cut = _without_flow_field(body, back[2]) if back is not None and len(was) == 1 else None
+            if back is not None and cut is not None:  # (`- {name: llm, ..., keep_alive: auto}`)
+                _del_path(unset, *back)
+                lines[line] = cut + "\n"
+                dropped = True
+                continue
             note = ", ".join(f"{f} was {w}" for f, w in was.items())
             lines[line] = body + (f"  {TUNED_NOTE}{note}" if note else "") + "\n"
         if not dropped:  # (the same lines as the pass without dropping would give)
@@ -763,6 +769,23 @@ def _only_the_field(body: str, key: str) -> bool:
     the last part of the dotted `key` and nothing else (no other key, no comment a person added)."""
     last = key.rpartition(".")[2]
     return re.fullmatch(rf"[ \t]+{re.escape(last)}[ \t]*:[ \t]+[^\s#{{\[|>&*!'\"][^#]*", body) is not None
+
+
+def _without_flow_field(body: str, key: str) -> str | None:
+    """The line `body` (its tuning note cut off) without the plain `KEY: value` of a flow mapping on
+    it (`- {name: llm, keep_alive: auto}` -> `- {name: llm}`), or None when it has none such. What is
+    cut is checked by the caller: the file must read back as it should (`_if_same`)."""
+    if "." in key:
+        return None
+    k, value = re.escape(key), r"[^\s,{}\[\]#'\"][^,{}\[\]#]*?"
+    for pattern in (
+        rf",[ \t]*{k}[ \t]*:[ \t]+{value}[ \t]*(?=[,}}])",
+        rf"(?<={{)[ \t]*{k}[ \t]*:[ \t]+{value}[ \t]*,[ \t]*",
+    ):
+        m = re.search(pattern, body)
+        if m is not None:
+            return body[: m.start()] + body[m.end() :]
+    return None
 
 
 def _if_same(out: str, expected: Any, text: str) -> str:
