@@ -46,6 +46,10 @@ MAX_FRAME = 1 << 31
 FLUSH_BYTES = 1 << 24
 """An outbox holding this much writes its frame at once, not at the end of the loop's turn."""
 ITEM_OVERHEAD = 256
+WRITE_HIGH = 2 * FLUSH_BYTES
+"""A front end whose link to the manager holds this much unsent waits before it queues more calls
+(the manager's event loop is held up): memory bounded, not the calls' bytes kept for ever."""
+WRITE_LOW = FLUSH_BYTES // 2
 """What one item costs in a frame besides its bytes and details (pickle's framing of the tuple)."""
 
 Answer = tuple[int, str, bytes]
@@ -209,6 +213,7 @@ class FastPathClient:
 
     async def connect(self, path: str) -> None:
         reader, writer = await asyncio.open_unix_connection(path)
+        writer.transport.set_write_buffer_limits(high=WRITE_HIGH, low=WRITE_LOW)
         self._out = _Outbox(writer)
         self._reader_task = asyncio.get_running_loop().create_task(self._read(reader))
 
@@ -235,6 +240,12 @@ class FastPathClient:
         if not fits(len(raw)):
             return RESOURCE_EXHAUSTED, too_large("request", len(raw)), b""
         arrived = time.monotonic()  # the manager counts the call's time from here
+        try:  # (at once unless WRITE_HIGH bytes wait to be sent: the manager reads them first)
+            await self._out.writer.drain()
+        except ConnectionError:
+            return UNAVAILABLE, "the manager's process is not reachable from this front end; retry", b""
+        if self.closed.is_set():
+            return UNAVAILABLE, "the manager's process is not reachable from this front end; retry", b""
         cid = next(self._ids)
         fut: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         self._pending[cid] = fut
