@@ -76,9 +76,14 @@ this often, this many times."""
 RESYNC_LATER_S = 5.0
 """A device whose resync found no status after those tries is resynced again this often, by the
 reconciler, until its host reports one (what it holds meanwhile is unknown to the books)."""
+UNREAD = " (its status was unread)"
+"""Added to the reason of a resync tried again because the last one could not read a status."""
 HELD_CHECK_S = 2.0
 """While a device host runs a load it abandoned (LOAD_TIMEOUT) whose room the books keep held, its
 status is read again (a resync) this often, until it no longer lists that load."""
+NO_LOAD_AT_STOP = "it is not loaded (no load starts now)"
+"""What a request (or preload) for a model not on its GPU is told once the service is stopping
+(`abandon_waits`): its load would start only to be abandoned, evicting what it needs room from."""
 NOT_HELD = "not held by its device host (resync)"
 """The reason of the moves by which a resync takes a model its device host no longer holds off the
 books (no eviction: nothing was decided, and a reload after it is no thrash)."""
@@ -98,6 +103,7 @@ class _Live:
     last_used: float = 0.0
     inflight: int = 0
     evict_to: str | None = None  # an admin's evict, waiting for the requests in flight to end
+    failures: int = 0  # failed commands so far (a request's wait tells a new failure from one it took)
 
 
 @dataclass(frozen=True)
@@ -249,10 +255,11 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
 
     def abandon_waits(self) -> None:
         """The service is stopping: the requests (and preloads, session opens) that wait for a model's
-        load, or for room, are answered UNAVAILABLE now, saying so, and those that come next as well.
-        Their loads are abandoned, not cancelled: a device host may still finish one, whose result
-        nobody takes (the process exits; a restarted manager adopts what its hosts hold). Requests
-        already running on their device host are not affected."""
+        load, or for room, are answered UNAVAILABLE now, saying so, and those that come next as well
+        (for a model not loaded, at once: no load starts, nothing is evicted, for a request that
+        could not wait for it). Their loads are abandoned, not cancelled: a device host may still
+        finish one, whose result nobody takes (the process exits; a restarted manager adopts what
+        its hosts hold). Requests already running on their device host are not affected."""
         self._stopping.set()
 
     async def stop(self) -> None:
@@ -296,7 +303,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                     self._next_flush = now + LOG_EVERY_S
                 if now >= self._next_save:
                     if self._pins_unread:
-                        self._restore_pins(late=True)
+                        await self._restore_pins_off_loop()
                     await self.save_stats_async()
                     self._next_save = now + SAVE_EVERY_S
             except Exception:  # the reconciler must outlive any one bad result
@@ -435,6 +442,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             )
             return
         live.error, live.error_code = r.error, r.error_code
+        live.failures += 1
         self.metrics.failures.labels(model, r.error_code or "unknown").inc()
         self._publish("failed", model, r.error or "", r.device, now)
         m = self.engine.models[model]
@@ -542,7 +550,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                 st = await asyncio.to_thread(self.pool.status, device, 10.0)
                 break
             except Exception as e:  # still restarting: asked again in a moment
-                if attempt == 0:
+                if attempt == 0 and not why.endswith(UNREAD):  # (a later try of an unread one: quiet)
                     logger.info(
                         "device %s did not report its status for a resync (%s); asking again", device, e
                     )
@@ -550,7 +558,9 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                     return []
                 await asyncio.sleep(RESYNC_RETRY_S)
         if st is None:
-            logger.warning(
+            # warned once; the later tries of a host that stays away only at debug level
+            logger.log(
+                logging.DEBUG if why.endswith(UNREAD) else logging.WARNING,
                 "device %s did not report its status for a resync after %s; tried again in %s s",
                 device,
                 why,
@@ -718,7 +728,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         for device, (at, why) in list(self._unsynced.items()):
             if at <= now:
                 del self._unsynced[device]
-                self._resync_soon(device, f"{why} (its status was unread)")
+                # (said once: the reason of each later try is the same, not one note longer each time)
+                self._resync_soon(device, why if why.endswith(UNREAD) else f"{why}{UNREAD}")
 
     def _held_elsewhere(self, m: Any, held: P.ModelStatus, why: str) -> str:
         """A resync found `m`'s device host holding it in `held.tier` (the GPU or host RAM) while the
@@ -830,6 +841,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             self.engine.observe(m, arrival)
         while True:
             now = self.clock()
+            if m.tier != Tier.GPU:  # at a stop, nothing is loaded (nor evicted) for a request
+                self._if_stopping(m, NO_LOAD_AT_STOP)
             adm = self.engine.admit(m, rank, now)
             self._flush()
             if adm.status == "reject":
@@ -857,7 +870,9 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         live = self.live[m.name]
         died = ""
         no_room = False  # taken off its device meanwhile, and no room to load it again yet
-        while not live.ready.is_set() or live.loads_pending:
+        taken = -1  # `live.failures` when the death was taken (its error is no new failure after)
+        # (its tier too: a failed load sets `ready` to wake its waiters, the model on disk)
+        while not live.ready.is_set() or live.loads_pending or m.tier != Tier.GPU:
             self._refuse_held(m)
             self._if_stopping(m)
             left = deadline - self.clock()
@@ -877,12 +892,12 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             await self._wait_ready(live, min(left, 1.0))
             self._refuse_held(m)
             if live.error and m.tier != Tier.GPU and live.error_code == P.WORKER_DIED and not died:
-                died = live.error
+                died, taken = live.error, live.failures
                 why = f"died during the load, loading again: {died}"
                 self._publish("lost", m.name, why, m.device, self.clock())
-            elif live.error and m.tier != Tier.GPU:
+            elif live.error and m.tier != Tier.GPU and live.failures != taken:
                 raise WorkerUnavailable(f"model {m.name!r} could not be loaded: {live.error}")
-            if not live.ready.is_set() or live.loads_pending:
+            if not live.ready.is_set() or live.loads_pending or m.tier != Tier.GPU:
                 self._if_stopping(m)  # (not admitted, nor loaded, again at a stop)
             if m.tier != Tier.GPU:  # evicted again while waiting (rare): admit once more
                 adm = self.engine.admit(m, m.rank if rank is None else rank, self.clock())
@@ -890,6 +905,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                 if adm.status == "reject":
                     raise InsufficientCapacity(f"model {m.name!r} cannot be served: {adm.reason}")
                 no_room = adm.status == "wait"
+                if no_room:  # not loaded: not ready (a failed load set it only to wake its waiters)
+                    live.ready.clear()
 
     def _if_stopping(self, m: Any, what: str = "its load did not finish in time") -> None:
         """WorkerUnavailable when the service is stopping (`abandon_waits`), saying `what` `m` waited
@@ -1133,6 +1150,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self._refuse_held(m)
         now = self.clock()
         if tier == "host":
+            if m.tier == Tier.DISK:
+                self._if_stopping(m, NO_LOAD_AT_STOP)
             if m.tier == Tier.DISK and not self.engine.load_host(m, now, "preload"):
                 host = self.engine.host
                 raise InsufficientCapacity(
@@ -1145,6 +1164,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             raise InvalidRequest(f"preload tier must be gpu or host, not {tier!r}")
         self.live[model].evict_to = None  # the admin wants it on the GPU after all
         if m.tier != Tier.GPU:
+            self._if_stopping(m, NO_LOAD_AT_STOP)
             if not self.engine.make_room(m, m.rank, now, may_evict=True):
                 raise InsufficientCapacity(self._no_room(m, now))
             self.engine.load(m, now, prewarm=False, reason="preload")
@@ -1315,12 +1335,30 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         and answers now; a pin an admin set since the start holds over the saved one."""
         if self.store is None:
             return
+        self._take_pins(self._read_pins(), late=late)
+
+    async def _restore_pins_off_loop(self) -> None:
+        """`_restore_pins(late=True)` as the reconciler makes it: the store's call on a thread (a store
+        that hangs held the event loop, and every request, for its timeout at each try)."""
+        if self.store is None:
+            return
+        doc = await asyncio.to_thread(self._read_pins)
+        if self._pins_unread:  # (an admin's pin may have read them meanwhile)
+            self._take_pins(doc, late=True)
+
+    def _read_pins(self) -> dict[str, Any] | None:
+        """The "pins" document ({} when none, or unreadable); None when the store is down. Any thread."""
         try:
-            doc = self.store.get_doc("pins") or {}
+            return self.store.get_doc("pins") or {}
         except CorruptDocument as e:  # it answers, but cannot read it: replaced at the next pin
             logger.error("the admin pins saved in the store are unreadable (%s); the config's pins hold", e)
-            doc = {}
+            return {}
         except Exception:
+            return None
+
+    def _take_pins(self, doc: dict[str, Any] | None, *, late: bool) -> None:
+        """The pins `_read_pins` read (None: the store is down, said once) over the config's."""
+        if doc is None:
             if not self._pins_unread:
                 logger.warning("could not read the admin pins from the store; the config's pins hold")
             self._pins_unread = True

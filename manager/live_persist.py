@@ -237,6 +237,7 @@ class PersistenceMixin:
     _boots: dict[str, str]  # device -> the boot id of its host process, as last read
     _ops: dict[str, tuple[str, ActionKind]]  # op id -> the model and kind of a command on its way
     _last_drops: set[str]  # op ids of drops neither retried nor resynced if they fail
+    _unsynced: dict[str, tuple[float, str]]  # device -> (next resync at, why): its status unread
 
     if TYPE_CHECKING:  # LiveManager's
 
@@ -629,8 +630,16 @@ class PersistenceMixin:
         for device in self.pool.devices():
             try:
                 st = await asyncio.to_thread(self.pool.status, device, 10.0)
-            except Exception as e:  # a host that does not answer is reconciled by its next command
-                logger.warning("device %s did not report its status at start (%s)", device, e)
+            except Exception as e:  # (still starting): resynced by the reconciler once it answers
+                logger.warning(
+                    "device %s did not report its status at start (%s); what it holds is read again "
+                    "once it answers",
+                    device,
+                    e,
+                )
+                # its first result would only record its boot id: without a resync, what it holds
+                # stayed off the books for good, its room given to other models
+                self._unsynced[device] = (now, f"the start could not read its status ({e})")
                 continue
             if st.boot_id:
                 self._boots[device] = st.boot_id
