@@ -10,7 +10,9 @@ One journal serves one service: it is held (an advisory lock on a file beside it
 and by the OS when the process ends, however it ends) for as long as it is open, and a second service
 on the same file (two started from one folder, or one given a symbolic link to the other's journal) is
 refused at its start, naming the one that holds it. A journal named through a symbolic link is kept in
-the file the link points to (a rewrite replaces that file, and leaves the link as it is).
+the file the link points to (a rewrite replaces that file, and leaves the link as it is, and keeps
+its mode). A journal that is not a regular file (a FIFO, a device such as /dev/null, a folder) is
+refused at the start, naming it: `store.journal: null` keeps no journal.
 A line that cannot be read (a torn write at a crash, a damaged byte, a record the store would refuse)
 is skipped, counted and logged with its line number: one bad line must not hold up the others.
 """
@@ -22,6 +24,7 @@ import errno
 import json
 import logging
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +53,7 @@ class RequestJournal:
             # that file (a service given the link and one given the file are refused as two on one
             # journal, not both served), and a rewrite replaces that file, not the link
             self.file = Path(os.path.realpath(path))
+            self._check_file()
             self.lock_path = self.file.with_name(self.file.name + ".lock")
             self._lock_fd = self._lock()
             self._fd = self._open()
@@ -74,6 +78,27 @@ class RequestJournal:
         self._torn = False  # a failed append may have left part of its line: end it first
         self._closed = False
         self._end_line()
+
+    def _check_file(self) -> None:
+        """OSError naming the file unless it is a regular file or missing: a FIFO would hold the start
+        for good (its open waits for a reader), and a rewrite would replace a device (`/dev/null`)."""
+        try:
+            mode = os.stat(self.file).st_mode
+        except FileNotFoundError:
+            return
+        if stat.S_ISREG(mode):
+            return
+        if stat.S_ISDIR(mode):
+            what = "a folder"
+        elif stat.S_ISFIFO(mode):
+            what = "a FIFO"
+        else:
+            what = "a device or socket"
+        raise OSError(
+            errno.EINVAL,
+            f"{self.file} is {what}, not a regular file: give the path of a file (`store.journal: null` "
+            "keeps no journal)",
+        )
 
     def _lock(self) -> int:
         """Hold the lock file beside the journal, with this process's id in it (for a refused one to
@@ -168,7 +193,15 @@ class RequestJournal:
         in place, so it does not keep what the store has (sent again at the next start)."""
         tmp = self.file.with_name(self.file.name + ".tmp")
         try:
-            with tmp.open("w", encoding="utf-8") as f:
+            try:  # the journal's mode (its owner may have made it private)
+                mode: int | None = stat.S_IMODE(os.stat(self.file).st_mode)
+            except OSError:
+                mode = None
+            tmp.unlink(missing_ok=True)  # (O_EXCL: a new file, never one a link left there points to)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode or 0o644)
+            with open(fd, "w", encoding="utf-8") as f:
+                if mode is not None:
+                    os.fchmod(fd, mode)  # (as it was, not as the umask leaves it)
                 for rec in pending:
                     f.write(_ENCODE(rec) + "\n")
             self._close_fd()

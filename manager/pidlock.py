@@ -1,12 +1,16 @@
 """A lock file held by one process, with its process id in it (for a refused one to name): what the
 request journal and a served SQLite store each hold, so that a second service on them is refused.
-Advisory (`flock`): the OS lets it go with the process, however it ends."""
+Advisory (`flock`): the OS lets it go with the process, however it ends. A lock file is a regular
+file of its own: one that is a symbolic link (a stale one, or one planted in a shared folder) or not a
+regular file is refused, never opened through, for its pid is written over what the file held."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
+import stat
 
 
 class Held(Exception):
@@ -21,8 +25,23 @@ def hold(path: str | os.PathLike[str]) -> tuple[int, OSError | None]:
     """The lock file at `path` (made if missing), held: its descriptor (not inherited by children;
     closing it lets go), and None, or the error that says this file system cannot lock (some network
     ones: the caller goes on unguarded, and says so). Held when another process holds it; OSError
-    when the file cannot be opened."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    naming the file when it cannot be opened, or is a symbolic link or not a regular file."""
+    name = os.fspath(path)
+    try:  # (O_NONBLOCK: opening a FIFO or a device must not wait; it is refused just below)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP and os.path.islink(path):
+            raise OSError(
+                errno.ELOOP,
+                f"{name} is a symbolic link; a lock file must be a file of its own: remove it",
+            ) from None
+        raise OSError(e.errno, f"{name}: {e.strerror or e}") from None  # (the lock, not what it guards)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, f"{name} is not a regular file; a lock file must be one: remove it")
+    except BaseException:
+        os.close(fd)
+        raise
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -8,11 +8,12 @@ Primitives, in the order the command uses them:
                t and busy_s rounded to ms); the service extras (wait_s, outcome, source) are dropped.
                `out` may be an open text stream instead of a path (`--out -`: standard output).
 
-A regular file is written to a temporary sibling and renamed into place, so a failed export (an
-unreachable or corrupt store) never leaves a half-written trace behind. A symlink is followed: the
-file it points to is replaced, the link stays. An existing target that is not a regular file (a FIFO,
-/dev/stdout, a device) is written to directly, never replaced; a directory is refused before anything
-is created.
+A regular file is written to a temporary sibling of its own (a new file, so two exports at once do
+not mix, and a link left beside the target is never written through) and renamed into place, so a
+failed export (an unreachable or corrupt store) never leaves a half-written trace behind. A symlink
+is followed: the file it points to is replaced, the link stays. An existing target that is not a
+regular file (a FIFO, /dev/stdout, a device) is written to directly, never replaced; a directory is
+refused before anything is created.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import secrets
 import shutil
 import stat
 from collections.abc import Callable, Iterator
@@ -135,9 +137,16 @@ def export_trace(
         n = write_trace(out, requests, mode="a")  # an open file (`--out /dev/stdout > f`): not truncated
     else:
         real = Path(os.path.realpath(out))  # a symlink's target is replaced, not the link
-        tmp = real.with_name(f".{real.name}.partial")
+        real.parent.mkdir(parents=True, exist_ok=True)
+        # a new file of its own (O_EXCL), never one a link left there points to, nor another export's
+        tmp = real.with_name(f".{real.name}.{os.getpid()}-{secrets.token_hex(4)}.partial")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)  # (the umask's)
         try:
-            n = write_trace(tmp, requests)
+            with open(fd, "w", encoding="utf-8") as f:
+                n = 0
+                for r in requests:
+                    f.write(request_to_json(r) + "\n")
+                    n += 1
             if st is not None:
                 shutil.copymode(real, tmp)
             os.replace(tmp, real)

@@ -21,11 +21,11 @@ in one line naming it and the fix, never served with every write failing: not a 
 residency store of a newer schema or with tables missing, a file or folder this user may not
 write, a lock another process holds past BUSY_TIMEOUT_S, a full disk.
 
-One service per store (hold=True, for `serve`): an advisory lock on PATH.lock beside the file, held
-while the store is open (the OS lets it go when the process ends, however it ends), refuses a second
-service naming the one that holds it. Two services on one store would each overwrite the other's
-statistics and intents, and count the other's requests again at a restart. Read-only commands and
-other opens do not take it.
+One service per store (hold=True, for `serve`): an advisory lock on PATH.lock beside the file (the
+file a symbolic link points to, as SQLite's -wal and -shm are), held while the store is open (the OS
+lets it go when the process ends, however it ends), refuses a second service naming the one that
+holds it. Two services on one store would each overwrite the other's statistics and intents, and
+count the other's requests again at a restart. Read-only commands and other opens do not take it.
 
 Read-only opening (create=False, `trace export` and `tune --from-store`): nothing is written, and a
 file without this schema (empty, another program's database) is refused, not given tables. A user
@@ -233,8 +233,9 @@ class SQLiteStore:
 
     def _hold(self) -> int:
         """The lock file beside the store, held, with this process's id in it (for a refused service
-        to name); StoreError when another process holds it."""
-        path = f"{self.path}.lock"
+        to name); StoreError when another process holds it. Beside the file the path reaches: a
+        service given a symbolic link to the store and one given the file are two on one store."""
+        path = f"{os.path.realpath(self.path)}.lock"
         try:
             fd, unlocked = pidlock.hold(path)
         except pidlock.Held as e:
@@ -246,7 +247,8 @@ class SQLiteStore:
             ) from None
         except OSError as e:
             raise StoreError(
-                self.url, f"cannot open the store's lock file {path}: {e.strerror or e}"
+                self.url,
+                f"cannot open the store's lock file: {e.strerror or e}",  # (which names it)
             ) from None
         if unlocked is not None:  # a file system without locks (some network ones): served, unguarded
             logger.warning(
