@@ -166,6 +166,32 @@ def _trace_name(value: str) -> str:
     return "standard input" if value == STDIN else value
 
 
+def _not_the_services_file(config: Config, out: Path) -> None:
+    """UsageError when `out` is one of the files the service keeps its state in (the SQLite store
+    with its -wal, -shm and .lock, the journal and its lock): the export would replace it."""
+    from manager.store import StoreError
+    from manager.store.sqlite import parse_sqlite_url
+
+    theirs: list[tuple[str, str]] = []
+    if config.store.url.startswith("sqlite:"):
+        try:
+            db = parse_sqlite_url(config.store.url)
+        except StoreError:
+            db = ""
+        for base in {db, os.path.realpath(db)} if db else ():  # (its lock is beside the real file)
+            theirs += [(base + tail, "the store's SQLite file") for tail in ("", "-wal", "-shm", ".lock")]
+    if config.store.journal:
+        theirs += [
+            (j, "the service's request journal")
+            for j in (config.store.journal, config.store.journal + ".lock")
+        ]
+    for path, what in theirs:
+        if _same_file(str(out), path):
+            raise UsageError(
+                f"--out {out}: is {what} ({path}); the export would replace it: give another file"
+            )
+
+
 def _same_file(a: str, b: str) -> bool:
     """Whether the paths `a` and `b` name one file (through links too); a path not there yet is
     compared as a path."""
@@ -426,6 +452,8 @@ def _export(config: Config, since: str, out: Path | TextIO) -> int:
             check_out_path(out)
     except IsADirectoryError:
         raise UsageError(f"--out {out}: is a directory; give the path of a file to write") from None
+    if isinstance(out, Path):
+        _not_the_services_file(config, out)
     try:
         store = open_store(config.store.url, create=False)
         try:
