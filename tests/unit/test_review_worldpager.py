@@ -63,7 +63,10 @@ def test_no_segment_is_lost_when_the_host_budget_is_below_k_plus_one(
         s.pm.check()
         counts = s.event_counts()
         through = [e.seg_id for e in s.events if isinstance(e, WrittenThrough)]
-    assert counts.get("WrittenThrough", 0) > 0 and "Dropped" not in counts
+    assert "Dropped" not in counts
+    # with room for one segment the new one is always written through; with room for two, since
+    # review 17 (host room for a step's reads goes to the rule's best first) this walk leaves room
+    assert counts.get("WrittenThrough", 0) > 0 or host_segments > 1
     for sid in through:  # NVMe-only, and retrievable: read back when wanted
         loc = s.pm.lookup(sid)
         assert loc is not None and loc.state in (SegState.NVME, SegState.HOST_CLEAN)
