@@ -8,7 +8,8 @@
                        [--mode {prefetch,on_demand}] [--log-dir DIR [--resume]] [--json]
 
 Errors in what the user gave (a size, a fraction, a flag) print `worldpager: <message>` on stderr and
-return 2, without a traceback. Each subcommand registers itself in `build_parser` with a handler
+return 2, without a traceback; a run that fails on the machine (a session whose disk fills up) prints
+`worldpager: <message>` and returns 1. Each subcommand registers itself in `build_parser` with a handler
 `(args) -> int`.
 """
 
@@ -22,11 +23,14 @@ import math
 import re
 import sys
 from collections.abc import Sequence
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal, InvalidOperation, localcontext
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from worldpager.mg2 import CODEC_BITS, DEFAULT_USABLE, PRESETS, ModelDims, sizing
+
+if TYPE_CHECKING:  # (torch is imported only when a command needs it)
+    from worldpager.session import Session
 
 _BINARY_UNITS = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 _DECIMAL_UNITS = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -40,6 +44,10 @@ MAX_COUNT = 10**12
 """The largest count (segments, steps, k) accepted."""
 MAX_COMPUTE_S = 86_400.0
 """The longest calibrated compute per step `bench-stall` accepts (a day)."""
+MIN_COMPUTE_S = 0.001
+"""The shortest (a millisecond): below it a sleep cannot calibrate the compute, the step's own work
+(decode, re-rotation) outlasts it, and L grows without bound (1e-300 s gave L = 1e302 B/s, so every
+"throttled" read ran unthrottled and no multiple of L showed a stall)."""
 
 
 def _shown(text: object) -> str:
@@ -53,6 +61,11 @@ def _shown(text: object) -> str:
 
 class UsageError(Exception):
     """Bad input from the user: printed as `worldpager: <message>`, exit status 2."""
+
+
+class RunError(Exception):
+    """A run that failed on the machine (a full or vanished disk): printed as `worldpager: <message>`,
+    exit status 1."""
 
 
 def parse_size(text: str) -> int:
@@ -73,7 +86,8 @@ def parse_size(text: str) -> int:
         num = Decimal(m["num"])
         if num > MAX_SIZE:  # (before multiplying: a huge number of digits must not overflow Decimal)
             raise ValueError(too_big)
-        value = int(num * _UNITS[unit])
+        with localcontext(prec=len(m["num"]) + 20):  # exact: the default 28 digits rounded up
+            value = int(num * _UNITS[unit])
     except InvalidOperation:  # pragma: no cover - the regex admits only plain decimals
         raise ValueError(f"bad size {_shown(text)}: expected a number and a unit ({_SIZE_HELP})") from None
     if value < 1:
@@ -190,12 +204,20 @@ def _add_sizing(sub: argparse._SubParsersAction[_Parser]) -> None:
 # ---- bench-stall ----------------------------------------------------------------------------------
 
 
-def _positive(flag: str, text: str, kind: type[int] | type[float], maximum: float | None = None) -> float:
-    """A positive finite number (a whole one for ``kind`` int), at most ``maximum`` (ints:
-    `MAX_COUNT` by default); UsageError naming ``flag`` otherwise."""
+def _positive(
+    flag: str,
+    text: str,
+    kind: type[int] | type[float],
+    maximum: float | None = None,
+    minimum: float | None = None,
+) -> float:
+    """A positive finite number (a whole one for ``kind`` int), at least ``minimum`` when given and at
+    most ``maximum`` (ints: `MAX_COUNT` by default); UsageError naming ``flag`` otherwise."""
     if maximum is None and kind is int:
         maximum = MAX_COUNT
     expected = "a positive whole number" if kind is int else "a positive finite number"
+    if minimum is not None:
+        expected += f" >= {minimum:g}" + (" and" if maximum is not None else "")
     if maximum is not None:
         expected += f" <= {maximum:,g}" if kind is float else f" <= {int(maximum):,}"
     try:
@@ -203,7 +225,8 @@ def _positive(flag: str, text: str, kind: type[int] | type[float], maximum: floa
     except ValueError:  # (also an int of more digits than Python converts)
         raise UsageError(f"{flag} {_shown(text)}: expected {expected}") from None
     finite = kind is int or math.isfinite(value)  # (isfinite overflows on a huge int)
-    if not (value > 0 and finite) or (maximum is not None and value > maximum):
+    too_small = minimum is not None and value < minimum
+    if not (value > 0 and finite) or too_small or (maximum is not None and value > maximum):
         raise UsageError(f"{flag} {_shown(text)}: expected {expected}")
     return value
 
@@ -283,7 +306,7 @@ def cmd_bench_stall(args: argparse.Namespace) -> int:
 
     opts: dict[str, Any] = dict(stall.QUICK if args.quick else stall.DEFAULTS)
     if args.compute_s is not None:
-        opts["compute_s"] = _positive("--compute-s", args.compute_s, float, MAX_COMPUTE_S)
+        opts["compute_s"] = _positive("--compute-s", args.compute_s, float, MAX_COMPUTE_S, MIN_COMPUTE_S)
     if args.steps is not None:
         opts["steps"] = int(_positive("--steps", args.steps, int))
     if args.segments is not None:
@@ -300,9 +323,15 @@ def cmd_bench_stall(args: argparse.Namespace) -> int:
     if args.multipliers is not None:
         opts["multipliers"] = [_positive("--multipliers", m, float) for m in args.multipliers.split(",")]
     if opts["segments"] < 4 * opts["k"]:
+        why = "so that every retrieved segment misses host"
+        if args.segments is None:  # the user gave --k only: name it, not a flag they never typed
+            given = "--quick" if args.quick else "default"
+            raise UsageError(
+                f"--k {opts['k']}: needs at least {4 * opts['k']} segments (4 x --k) in the log ({why}); "
+                f"it has {opts['segments']} by {given}: give --segments {4 * opts['k']} or more"
+            )
         raise UsageError(
-            f"--segments {opts['segments']}: expected at least 4 x --k = {4 * opts['k']} (so that every "
-            "retrieved segment misses host)"
+            f"--segments {opts['segments']}: expected at least 4 x --k = {4 * opts['k']} ({why})"
         )
     _check_bandwidths(opts)
     _check_bench_room(args, opts)
@@ -339,7 +368,12 @@ def _add_bench_stall(sub: argparse._SubParsersAction[_Parser]) -> None:
         "sweep around L = bytes fetched per step / compute time per step.",
     )
     p.add_argument("--quick", action="store_true", help="a few-second run (for tests)")
-    p.add_argument("--compute-s", default=None, metavar="S", help="calibrated compute per step (default 0.2)")
+    p.add_argument(
+        "--compute-s",
+        default=None,
+        metavar="S",
+        help=f"calibrated compute per step, {MIN_COMPUTE_S:g} to {MAX_COMPUTE_S:,g} s (default 0.2)",
+    )
     p.add_argument("--steps", default=None, metavar="N", help="measured steps per mode and bandwidth")
     p.add_argument("--segments", default=None, metavar="N", help="segments in the log (>= 4k)")
     p.add_argument("--segment-size", default=None, metavar="SIZE", help="payload per segment (default 1MiB)")
@@ -443,8 +477,31 @@ def _host_budget(args: argparse.Namespace, host_memory: int, cap: int, seg_bytes
     return budget
 
 
-def _no_read_back(result: dict[str, Any], budget: int, seg_bytes: int, total: int) -> str:
-    """Why no step read from NVMe (the CLI's ``read_back``), truthful about a resume's read-back."""
+def _larger_preset_hint(preset: str, codec: str) -> str:
+    """The preset with larger segments to suggest (its count per 64 MiB under ``codec``), or "" when
+    ``preset`` already has the largest."""
+    from worldpager.layout import SegmentLayout
+    from worldpager.session import SESSION_PRESETS
+
+    def seg(name: str) -> int:
+        return SegmentLayout.from_config(SESSION_PRESETS[name].on_the_fly(), codec).payload_nbytes
+
+    larger = [n for n in SESSION_PRESETS if seg(n) > seg(preset)]
+    if not larger:
+        return ""
+    name = max(larger, key=seg)
+    per_64 = (64 << 20) // seg(name)
+    return (
+        f" or a preset with larger segments (--preset {name}: {per_64} segments per 64 MiB "
+        f"with --codec {codec})"
+    )
+
+
+def _no_read_back(
+    result: dict[str, Any], budget: int, seg_bytes: int, total: int, preset: str, codec: str
+) -> str:
+    """Why no step read from NVMe (the CLI's ``read_back``), truthful about a resume's read-back;
+    the hint names a larger preset only when there is one, with its count for ``codec``."""
     held = f"{budget // seg_bytes} segments of {seg_bytes} B"
     if result["resume_bytes_read"]:  # the reopening read saved segments back; no step did
         return (
@@ -453,10 +510,7 @@ def _no_read_back(result: dict[str, Any], budget: int, seg_bytes: int, total: in
         )
     fits = budget // seg_bytes >= total
     why = "the host budget holds the whole session" if fits else "every revisit found its segment in host"
-    return (
-        f"none: {why} ({held}); use a smaller --host-memory "
-        "or a preset with larger segments (--preset tiny: 18 segments per 64 MiB)"
-    )
+    return f"none: {why} ({held}); use a smaller --host-memory{_larger_preset_hint(preset, codec)}"
 
 
 def _corrupt_slots(events: Sequence[object], log_file: Path) -> list[dict[str, Any]]:
@@ -481,6 +535,39 @@ def _corrupt_slots(events: Sequence[object], log_file: Path) -> list[dict[str, A
     return found
 
 
+def _host_segments_cap(text: str) -> int:
+    """--host-segments: 0 (however spelled: "00", " 0") is no cap, else a positive whole number."""
+    try:
+        if int(text) == 0:
+            return 0
+    except ValueError:
+        pass  # (named by _positive)
+    return int(_positive("--host-segments", text, int))
+
+
+def _run_steps(session: Session, segments: int, kept_in: Path | None) -> None:
+    """Run ``segments`` steps of ``session`` on its trajectory, then close (save) it; RunError naming
+    the step or the save that failed on the machine (e.g. a full disk), never a traceback."""
+    from worldpager.segment_log import SegmentLogError
+    from worldpager.trajectory import yaw_sweep
+
+    first = session.step_index
+    failed: str | None = None
+    try:
+        for pose in itertools.islice(yaw_sweep(seed=session.seed), first, first + segments):
+            session.step(pose)  # (not run(): that would collect every step's record)
+    except (OSError, SegmentLogError) as e:
+        failed = f"step {session.step_index} failed: {e}"
+    finally:
+        try:
+            session.close()  # saves the session (session.json, window.bin) for --resume
+        except (OSError, SegmentLogError) as e:
+            failed = failed or f"saving the session when it closed failed: {e}"
+    if failed is not None:
+        kept = f"; the segments its log holds stay in {kept_in}" if kept_in is not None else ""
+        raise RunError(f"session: {failed}{kept}")
+
+
 def cmd_session(args: argparse.Namespace) -> int:
     """`worldpager session`: a real stand-in session through GPU buffers, host and the NVMe log."""
     import tempfile
@@ -489,14 +576,13 @@ def cmd_session(args: argparse.Namespace) -> int:
     from worldpager.model import TinyCausalWan
     from worldpager.segment_log import LOG_NAME, SegmentLogError
     from worldpager.session import SESSION_PRESETS, Session
-    from worldpager.trajectory import yaw_sweep
 
     try:
         host_memory = parse_size(args.host_memory)
     except ValueError as e:
         raise UsageError(f"--host-memory: {e}") from None
     segments = int(_positive("--segments", args.segments, int))
-    cap = int(_positive("--host-segments", args.host_segments, int)) if args.host_segments != "0" else 0
+    cap = _host_segments_cap(args.host_segments)
     warmup = args.warmup_segments
     if warmup is not None and warmup < 0:
         raise UsageError(f"--warmup-segments {warmup}: expected a number >= 0")
@@ -539,12 +625,7 @@ def cmd_session(args: argparse.Namespace) -> int:
             ) from None
         except (ValueError, OSError, SegmentLogError) as e:
             raise UsageError(str(e)) from None
-        first = session.step_index
-        try:
-            for pose in itertools.islice(yaw_sweep(seed=session.seed), first, first + segments):
-                session.step(pose)  # (not run(): that would collect every step's record)
-        finally:
-            session.close()
+        _run_steps(session, segments, log_dir if args.log_dir else None)
         result = session.summary()
     table, action_table = (
         SESSION_PRESETS[preset].rope_table_frames,
@@ -566,7 +647,7 @@ def cmd_session(args: argparse.Namespace) -> int:
     result["log_dir"] = str(log_dir) if args.log_dir else None
     result["corrupt_slots"] = _corrupt_slots(session.events, log_dir / LOG_NAME)
     if not result["nvme_bytes_read"]:
-        result["read_back"] = _no_read_back(result, budget, seg_bytes, session.step_index)
+        result["read_back"] = _no_read_back(result, budget, seg_bytes, session.step_index, preset, codec)
     if args.json:
         print(json.dumps(result))
     else:
@@ -648,6 +729,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(f"worldpager: {e}", file=sys.stderr)
         return 2
+    except RunError as e:
+        print(f"worldpager: {e}", file=sys.stderr)
+        return 1
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else 0
 
