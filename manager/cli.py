@@ -156,9 +156,19 @@ def _check_tune_outputs(a: argparse.Namespace) -> None:
     for flag, value in (("--trace", a.trace), ("--holdout", a.holdout)):
         if value and value != STDIN and _same_file(a.out, value):
             raise UsageError(f"--out {a.out} is the {flag} file; give another path for the tuned config")
+    if _same_file(a.out, a.config):  # (the config a person wrote, kept to compare and go back to)
+        raise UsageError(
+            f"--out {a.out} is the --config file; give another path for the tuned config (and copy it "
+            "over once you have looked at it)"
+        )
     if a.report:
         _prepare_dir(Path(a.report), "--report", create=False)
         _check_report_files(Path(a.report))
+
+
+def _count(n: int, one: str, many: str | None = None) -> str:
+    """`n` things, in the singular for one: "1 request", "2 requests"."""
+    return f"{n} {one if n == 1 else many or one + 's'}"
 
 
 def _trace_name(value: str) -> str:
@@ -349,7 +359,7 @@ def cmd_synth(a: argparse.Namespace) -> int:
         except OSError as e:  # the disk filled up, say: the flag and the system's words, one line
             raise UsageError(f"--out {a.out}: {e.strerror or e}") from None
     err.print(
-        f"wrote {n} requests ({a.days} days, profile {a.profile}, seed {a.seed}) to "
+        f"wrote {_count(n, 'request')} ({_count(a.days, 'day')}, profile {a.profile}, seed {a.seed}) to "
         f"{'standard output' if to_stdout else a.out}",
         highlight=False,
         markup=False,
@@ -425,7 +435,8 @@ def cmd_check(a: argparse.Namespace) -> int:
                 markup=False,
             )
     err.print(
-        f"{a.config}: ok ({len(c.devices)} devices, {len(c.classes)} classes, {len(c.models)} models)",
+        f"{a.config}: ok ({_count(len(c.devices), 'device')}, {_count(len(c.classes), 'class', 'classes')}, "
+        f"{_count(len(c.models), 'model')})",
         highlight=False,
         markup=False,
     )
@@ -828,7 +839,7 @@ def cmd_export(a: argparse.Namespace) -> int:
     to_stdout = a.out == "-"  # as `trace synth --out -` (a file named "-" is ./-)
     n = _export(load_config(a.config), a.since, sys.stdout if to_stdout else Path(a.out))
     where = "standard output" if to_stdout else a.out
-    err.print(f"wrote {n} requests to {where}", highlight=False, markup=False)
+    err.print(f"wrote {_count(n, 'request')} to {where}", highlight=False, markup=False)
     return 0
 
 
@@ -846,7 +857,7 @@ def _version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="residency", description="Decides which models stay resident.")
     p.add_argument("--version", action="version", version=f"residency {_version()}")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     r = sub.add_parser("replay", help="replay a request trace through the policies")
     r.add_argument(
@@ -884,7 +895,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--strict", action="store_true", help="a bad trace line is fatal")
     t.set_defaults(fn=cmd_tune)
 
-    tr = sub.add_parser("trace", help="request traces").add_subparsers(dest="trace_cmd", required=True)
+    tr = sub.add_parser("trace", help="request traces").add_subparsers(
+        dest="trace_cmd", required=True, metavar="{synth,export}"
+    )
     s = tr.add_parser("synth", help="a synthetic home week")
     s.add_argument("--profile", default="home", help=f"one of: {', '.join(PROFILES)}")
     s.add_argument("--days", type=int, default=7, help="how many days (default 7)")
@@ -943,7 +956,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--allow-missing", action="store_true", help="exit 0 even if some models cannot load here")
     m.set_defaults(fn=cmd_measure)
 
-    c = sub.add_parser("config", help="config files").add_subparsers(dest="config_cmd", required=True)
+    c = sub.add_parser("config", help="config files").add_subparsers(
+        dest="config_cmd", required=True, metavar="{schema,check}"
+    )
     c.add_parser("schema", help="print the JSON Schema of config files").set_defaults(fn=cmd_schema)
     ck = c.add_parser("check", help="validate a config file")
     ck.add_argument("config", help="config file (YAML) to validate")

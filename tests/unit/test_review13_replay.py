@@ -171,7 +171,7 @@ def test_synth_out_dash_writes_the_trace_to_standard_output(
     (tmp_path / "t.jsonl").write_text(out)
     res = read_trace(tmp_path / "t.jsonl", strict=True)
     assert len(res.requests) > 100
-    assert f"wrote {len(res.requests)} requests (1 days, profile home, seed 3) to standard output" in err
+    assert f"wrote {len(res.requests)} requests (1 day, profile home, seed 3) to standard output" in err
 
 
 def test_a_reader_that_stops_reading_ends_it_quietly(tmp_path: Path) -> None:
