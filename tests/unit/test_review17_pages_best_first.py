@@ -5,18 +5,9 @@ segment won and the retrieval rule's best was marked unavailable, against its do
 
 from __future__ import annotations
 
-from worldpager.pages import Backpressure, PageManager
+from test_review17_worldpager_pages import SEG, _clean
 
-SEG = 10
-
-
-def _clean(pm: PageManager, *segs: int) -> None:
-    """Add ``segs`` and land their write-backs: clean host copies."""
-    for sid in segs:
-        out = pm.add_segment(sid, SEG)
-        assert not isinstance(out, Backpressure), out
-        for job in out:
-            pm.complete(job.job_id)
+from worldpager.pages import PageManager
 
 
 def test_short_host_room_goes_to_the_best_wanted_segment() -> None:

@@ -11,20 +11,14 @@ from typing import Any
 
 import pytest
 import torch
+from test_review17_world_release import _seg
 
 from workers.world import WorldSessions
-from worldpager.layout import SegmentLayout
 from worldpager.model import TinyCausalWan
-from worldpager.session import SESSION_PRESETS
-
-
-def _micro() -> tuple[Any, int]:
-    cfg = SESSION_PRESETS["micro"].on_the_fly()
-    return cfg, SegmentLayout.from_config(cfg, "bf16", torch.float32).payload_nbytes
 
 
 def test_a_close_whose_save_fails_still_gives_the_memory_back(tmp_path: Path) -> None:
-    cfg, seg = _micro()
+    cfg, seg = _seg()
     calls: list[str] = []
     ws = WorldSessions(torch.device("cpu"), release=lambda: calls.append("release"))
     ws.open("world", TinyCausalWan(cfg), "a", 10 * seg, tmp_path / "a")
@@ -64,7 +58,7 @@ def test_an_open_that_fails_on_the_device_gives_the_memory_back(
 ) -> None:
     import worldpager.session
 
-    cfg, seg = _micro()
+    cfg, seg = _seg()
     monkeypatch.setattr(_FailsOnTheDevice, "at", at)
     monkeypatch.setattr(_FailsOnTheDevice, "closed", 0)
     monkeypatch.setattr(worldpager.session, "Session", _FailsOnTheDevice)

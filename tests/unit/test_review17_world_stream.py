@@ -168,12 +168,13 @@ class TestAStopEndsAStreamThatSentNoStartYet:
         asyncio.run(main())
 
 
-class _HeldResize:
-    """The in-process pool, whose next session resize waits (in its worker thread, before it reaches
-    the host) until `go` is set."""
+class _Held:
+    """The in-process pool, whose next session call of `method` waits (in its worker thread, before it
+    reaches the host) until `go` is set."""
 
-    def __init__(self, pool: Any) -> None:
+    def __init__(self, pool: Any, method: str) -> None:
         self.pool = pool
+        self.method = method
         self.entered = threading.Event()
         self.go = threading.Event()
 
@@ -181,7 +182,7 @@ class _HeldResize:
         return getattr(self.pool, k)
 
     def session(self, device: str, method: str, *args: Any, **kw: Any) -> Any:
-        if method == "resize":
+        if method == self.method and not self.go.is_set():
             self.entered.set()
             self.go.wait(10)
         return self.pool.session(device, method, *args, **kw)
@@ -198,7 +199,7 @@ class TestALeaseChangeThatMeetsAClosedSession:
         config = world_config(tmp_path)
 
         async def main() -> None:
-            pool = _HeldResize(create_pool(config, in_process=True))
+            pool = _Held(create_pool(config, in_process=True), "resize")
             lm = LiveManager(config, pool)
             await lm.start()
             events = lm.subscribe()
@@ -242,25 +243,6 @@ class TestALeaseChangeThatMeetsAClosedSession:
         asyncio.run(main())
 
 
-class _HeldOpen:
-    """The in-process pool, whose next session open waits (in its worker thread, before it reaches
-    the host) until `go` is set."""
-
-    def __init__(self, pool: Any) -> None:
-        self.pool = pool
-        self.entered = threading.Event()
-        self.go = threading.Event()
-
-    def __getattr__(self, k: str) -> Any:
-        return getattr(self.pool, k)
-
-    def session(self, device: str, method: str, *args: Any, **kw: Any) -> Any:
-        if method == "open" and not self.go.is_set():
-            self.entered.set()
-            self.go.wait(10)
-        return self.pool.session(device, method, *args, **kw)
-
-
 class TestAResumeRetriedWhileItsAbandonedOpenEnds:
     """A client whose resume was cancelled mid-open (it hung up while the model loaded) and that tried
     again at once was told INVALID_ARGUMENT "world session X is open: end its stream first" (not to
@@ -273,7 +255,7 @@ class TestAResumeRetriedWhileItsAbandonedOpenEnds:
         config = world_config(tmp_path)
 
         async def main() -> None:
-            pool = _HeldOpen(create_pool(config, in_process=True))
+            pool = _Held(create_pool(config, in_process=True), "open")
             pool.go.set()
             lm = LiveManager(config, pool)
             await lm.start()
