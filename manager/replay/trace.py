@@ -42,7 +42,7 @@ from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import IO, Any, TextIO
 
 from manager.policy.types import Request
 from manager.units import shown
@@ -392,10 +392,14 @@ def write_trace(path: str | os.PathLike[str], requests: Iterable[Request], mode:
     were written."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    n = 0
     with out.open(mode, encoding="utf-8") as f:
-        for r in requests:
-            f.write(request_to_json(r))
-            f.write("\n")
-            n += 1
+        return write_requests(f, requests)
+
+
+def write_requests(f: IO[str], requests: Iterable[Request]) -> int:
+    """Write requests as JSONL lines to the open text file `f`; returns how many were written."""
+    n = 0
+    for r in requests:
+        f.write(request_to_json(r) + "\n")
+        n += 1
     return n

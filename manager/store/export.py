@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TextIO
 
 from manager.policy.types import Request
-from manager.replay.trace import request_to_json, write_trace
+from manager.replay.trace import write_requests, write_trace
 from manager.replay.tune import TuningStopped
 from manager.store.base import Store
 from manager.units import parse_duration
@@ -117,10 +117,7 @@ def export_trace(
         OSError: `out` cannot be written (BrokenPipeError: its reader stopped reading).
     """
     if not isinstance(out, str | os.PathLike):
-        n = 0
-        for r in _trace_requests(store, now - since_s, now, stop):
-            out.write(request_to_json(r) + "\n")
-            n += 1
+        n = write_requests(out, _trace_requests(store, now - since_s, now, stop))
         out.flush()
         logger.info("exported %s requests from %s to a stream", n, store.url)
         return n
@@ -143,10 +140,7 @@ def export_trace(
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)  # (the umask's)
         try:
             with open(fd, "w", encoding="utf-8") as f:
-                n = 0
-                for r in requests:
-                    f.write(request_to_json(r) + "\n")
-                    n += 1
+                n = write_requests(f, requests)
             if st is not None:
                 shutil.copymode(real, tmp)
             os.replace(tmp, real)
