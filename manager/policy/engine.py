@@ -38,6 +38,11 @@ if TYPE_CHECKING:
 
 LoadTimeFn = Callable[[ModelState, str], float]
 
+LEASE_TICK_S = 1.0
+"""The live manager ticks the engine every second; a session's lease grows into room that came free
+(an eviction, a demote) at its next tick. The replay ticks only at wake-ups, so the engine asks for
+one this long after a move that leaves a session's lease room to grow."""
+
 
 class Engine(TierMoves):
     """Owns the cluster state and applies the policy's choices within the admission rules."""
@@ -61,6 +66,7 @@ class Engine(TierMoves):
         self.incoming: ModelState | None = None
         """The model `make_room` is making room for (not a host-tier victim meanwhile)."""
         self.host_leaving: list[ModelState] = []
+        self._elastic = [m for m in self.models.values() if m.elastic]
         self.recheck_fit()
 
     # ---- requests ---------------------------------------------------------------------------
@@ -123,6 +129,7 @@ class Engine(TierMoves):
             return Admission("reject", math.inf, reason)
         if self.make_room(m, rank, now, may_evict=self.state.class_may_evict[rank]):
             self.load(m, now, prewarm=False, reason="request")
+            self._wake_for_leases(now)  # its evictions may have freed more than it took
             return Admission("load", m.ready_at)
         return Admission("wait", math.inf, "no room yet")
 
@@ -155,6 +162,17 @@ class Engine(TierMoves):
                 self._refresh_lease(m, now)
         for m in pol.prewarm(now):
             self.prewarm(m, now)
+        self._wake_for_leases(now)
+
+    def _wake_for_leases(self, now: float) -> None:
+        """A wake-up LEASE_TICK_S from now when a session's lease could grow into free room then
+        (the live manager's next tick would grow it), as `_refresh_lease` would judge it now."""
+        for m in self._elastic:
+            if m.tier == GPU and m.busy_until > now and m.ready_at <= now and m.lease < m.lease_max:
+                dev = self.state.devices[m.device]
+                if dev.room(m.rank) - self.policy.lease_headroom(m, now) > 0:
+                    self.wakeups.append(now + LEASE_TICK_S)
+                    return
 
     def after_request(self, m: ModelState, now: float) -> None:
         """Prewarm what the policy expects right after `m` (e.g. the rest of a voice chain). The
@@ -163,6 +181,7 @@ class Engine(TierMoves):
         restore, also run here, leaves such a model out itself)."""
         for s in self.policy.after_request(m, now):
             self.prewarm(s, now, chained=True)
+        self._wake_for_leases(now)
 
     def prewarm(self, m: ModelState, now: float, *, chained: bool = False) -> bool:
         """Load `m` before a predicted request, displacing only what the policy values less.

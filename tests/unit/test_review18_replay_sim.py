@@ -1,0 +1,45 @@
+"""Review 18 of the replay simulator: a session's lease after room comes free mid-session, as the
+live manager (which ticks the engine every second) grows it. The test failed before its fix."""
+
+from __future__ import annotations
+
+import pytest
+from test_review17_replay_sim import T0, WORLD, GiB, config
+
+from manager.policy.factory import POLICY_NAMES
+from manager.policy.types import ActionKind, Request
+from manager.replay.sim import replay
+
+LLM = {"name": "llm", "memory": "8GiB", "keep_alive": "1m", "load_seconds": {"disk": 6.0, "host": 1.0}}
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_a_session_lease_grows_into_room_freed_mid_session_at_the_next_tick(policy: str) -> None:
+    """The LLM (8 GiB) is asked for just before a 90-minute world session starts, so the session's
+    lease grows only to 3 GiB (15 GiB usable, 4 GiB of world weights, 8 of LLM). When the LLM's
+    keep-alive runs out and it leaves the GPU, the live manager's next tick (a second later at most)
+    grows the lease into the freed room. The replay grew it only at the next wake-up some policy
+    asked for, here never in the session: the world model is ticked before the LLM in each tick, so
+    the tick that evicted the LLM had already passed the lease."""
+    cfg = config([WORLD, LLM])
+    reqs = [
+        Request(t=T0 - 30, model="llm", busy_s=2.0),
+        Request(t=T0, model="world", busy_s=5400.0, kind="session"),
+        Request(t=T0 + 7200, model="llm", busy_s=1.0),
+    ]
+    r = replay(cfg, reqs, policy, record=True)
+    acts = r.actions or []
+    left = [t for t, a in acts if a.model == "llm" and a.kind in (ActionKind.DEMOTE, ActionKind.DROP)]
+    left = [t for t in left if T0 < t < T0 + 5400]
+    if not left:  # a lazy policy keeps the idle LLM while nothing wants its room: nothing to grow into
+        assert policy not in ("lru-keepalive", "residency"), f"{policy}: the LLM never left the GPU"
+        return
+    te = left[0]
+    grows = [
+        (t, a.bytes) for t, a in acts if a.model == "world" and a.kind is ActionKind.GROW_LEASE and t >= te
+    ]
+    assert grows, f"{policy}: the lease never grew after the LLM left at {te - T0:.0f} s"
+    t, lease = grows[0]
+    assert t <= te + 1.0, f"{policy}: grew {t - te:.0f} s after the room came free"
+    assert lease == 8 * GiB
+    assert r.budget_violations == 0
