@@ -62,9 +62,14 @@ def _answer(
 ) -> P.InferResult:
     """A call's outputs as an `InferResult`: each output held in a carrier (`carried`: a BF16 output's
     bit patterns in uint16) labelled with the datatype it stands for, not the carrier's. An adapter
-    that answers a declared BF16 output in another dtype fails the request INTERNAL, naming it."""
+    that answers a declared BF16 output in another dtype, or any output as a complex array (OIP has
+    no complex datatype), fails the request INTERNAL, naming it."""
     outputs = {}
     for k, v in out.items():
+        if v.dtype.kind == "c":  # (encode_output would send its real part alone, as FP32)
+            return P.InferResult(
+                model, False, error_code=P.INTERNAL, error=P.complex_output(model, k, v.dtype)
+            )
         try:
             outputs[k] = P.encode_output(v, carried.get(k))
         except ValueError as e:
@@ -599,7 +604,9 @@ class DeviceHost:
 
     def _max_batch(self, model: str) -> int:
         """Rows one call of `model` may take: its config's `max_batch` when its adapter batches and its
-        declared inputs and outputs all have a variable first dimension; else 1 (said once)."""
+        declared inputs and outputs all have a variable first dimension, at most the rows its adapter
+        takes in one call (`Adapter.max_rows`: a bigger stack was one call refused, then each request
+        run again alone); else 1 (said once)."""
         r = self.models.get(model)
         if r is None or r.runnable is None:
             return 1
@@ -614,6 +621,13 @@ class DeviceHost:
                     why = "not every declared input and output has a variable first (batch) dimension"
                 else:
                     r.max_batch, why = want, ""
+                    most = r.adapter.max_rows
+                    if most is not None and want > most:
+                        r.max_batch = max(most, 1)
+                        logger.warning(
+                            "model %s: max_batch %d lowered to %d: its adapter %r takes at most %d rows "
+                            "a call", model, want, r.max_batch, r.adapter.name, most,
+                        )  # fmt: skip
                 if why:
                     logger.warning(
                         "model %s: max_batch %d ignored: %s; one request per call", model, want, why

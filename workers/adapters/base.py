@@ -59,6 +59,10 @@ class Adapter(ABC):
     batchable: ClassVar[bool] = False
     """Its `infer` takes a batch of independent rows along the first dimension of every input and
     output, so a model config's `max_batch` > 1 may stack concurrent requests (workers.batching)."""
+    max_rows: ClassVar[int | None] = None
+    """The most rows its `infer` takes in one call (None: no limit of its own). A model's `max_batch`
+    above it is lowered to it: a stack of more rows would be one call refused, then each request
+    run again alone."""
 
     def __init__(self, spec: P.ModelSpec, device: torch.device) -> None:
         self.spec = spec

@@ -8,7 +8,8 @@ mean, max or mean_sqrt_len) follows the directory's sentence-transformers config
 with other modules (a Dense layer) is refused at its load — the embeddings equal
 `SentenceTransformer(DIR).encode(..., normalize_embeddings=True)` (tested, mean and cls).
 
-Input `text`: BYTES [N] (UTF-8 strings, at most 256 per request), each cut to `max_seq_length` tokens
+Input `text`: BYTES [N] (UTF-8 strings, at most 256 per request, and per call: a `max_batch` above
+256 stacks at most 256 texts a call), each cut to `max_seq_length` tokens
 (`sentence_bert_config.json`; a length above the model's `max_position_embeddings` is refused at the
 load). Output `embedding`: FP32 [N, D].
 """
@@ -35,6 +36,7 @@ DEFAULT_MAX_SEQ_LENGTH = 256
 class SentenceEmbeddingAdapter(ModuleAdapter):
     name = "sentence-transformers"
     batchable = True
+    max_rows = MAX_TEXTS  # a max_batch above it stacks at most this many texts a call
     ignore_prefixes = ("pooler.",)
 
     def __init__(self, spec: P.ModelSpec, device: torch.device) -> None:

@@ -195,6 +195,8 @@ class SafetensorsModuleAdapter(ModuleAdapter):
         """An output in its declared datatype (a bf16 or fp16 module still answers FP32 when it says
         FP32; numpy has no bf16 at all, nor fp8: a BF16 output is its bit patterns in uint16, which
         the host labels BF16)."""
+        if t.is_complex():  # cast to its declared datatype, it kept its real part alone
+            raise AdapterError(P.INTERNAL, P.complex_output(self.spec.name, spec.name, t.dtype))
         t = t.detach().cpu()
         if spec.datatype == "BF16":  # it was sent as FP32, against what ModelMetadata said
             return t.to(torch.bfloat16).view(torch.int16).numpy().view(_BF16_CARRIER)

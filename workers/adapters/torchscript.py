@@ -175,6 +175,8 @@ class TorchScriptAdapter(Adapter):
                 f"{'' if first is y else f' of {type(first).__name__}, ...'}; this adapter serves one "
                 "tensor as 'output' (a tensor, or a tuple whose first item is one)",
             )
+        if first.is_complex():  # `.float()` below kept its real part alone (a warning in the log)
+            raise AdapterError(P.INTERNAL, P.complex_output(self.spec.name, "output", first.dtype))
         want = self.outputs()[0]
         if "output_shape" in self.spec.source and not want.fits(first.shape):  # (undeclared: any shape)
             raise AdapterError(
