@@ -72,9 +72,8 @@ from manager.store.base import (
     decode_doc,
     encode_doc,
     normalize_record,
-    redact,
 )
-from manager.store.redis_url import DEFAULT_PREFIX, TLS_FILES, split_redis_url
+from manager.store.redis_url import DEFAULT_PREFIX, TLS_FILES, hide_userinfo, shown_redis_url, split_redis_url
 
 __all__ = ["DEFAULT_PREFIX", "PAGE", "TRIM_CHUNK", "RedisStore", "RedisURL", "open_redis", "parse_redis_url"]
 
@@ -301,15 +300,15 @@ def parse_redis_url(url: str) -> RedisURL:
     """Parse `redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?prefix=NAME]`; StoreError when it is bad
     (the rules: redis_url.py, which the config check uses too).
 
-    Everything up to the last "@" is the user info, as `redact` takes it: a password may hold "/",
-    "#", "?" or "@" as password tools make them (`openssl rand -base64`); "%XX" in it is decoded.
+    The user info is the authority's (RFC 3986): an "@" in the query is the query's. A password may
+    still hold "/", "#", "?" or "@" as password tools make them (`openssl rand -base64`) where the
+    url cannot be read otherwise (redis_url.py says how); "%XX" in it is decoded.
     """
     try:
         parts = split_redis_url(url)
     except ValueError as e:
-        raise StoreError(redact(url), str(e)) from None
-    userinfo, at = (parts.userinfo, "@") if parts.userinfo is not None else ("", "")
-    username, colon, password = userinfo.partition(":")
+        raise StoreError(shown_redis_url(url), str(e)) from None
+    username, colon, password = (parts.userinfo or "").partition(":")
     prefix = parts.params.get("prefix", DEFAULT_PREFIX)
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
     query = "" if prefix == DEFAULT_PREFIX else f"?prefix={prefix}"
@@ -321,7 +320,8 @@ def parse_redis_url(url: str) -> RedisURL:
         password=unquote(password) if colon else None,
         ssl=parts.tls,
         prefix=prefix,
-        display=redact(f"{parts.scheme}://{userinfo}{at}{host}:{parts.port}/{parts.db}{query}"),
+        # (built from the parts, not by `redact`, which takes an "@" in the query for the user info's)
+        display=f"{parts.scheme}://{hide_userinfo(parts.userinfo)}{host}:{parts.port}/{parts.db}{query}",
         ssl_ca_certs=parts.params.get("ssl_ca_certs"),
         ssl_certfile=parts.params.get("ssl_certfile"),
         ssl_keyfile=parts.params.get("ssl_keyfile"),

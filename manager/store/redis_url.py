@@ -6,13 +6,21 @@ only.
 
   split_redis_url(url) -> RedisURLParts   the url's parts; ValueError saying what is wrong
   redis_url_problem(url) -> str | None    the same rules: what is wrong, or None
+  hide_userinfo(userinfo) -> str          "USER:***@", "***@" or "": the user info as it may be shown
+  shown_redis_url(url) -> str             `url` (a bad one too) as a message may show it
 
-Everything up to the last "@" is the user info (a password may hold "/", "#", "?" or "@" as password
-tools make them), as `redact` takes it. A message never quotes the user info: it may hold a password.
+The user info (RFC 3986 3.2) is the authority's: it ends at the last "@" before the first "/", "?"
+or "#" after "//", so an "@" in the query (`?prefix=team@home`, an ssl_* path) is the query's. A
+password as password tools make it, with "/", "?", "#" or "@" not %-encoded, is still taken where
+the url cannot be read the RFC's way (no host, a port that is no number, a database that is no
+number, a #fragment): then the user info ends at the first later "@" after which a good
+HOST[:PORT][/DB] follows (see `_userinfo_end`). A message never quotes the user info, nor a query
+that holds an "@" (it may be the end of a password whose "?" was not written %3F).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
 
@@ -24,7 +32,9 @@ __all__ = [
     "TLS_FILES",
     "TLS_PARAMS",
     "RedisURLParts",
+    "hide_userinfo",
     "redis_url_problem",
+    "shown_redis_url",
     "split_redis_url",
 ]
 
@@ -37,6 +47,10 @@ CERT_REQS = ("none", "optional", "required")
 """ssl_cert_reqs: whether the server's certificate is checked (default required)."""
 _ALLOWED = ("prefix", *TLS_PARAMS)
 _EXPECTED = "expected redis://HOST:PORT/DB"
+_ENCODE = (
+    "the query holds an '@', so it is not quoted (it may be the end of a password): in a password "
+    "write '?', '#', '/' and '@' as %3F, %23, %2F and %40"
+)
 
 
 @dataclass(frozen=True)
@@ -46,7 +60,7 @@ class RedisURLParts:
     scheme: str
     """redis or rediss (lower case)."""
     userinfo: str | None
-    """Everything before the last "@" (still %-encoded); None when the url has no "@"."""
+    """The user info, before the "@" that ends it (still %-encoded); None when there is none."""
     hostname: str
     """Lower case; an IPv6 address without its brackets."""
     port: int
@@ -62,7 +76,8 @@ class RedisURLParts:
 def split_redis_url(url: str) -> RedisURLParts:
     """`url` in parts; ValueError naming what is wrong (never quoting the user info)."""
     scheme, sep, rest = url.partition("://")
-    userinfo, at, hostpart = rest.rpartition("@")
+    cut = _userinfo_end(scheme, rest)
+    userinfo, hostpart = (rest[:cut], rest[cut + 1 :]) if cut >= 0 else (None, rest)
     parts = urlsplit(f"{scheme}{sep}{hostpart}")  # host, port, db and query: no password in them
     if parts.scheme not in ("redis", "rediss"):
         raise ValueError("not a redis:// or rediss:// url")
@@ -79,12 +94,15 @@ def split_redis_url(url: str) -> RedisURLParts:
         raise ValueError(f"the database must be a number, like redis://HOST:PORT/0, got {shown(path)}")
     tls = parts.scheme == "rediss"
     params = parse_qs(parts.query, keep_blank_values=True)
-    problem = _params_problem(params, tls=tls)
+    # An "@" left in the query: the query's (RFC 3986), or the end of a password written with a
+    # bare "?" (`redis://me:4821?xyz@host`): what is wrong with it is said without quoting it.
+    ambiguous = "@" in hostpart
+    problem = _params_problem(params, tls=tls, show=_not_shown if ambiguous else shown)
     if problem:
-        raise ValueError(problem)
+        raise ValueError(f"{problem}; {_ENCODE}" if ambiguous else problem)
     return RedisURLParts(
         scheme=parts.scheme,
-        userinfo=userinfo if at else None,
+        userinfo=userinfo,
         hostname=parts.hostname,
         port=port,
         db=int(path or 0),
@@ -92,24 +110,93 @@ def split_redis_url(url: str) -> RedisURLParts:
     )
 
 
-def _params_problem(params: dict[str, list[str]], *, tls: bool) -> str | None:
-    """What is wrong with a redis url's query (`prefix`; the `ssl_*` ones with rediss:// only)."""
+def _not_shown(_: object) -> str:
+    return "(not shown)"
+
+
+def _authority_end(rest: str) -> int:
+    """Where the authority of `rest` (a url after its "//") ends: its first "/", "?" or "#"."""
+    ends = [i for i in (rest.find(c) for c in "/?#") if i >= 0]
+    return min(ends, default=len(rest))
+
+
+def _host_part_fits(scheme: str, hostpart: str) -> bool:
+    """Whether `hostpart`, what follows the user info, reads as HOST[:PORT][/DB][?QUERY]: a host, a
+    port that is a number (not an empty one after a ":"), a database that is a number, no "@" in its
+    authority and no #fragment (the query is not looked at: an "@" in it is the query's)."""
+    authority = hostpart[: _authority_end(hostpart)]
+    if "@" in authority or authority.endswith(":") or "#" in hostpart:
+        return False
+    try:
+        parts = urlsplit(f"{scheme}://{hostpart}")
+        parts.port  # noqa: B018  (raises ValueError for a port that is no number)
+    except ValueError:
+        return False
+    path = parts.path.lstrip("/")
+    return bool(parts.hostname) and (path == "" or (path.isascii() and path.isdigit()))
+
+
+def _userinfo_end(scheme: str, rest: str) -> int:
+    """The index in `rest` (a url after its "//") of the "@" that ends the user info; -1: none.
+
+    The RFC 3986 reading first: the last "@" in the authority (or none), when what follows it fits
+    (`_host_part_fits`). Else a password holding "/", "?", "#" or "@" that are not %-encoded: the
+    first "@" after the authority that a fitting host part follows (the first, so that an "@" in
+    the query is the query's). Else (nothing fits: the url is bad) the last "@", so that whatever
+    the message says of the url's remains quotes no part of a password."""
+    end = _authority_end(rest)
+    cuts = [rest.rfind("@", 0, end)] + [i for i in range(end, len(rest)) if rest[i] == "@"]
+    for cut in cuts:
+        if _host_part_fits(scheme, rest[cut + 1 :]):
+            return cut
+    return rest.rfind("@")
+
+
+def hide_userinfo(userinfo: str | None) -> str:
+    """The user info as a url shown in a message has it: the user name kept and the password as
+    *** (`USER:***@`); a lone part (`SECRET@`, a password with no user name) hidden whole; "" for
+    none."""
+    if userinfo is None:
+        return ""
+    user, colon, _ = userinfo.partition(":")
+    return f"{user}:***@" if colon else "***@"
+
+
+def shown_redis_url(url: str) -> str:
+    """`url`, good or bad, as a message may show it: its user info hidden (`hide_userinfo`), read as
+    `split_redis_url` reads it. A url with an "@" after its host (in its query, or the end of a
+    password that holds "?" or "#") is shown as SCHEME://*** alone: it may be a password's."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return "***" if "@" in url else url
+    cut = _userinfo_end(scheme, rest)
+    userinfo, hostpart = (rest[:cut], rest[cut + 1 :]) if cut >= 0 else (None, rest)
+    if "@" in hostpart:
+        return f"{scheme}://***"
+    return f"{scheme}://{hide_userinfo(userinfo)}{hostpart}"
+
+
+def _params_problem(
+    params: dict[str, list[str]], *, tls: bool, show: Callable[[object], str] = shown
+) -> str | None:
+    """What is wrong with a redis url's query (`prefix`; the `ssl_*` ones with rediss:// only);
+    `show` quotes a name or value of it."""
     unknown = sorted(params.keys() - set(_ALLOWED))
     if unknown:
-        return f"unknown url parameter {shown(unknown[0])} (allowed: {', '.join(_ALLOWED)})"
+        return f"unknown url parameter {show(unknown[0])} (allowed: {', '.join(_ALLOWED)})"
     values = params.get("prefix", [DEFAULT_PREFIX])
     if len(values) != 1 or not values[0] or values[0].strip() != values[0]:
-        return f"prefix must be one non-empty name without spaces, got {shown(values)}"
+        return f"prefix must be one non-empty name without spaces, got {show(values)}"
     for name in TLS_PARAMS:
         if name not in params:
             continue
         if not tls:
             return f"{name} needs TLS: a rediss:// url"
         if len(params[name]) != 1 or not params[name][0]:
-            return f"{name} must be given once, not empty, got {shown(params[name])}"
+            return f"{name} must be given once, not empty, got {show(params[name])}"
     reqs = params.get("ssl_cert_reqs", ["required"])[0]
     if reqs not in CERT_REQS:
-        return f"ssl_cert_reqs must be one of {', '.join(CERT_REQS)}, got {shown(reqs)}"
+        return f"ssl_cert_reqs must be one of {', '.join(CERT_REQS)}, got {show(reqs)}"
     if "ssl_keyfile" in params and "ssl_certfile" not in params:
         return "ssl_keyfile needs ssl_certfile (the client certificate it is the key of)"
     return None

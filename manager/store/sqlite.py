@@ -27,8 +27,9 @@ lets it go when the process ends, however it ends), refuses a second service nam
 holds it. Two services on one store would each overwrite the other's statistics and intents, and
 count the other's requests again at a restart. Read-only commands and other opens do not take it.
 
-Read-only opening (create=False, `trace export` and `tune --from-store`): nothing is written, and a
-file without this schema (empty, another program's database) is refused, not given tables. A user
+Read-only opening (create=False, `trace export` and `tune --from-store`): nothing is written (nor
+the journal mode: only the service's open puts a file in WAL mode), and a file without this schema
+(empty, another program's database) is refused, not given tables. A user
 who may read the file but not write its folder (the service's /var/lib folder) cannot make the
 -shm file WAL readers need: with the service stopped (no -wal data beside the file) the file is read
 as immutable; with a -wal file holding data that user cannot open, it is refused, naming it.
@@ -275,7 +276,7 @@ class SQLiteStore:
                 f"{self.path} holds no residency store (an empty file, or another program's database)",
             )
         self._check_tables(version)
-        if immutable:
+        if immutable or not create:  # a read-only command leaves the file's journal mode as it is
             return
         (mode,) = self._conn.execute("PRAGMA journal_mode=WAL").fetchone()
         if mode != "wal" and self.path != ":memory:":
