@@ -2,13 +2,17 @@
 
 * One actor per configured device, named `residency-device-<name>` in namespace `residency`, detached
   (it outlives the manager, so a restarted manager reattaches to it and reconciles with `status()`;
-  one that is another kind, or on another node, than the config now says is replaced by a new one),
-  with restarts allowed. A CUDA device asks for `num_gpus=1` (logical GPUs schedule on CPU-only
-  machines); a device with `node:` is placed on that Ray node (`node:<address>` resource).
+  one that is another kind, on another node, or (CUDA) on another GPU index than the config now says
+  is replaced by a new one), with restarts allowed. A CUDA device asks for `num_gpus=1` (logical GPUs
+  schedule on CPU-only machines); a device with `node:` is placed on that Ray node
+  (`node:<address>` resource).
 * `submit` queues the command; the pool keeps one command in flight per device (so a device's commands
   run in submission order) and `poll` uses `ray.wait(..., timeout=0)`, never blocking; an actor that
   died turns into `CommandResult(ok=False, error_code="worker_died")`. Re-submitting the same op id
-  after a restart is safe: commands are declarative and results cached by op id.
+  after a restart is safe: commands are declarative and results cached by op id. A call that fails
+  while its host lives (the host's method raised: Ray's `RayTaskError`; or any error that is not Ray
+  saying the actor died or cannot be reached) is a failure of that call alone: `internal`, naming the
+  exception, with no death recorded (and no resync by the manager).
 * A host's death is reported once (the first call that fails on it). A command that then finds the
   host still restarting (Ray: `ActorUnavailableError`) is sent again every `UNAVAILABLE_RETRY_S`
   until the host answers, for at most `UNAVAILABLE_MAX_S`: the reload the manager asks for after a
@@ -33,6 +37,7 @@ import contextlib
 import gc
 import logging
 import math
+import operator
 import os
 import signal
 import socket
@@ -48,7 +53,7 @@ from typing import Any
 import numpy as np
 import psutil
 import ray
-from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
 from workers import protocol as P
 from workers.channel import (
@@ -422,16 +427,21 @@ def _cluster_name() -> str:
 
 REATTACH_CHECK_S = 10.0
 """How long the host of an earlier run may take to say what device it runs (`_changed`)."""
+_HOST_INDEX = operator.attrgetter("host.index")
+"""Run on a host actor (`__ray_call__`): the device index its `DeviceHost` was made with. (Its status
+does not say it; a function of the standard library, so that a host of any version runs it.)"""
 
 
 def _changed(handle: Any, d: DeviceSpec) -> str | None:
     """How the host `handle` of an earlier run differs from device `d` (its kind; its node, where `d`
-    names one: a host of a device that names none says its machine's name), or None: the same, or it
-    cannot tell now (not placed, not answering: it is kept, as before)."""
+    names one: a host of a device that names none says its machine's name; a CUDA device's GPU index),
+    or None: the same, or it cannot tell now (not placed, not answering: it is kept, as before)."""
     if _scheduled(handle) is False:
         return None
     try:
-        st: P.WorkerStatus = ray.get(handle.status.remote(), timeout=REATTACH_CHECK_S)
+        asked = handle.status.remote()
+        index_asked = handle.__ray_call__.remote(_HOST_INDEX) if d.kind == "cuda" else None
+        st: P.WorkerStatus = ray.get(asked, timeout=REATTACH_CHECK_S)
     except Exception as e:
         logger.info("device %s: its host from an earlier run did not say what it runs (%s)", d.name, e)
         return None
@@ -439,6 +449,15 @@ def _changed(handle: Any, d: DeviceSpec) -> str | None:
         return f"its host from an earlier run is a {st.kind} device, the config's is a {d.kind} one"
     if d.node and st.node != d.node:
         return f"its host from an earlier run is on Ray node {st.node!r}, the config names {d.node!r}"
+    if index_asked is not None:  # (a CPU device's index selects nothing)
+        try:
+            index = ray.get(index_asked, timeout=REATTACH_CHECK_S)
+        except Exception as e:
+            logger.info("device %s: its host from an earlier run did not say which GPU it runs (%s); "
+                        "it is kept", d.name, _named(e))  # fmt: skip
+            return None
+        if index != d.index:
+            return f"its host from an earlier run serves cuda:{index}, the config's entry says cuda:{d.index}"
     return None
 
 
@@ -505,8 +524,9 @@ class RayWorkerPool:
 
     @staticmethod
     def _actor(d: DeviceSpec, namespace: str, max_restarts: int) -> tuple[Any, bool]:
-        """`d`'s host: the one of an earlier run, reattached (True), unless it is another kind or on
-        another node than `d` says (the config changed since): that one is replaced by a new one."""
+        """`d`'s host: the one of an earlier run, reattached (True), unless it is another kind, on
+        another node or (CUDA) on another GPU index than `d` says (the config changed since): that one
+        is replaced by a new one."""
         name = actor_name(d.name)
         try:
             held = ray.get_actor(name, namespace=namespace)
@@ -629,7 +649,7 @@ class RayWorkerPool:
                     out.append(ray.get(ref, timeout=0))
                     self._unavailable_since.pop(op, None)
                     self._deaths.alive(device)
-                except RayError as e:
+                except Exception as e:  # (any: the command must be answered)
                     failed = self._failed(device, op, cmd, e, time.monotonic())
                     if failed is not None:
                         out.append(failed)
@@ -641,7 +661,14 @@ class RayWorkerPool:
     ) -> P.CommandResult | None:
         """The result of a command whose call raised `e`, or None when it is queued again (first in its
         device's queue, sent after UNAVAILABLE_RETRY_S) because its host, whose death was already
-        reported, is still restarting."""
+        reported, is still restarting. An error that is not the host's death (`_is_death`) fails this
+        command alone (INTERNAL): no death is recorded."""
+        if not _is_death(e):
+            self._unavailable_since.pop(op, None)
+            if isinstance(e, RayTaskError):  # it ran the command: the host answers
+                self._deaths.alive(device)
+            what = f"{P.command_op(cmd)} of {P.command_model(cmd)!r}"
+            return _command_failed(device, op, cmd, _failure(device, what, e))
         if isinstance(e, ActorUnavailableError) and self._deaths.reported(device, now):
             first = self._unavailable_since.setdefault(op, now)
             if now - first < UNAVAILABLE_MAX_S:
@@ -674,14 +701,19 @@ class RayWorkerPool:
 
     def _get(self, ref: Any, device: str, timeout_s: float, what: str) -> tuple[Any, str | None, str]:
         """`ray.get` with a deadline: (value, None, ""), or (None, why, code) when the host died
-        (WORKER_DIED) or did not answer in time (DEADLINE)."""
+        (WORKER_DIED), did not answer in time (DEADLINE), or the call failed otherwise: the host
+        raised, it lives on (INTERNAL)."""
         try:
             value = ray.get(ref, timeout=timeout_s)
         except GetTimeoutError:
             return None, _silent(what, device, timeout_s), P.DEADLINE
-        except RayError as e:
-            self._deaths.seen(device, e)
-            return None, _why(device, e), P.WORKER_DIED
+        except Exception as e:
+            if _is_death(e):
+                self._deaths.seen(device, e)
+                return None, _why(device, e), P.WORKER_DIED
+            if isinstance(e, RayTaskError):  # it ran the call: the host answers
+                self._deaths.alive(device)
+            return None, _failure(device, what, e), P.INTERNAL
         self._deaths.alive(device)
         return value, None, ""
 
@@ -702,9 +734,11 @@ class RayWorkerPool:
         if refused is not None:
             return P.SessionReply(False, error_code=P.NOT_AVAILABLE, error=refused)
         ref = self._handle(device).session.remote(method, *args)
-        reply, why, _ = self._get(ref, device, timeout_s, f"world session {method}")
-        # (silent too: a session call that outlasts its deadline is taken for a lost host, reopened)
-        return P.SessionReply(False, error_code=P.WORKER_DIED, error=why) if why else reply
+        reply, why, code = self._get(ref, device, timeout_s, f"world session {method}")
+        # (silent too: a session call that outlasts its deadline is taken for a lost host, reopened;
+        # one the host raised on is not: it is alive)
+        code = P.WORKER_DIED if code == P.DEADLINE else code
+        return P.SessionReply(False, error_code=code, error=why) if why else reply
 
     async def infer_async(
         self, device: str, model: str, inputs: dict[str, np.ndarray], timeout_s: float = 30.0
@@ -759,7 +793,7 @@ class _Deaths:
         self._at: dict[str, float] = {}
 
     def seen(self, device: str, e: Exception, now: float | None = None) -> None:
-        if isinstance(e, RayActorError):
+        if _is_death(e):
             self._at.setdefault(device, time.monotonic() if now is None else now)
 
     def alive(self, device: str) -> None:
@@ -775,9 +809,34 @@ def _silent(what: str, device: str, timeout_s: float) -> str:
     return f"{what}: no answer from device {device!r} within {timeout_s:.3g} s"
 
 
+def _is_death(e: BaseException) -> bool:
+    """Whether `e`, raised by a call on a device host, says that the host died or cannot be reached
+    (Ray's `RayActorError`: `ActorDiedError`, `ActorUnavailableError`), not that the call failed on
+    a host that lives on: its method raised (`RayTaskError`, even one whose cause is a Ray actor
+    error its own code met), or anything else."""
+    return isinstance(e, RayActorError) and not isinstance(e, RayTaskError)
+
+
+def _named(e: BaseException) -> str:
+    """`e` as "Type: first line of its message"; for an error a host's method raised, the error it
+    raised (not Ray's wrapper, whose message is the remote traceback)."""
+    cause = e.cause if isinstance(e, RayTaskError) and e.cause is not None else e
+    lines = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {lines[0]}" if lines else type(cause).__name__
+
+
 def _why(device: str, e: Exception) -> str:
-    kind = "died" if isinstance(e, RayActorError) else "failed"
-    return f"device host {device!r} {kind}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    """Why a call found `device`'s host dead (`_is_death`)."""
+    return f"device host {device!r} died: {_named(e)}"
+
+
+def _failure(device: str, what: str, e: BaseException) -> str:
+    """Why `what` (a command, a request, a session call) failed on `device`'s host, which lives on
+    (`e` is not its death); logged as a warning, with the host's traceback where Ray brought one."""
+    why = f"{what} failed on device host {device!r} (alive): {_named(e)}"
+    detail = str(e) if isinstance(e, RayTaskError) else ""
+    logger.warning("%s%s", why, f"\n{detail}" if detail else "")
+    return why
 
 
 def _unheld(device: str, model: str, e: ReplyTooLarge) -> P.InferResult:
@@ -806,6 +865,12 @@ def _not_placed(device: str, op: str, cmd: P.Command, why: str) -> P.CommandResu
         op, model, P.command_op(cmd), False, error_code=P.NOT_AVAILABLE, error=f"model {model!r}: {why}",
         device=device,
     )  # fmt: skip
+
+
+def _command_failed(device: str, op: str, cmd: P.Command, why: str) -> P.CommandResult:
+    return P.CommandResult(
+        op, P.command_model(cmd), P.command_op(cmd), False, error_code=P.INTERNAL, error=why, device=device
+    )
 
 
 def _died(device: str, op: str, cmd: P.Command, e: Exception) -> P.CommandResult:
@@ -920,8 +985,9 @@ class _Batcher:
     ) -> tuple[list[P.InferResult], bool]:
         """The answers to a batch whose channel broke after it was sent, and whether the device's
         host answered a check. Whether the host that was sent it lives on decides the code: it still
-        answers (with the same channel address) = INTERNAL; it died, or a restarted one answers (a
-        new address) = WORKER_DIED, as a call through Ray says."""
+        answers (with the same channel address), or the check failed on it otherwise (it raised) =
+        INTERNAL; it died, or a restarted one answers (a new address) = WORKER_DIED, as a call
+        through Ray says."""
         import asyncio
 
         answered = False
@@ -930,8 +996,12 @@ class _Batcher:
         except TimeoutError:  # unknown: the request still must not run twice
             why, code = f"its host did not answer a check within {self.CHECK_S:g} s", P.INTERNAL
         except Exception as err:
-            self.deaths.seen(self.device, err)
-            why, code = _why(self.device, err), P.WORKER_DIED
+            if _is_death(err):
+                self.deaths.seen(self.device, err)
+                why, code = _why(self.device, err), P.WORKER_DIED
+            else:  # it lives on (a check it raised on: it answered)
+                answered = isinstance(err, RayTaskError)
+                why, code = f"its host failed the check: {_named(err)}", P.INTERNAL
         else:
             answered = True
             if addr == channel.address:
@@ -970,9 +1040,14 @@ class _Batcher:
             if answered:
                 self.deaths.alive(self.device)
         except Exception as e:  # the actor died, or anything else: every waiter gets an answer
-            self.deaths.seen(self.device, e)
-            why = _why(self.device, e)
-            results = [P.InferResult(m, False, error_code=P.WORKER_DIED, error=why) for m, _, _ in batch]
+            if _is_death(e):
+                self.deaths.seen(self.device, e)
+                why, code = _why(self.device, e), P.WORKER_DIED
+            else:  # the host raised (or the call failed here): it lives on
+                if isinstance(e, RayTaskError):
+                    self.deaths.alive(self.device)
+                why, code = _failure(self.device, f"model {batch[0][0]!r}", e), P.INTERNAL
+            results = [P.InferResult(m, False, error_code=code, error=why) for m, _, _ in batch]
         finally:
             self.inflight -= 1
             left = self._inflight_of.pop(batch[0][0], 0) - 1
