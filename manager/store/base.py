@@ -37,6 +37,7 @@ from datetime import UTC, datetime
 from typing import Any, Protocol, runtime_checkable
 
 from manager.replay.trace import ALLOWED_FIELDS, MAX_LINE_CHARS, parse_line, parse_object, request_to_json
+from manager.store.redis_url import shown_redis_url
 
 __all__ = [
     "EXTRA_FIELDS",
@@ -67,9 +68,13 @@ _USERINFO = re.compile(r"^([a-z][a-z0-9+.-]*://)(.*)@", re.IGNORECASE | re.DOTAL
 def redact(url: str) -> str:
     """`url` with the password replaced by ***: what error messages and logs may show.
 
-    Everything up to the last "@" counts as user info (passwords may hold "@" or "/"); a user name
-    before a ":" is kept, a lone user-info part (`redis://SECRET@host`) is hidden whole.
+    A Redis url is read as the store reads it (`shown_redis_url`: an "@" in its query is not the end
+    of its user info). Otherwise everything up to the last "@" counts as user info (passwords may
+    hold "@" or "/"); a user name before a ":" is kept, a lone user-info part (`redis://SECRET@host`)
+    is hidden whole.
     """
+    if url.lower().startswith(("redis://", "rediss://")):
+        return shown_redis_url(url)
     m = _USERINFO.match(url)
     if m is None:
         return url

@@ -205,3 +205,21 @@ def test_the_service_open_still_sets_wal(rollback_store: Path) -> None:
     """The service's read-write open is what puts a store in WAL mode (readers beside a writer)."""
     open_store(f"sqlite:///{rollback_store}").close()
     assert _journal_mode(rollback_store) == "wal"
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://me:secret@cache:6379/0", "redis://me:***@cache:6379/0"),
+        ("redis://cache:6379/0?prefix=team@home", "redis://***"),  # was redis://cache:***@home
+        ("rediss://me:a@b@cache:6380/2", "rediss://me:***@cache:6380/2"),
+        ("sqlite:///var/lib/residency/store.db", "sqlite:///var/lib/residency/store.db"),
+    ],
+)
+def test_redact_reads_a_redis_url_as_the_store_does(url: str, shown: str) -> None:
+    """`redact` (the store url in `residency tune` / `trace export` messages) read everything up to
+    the last "@" as user info, so a Redis url with an "@" in its query was shown with a made-up host
+    and password; it now shows a Redis url as the store reads it."""
+    from manager.store.base import redact
+
+    assert redact(url) == shown
