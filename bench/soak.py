@@ -229,11 +229,17 @@ def dir_bytes(path: Path) -> int:
 
 
 def rss_bytes(ray: bool) -> int:
+    """This process's RSS (`ray`: plus its whole process tree's: Ray's daemons and workers).
+
+    Raises:
+        psutil.Error: psutil could not read it (AccessDenied, say): a figure missing a process would
+            read as a drop, so the sample is not taken. A child that exited meanwhile is not counted.
+    """
     me = psutil.Process()
     total = me.memory_info().rss
     if ray:
         for p in me.children(recursive=True):
-            with contextlib.suppress(psutil.Error):
+            with contextlib.suppress(psutil.NoSuchProcess):  # (exited meanwhile, or a zombie: no memory)
                 total += p.memory_info().rss
     return total
 
@@ -248,6 +254,90 @@ def slope_per_hour(ts: list[float], ys: list[float]) -> float | None:
     if len(ts) < 3 or max(ts) - min(ts) <= 0:
         return None
     return float(np.polyfit(np.asarray(ts), np.asarray(ys), 1)[0] * 3600.0)
+
+
+def rss_summary(
+    samples: list[dict[str, Any]],
+    sched_t: float,
+    warmup_s: float,
+    bound_mib: float,
+    process_tree: bool,
+    unread: str = "",
+) -> dict[str, Any]:
+    """The report's `rss_mib`: growth from the end of the warm-up (`warmup_s` after the schedule's
+    start, `sched_t`) to the last sample of the schedule, raw and net of the session's KV bytes, and a
+    fitted slope. A sample whose RSS psutil could not read has `rss_mib` None (`unread`: why, the
+    first time). Growth needs two readable samples after the warm-up, apart in time: without them
+    growth, slopes and `within_bound` are None (not 0 and not a pass) and `not_measured_reason` says
+    why; it is None when growth was measured."""
+    rss = [s["rss_mib"] for s in samples if s["rss_mib"] is not None]
+    # growth: from the end of the warm-up to the last sample of the schedule (the final sample, after
+    # the session closed, reads freed KV pages the allocator may keep: reported as "end" only)
+    sched = [s for s in samples[:-1] if s["t"] >= sched_t] or samples
+    after_all = [s for s in sched if s["t"] >= warmup_s + sched_t]
+    after = [s for s in after_all if s["rss_mib"] is not None]
+    what = "the process tree's RSS" if process_tree else "the process's RSS"
+    reason: str | None = None
+    if not after_all:
+        ran = (sched[-1]["t"] - sched_t) if sched else 0.0
+        reason = (
+            f"no sample after the warm-up ({warmup_s:g} s into the schedule; its last sample was at "
+            f"{ran:.1f} s): run longer (--minutes) or sample more often (--sample-seconds)"
+        )
+    elif not after:
+        reason = f"psutil could not read {what} at any of the {len(after_all)} samples after the warm-up"
+        reason += f" ({unread})" if unread else ""
+    elif after[-1]["t"] <= after[0]["t"]:
+        reason = (
+            f"one readable sample after the warm-up (at {after[0]['t'] - sched_t:.1f} s into the "
+            "schedule): growth needs two; run longer (--minutes) or sample more often (--sample-seconds)"
+        )
+    warm, last = (after[0], after[-1]) if after else (None, None)
+    growth: float | None = None
+    net: float | None = None
+    post_s = 0.0
+    slope: float | None = None
+    slope_net: float | None = None
+    if reason is None and warm is not None and last is not None:
+        growth = last["rss_mib"] - warm["rss_mib"]
+        # net of the world session's KV pages: memory the manager leases and books (its lease bounds
+        # it), which a session fills as it runs and frees when it closes
+        net = (last["rss_mib"] - last["kv_mib"]) - (warm["rss_mib"] - warm["kv_mib"])
+        post_s = last["t"] - warm["t"]
+        ts = [s["t"] for s in after]
+        slope = slope_per_hour(ts, [s["rss_mib"] for s in after])
+        slope_net = slope_per_hour(ts, [s["rss_mib"] - s["kv_mib"] for s in after])
+
+    def rounded(x: float | None) -> float | None:
+        return None if x is None else round(x, 2)
+
+    def per_hour(x: float | None) -> float | None:
+        return None if x is None or not post_s else round(x * 3600.0 / post_s, 2)
+
+    return {
+        "start": samples[0]["rss_mib"] if samples else None,
+        "schedule_start": sched[0]["rss_mib"] if sched else None,
+        "after_warmup": None if warm is None else warm["rss_mib"],
+        "end": samples[-1]["rss_mib"] if samples else None,
+        "max": max(rss) if rss else None,
+        "warmup_s": round(warmup_s, 1),
+        "growth_after_warmup": rounded(growth),
+        "growth_after_warmup_net_of_kv": rounded(net),
+        "kv_mib_after_warmup_and_last": None
+        if warm is None or last is None
+        else [warm["kv_mib"], last["kv_mib"]],
+        "growth_per_hour_endpoints": per_hour(growth),
+        "growth_per_hour_endpoints_net_of_kv": per_hour(net),
+        "slope_per_hour_fit": rounded(slope),
+        "slope_per_hour_fit_net_of_kv": rounded(slope_net),
+        "last_in_schedule": None if last is None else last["rss_mib"],
+        "bound_after_warmup": bound_mib,
+        "within_bound": None if net is None else net <= bound_mib,
+        "process_tree": process_tree,
+        "not_measured_reason": reason,
+        "samples_after_warmup": len(after_all),
+        "samples_unread": sum(1 for s in samples if s["rss_mib"] is None),
+    }
 
 
 @dataclass
@@ -268,6 +358,7 @@ class Tally:
     samples: list[dict[str, Any]] = field(default_factory=list)
     max_booked: int = 0
     max_real: int = 0
+    rss_unread: str = ""  # why psutil could not read the RSS, the first time it could not
 
     def ok(self, kind: str, wait: float | None = None) -> None:
         self.requests[kind] = self.requests.get(kind, 0) + 1
@@ -461,7 +552,7 @@ class Soak:
         else:
             return 0
         weights = sum(ms.device_bytes or ms.tensor_bytes for ms in st.models.values() if ms.tier == "gpu")
-        return int(weights) + self.pool.kv_bytes
+        return int(weights) + int(self.pool.kv_bytes)
 
     def check_real(self, when: str) -> int:
         """The bytes the device host really holds now, against the device's usable bytes."""
@@ -482,9 +573,16 @@ class Soak:
             self.t.book_violations.append(f"sample: {problem}")
         real = self.check_real("sample")
         self.t.max_booked = max(self.t.max_booked, dev.used)
+        rss: float | None = None
+        try:
+            rss = round(rss_bytes(self.o.ray) / MIB, 2)
+        except psutil.Error as e:  # not a figure: the report says so rather than count it as 0
+            if not self.t.rss_unread:
+                self.t.rss_unread = f"{type(e).__name__}: {e}"
+                log(f"RSS not read: {self.t.rss_unread}")
         s = {
             "t": round(time.monotonic() - self.t0, 2),
-            "rss_mib": round(rss_bytes(self.o.ray) / MIB, 2),
+            "rss_mib": rss,
             "booked_mib": round(dev.used / MIB, 2),
             "real_mib": round(real / MIB, 2),
             "host_mib": round(eng.state.host.used / MIB, 2),
@@ -512,7 +610,8 @@ class Soak:
             self.sample()
             s = self.t.samples[-1]
             if s["t"] >= next_log:
-                log(f"t={s['t']:.0f}s rss {s['rss_mib']:.0f} MiB booked {s['booked_mib']:.0f} real "
+                rss = "?" if s["rss_mib"] is None else f"{s['rss_mib']:.0f}"
+                log(f"t={s['t']:.0f}s rss {rss} MiB booked {s['booked_mib']:.0f} real "
                     f"{s['real_mib']:.0f} lease {s['lease_mib']:.0f} kv {s['kv_mib']:.0f} MiB "
                     f"req {s['requests']} err {s['errors']} thrash {s['thrash']} {s['tiers']}")  # fmt: skip
                 next_log = s["t"] + 60.0
@@ -575,21 +674,6 @@ class Soak:
         eng = self.lm.engine
         c = eng.counters
         samples = self.t.samples
-        rss = [s["rss_mib"] for s in samples]
-        # growth: from the end of the warm-up to the last sample of the schedule (the final sample, after
-        # the session closed, reads freed KV pages the allocator may keep: reported as "end" only)
-        sched = [s for s in samples[:-1] if s["t"] >= self.sched_t] or samples
-        after = [s for s in sched if s["t"] >= self.warmup_s + self.sched_t] or sched[-1:]
-        warm, last = after[0], after[-1]
-        rss_warm = warm["rss_mib"]
-        growth = last["rss_mib"] - rss_warm
-        # net of the world session's KV pages: memory the manager leases and books (its lease bounds
-        # it), which a session fills as it runs and frees when it closes
-        net = (last["rss_mib"] - last["kv_mib"]) - (rss_warm - warm["kv_mib"])
-        post_s = last["t"] - warm["t"]
-        ts = [s["t"] for s in after]
-        slope = slope_per_hour(ts, [s["rss_mib"] for s in after])
-        slope_net = slope_per_hour(ts, [s["rss_mib"] - s["kv_mib"] for s in after])
         book = len(self.t.book_violations)
         real = len(self.t.real_violations)
         dev = eng.state.devices["cpu0"]
@@ -630,27 +714,9 @@ class Soak:
                 "prewarm_loads": c.prewarm_loads,
                 "wasted_loads": c.wasted_loads,
             },
-            "rss_mib": {
-                "start": rss[0],
-                "schedule_start": sched[0]["rss_mib"],
-                "after_warmup": rss_warm,
-                "end": rss[-1],
-                "max": max(rss),
-                "warmup_s": round(self.warmup_s, 1),
-                "growth_after_warmup": round(growth, 2),
-                "growth_after_warmup_net_of_kv": round(net, 2),
-                "kv_mib_after_warmup_and_last": [warm["kv_mib"], last["kv_mib"]],
-                "growth_per_hour_endpoints": round(growth * 3600.0 / post_s, 2) if post_s > 0 else None,
-                "growth_per_hour_endpoints_net_of_kv": round(net * 3600.0 / post_s, 2)
-                if post_s > 0
-                else None,
-                "slope_per_hour_fit": None if slope is None else round(slope, 2),
-                "slope_per_hour_fit_net_of_kv": None if slope_net is None else round(slope_net, 2),
-                "last_in_schedule": last["rss_mib"],
-                "bound_after_warmup": self.o.rss_bound_mib,
-                "within_bound": net <= self.o.rss_bound_mib,
-                "process_tree": self.o.ray,
-            },
+            "rss_mib": rss_summary(
+                samples, self.sched_t, self.warmup_s, self.o.rss_bound_mib, self.o.ray, self.t.rss_unread
+            ),
             "reloads": self.t.reloads,
             "reload_changes": self.t.reload_changes,
             "requests_in_flight_at_reloads": self.t.inflight_at_reload,
