@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 from manager.config import Config, ConfigError, write_config_with_updates
 from manager.replay.sim import replay
-from manager.replay.trace import read_trace
+from manager.replay.trace import ExportStopped, read_trace
 from manager.replay.tune import TuningStopped, objective, split_holdout, tune
 from manager.store.base import CorruptDocument
 from manager.store.export import export_trace
@@ -96,7 +96,10 @@ def _run(
     stop: Callable[[], bool] | None,
 ) -> TuningOutcome:
     trace = out_dir / "requests.jsonl"
-    n = export_trace(store, config.tuning.since, now, trace, stop)  # (weeks of records: stops too)
+    try:
+        n = export_trace(store, config.tuning.since, now, trace, stop)  # (weeks of records: stops too)
+    except ExportStopped as e:  # the run's stop, met in its export: the run is stopped
+        raise TuningStopped(str(e)) from e
     names = {m.name for m in config.models}
     reqs = [r for r in read_trace(trace, strict=False).requests if r.model in names]
     search, holdout = split_holdout(reqs)

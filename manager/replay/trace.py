@@ -55,6 +55,7 @@ __all__ = [
     "NOT_A_TRACE_AFTER",
     "STDIN",
     "STDIN_NAME",
+    "ExportStopped",
     "TraceError",
     "TraceReadResult",
     "parse_line",
@@ -79,6 +80,11 @@ STDIN = "-"
 STDIN_NAME = "<stdin>"
 """What errors about standard input call it (TraceError.path, TraceReadResult.path)."""
 _ALLOWED_SET = frozenset(ALLOWED_FIELDS)
+
+
+class ExportStopped(Exception):
+    """An export of requests into a trace ended early because its caller's `stop` said so (the
+    service stopping, say): nothing was written to a regular file."""
 
 
 class TraceError(Exception):

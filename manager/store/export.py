@@ -29,8 +29,7 @@ from pathlib import Path
 from typing import TextIO
 
 from manager.policy.types import Request
-from manager.replay.trace import write_requests, write_trace
-from manager.replay.tune import TuningStopped
+from manager.replay.trace import ExportStopped, write_requests, write_trace
 from manager.store.base import Store
 from manager.units import parse_duration
 
@@ -62,7 +61,7 @@ def _trace_requests(
 ) -> Iterator[Request]:
     for i, rec in enumerate(store.requests(since, until)):
         if stop is not None and i % STOP_EVERY == 0 and stop():
-            raise TuningStopped("the export was stopped (the service is stopping)")
+            raise ExportStopped("the export was stopped (the service is stopping)")
         yield Request(
             t=rec["t"],
             model=rec["model"],
@@ -101,7 +100,7 @@ def export_trace(
 ) -> int:
     """Write the requests of [now - since_s, now) to `out` as a trace; return how many. `stop` (the
     service stopping, for its tuning job) is asked every `STOP_EVERY` records: when it says so, the
-    export ends with TuningStopped (a regular file is then left as it was).
+    export ends with ExportStopped (a regular file is then left as it was).
 
     `out` an open text stream (standard output for `--out -`): the lines are written to it as they
     are read, and it is flushed (a store that fails part way leaves the lines before it written).
@@ -112,7 +111,7 @@ def export_trace(
 
     Raises:
         StoreError: the store cannot be read (nothing is written to a regular file).
-        TuningStopped: `stop` said so (nothing is written to a regular file).
+        ExportStopped: `stop` said so (nothing is written to a regular file).
         IsADirectoryError: `out` is a directory (nothing is created).
         OSError: `out` cannot be written (BrokenPipeError: its reader stopped reading).
     """

@@ -14,7 +14,7 @@ import pytest
 import manager.tuning_job as job
 from manager.config import load_config
 from manager.replay.synth import synth
-from manager.replay.trace import write_trace
+from manager.replay.trace import ExportStopped, write_trace
 from manager.replay.tune import TuningStopped
 from manager.store import open_store
 from manager.store.export import STOP_EVERY, export_trace
@@ -53,7 +53,7 @@ def test_an_export_asked_to_stop_ends_and_leaves_the_file_as_it_was(
     out = tmp_path / "out.jsonl"
     out.write_text("before\n")
     stop = _Stop(after=2)
-    with pytest.raises(TuningStopped):
+    with pytest.raises(ExportStopped):
         export_trace(store, 7 * 86400, now, out, stop)  # type: ignore[arg-type]
     assert stop.asked == 2  # once per STOP_EVERY records, not once per record
     assert out.read_text() == "before\n"
