@@ -263,8 +263,9 @@ with the datatype it stands for (`encode_output(a, "BF16")`), not its carrier's 
 
 def encode_output(a: np.ndarray, datatype: str | None = None) -> tuple[str, tuple[int, ...], bytes]:
     """An output as OIP wire data: its datatype, shape and raw bytes, as `raw_output_contents`
-    carries them (numbers little-endian; a dtype OIP lacks goes as FP32; strings as BYTES). A device
-    host never gives it a complex array (its real part alone would go): `complex_output` says why.
+    carries them (numbers little-endian; a real dtype OIP lacks goes as FP32; strings as BYTES). A
+    complex array is a ValueError (a cast would drop its imaginary part); a device host refuses one
+    before, per request, with `complex_output`'s words.
     `datatype`: a datatype of `CARRIERS` that `a` holds as its carrier (BF16 in uint16): labelled so,
     the bytes as they are; ValueError when `a` is not its carrier. None: `a`'s dtype says it."""
     shape = tuple(int(d) for d in a.shape)
@@ -287,6 +288,8 @@ def encode_output(a: np.ndarray, datatype: str | None = None) -> tuple[str, tupl
         # by its name ('int32'), not its text: a big-endian dtype's is '>i4' (it went as FP32)
         name = _OIP_NAME[dt] = OIP_BY_NUMPY.get(dt.name)
     if name is None:
+        if dt.kind == "c":  # its real part alone would go: refused, not cast (`complex_output`)
+            raise ValueError(f"a {dt.name} output has no Open Inference Protocol datatype (no complex one)")
         a, name = a.astype(np.float32), "FP32"
     elif dt.isnative and _LITTLE:  # the common case: C-order bytes as they are
         return name, shape, a.tobytes()

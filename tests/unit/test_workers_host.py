@@ -302,15 +302,11 @@ def test_drop_waits_until_the_memory_is_back_bounded(polls: int | None, released
         (np.array([[True, False]]), "BOOL"),
         (np.arange(3, dtype=np.float16), "FP16"),
         (np.arange(3, dtype=">f4"), "FP32"),  # big-endian: sent little-endian
-        (np.arange(3, dtype=np.complex64), "FP32"),  # no OIP type: its real part as FP32
+        (np.arange(3, dtype=np.float128), "FP32"),  # no OIP type: as FP32
     ],
 )
 def test_outputs_travel_as_oip_raw_bytes(array: np.ndarray, datatype: str) -> None:
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", np.exceptions.ComplexWarning)
-        entry = P.encode_output(array)
+    entry = P.encode_output(array)
     assert entry[:2] == (datatype, array.shape)
     little = np.dtype(P.OIP_DATATYPES[datatype]).newbyteorder("<")
     assert entry[2] == array.real.astype(little).tobytes()
@@ -757,3 +753,10 @@ def test_torchscript_constants_land_on_the_models_device(tmp_path: Path) -> None
     ]
     assert consts and {c.device.type for c in consts} == {"meta"}
     assert {p.device.type for p in module.parameters()} == {"meta"}
+
+
+@pytest.mark.parametrize("dtype", [np.complex64, np.complex128])
+def test_a_complex_output_is_refused_not_cast_to_its_real_part(dtype: type) -> None:
+    """OIP has no complex datatype; a cast to FP32 dropped the imaginary part without a word."""
+    with pytest.raises(ValueError, match="no complex"):
+        P.encode_output(np.array([1 + 2j, 3 - 1j], dtype=dtype))
