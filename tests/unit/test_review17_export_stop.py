@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -73,4 +74,33 @@ def test_a_tuning_run_stopped_in_its_export_leaves_nothing(
     with pytest.raises(TuningStopped, match="export was stopped"):
         job.run_tuning(load_config(cfg), cfg, store, now, stop)
     assert stop.asked == 2
+    assert list(out_dir.iterdir()) == []
+
+
+# Review 18: `export_trace`, a general-purpose export (`residency trace export`), raised the tuning
+# job's `TuningStopped` when its `stop` said so. It raises its own `ExportStopped` now; the tuning job
+# still treats a stop met in its export as a stopped run (the same message and "stopped: ...").
+
+
+def test_a_stopped_export_raises_its_own_exception_not_the_tuning_jobs(
+    tmp_path: Path, week: tuple[object, float]
+) -> None:
+    store, now = week
+    with pytest.raises(ExportStopped, match="export was stopped") as e:
+        export_trace(store, 7 * 86400, now, tmp_path / "out.jsonl", lambda: True)  # type: ignore[arg-type]
+    assert not isinstance(e.value, TuningStopped)
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_the_schedule_still_reports_a_run_stopped_in_its_export_as_stopped(
+    tmp_path: Path, week: tuple[object, float]
+) -> None:
+    store, now = week
+    out_dir = tmp_path / "tuning"
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(HANDWRITTEN.read_text() + f"tuning: {{schedule: weekly, out_dir: {out_dir}}}\n")
+    manager = SimpleNamespace(config=load_config(cfg))
+    said = job.scheduled_tuning(manager, cfg, store, now, lambda: True)
+    assert said == "stopped: the export was stopped (the service is stopping)"
+    assert store.get_doc("tuning") in (None, {})  # a stopped run is not recorded as failed
     assert list(out_dir.iterdir()) == []
