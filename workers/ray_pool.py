@@ -6,6 +6,17 @@
   is replaced by a new one), with restarts allowed. A CUDA device asks for `num_gpus=1` (logical GPUs
   schedule on CPU-only machines); a device with `node:` is placed on that Ray node
   (`node:<address>` resource).
+* A CUDA device's `index` names the same GPU under Ray as in-process. Ray counts the host's GPU
+  (`num_gpus=1`: scheduling and `ray.available_resources()` as before) but is told, through the
+  actor's runtime env (`RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1`), to leave its
+  CUDA_VISIBLE_DEVICES alone: Ray would narrow it to the one GPU it picked, which the host then saw as
+  cuda:0 whatever the config's index (and NVML, which numbers GPUs physically, read another GPU's
+  power). The host sees the GPUs as the node's Ray does (a local Ray: the manager's own environment;
+  a cluster node: the environment `ray start` ran in), so `cuda:<index>` is the GPU the config names.
+  Which GPU Ray counts as taken need not be that one: two devices of one node with the same index
+  share a GPU, and a GPU that other Ray work asks for is not kept from it. A CUDA host of an earlier
+  run made without that runtime env is replaced (Ray's `get_if_exists` hands back an actor by name,
+  whatever its options).
 * `submit` queues the command; the pool keeps one command in flight per device (so a device's commands
   run in submission order) and `poll` uses `ray.wait(..., timeout=0)`, never blocking; an actor that
   died turns into `CommandResult(ok=False, error_code="worker_died")`. Re-submitting the same op id
@@ -47,7 +58,7 @@ import time
 import urllib.parse
 import warnings
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -84,6 +95,12 @@ PLACEMENT_WAIT_S = 30.0
 """How long a host whose resources the cluster has may wait for a node before its commands fail."""
 NODE_SHARE = 0.001
 """How much of its `node:<address>` resource a host placed on a named node asks for."""
+NOSET_CUDA_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+"""Ray's switch (`ray._private.accelerators.nvidia_gpu`): set to "1" (or "true") in a worker's
+environment, Ray does not set CUDA_VISIBLE_DEVICES there to the GPUs it assigned."""
+CUDA_ENV_VARS = {NOSET_CUDA_VISIBLE_DEVICES: "1"}
+"""The env_vars of a CUDA device's host actor's runtime env: they are in the worker's environment
+from its start, before Ray sets the visible devices for the actor's creation task."""
 
 
 class DeviceHostActor:
@@ -432,10 +449,35 @@ _HOST_INDEX = operator.attrgetter("host.index")
 does not say it; a function of the standard library, so that a host of any version runs it.)"""
 
 
+def _gpu_env_asked() -> Callable[[Any], str | None]:
+    """What `_GPU_ENV_ASKED` runs: made in a function, so that Ray sends it by value (a host whose
+    `workers` package is older than this one runs it; one by reference it could not import)."""
+    noset = NOSET_CUDA_VISIBLE_DEVICES
+
+    def asked(actor: Any) -> str | None:
+        import ray
+
+        env_vars: dict[str, str] = ray.get_runtime_context().runtime_env.get("env_vars") or {}
+        return env_vars.get(noset)
+
+    return asked
+
+
+_GPU_ENV_ASKED = _gpu_env_asked()
+"""Run on a host actor (`__ray_call__`): the value its runtime env gives NOSET_CUDA_VISIBLE_DEVICES
+(None: unset, as in a host of an earlier release, where Ray set CUDA_VISIBLE_DEVICES)."""
+
+
+def _truthy(value: str | None) -> bool:
+    """As Ray reads NOSET_CUDA_VISIBLE_DEVICES (`env_bool`): "1" or "true", any case."""
+    return value is not None and value.lower() in ("1", "true")
+
+
 def _changed(handle: Any, d: DeviceSpec) -> str | None:
     """How the host `handle` of an earlier run differs from device `d` (its kind; its node, where `d`
-    names one: a host of a device that names none says its machine's name; a CUDA device's GPU index),
-    or None: the same, or it cannot tell now (not placed, not answering: it is kept, as before)."""
+    names one: a host of a device that names none says its machine's name; a CUDA device's GPU index,
+    and whether Ray leaves its CUDA_VISIBLE_DEVICES alone), or None: the same, or it cannot tell now
+    (not placed, not answering: it is kept, as before)."""
     if _scheduled(handle) is False:
         return None
     try:
@@ -458,6 +500,18 @@ def _changed(handle: Any, d: DeviceSpec) -> str | None:
             return None
         if index != d.index:
             return f"its host from an earlier run serves cuda:{index}, the config's entry says cuda:{d.index}"
+    if d.kind == "cuda":  # asked once it is known to serve the config's index
+        try:
+            noset = ray.get(handle.__ray_call__.remote(_GPU_ENV_ASKED), timeout=REATTACH_CHECK_S)
+        except Exception as e:
+            logger.info("device %s: its host from an earlier run did not say how it sees its GPUs (%s); "
+                        "it is kept", d.name, _named(e))  # fmt: skip
+            return None
+        if not _truthy(noset):
+            return (
+                "its host from an earlier run has CUDA_VISIBLE_DEVICES set by Ray to the GPU Ray picked "
+                f"(made by an earlier release), so its cuda:{d.index} need not be the GPU the config names"
+            )
     return None
 
 
@@ -550,7 +604,8 @@ class RayWorkerPool:
             "get_if_exists": True,
         }
         if d.kind == "cuda":
-            opts["num_gpus"] = 1
+            opts["num_gpus"] = 1  # Ray's accounting; which GPU the host uses is its index (module doc)
+            opts["runtime_env"] = {"env_vars": dict(CUDA_ENV_VARS)}
         if d.node:
             opts["resources"] = {f"node:{d.node}": NODE_SHARE}
         return RemoteDeviceHost.options(**opts).remote(d.name, d.kind, d.index, d.node), False
