@@ -5,7 +5,8 @@
     worldpager bench-stall [--quick] [--compute-s S] [--steps N] [--segment-size SIZE] [--codec C]
                            [--json] [--plot FILE.png]
     worldpager session [--preset {tiny,micro}] [--segments 150] [--host-memory 64MiB] [--codec C]
-                       [--mode {prefetch,on_demand}] [--log-dir DIR [--resume]] [--json]
+                       [--mode {prefetch,on_demand}] [--log-dir DIR [--resume [--resume-at STEP]]]
+                       [--json]
 
 Errors in what the user gave (a size, a fraction, a flag) print `worldpager: <message>` on stderr and
 return 2, without a traceback; a run that fails on the machine (a session whose disk fills up) prints
@@ -444,6 +445,24 @@ def _resume_settings(args: argparse.Namespace) -> tuple[str | None, str | None]:
     return preset or saved_preset, codec or saved.get("codec")
 
 
+def _resume_at(args: argparse.Namespace) -> int | None:
+    """--resume-at: the step to continue the saved session at, at the latest (None: where it stopped);
+    UsageError without --resume, or for what is not a whole number in [0, MAX_COUNT]."""
+    if args.resume_at is None:
+        return None
+    if not args.resume:
+        raise UsageError("--resume-at needs --resume (it continues a saved session at that step)")
+    try:
+        step = int(args.resume_at)
+    except ValueError:
+        step = -1
+    if not 0 <= step <= MAX_COUNT:
+        raise UsageError(
+            f"--resume-at {_shown(args.resume_at)}: expected a whole number in [0, {MAX_COUNT:,}]"
+        )
+    return step
+
+
 def _host_budget(args: argparse.Namespace, host_memory: int, cap: int, seg_bytes: int) -> int:
     """The host tier's budget in bytes; UsageError when it cannot hold what one step needs there: the
     next step's retrieval set (protected while it is prepared) and the new segment. With less, new
@@ -575,7 +594,7 @@ def cmd_session(args: argparse.Namespace) -> int:
     from worldpager.layout import SegmentLayout
     from worldpager.model import TinyCausalWan
     from worldpager.segment_log import LOG_NAME, SegmentLogError
-    from worldpager.session import SESSION_PRESETS, Session
+    from worldpager.session import SESSION_PRESETS, Session, WindowLostError
 
     try:
         host_memory = parse_size(args.host_memory)
@@ -598,6 +617,7 @@ def cmd_session(args: argparse.Namespace) -> int:
             raise UsageError(f"--read-bandwidth: {e}") from None
     if args.log_dir and Path(args.log_dir).exists() and not Path(args.log_dir).is_dir():
         raise UsageError(f"--log-dir {args.log_dir}: is a file, expected a folder")
+    resume_at = _resume_at(args)
     preset, codec = _resume_settings(args) if args.resume else (args.preset, args.codec)
     preset, codec = preset or "tiny", codec or "bf16"
     cfg = SESSION_PRESETS[preset].on_the_fly()
@@ -615,13 +635,19 @@ def cmd_session(args: argparse.Namespace) -> int:
         log_dir = Path(args.log_dir) if args.log_dir else Path(tmp) / "log"
         try:
             if args.resume:
-                session = Session.resume(log_dir, model, **opts)
+                session = Session.resume(log_dir, model, resume_at=resume_at, **opts)
             else:
                 session = Session(model, log_dir=log_dir, metadata={"preset": preset}, **opts)
         except FileExistsError as e:  # a new session over a saved one: never written over
             raise UsageError(
                 f"--log-dir {log_dir}: holds a saved session ({e.filename} exists); continue it with "
                 "--resume, or give an empty or new folder"
+            ) from None
+        except WindowLostError as e:  # the step it can continue at, said as this command's flag
+            n = e.resume_at
+            raise UsageError(
+                f"{e.reason}; the log still holds the session up to step {n}: continue it there with "
+                f"--resume --resume-at {n} (the segments from {n} on are generated again)"
             ) from None
         except (ValueError, OSError, SegmentLogError) as e:
             raise UsageError(str(e)) from None
@@ -697,6 +723,13 @@ def _add_session(sub: argparse._SubParsersAction[_Parser]) -> None:
     )
     p.add_argument("--log-dir", default=None, metavar="DIR", help="keep the session in DIR (default: temp)")
     p.add_argument("--resume", action="store_true", help="continue the session saved in --log-dir")
+    p.add_argument(
+        "--resume-at",
+        default=None,
+        metavar="STEP",
+        help="with --resume: continue at STEP at the latest (the segments from it on are generated "
+        "again; a resume that cannot restore the saved session names the step to give)",
+    )
     p.add_argument("--seed", type=int, default=None, help="trajectory and input seed (0; --resume: saved)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(fn=cmd_session)

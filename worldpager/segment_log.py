@@ -15,7 +15,8 @@ One directory per session holds three files:
   index): a slot of another log (a log file copied from another session) is corrupt to this one. Logs
   written before it have id 0 and are read as before (no check).
 * ``index.json`` -- slot -> header, written atomically (tmp + fsync + rename + dir fsync) by flush(),
-  close() and open() after a recovery. open() trusts a flushed index (data was fsynced before it) once
+  close() and open() after a recovery (on a full disk open() leaves that to the next flush(): reading
+  a log needs no space). open() trusts a flushed index (data was fsynced before it) once
   the file is no shorter than it says and the last indexed header on disk matches; slots past the index
   (appended after the last flush) are verified in full (header and payload). A missing or stale index
   (or one whose slots are not exactly ``0 .. n_slots-1``) is rebuilt by scanning every slot. Corrupt
@@ -112,6 +113,7 @@ __all__ = [
     "OTHERS",
     "SLOT_ALIGN",
     "CorruptSlotError",
+    "DiskFullError",
     "ForeignSlotError",
     "LogFullError",
     "RetiredSlotError",
@@ -120,6 +122,7 @@ __all__ = [
     "SegmentLogError",
     "decode_header",
     "encode_header",
+    "is_disk_full",
     "open_fresh",
     "slot_size_for",
 ]
@@ -144,7 +147,25 @@ def slot_size_for(payload_bytes: int) -> int:
 
 
 class LogFullError(SegmentLogError):
-    """The disk is full (ENOSPC/EDQUOT) or the append would exceed the max_bytes budget."""
+    """The disk is full (ENOSPC/EDQUOT) or the append would exceed the max_bytes budget; the message
+    names the log file (or, raised by a session, its folder)."""
+
+
+class DiskFullError(LogFullError, OSError):
+    """A write the full disk refused (a session's save, its index) said as `LogFullError`, naming the
+    folder, and still the OSError it is (``errno`` ENOSPC or EDQUOT): callers that catch either see it."""
+
+    def __init__(self, message: str, code: int | None = errno.ENOSPC) -> None:
+        super().__init__(message)
+        self.errno = code  # (set after: str() stays the message, not "[Errno 28] ...")
+
+    def __reduce__(self) -> tuple[type[DiskFullError], tuple[str, int | None]]:
+        return type(self), (str(self.args[0]), self.errno)  # (pickled whole: across processes too)
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """Whether ``e`` is the OS saying the disk (or the user's quota) is full: ENOSPC or EDQUOT."""
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def _header_from_json(e: dict[str, Any]) -> SegmentHeader:
@@ -216,12 +237,21 @@ def make_private_dirs(directory: str | os.PathLike[str]) -> Path:
 
 
 def _atomic_write_json(path: Path, obj: object) -> None:
+    """Write ``obj`` to ``path`` atomically. An OSError (a full disk) leaves ``path`` as it was and no
+    ``.tmp`` behind (its space given back), and names ``path`` when the OS named no file."""
     tmp = path.with_name(path.name + ".tmp")
-    with open_fresh(tmp) as f:
-        f.write(json.dumps(obj, separators=(",", ":")).encode("utf-8"))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open_fresh(tmp) as f:
+            f.write(json.dumps(obj, separators=(",", ":")).encode("utf-8"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if e.filename is None:
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
     _fsync_dir(path.parent)
 
 
@@ -408,7 +438,8 @@ class SegmentLog:
             held = end - self._given_back()
             if self.max_bytes is not None and held > self.max_bytes:
                 raise LogFullError(
-                    f"slot {slot} would bring the log to {held} bytes, past max_bytes={self.max_bytes}"
+                    f"{self.path}: slot {slot} would bring the log to {held} bytes, past "
+                    f"max_bytes={self.max_bytes}"
                 )
             old_size = os.fstat(self._fd).st_size
             try:
@@ -417,8 +448,10 @@ class SegmentLog:
             except OSError as e:
                 with contextlib.suppress(OSError):
                     os.ftruncate(self._fd, old_size)
-                if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise LogFullError(f"disk full writing slot {slot}: {e}") from e
+                if is_disk_full(e):
+                    raise LogFullError(
+                        f"{self.path}: disk full writing slot {slot}: {e.strerror or e}"
+                    ) from e
                 raise
             with self._lock:
                 self._n_slots = slot + 1
@@ -852,7 +885,11 @@ class SegmentLog:
         else:
             self.index_state = "loaded" if trusted >= n else "extended"
         if self.index_state != "loaded":
-            self._write_index()
+            try:
+                self._write_index()
+            except OSError as e:  # reading the log needs no space: the next flush() writes the index
+                if not is_disk_full(e):
+                    raise
 
     def _write_index(self) -> None:
         with self._write_lock:

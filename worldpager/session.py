@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
 from array import array
 from collections.abc import Mapping, Sequence
@@ -41,7 +42,7 @@ from worldpager.retrieval import (
     outside_window,
     predict_pose,
 )
-from worldpager.segment_log import LOG_NAME
+from worldpager.segment_log import LOG_NAME, DiskFullError, is_disk_full
 from worldpager.session_records import (
     CorruptSlot,
     EventLog,
@@ -50,7 +51,7 @@ from worldpager.session_records import (
     StepRecord,
     stall_stats,
 )
-from worldpager.session_store import SESSION_FILE, WINDOW_FILE, read_saved_state
+from worldpager.session_store import SESSION_FILE, WINDOW_FILE, WindowLostError, read_saved_state
 from worldpager.trajectory import block_inputs
 from worldpager.transfer import Throttle, TransferHandler, sleep_until
 
@@ -66,9 +67,12 @@ __all__ = [
     "Session",
     "SessionEvent",
     "StepRecord",
+    "WindowLostError",
     "read_saved_state",
     "stall_stats",
 ]
+
+logger = logging.getLogger(__name__)
 
 Mode = Literal["prefetch", "on_demand"]
 MODES: tuple[Mode, ...] = ("prefetch", "on_demand")
@@ -197,7 +201,8 @@ class Session:
             if hasattr(self, "handler"):
                 with contextlib.suppress(Exception):
                     self.handler.close()
-            self.log.close()
+            with contextlib.suppress(OSError):  # (its index write on a full disk: not the cause)
+                self.log.close()
             raise
 
     @classmethod
@@ -205,9 +210,18 @@ class Session:
         """Reopen the session saved in ``log_dir`` (see `worldpager.session_store`) and continue it at the
         next frame; ``kwargs`` as for the constructor (``codec``/``seed`` default to the saved ones).
         ValueError if ``model`` or the log does not fit the saved session; FileNotFoundError if there
-        is no log; `SegmentLogError` if the rolling window cannot be restored. Segments the session had
-        generated but the log no longer holds (below the step it continues at) are reported as
-        `MissingSegment` events; corrupt, truncated and missing slots as `CorruptSlot` events."""
+        is no log; `WindowLostError` (a `SegmentLogError`) if the rolling window cannot be restored:
+        its ``resume_at`` is the latest step a resume can continue at instead, consistently.
+
+        A full disk does not stop a resume, which reads what is saved and writes nothing it needs:
+        a ``session.json`` it cannot rewrite keeps the saved window, which a later resume checks
+        against the log as ever. Only a roll-back (``resume_at`` below segments the log holds) must
+        be recorded before the log moves on: on a full disk it is refused (`LogFullError` naming
+        the folder) and nothing changes. Later writes a full disk refuses: see `close`.
+
+        Segments the session had generated but the log no longer holds (below the step it continues
+        at) are reported as `MissingSegment` events; corrupt, truncated and missing slots as
+        `CorruptSlot` events."""
         return cls(model, log_dir=log_dir, resume=True, **kwargs)
 
     @staticmethod
@@ -421,8 +435,17 @@ class Session:
         return self.handler.wait_written(step, timeout) is not None
 
     def flush_index(self) -> None:
-        """fsync the log and save its index (a reopen then trusts it instead of scanning the slots)."""
-        self.log.flush()
+        """fsync the log and save its index (a reopen then trusts it instead of scanning the slots);
+        `LogFullError` naming the folder when the disk is full (the index is saved by a later flush,
+        or rebuilt by the next resume)."""
+        try:
+            self.log.flush()
+        except OSError as e:
+            if is_disk_full(e):
+                raise self._disk_full(
+                    e, "the log's index", "a later flush or the next resume writes it"
+                ) from e
+            raise
 
     def run(self, poses: Sequence[Pose]) -> list[StepRecord]:
         return [self.step(p) for p in poses]
@@ -437,7 +460,13 @@ class Session:
     # ---- lifecycle ------------------------------------------------------------------------------
     def close(self) -> None:
         """Stop the transfer threads (after outstanding I/O), release a prefetched step, close the log,
-        then save the session state (``session.json`` and the rolling window) for `resume`."""
+        then save the session state (``session.json`` and the rolling window) for `resume`.
+
+        On a full disk: an index the log cannot save is logged (its data is fsynced; the next resume
+        scans for it) and the session is still saved; a save the disk refuses raises `LogFullError`
+        naming the folder (a `DiskFullError`: an OSError too), with nothing half-written: a resume
+        continues from what the folder holds (the saved state where it still matches the log, else
+        the log)."""
         if self._closed:
             return
         self._closed = True
@@ -451,9 +480,33 @@ class Session:
             finally:  # also after a transfer thread failed: stop the threads that are left
                 self.handler.close()
         finally:
-            self.log.close()
-            self._drain_events()
-        self._save_state(window=self._save_window())
+            try:
+                self.log.close()
+            except OSError as e:  # (the file is closed all the same)
+                if not is_disk_full(e):
+                    raise
+                logger.warning(
+                    "%s: the log's index was not saved (%s): the next resume rebuilds it", self.log_dir, e
+                )
+            finally:
+                self._drain_events()
+        try:
+            self._save_state(window=self._save_window())
+        except OSError as e:
+            if is_disk_full(e):
+                raise self._disk_full(
+                    e, "the session", "a resume continues from what the folder holds"
+                ) from e
+            raise
+
+    def _disk_full(self, e: OSError, what: str, then: str) -> DiskFullError:
+        """The `LogFullError` (a `DiskFullError`: an OSError too) for a write of ``what`` the full disk
+        refused (``e``), naming the folder (and the file), and ``then``: what happens next, or what
+        to do."""
+        name = f" ({Path(e.filename).name})" if e.filename else ""
+        return DiskFullError(
+            f"{self.log_dir}: disk full: cannot save {what}{name}: {e.strerror or e}; {then}", e.errno
+        )
 
     def __enter__(self) -> Session:
         return self
@@ -489,7 +542,8 @@ class Session:
             self._events.record(CorruptSlot(slot, reason))
         self._rollbacks = [(at, slots) for at, slots in (saved or {}).get("rollbacks", [])]
         stored = store.stored_segments(self.log, self.layout, self.cfg, self.log_dir, self._rollbacks)
-        if resume_at is not None and any(sid >= resume_at for sid in stored):
+        rolled_back = resume_at is not None and any(sid >= resume_at for sid in stored)
+        if rolled_back and resume_at is not None:
             # every copy written so far of a segment from resume_at on is of the abandoned timeline
             self._rollbacks.append((resume_at, self.log.n_slots))
             stored = {sid: v for sid, v in stored.items() if sid < resume_at}
@@ -524,7 +578,19 @@ class Session:
         self._max_position = nxt * self.cfg.frames_per_block - 1
         # The checkpoint is spent: from here the log moves on (after a roll-back it holds other copies
         # of the window's segments), so a crash before close() must rebuild the window from the log.
-        self._save_state(window=None)
+        try:
+            self._save_state(window=None)
+        except OSError as e:
+            if not is_disk_full(e):
+                raise
+            if rolled_back:  # unrecorded, a crash would bring the abandoned timeline back
+                then = "free some space and resume again (the saved session is unchanged)"
+                raise self._disk_full(e, f"the roll-back to step {resume_at}", then) from e
+            # Unsaved, session.json keeps the saved window: a later resume uses it only while it
+            # matches the log (segments appended from here on, or other copies, make it stale).
+            logger.warning(
+                "%s: %s not rewritten on resume (%s): saved at close", self.log_dir, SESSION_FILE, e
+            )
 
     # ---- summary --------------------------------------------------------------------------------
     def summary(self) -> dict[str, object]:

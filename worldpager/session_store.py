@@ -26,6 +26,12 @@ segment and the log's slot count then): the copies it abandoned, generated again
 taken for history by a later resume (`abandoned`). `read_saved_state` refuses (ValueError naming the
 file and field) a ``session.json`` whose values are not what `save_state` writes.
 
+A window that is neither in ``window.bin`` nor whole in the log (a segment of it lost) cannot be
+restored: `WindowLostError` names the lost segment and the latest step the log still holds a whole
+window for (`resumable_step`), the ``resume_at`` to continue at instead. A save the disk refuses
+(ENOSPC, EDQUOT) leaves the file it would replace as it was and no ``.tmp`` behind, and its OSError
+names that file.
+
 This module does not import `worldpager.session` (the session calls into it).
 """
 
@@ -70,6 +76,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "SESSION_FILE",
     "WINDOW_FILE",
+    "WindowLostError",
     "abandoned",
     "checkpoint_window",
     "config_dict",
@@ -77,6 +84,7 @@ __all__ = [
     "open_log",
     "read_saved_state",
     "register_stored",
+    "resumable_step",
     "save_state",
     "save_window",
     "set_window",
@@ -94,13 +102,25 @@ Stored = dict[int, tuple[int, SegmentHeader]]  # segment id -> (slot, header)
 # ---- saving -----------------------------------------------------------------------------------------
 
 
+def _failed_write(tmp: Path, path: Path, e: OSError) -> OSError:
+    """After a write of ``path`` through ``tmp`` failed with ``e`` (a full disk): ``tmp`` removed (its
+    space given back; ``path`` is as it was), and the error to raise: ``e``, naming ``path`` when the
+    OS named no file."""
+    with contextlib.suppress(OSError):
+        os.unlink(tmp)
+    return e if e.filename is not None else OSError(e.errno, e.strerror, str(path))
+
+
 def _atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open_fresh(tmp) as f:  # (never through a link planted as the .tmp)
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open_fresh(tmp) as f:  # (never through a link planted as the .tmp)
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        raise _failed_write(tmp, path, e) from e
     with contextlib.suppress(OSError):
         fd = os.open(path.parent, os.O_RDONLY)
         try:
@@ -201,15 +221,18 @@ def save_window(
     global_end = int(caches[0]["global_end_index"].item()) if caches else 0
     crc, nbytes = 0, 0
     tmp = log_dir / (WINDOW_FILE + ".tmp")
-    with open_fresh(tmp) as f:  # (never through a link planted as the .tmp)
-        for cache in caches:
-            for name in ("k", "v"):
-                data = _tensor_bytes(cache[name][:, :tokens])
-                crc, nbytes = zlib.crc32(data, crc), nbytes + len(data)
-                f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, log_dir / WINDOW_FILE)
+    try:
+        with open_fresh(tmp) as f:  # (never through a link planted as the .tmp)
+            for cache in caches:
+                for name in ("k", "v"):
+                    data = _tensor_bytes(cache[name][:, :tokens])
+                    crc, nbytes = zlib.crc32(data, crc), nbytes + len(data)
+                    f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, log_dir / WINDOW_FILE)
+    except OSError as e:  # (a full disk: the window written so far is removed, the old one kept)
+        raise _failed_write(tmp, log_dir / WINDOW_FILE, e) from e
     dtype = str(model.head.weight.dtype).removeprefix("torch.")
     return {
         "tokens": tokens, "global_end": global_end, "dtype": dtype, "nbytes": nbytes, "crc32": crc,
@@ -450,23 +473,56 @@ def _read_window(path: Path, nbytes: int, tokens: int) -> bytes | None:
     return bytes(buf) if got == nbytes else None
 
 
+class WindowLostError(SegmentLogError):
+    """The rolling window cannot be restored: a segment it holds is lost from the log (corrupt,
+    unreadable, never written) and ``window.bin`` does not match. ``resume_at``: the latest step at
+    which the log still holds a whole rolling window (`resumable_step`): a resume with that
+    ``resume_at`` continues a consistent session there, generating the segments from it on again.
+    ``reason``: the message without that hint (said in a caller's own words, e.g. a CLI flag)."""
+
+    def __init__(self, reason: str, resume_at: int) -> None:
+        super().__init__(
+            f"{reason}; the log still holds the session up to step {resume_at}: resume it there with "
+            f"resume_at={resume_at} (the segments from {resume_at} on are generated again)"
+        )
+        self.reason, self.resume_at = reason, resume_at
+
+    def __reduce__(self) -> tuple[type[WindowLostError], tuple[str, int]]:
+        return type(self), (self.reason, self.resume_at)  # (pickled whole: across processes too)
+
+
+def resumable_step(stored: Stored, cfg: TinyConfig, below: int) -> int:
+    """The latest step at most ``below`` whose rolling window the log holds whole (every segment of
+    `window_segments` in ``stored``); 0 (an empty window) at worst."""
+    for step in range(below, 0, -1):
+        if all(sid in stored for sid in window_segments(cfg, step)):
+            return step
+    return 0
+
+
 def window_from_log(
     stored: Stored, nxt: int, log: SegmentLog, layout: SegmentLayout, cfg: TinyConfig, log_dir: Path
 ) -> list[KV]:
-    """The rolling window rebuilt from the last segments in the log (codec precision)."""
+    """The rolling window rebuilt from the last segments in the log (codec precision). A segment of
+    it not in the log, or failing its check when read, is a `WindowLostError` naming the segment and
+    the step to resume at instead."""
     tokens = min(cfg.window_tokens, nxt * cfg.frames_per_block * cfg.tokens_per_frame)
     per_layer: list[list[KV]] = [[] for _ in range(cfg.layers)]
     for sid in window_segments(cfg, nxt):
         if sid not in stored:
-            raise SegmentLogError(
+            raise WindowLostError(
                 f"{log_dir}: cannot rebuild the rolling window: segment {sid} is not in the log "
-                f"and {WINDOW_FILE} does not match it"
+                f"and {WINDOW_FILE} does not match it",
+                resumable_step(stored, cfg, sid),
             )
         slot = stored[sid][0]
         try:
             _, payload = log.read(slot)
-        except CorruptSlotError as e:
-            raise SegmentLogError(f"{log_dir}: cannot rebuild the rolling window: segment {sid} ({e})") from e
+        except CorruptSlotError as e:  # (the steps up to sid need only segments before it)
+            raise WindowLostError(
+                f"{log_dir}: cannot rebuild the rolling window: segment {sid} ({e})",
+                resumable_step(stored, cfg, sid),
+            ) from e
         for i, kv in enumerate(layout.decode(payload)):
             per_layer[i].append(kv)
     return [
