@@ -48,6 +48,7 @@ from manager.live_sessions import WorldSessionsMixin, _World, worker_error
 from manager.metrics import Metrics
 from manager.policy.engine import Engine
 from manager.policy.factory import create_policy
+from manager.policy.outcomes import Admission
 from manager.policy.types import TIER_NAMES, Action, ActionKind, Tier
 from manager.store.base import CorruptDocument
 from manager.units import format_size as fmt_bytes
@@ -104,6 +105,20 @@ class _Live:
     inflight: int = 0
     evict_to: str | None = None  # an admin's evict, waiting for the requests in flight to end
     failures: int = 0  # failed commands so far (a request's wait tells a new failure from one it took)
+
+
+@dataclass(eq=False)
+class _RoomWait:
+    """A request waiting for room on its model's device (`LiveManager._room_turn`). The waiting
+    requests are tried in class order, highest first, and within a class in arrival order (`seq`):
+    room that comes free goes to the first of them it is enough for."""
+
+    m: Any
+    rank: int
+    seq: int
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    admission: Admission | None = None  # its admission, once it is no longer "wait"
+    error: Exception | None = None  # what its admission raised
 
 
 @dataclass(frozen=True)
@@ -230,6 +245,11 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         """Models whose load or promote their device host abandoned (LOAD_TIMEOUT) but still runs, with
         the error that said so: their bytes stay booked on their device (`_hold_abandoned`)."""
         self._held_check: dict[str, float] = {}  # device -> when its abandoned loads are checked again
+        self._room_waits: list[_RoomWait] = []  # requests waiting for room (`_room_turn`)
+        self._room_seq = 0  # arrival order of the requests that waited for room
+        self._room_task: asyncio.Task[None] | None = None  # tries them again while any wait
+        self._pins_write: asyncio.Task[None] | None = None  # the last write of the pins, on a thread
+        self._pins_dirty = False  # the pins changed since the store last took them (it failed)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -304,6 +324,9 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                 if now >= self._next_save:
                     if self._pins_unread:
                         await self._restore_pins_off_loop()
+                    writing = self._pins_write is not None and not self._pins_write.done()
+                    if self._pins_dirty and not self._pins_unread and not writing:
+                        self._save_pins()  # a pin whose write failed: written once the store answers
                     await self.save_stats_async()
                     self._next_save = now + SAVE_EVERY_S
             except Exception:  # the reconciler must outlive any one bad result
@@ -414,7 +437,10 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             live.loads_pending -= 1
         if r.ok:
             self._drops_refused.discard(model)
-            self._held_loads.pop(model, None)
+            if kind in (ActionKind.LOAD, ActionKind.PROMOTE, ActionKind.LOAD_HOST):
+                # (its host starts no load of it while an abandoned one runs: that one ended; not a
+                # drop's, say the admin's evict's: it finds nothing of the model, the load still runs)
+                self._held_loads.pop(model, None)
             if not r.noop:
                 self.metrics.load_seconds.labels(model, r.transition).observe(r.timing.total_s)
             live.tier = r.to_tier
@@ -458,6 +484,17 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                 self.engine.evict(m, now, f"load failed: {r.error}", failed=True)
                 self._flush()
                 live.ready.set()  # wake the waiters: they see the error
+        elif (
+            kind in (ActionKind.LOAD, ActionKind.PROMOTE)
+            and r.error_code == P.LOAD_TIMEOUT
+            and m.tier == Tier.DISK
+            and live.loads_pending == 0
+        ):
+            # the books took it off its device during the load (an admin's evict), but the load
+            # still runs there and fills that room: booked and held again (as a resync would), until
+            # its host's status no longer lists it; unless the room went to another model meanwhile
+            # (said: `_hold_abandoned` cannot book it then)
+            self._hold_abandoned(m, r.error or f"its {r.op} did not finish in time")
         elif kind == ActionKind.LOAD_HOST and m.tier == Tier.HOST:
             self.engine.drop_host(m, now, f"load to host RAM failed: {r.error}")
             self._flush()
@@ -839,37 +876,108 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         arrival = self.clock()
         if observe:  # (not again for a request retried after its device host lost the model)
             self.engine.observe(m, arrival)
-        while True:
-            now = self.clock()
-            if m.tier != Tier.GPU:  # at a stop, nothing is loaded (nor evicted) for a request
-                self._if_stopping(m, NO_LOAD_AT_STOP)
-            adm = self.engine.admit(m, rank, now)
+        await self._room_turn(m, rank, arrival, deadline)
+        return arrival
+
+    async def _room_turn(
+        self, m: Any, rank: int, arrival: float | None, deadline: float, *, again: bool = False
+    ) -> None:
+        """Admit `m` for a request of class `rank` (the engine loads it, making room as the class may):
+        at once when it is on its GPU or there is room, else once room comes free. The requests that
+        wait for room are tried in class order, highest first, and within a class in arrival order
+        (`_room_pass`, at each arrival and every WAIT_RETRY_S): room that comes free goes to the
+        first one it is enough for, not to whichever asks first. InsufficientCapacity when the engine
+        rejects it, or no room came within its class's max_wait from `arrival` (None: none, an
+        admin's preload); DeadlineExceeded at `deadline` (`again`: its model was taken off its device
+        while it waited for the load it was admitted for); WorkerUnavailable once the service stops."""
+        if m.tier == Tier.GPU:  # loaded or loading: no room needed
+            adm = self.engine.admit(m, rank, self.clock())
             self._flush()
             if adm.status == "reject":
                 raise InsufficientCapacity(f"model {m.name!r} cannot be served: {adm.reason}")
-            if adm.status != "wait":
-                return arrival
-            max_wait = self.engine.state.class_max_wait[rank]
-            if now - arrival > max_wait:
-                raise InsufficientCapacity(
-                    f"model {m.name!r}: no room within its class's max_wait ({max_wait} s)"
-                    + self._held_note(m.device)
-                )
-            if now >= deadline:
-                raise DeadlineExceeded(
-                    f"model {m.name!r}: no room became free before the deadline{self._held_note(m.device)}"
-                )
-            self._if_stopping(m, "no room became free for it in time")
-            await asyncio.sleep(WAIT_RETRY_S)
+            return
+        self._if_stopping(m, NO_LOAD_AT_STOP)  # at a stop, nothing is loaded (nor evicted) for it
+        self._room_seq += 1
+        w = _RoomWait(m, rank, self._room_seq)
+        self._room_waits.append(w)
+        try:
+            self._room_pass()  # in order with those already waiting (it may be first)
+            while True:
+                if w.error is not None:
+                    raise w.error
+                if w.admission is not None:
+                    if w.admission.status == "reject":
+                        raise InsufficientCapacity(f"model {m.name!r} cannot be served: {w.admission.reason}")
+                    return
+                now = self.clock()
+                max_wait = self.engine.state.class_max_wait[rank] if arrival is not None else math.inf
+                if arrival is not None and now - arrival > max_wait:
+                    raise InsufficientCapacity(
+                        f"model {m.name!r}: no room within its class's max_wait ({max_wait} s)"
+                        + self._held_note(m.device)
+                    )
+                if now >= deadline and again:
+                    raise DeadlineExceeded(
+                        f"model {m.name!r} was taken off its device while the request waited for its load, "
+                        f"and no room became free again before the deadline{self._held_note(m.device)}"
+                    )
+                if now >= deadline:
+                    held = self._held_note(m.device)
+                    raise DeadlineExceeded(f"model {m.name!r}: no room became free before the deadline{held}")
+                self._if_stopping(m, "no room became free for it in time")
+                if self._room_task is None or self._room_task.done():
+                    self._room_task = asyncio.get_running_loop().create_task(self._room_passes())
+                wake = min(WAIT_RETRY_S, max(deadline - now, 0.0))
+                if arrival is not None:
+                    wake = min(wake, max(arrival + max_wait - now, 0.0) + 1e-3)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(w.done.wait(), wake)
+        finally:
+            self._room_waits.remove(w)
 
-    async def _ready(self, m: Any, deadline: float, rank: int | None = None) -> None:
+    def _room_pass(self) -> None:
+        """Try the requests waiting for room again, in class order (highest first: the config lists
+        the classes so, `class_rank` 0 first), within a class in arrival order; each one the engine
+        admits (or rejects) is woken. One that finds no room leaves what room there is to the next
+        ones (a smaller model may fit it). Not one whose model is off its GPU once the service stops."""
+        if not self._room_waits:
+            return
+        now = self.clock()
+        stopping = self._stopping.is_set()
+        for w in sorted(self._room_waits, key=lambda w: (w.rank, w.seq)):
+            if w.admission is not None or w.error is not None or (stopping and w.m.tier != Tier.GPU):
+                continue
+            try:
+                adm = self.engine.admit(w.m, w.rank, now)
+                self._flush()
+            except Exception as e:  # (that request's error, not the others')
+                w.error = e
+                w.done.set()
+                continue
+            if adm.status != "wait":
+                w.admission = adm
+                w.done.set()
+
+    async def _room_passes(self) -> None:
+        """`_room_pass` every WAIT_RETRY_S while requests wait for room."""
+        while self._room_waits:
+            await asyncio.sleep(WAIT_RETRY_S)
+            try:
+                self._room_pass()
+            except Exception:  # (the waiting requests still time out by themselves)
+                logger.exception("trying the requests that wait for room failed")
+
+    async def _ready(
+        self, m: Any, deadline: float, rank: int | None = None, *, arrival: float | None = None
+    ) -> None:
         """Wait for `m`'s confirmed load. A device host that died under the load (Ray restarts it,
         empty) costs one more load, within the deadline; past it the caller gets UNAVAILABLE. A model
         taken off its device meanwhile is admitted again under the request's class `rank` (the
-        model's own class when None: an admin's preload), so a background request never evicts."""
+        model's own class when None: an admin's preload), so a background request never evicts; it
+        waits for room in turn with the others (`_room_turn`), at most its class's max_wait from the
+        request's `arrival` (None: an admin's preload, which waits until its deadline)."""
         live = self.live[m.name]
         died = ""
-        no_room = False  # taken off its device meanwhile, and no room to load it again yet
         taken = -1  # `live.failures` when the death was taken (its error is no new failure after)
         # (its tier too: a failed load sets `ready` to wake its waiters, the model on disk)
         while not live.ready.is_set() or live.loads_pending or m.tier != Tier.GPU:
@@ -880,11 +988,6 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                 raise WorkerUnavailable(
                     f"model {m.name!r}: its device host died during the load ({died}); "
                     "the reload did not finish before the deadline"
-                )
-            if left <= 0 and no_room:
-                raise DeadlineExceeded(
-                    f"model {m.name!r} was taken off its device while the request waited for its load, "
-                    "and no room became free again before the deadline"
                 )
             if left <= 0:
                 raise DeadlineExceeded(f"model {m.name!r} did not finish loading before the deadline")
@@ -900,13 +1003,9 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             if not live.ready.is_set() or live.loads_pending or m.tier != Tier.GPU:
                 self._if_stopping(m)  # (not admitted, nor loaded, again at a stop)
             if m.tier != Tier.GPU:  # evicted again while waiting (rare): admit once more
-                adm = self.engine.admit(m, m.rank if rank is None else rank, self.clock())
-                self._flush()
-                if adm.status == "reject":
-                    raise InsufficientCapacity(f"model {m.name!r} cannot be served: {adm.reason}")
-                no_room = adm.status == "wait"
-                if no_room:  # not loaded: not ready (a failed load set it only to wake its waiters)
+                if not live.loads_pending:  # (a failed load set `ready` only to wake its waiters)
                     live.ready.clear()
+                await self._room_turn(m, m.rank if rank is None else rank, arrival, deadline, again=True)
 
     def _if_stopping(self, m: Any, what: str = "its load did not finish in time") -> None:
         """WorkerUnavailable when the service is stopping (`abandon_waits`), saying `what` `m` waited
@@ -1051,7 +1150,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         try:
             arrival = await self._admit(m, rank, deadline, observe=not retry)
             cold = not self.live[m.name].ready.is_set()
-            await self._ready(m, deadline, rank)
+            await self._ready(m, deadline, rank, arrival=arrival)
             served = True
             return arrival, cold
         except Exception:  # never served (Stats' rejected is the metric's: a retry is counted served)
@@ -1205,7 +1304,9 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
     def evict(self, model: str, to: str = "disk") -> None:
         """An admin's evict to host RAM or disk. A model serving requests (or a world session), or
         loading for requests that wait for it, goes when the last of them ends, as Triton's unload
-        and Ollama's stop do: taken off under a request, the request would fail or load it again."""
+        and Ollama's stop do: taken off under a request, the request would fail or load it again. (One
+        loading for no request goes at once; if its device host then abandons that load, LOAD_TIMEOUT,
+        its room is held again when the result comes: `_on_result`.)"""
         m = self._model(model)
         if to not in ("disk", "host"):  # (first: unpinning would not make it right)
             raise InvalidRequest(f"evict to must be disk or host, not {to!r}")
@@ -1314,16 +1415,63 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         else:
             self.pin_overrides[model] = pinned
         self._pins_set.add(model)
-        if self.store is not None:
-            if self._pins_unread:  # first the saved ones (writing without them would lose them)
-                self._restore_pins(late=True)
-            if self._pins_unread:
-                logger.warning("the store is down: the pin of %s is not saved across a restart", model)
-                return
-            try:
-                self.store.put_doc("pins", dict(self.pin_overrides))
-            except Exception:  # the store is down: the pin holds now; saved with the next call
-                logger.warning("the store is down: the pin of %s is not saved across a restart", model)
+        self._save_pins(model)
+
+    def _save_pins(self, model: str | None = None) -> None:
+        """The admin pins as they are now -> the store's "pins" document, after `model`'s pin or unpin
+        (None: the reconciler's retry after a failed write). The write is made on a thread, after the
+        writes asked for before it (the last call's word is the one the store keeps): a store that
+        hangs held the event loop, and every request, for its timeout. A write that fails is logged;
+        the pins hold meanwhile, and are written again at the reconciler's next save once the store
+        answers (`_pins_dirty`). Without a running event loop (a tool, a test), on the caller's thread."""
+        if self.store is None:
+            return
+        if self._pins_unread:  # first the saved ones (writing without them would lose them)
+            self._restore_pins(late=True)
+        if self._pins_unread:
+            self._pins_dirty = True
+            if model is not None:
+                logger.warning(
+                    "the store is down: the pin of %r is not saved across a restart yet (it holds now; "
+                    "saved once the store answers)",
+                    model,
+                )
+            return
+        doc = dict(self.pin_overrides)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            self._pins_dirty = not self._write_pins(doc, model)
+            return
+        prev = self._pins_write
+
+        async def write() -> None:
+            if prev is not None and not prev.done():
+                await asyncio.wait({prev})  # (in order: an older document never lands after a newer)
+            self._pins_dirty = not await asyncio.to_thread(self._write_pins, doc, model)
+
+        self._pins_write = self._in_background(write())
+
+    def _write_pins(self, doc: dict[str, bool], model: str | None) -> bool:
+        """`doc` -> the store's "pins" document; whether it was written (a failure is logged: at
+        warning level for an admin's pin or unpin, `model`, at debug for a retry). Any thread."""
+        try:
+            self.store.put_doc("pins", doc)
+        except Exception as e:
+            why = str(e) or type(e).__name__
+            if model is None:
+                logger.debug("the store is still down: the admin pins are not saved yet (%s)", why)
+            else:
+                logger.warning(
+                    "could not save the pin of %r in the store (%s): it holds now, but is not saved "
+                    "across a restart until the store answers (tried again at the next save)",
+                    model,
+                    why,
+                )
+            return False
+        if model is None:
+            logger.info("admin pins saved in the store: %s", doc or "none")
+        return True
 
     def _apply_pins(self) -> None:
         for name, pinned in self.pin_overrides.items():
