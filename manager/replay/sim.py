@@ -329,16 +329,19 @@ class Simulator:
             heapq.heappush(self.heap, t)
 
     def _retry(self, now: float) -> None:
-        """Try the waiting requests again, first come first served; passes repeat while one serves
-        something, since what a served request moves (its evictions) may make room for one tried
-        before it in the same pass. A request still without room keeps the later requests for its
-        model of its class or a lower one behind it; a later one of a higher class is tried."""
+        """Try the waiting requests again in class order (the highest first), within a class first
+        come first served, as the live manager does (`manager/live.py` `_room_pass`); passes repeat
+        while one serves something, since what a served request moves (its evictions) may make room
+        for one tried before it in the same pass. A request still without room keeps the later
+        requests for its model of its class or a lower one behind it; a later one of a higher class
+        is tried, and so is one for another model (a smaller one may fit the room there is)."""
         progress = True
         while progress and self.waiting:
             progress = False
             pending, self.waiting = self.waiting, deque()
             blocked: dict[str, int] = {}  # model -> the highest class (lowest rank) left waiting
-            for w in pending:
+            # (`waiting` is in arrival order within each class, and a stable sort keeps it so)
+            for w in sorted(pending, key=_rank_of):
                 w.m.waiting -= 1
                 self.waiting_n[w.rank] -= 1
                 if w.rank >= blocked.get(w.m.name, len(self.class_names)):
@@ -373,6 +376,10 @@ class Simulator:
         res.lease_shrinks, res.lease_grows = c.lease_shrinks, c.lease_grows
         res.actions = self.engine.actions
         return res
+
+
+def _rank_of(w: _Waiting) -> int:
+    return w.rank
 
 
 def replay(

@@ -43,3 +43,28 @@ def test_a_session_lease_grows_into_room_freed_mid_session_at_the_next_tick(poli
     assert t <= te + 1.0, f"{policy}: grew {t - te:.0f} s after the room came free"
     assert lease == 8 * GiB
     assert r.budget_violations == 0
+
+
+@pytest.mark.parametrize("policy", ["gdsf", "residency"])
+def test_room_that_comes_free_goes_to_the_higher_class_first(policy: str) -> None:
+    """The live manager serves the requests waiting for room highest class first, within a class in
+    arrival order (`manager/live.py` `_room_pass`); the replay tried them first come first served.
+    A realtime model (8 of 9 GiB) loads for 4 s, runs until 104 s and keeps its 30 s keep-alive, so
+    neither a background request (arrived at 10 s) nor an interactive one (at 20 s) may take its room
+    until it expires at 134 s; there is room for one of them. The interactive one loads then (4 s from disk),
+    and the background one waits (its class may not evict)."""
+    from test_review_engine import m, req, server
+
+    classes = [{"name": "realtime"}, {"name": "interactive"}, {"name": "background", "may_evict": False}]
+    cfg = server(
+        [
+            m("voice", "realtime", "8GiB", keep_alive="30s"),
+            m("chat", "interactive", "5GiB"),
+            m("batch", "background", "5GiB"),
+        ],
+        classes,
+    )
+    r = replay(cfg, [req(0, "voice", busy=100.0), req(10, "batch"), req(20, "chat")], policy)
+    assert r.models["chat"].load_wait_s == pytest.approx(134 - 20 + 4.0)
+    assert r.models["batch"].load_wait_s > 134 - 10 + 4.0  # after chat's keep-alive
+    assert r.budget_violations == 0
