@@ -71,13 +71,14 @@ def redact(url: str) -> str:
     A Redis url is read as the store reads it (`shown_redis_url`: an "@" in its query is not the end
     of its user info). Otherwise everything up to the last "@" counts as user info (passwords may
     hold "@" or "/"); a user name before a ":" is kept, a lone user-info part (`redis://SECRET@host`)
-    is hidden whole.
+    is hidden whole. A url with an "@" that does not start SCHEME:// (`redis:/:SECRET@host`, a space
+    before it) is shown from its last "@" on: `***@host`.
     """
     if url.lower().startswith(("redis://", "rediss://")):
         return shown_redis_url(url)
     m = _USERINFO.match(url)
-    if m is None:
-        return url
+    if m is None:  # (returned whole, it quoted the password of `redis:/:SECRET@host`)
+        return f"***@{url.rpartition('@')[2]}" if "@" in url else url
     user, colon, _ = m.group(2).partition(":")
     return f"{m.group(1)}{user if colon else ''}{':***' if colon else '***'}@{url[m.end() :]}"
 

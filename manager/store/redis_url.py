@@ -13,9 +13,10 @@ The user info (RFC 3986 3.2) is the authority's: it ends at the last "@" before 
 or "#" after "//", so an "@" in the query (`?prefix=team@home`, an ssl_* path) is the query's. A
 password as password tools make it, with "/", "?", "#" or "@" not %-encoded, is still taken where
 the url cannot be read the RFC's way (no host, a port that is no number, a database that is no
-number, a #fragment): then the user info ends at the first later "@" after which a good
-HOST[:PORT][/DB] follows (see `_userinfo_end`). A message never quotes the user info, nor a query
-that holds an "@" (it may be the end of a password whose "?" was not written %3F).
+number, a #fragment, or a user info whose RFC reading leaves an "@" in a query parameter's name, as
+`redis://default:p@ss?word@cache/0` does): then the user info ends at the first later "@" after
+which a good HOST[:PORT][/DB] follows (see `_userinfo_end`). A message never quotes the user info,
+nor a query that holds an "@" (it may be the end of a password whose "?" was not written %3F).
 """
 
 from __future__ import annotations
@@ -143,13 +144,44 @@ def _userinfo_end(scheme: str, rest: str) -> int:
     (`_host_part_fits`). Else a password holding "/", "?", "#" or "@" that are not %-encoded: the
     first "@" after the authority that a fitting host part follows (the first, so that an "@" in
     the query is the query's). Else (nothing fits: the url is bad) the last "@", so that whatever
-    the message says of the url's remains quotes no part of a password."""
+    the message says of the url's remains quotes no part of a password.
+
+    An "@" so found after which the query has an "@" in a parameter's name
+    (`redis://default:p@ss?word@cache/0`: host "ss", parameter "word@cache/0", never one this store
+    takes) is inside a password holding "@" and then a bare "?": the first later "@" that a fitting
+    host part with a good query follows ends it, as it did before the RFC reading (none: the url is
+    read as found, and refused)."""
     end = _authority_end(rest)
-    cuts = [rest.rfind("@", 0, end)] + [i for i in range(end, len(rest)) if rest[i] == "@"]
-    for cut in cuts:
-        if _host_part_fits(scheme, rest[cut + 1 :]):
-            return cut
+    first = rest.rfind("@", 0, end)
+    later = [i for i in range(end, len(rest)) if rest[i] == "@"]
+    for cut in [first, *later]:
+        if not _host_part_fits(scheme, rest[cut + 1 :]):
+            continue
+        if cut >= 0 and _name_holds_at(scheme, rest[cut + 1 :]):
+            # `redis://default:p@ss?word@cache/0`: a query whose parameter name holds an "@" is no
+            # query this store takes (RFC-read, "ss" is the host and "word@cache/0" a parameter): the
+            # password went on past a bare "?", as before the RFC reading. (An "@" in a value, and
+            # a url with no "@" before its "?", `redis://me:4821?x@host`, keep the RFC reading.)
+            for c in (c for c in later if c > cut):
+                hostpart = rest[c + 1 :]
+                if _host_part_fits(scheme, hostpart) and not _query_problem(scheme, hostpart):
+                    return c
+        return cut
     return rest.rfind("@")
+
+
+def _query(scheme: str, hostpart: str) -> dict[str, list[str]]:
+    return parse_qs(urlsplit(f"{scheme}://{hostpart}").query, keep_blank_values=True)
+
+
+def _name_holds_at(scheme: str, hostpart: str) -> bool:
+    """Whether a parameter name in the query of `hostpart` (a fitting one) holds an "@"."""
+    return any("@" in name for name in _query(scheme, hostpart))
+
+
+def _query_problem(scheme: str, hostpart: str) -> str | None:
+    """What is wrong with the query of `hostpart` (a fitting one), or None."""
+    return _params_problem(_query(scheme, hostpart), tls=scheme.lower() == "rediss", show=_not_shown)
 
 
 def hide_userinfo(userinfo: str | None) -> str:
