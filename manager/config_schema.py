@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from manager.store.redis_url import redis_url_problem
+from manager.store.redis_url import redact, redis_url_problem
 from manager.units import (
     DURATION_PATTERN,
     MAX_SIZE,
@@ -308,7 +308,7 @@ class StoreConfig(_Model):
         if not v.startswith(("sqlite:///", "redis://", "rediss://")):
             raise ValueError(
                 f"expected a URL starting with sqlite:///, redis:// or rediss://, like "
-                f"'sqlite:///.residency/state.db', got {shown(v)}"
+                f"'sqlite:///.residency/state.db', got {shown(redact(v))}"
             )
         if v.startswith("sqlite:"):
             problem = _sqlite_url_problem(v)

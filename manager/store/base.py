@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Protocol, runtime_checkable
 
 from manager.replay.trace import ALLOWED_FIELDS, MAX_LINE_CHARS, parse_line, parse_object, request_to_json
-from manager.store.redis_url import shown_redis_url
+from manager.store.redis_url import redact
 
 __all__ = [
     "EXTRA_FIELDS",
@@ -62,25 +61,6 @@ RECORD_FIELDS: tuple[str, ...] = ALLOWED_FIELDS + EXTRA_FIELDS
 _TRACE_SET = frozenset(ALLOWED_FIELDS)
 _RECORD_SET = frozenset(RECORD_FIELDS)
 _PLAIN = frozenset({str, int, float})  # exact types (not bool, not numpy scalars)
-_USERINFO = re.compile(r"^([a-z][a-z0-9+.-]*://)(.*)@", re.IGNORECASE | re.DOTALL)
-
-
-def redact(url: str) -> str:
-    """`url` with the password replaced by ***: what error messages and logs may show.
-
-    A Redis url is read as the store reads it (`shown_redis_url`: an "@" in its query is not the end
-    of its user info). Otherwise everything up to the last "@" counts as user info (passwords may
-    hold "@" or "/"); a user name before a ":" is kept, a lone user-info part (`redis://SECRET@host`)
-    is hidden whole. A url with an "@" that does not start SCHEME:// (`redis:/:SECRET@host`, a space
-    before it) is shown from its last "@" on: `***@host`.
-    """
-    if url.lower().startswith(("redis://", "rediss://")):
-        return shown_redis_url(url)
-    m = _USERINFO.match(url)
-    if m is None:  # (returned whole, it quoted the password of `redis:/:SECRET@host`)
-        return f"***@{url.rpartition('@')[2]}" if "@" in url else url
-    user, colon, _ = m.group(2).partition(":")
-    return f"{m.group(1)}{user if colon else ''}{':***' if colon else '***'}@{url[m.end() :]}"
 
 
 class StoreError(Exception):

@@ -21,6 +21,7 @@ nor a query that holds an "@" (it may be the end of a password whose "?" was not
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
@@ -241,3 +242,24 @@ def redis_url_problem(url: str) -> str | None:
     except ValueError as e:
         return str(e)
     return None
+
+
+_USERINFO = re.compile(r"^([a-z][a-z0-9+.-]*://)(.*)@", re.IGNORECASE | re.DOTALL)
+
+
+def redact(url: str) -> str:
+    """`url` with the password replaced by ***: what error messages and logs may show.
+
+    A Redis url is read as the store reads it (`shown_redis_url`: an "@" in its query is not the end
+    of its user info). Otherwise everything up to the last "@" counts as user info (passwords may
+    hold "@" or "/"); a user name before a ":" is kept, a lone user-info part (`redis://SECRET@host`)
+    is hidden whole. A url with an "@" that does not start SCHEME:// (`redis:/:SECRET@host`, a space
+    before it) is shown from its last "@" on: `***@host`.
+    """
+    if url.lower().startswith(("redis://", "rediss://")):
+        return shown_redis_url(url)
+    m = _USERINFO.match(url)
+    if m is None:  # (returned whole, it quoted the password of `redis:/:SECRET@host`)
+        return f"***@{url.rpartition('@')[2]}" if "@" in url else url
+    user, colon, _ = m.group(2).partition(":")
+    return f"{m.group(1)}{user if colon else ''}{':***' if colon else '***'}@{url[m.end() :]}"

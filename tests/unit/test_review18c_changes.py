@@ -157,3 +157,23 @@ def test_redact_never_quotes_the_password_of_a_url_it_cannot_read(url: str) -> N
 )
 def test_redact_still_shows_what_holds_no_password(url: str, shown: str) -> None:
     assert redact(url) == shown
+
+
+@pytest.mark.parametrize(
+    "url", ["redis:/:s3cret@cache/0", " redis://:s3cret@cache/0", "redis+ssl://me:s3cret@cache/0"]
+)
+def test_the_config_never_quotes_the_password_of_a_store_url_it_refuses(tmp_path: Path, url: str) -> None:
+    """The config's store.url check echoed a url with a bad prefix whole, password and all."""
+    import json
+
+    from manager.config import ConfigError, load_config
+
+    home = (Path(__file__).resolve().parents[2] / "configs" / "home.yaml").read_text()
+    line = '  url: "sqlite:///.residency/state.db"'
+    assert line in home
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(home.replace(line, f"  url: {json.dumps(url)}"))
+    with pytest.raises(ConfigError, match="expected a URL starting with") as e:
+        load_config(cfg)
+    assert "s3cret" not in str(e.value)
+    assert "store.url" in str(e.value) and "@cache" in str(e.value)
