@@ -50,5 +50,6 @@ def test_soak_short() -> None:
     # memory: growth after the warm-up within the stated (generous) bound
     rss = r["rss_mib"]
     assert rss["bound_after_warmup"] == RSS_BOUND_CI_MIB
+    assert rss["not_measured_reason"] is None, rss
     assert rss["growth_after_warmup_net_of_kv"] <= RSS_BOUND_CI_MIB, rss
     assert rss["within_bound"], rss

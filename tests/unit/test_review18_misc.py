@@ -50,16 +50,18 @@ def test_a_soak_with_no_sample_after_its_warm_up_reports_no_growth_and_no_pass(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     soak = load_bench("soak")
-    # 3 s of schedule, warm-up 0.6 s, a sample every 5 s: the only schedule sample is at its start
+    # 3 s of schedule, warm-up 0.6 s, a sample every 5 s: no sample after the warm-up, or (where a
+    # busy machine stretches the schedule past 5 s) one, which is no growth either
     assert soak.main(["--minutes", "0.05", "--cycle-seconds", "3", "--sample-seconds", "5"]) == 0
     out = capsys.readouterr().out
     r = json.loads(out)
     assert r["errors"] == 0, r["first_errors"]
     rss = r["rss_mib"]
     _assert_not_measured(rss)
-    assert "no sample after the warm-up" in rss["not_measured_reason"]
-    assert "--sample-seconds" in rss["not_measured_reason"]
-    assert rss["samples_after_warmup"] == 0
+    said = rss["not_measured_reason"]
+    assert "sample after the warm-up" in said and "--sample-seconds" in said, said
+    assert rss["samples_after_warmup"] in (0, 1)
+    assert ("no sample" in said) == (rss["samples_after_warmup"] == 0), said
     assert rss["start"] > 0 and rss["end"] > 0  # what was read is still reported
     assert '"growth_after_warmup": null' in out and '"within_bound": null' in out
 
