@@ -436,37 +436,60 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         if kind in (ActionKind.LOAD, ActionKind.PROMOTE):
             live.loads_pending -= 1
         if r.ok:
-            self._drops_refused.discard(model)
-            if kind in (ActionKind.LOAD, ActionKind.PROMOTE, ActionKind.LOAD_HOST):
-                # (its host starts no load of it while an abandoned one runs: that one ended; not a
-                # drop's, say the admin's evict's: it finds nothing of the model, the load still runs)
-                self._held_loads.pop(model, None)
-            if not r.noop:
-                self.metrics.load_seconds.labels(model, r.transition).observe(r.timing.total_s)
-            live.tier = r.to_tier
-            m = self.engine.models[model]
-            if live.load_error is not None and kind in (
-                ActionKind.LOAD,
-                ActionKind.PROMOTE,
-                ActionKind.LOAD_HOST,
-            ):
-                live.load_error = None
-                m.prewarm_ok = m.cfg.prewarm
-            if r.to_tier == "gpu" and not r.noop:
-                src = "host" if r.from_tier == "host" else (r.source or "disk")
-                m.cost.measure(src, max(r.timing.total_s, 1e-4))
-                if r.footprint.device_bytes > 0:
-                    self.engine.measured_footprint(m, r.footprint.device_bytes, now)
-                    self._measured.add(model)
-                    self._flush()  # measured larger: what made room for it leaves now
-                    self._gauge_resident()  # the books count the measured bytes now (no action said so)
-                m.ready_at = min(m.ready_at, now)
-            if r.to_tier == "gpu" and live.loads_pending == 0 and m.tier == Tier.GPU:
-                live.ready.set()
-            self._publish(
-                "confirmed", model, f"{r.op} {r.transition} in {r.timing.total_s:.3f} s", r.device, now
-            )
-            return
+            self._confirmed(r, model, kind, live, now)
+        else:
+            self._failed(r, model, kind, live, now, retried=retried, last_try=last_try)
+        if kind in (ActionKind.LOAD, ActionKind.PROMOTE):
+            # an admin's evict that waited for this load goes now: as usual after a success; after a
+            # failure the model is off its device on the books already, or held for a load its host
+            # abandoned (its room comes free when that ends, `_release_abandoned`: nothing more to do)
+            self._deferred_evict(self.engine.models[model])
+
+    def _confirmed(
+        self, r: P.CommandResult, model: str, kind: ActionKind | None, live: _Live, now: float
+    ) -> None:
+        """A command's success (`r`): the books take its measures, waiters of its load wake."""
+        self._drops_refused.discard(model)
+        if kind in (ActionKind.LOAD, ActionKind.PROMOTE, ActionKind.LOAD_HOST):
+            # (its host starts no load of it while an abandoned one runs: that one ended; not a
+            # drop's, say the admin's evict's: it finds nothing of the model, the load still runs)
+            self._held_loads.pop(model, None)
+        if not r.noop:
+            self.metrics.load_seconds.labels(model, r.transition).observe(r.timing.total_s)
+        live.tier = r.to_tier
+        m = self.engine.models[model]
+        if live.load_error is not None and kind in (
+            ActionKind.LOAD,
+            ActionKind.PROMOTE,
+            ActionKind.LOAD_HOST,
+        ):
+            live.load_error = None
+            m.prewarm_ok = m.cfg.prewarm
+        if r.to_tier == "gpu" and not r.noop:
+            src = "host" if r.from_tier == "host" else (r.source or "disk")
+            m.cost.measure(src, max(r.timing.total_s, 1e-4))
+            if r.footprint.device_bytes > 0:
+                self.engine.measured_footprint(m, r.footprint.device_bytes, now)
+                self._measured.add(model)
+                self._flush()  # measured larger: what made room for it leaves now
+                self._gauge_resident()  # the books count the measured bytes now (no action said so)
+            m.ready_at = min(m.ready_at, now)
+        if r.to_tier == "gpu" and live.loads_pending == 0 and m.tier == Tier.GPU:
+            live.ready.set()
+        self._publish("confirmed", model, f"{r.op} {r.transition} in {r.timing.total_s:.3f} s", r.device, now)
+
+    def _failed(
+        self,
+        r: P.CommandResult,
+        model: str,
+        kind: ActionKind | None,
+        live: _Live,
+        now: float,
+        *,
+        retried: bool,
+        last_try: bool,
+    ) -> None:
+        """A command's failure (`r`): said, and the books follow what its device host still holds."""
         live.error, live.error_code = r.error, r.error_code
         live.failures += 1
         self.metrics.failures.labels(model, r.error_code or "unknown").inc()
@@ -490,10 +513,11 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             and m.tier == Tier.DISK
             and live.loads_pending == 0
         ):
-            # the books took it off its device during the load (an admin's evict), but the load
-            # still runs there and fills that room: booked and held again (as a resync would), until
-            # its host's status no longer lists it; unless the room went to another model meanwhile
-            # (said: `_hold_abandoned` cannot book it then)
+            # the books took it off its device during the load (an admin's evict waits for the load
+            # now, `evict`; the engine's own eviction once the load's estimated time had passed), but
+            # the load still runs there and fills that room: booked and held again (as a resync
+            # would), until its host's status no longer lists it; unless the room went to another
+            # model meanwhile (said: `_hold_abandoned` cannot book it then)
             self._hold_abandoned(m, r.error or f"its {r.op} did not finish in time")
         elif kind == ActionKind.LOAD_HOST and m.tier == Tier.HOST:
             self.engine.drop_host(m, now, f"load to host RAM failed: {r.error}")
@@ -1304,9 +1328,11 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
     def evict(self, model: str, to: str = "disk") -> None:
         """An admin's evict to host RAM or disk. A model serving requests (or a world session), or
         loading for requests that wait for it, goes when the last of them ends, as Triton's unload
-        and Ollama's stop do: taken off under a request, the request would fail or load it again. (One
-        loading for no request goes at once; if its device host then abandons that load, LOAD_TIMEOUT,
-        its room is held again when the result comes: `_on_result`.)"""
+        and Ollama's stop do: taken off under a request, the request would fail or load it again. One
+        whose load (or promote) is still on its way goes once its device host answers for it
+        (`_on_result`): until then that load fills its room on the device (up to the host's load
+        timeout), so the books keep it booked, and no other model is loaded into it. Either way the
+        call answers at once; the `evict_deferred` event (and the log) says what it waits for."""
         m = self._model(model)
         if to not in ("disk", "host"):  # (first: unpinning would not make it right)
             raise InvalidRequest(f"evict to must be disk or host, not {to!r}")
@@ -1314,18 +1340,33 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             raise InvalidRequest(f"model {model!r} is pinned; unpin it first")
         live = self.live[model]
         waiting = m.waiting if m.tier == Tier.GPU else 0  # on the GPU (loading) for waiting requests
-        if live.inflight > 0 or waiting > 0:
+        loading = self._loading(m)
+        if live.inflight > 0 or waiting > 0 or loading:
             live.evict_to = to
-            detail = f"to {to} when its {live.inflight + waiting} request(s) in flight or waiting end"
+            if live.inflight > 0 or waiting > 0:
+                detail = f"to {to} when its {live.inflight + waiting} request(s) in flight or waiting end"
+                detail += " and its load on its device host ends" if loading else ""
+            else:
+                detail = (
+                    f"to {to} when its load on {m.device} ends (its device host still runs it: its "
+                    f"{fmt_bytes(m.gpu_bytes)} stay booked until then)"
+                )
+            logger.info("admin evict of %s deferred: %s", model, detail)
             self._publish("evict_deferred", model, detail, m.device, self.clock())
             return
         self._evict_now(m, to)
 
+    def _loading(self, m: Any) -> bool:
+        """Whether `m`'s load or promote to its GPU is on its way: the books have it there, its
+        device host has not answered for it yet."""
+        return bool(m.tier == Tier.GPU and self.live[m.name].loads_pending > 0)
+
     def _deferred_evict(self, m: Any) -> None:
         """Carry out an admin's evict that waited for `m`'s requests in flight (or waiting for its
-        load), once none is left (unless the model was pinned or preloaded since: then it stays)."""
+        load), and for its load's result, once none is left (unless the model was pinned or
+        preloaded since: then it stays)."""
         live = self.live[m.name]
-        if live.evict_to is None or live.inflight > 0 or m.waiting > 0:
+        if live.evict_to is None or live.inflight > 0 or m.waiting > 0 or self._loading(m):
             return
         to, live.evict_to = live.evict_to, None
         if not m.pinned:
@@ -1421,36 +1462,54 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         """The admin pins as they are now -> the store's "pins" document, after `model`'s pin or unpin
         (None: the reconciler's retry after a failed write). The write is made on a thread, after the
         writes asked for before it (the last call's word is the one the store keeps): a store that
-        hangs held the event loop, and every request, for its timeout. A write that fails is logged;
-        the pins hold meanwhile, and are written again at the reconciler's next save once the store
-        answers (`_pins_dirty`). Without a running event loop (a tool, a test), on the caller's thread."""
+        hangs held the event loop, and every request, for its timeout. Pins saved before a start
+        with the store down, still unread, are read first (on that thread too) and merged: the
+        admin's pins set since the start win for their models, the saved ones hold for the others
+        (writing without them would lose them). A write that fails, or that waits for a store still
+        down, is logged; the pins hold meanwhile, and are written at the reconciler's next save once
+        the store answers (`_pins_dirty`). Without a running event loop (a tool, a test), all on the
+        caller's thread."""
         if self.store is None:
             return
-        if self._pins_unread:  # first the saved ones (writing without them would lose them)
-            self._restore_pins(late=True)
-        if self._pins_unread:
-            self._pins_dirty = True
-            if model is not None:
-                logger.warning(
-                    "the store is down: the pin of %r is not saved across a restart yet (it holds now; "
-                    "saved once the store answers)",
-                    model,
-                )
-            return
-        doc = dict(self.pin_overrides)
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            self._pins_dirty = not self._write_pins(doc, model)
+            if self._pins_unread:
+                self._restore_pins(late=True)
+            if self._pins_unread:
+                self._pins_still_unread(model)
+                return
+            self._pins_dirty = not self._write_pins(dict(self.pin_overrides), model)
             return
+        # the document as it is now; unread saved pins: as it is once they are read and merged
+        doc = None if self._pins_unread else dict(self.pin_overrides)
         prev = self._pins_write
 
         async def write() -> None:
             if prev is not None and not prev.done():
                 await asyncio.wait({prev})  # (in order: an older document never lands after a newer)
-            self._pins_dirty = not await asyncio.to_thread(self._write_pins, doc, model)
+            out = doc
+            if out is None:
+                if self._pins_unread:  # (an earlier write, or the reconciler, may have read them)
+                    await self._restore_pins_off_loop()
+                if self._pins_unread:
+                    self._pins_still_unread(model)
+                    return
+                out = dict(self.pin_overrides)
+            self._pins_dirty = not await asyncio.to_thread(self._write_pins, out, model)
 
         self._pins_write = self._in_background(write())
+
+    def _pins_still_unread(self, model: str | None) -> None:
+        """The pins saved in the store could not be read (it is down): none are written (that would
+        lose them); they are, with the saved ones, once it answers (the reconciler's next save)."""
+        self._pins_dirty = True
+        if model is not None:
+            logger.warning(
+                "the store is down: the pin of %r is not saved across a restart yet (it holds now; "
+                "saved once the store answers)",
+                model,
+            )
 
     def _write_pins(self, doc: dict[str, bool], model: str | None) -> bool:
         """`doc` -> the store's "pins" document; whether it was written (a failure is logged: at
@@ -1486,8 +1545,9 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self._take_pins(self._read_pins(), late=late)
 
     async def _restore_pins_off_loop(self) -> None:
-        """`_restore_pins(late=True)` as the reconciler makes it: the store's call on a thread (a store
-        that hangs held the event loop, and every request, for its timeout at each try)."""
+        """`_restore_pins(late=True)` as the reconciler and an admin's pin (`_save_pins`) make it: the
+        store's call on a thread (a store that hangs held the event loop, and every request, for its
+        timeout at each try)."""
         if self.store is None:
             return
         doc = await asyncio.to_thread(self._read_pins)

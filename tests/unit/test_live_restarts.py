@@ -354,7 +354,8 @@ def test_admin_pins_saved_before_a_start_with_the_store_down_are_not_lost(tmp_pa
         assert lm.engine.models["voice"].pinned  # the saved unpin could not be read
         lm.store.down = False  # the store is back
         lm.set_pin("embed", True)
-        assert not lm.engine.models["voice"].pinned  # read before writing, and applied
+        # read (off the event loop) before writing, and applied
+        await _until(lambda: not lm.engine.models["voice"].pinned, "the saved unpin read and applied")
 
     down = DownAtStart(open_store(url))
     run(config, pin_embed, down)

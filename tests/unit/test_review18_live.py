@@ -14,6 +14,13 @@ logged and made again once the store answers.
 (4) Requests waiting for room were served in whatever order their polls came: a request of a higher
 class could wait while a lower-class one that came earlier took the room. Room that comes free now
 goes to the waiting requests in class order (highest first), within a class in arrival order.
+(5) An admin's evict of a model whose load (or promote) was still on its way took it off the books
+at once, while its device host's load still filled the room (until the host answered: up to its
+load timeout), so another model could be booked into it. The evict now waits for that load's
+result (the call answers at once; an `evict_deferred` event says so), then goes as usual.
+(6) `set_pin`, with the pins saved in the store still unread (the store was down at start), read
+them on the event loop; it now reads them on a thread before its write, merging as before: the
+admin's new pin wins for its model, the saved pins hold for the others.
 
 Real tiny models (safetensors checkpoints) on in-process device hosts, a real SQLite store.
 """
@@ -338,6 +345,9 @@ def test_a_failed_pin_write_is_logged_and_made_again(
     store = _Store(open_store(f"sqlite:///{tmp_path / 'state.db'}"))
 
     async def body(lm: LiveManager) -> None:
+        # (the reconciler's first save step, at start, over: one still under way would set the next
+        # save a minute on after the test brings it forward below)
+        await until(lambda: lm._next_save > 0, "the reconciler's first save step")
         store.down = True
         with caplog.at_level(logging.WARNING, logger="manager.live"):
             lm.set_pin("hi", True)
@@ -355,3 +365,141 @@ def test_a_failed_pin_write_is_logged_and_made_again(
         run(config, body, store=store)
     finally:
         store.inner.close()
+
+
+# ---- (5) an admin's evict of a model whose load is still on its way ------------------------------
+def test_an_admin_evict_during_a_load_keeps_the_room_until_the_load_ends(gate: _Gate, tmp_path: Path) -> None:
+    """The evict took the loading model off the books at once, while its device host's load still
+    filled the room (until the host answered: up to its load timeout): another model was booked into
+    it. The evict now waits for the load's result, then goes as usual."""
+    config = _stuck_config(tmp_path)
+
+    async def main() -> None:
+        pool = create_pool(config, in_process=True)
+        host = pool.hosts["cpu0"]
+        lm = LiveManager(config, pool)
+        events = lm.subscribe()
+        await lm.start()
+        try:
+            dev = lm.engine.state.devices["cpu0"]
+            with pytest.raises(DeadlineExceeded, match="did not finish loading"):
+                await lm.infer("stuck", X4, timeout_s=0.2)  # nobody waits for the load now
+            assert lm.live["stuck"].loads_pending == 1
+            lm.evict("stuck")
+            # between the evict and the load's result, the room is not free on the books
+            assert _tier(lm, "stuck") == Tier.GPU, "the evict freed the room the load still fills"
+            assert dev.used >= 600 * MiB
+            with pytest.raises(DeadlineExceeded, match="no room became free"):
+                await lm.infer("other", X4, timeout_s=1.0)
+            assert _tier(lm, "other") == Tier.DISK and "other" not in host.status().models
+
+            gate.open.set()  # the load ends (it worked): the evict goes now
+            await until(lambda: _tier(lm, "stuck") == Tier.DISK, "stuck evicted once its load ended")
+            await until(lambda: "stuck" not in host.status().models, "stuck dropped on its host")
+            assert lm.live["stuck"].evict_to is None
+            assert (await lm.infer("other", X4, timeout_s=30)).result.ok
+            assert _tier(lm, "stuck") == Tier.DISK
+        finally:
+            gate.open.set()
+            await lm.stop()
+            pool.close()
+        said = []
+        while not events.empty():
+            e = events.get_nowait()
+            if e["kind"] == "evict_deferred" and e["model"] == "stuck":
+                said.append(e["detail"])
+        assert len(said) == 1 and "load" in said[0], said
+
+    asyncio.run(main())
+
+
+def test_an_admin_evict_during_a_promote_waits_for_it(gate: _Gate, tmp_path: Path) -> None:
+    """The same for a promote from host RAM (its build hangs as a load's does): to host RAM once
+    the promote ends, its room on the device held until then."""
+    config = _stuck_config(tmp_path)
+
+    async def main() -> None:
+        pool = create_pool(config, in_process=True)
+        host = pool.hosts["cpu0"]
+        lm = LiveManager(config, pool)
+        await lm.start()
+        try:
+            dev = lm.engine.state.devices["cpu0"]
+            await lm.preload("stuck", "host")
+            await until(lambda: lm.live["stuck"].tier == "host", "stuck in host RAM")
+            with pytest.raises(DeadlineExceeded, match="did not finish loading"):
+                await lm.infer("stuck", X4, timeout_s=0.2)  # its promote hangs
+            assert lm.live["stuck"].loads_pending == 1
+            lm.evict("stuck", "host")
+            assert _tier(lm, "stuck") == Tier.GPU and dev.used >= 600 * MiB
+            gate.open.set()
+            await until(lambda: _tier(lm, "stuck") == Tier.HOST, "stuck demoted once its promote ended")
+            await until(lambda: lm.live["stuck"].tier == "host", "the demote confirmed")
+            assert host.status().models["stuck"].tier == "host"
+            assert (await lm.infer("other", X4, timeout_s=30)).result.ok
+        finally:
+            gate.open.set()
+            await lm.stop()
+            pool.close()
+
+    asyncio.run(main())
+
+
+# ---- (6) set_pin reads the saved pins off the event loop ------------------------------------------
+class _DownStore:
+    """The real SQLite store; every call fails while `down` (an outage at start); the threads its
+    reads of the "pins" document ran on are recorded."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.down = True
+        self.pin_reads: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+        if not callable(attr):
+            return attr
+
+        def call(*a: Any, **k: Any) -> Any:
+            if self.down:
+                raise ConnectionError("store down (test)")
+            return attr(*a, **k)
+
+        return call
+
+    def get_doc(self, key: str) -> Any:
+        if self.down:
+            raise ConnectionError("store down (test)")
+        if key == "pins":
+            self.pin_reads.append(threading.get_ident())
+        return self.inner.get_doc(key)
+
+
+def test_set_pin_reads_the_saved_pins_off_the_event_loop(tmp_path: Path) -> None:
+    """The store was down at start: the saved pins are unread. The next admin pins read them on a
+    thread, then merge: the admin's new word for its model wins, the saved pins hold for the others."""
+    config = _three_models(tmp_path, holds=4.5)  # room for every pin
+    inner = open_store(f"sqlite:///{tmp_path / 'state.db'}")
+    inner.put_doc("pins", {"hi": True, "lo": True})  # saved by the run before
+    store = _DownStore(inner)
+
+    async def body(lm: LiveManager) -> None:
+        loop_thread = threading.get_ident()
+        await until(lambda: lm._next_save > 0, "the reconciler's first save step (the store down)")
+        assert lm._pins_unread and not lm.engine.models["lo"].pinned
+        store.down = False
+        lm.set_pin("hi", False)  # the admin's word for hi: over the saved pin
+        lm.set_pin("lo2", True)
+        assert not lm.engine.models["hi"].pinned and lm.engine.models["lo2"].pinned  # at once
+        await until(lambda: lm.engine.models["lo"].pinned, "the saved pin of lo read and applied")
+        await until(lambda: inner.get_doc("pins") == {"lo": True, "lo2": True}, "the merged pins saved")
+        assert store.pin_reads, "the saved pins were not read"
+        assert all(t != loop_thread for t in store.pin_reads), "the pins were read on the event loop"
+        assert not lm.engine.models["hi"].pinned and lm.engine.models["lo2"].pinned
+        assert lm.pin_overrides == {"lo": True, "lo2": True} and not lm._pins_unread
+
+    try:
+        run(config, body, store=store)
+        assert inner.get_doc("pins") == {"lo": True, "lo2": True}
+    finally:
+        inner.close()
