@@ -105,6 +105,12 @@ class CudaProbe:
         gc.collect()
         torch.cuda.synchronize(self.index)
         torch.cuda.empty_cache()
+        # pinned host memory freed (a host-tier model dropped, a host copy promoted) stays in torch's
+        # pinned host cache, page-locked in this process, until that cache is emptied (blocks whose
+        # copies still run are kept); a CUDA build's binding, as `torch.cuda.graphs` calls it
+        host_empty_cache = getattr(torch._C, "_host_emptyCache", None)
+        if host_empty_cache is not None:
+            host_empty_cache()
 
     def allocator_stats(self) -> dict[str, int]:
         return {
@@ -142,17 +148,27 @@ def wait_released(
 
 
 def nvml_power_w(index: int) -> float | None:
-    """Board power in watts from NVML, or None where NVML (package nvidia-ml-py) is absent."""
+    """Board power in watts, from NVML, of CUDA device `index` (numbered as torch numbers it); None
+    where NVML (package nvidia-ml-py) is absent or cannot say.
+
+    NVML numbers every GPU of the machine, in PCI order, and ignores CUDA_VISIBLE_DEVICES: its device
+    `index` may be another GPU than CUDA's. The device is found by its UUID, as CUDA reports it."""
     try:
         import pynvml  # type: ignore[import-not-found]
     except ImportError:
         return None
     try:
         pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        handle = pynvml.nvmlDeviceGetHandleByUUID(_nvml_uuid(index).encode())
         return float(pynvml.nvmlDeviceGetPowerUsage(handle)) / 1000.0
-    except Exception:  # NVML present but unusable (no driver, no permission): no figure
+    except Exception:  # NVML present but unusable (no driver, no permission, no such device): no figure
         return None
+
+
+def _nvml_uuid(index: int) -> str:
+    """CUDA device `index`'s UUID as NVML writes it: torch gives it without NVML's "GPU-" prefix."""
+    uuid = str(torch.cuda.get_device_properties(index).uuid)
+    return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
 
 
 def tensor_bytes(tensors: Any) -> int:

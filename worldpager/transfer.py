@@ -178,6 +178,10 @@ class TransferHandler:
         self._cuda = self.device.type == "cuda" and torch.cuda.is_available()
         self._stream: torch.cuda.Stream | None = None
         if self._cuda:
+            if self.device.index is None:
+                # "cuda" means the device current here and now; named, since each thread resolves an
+                # index-less device to its own current device (the upload thread's is cuda:0)
+                self.device = torch.device("cuda", torch.cuda.current_device())
             self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         self._cond = threading.Condition()  # serialises every PageManager call
         self._host: dict[int, bytes] = {}

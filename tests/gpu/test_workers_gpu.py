@@ -3,6 +3,8 @@ Skipped without CUDA (auto-marked `gpu`). Speeds are printed by `bench/workers_g
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import torch
@@ -18,8 +20,15 @@ TEXT = {"text": np.array([b"a pinned host tier"], dtype=object)}
 
 
 @pytest.fixture
-def host() -> DeviceHost:
-    return DeviceHost("gpu0", "cuda", index=0)
+def host() -> Iterator[DeviceHost]:
+    h = DeviceHost("gpu0", "cuda", index=0)
+    yield h
+    # every test starts from empty allocator caches: a model left loaded would be freed into the
+    # caching allocator when its host goes, and the next test's load would reuse those blocks, unseen
+    # by mem_get_info (a footprint of ~0 bytes)
+    for name in list(h.models):
+        h.apply(P.Drop(name), f"teardown-{name}")
+    h.probe.release()
 
 
 def ok(host: DeviceHost, cmd: P.Command, op: str) -> P.CommandResult:
@@ -67,3 +76,16 @@ def test_torchscript_voice_runs_on_the_gpu(host: DeviceHost) -> None:
     ok(host, P.Demote("voice"), "2")
     ok(host, P.Promote("voice"), "3")
     assert host.infer("voice", {"audio": np.zeros(1024, np.float32)}).outputs == out.outputs
+
+
+def test_drop_of_a_host_tier_model_hands_its_pinned_memory_back(host: DeviceHost) -> None:
+    # torch's pinned host allocator caches freed blocks (page-locked, in this process) until emptied
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    key = "allocated_bytes.current"  # pinned bytes the allocator holds, in use or cached
+    if stats is None or key not in stats():
+        pytest.skip(f"torch {torch.__version__}: no host_memory_stats()[{key!r}]")
+    r = ok(host, P.Load(EMBED, "host"), "1")
+    assert r.footprint.host_bytes > 0
+    held = stats()[key]
+    ok(host, P.Drop("embed"), "2")
+    assert stats()[key] <= held - r.footprint.host_bytes
