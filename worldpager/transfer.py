@@ -422,6 +422,12 @@ class TransferHandler:
             stream = torch.cuda.current_stream(self.device)
             for ev in events:
                 stream.wait_event(ev)
+            # The uploads were made on the side stream and are read on this (the caller's) stream:
+            # tell the caching allocator, so their memory is not reused before this stream is done.
+            for kv in kvs:
+                for k, v in kv:
+                    k.record_stream(stream)
+                    v.record_stream(stream)
         if not kvs:
             return None, ()
         layers = len(kvs[0])
@@ -674,10 +680,5 @@ class TransferHandler:
             kv = self.layout.rerotate(self.layout.decode(dev), from_frame, to_frame)
             ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ev.record(self._stream)
-        # The tensors were made on the side stream and are used on the compute stream: tell the
-        # caching allocator, so their memory is not reused before the compute stream is done.
-        main = torch.cuda.current_stream(self.device)
-        for k, v in kv:
-            k.record_stream(main)
-            v.record_stream(main)
+        # (the stream that reads them is told in `memory`: the caller's, not this thread's)
         return kv, ev

@@ -244,6 +244,7 @@ def test_memory_makes_the_compute_stream_wait_on_a_replanned_buffers_uploads(
     could read buffers the side stream was still writing (found in review; CUDA stood in by fakes)."""
     stream = _FakeStream()
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: None)  # (CPU tensors, fake stream)
     with SegmentLog.create(tmp_path, slot_size_for(SEG)) as log:
         h = TransferHandler(PageManager(8 * SEG, SLOT, 3, segment_bytes=SEG), log, LAYOUT)
         try:

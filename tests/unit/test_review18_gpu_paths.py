@@ -5,9 +5,8 @@ fakes of the torch.cuda calls they make (each fake is named so; none of them is 
    caller's compute stream (`memory` concatenates them there). The caching allocator is told of the
    upload thread's current stream (always the device's default stream), not of the stream that
    waited on the uploads and reads them: a caller computing on a stream of its own could see the
-   memory handed to the next uploads while it still read it. NOT fixed in this change (xfail, strict):
-   the fix -- `memory` calls `record_stream` with the stream it makes wait -- needs the fake stream of
-   another file's test to accept that call (see the marker's reason).
+   memory handed to the next uploads while it still read it. Fixed: `memory` calls `record_stream`
+   with the stream it makes wait.
 2. `TransferHandler(device="cuda")` (no index) kept the index-less device: every thread resolves it
    to its own current device, and a new thread's (the upload thread's) is cuda:0, whatever device
    the caller had selected. Now the handler names the current device at its creation.
@@ -124,12 +123,6 @@ def log(tmp_path: Path) -> Iterator[SegmentLog]:
 # ---- 1. the allocator is told of the stream that reads the uploads ----------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="not fixed here: the fix (record_stream on the caller's stream in `memory`) needs the fake "
-    "stream of test_review15_transfer_resize's replanned-buffer test to accept record_stream",
-)
 def test_memory_tells_the_allocator_of_the_compute_stream_that_reads_the_uploads(
     log: SegmentLog, monkeypatch: pytest.MonkeyPatch
 ) -> None:
