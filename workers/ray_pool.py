@@ -21,9 +21,12 @@
   run in submission order) and `poll` uses `ray.wait(..., timeout=0)`, never blocking; an actor that
   died turns into `CommandResult(ok=False, error_code="worker_died")`. Re-submitting the same op id
   after a restart is safe: commands are declarative and results cached by op id. A call that fails
-  while its host lives (the host's method raised: Ray's `RayTaskError`; or any error that is not Ray
-  saying the actor died or cannot be reached) is a failure of that call alone: `internal`, naming the
-  exception, with no death recorded (and no resync by the manager).
+  while its host lives (the host's method raised: Ray's `RayTaskError`, whatever it wraps, a
+  `GetTimeoutError` included; or any error that is not Ray saying the host is gone) is a failure of
+  that call alone: `internal`, naming the exception, with no death recorded (and no resync by the
+  manager). Ray says a host is gone with `RayActorError` (`ActorDiedError`, `ActorUnavailableError`)
+  and, in Ray 2.60, in other words too (`_HOST_GONE`): `OutOfMemoryError` (Ray's memory monitor
+  killed it), `NodeDiedError`, `WorkerCrashedError`, ...: those are its death (`worker_died`).
 * A host's death is reported once (the first call that fails on it). A command that then finds the
   host still restarting (Ray: `ActorUnavailableError`) is sent again every `UNAVAILABLE_RETRY_S`
   until the host answers, for at most `UNAVAILABLE_MAX_S`: the reload the manager asks for after a
@@ -64,7 +67,18 @@ from typing import Any
 import numpy as np
 import psutil
 import ray
-from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import (
+    ActorUnavailableError,
+    ActorUnschedulableError,
+    GetTimeoutError,
+    LocalRayletDiedError,
+    NodeDiedError,
+    OutOfMemoryError,
+    RayActorError,
+    RayTaskError,
+    RuntimeEnvSetupError,
+    WorkerCrashedError,
+)
 
 from workers import protocol as P
 from workers.channel import (
@@ -760,9 +774,9 @@ class RayWorkerPool:
         raised, it lives on (INTERNAL)."""
         try:
             value = ray.get(ref, timeout=timeout_s)
-        except GetTimeoutError:
-            return None, _silent(what, device, timeout_s), P.DEADLINE
         except Exception as e:
+            if isinstance(e, GetTimeoutError) and not isinstance(e, RayTaskError):  # (not one it raised)
+                return None, _silent(what, device, timeout_s), P.DEADLINE
             if _is_death(e):
                 self._deaths.seen(device, e)
                 return None, _why(device, e), P.WORKER_DIED
@@ -864,12 +878,27 @@ def _silent(what: str, device: str, timeout_s: float) -> str:
     return f"{what}: no answer from device {device!r} within {timeout_s:.3g} s"
 
 
+_HOST_GONE: tuple[type[Exception], ...] = (
+    RayActorError,  # ActorDiedError, ActorUnavailableError
+    OutOfMemoryError,  # Ray's memory monitor killed the host (its death cause: an OOM context)
+    NodeDiedError,  # the host's node died
+    WorkerCrashedError,  # the host's worker process died under the call
+    LocalRayletDiedError,  # this node's raylet died (its workers with it)
+    RuntimeEnvSetupError,  # the host could not be (re)made: its runtime env failed
+    ActorUnschedulableError,  # nor placed: it is dead for good
+)
+"""What Ray 2.60 raises from a call on an actor that is gone (`ray._private.serialization`: an actor's
+death cause becomes ACTOR_DIED, OUT_OF_MEMORY, RUNTIME_ENV_SETUP_FAILED or ACTOR_UNSCHEDULABLE_ERROR),
+unless its own code raised it (`RayTaskError`). Not here: a lost reply (`ObjectLostError`: the next
+call says whether the host is gone), a cancelled call, a full object store, Ray's own timeouts."""
+
+
 def _is_death(e: BaseException) -> bool:
     """Whether `e`, raised by a call on a device host, says that the host died or cannot be reached
-    (Ray's `RayActorError`: `ActorDiedError`, `ActorUnavailableError`), not that the call failed on
-    a host that lives on: its method raised (`RayTaskError`, even one whose cause is a Ray actor
-    error its own code met), or anything else."""
-    return isinstance(e, RayActorError) and not isinstance(e, RayTaskError)
+    (`_HOST_GONE`: Ray's `RayActorError`, `OutOfMemoryError` for a host its memory monitor killed,
+    ...), not that the call failed on a host that lives on: its method raised (`RayTaskError`, even
+    one whose cause is a Ray error its own code met), or anything else."""
+    return isinstance(e, _HOST_GONE) and not isinstance(e, RayTaskError)
 
 
 def _named(e: BaseException) -> str:

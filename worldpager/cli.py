@@ -593,7 +593,7 @@ def cmd_session(args: argparse.Namespace) -> int:
 
     from worldpager.layout import SegmentLayout
     from worldpager.model import TinyCausalWan
-    from worldpager.segment_log import LOG_NAME, SegmentLogError
+    from worldpager.segment_log import LOG_NAME, LogFullError, SegmentLogError, is_disk_full
     from worldpager.session import SESSION_PRESETS, Session, WindowLostError
 
     try:
@@ -650,6 +650,8 @@ def cmd_session(args: argparse.Namespace) -> int:
                 f"--resume --resume-at {n} (the segments from {n} on are generated again)"
             ) from None
         except (ValueError, OSError, SegmentLogError) as e:
+            if isinstance(e, LogFullError) or is_disk_full(e):  # the machine's failure, not the user's
+                raise RunError(f"session: {e}") from None
             raise UsageError(str(e)) from None
         _run_steps(session, segments, log_dir if args.log_dir else None)
         result = session.summary()

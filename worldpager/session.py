@@ -106,7 +106,8 @@ class Session:
     ``outputs``. ``codec`` defaults to bf16 and ``seed`` to 0 (a resumed session: the saved ones).
     ``resume``: reopen the saved session in ``log_dir`` instead of creating one (see `Session.resume`);
     ``resume_at``: continue at that step at the latest (segments from it on in the log are ignored: the
-    caller never received them, so they are generated again and their new copies supersede the old).
+    caller never received them, so they are generated again and their new copies supersede the old);
+    one at or past the step the saved session stopped at continues there, as without it.
     Memory and RSS measurement: see `worldpager.memory`. Not thread-safe; one session per model.
     """
 
@@ -553,8 +554,8 @@ class Session:
         nxt = max(stored, default=-1) + 1
         window = store.checkpoint_window(saved, nxt, self.model, self.log_dir, stored)
         if window is not None and saved is not None:
-            if resume_at is None or int(saved["next_step"]) == nxt:
-                nxt = int(saved["next_step"])
+            if resume_at is None or int(saved["next_step"]) <= resume_at:
+                nxt = int(saved["next_step"])  # (at or past where it stopped: it continues there)
             else:  # the checkpoint is past the step to continue at
                 window = None
         for sid in range(nxt):  # generated before, but not in the log now: never attended to
