@@ -295,6 +295,20 @@ class WorldSessions:
             raise SessionNotOpen(f"no open world session {session_id!r}")
         return self.open_sessions[session_id]
 
+    @staticmethod
+    def _flush_index(session_id: str, o: _Open) -> None:
+        """Save the log's index (housekeeping: a resume rebuilds a stale one from the log). The step has
+        run by then, so a write the disk refuses is logged, not the step's error: its answer stands
+        (its `durable` says whether its segment reached the log), and the next flush tries again."""
+        from worldpager.segment_log import LogFullError
+
+        try:
+            o.session.flush_index()
+        except (OSError, LogFullError) as e:
+            logger.warning(
+                "world session %s: its log's index was not saved (tried again later): %s", session_id, e
+            )
+
     def step(self, session_id: str, pose: tuple[float, float, float, float, float]) -> dict[str, Any]:
         from worldpager.retrieval import Pose
 
@@ -307,7 +321,7 @@ class WorldSessions:
             outs.clear()
             durable = o.session.wait_written(rec.step)  # acknowledged only once in the log
             if (rec.step + 1) % INDEX_EVERY == 0:
-                o.session.flush_index()
+                self._flush_index(session_id, o)
             lease = o.lease  # the lease this segment ran with (a resize waiting for the lock comes after)
             corrupt = self._new_corrupt(session_id, o)
         lat = latents.detach().float().cpu().contiguous()

@@ -69,3 +69,27 @@ def test_an_open_that_fails_on_the_device_gives_the_memory_back(
         ws.open("world", TinyCausalWan(cfg), "a", 10 * seg, tmp_path / "a")
     assert _FailsOnTheDevice.closed == (1 if at == "resize" else 0) and ws.open_sessions == {}
     assert calls == ["release"]
+
+
+def test_a_step_whose_index_save_fails_still_answers(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review 18: every 8th step saves the log's index after the step has run. A full disk there
+    turned the step's answer into an error (internal), though the step had happened and its
+    segment was in the log; the save is housekeeping (a resume rebuilds a stale index), so it is
+    logged and the step answers."""
+    from workers.world import INDEX_EVERY
+
+    cfg, seg = _seg()
+    ws = WorldSessions(torch.device("cpu"))
+    ws.open("world", TinyCausalWan(cfg), "a", 10 * seg, tmp_path / "a")
+    session = ws.open_sessions["a"].session
+
+    def full_disk() -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    session.flush_index = full_disk  # type: ignore[method-assign]
+    steps = [ws.step("a", (0.0, 0.0, 0.0, 0.0, 0.0))["step"] for _ in range(INDEX_EVERY + 1)]
+    assert steps == list(range(INDEX_EVERY + 1))
+    assert "its log's index was not saved" in caplog.text and "No space left" in caplog.text
+    ws.close("a")
