@@ -300,8 +300,10 @@ def open_log(log_dir: Path, segment_bytes: int, max_bytes: int | None, *, resume
         )
     try:
         log.retire_corrupt()  # (after the checks: a log refused is left as it is)
-    except OSError:
-        pass  # the index could not be saved (a full disk): the next index write saves it
+    except OSError as e:  # the index could not be saved: the next index write saves it
+        logger.warning(
+            "%s: the segment log's index was not saved at the resume (saved later): %s", log_dir, e
+        )
     except BaseException:
         log.close()
         raise
