@@ -179,6 +179,8 @@ class DeviceHost:
         self._work: dict[str, _Work] = {}
         """Loads and promotes running by model name: the one a command waits for, and those abandoned
         that still run (they may still take memory: no other of that model starts until they end)."""
+        self._said_missing: str | None = None
+        """Why the device cannot be used, as `status` last logged it (logged once, not at every read)."""
 
     # ---- commands
 
@@ -212,7 +214,7 @@ class DeviceHost:
                 self._forget_partial(name, before)
                 if op in ("load", "promote") and result.error_code not in (P.LOAD_TIMEOUT, P.NOT_AVAILABLE):
                     # (not one given up or refused: a work still running may hold the device meanwhile)
-                    self._release_failed(name, op)
+                    self._release(f"the failed {op} of {name}")
                 # where it really is now: a failed reload (changed spec) or roll-back may have dropped it
                 after = self.models[name].tier if name in self.models else "disk"
                 result = replace(result, to_tier=after)
@@ -260,12 +262,34 @@ class DeviceHost:
         return self._noop(r, "demote", op_id) if r.tier == "host" else self._demote(r, op_id, "demote")
 
     def _check_device(self, model: str) -> None:
-        if self.kind == "cuda" and not torch.cuda.is_available():
-            raise AdapterError(
-                P.NOT_AVAILABLE,
-                f"model {model!r}: device {self.name!r} is a CUDA device but CUDA is not available on "
-                f"node {self.node!r} (torch {torch.__version__}, cuda={torch.version.cuda})",
+        missing = self._cuda_missing()
+        if missing is not None:
+            raise AdapterError(P.NOT_AVAILABLE, f"model {model!r}: {missing}")
+
+    def _cuda_missing(self) -> str | None:
+        """Why this CUDA device cannot be used here (CUDA not available, or its index past the GPUs
+        this process sees: every CUDA call on it would fail "invalid device ordinal"); None when it
+        can, and for a CPU device."""
+        if self.kind != "cuda":
+            return None
+        if not torch.cuda.is_available():
+            return (
+                f"device {self.name!r} is a CUDA device but CUDA is not available on node {self.node!r} "
+                f"(torch {torch.__version__}, cuda={torch.version.cuda})"
             )
+        visible = torch.cuda.device_count()
+        # (none visible while CUDA is said available is torch contradicting itself, as only a fake of
+        # is_available does: the count is not trusted then)
+        if visible and self.index >= visible:
+            cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+            return (
+                f"device {self.name!r} is CUDA device index {self.index} but this process sees "
+                f"{visible} GPU{'' if visible == 1 else 's'} on node {self.node!r} (indexes 0 to "
+                f"{visible - 1}; "
+                + ("CUDA_VISIBLE_DEVICES is not set" if cvd is None else f"CUDA_VISIBLE_DEVICES={cvd!r}")
+                + "): fix the device's index in the config, or the GPUs made visible to it"
+            )
+        return None
 
     def _noop(self, r: _Resident, op: P.OpName, op_id: str) -> P.CommandResult:
         return P.CommandResult(op_id, r.spec.name, op, True, r.tier, r.tier, noop=True, footprint=self._fp(r))
@@ -275,14 +299,18 @@ class DeviceHost:
         if r is not None and (before == "disk" or (r.runnable is None and r.host is None)):
             del self.models[name]
 
-    def _release_failed(self, name: str, op: str) -> None:
-        """After a failed load or promote: the memory it took (freed with what it built) handed back by
-        the device (CUDA's caching allocator kept it: every later measurement of a footprint against
-        the device's memory in use, and its free memory in `status`, would have been off by it)."""
+    def _release(self, after: str) -> None:
+        """Memory freed just now handed back (`MemoryProbe.release`), `after` naming what freed it:
+        after a failed load or promote, the memory it took (freed with what it built: CUDA's caching
+        allocator kept it, so every later measurement of a footprint against the device's memory in
+        use, and its free memory in `status`, would have been off by it); after a CUDA promote, the
+        pinned host copy it let go of (torch's pinned host cache kept it page-locked in the process
+        until some later drop or demote). A failure is logged, not raised: the command's result holds
+        (a CUDA that is gone is said by the next command's own error)."""
         try:
             self.probe.release()
-        except Exception as e:  # (CUDA gone: said by the command's own error)
-            logger.debug("device %s: after the failed %s of %s, no release: %r", self.name, op, name, e)
+        except Exception as e:
+            logger.debug("device %s: after %s, no release: %r", self.name, after, e)
 
     def _adapter(self, spec: P.ModelSpec) -> Adapter:
         adapter = self.adapter_factory(spec, self.torch_device)
@@ -500,12 +528,19 @@ class DeviceHost:
             r.host, r.tier, r.host_bytes, r.tensor_bytes, r.device_bytes = held, "host", moved, moved, 0
             raise
         del held  # the host copy goes (on CUDA its pinned memory is freed, on CPU the module owns it)
-        return self._result(r, op_id, op, "host", ph, t0, used0, rss0, moved=moved, source="host")
+        result = self._result(r, op_id, op, "host", ph, t0, used0, rss0, moved=moved, source="host")
+        if self.kind == "cuda":  # (after its measurement, which stays as a load's to the gpu tier is)
+            self._release(f"the {op} of {r.spec.name}")
+        return result
 
     def _demote(self, r: _Resident, op_id: str, op: P.OpName) -> P.CommandResult:
         with self.world.closing(r.spec.name), r.lock:  # its sessions end, its running inference too
             ph, t0, used0, rss0 = Phases(), time.perf_counter(), self.probe.used(), rss_bytes()
-            freed = r.device_bytes
+            # the bytes its demote gives back to the device: its tensors' at most (`device_bytes` of a
+            # first CUDA load also counts one-off runtime memory, cuBLAS workspaces and kernels loaded
+            # lazily, which no demote gives back: its demote waited the whole release wait for them,
+            # said unreleased); its measure where that is less (what the device was seen to take)
+            freed = min(r.device_bytes, r.tensor_bytes)
             r.host = r.adapter.to_host(r.runnable, ph)
             r.runnable = None
             r.tier = "host"
@@ -810,8 +845,14 @@ class DeviceHost:
     # ---- status
 
     def status(self) -> P.WorkerStatus:
-        cuda_missing = self.kind == "cuda" and not torch.cuda.is_available()
-        free, total = (None, None) if cuda_missing else self.probe.free_total()
+        """What is resident, and the device's free and total memory: None where the device cannot be
+        used here (CUDA missing, an index past the visible GPUs: said once in the log, since the
+        status is read every few seconds; its commands say why, each)."""
+        missing = self._cuda_missing()
+        if missing is not None and missing != self._said_missing:
+            logger.warning("device %s: %s; its status has no memory figures", self.name, missing)
+        self._said_missing = missing
+        free, total = (None, None) if missing is not None else self.probe.free_total()
         return P.WorkerStatus(
             device=self.name, kind=self.kind, node=self.node, pid=os.getpid(), started_at=self.started_at,
             models={
