@@ -60,6 +60,8 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.005
 WAIT_RETRY_S = 0.05
 EVENTS_QUEUE = 1000
+STOP_WAIT_S = 5.0
+"""At a stop, how long the writes on their way to a device host or the store are waited for."""
 
 SAVE_EVERY_S = 60.0
 LOG_EVERY_S = 1.0
@@ -116,6 +118,9 @@ class _RoomWait:
     m: Any
     rank: int
     seq: int
+    arrival: float | None  # its request's arrival (None: an admin's preload, no max_wait)
+    deadline: float
+    tried: bool = False  # a pass tried it once (a request is always tried once, however late)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     admission: Admission | None = None  # its admission, once it is no longer "wait"
     error: Exception | None = None  # what its admission raised
@@ -281,6 +286,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         finish one, whose result nobody takes (the process exits; a restarted manager adopts what
         its hosts hold). Requests already running on their device host are not affected."""
         self._stopping.set()
+        for w in self._room_waits:  # (those waiting for room: now, not at their next poll)
+            w.done.set()
 
     async def stop(self) -> None:
         """Stop: what still waits for a load is answered at once (`abandon_waits`), the reconciler
@@ -291,12 +298,34 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        if self._room_task is not None:  # (the requests it tried are answered: `abandon_waits`)
+            self._room_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._room_task
+            self._room_task = None
         if self._background:  # session closes and lease changes on their way to a host (5 s at most)
-            await asyncio.wait(set(self._background), timeout=5.0)
+            await asyncio.wait(set(self._background), timeout=STOP_WAIT_S)
+        await self._save_pins_at_stop()
         await self.flush_log()
         await self.save_stats_async()
         if self.journal is not None:
             self.journal.close()
+
+    async def _save_pins_at_stop(self) -> None:
+        """The admin pins whose last write failed (or that waited for the store's saved pins to be
+        read) are written once more at the stop, STOP_WAIT_S at most: the reconciler's retry, at its
+        next save, will not come, and the pin would be lost across the restart."""
+        writing = self._pins_write is not None and not self._pins_write.done()
+        if self.store is None or not self._pins_dirty or writing:
+            return
+        self._save_pins()
+        task = self._pins_write
+        if task is not None:
+            await asyncio.wait({task}, timeout=STOP_WAIT_S)
+        if self._pins_dirty:
+            logger.warning(
+                "the admin pins could not be saved in the store at the stop: %s", self.pin_overrides
+            )
 
     async def _loop(self) -> None:
         next_tick = 0.0
@@ -361,11 +390,22 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             live.ready.clear()
             live.error = None
             live.loads_pending += 1
+            m = self.engine.models[a.model]
+            if m.tier == Tier.GPU:
+                # loading until its device host answers for it (`_confirmed`), not until the
+                # engine's estimate: past that estimate the engine would count it loaded and could
+                # evict it (room for another model) while the load still fills that room on the
+                # device; and if the host then abandoned the load (LOAD_TIMEOUT, still running there)
+                # that room would be booked twice
+                m.ready_at = math.inf
         elif a.kind == ActionKind.LOAD_HOST:
             cmd = P.Load(spec, "host")
         elif a.kind == ActionKind.DEMOTE:
             cmd = P.Demote(a.model)
             live.ready.clear()
+            m = self.engine.models[a.model]
+            if m.ready_at == math.inf:  # (never one still loading: not the estimate of its promote)
+                m.ready_at = t
         elif a.kind == ActionKind.DROP:
             cmd = P.Drop(a.model)
             live.ready.clear()
@@ -465,6 +505,15 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         ):
             live.load_error = None
             m.prewarm_ok = m.cfg.prewarm
+        if (
+            r.to_tier == "gpu"
+            and live.loads_pending == 0
+            and m.tier == Tier.GPU
+            and model not in self._held_loads
+        ):
+            # loaded (a no-op one too): resident from now on, evictable as any (`_apply` kept it
+            # loading until now); first, so a measure that finds it too big may move it on
+            m.ready_at = min(m.ready_at, now)
         if r.to_tier == "gpu" and not r.noop:
             src = "host" if r.from_tier == "host" else (r.source or "disk")
             m.cost.measure(src, max(r.timing.total_s, 1e-4))
@@ -473,7 +522,6 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                 self._measured.add(model)
                 self._flush()  # measured larger: what made room for it leaves now
                 self._gauge_resident()  # the books count the measured bytes now (no action said so)
-            m.ready_at = min(m.ready_at, now)
         if r.to_tier == "gpu" and live.loads_pending == 0 and m.tier == Tier.GPU:
             live.ready.set()
         self._publish("confirmed", model, f"{r.op} {r.transition} in {r.timing.total_s:.3f} s", r.device, now)
@@ -513,11 +561,12 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             and m.tier == Tier.DISK
             and live.loads_pending == 0
         ):
-            # the books took it off its device during the load (an admin's evict waits for the load
-            # now, `evict`; the engine's own eviction once the load's estimated time had passed), but
-            # the load still runs there and fills that room: booked and held again (as a resync
-            # would), until its host's status no longer lists it; unless the room went to another
-            # model meanwhile (said: `_hold_abandoned` cannot book it then)
+            # the books took it off its device during the load (neither an admin's evict, which
+            # waits for the load, `evict`, nor the engine, for which it is loading until its host
+            # answers, `_apply`, does now: a safety net), but the load still runs there and fills
+            # that room: booked and held again (as a resync would), until its host's status no
+            # longer lists it; unless the room went to another model meanwhile (said:
+            # `_hold_abandoned` cannot book it then)
             self._hold_abandoned(m, r.error or f"its {r.op} did not finish in time")
         elif kind == ActionKind.LOAD_HOST and m.tier == Tier.HOST:
             self.engine.drop_host(m, now, f"load to host RAM failed: {r.error}")
@@ -922,7 +971,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             return
         self._if_stopping(m, NO_LOAD_AT_STOP)  # at a stop, nothing is loaded (nor evicted) for it
         self._room_seq += 1
-        w = _RoomWait(m, rank, self._room_seq)
+        w = _RoomWait(m, rank, self._room_seq, arrival, deadline)
         self._room_waits.append(w)
         try:
             self._room_pass()  # in order with those already waiting (it may be first)
@@ -956,6 +1005,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                     wake = min(wake, max(arrival + max_wait - now, 0.0) + 1e-3)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(w.done.wait(), wake)
+                w.done.clear()  # (woken with no admission: past its time, or the service stops)
         finally:
             self._room_waits.remove(w)
 
@@ -963,7 +1013,10 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         """Try the requests waiting for room again, in class order (highest first: the config lists
         the classes so, `class_rank` 0 first), within a class in arrival order; each one the engine
         admits (or rejects) is woken. One that finds no room leaves what room there is to the next
-        ones (a smaller model may fit it). Not one whose model is off its GPU once the service stops."""
+        ones (a smaller model may fit it). Not one whose model is off its GPU once the service stops,
+        nor one past its deadline or its class's max_wait once it was tried (its own timer may not
+        have run yet: it is woken to fail, not given a load, and an eviction, it would not wait for;
+        each is tried once however late, as a request put back to wait for room is)."""
         if not self._room_waits:
             return
         now = self.clock()
@@ -971,6 +1024,12 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         for w in sorted(self._room_waits, key=lambda w: (w.rank, w.seq)):
             if w.admission is not None or w.error is not None or (stopping and w.m.tier != Tier.GPU):
                 continue
+            max_wait = self.engine.state.class_max_wait[w.rank] if w.arrival is not None else math.inf
+            late = now >= w.deadline or (w.arrival is not None and now - w.arrival > max_wait)
+            if late and w.tried:
+                w.done.set()
+                continue
+            w.tried = True
             try:
                 adm = self.engine.admit(w.m, w.rank, now)
                 self._flush()
