@@ -15,10 +15,23 @@ from manager.api.errors import mapped
 from manager.config import Config
 from manager.errors import DeadlineExceeded, WorkerUnavailable
 from manager.live import EventQueue, LiveManager
-from manager.policy.types import TIER_NAMES, Tier
+from manager.policy.types import TIER_NAMES, ActionKind, Tier
 from manager.replay.sim import p99
 from residency_proto.v1 import residency_pb2 as pb
 from residency_proto.v1 import residency_pb2_grpc as pb_grpc
+
+
+def loading_to_host(manager: LiveManager, name: str) -> bool:
+    """Whether `name` is in host RAM on the books but its read there is not confirmed yet: its device
+    host reports it on disk, or a read of it into host RAM is on its way (sent, not answered). The
+    host's report alone is not enough: right after an evict to disk, while the drop is still on its
+    way, the host still reports the model on the GPU (or in host RAM, from before): the new read has
+    not even begun there."""
+    if manager.engine.models[name].tier != Tier.HOST:
+        return False
+    if manager.live[name].tier == "disk":
+        return True
+    return any(op == (name, ActionKind.LOAD_HOST) for op in manager._ops.values())
 
 
 def model_status(manager: LiveManager, name: str) -> pb.ModelStatus:
@@ -28,7 +41,7 @@ def model_status(manager: LiveManager, name: str) -> pb.ModelStatus:
     now = manager.clock()
     tier = TIER_NAMES[m.tier]
     # on its way to the GPU, or its read into host RAM is not confirmed yet
-    if (m.tier == Tier.GPU and not live.ready.is_set()) or (m.tier == Tier.HOST and live.tier == "disk"):
+    if (m.tier == Tier.GPU and not live.ready.is_set()) or loading_to_host(manager, name):
         tier = "loading"
     if m.pinned:
         left = -1.0
@@ -124,7 +137,8 @@ PRELOAD_TIMEOUT_S = 120.0
 async def preload_host(manager: LiveManager, name: str, timeout_s: float = PRELOAD_TIMEOUT_S) -> None:
     """Preload `name` into host RAM and wait until its device host confirms it holds it there (or it
     went on to the GPU meanwhile), as a preload to the GPU waits for its confirmed load: the answer
-    said `host` while the read was still under way, and OK for a load that then failed.
+    said `host` while the read was still under way, and OK for a load that then failed; and right after
+    an evict to disk (`loading_to_host`), before the drop's result came.
     WorkerUnavailable: the load failed, or the model left host RAM before it was confirmed there."""
     events = manager.subscribe()  # before the command: its confirmation cannot be missed
     try:
@@ -132,7 +146,7 @@ async def preload_host(manager: LiveManager, name: str, timeout_s: float = PRELO
         m, live = manager.engine.models[name], manager.live[name]
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while m.tier == Tier.HOST and live.tier == "disk":
+        while loading_to_host(manager, name):
             left = deadline - loop.time()
             if left <= 0:
                 raise DeadlineExceeded(
