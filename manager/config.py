@@ -248,6 +248,8 @@ def _readable_errors(exc: ValidationError, data: Any) -> list[tuple[Loc, str]]:
     """pydantic's errors as (location, message); cross-check errors expand into their own paths."""
     out: list[tuple[Loc, str]] = []
     for err in exc.errors(include_url=False):
+        if err["type"] == "default_factory_not_called":  # a default made from a field that is refused
+            continue  # (a model's `load_seconds` from its `memory`): said at that field, not twice
         loc = _user_loc(data, err["loc"])
         if err["type"] == "invalid_key":
             loc = loc[:-1]

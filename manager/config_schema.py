@@ -457,6 +457,37 @@ class LoadSeconds(_Model):
         return self.cached if self.cached is not None else (self.disk + self.host) / 2
 
 
+# A model's `load_seconds` when its config gives none: first estimates from its `memory`, which the
+# running service replaces with the times it measures (as it does the ones a config gives), and which
+# `residency measure --write-config` writes down. The rates are those of a home server's usual parts.
+ESTIMATE_DISK_BYTES_PER_S = 1e9
+"""Disk -> GPU: about 1 GB/s, an NVMe read of a cold checkpoint plus its deserialising and the copy to
+the device (home.yaml's 9 GiB LLM: 7 s); a SATA SSD or a hard disk is slower, and measured so."""
+ESTIMATE_HOST_BYTES_PER_S = 10e9
+"""Host RAM -> GPU: about 10 GB/s, a copy from pinned memory over PCIe 4.0 x16 (half its peak)."""
+ESTIMATE_MIN_DISK_S = 0.2
+"""The least estimated disk load: a tiny model still opens a file and builds its module."""
+ESTIMATE_MIN_HOST_S = 0.05
+"""The least estimated host -> GPU move: a tiny model's copy is a few calls (local-cpu.yaml measures
+0.03-0.06 s)."""
+
+
+def estimated_load_seconds(memory: int) -> LoadSeconds:
+    """The load times a model of `memory` bytes is given when its config has no `load_seconds`:
+    `memory` at ESTIMATE_DISK_BYTES_PER_S from disk and ESTIMATE_HOST_BYTES_PER_S from host RAM, with
+    their floors, at most MAX_LOAD_S; `cached` unset (halfway between, as for a config without it)."""
+    disk = min(max(memory / ESTIMATE_DISK_BYTES_PER_S, ESTIMATE_MIN_DISK_S), MAX_LOAD_S)
+    host = min(max(memory / ESTIMATE_HOST_BYTES_PER_S, ESTIMATE_MIN_HOST_S), disk)
+    return LoadSeconds(disk=disk, host=host)
+
+
+def _load_seconds_from_memory(data: dict[str, Any]) -> LoadSeconds:
+    """`load_seconds`' default: estimated from the model's validated `memory` (a memory that is not
+    valid is said at `memory`; the model is refused then, whatever this returns)."""
+    memory = data.get("memory")
+    return estimated_load_seconds(memory if isinstance(memory, int) else 0)
+
+
 class ElasticConfig(_Model):
     min: ByteSize
     """Smallest lease of the elastic tenant's working set (always granted while resident)."""
@@ -484,8 +515,12 @@ class ModelConfig(_Model):
     """Device it runs on (one of `devices`)."""
     memory: ByteSize = Field(gt=0)
     """Estimated weights footprint; replaced by the measured footprint after a load."""
-    load_seconds: LoadSeconds
-    """Estimated load times; replaced by measured times."""
+    load_seconds: LoadSeconds = Field(default_factory=_load_seconds_from_memory)
+    """Seconds to load it from disk, the page cache and host RAM: first estimates, which the service
+    replaces with measured times after its loads (`residency measure --write-config` writes measured
+    ones here). Optional: left out, it is estimated from `memory` (about 1 GB/s from disk, 10 GB/s from
+    host RAM, `cached` halfway between; at least 0.2 s and 0.05 s); the tuning leaves it out of the
+    configs it writes."""
     pin: Flag = False
     """Always resident on its device; never evicted."""
     keep_alive: KeepAlive = None
