@@ -39,6 +39,7 @@ from manager.errors import (
     InvalidRequest,
     ModelFailed,
     ModelNotFound,
+    ResidencyError,
     WorkerUnavailable,
 )
 from manager.journal import RequestJournal
@@ -90,6 +91,22 @@ NO_LOAD_AT_STOP = "it is not loaded (no load starts now)"
 NOT_HELD = "not held by its device host (resync)"
 """The reason of the moves by which a resync takes a model its device host no longer holds off the
 books (no eviction: nothing was decided, and a reload after it is no thrash)."""
+FAIL_LOG_EVERY_S = 600.0
+"""A model whose load keeps failing for the same reason (a client retrying every few seconds, a
+missing file) is logged once, then again only when the reason changes, after a load of it worked, or
+once this long has passed since its last line (saying how many times it failed meanwhile)."""
+LOAD_KINDS = (ActionKind.LOAD, ActionKind.PROMOTE, ActionKind.LOAD_HOST)
+REFUSED = "_residency_refused"
+"""Set (True) on the error that refused a request at admission (no room for it, in time or ever, or
+the service stopping before any load of it): such a request is `rejected`; one that failed after
+admission (its model's load failed, or did not finish in time) is an `error` (`_outcome_of`)."""
+
+
+def _outcome_of(e: BaseException) -> str:
+    """The requests metric's outcome of a request that `e` ended before it ran: `rejected` when
+    admission refused it (InsufficientCapacity: it can never fit, a full queue, no room within its
+    class's max_wait; or an error of the wait for room, `LiveManager._room_turn`), else `error`."""
+    return "rejected" if isinstance(e, InsufficientCapacity) or getattr(e, REFUSED, False) else "error"
 
 
 @dataclass
@@ -107,6 +124,9 @@ class _Live:
     inflight: int = 0
     evict_to: str | None = None  # an admin's evict, waiting for the requests in flight to end
     failures: int = 0  # failed commands so far (a request's wait tells a new failure from one it took)
+    failure_logged: tuple[str, str] | None = None  # (code, reason) of the load failure last logged
+    failure_logged_at: float = 0.0  # when that line was written
+    failure_repeats: int = 0  # load failures for that same reason since, not logged
 
 
 @dataclass(eq=False)
@@ -201,7 +221,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self._stopping = asyncio.Event()  # set at stop: requests still waiting for a load give up
         self.waits: dict[str, deque[float]] = {c.name: deque(maxlen=WAIT_WINDOW) for c in config.classes}
         self.wait_total_s = 0.0  # every served request's wait, summed since start
-        self.rejected = 0
+        self.rejected = 0  # requests admission refused (no room, a full queue): never run
+        self.failed = 0  # requests that failed before they ran (their model's load failed, ...)
         self.served = 0
         self.cold_starts = 0  # served requests and session opens that found their model off the GPU
         self._next_save = 0.0
@@ -431,11 +452,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         if not a.moved:  # the books catch up (a failed load, a model its host had lost already)
             self._gauge_resident()
             return
-        if a.kind in (ActionKind.LOAD, ActionKind.PROMOTE):
-            mt.loads.labels(a.model, "gpu", "host" if a.kind == ActionKind.PROMOTE else "disk").inc()
-        elif a.kind == ActionKind.LOAD_HOST:
-            mt.loads.labels(a.model, "host", "disk").inc()
-        elif a.kind in (ActionKind.DEMOTE, ActionKind.DROP) and a.device != "host":
+        # (a load is counted when its device host confirms it, `_confirmed`: not when it is sent)
+        if a.kind in (ActionKind.DEMOTE, ActionKind.DROP) and a.device != "host":
             mt.evictions.labels(a.model, "host" if a.kind == ActionKind.DEMOTE else "disk").inc()
         thrash = self.engine.counters.thrash
         if thrash > self._thrash_seen:
@@ -496,6 +514,11 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             self._held_loads.pop(model, None)
         if not r.noop:
             self.metrics.load_seconds.labels(model, r.transition).observe(r.timing.total_s)
+        if kind in LOAD_KINDS:
+            if not r.noop:  # a load that happened (a failed one is counted in the failures metric)
+                source = "host" if r.from_tier == "host" else "disk"
+                self.metrics.loads.labels(model, r.to_tier, source).inc()
+            self._load_worked(model, r.device or self.engine.models[model].device)
         live.tier = r.to_tier
         m = self.engine.models[model]
         if live.load_error is not None and kind in (
@@ -543,6 +566,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self.metrics.failures.labels(model, r.error_code or "unknown").inc()
         self._publish("failed", model, r.error or "", r.device, now)
         m = self.engine.models[model]
+        if kind in LOAD_KINDS:
+            self._say_load_failed(r, model, kind, live, r.device or m.device, now)
         if kind in (ActionKind.LOAD, ActionKind.PROMOTE, ActionKind.LOAD_HOST):
             # a model that cannot load is not prewarmed again (no retry loop on a missing file);
             # a request still tries, so a fixed cause is picked up, and a success re-enables it
@@ -580,6 +605,52 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             self._flush()
         elif kind == ActionKind.DROP and r.to_tier != "disk":
             self._drop_refused(r, m, retried=retried, last_try=last_try)
+
+    def _say_load_failed(
+        self, r: P.CommandResult, model: str, kind: ActionKind, live: _Live, device: str, now: float
+    ) -> None:
+        """A failed load or promote (`r`) is logged at WARNING: the model, the device, the error code
+        and the reason. Once per cause: the same model failing again with the same code and reason
+        is counted, not logged, until the reason changes, a load of it works (`_load_worked`), or
+        FAIL_LOG_EVERY_S passed since its last line (which then says how many times it failed)."""
+        code, reason = r.error_code or "unknown", r.error or "no reason given"
+        what = {
+            ActionKind.LOAD: "load (disk->gpu)",
+            ActionKind.PROMOTE: "promote (host->gpu)",
+            ActionKind.LOAD_HOST: "load to host RAM (disk->host)",
+        }[kind]
+        if live.failure_logged == (code, reason):
+            live.failure_repeats += 1
+            if now - live.failure_logged_at < FAIL_LOG_EVERY_S:
+                return
+            logger.warning(
+                "model %r: its %s on device %s failed again (%s): %s (%d more times with this reason "
+                "in the last %.0f s)",
+                model,
+                what,
+                device,
+                code,
+                reason,
+                live.failure_repeats,
+                now - live.failure_logged_at,
+            )
+        else:
+            logger.warning("model %r: its %s on device %s failed (%s): %s", model, what, device, code, reason)
+        live.failure_logged, live.failure_logged_at, live.failure_repeats = (code, reason), now, 0
+
+    def _load_worked(self, model: str, device: str) -> None:
+        """A load of `model` worked: a failure of it logged before is said to be over, and the next
+        failure is logged whatever its reason (`_say_load_failed`)."""
+        live = self.live[model]
+        if live.failure_logged is None:
+            return
+        logger.info(
+            "model %r: loaded on device %s; its earlier load failure (%s) is over",
+            model,
+            device,
+            live.failure_logged[0],
+        )
+        live.failure_logged, live.failure_repeats = None, 0
 
     def _drop_refused(self, r: P.CommandResult, m: Any, *, retried: bool, last_try: bool) -> None:
         """The host still holds `m` after a Drop (`r`; a session's close failed, say), which the books
@@ -900,6 +971,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         if live.load_error is not None:  # it did load, after all
             live.load_error = None
             m.prewarm_ok = m.cfg.prewarm
+        self._load_worked(m.name, device)
         if tier == Tier.GPU:
             live.ready.set()
         self._set_intent(m.name, held.tier)
@@ -953,6 +1025,17 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         return arrival
 
     async def _room_turn(
+        self, m: Any, rank: int, arrival: float | None, deadline: float, *, again: bool = False
+    ) -> None:
+        """`_take_room_turn`; what it raises refused the request at admission (`REFUSED`): no room for
+        it in time (or ever), or the service stopping before any load of it."""
+        try:
+            await self._take_room_turn(m, rank, arrival, deadline, again=again)
+        except ResidencyError as e:
+            setattr(e, REFUSED, True)
+            raise
+
+    async def _take_room_turn(
         self, m: Any, rank: int, arrival: float | None, deadline: float, *, again: bool = False
     ) -> None:
         """Admit `m` for a request of class `rank` (the engine loads it, making room as the class may):
@@ -1220,8 +1303,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         if limit is not None and waits and self.queued.get(cls_name, 0) >= limit:
             # still asked for: the statistics learn the demand (as the replay's do), none is served
             self.engine.observe(m, self.clock())
-            self.rejected += 1
-            self.metrics.child("requests", m.name, cls_name, "rejected").inc()
+            self._count_unserved(m, cls_name, "rejected")
             raise InsufficientCapacity(
                 f"class {cls_name!r}: queue full ({limit} requests waiting); retry later"
             )
@@ -1236,10 +1318,9 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             await self._ready(m, deadline, rank, arrival=arrival)
             served = True
             return arrival, cold
-        except Exception:  # never served (Stats' rejected is the metric's: a retry is counted served)
+        except Exception as e:  # never served (Stats' counts are the metric's: a retry is counted served)
             if not retry:
-                self.rejected += 1
-                self.metrics.child("requests", m.name, cls_name, "rejected").inc()
+                self._count_unserved(m, cls_name, _outcome_of(e))
             raise
         finally:
             m.waiting -= 1
@@ -1247,6 +1328,17 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             self.queued[cls_name] -= 1
             if not served:  # an admin's evict that waited for this request goes now if it was the last
                 self._deferred_evict(m)
+
+    def _count_unserved(self, m: Any, cls_name: str, outcome: str) -> None:
+        """A request that never ran, in Stats and the requests metric: `rejected` (admission refused
+        it: no room, a full queue) or `error` (it failed after admission: its model's load failed or
+        did not finish before its deadline). Neither goes to the request log, which holds the requests
+        that ran (the replay's input: their demand, and their busy time)."""
+        if outcome == "rejected":
+            self.rejected += 1
+        else:
+            self.failed += 1
+        self.metrics.child("requests", m.name, cls_name, outcome).inc()
 
     def _lost(self, m: Any, why: str) -> None:
         """The device host no longer holds `m` (it died, or restarted empty): off the books, so the

@@ -1,9 +1,13 @@
 """Prometheus metrics of the live manager (a private registry, without prometheus_client's `*_created`
 series; served over HTTP by `residency serve` when `server.metrics_listen` is set).
 
-loads / evictions per model and tier, load durations per transition, cold-start wait per class,
-resident bytes per device and tier, queue depth per model, thrash, elastic lease size, and requests
-by outcome. (WorldPager stall figures join with world sessions.)
+loads (those their device host confirmed: a failed one is a failure, not a load) / evictions per
+model and tier, load durations per transition, cold-start wait per class, resident bytes per device
+and tier, queue depth per model, thrash, elastic lease size, failed worker commands per model and
+error code, and requests by outcome: `ok` and `error` (it ran and failed, or it failed before it ran:
+its model's load failed or did not finish in time) for requests admitted, `rejected` for those
+admission refused (it can never fit, a full queue, no room within its class's max_wait). (WorldPager
+stall figures join with world sessions.)
 """
 
 from __future__ import annotations
@@ -76,7 +80,11 @@ class Metrics:
     def __init__(self) -> None:
         r = self.registry = NoCreatedRegistry()
         self.loads = Counter(
-            "residency_loads", "Model loads by target tier", ["model", "tier", "source"], registry=r
+            "residency_loads",
+            "Model loads their device host confirmed, by target tier and source (a failed load is "
+            "counted in residency_load_failures_total instead)",
+            ["model", "tier", "source"],
+            registry=r,
         )
         self.evictions = Counter(
             "residency_evictions", "Evictions from the GPU tier", ["model", "to"], registry=r
@@ -90,7 +98,11 @@ class Metrics:
             ["cls"], buckets=WAIT_BUCKETS, registry=r,
         )  # fmt: skip
         self.requests = Counter(
-            "residency_requests", "Requests by outcome", ["model", "cls", "outcome"], registry=r
+            "residency_requests",
+            "Requests by outcome: ok, error (it failed, its model's load included), rejected (refused "
+            "by admission: no room, a full queue)",
+            ["model", "cls", "outcome"],
+            registry=r,
         )
         self.resident = Gauge(
             "residency_resident_bytes", "Bytes held per device and tier", ["device", "tier"], registry=r
