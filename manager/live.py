@@ -1577,6 +1577,10 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self._publish("config_reloaded", "", ", ".join(changes) or "no changes", "", self.clock())
         return changes
 
+    def host_read_pending(self, model: str) -> bool:
+        """Is a load of `model` into host RAM sent to its device host and not answered yet?"""
+        return any(op == (model, ActionKind.LOAD_HOST) for op in self._ops.values())
+
     def set_pin(self, model: str, pinned: bool) -> None:
         """An admin's pin or unpin: it overrides the config's `pin` until the opposite call, across
         hot reloads and restarts (kept in the store's "pins" document). A pinned model is loaded as

@@ -15,7 +15,7 @@ from manager.api.errors import mapped
 from manager.config import Config
 from manager.errors import DeadlineExceeded, WorkerUnavailable
 from manager.live import EventQueue, LiveManager
-from manager.policy.types import TIER_NAMES, ActionKind, Tier
+from manager.policy.types import TIER_NAMES, Tier
 from manager.replay.sim import p99
 from residency_proto.v1 import residency_pb2 as pb
 from residency_proto.v1 import residency_pb2_grpc as pb_grpc
@@ -31,7 +31,7 @@ def loading_to_host(manager: LiveManager, name: str) -> bool:
         return False
     if manager.live[name].tier == "disk":
         return True
-    return any(op == (name, ActionKind.LOAD_HOST) for op in manager._ops.values())
+    return manager.host_read_pending(name)
 
 
 def model_status(manager: LiveManager, name: str) -> pb.ModelStatus:
