@@ -1,7 +1,9 @@
-"""`residency` command line: serve, ps, replay, tune, trace synth, measure, config schema/check.
+"""`residency` command line: serve, ps, replay, tune, trace synth, measure, config schema/check, and the
+admin commands on a running service (pin, unpin, preload, evict, stats, reload, events).
 
 Errors in what the user gave (a config, a trace, a flag) are printed without a traceback and exit
-with status 2. `trace export` reads the service's store.
+with status 2, as is a service that cannot be reached; a refusal by the service (an unknown model, a
+pinned one) is printed in one line and exits with status 1. `trace export` reads the service's store.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import signal
 import sys
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -55,6 +58,10 @@ def _out() -> Console:
 
 class UsageError(Exception):
     """Bad input from the user: printed, exit 2."""
+
+
+class Refused(Exception):
+    """The service refused an admin command (an unknown model, a pinned one): printed, exit 1."""
 
 
 def _nonfinite_at(obj: Any, where: str = "") -> str | None:
@@ -434,11 +441,10 @@ def cmd_check(a: argparse.Namespace) -> int:
                 highlight=False,
                 markup=False,
             )
-    err.print(
+    # the result on stdout (`config check FILE && ...`, or its line captured); warnings and errors on stderr
+    print(
         f"{a.config}: ok ({_count(len(c.devices), 'device')}, {_count(len(c.classes), 'class', 'classes')}, "
-        f"{_count(len(c.models), 'model')})",
-        highlight=False,
-        markup=False,
+        f"{_count(len(c.models), 'model')})"
     )
     return 0
 
@@ -762,11 +768,21 @@ def _serve(a: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_ps(a: argparse.Namespace) -> int:
-    import os
+@dataclass(frozen=True)
+class _Connection:
+    """Where and how the admin commands (and `ps`) reach the service: its address, the bearer token
+    (and the variable it came from), the TLS certificate to trust (None: plaintext)."""
 
-    from manager.api.client import ClientError, as_dict, list_models
+    target: str
+    token: str | None
+    token_env: str | None
+    root_cert: bytes | None
 
+
+def _connection(a: argparse.Namespace) -> _Connection:
+    """The service's address, token and TLS certificate from --target, --token-env, --tls-cert, and
+    --config for what they leave out (its server.listen, auth_token_env, tls_cert); UsageError for a
+    bad value."""
     server = load_config(a.config).server if a.config else None
     if a.target is not None:
         _check_host_port("--target", a.target)
@@ -783,17 +799,34 @@ def cmd_ps(a: argparse.Namespace) -> int:
     token = os.environ.get(token_env) if token_env else None
     if a.token_env and token is None:
         raise UsageError(f"--token-env {a.token_env}: no such environment variable")
+    return _Connection(target, token, token_env, root_cert)
+
+
+def _client_error(e: Any, conn: _Connection, *, refusals: bool = False) -> Exception:
+    """The ClientError `e` as what the command line says: a Refused (exit 1) when the service itself
+    refused the call and `refusals`, else a UsageError (exit 2: it could not be reached, it wants a
+    token, the token or certificate cannot be sent), naming why no token was sent when it wanted one."""
+    hint = ""
+    if e.code == "UNAUTHENTICATED" and conn.token is None:  # say why no token was sent
+        hint = (
+            f" (no token was sent: ${conn.token_env} is not set here)"
+            if conn.token_env
+            else " (no token was sent: name its variable with --token-env, or give --config)"
+        )
+    if refusals and e.answered and e.code != "UNAUTHENTICATED":
+        return Refused(f"{e}")
+    return UsageError(f"{e}{hint}")
+
+
+def cmd_ps(a: argparse.Namespace) -> int:
+    from manager.api.client import ClientError, as_dict, list_models
+
+    conn = _connection(a)
+    target = conn.target
     try:
-        resp = list_models(target, token, root_cert=root_cert)
+        resp = list_models(target, conn.token, root_cert=conn.root_cert)
     except ClientError as e:
-        hint = ""
-        if e.code == "UNAUTHENTICATED" and token is None:  # say why no token was sent
-            hint = (
-                f" (no token was sent: ${token_env} is not set here)"
-                if token_env
-                else " (no token was sent: name its variable with --token-env, or give --config)"
-            )
-        raise UsageError(f"{e}{hint}") from None
+        raise _client_error(e, conn) from None
     if a.json:
         _print_json(as_dict(resp), indent=2)
         return 0
@@ -805,6 +838,7 @@ def cmd_ps(a: argparse.Namespace) -> int:
         "class",
         "pin",
         "MiB",
+        "lease MiB",  # an elastic model's KV lease (the world model's), beside its weights
         "keep-alive left",
         "last use",
         "load s (disk/cached/host)",
@@ -822,7 +856,8 @@ def cmd_ps(a: argparse.Namespace) -> int:
         last = f"{ago:.0f} s ago" if m.last_used else "never"
         ls = m.load_seconds
         names = [escape(x) for x in (m.name, m.tier, m.device, m.class_name)]  # the server's text, not markup
-        t.add_row(*names, "yes" if m.pinned else "", f"{m.bytes / 2**20:.1f}",
+        lease = f"{m.lease_bytes / 2**20:.1f}" if m.lease_bytes else ""  # none: not elastic (or none held)
+        t.add_row(*names, "yes" if m.pinned else "", f"{m.bytes / 2**20:.1f}", lease,
                   left, last, f"{ls.disk:.3f}/{ls.cached:.3f}/{ls.host:.3f}")  # fmt: skip
     console = _out()
     console.print(t)
@@ -831,6 +866,157 @@ def cmd_ps(a: argparse.Namespace) -> int:
             console.print(
                 f"{m.name}: last load failed: {m.last_error}", highlight=False, markup=False, soft_wrap=True
             )
+    return 0
+
+
+def _admin(a: argparse.Namespace, method: str, request: Any, timeout_s: float | None = None) -> Any:
+    """The service's answer to the admin call `method` with `request`, reached as `ps` reaches it;
+    Refused (exit 1) when the service refuses it, UsageError (exit 2) when it cannot be made."""
+    from manager.api.client import ADMIN_TIMEOUT_S, ClientError, admin_call
+
+    conn = _connection(a)
+    try:
+        return admin_call(
+            conn.target, conn.token, method, request, timeout_s or ADMIN_TIMEOUT_S, root_cert=conn.root_cert
+        )
+    except ClientError as e:
+        raise _client_error(e, conn, refusals=True) from None
+
+
+def _model_arg(a: argparse.Namespace) -> str:
+    """The MODEL argument, not empty (an unset shell variable)."""
+    if not a.model:
+        raise UsageError("MODEL is empty; give the name of a configured model (`residency ps` lists them)")
+    name: str = a.model
+    return name
+
+
+def _said(text: str) -> str:
+    """The service's `text` on one line (a model's error may hold newlines)."""
+    return " ".join(text.splitlines())
+
+
+def _model_result(a: argparse.Namespace, status: Any, what: str) -> int:
+    """One line for the model `status` the service answered with after `what` (pinned, preloaded to
+    gpu...), or its JSON with --json."""
+    from manager.api.client import as_dict
+
+    if a.json:
+        _print_json(as_dict(status))
+        return 0
+    where = f"{status.tier} on {status.device}" if status.device else status.tier
+    line = f"{status.name}: {what} (now {where})"
+    if status.last_error:
+        line += f"; its last load failed: {_said(status.last_error)}"
+    print(line)
+    return 0
+
+
+def cmd_pin(a: argparse.Namespace) -> int:
+    from residency_proto.v1 import residency_pb2 as pb
+
+    status = _admin(a, "Pin", pb.ModelRequest(name=_model_arg(a)))
+    return _model_result(a, status, "pinned")
+
+
+def cmd_unpin(a: argparse.Namespace) -> int:
+    from residency_proto.v1 import residency_pb2 as pb
+
+    status = _admin(a, "Unpin", pb.ModelRequest(name=_model_arg(a)))
+    return _model_result(a, status, "unpinned")
+
+
+def cmd_preload(a: argparse.Namespace) -> int:
+    from manager.api.client import PRELOAD_TIMEOUT_S
+    from residency_proto.v1 import residency_pb2 as pb
+
+    status = _admin(a, "Preload", pb.PreloadRequest(name=_model_arg(a), tier=a.tier), PRELOAD_TIMEOUT_S)
+    return _model_result(a, status, f"preloaded to {a.tier}")
+
+
+def cmd_evict(a: argparse.Namespace) -> int:
+    from residency_proto.v1 import residency_pb2 as pb
+
+    status = _admin(a, "Evict", pb.EvictRequest(name=_model_arg(a), to=a.to))
+    if status.tier == a.to or a.json:
+        return _model_result(a, status, f"evicted to {a.to}")
+    # a model serving requests (or a world session, or loading for them) goes when they end
+    return _model_result(
+        a, status, f"goes to {a.to} when its requests end (`residency events` says when: evict_deferred)"
+    )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def cmd_stats(a: argparse.Namespace) -> int:
+    from manager.api.client import as_dict
+    from residency_proto.v1 import residency_pb2 as pb
+
+    s = _admin(a, "Stats", pb.StatsRequest())
+    if a.json:
+        _print_json(as_dict(s))
+        return 0
+    line = (
+        f"requests {s.requests}, cold starts {s.cold_starts}, load wait {s.load_wait_s:.3f} s, "
+        f"evictions {s.evictions}, thrash {s.thrash}, rejected {s.rejected}, "
+        f"budget violations {s.budget_violations}"
+    )
+    if s.wait_p99_s:
+        line += "; wait p99: " + ", ".join(f"{c} {w:.3f} s" for c, w in sorted(s.wait_p99_s.items()))
+    if s.resident_bytes:
+        line += "; resident: " + ", ".join(f"{d} {_mib(b)}" for d, b in sorted(s.resident_bytes.items()))
+    print(line)
+    return 0
+
+
+def cmd_reload(a: argparse.Namespace) -> int:
+    from manager.api.client import as_dict
+    from residency_proto.v1 import residency_pb2 as pb
+
+    r = _admin(a, "ReloadConfig", pb.ReloadConfigRequest())
+    if a.json:
+        _print_json(as_dict(r))
+    else:
+        print(f"config reloaded: {_said(r.message)}")
+    return 0
+
+
+def _event_line(ev: Any) -> str:
+    """One event on one line: its local time, kind, model, device and detail."""
+    import datetime
+
+    try:
+        when = datetime.datetime.fromtimestamp(ev.t).isoformat(sep=" ", timespec="milliseconds")
+    except (OverflowError, OSError, ValueError):  # a time no calendar holds: the number itself
+        when = f"{ev.t:.3f}"
+    parts = [when, ev.kind or "-", ev.model or "-"]
+    if ev.device:
+        parts.append(f"on {ev.device}")
+    line = " ".join(_said(p) for p in parts)
+    return f"{line}: {_said(ev.detail)}" if ev.detail else line
+
+
+def cmd_events(a: argparse.Namespace) -> int:
+    from manager.api.client import ClientError, as_dict, watch_events
+
+    conn = _connection(a)
+    events = watch_events(conn.target, conn.token, root_cert=conn.root_cert)
+    try:
+        for ev in events:
+            if a.json:
+                _print_json(as_dict(ev))
+            else:
+                print(_event_line(ev))
+            sys.stdout.flush()  # each event as it comes, to a pipe too
+    except ClientError as e:
+        raise _client_error(e, conn, refusals=True) from None
+    except KeyboardInterrupt:  # Ctrl-C: how one stops following the events, as `serve` is stopped
+        return 0
+    finally:
+        with contextlib.suppress(KeyboardInterrupt):  # (a second Ctrl-C while the call is cancelled)
+            events.close()
     return 0
 
 
@@ -852,6 +1038,71 @@ def _version() -> str:
         return version("residency")
     except PackageNotFoundError:
         return "unknown (not installed)"
+
+
+def _connection_args(p: argparse.ArgumentParser) -> None:
+    """The options that say where the service is and how to reach it (`ps` and the admin commands)."""
+    p.add_argument("--config", help="the service's config: its server.listen, auth_token_env and tls_cert")
+    p.add_argument(
+        "--target", help="host:port of the server (default: the config's server.listen, else 127.0.0.1:50051)"
+    )
+    p.add_argument(
+        "--token-env",
+        help="environment variable holding the admin bearer token (default: the config's auth_token_env)",
+    )
+    p.add_argument(
+        "--tls-cert", help="PEM certificate of a TLS server, to trust (default: the config's server.tls_cert)"
+    )
+
+
+ADMIN_EXITS = (
+    "Exit status: 0 done, 1 the service refused it (its reason is printed), 2 a usage error or the "
+    "service cannot be reached."
+)
+
+
+def _admin_parsers(sub: Any) -> None:
+    """The admin commands: residency.v1.Residency's calls on a running service."""
+
+    def admin(name: str, help: str, fn: Any, *, model: str | None = None, json_help: str = "") -> Any:
+        p = sub.add_parser(name, help=help, description=f"{help[0].upper()}{help[1:]}. {ADMIN_EXITS}")
+        if model:
+            p.add_argument("model", metavar="MODEL", help=model)
+        _connection_args(p)
+        p.add_argument(
+            "--json", action="store_true", help=json_help or "print the service's answer as one JSON object"
+        )
+        p.set_defaults(fn=fn)
+        return p
+
+    admin("pin", "pin a model: loaded when there is room, never evicted", cmd_pin, model="the model to pin")
+    admin("unpin", "unpin a model (its keep-alive applies again)", cmd_unpin, model="the model to unpin")
+    pre = admin(
+        "preload", "load a model into a tier ahead of its requests", cmd_preload, model="the model to load"
+    )
+    pre.add_argument(
+        "--tier",
+        choices=("gpu", "host"),
+        default="gpu",
+        help="gpu: ready to run (default); host: held in host RAM, a fast promote away",
+    )
+    ev = admin(
+        "evict", "demote a model to host RAM or drop it to disk", cmd_evict, model="the model to evict"
+    )
+    ev.add_argument(
+        "--to",
+        choices=("host", "disk"),
+        default="disk",
+        help="disk: drop it (default); host: keep it in host RAM (a model in use goes when its requests end)",
+    )
+    admin("stats", "the service's counters: requests, cold starts, waits, evictions, thrash", cmd_stats)
+    admin("reload", "make the service read its config file again and apply what changed", cmd_reload)
+    admin(
+        "events",
+        "follow the residency events (loads, evictions, lease changes...), one line each, until Ctrl-C",
+        cmd_events,
+        json_help="one JSON object per line (JSON Lines) instead of text",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -930,18 +1181,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sv.set_defaults(fn=cmd_serve)
 
-    ps = sub.add_parser("ps", help="what a running server holds: tier, bytes, keep-alive, load times")
-    ps.add_argument("--config", help="read server.listen from this config")
-    ps.add_argument("--target", help="host:port of the server (default: the config's server.listen)")
-    ps.add_argument(
-        "--token-env",
-        help="environment variable holding the admin bearer token (default: the config's auth_token_env)",
+    ps = sub.add_parser(
+        "ps", help="what a running server holds: tier, bytes, KV lease, keep-alive, load times"
     )
-    ps.add_argument(
-        "--tls-cert", help="PEM certificate of a TLS server, to trust (default: the config's server.tls_cert)"
-    )
+    _connection_args(ps)
     ps.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     ps.set_defaults(fn=cmd_ps)
+    _admin_parsers(sub)
 
     m = sub.add_parser("measure", help="measure real load times per transition of the configured models")
     m.add_argument(
@@ -1032,6 +1278,9 @@ def _run(args: argparse.Namespace) -> int:
         )
     except UsageError as e:
         err.print(f"residency: {e}", highlight=False, markup=False)
+    except Refused as e:  # the service said no (an unknown model, a pinned one): not a usage error
+        err.print(f"residency: {e}", highlight=False, markup=False)
+        return 1
     except BrokenPipeError:  # its reader stopped reading (`| head`): quietly, as the shell's tools do
         with contextlib.suppress(OSError):  # (and no second error when Python flushes at exit)
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

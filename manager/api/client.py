@@ -1,8 +1,11 @@
-"""Small client helpers for the CLI (`residency ps`)."""
+"""Small client helpers for the CLI (`residency ps`, and the admin commands: pin, unpin, preload, evict,
+stats, reload, events)."""
 
 from __future__ import annotations
 
 import ssl
+import threading
+from collections.abc import Generator
 from typing import Any
 
 import grpc
@@ -11,11 +14,23 @@ from residency_proto.v1 import residency_pb2, residency_pb2_grpc
 
 
 class ClientError(Exception):
-    """A call the server refused or that did not reach it; `code`: the gRPC status code's name."""
+    """A call the server refused or that did not reach it; `code`: the gRPC status code's name;
+    `answered`: the service itself answered (a refusal: an unknown model, a pinned one), not a
+    connection that could not be made (no server there, TLS on one side only) or a call this side
+    would not send (a bad token or certificate)."""
 
-    def __init__(self, message: str, code: str = "") -> None:
+    def __init__(self, message: str, code: str = "", *, answered: bool = False) -> None:
         super().__init__(message)
         self.code = code
+        self.answered = answered
+
+
+ADMIN_TIMEOUT_S = 30.0
+"""How long an admin call waits for its answer (the service answers these at once)."""
+PRELOAD_TIMEOUT_S = 150.0
+"""How long a Preload waits: the service waits up to 120 s for the model's confirmed load."""
+CONNECTED_WAIT_S = 1.0
+"""How long a failed call waits to learn whether its channel was connected (gRPC says at once)."""
 
 
 def list_models(
@@ -23,6 +38,49 @@ def list_models(
 ) -> Any:
     """The server's List answer. `root_cert` (PEM): talk TLS, trusting that certificate (a server
     with `server.tls_cert` serves nothing else); None: plaintext."""
+    return admin_call(target, token, "List", residency_pb2.ListRequest(), timeout_s, root_cert=root_cert)
+
+
+def admin_call(
+    target: str,
+    token: str | None,
+    method: str,
+    request: Any,
+    timeout_s: float = ADMIN_TIMEOUT_S,
+    *,
+    root_cert: bytes | None = None,
+) -> Any:
+    """The answer of the unary `residency.v1.Residency` call `method` (Pin, Evict, Stats...) to
+    `request`. ClientError (with `answered` when the service refused it) otherwise."""
+    meta = _metadata(token, root_cert)
+    with _channel(target, root_cert) as ch:
+        try:
+            return getattr(residency_pb2_grpc.ResidencyStub(ch), method)(
+                request, timeout=timeout_s, metadata=meta
+            )
+        except grpc.RpcError as e:
+            raise _error(e, ch, target, root_cert is not None) from None
+
+
+def watch_events(
+    target: str, token: str | None, *, root_cert: bytes | None = None
+) -> Generator[Any, None, None]:
+    """The service's residency events (`Event` messages) as they happen, until the caller stops
+    (close the generator: the call is cancelled and the channel closed) or the stream ends
+    (ClientError, as `admin_call`'s)."""
+    meta = _metadata(token, root_cert)
+    with _channel(target, root_cert) as ch:
+        stream = residency_pb2_grpc.ResidencyStub(ch).Events(residency_pb2.EventsRequest(), metadata=meta)
+        try:
+            yield from stream
+        except grpc.RpcError as e:
+            raise _error(e, ch, target, root_cert is not None) from None
+        finally:
+            stream.cancel()
+
+
+def _metadata(token: str | None, root_cert: bytes | None) -> list[tuple[str, str]] | None:
+    """The call's metadata (the bearer token), once the token and the certificate are checked."""
     if root_cert is not None:
         check_root_cert(root_cert)
     if token and not all(" " <= c <= "~" for c in token):
@@ -33,23 +91,44 @@ def list_models(
             "token is printable ASCII only",
             "INVALID_ARGUMENT",
         )
-    meta = [("authorization", f"Bearer {token}")] if token else None
-    ch = (
-        grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=root_cert))
-        if root_cert is not None
-        else grpc.insecure_channel(target)
+    return [("authorization", f"Bearer {token}")] if token else None
+
+
+def _channel(target: str, root_cert: bytes | None) -> Any:
+    """A channel to `target`: TLS trusting `root_cert` (PEM) when given, else plaintext."""
+    if root_cert is not None:
+        return grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=root_cert))
+    return grpc.insecure_channel(target)
+
+
+def _error(e: grpc.RpcError, ch: Any, target: str, tls: bool) -> ClientError:
+    """The failed call `e` as a ClientError naming `target`, the code and the server's words; it was
+    answered by the service when its channel is connected: gRPC's own UNAVAILABLE (nothing listens,
+    the connection was closed) and DEADLINE_EXCEEDED (still connecting) leave it unconnected, while
+    the service's UNAVAILABLE (a load that failed) comes over a connected one."""
+    code = e.code()
+    details = str(e.details())
+    answered = code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or _connected(ch)
+    return ClientError(
+        f"{target}: {code.name}: {details}{_tls_hint(details, tls)}", code.name, answered=answered
     )
-    with ch:
-        try:
-            return residency_pb2_grpc.ResidencyStub(ch).List(
-                residency_pb2.ListRequest(), timeout=timeout_s, metadata=meta
-            )
-        except grpc.RpcError as e:
-            details = str(e.details())
-            raise ClientError(
-                f"{target}: {e.code().name}: {details}{_tls_hint(details, root_cert is not None)}",
-                e.code().name,
-            ) from None
+
+
+def _connected(ch: Any) -> bool:
+    """Whether the channel `ch` is connected (READY) now, as gRPC tells its subscribers."""
+    seen: list[Any] = []
+    told = threading.Event()
+
+    def note(state: Any) -> None:
+        seen.append(state)
+        told.set()
+
+    ch.subscribe(note, try_to_connect=False)
+    try:
+        told.wait(CONNECTED_WAIT_S)
+    finally:
+        ch.unsubscribe(note)
+    return bool(seen) and seen[0] == grpc.ChannelConnectivity.READY
 
 
 def check_root_cert(root_cert: bytes) -> None:

@@ -52,4 +52,4 @@ def test_one_thing_is_said_in_the_singular(tmp_path: Path, capsys: pytest.Captur
         "     load_seconds: {disk: 1.0, host: 0.2}}\n"
     )
     assert main(["config", "check", str(cfg)]) == 0
-    assert "ok (1 device, 1 class, 1 model)" in capsys.readouterr().err
+    assert "ok (1 device, 1 class, 1 model)" in capsys.readouterr().out
