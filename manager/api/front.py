@@ -66,6 +66,42 @@ stream that its client does not read holds the manager's send within a few outpu
 client's full window does. Large messages are not slowed: gRPC still widens a call's window to take in
 a message it is reading, and the socket is local (a 64 MiB response or stream message through the
 relay took as long as before, within the measurement's noise)."""
+MAX_GRPC_MESSAGE = 2**31 - 1
+"""The largest message length gRPC takes (its limits are C ints)."""
+RECEIVE_MARGIN = 64 * 2**20
+"""How far past `server.max_request_bytes` gRPC still takes a request in (`receive_limit`)."""
+
+
+def receive_limit(max_request_bytes: int) -> int:
+    """gRPC's own receive limit for a server whose requests may be `max_request_bytes`: past it by
+    that much again (at least RECEIVE_MARGIN), at most MAX_GRPC_MESSAGE. A request between the two is
+    taken in and refused by the server's own check (`too_large`: RESOURCE_EXHAUSTED naming the
+    setting); one past this is refused by gRPC before it is read ("Received message larger than
+    max"), so a client's multi-GB message is never held in memory."""
+    return min(MAX_GRPC_MESSAGE, max_request_bytes + max(max_request_bytes, RECEIVE_MARGIN))
+
+
+def receive_options(max_request_bytes: int) -> list[tuple[str, Any]]:
+    """gRPC's message options for a server whose requests may be `max_request_bytes`: it takes in
+    up to `receive_limit` (the rest is checked by `too_large`), and sends up to the setting."""
+    return [
+        ("grpc.max_receive_message_length", receive_limit(max_request_bytes)),
+        ("grpc.max_send_message_length", max_request_bytes),
+    ]
+
+
+def too_large(method: str, size: int, max_request_bytes: int) -> str | None:
+    """What a client whose request to `method` (its path) is `size` bytes is told when that is more
+    than `server.max_request_bytes` (RESOURCE_EXHAUSTED); None when it is not."""
+    if size <= max_request_bytes:
+        return None
+    return (
+        f"{method.rpartition('/')[2]}: the request is {size} bytes, larger than max {max_request_bytes} "
+        "bytes in one message (server.max_request_bytes); send less in one request, or raise "
+        "server.max_request_bytes"
+    )
+
+
 _STATUS = {s.value[0]: s for s in grpc.StatusCode}
 _NOT_FORWARDED = frozenset({"user-agent", "content-type", "te", "host"})
 
@@ -98,11 +134,28 @@ def forwarded(metadata: Sequence[Any] | None) -> tuple[tuple[str, Any], ...]:
 
 
 class Front(grpc.GenericRpcHandler):
-    """Every method: ModelInfer over the fast path, the rest relayed to the manager's gRPC server."""
+    """Every method: ModelInfer over the fast path, the rest relayed to the manager's gRPC server. A
+    request (or a stream's message) larger than `max_request_bytes` is answered RESOURCE_EXHAUSTED
+    naming the setting (`too_large`), not passed on."""
 
-    def __init__(self, fast: FastPathClient, backend: grpc.aio.Channel) -> None:
+    def __init__(
+        self, fast: FastPathClient, backend: grpc.aio.Channel, max_request_bytes: int = MAX_GRPC_MESSAGE
+    ) -> None:
         self.fast = fast
         self.backend = backend
+        self.max_request_bytes = max_request_bytes
+
+    async def _check(self, method: str, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        why = too_large(method, len(raw), self.max_request_bytes)
+        if why is not None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+
+    async def _checked(
+        self, method: str, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[bytes]:
+        async for raw in requests:
+            await self._check(method, raw, context)
+            yield raw
 
     def service(self, handler_call_details: Any) -> grpc.RpcMethodHandler | None:
         method = handler_call_details.method
@@ -119,6 +172,7 @@ class Front(grpc.GenericRpcHandler):
         return grpc.unary_unary_rpc_method_handler(functools.partial(self._relay_unary, method))
 
     async def _infer(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        await self._check(MODEL_INFER, raw, context)
         code, details, body = await self.fast.call(raw, context.time_remaining())
         if code:
             await context.abort(_STATUS.get(code, grpc.StatusCode.UNKNOWN), details)
@@ -141,6 +195,7 @@ class Front(grpc.GenericRpcHandler):
     async def _relay_unary(
         self, method: str, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
     ) -> bytes:
+        await self._check(method, request, context)
         call = self.backend.unary_unary(method)(request, **self._options(context))
         try:
             response: bytes = await call
@@ -155,6 +210,7 @@ class Front(grpc.GenericRpcHandler):
     async def _relay_stream(
         self, method: str, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[bytes]:
+        await self._check(method, request, context)
         call = self.backend.unary_stream(method)(request, **self._options(context))
         try:
             async for msg in call:
@@ -168,7 +224,9 @@ class Front(grpc.GenericRpcHandler):
     async def _relay(
         self, method: str, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[bytes]:
-        call = self.backend.stream_stream(method)(requests, **self._options(context))
+        call = self.backend.stream_stream(method)(
+            self._checked(method, requests, context), **self._options(context)
+        )
         try:
             async for msg in call:
                 yield msg
@@ -188,11 +246,11 @@ async def run_front(a: argparse.Namespace) -> int:
     server = grpc.aio.server(
         options=[
             ("grpc.so_reuseport", 1),
-            *message_options(a.max_message_bytes),
+            *receive_options(a.max_message_bytes),
             *keepalive_options(a.keepalive_s),
         ]
     )
-    server.add_generic_rpc_handlers((Front(fast, backend),))
+    server.add_generic_rpc_handlers((Front(fast, backend, a.max_message_bytes),))
     port = add_port(server, a.listen, (a.tls_cert, a.tls_key) if a.tls_cert and a.tls_key else None)
     if port == 0:
         print(f"residency front end: cannot listen on {a.listen!r}", file=sys.stderr, flush=True)

@@ -18,6 +18,7 @@ import errno
 import functools
 import hashlib
 import hmac
+import inspect
 import ipaddress
 import itertools
 import logging
@@ -37,9 +38,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from manager.api.admin import AdminServicer, file_identity
+from manager.api.front import receive_options, too_large
 from manager.api.handlers import add_servicer
 from manager.api.oip import InferenceServicer
-from manager.api.runtime import ServeError, add_port, keepalive_options, message_options
+from manager.api.runtime import ServeError, add_port, keepalive_options
 from manager.api.world import WorldSessionServicer
 from manager.config import Config
 from manager.journal import RequestJournal
@@ -91,6 +93,85 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             if not self.allows(str(got)):
                 return _deny()
         return await continuation(details)
+
+
+class _Oversized:
+    """A request larger than `server.max_request_bytes`, in place of its message (`RequestLimit`)."""
+
+    __slots__ = ("size",)
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+
+class RequestLimit(grpc.aio.ServerInterceptor):
+    """A request (or a stream's message) larger than `max_request_bytes` (`server.max_request_bytes`)
+    is answered RESOURCE_EXHAUSTED naming that setting and both sizes (`front.too_large`), not
+    handled. gRPC takes in up to `front.receive_limit` (its own refusal past that does not name the
+    setting); the size is read in the method's deserializer, which gets the message's bytes."""
+
+    def __init__(self, max_request_bytes: int) -> None:
+        self.limit = max_request_bytes
+        self._made: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method = str(details.method)
+        made = self._made.get(method)
+        if made is None or made[0] is not handler:  # (one per method: the servicers' are fixed)
+            made = (handler, self._checking(method, handler))
+            self._made[method] = made
+        return made[1]
+
+    def _checking(self, method: str, handler: Any) -> Any:
+        """`handler` with the check: its deserializer reads the size, its function refuses a request
+        too large before it runs (a stream's message as it is read)."""
+        limit = self.limit
+        parse = handler.request_deserializer
+        kind = next((k for k in _HANDLER_KINDS if getattr(handler, k) is not None), None)
+        fn = getattr(handler, kind) if kind is not None else None
+        # gRPC runs a coroutine function as one (a streaming one writes with context.write: health's
+        # Watch) and iterates an async generator (the servicers `add_servicer` registers): the wrapper
+        # is of the same kind. Another (a plain function, which gRPC runs on a thread; none here) is
+        # left as it is, to gRPC's own limit.
+        if not hasattr(handler, "_replace") or kind is None:  # (grpc's handlers are namedtuples)
+            return handler
+        if not (inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn)):
+            return handler
+        call: Any = fn  # (either kind: not narrowed)
+
+        def deserialize(raw: bytes) -> Any:
+            if len(raw) > limit:
+                return _Oversized(len(raw))
+            return raw if parse is None else parse(raw)
+
+        async def refuse(request: Any, context: Any) -> Any:
+            if isinstance(request, _Oversized):
+                why = too_large(method, request.size, limit)
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+            return request
+
+        async def checked(requests: Any, context: Any) -> Any:
+            async for request in requests:
+                yield await refuse(request, context)
+
+        async def first(request: Any, context: Any) -> Any:
+            return checked(request, context) if kind.startswith("stream") else await refuse(request, context)
+
+        async def as_coroutine(request: Any, context: Any) -> Any:
+            return await call(await first(request, context), context)
+
+        async def as_generator(request: Any, context: Any) -> Any:
+            async for out in call(await first(request, context), context):
+                yield out
+
+        wrapped = as_coroutine if inspect.iscoroutinefunction(call) else as_generator
+        return handler._replace(request_deserializer=deserialize, **{kind: wrapped})
+
+
+_HANDLER_KINDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
 
 
 def _deny() -> grpc.RpcMethodHandler:
@@ -188,10 +269,12 @@ async def build_server(
     that they relay to: no TLS there)."""
     token = auth_token(config)
     private = listen is not None
+    limit = config.server.max_request_bytes
     server = grpc.aio.server(
-        interceptors=[AuthInterceptor(token)] if token else [],
+        # the token first: a call it refuses is refused whatever its size
+        interceptors=[*([AuthInterceptor(token)] if token else []), RequestLimit(limit)],
         options=[
-            *message_options(config.server.max_request_bytes),
+            *receive_options(limit),
             *keepalive_options(config.server.keepalive),
             # never share the public port (grpc turns SO_REUSEPORT on by default on Linux): a second
             # `serve` on it would start and split the connections with the first, each manager
@@ -304,6 +387,33 @@ def _journal_and_store(config: Config) -> tuple[RequestJournal | None, Any]:
         if journal is not None:
             journal.close()
         raise
+
+
+def _ray_connected() -> bool:
+    """Whether this process is connected to Ray (not imported here when it is not used)."""
+    ray = sys.modules.get("ray")
+    return ray is not None and bool(ray.is_initialized())
+
+
+def _descendants() -> set[int]:
+    """The pids of this process's children, and theirs."""
+    import psutil
+
+    return {c.pid for c in psutil.Process().children(recursive=True)}
+
+
+def _shutdown_ray() -> None:
+    """Shut down the local Ray `serve` started (its processes stopped), as the stop's last step. Ray's
+    own atexit hook did it, seconds after the stop had ended and put its handlers back: a second
+    stop signal then was lost (uvloop's handler, its loop closed, only noted it) or raised in that
+    hook (asyncio's, removed at the loop's close). It runs on the event loop's thread, where the
+    stop's own handlers (`_StopSignals._next_exits`) still end the process at a second signal."""
+    import ray
+
+    try:
+        ray.shutdown()
+    except Exception:  # the service has stopped: what Ray could not end is said, not raised
+        logger.warning("stopping: the local Ray did not shut down cleanly", exc_info=True)
 
 
 async def _stop_manager(manager: LiveManager) -> None:
@@ -787,6 +897,11 @@ def _exit_now(signum: int) -> None:
     os._exit(128 + signum)
 
 
+def _say(line: str) -> None:
+    """One line of `serve`'s own on stderr (its stop's), as `residency serve` says it serves."""
+    print(line, file=sys.stderr, flush=True)
+
+
 SAME_STOP_S = 0.2
 """A stop signal within this long of the first is taken for the same stop, not a second one: a
 supervisor that signals the whole process group while the `make` above the service forwards its own
@@ -795,8 +910,10 @@ signal delivers two at once (a person's second Ctrl-C comes later than this)."""
 
 class _StopSignals:
     """`serve`'s stop signals, on its event loop: the first stops the service (`stop` set, and each
-    one's number in `came`); a second, while the stop is under way, ends the process at once
-    (`_exit_now`); one within SAME_STOP_S of the first is the same stop (said on stderr)."""
+    one's number in `came`), said on stderr; a second, while the stop is under way, ends the process
+    at once (`_exit_now`), and the processes of the local Ray `serve` started with it (`started`:
+    the stop's last step shuts that Ray down, which the signal cuts short); one within SAME_STOP_S
+    of the first is the same stop (said on stderr)."""
 
     def __init__(
         self, stop: asyncio.Event, came: list[int], clock: Callable[[], float] = time.monotonic
@@ -806,6 +923,11 @@ class _StopSignals:
         self.clock = clock
         self.first_at: float | None = None
         self.held: dict[int, Any] = {}  # the handlers the first signal replaced
+        self.started: Callable[[], list[int]] | None = None
+        """The pids of the processes `serve` started that a second signal ends with it (the local
+        Ray's: its shutdown, the stop's last step, is what that signal cuts short), read at the
+        first signal; None: none."""
+        self.ends_too: list[tuple[int, bool]] = []  # (a pidfd, True) each, or (its pid, False)
 
     def on_signal(self, sig: int) -> None:
         if self.came:  # another one while the stop is under way
@@ -813,8 +935,48 @@ class _StopSignals:
             return
         self.first_at = self.clock()
         self.came.append(sig)
+        name = signal.Signals(sig).name
+        _say(f"residency: stopping ({name}); a second {name} exits at once")
         self.stop.set()
+        self._hold_started()
         self._next_exits()
+
+    def _hold_started(self) -> None:
+        """The processes `started` names, held for a second signal to end: a pidfd each, so that a
+        pid the OS gives to another process meanwhile is not hit (the pid itself where the OS has
+        no pidfds)."""
+        if self.started is None:
+            return
+        try:
+            pids = self.started()
+        except Exception:  # (the process table changed under psutil) nothing is held then
+            logger.debug("the processes serve started could not be listed", exc_info=True)
+            return
+        for pid in pids:
+            try:
+                self.ends_too.append((os.pidfd_open(pid), True))
+            except ProcessLookupError:
+                continue
+            except (OSError, AttributeError):
+                self.ends_too.append((pid, False))
+
+    def _end_started(self) -> None:
+        """SIGKILL to the processes held (`_hold_started`). It may run in a signal handler: system
+        calls alone."""
+        for held, is_fd in self.ends_too:
+            with contextlib.suppress(OSError):
+                if is_fd:
+                    signal.pidfd_send_signal(held, signal.SIGKILL)
+                else:
+                    os.kill(held, signal.SIGKILL)
+
+    def release(self) -> None:
+        """The pidfds held, closed (the stop is done)."""
+        for held, is_fd in self.ends_too:
+            if is_fd:
+                with contextlib.suppress(OSError):
+                    os.close(held)
+        self.ends_too.clear()
 
     def _again(self, sig: int) -> None:
         """A signal after the first: the same stop when it came with it, else the process ends now.
@@ -825,6 +987,7 @@ class _StopSignals:
             with contextlib.suppress(OSError):
                 os.write(2, line.encode())
             return
+        self._end_started()
         _exit_now(sig)
 
     def _next_exits(self) -> None:
@@ -958,13 +1121,20 @@ async def serve(
 
             read_tls(config.server.tls_cert, config.server.tls_key)  # and an unusable TLS pair
         journal, store = _journal_and_store(config)
+    # a local Ray started here is shut down by the stop, as its last step (`_shutdown_ray`)
+    ray_here = not in_process and not _ray_connected()
+    before = _descendants() if ray_here else set()
     pool = _pool_or_stop(
         lambda: create_pool(config, in_process=in_process, cpu_fallback=cpu_fallback), store, journal
     )
+    owns_ray = ray_here and _ray_connected()
+    if owns_ray:  # a second signal during the stop ends its processes with this one
+        signals.started = lambda: sorted(_descendants() - before)
     manager = LiveManager(config, pool, store=store, journal=journal)
     manager.server_overrides = dict(server_overrides or {})
     fronts: Frontends | None = None
     server: grpc.aio.Server | None = None
+    served = False  # it served, and a stop signal ended that
     watcher = tuner = None
     metrics: Any = None
     try:
@@ -1019,6 +1189,7 @@ async def serve(
             ready(port)
         await stop.wait()
         await health_servicer.enter_graceful_shutdown()
+        served = True
     finally:
         tasks = [t for t in (watcher, tuner) if t is not None]
         for task in tasks:
@@ -1051,5 +1222,10 @@ async def serve(
             thread.join(5.0)
         pool.close()
         store.close()
+        if owns_ray:
+            _shutdown_ray()
         grace_end.cancel()  # (what still runs then is the executor's shutdown's: bounded too)
         signals.put_back()
+        signals.release()
+        if served:
+            _say("residency: stopped")
