@@ -12,18 +12,17 @@ same GPU as in-process; a host of an earlier run made without that is replaced."
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
 import ray
 
-from workers import protocol as P
 from workers import ray_pool
 from workers.pool import DeviceSpec
 from workers.ray_pool import RayWorkerPool
 
 from .conftest import TEST_NAMESPACE
+from .test_ray_workers import wait_status
 
 
 def _seen() -> Callable[[Any], tuple[str | None, int, str]]:
@@ -38,17 +37,6 @@ def _seen() -> Callable[[Any], tuple[str | None, int, str]]:
     return seen
 
 
-def _status(pool: RayWorkerPool, device: str, timeout: float = 120.0) -> P.WorkerStatus:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return pool.status(device, timeout_s=5)
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
-
-
 def test_cuda_hosts_see_the_gpus_as_the_manager_does_and_still_count_against_ray(
     ray_actors: list[object],
 ) -> None:
@@ -58,7 +46,7 @@ def test_cuda_hosts_see_the_gpus_as_the_manager_does_and_still_count_against_ray
     )
     ray_actors.append(pool)
     for device in pool.devices():
-        assert _status(pool, device).kind == "cuda"
+        assert wait_status(pool, device, timeout=120.0).kind == "cuda"
     a = ray.get(pool.actors["r18-gpu-a"].__ray_call__.remote(_seen()), timeout=60)
     b = ray.get(pool.actors["r18-gpu-b"].__ray_call__.remote(_seen()), timeout=60)
     # the local Ray was started by this process: its workers have this process's environment, which
@@ -84,12 +72,12 @@ def test_a_cuda_host_of_an_earlier_release_is_replaced_and_a_current_one_kept(
         pool = RayWorkerPool([DeviceSpec(device, "cuda", index=0)], namespace=TEST_NAMESPACE)
         ray_actors.append(pool)
         assert not pool.reattached[device]
-        boot = _status(pool, device).boot_id
+        boot = wait_status(pool, device, timeout=120.0).boot_id
         seen = ray.get(pool.actors[device].__ray_call__.remote(_seen()), timeout=60)
         assert seen == (os.environ.get("CUDA_VISIBLE_DEVICES"), 0, "cuda:0")
 
         again = RayWorkerPool([DeviceSpec(device, "cuda", index=0)], namespace=TEST_NAMESPACE)
         ray_actors.append(again)
-        assert again.reattached[device] and _status(again, device).boot_id == boot
+        assert again.reattached[device] and wait_status(again, device, timeout=120.0).boot_id == boot
     finally:
         ray.kill(old, no_restart=True)

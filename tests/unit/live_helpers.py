@@ -1,15 +1,20 @@
-"""Helpers for the live-manager unit tests: the config, sample inputs, and a manager on in-process
-device hosts (no Ray, no sockets), started and killed."""
+"""Helpers for the live-manager unit tests: the config, sample inputs, a manager on in-process
+device hosts (no Ray, no sockets), started and killed, and a model factory that hangs until let go."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+import sys
+import threading
+import types
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
+import pytest
+from torch import nn
 
 from manager.config import Config, load_config
 from manager.live import LiveManager
@@ -183,3 +188,33 @@ def run_with_pinned_voice(
         return drain(events)
 
     return asyncio.run(main())
+
+
+class Gate:
+    """A model factory that waits while `open` is clear (a load hung, or still on its way):
+    `entered` says a call started, `calls` counts them."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+        self.entered = threading.Event()
+        self.calls = 0
+
+    def linear(self, in_features: int = 4, out_features: int = 2) -> nn.Module:
+        self.calls += 1
+        self.entered.set()
+        self.open.wait(60)
+        return nn.Linear(in_features, out_features)
+
+
+def gated_module(monkeypatch: pytest.MonkeyPatch, module: str) -> Iterator[Gate]:
+    """The body of a `gate` fixture: a Gate whose factory is `{module}:linear` (a module made up under
+    that name); after the test the gate opens and the load and promote threads still in it end."""
+    g = Gate()
+    mod = types.ModuleType(module)
+    mod.linear = g.linear  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module, mod)
+    yield g
+    g.open.set()
+    for t in threading.enumerate():
+        if t.name.startswith(("residency-load-", "residency-promote-")):
+            t.join(30)

@@ -8,26 +8,20 @@ in-process device hosts, a real TorchScript checkpoint; the results of the held 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import warnings
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
 import torch
 from live_helpers import until
+from test_review13_admin import _HoldingPool, serving
 
 from manager.api.admin import preload_host
-from manager.api.server import build_server
 from manager.config import Config, load_config
 from manager.errors import DeadlineExceeded
-from manager.live import LiveManager
-from manager.workers_bridge import create_pool
 from residency_proto.v1 import residency_pb2 as pb
 from residency_proto.v1 import residency_pb2_grpc as pb_grpc
-from workers import protocol as P
 
 CONFIG = """
 server: {listen: "127.0.0.1:0"}
@@ -49,49 +43,6 @@ def config(tmp_path: Path) -> Config:
         torch.jit.script(torch.nn.Linear(4, 2)).save(str(tmp_path / "embed.pt"))  # type: ignore[no-untyped-call]
     (tmp_path / "c.yaml").write_text(CONFIG.replace("TMP", str(tmp_path)))
     return load_config(tmp_path / "c.yaml")
-
-
-class _HoldingPool:
-    """Around the in-process pool: the results of the models in `hold` are kept back (the host has
-    run the command) until they leave it."""
-
-    def __init__(self, real: Any) -> None:
-        self.real = real
-        self.hold: set[str] = set()
-        self.sent: list[tuple[str, str]] = []
-        self._held: list[P.CommandResult] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.real, name)
-
-    def submit(self, device: str, cmd: P.Command, op_id: str | None = None) -> str:
-        self.sent.append((P.command_op(cmd), P.command_model(cmd)))
-        op: str = self.real.submit(device, cmd, op_id)
-        return op
-
-    def poll(self) -> list[P.CommandResult]:
-        results, self._held = self._held + self.real.poll(), []
-        out: list[P.CommandResult] = []
-        for r in results:
-            (self._held if r.model in self.hold else out).append(r)
-        return out
-
-
-@contextlib.asynccontextmanager
-async def serving(cfg: Config) -> AsyncIterator[tuple[pb_grpc.ResidencyStub, LiveManager, _HoldingPool]]:
-    pool = _HoldingPool(create_pool(cfg, in_process=True))
-    manager = LiveManager(cfg, pool)
-    server, port, _ = await build_server(cfg, manager)
-    await server.start()
-    await manager.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield pb_grpc.ResidencyStub(channel), manager, pool  # type: ignore[no-untyped-call]
-    finally:
-        pool.hold.clear()
-        await server.stop(None)
-        await manager.stop()
-        pool.real.close()
 
 
 async def tier_of(stub: pb_grpc.ResidencyStub, name: str) -> str:

@@ -30,29 +30,13 @@ from typing import Any
 
 import pytest
 import torch
+from test_review16_worldpager_robust import LAYOUT, SEG, SLOT, _payload
 
 from workers.measure import CudaProbe, nvml_power_w
-from worldpager.layout import SegmentLayout
-from worldpager.model import TINY
 from worldpager.pages import PageManager
 from worldpager.retrieval import Pose, SegmentInfo
 from worldpager.segment_log import SegmentLog, slot_size_for
 from worldpager.transfer import TransferHandler
-
-CFG = TINY.on_the_fly()
-LAYOUT = SegmentLayout.from_config(CFG, "bf16")
-SEG = LAYOUT.payload_nbytes
-SLOT = LAYOUT.decoded_nbytes
-
-
-def _payload(seed: int) -> bytes:
-    g = torch.Generator().manual_seed(seed)
-    kv = [
-        (torch.randn(LAYOUT.kv_shape, generator=g), torch.randn(LAYOUT.kv_shape, generator=g))
-        for _ in range(LAYOUT.layers)
-    ]
-    return LAYOUT.encode(kv)
-
 
 # ---- fakes of the torch.cuda calls (no GPU here) ---------------------------------------------------
 

@@ -29,18 +29,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import threading
-import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-import torch
-from live_helpers import run, until
-from torch import nn
+from live_helpers import Gate, gated_module, run, until
+from test_review14_abandoned import MODULE
+from test_review14_abandoned import _config as _stuck_config
 
 import manager.live as live_mod
 from manager.config import Config, load_config
@@ -50,7 +48,6 @@ from manager.policy.types import Tier
 from manager.store import open_store
 from manager.workers_bridge import create_pool
 from workers.demo import write_tiny_mlp
-from workers.st_io import write_safetensors
 
 MiB = 1 << 20
 WIDTH = 64
@@ -65,58 +62,15 @@ def _tier(lm: LiveManager, name: str) -> Tier:
 
 
 # ---- (1) a LOAD_TIMEOUT after an admin's evict ----------------------------------------------------
-MODULE = "residency_review18_live"
 X4 = {"input": np.ones((1, 4), np.float32)}
 
 
-class _Gate:
-    """The hung model's factory: it waits while `open` is clear."""
-
-    def __init__(self) -> None:
-        self.open = threading.Event()
-        self.calls = 0
-
-    def linear(self, in_features: int = 4, out_features: int = 2) -> nn.Module:
-        self.calls += 1
-        self.open.wait(60)
-        return nn.Linear(in_features, out_features)
-
-
 @pytest.fixture
-def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Gate]:
-    g = _Gate()
-    mod = types.ModuleType(MODULE)
-    mod.linear = g.linear  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, MODULE, mod)
-    yield g
-    g.open.set()
-    for t in threading.enumerate():
-        if t.name.startswith(("residency-load-", "residency-promote-")):
-            t.join(30)
+def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
+    yield from gated_module(monkeypatch, MODULE)
 
 
-def _stuck_config(tmp_path: Path) -> Config:
-    """One CPU device with room (896 MiB usable) for `stuck` (its factory hangs while the gate is
-    closed) or `other`, not both (600 MiB each, as the books estimate them)."""
-    lines = [
-        "devices:\n  - {name: cpu0, kind: cpu, memory: 1GiB, reserve: 128MiB}\n",
-        "host: {memory: 4GiB, reserve: 1GiB}\nclasses:\n  - {name: interactive}\n",
-        "policy: {name: lru-keepalive}\nmodels:\n",
-    ]
-    for name, factory in (("stuck", f"{MODULE}:linear"), ("other", "torch.nn:Linear")):
-        path = tmp_path / f"{name}.safetensors"
-        write_safetensors({"weight": torch.ones(2, 4), "bias": torch.zeros(2)}, path)
-        lines.append(
-            f"  - {{name: {name}, class: interactive, adapter: safetensors-module, device: cpu0,"
-            " memory: 600MiB, prewarm: false, load_seconds: {disk: 0.05, host: 0.01},\n"
-            f"     source: {{factory: '{factory}', path: '{path}',"
-            " kwargs: {in_features: 4, out_features: 2}}}\n"
-        )
-    (tmp_path / "c.yaml").write_text("".join(lines))
-    return load_config(tmp_path / "c.yaml")
-
-
-def test_a_load_timeout_after_an_admin_evict_keeps_the_room_held(gate: _Gate, tmp_path: Path) -> None:
+def test_a_load_timeout_after_an_admin_evict_keeps_the_room_held(gate: Gate, tmp_path: Path) -> None:
     config = _stuck_config(tmp_path)
 
     async def main() -> None:
@@ -368,7 +322,7 @@ def test_a_failed_pin_write_is_logged_and_made_again(
 
 
 # ---- (5) an admin's evict of a model whose load is still on its way ------------------------------
-def test_an_admin_evict_during_a_load_keeps_the_room_until_the_load_ends(gate: _Gate, tmp_path: Path) -> None:
+def test_an_admin_evict_during_a_load_keeps_the_room_until_the_load_ends(gate: Gate, tmp_path: Path) -> None:
     """The evict took the loading model off the books at once, while its device host's load still
     filled the room (until the host answered: up to its load timeout): another model was booked into
     it. The evict now waits for the load's result, then goes as usual."""
@@ -413,7 +367,7 @@ def test_an_admin_evict_during_a_load_keeps_the_room_until_the_load_ends(gate: _
     asyncio.run(main())
 
 
-def test_an_admin_evict_during_a_promote_waits_for_it(gate: _Gate, tmp_path: Path) -> None:
+def test_an_admin_evict_during_a_promote_waits_for_it(gate: Gate, tmp_path: Path) -> None:
     """The same for a promote from host RAM (its build hangs as a load's does): to host RAM once
     the promote ends, its room on the device held until then."""
     config = _stuck_config(tmp_path)

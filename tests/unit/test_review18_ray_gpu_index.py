@@ -25,6 +25,8 @@ from typing import Any
 import cloudpickle  # type: ignore[import-untyped]
 import pytest
 import ray
+from test_review18_ray_pool import FakeRay as PoolFakeRay
+from test_review18_ray_pool import Ref
 
 from workers import protocol as P
 from workers import ray_pool
@@ -32,11 +34,6 @@ from workers.pool import DeviceSpec
 from workers.ray_pool import RayWorkerPool
 
 NOSET = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
-
-
-class Ref:
-    def __init__(self, value: Any) -> None:
-        self.value = value
 
 
 class Host:
@@ -68,46 +65,16 @@ class Host:
             setattr(ray, "get_runtime_context", real)  # noqa: B010
 
 
-class FakeRay:
-    """The Ray API the pool uses. `held`: named actors of an earlier run; `made`: the options of each
-    actor the pool made."""
+class FakeRay(PoolFakeRay):
+    """The Ray API the pool uses (that of `test_review18_ray_pool`), its actors made as `Host`s here.
+    `held`: named actors of an earlier run; `made`: the options of each actor the pool made."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.held: dict[str, Host] = {}
-        self.killed: list[Host] = []
-        self.made: list[Host] = []
-        m = monkeypatch
-        m.setattr(ray, "is_initialized", lambda: True)
-        m.setattr(ray, "get_actor", self.get_actor)
-        m.setattr(ray, "kill", self.kill)
-        m.setattr(ray, "wait", lambda refs, num_returns=1, timeout=None: (list(refs), []))
-        m.setattr(ray, "get", self.get)
-        m.setattr(ray_pool, "_cluster_name", lambda: "the Ray cluster")
-        m.setattr(ray_pool, "RemoteDeviceHost", SimpleNamespace(options=self.options))
-        m.setattr(ray_pool, "_scheduled", lambda handle: True)
+        super().__init__(monkeypatch)
+        monkeypatch.setattr(ray_pool, "_cluster_name", lambda: "the Ray cluster")
 
-    def get_actor(self, name: str, namespace: str | None = None) -> Host:
-        if name not in self.held:
-            raise ValueError(name)
-        return self.held[name]
-
-    def kill(self, handle: Host, no_restart: bool = False) -> None:
-        self.killed.append(handle)
-        self.held = {k: v for k, v in self.held.items() if v is not handle}
-
-    @staticmethod
-    def get(ref: Ref, timeout: float | None = None) -> Any:
-        if isinstance(ref.value, BaseException):
-            raise ref.value
-        return ref.value
-
-    def options(self, **opts: Any) -> Any:
-        def remote(name: str, kind: str, index: int, node: str | None) -> Host:
-            host = Host(name, kind, index, opts)
-            self.made.append(host)
-            return host
-
-        return SimpleNamespace(remote=remote)
+    def host(self, name: str, kind: str, index: int, node: str | None, options: dict[str, Any]) -> Host:
+        return Host(name, kind, index, options)
 
 
 def _old(device: str, index: int) -> Host:

@@ -125,12 +125,16 @@ class FakeRay:
         return ref.value
 
     def options(self, **opts: Any) -> Any:
-        def remote(name: str, kind: str, index: int, node: str | None) -> Host:
-            host = Host(name, kind, index, node)
+        def remote(name: str, kind: str, index: int, node: str | None) -> Any:
+            host = self.host(name, kind, index, node, opts)
             self.made.append(host)
             return host
 
         return SimpleNamespace(remote=remote)
+
+    def host(self, name: str, kind: str, index: int, node: str | None, options: dict[str, Any]) -> Any:
+        """The handle of an actor the pool made (with `options`)."""
+        return Host(name, kind, index, node)
 
 
 def load(model: str = "llm") -> P.Command:

@@ -26,8 +26,6 @@ Ray's API is stood in for by fakes here (unit tests never start Ray)."""
 from __future__ import annotations
 
 import asyncio
-import errno
-import io
 import os
 import shutil
 from pathlib import Path
@@ -45,15 +43,14 @@ from ray.exceptions import (
     RayTaskError,
     WorkerCrashedError,
 )
+from test_review18_worldpager import CFG, SEG, _Disk, _no_space, _pose, _resume
 
 from workers import protocol as P
 from workers import ray_pool
 from workers.pool import DeviceSpec
 from workers.ray_pool import RayWorkerPool, _Batcher, _Deaths
 from worldpager.cli import main
-from worldpager.layout import SegmentLayout
-from worldpager.model import TINY, TinyCausalWan
-from worldpager.retrieval import Pose
+from worldpager.model import TinyCausalWan
 from worldpager.session import SESSION_FILE, Session
 from worldpager.session_records import MissingSegment
 
@@ -227,57 +224,6 @@ def test_the_hosts_own_silence_is_still_a_deadline(pool: RayWorkerPool) -> None:
 
 # ---- WorldPager fakes --------------------------------------------------------------------------------
 
-CFG = TINY.on_the_fly()  # = the CLI's --preset micro
-SEG = SegmentLayout.from_config(CFG, "bf16").payload_nbytes
-
-
-def _pose(i: int) -> Pose:
-    return Pose(0.0, 0.0, float(i), 0.0, 10.0 * i)
-
-
-def _no_space(*_: object, **__: object) -> Any:
-    raise OSError(errno.ENOSPC, "No space left on device")
-
-
-class _FullFile(io.RawIOBase):
-    """A file opened for writing on a full disk: it opens; every write fails."""
-
-    def __init__(self, fd: int) -> None:
-        super().__init__()
-        self.fd = fd
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b: Any) -> int:
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    def fileno(self) -> int:
-        return self.fd
-
-    def close(self) -> None:
-        if not self.closed:
-            os.close(self.fd)
-        super().close()
-
-
-def _fill(mp: pytest.MonkeyPatch) -> None:
-    """Every write to a file fails with ENOSPC, as on a full file system (reads, fsync, unlink work)."""
-    real_fdopen = os.fdopen
-
-    def fdopen(fd: int, mode: str = "r", *a: Any, **kw: Any) -> Any:
-        return _FullFile(fd) if any(c in mode for c in "wa+") else real_fdopen(fd, mode, *a, **kw)
-
-    for name in ("write", "pwrite", "pwritev"):
-        mp.setattr(os, name, _no_space)
-    mp.setattr(os, "fdopen", fdopen)
-
-
-def _resume(log_dir: Path, **kw: Any) -> Session:
-    opts: dict[str, Any] = {"host_budget_bytes": 8 * SEG, "retrieval_k": 2, **kw}
-    return Session.resume(log_dir, TinyCausalWan(CFG), **opts)
-
-
 # ---- 3. resume_at at or past where the session stopped ------------------------------------------------
 
 
@@ -328,7 +274,7 @@ def test_cli_resume_at_on_a_full_disk_exits_1_naming_the_folder(
     capsys.readouterr()
     before = (d / SESSION_FILE).read_bytes()
     with monkeypatch.context() as mp:
-        _fill(mp)
+        _Disk(mp).fill()
         argv = ["session", "--resume", "--resume-at", "3", "--segments", "1", "--log-dir", str(d), "--json"]
         rc = main(argv)
     out, err = capsys.readouterr()

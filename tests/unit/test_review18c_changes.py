@@ -14,13 +14,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from test_review18_store import T0, _redis_server
 
 from manager.config import StoreConfig
 from manager.config_schema import _redis_url_problem
@@ -29,22 +27,6 @@ from manager.store.base import redact
 from manager.store.redis import RedisStore, parse_redis_url
 from manager.store.redis_url import shown_redis_url
 
-T0 = 1_764_547_200.0
-
-
-def _load_redis_server() -> ModuleType:
-    """tests/integration/redis_server.py (the private redis-server fixtures), loaded by path: the
-    unit tests are not a package."""
-    path = Path(__file__).resolve().parents[1] / "integration" / "redis_server.py"
-    spec = importlib.util.spec_from_file_location("review18c_redis_server", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-_redis_server = _load_redis_server()
 redis_url = _redis_server.redis_url  # (fixtures)
 redis_clean = _redis_server.redis_clean
 

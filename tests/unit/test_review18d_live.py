@@ -19,19 +19,15 @@ Real tiny models (safetensors checkpoints) on in-process device hosts, a real SQ
 from __future__ import annotations
 
 import asyncio
-import sys
-import threading
 import time
-import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
-from live_helpers import run, until
-from torch import nn
+from live_helpers import Gate, gated_module, run, until
+from test_review18_live import MLP_BYTES, WIDTH, X4, MiB, X, _tier
 
 import manager.live as live_mod
 from manager.config import Config, load_config
@@ -43,44 +39,13 @@ from manager.workers_bridge import create_pool
 from workers.demo import write_tiny_mlp
 from workers.st_io import write_safetensors
 
-MiB = 1 << 20
-WIDTH = 64
-MLP_BYTES = 2 * (WIDTH * WIDTH + WIDTH) * 4
-X = {"input": np.ones((1, WIDTH), dtype=np.float32)}
-X4 = {"input": np.ones((1, 4), np.float32)}
 MODULE = "residency_review18d_live"
 
 
-def _tier(lm: LiveManager, name: str) -> Tier:
-    tier: Tier = lm.engine.models[name].tier
-    return tier
-
-
 # ---- (1) an unconfirmed load is not evicted ----------------------------------------------------
-class _Gate:
-    """The hung model's factory: it waits while `open` is clear."""
-
-    def __init__(self) -> None:
-        self.open = threading.Event()
-        self.calls = 0
-
-    def linear(self, in_features: int = 4, out_features: int = 2) -> nn.Module:
-        self.calls += 1
-        self.open.wait(60)
-        return nn.Linear(in_features, out_features)
-
-
 @pytest.fixture
-def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Gate]:
-    g = _Gate()
-    mod = types.ModuleType(MODULE)
-    mod.linear = g.linear  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, MODULE, mod)
-    yield g
-    g.open.set()
-    for t in threading.enumerate():
-        if t.name.startswith(("residency-load-", "residency-promote-")):
-            t.join(30)
+def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
+    yield from gated_module(monkeypatch, MODULE)
 
 
 def _classed_config(tmp_path: Path, keep_alive: str = "30m") -> Config:
@@ -109,7 +74,7 @@ def _classed_config(tmp_path: Path, keep_alive: str = "30m") -> Config:
     return load_config(tmp_path / "c.yaml")
 
 
-def test_an_unconfirmed_load_past_its_estimate_is_not_evicted(gate: _Gate, tmp_path: Path) -> None:
+def test_an_unconfirmed_load_past_its_estimate_is_not_evicted(gate: Gate, tmp_path: Path) -> None:
     config = _classed_config(tmp_path)
 
     async def main() -> None:
@@ -143,7 +108,7 @@ def test_an_unconfirmed_load_past_its_estimate_is_not_evicted(gate: _Gate, tmp_p
     asyncio.run(main())
 
 
-def test_a_confirmed_load_is_evictable_again(gate: _Gate, tmp_path: Path) -> None:
+def test_a_confirmed_load_is_evictable_again(gate: Gate, tmp_path: Path) -> None:
     """Once its host confirms the load, the model is an ordinary resident (not left 'loading' for
     good): it is unloaded when its keep-alive runs out."""
     config = _classed_config(tmp_path, keep_alive="1s")

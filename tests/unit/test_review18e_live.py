@@ -19,18 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
-import threading
 import time
-import types
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from live_helpers import until
-from torch import nn
+from live_helpers import Gate, gated_module, until
 
 import manager.live as live_mod
 from manager.config import Config, load_config
@@ -223,31 +219,12 @@ def test_a_request_whose_load_failed_is_an_error_not_rejected(tmp_path: Path) ->
         store.close()
 
 
-class _Gate:
-    """A factory that waits while `open` is clear (a load still on its way)."""
-
-    def __init__(self) -> None:
-        self.open = threading.Event()
-
-    def linear(self, in_features: int = 4, out_features: int = 2) -> nn.Module:
-        self.open.wait(60)
-        return nn.Linear(in_features, out_features)
-
-
 @pytest.fixture
-def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Gate]:
-    g = _Gate()
-    mod = types.ModuleType(GATED)
-    mod.linear = g.linear  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, GATED, mod)
-    yield g
-    g.open.set()
-    for t in threading.enumerate():
-        if t.name.startswith(("residency-load-", "residency-promote-")):
-            t.join(30)
+def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
+    yield from gated_module(monkeypatch, GATED)
 
 
-def test_a_request_admission_refuses_is_still_rejected(gate: _Gate, tmp_path: Path) -> None:
+def test_a_request_admission_refuses_is_still_rejected(gate: Gate, tmp_path: Path) -> None:
     """Room for one of the two models, held by `ok`'s load still on its way (not evictable): a
     request for `gone` finds no room within its class's max_wait, refused by admission before any
     load of it: `rejected`, as before."""
