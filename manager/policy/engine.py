@@ -168,11 +168,9 @@ class Engine(TierMoves):
         """A wake-up LEASE_TICK_S from now when a session's lease could grow into free room then
         (the live manager's next tick would grow it), as `_refresh_lease` would judge it now."""
         for m in self._elastic:
-            if m.tier == GPU and m.busy_until > now and m.ready_at <= now and m.lease < m.lease_max:
-                dev = self.state.devices[m.device]
-                if dev.room(m.rank) - self.policy.lease_headroom(m, now) > 0:
-                    self.wakeups.append(now + LEASE_TICK_S)
-                    return
+            if m.tier == GPU and m.busy_until > now and m.ready_at <= now and self._lease_growth(m, now) > 0:
+                self.wakeups.append(now + LEASE_TICK_S)
+                return
 
     def after_request(self, m: ModelState, now: float) -> None:
         """Prewarm what the policy expects right after `m` (e.g. the rest of a voice chain). The

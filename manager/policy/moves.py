@@ -69,12 +69,19 @@ class TierMoves:
             spill_s = give / max(1.0, t.weights / max(1e-6, t.cost.get("host")))
             dev.loader_free_at = max(dev.loader_free_at, now) + spill_s
 
+    def _lease_growth(self, m: ModelState, now: float) -> int:
+        """Bytes a session's lease would grow by now: into the free room its device leaves (less the
+        policy's headroom), up to its maximum; 0 when none."""
+        if m.lease >= m.lease_max:
+            return 0
+        room = self.state.devices[m.device].room(m.rank) - self.policy.lease_headroom(m, now)
+        return max(0, min(m.lease_max - m.lease, room))
+
     def _refresh_lease(self, m: ModelState, now: float) -> None:
-        dev = self.state.devices[m.device]
         if m.busy_until > now:  # in session: grow into free room, up to the maximum
-            room = dev.room(m.rank) - self.policy.lease_headroom(m, now)
-            if m.lease < m.lease_max and room > 0:
-                self._set_lease(m, min(m.lease_max, m.lease + room), now, reason="session wants KV")
+            grow = self._lease_growth(m, now)
+            if grow > 0:
+                self._set_lease(m, m.lease + grow, now, reason="session wants KV")
         elif m.lease > m.lease_min:
             self._set_lease(m, m.lease_min, now, reason="session ended")
 
