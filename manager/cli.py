@@ -685,9 +685,7 @@ def _measure_table(results: list[Any]) -> Table:
             phases = [
                 f"{x[p]:.3f}" for p in ("total_s", "read_s", "deserialize_s", "to_device_s", "warmup_s")
             ]
-            label = (
-                escape([r.name, f"{r.footprint_bytes / 2**20:.1f} MiB", r.measured_on][i]) if i < 3 else ""
-            )
+            label = escape([r.name, _mib(r.footprint_bytes), r.measured_on][i]) if i < 3 else ""
             t.add_row(label, k, *phases, f"{x['bytes'] / 2**20:.1f}", end_section=i == len(r.transitions) - 1)
     return t
 
