@@ -27,6 +27,10 @@
   manager). Ray says a host is gone with `RayActorError` (`ActorDiedError`, `ActorUnavailableError`)
   and, in Ray 2.60, in other words too (`_HOST_GONE`): `OutOfMemoryError` (Ray's memory monitor
   killed it), `NodeDiedError`, `WorkerCrashedError`, ...: those are its death (`worker_died`).
+  A lost reply (`ObjectLostError` and its kinds, `OwnerDiedError` among them: Ray lost the call's
+  reply, or its owner, this process) is not: the host may have run the call and live on. A command
+  whose reply was lost is sent again once under its op id (the host answers it from its cache of
+  results); a request's lost reply is answered `internal`, saying so.
 * A host's death is reported once (the first call that fails on it). A command that then finds the
   host still restarting (Ray: `ActorUnavailableError`) is sent again every `UNAVAILABLE_RETRY_S`
   until the host answers, for at most `UNAVAILABLE_MAX_S`: the reload the manager asks for after a
@@ -73,6 +77,7 @@ from ray.exceptions import (
     GetTimeoutError,
     LocalRayletDiedError,
     NodeDiedError,
+    ObjectLostError,
     OutOfMemoryError,
     RayActorError,
     RayTaskError,
@@ -80,6 +85,7 @@ from ray.exceptions import (
     WorkerCrashedError,
 )
 
+from workers import procs
 from workers import protocol as P
 from workers.channel import (
     ChannelAddress,
@@ -115,6 +121,10 @@ environment, Ray does not set CUDA_VISIBLE_DEVICES there to the GPUs it assigned
 CUDA_ENV_VARS = {NOSET_CUDA_VISIBLE_DEVICES: "1"}
 """The env_vars of a CUDA device's host actor's runtime env: they are in the worker's environment
 from its start, before Ray sets the visible devices for the actor's creation task."""
+
+
+_children = procs.descendants
+"""This process's descendants (what a Ray start that failed left running)."""
 
 
 class DeviceHostActor:
@@ -233,10 +243,6 @@ def _undo_start(before: set[int]) -> None:
         ray.shutdown()
         _end_all(_children() - before)
         gc.collect()
-
-
-def _children() -> set[int]:
-    return {c.pid for c in psutil.Process().children(recursive=True)}
 
 
 def _end_all(pids: set[int]) -> None:
@@ -578,6 +584,7 @@ class RayWorkerPool:
         self._inflight: dict[str, tuple[Any, str, P.Command] | None] = dict.fromkeys(self.actors)
         self._not_before: dict[str, float] = dict.fromkeys(self.actors, 0.0)
         self._unavailable_since: dict[str, float] = {}  # op id -> when its host first was unreachable
+        self._lost_replies: set[str] = set()  # op ids sent again once because their reply was lost
         self._deaths = _Deaths()
         self._lock = threading.Lock()
         self._batchers: dict[str, _Batcher] = {}
@@ -717,6 +724,7 @@ class RayWorkerPool:
                 try:
                     out.append(ray.get(ref, timeout=0))
                     self._unavailable_since.pop(op, None)
+                    self._lost_replies.discard(op)
                     self._deaths.alive(device)
                 except Exception as e:  # (any: the command must be answered)
                     failed = self._failed(device, op, cmd, e, time.monotonic())
@@ -731,12 +739,21 @@ class RayWorkerPool:
         """The result of a command whose call raised `e`, or None when it is queued again (first in its
         device's queue, sent after UNAVAILABLE_RETRY_S) because its host, whose death was already
         reported, is still restarting. An error that is not the host's death (`_is_death`) fails this
-        command alone (INTERNAL): no death is recorded."""
+        command alone (INTERNAL): no death is recorded. A command whose reply was lost (`_object_lost`: the
+        host may have run it) is sent again once, first in its device's queue, under the same op id:
+        the host answers a repeated op id from its cache of results, without running it again."""
         if not _is_death(e):
             self._unavailable_since.pop(op, None)
+            what = f"{P.command_op(cmd)} of {P.command_model(cmd)!r}"
+            if _object_lost(e):
+                if op not in self._lost_replies:
+                    self._lost_replies.add(op)
+                    logger.warning("%s; sent again under its op id", _lost_reply(device, what, e))
+                    self._queued[device].appendleft((op, cmd))
+                    return None
+                self._lost_replies.discard(op)  # (lost again: it fails, `_failure` says so)
             if isinstance(e, RayTaskError):  # it ran the command: the host answers
                 self._deaths.alive(device)
-            what = f"{P.command_op(cmd)} of {P.command_model(cmd)!r}"
             return _command_failed(device, op, cmd, _failure(device, what, e))
         if isinstance(e, ActorUnavailableError) and self._deaths.reported(device, now):
             first = self._unavailable_since.setdefault(op, now)
@@ -889,8 +906,18 @@ _HOST_GONE: tuple[type[Exception], ...] = (
 )
 """What Ray 2.60 raises from a call on an actor that is gone (`ray._private.serialization`: an actor's
 death cause becomes ACTOR_DIED, OUT_OF_MEMORY, RUNTIME_ENV_SETUP_FAILED or ACTOR_UNSCHEDULABLE_ERROR),
-unless its own code raised it (`RayTaskError`). Not here: a lost reply (`ObjectLostError`: the next
-call says whether the host is gone), a cancelled call, a full object store, Ray's own timeouts."""
+unless its own code raised it (`RayTaskError`). Not here: a lost reply (`_object_lost`: the next call says
+whether the host is gone), a cancelled call, a full object store, Ray's own timeouts."""
+
+
+def _object_lost(e: BaseException) -> bool:
+    """Whether `e` says that the reply of a call was lost, not that the host died (`ray.exceptions`,
+    Ray 2.60): `ObjectLostError`, every copy of the reply lost from the object store (node failure or
+    system error), and its kinds: `ObjectReconstructionFailedError` (it cannot be made again: an actor
+    call is not retried here), `ObjectFetchTimedOutError` (no copy found), `OwnerDiedError` (the
+    reply's owner died: the process that made the call, this one, not the host). The host may have run
+    the call, and may live on: its next call says (a dead host's raises `RayActorError`)."""
+    return isinstance(e, ObjectLostError) and not isinstance(e, RayTaskError)
 
 
 def _is_death(e: BaseException) -> bool:
@@ -914,9 +941,18 @@ def _why(device: str, e: Exception) -> str:
     return f"device host {device!r} died: {_named(e)}"
 
 
+def _lost_reply(device: str, what: str, e: BaseException) -> str:
+    """Why `what` has no answer: its reply from `device`'s host was lost (`_object_lost`)."""
+    return f"{what} on device host {device!r}: its reply was lost ({_named(e)}); the host may have run it"
+
+
 def _failure(device: str, what: str, e: BaseException) -> str:
     """Why `what` (a command, a request, a session call) failed on `device`'s host, which lives on
     (`e` is not its death); logged as a warning, with the host's traceback where Ray brought one."""
+    if _object_lost(e):  # (not "alive": the host's next call says)
+        lost = _lost_reply(device, what, e)
+        logger.warning("%s", lost)
+        return lost
     why = f"{what} failed on device host {device!r} (alive): {_named(e)}"
     detail = str(e) if isinstance(e, RayTaskError) else ""
     logger.warning("%s%s", why, f"\n{detail}" if detail else "")

@@ -48,6 +48,7 @@ from manager.journal import RequestJournal
 from manager.live import LiveManager
 from residency_proto.inference import grpc_service_pb2
 from residency_proto.v1 import residency_pb2
+from workers import procs
 from workers import protocol as P
 from workers.bounded import SingleFlight, TimedOut
 from workers.signals import STOP_SIGNALS, StopSignal, stop_signals_raise
@@ -395,11 +396,8 @@ def _ray_connected() -> bool:
     return ray is not None and bool(ray.is_initialized())
 
 
-def _descendants() -> set[int]:
-    """The pids of this process's children, and theirs."""
-    import psutil
-
-    return {c.pid for c in psutil.Process().children(recursive=True)}
+_descendants = procs.descendants
+"""This process's descendants (listed before the Ray pool, and Ray, are imported)."""
 
 
 def _shutdown_ray() -> None:
@@ -423,6 +421,48 @@ async def _stop_manager(manager: LiveManager) -> None:
         await manager.stop()
     elif manager.journal is not None:
         manager.journal.close()
+
+
+async def _stop_manager_bounded(manager: LiveManager, executor: StopBoundedExecutor, bound_s: float) -> bool:
+    """`_stop_manager`, STOP_MANAGER_S (`bound_s`) at most: past it, the calls still running on
+    `executor` (a store write that hangs) are abandoned, logged naming each, and their callers told
+    so (the manager's stop ends there, failed); its journal is closed all the same (what the store did
+    not take stays in it, for the next start). A stop that fails is logged, not raised: the service's
+    stop goes on. Whether the manager's stop ended without any call abandoned."""
+    stopping = asyncio.ensure_future(_stop_manager(manager))
+    done, _ = await asyncio.wait({stopping}, timeout=bound_s)
+    cut = not done
+    if cut:
+        executor.abandon_rest(f"{bound_s:g} s into the manager's stop")
+        # (their callers have an answer now: the stop ends at once; a step that waits on something
+        # else is cancelled after a moment)
+        done, _ = await asyncio.wait({stopping}, timeout=STOP_ANSWER_S)
+        if not done:
+            stopping.cancel()
+            await asyncio.wait({stopping}, timeout=STOP_ANSWER_S)
+    if stopping.done() and not stopping.cancelled() and stopping.exception() is not None:
+        e = stopping.exception()
+        logger.warning("stopping: the manager's stop did not finish: %s", e, exc_info=None if cut else e)
+    if manager.journal is not None:
+        manager.journal.close()  # (idempotent)
+    return not cut
+
+
+async def _close_store(store: Any, bounded: bool) -> None:
+    """`store.close()`; `bounded` (a store call was abandoned, which may hold the store's lock for
+    good), on a thread, waited for STOP_ANSWER_S at most: past it, left to the executor's shutdown
+    (which abandons it, logged)."""
+    if not bounded:
+        store.close()
+        return
+    closing = asyncio.ensure_future(asyncio.to_thread(store.close))
+    done, _ = await asyncio.wait({closing}, timeout=STOP_ANSWER_S)
+    if not done:
+        logger.warning(
+            "stopping: the store %s did not close in %g s; left to the process's end", store, STOP_ANSWER_S
+        )
+    elif closing.exception() is not None:
+        logger.warning("stopping: the store did not close cleanly: %s", closing.exception())
 
 
 def probe_listen(listen: str) -> tuple[Any, Any, Any, Any]:
@@ -624,6 +664,12 @@ STOP_ANSWER_S = 1.0
 """After the grace, how long the gRPC server gives the requests answered so to be sent, before it
 cancels what is still running."""
 
+
+STOP_MANAGER_S = 30.0
+"""How long the manager's stop (the admin pins written, the request log flushed, the statistics
+saved: store calls on `serve`'s threads, which the stop waits for) may take; past it, the calls still
+running on those threads are abandoned (`StopBoundedExecutor.abandon_rest`), named in the log, and the
+stop goes on (`_stop_manager_bounded`): a store write that never returns held the process for good."""
 
 STOP_EXECUTOR_GRACE_S = STOP_GRACE_S
 """How long the end of a stop (the event loop's close: its default executor's shutdown) waits for
@@ -843,19 +889,30 @@ class StopBoundedExecutor(concurrent.futures.ThreadPoolExecutor):
         deadline = time.monotonic() + self.shutdown_grace_s
         for t in workers:
             t.join(max(0.0, deadline - time.monotonic()))
+        self.abandon_rest(f"{self.shutdown_grace_s:g} s after the service stopped")
+        self._cancel_queued()
+
+    def abandon_rest(self, when: str) -> list[str]:
+        """Every call still running (a store's write that hangs, as well as a model's code), `when`
+        into the stop ("5 s after the service stopped"), abandoned now: its caller is answered with a
+        RuntimeError naming it, its thread is left to the process's end (`abandoned_calls`), each
+        logged. What it abandoned, one phrase each."""
         with self._mu:
-            left = [(t, c) for t, c in self._running.items() if not c.abandoned]
+            # (a call whose answer is set is ending: its worker is about to let it go)
+            left = [(t, c) for t, c in self._running.items() if not c.abandoned and not c.future.done()]
             for t, c in left:
                 self._abandon(t, c)
-        self._cancel_queued()
         now = time.monotonic()
+        named = []
         for _, call in left:
             what = _call_named(call.fn, call.args)
             logger.warning(
-                "stopping: %s (running %.1f s) had not ended %g s after the service stopped; abandoned, "
-                "its thread is left to the process's end", what, now - call.since, self.shutdown_grace_s,
+                "stopping: %s (running %.1f s) had not ended %s; abandoned, its thread is left to the "
+                "process's end", what, now - call.since, when,
             )  # fmt: skip
             self._settle(call, error=RuntimeError(f"abandoned at the service's stop: {what}"))
+            named.append(what)
+        return named
 
     def _cancel_queued(self) -> None:
         while True:
@@ -1214,14 +1271,14 @@ async def serve(
             await closing
         if fronts_stopping is not None:
             await fronts_stopping
-        await _stop_manager(manager)
+        manager_stopped = await _stop_manager_bounded(manager, executor, STOP_MANAGER_S)
         if metrics is not None:  # prometheus' HTTP server and its thread: the port is free again
             httpd, thread = metrics
             await asyncio.to_thread(httpd.shutdown)
             httpd.server_close()
             thread.join(5.0)
         pool.close()
-        store.close()
+        await _close_store(store, bounded=not manager_stopped)
         if owns_ray:
             _shutdown_ray()
         grace_end.cancel()  # (what still runs then is the executor's shutdown's: bounded too)
