@@ -19,14 +19,26 @@ no inputs and no outputs (a stock client building its request from the metadata 
 `actions` tensor, then refused) and names the platform `WORLD_PLATFORM`, not its adapter's; the
 index's reason for one off its device says a world session loads it. ModelReady and RepositoryIndex
 answer it as any model: whether it is on its device, ready to serve (its sessions).
+
+ModelConfig answers Triton's config cut to what this server knows: name, platform (as ModelMetadata's),
+max_batch_size 0 (the declared shapes are the whole shapes a request sends; the service batches
+requests itself) and the declared inputs and outputs (BYTES is Triton's TYPE_STRING). ModelStatistics
+counts, per model, the ModelInfer calls answered since the service started (`InferStats`): successes
+and failures (any error after the model was found, a refused request included) with their time from
+arrival to answer, the queue (the wait from admission to the run: room, a cold start's load) and the
+device host's compute time of each success; inference_count and execution_count are the successes (one
+call on the device host each, as the service sees it); compute_input, compute_output, the cache
+figures, batch_stats, memory_usage and response_stats are not measured: 0 or empty.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, cast
 
 import grpc
 import numpy as np
@@ -43,7 +55,7 @@ from manager.errors import (
     ModelNotFound,
     ResidencyError,
 )
-from manager.live import LiveManager
+from manager.live import LiveManager, Served
 from manager.units import shown
 from residency_proto.inference import grpc_service_pb2 as pb
 from residency_proto.inference import grpc_service_pb2_grpc as pb_grpc
@@ -63,6 +75,90 @@ WORLD_SESSION = "residency.v1.WorldSession/Run"
 INLINE_DECODE_BYTES = 1 << 20
 """A request carrying more data than this is decoded in a worker thread, not on the event loop (16 MiB
 of BYTES elements takes seconds of Python)."""
+
+
+_DATA_TYPES: dict[str, pb.DataType] = {name: cast("pb.DataType", n) for name, n in pb.DataType.items()}
+
+
+def data_type(datatype: str) -> pb.DataType:
+    """An OIP datatype as Triton's config DataType (BYTES is TYPE_STRING); TYPE_INVALID for one
+    Triton has not."""
+    return _DATA_TYPES.get("TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}", pb.TYPE_INVALID)
+
+
+@dataclass
+class _Duration:
+    count: int = 0
+    ns: int = 0
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.ns += max(0, round(seconds * 1e9))
+
+    def message(self) -> pb.StatisticDuration:
+        return pb.StatisticDuration(count=self.count, ns=self.ns)
+
+
+@dataclass
+class _ModelCalls:
+    success: _Duration = field(default_factory=_Duration)
+    fail: _Duration = field(default_factory=_Duration)
+    queue: _Duration = field(default_factory=_Duration)
+    compute_infer: _Duration = field(default_factory=_Duration)
+    last_ms: int = 0
+
+
+class InferStats:
+    """The ModelInfer calls answered per model (ModelStatistics), one set per manager: the servicers of
+    its gRPC servers and of its front ends' fast path (`stats_of`) count into the same figures."""
+
+    def __init__(self) -> None:
+        self._models: dict[str, _ModelCalls] = {}
+
+    def _of(self, model: str) -> _ModelCalls:
+        calls = self._models.get(model)
+        if calls is None:
+            calls = self._models[model] = _ModelCalls()
+        return calls
+
+    def succeeded(self, model: str, took_s: float, wait_s: float, compute_s: float, now: float) -> None:
+        calls = self._of(model)
+        calls.success.add(took_s)
+        calls.queue.add(wait_s)
+        calls.compute_infer.add(compute_s)
+        calls.last_ms = max(calls.last_ms, int(now * 1000))
+
+    def failed(self, model: str, took_s: float, now: float) -> None:
+        calls = self._of(model)
+        calls.fail.add(took_s)
+        calls.last_ms = max(calls.last_ms, int(now * 1000))
+
+    def message(self, model: str) -> pb.ModelStatistics:
+        calls = self._models.get(model) or _ModelCalls()
+        n = calls.success.count
+        return pb.ModelStatistics(
+            name=model, version=VERSIONS[0], last_inference=calls.last_ms, inference_count=n,
+            execution_count=n,
+            inference_stats=pb.InferStatistics(
+                success=calls.success.message(), fail=calls.fail.message(), queue=calls.queue.message(),
+                compute_infer=calls.compute_infer.message(),
+            ),
+        )  # fmt: skip
+
+
+_STATS: weakref.WeakKeyDictionary[LiveManager, InferStats] = weakref.WeakKeyDictionary()
+
+
+def stats_of(manager: LiveManager) -> InferStats:
+    """The ModelInfer figures of `manager`'s service (made at its first servicer); a manager that
+    cannot be referenced weakly (a test's stand-in) gets figures of its own at each call."""
+    try:
+        stats = _STATS.get(manager)
+        if stats is None:
+            stats = _STATS[manager] = InferStats()
+    except TypeError:
+        return InferStats()
+    return stats
 
 
 def _param(p: Any) -> Any:
@@ -163,6 +259,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.classes = [c.name for c in manager.config.classes]
         self.max_response_bytes = max_response_bytes  # gRPC's send limit (server.max_request_bytes)
         self.clock = clock  # a call's time spent here (decoding its inputs) before its admission
+        self.stats = stats_of(manager)
 
     @mapped
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
@@ -188,23 +285,61 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(name="residency", version=VERSION, extensions=EXTENSIONS)
 
+    async def _declared(self, name: str, version: str) -> tuple[str, Sequence[Any], Sequence[Any]]:
+        """A model's platform and its declared inputs and outputs (TensorSpecs), as ModelMetadata and
+        ModelConfig answer them; NOT_FOUND for an unknown model or version."""
+        m = self.manager._model(name)
+        check_version(name, version)
+        if is_world(m):  # ModelInfer refuses it: no tensors to build a request from
+            return WORLD_PLATFORM, (), ()
+        inputs, outputs = await self.describe(name)
+        return f"residency/{m.cfg.adapter}", inputs, outputs
+
     @mapped
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any) -> pb.ModelMetadataResponse:
-        m = self.manager._model(request.name)
-        check_version(request.name, request.version)
-        if is_world(m):  # ModelInfer refuses it: no tensors to build a request from
-            return pb.ModelMetadataResponse(
-                name=request.name, versions=list(VERSIONS), platform=WORLD_PLATFORM
-            )
-        inputs, outputs = await self.describe(request.name)
+        platform, inputs, outputs = await self._declared(request.name, request.version)
         meta = pb.ModelMetadataResponse.TensorMetadata
         return pb.ModelMetadataResponse(
             name=request.name,
             versions=list(VERSIONS),
-            platform=f"residency/{m.cfg.adapter}",
+            platform=platform,
             inputs=[meta(name=t.name, datatype=t.datatype, shape=list(t.shape)) for t in inputs],
             outputs=[meta(name=t.name, datatype=t.datatype, shape=list(t.shape)) for t in outputs],
         )
+
+    @mapped
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context: Any) -> pb.ModelConfigResponse:
+        """Triton's model config, cut to what this server knows (see the module's docstring)."""
+        platform, inputs, outputs = await self._declared(request.name, request.version)
+        return pb.ModelConfigResponse(
+            config=pb.ModelConfig(
+                name=request.name,
+                platform=platform,
+                max_batch_size=0,
+                input=[
+                    pb.ModelInput(name=t.name, data_type=data_type(t.datatype), dims=list(t.shape))
+                    for t in inputs
+                ],
+                output=[
+                    pb.ModelOutput(name=t.name, data_type=data_type(t.datatype), dims=list(t.shape))
+                    for t in outputs
+                ],
+            )
+        )
+
+    @mapped
+    async def ModelStatistics(
+        self, request: pb.ModelStatisticsRequest, context: Any
+    ) -> pb.ModelStatisticsResponse:
+        """One model's figures (`InferStats`), or every configured model's when no name is given (in
+        the config's order, those never asked for with zeros), as Triton answers."""
+        if request.name:
+            self.manager._model(request.name)
+            check_version(request.name, request.version)
+            names = [request.name]
+        else:
+            names = list(self.manager.engine.models)
+        return pb.ModelStatisticsResponse(model_stats=[self.stats.message(n) for n in names])
 
     def _class_of(self, request: pb.ModelInferRequest) -> str | None:
         params = request.parameters
@@ -320,6 +455,23 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         servicer's clock; now when None); the request's timeout counts from then."""
         arrived = self.clock() if arrived is None else arrived
         m = self.manager._model(request.model_name)
+        try:
+            resp, served = await self._serve(m, request, seconds_left, arrived)
+        except BaseException:  # its failures counted (ModelStatistics), whatever ended it
+            self.stats.failed(request.model_name, self.clock() - arrived, self.manager.clock())
+            raise
+        self.stats.succeeded(
+            request.model_name,
+            self.clock() - arrived,
+            served.wait_s,
+            served.result.seconds,
+            self.manager.clock(),
+        )
+        return resp
+
+    async def _serve(
+        self, m: Any, request: pb.ModelInferRequest, seconds_left: float | None, arrived: float
+    ) -> tuple[pb.ModelInferResponse, Served]:
         check_version(request.model_name, request.model_version)
         if is_world(m):  # refused before admission: it would be loaded (evicting others)
             raise InvalidRequest(
@@ -356,7 +508,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 f"in one message (server.max_request_bytes: {limit}); send fewer items per request"
                 + (", or ask only for the outputs you need" if not wanted and len(resp.outputs) > 1 else "")
             )
-        return resp
+        return resp, served
 
     @mapped
     async def RepositoryIndex(

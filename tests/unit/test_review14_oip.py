@@ -235,9 +235,7 @@ def ser(r: Any) -> bytes:
 # "Internal error from Core"
 
 
-UNSERVED = [
-    "ModelConfig",
-    "ModelStatistics",
+UNSERVED = [  # (ModelConfig and ModelStatistics are served since review 19)
     "SystemSharedMemoryStatus",
     "SystemSharedMemoryRegister",
     "CudaSharedMemoryStatus",
@@ -247,8 +245,8 @@ UNSERVED = [
 
 
 class TestUnservedMethodsThroughAFrontEnd:
-    """The OIP methods this server does not serve (tritonclient's get_model_config,
-    get_inference_statistics, the shared-memory and trace calls) are UNIMPLEMENTED "Method not
+    """The OIP methods this server does not serve (tritonclient's shared-memory and trace calls;
+    get_model_config and get_inference_statistics until review 19) are UNIMPLEMENTED "Method not
     found!" directly; through a front end most calls of them (16 to 46 of 60 here) were INTERNAL
     "Internal error from Core". The front end relayed every method but ModelInfer as a stream, and
     grpcio's aio client overwrites the status of a call whose server ended it before the request
@@ -673,7 +671,7 @@ def test_tritonclient_sees_the_same_service_directly_and_through_a_front_end(ser
     assert direct["meta"] == ["echo", ["1"], [["out_BOOL", "BOOL", [-1]], ["out_UINT8", "UINT8", [-1]]]]
     assert direct["echo"] == ["echo", "1", "t-1"] and direct["equal"] is True
     assert direct["subset"] == ["out_UINT64"]
-    assert direct["config"] == direct["statistics"] == ["StatusCode.UNIMPLEMENTED", "Method not found!"]
+    assert direct["config"] == direct["statistics"] == "OK"  # served since review 19
     assert direct["version 3"] == ["StatusCode.NOT_FOUND", "model 'echo' has no version '3'; versions: 1"]
     status, message = direct["class_count"]
     assert status == "StatusCode.INVALID_ARGUMENT" and "'classification'" in message

@@ -118,11 +118,17 @@ class SafetensorsModuleAdapter(ModuleAdapter):
         if not hasattr(self, "_declared"):
             # not built yet (a model in the host or disk tier, or asked for its metadata only): build
             # it once on the meta device, which takes no memory, to read what it declares
+            # (the load builds it the same way, so a factory that fails here fails its load too; the
+            # error is not kept, so a module put in place later is read at the next call)
             try:
                 with params_on_meta():
                     self.build()
-            except Exception:  # a factory that fails here fails its load too, with the reason
-                return [default]
+            except AdapterError:
+                raise
+            except Exception as e:  # before: guessed `input`/`output` tensors, kept by the describer
+                raise AdapterError(
+                    P.FACTORY_FAILED, f"model {self.spec.name!r}: its factory failed: {e!r}"
+                ) from None
         declared = getattr(self, "_declared", (None, None))[which]
         return declared or [default]
 
