@@ -26,7 +26,14 @@ from rich.markup import escape
 from rich.progress import Progress, TaskID
 from rich.table import Table
 
-from manager.config import Config, ConfigError, config_json_schema, load_config, write_config_with_updates
+from manager.config import (
+    Config,
+    ConfigError,
+    _printable,
+    config_json_schema,
+    load_config,
+    write_config_with_updates,
+)
 from manager.policy.factory import POLICY_NAMES
 from manager.policy.types import Request
 from manager.replay.sim import ReplayResult, replay
@@ -542,7 +549,7 @@ def _write_tuned(config: str, out: str, res: Any, header: str) -> None:
 
 
 def cmd_tune(a: argparse.Namespace) -> int:
-    from manager.replay.tune import split_holdout, tune
+    from manager.replay.tune import MIN_MODEL_REQUESTS, split_holdout, tune
 
     config = load_config(a.config)
     a.policy = a.policy or config.policy.name  # the policy the config runs, as the service's tuning job
@@ -591,8 +598,17 @@ def cmd_tune(a: argparse.Namespace) -> int:
     with Progress(console=err, transient=True, disable=not err.is_terminal) as prog:
         task = prog.add_task("tuning", total=None)
         res = tune(
-            config, search, holdout, policy=a.policy, progress=lambda s: prog.update(task, description=s)
+            config,
+            search,
+            holdout,
+            policy=a.policy,
+            progress=lambda s: prog.update(task, description=s),
+            min_requests=MIN_MODEL_REQUESTS,  # a model with fewer is left as configured, and named
         )
+    for w in res.warnings:  # thin data: said whatever the output's form, on stderr (the file's name
+        # printable: a byte that is not UTF-8, or a control character, as its escape, as in the header)
+        named = escape(_printable(_trace_name(a.trace)))
+        err.print(f"[yellow]{named}: warning:[/] {escape(w)}", highlight=False)
     header = (
         f"Tuned by `residency tune` from {a.config} on {_trace_name(a.trace)} ({len(search)} requests); "
         f"{len(res.changes)} change(s): {'; '.join(res.changes) or 'none'}"
@@ -603,6 +619,7 @@ def cmd_tune(a: argparse.Namespace) -> int:
         "evaluations": res.evaluations,
         "changes": res.changes,
         "search": {"before": res.search_before.to_json(), "after": res.search_after.to_json()},
+        "warnings": res.warnings,
     }
     if res.holdout_before is not None and res.holdout_after is not None:
         fig["holdout"] = {"before": res.holdout_before.to_json(), "after": res.holdout_after.to_json()}
@@ -634,6 +651,7 @@ def _report(a: argparse.Namespace, config: Config, res: Any, reqs: list[Request]
     # is shown over at least a minute from its first arrival: the loads it started, not nothing
     t1 = max(t1, t0 + MIN_REPORT_PERIOD_S)
     notes = [f"change: {c}" for c in res.changes] or ["no change beat the running config"]
+    notes += [f"warning: {w}" for w in res.warnings]
     write_report(
         Path(a.report), before=before, after=after, t_start=t0, t_end=t1, model_weights=weights, notes=notes
     )

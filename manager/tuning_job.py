@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 from manager.config import Config, ConfigError, write_config_with_updates
 from manager.replay.sim import replay
 from manager.replay.trace import ExportStopped, read_trace
-from manager.replay.tune import TuningStopped, objective, split_holdout, tune
+from manager.replay.tune import MIN_MODEL_REQUESTS, TuningStopped, objective, split_holdout, tune
 from manager.store.base import CorruptDocument
 from manager.store.export import export_trace
 
@@ -56,6 +56,9 @@ class TuningOutcome:
     reason: str = ""
     model_updates: dict[str, dict[str, Any]] = field(default_factory=dict)
     class_updates: dict[str, dict[str, Any]] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    """What the search's data left out (`tune`'s thin-data warnings: models with too few requests,
+    kept as configured, or less than a day searched): logged, recorded and said in the event."""
 
 
 def run_tuning(
@@ -105,8 +108,10 @@ def _run(
     search, holdout = split_holdout(reqs)
     if not search or not holdout:
         return TuningOutcome(None, None, n, reason=f"{n} requests logged: too few days to tune and hold out")
-    res = tune(config, search, holdout, policy=config.policy.name, stop=stop)
+    res = tune(config, search, holdout, policy=config.policy.name, stop=stop, min_requests=MIN_MODEL_REQUESTS)
     _stopped(stop)  # (the held-out replays, after the search, do not look)
+    for w in res.warnings:
+        logger.warning("scheduled tuning: %s", w)
     proposal = out_dir / "proposed.yaml"
     header = f"Proposed by the service's tuning on {stamp} from {len(search)} requests; changes: " + (
         "; ".join(res.changes) or "none"
@@ -127,7 +132,7 @@ def _run(
     why = "beats the running config on the held-out days" if better else "no improvement on the held-out days"
     return TuningOutcome(
         proposal, report, n, list(res.changes), better, before.to_json(), after.to_json(), why,
-        res.model_updates, res.class_updates,
+        res.model_updates, res.class_updates, list(res.warnings),
     )  # fmt: skip
 
 
@@ -148,6 +153,7 @@ def _report(
     after = replay(res.config, reqs, config.policy.name, record=True)
     _stopped(stop)
     notes = [f"change: {c}" for c in res.changes] or ["no change beat the running config"]
+    notes += [f"warning: {w}" for w in res.warnings]
     return write_report(
         out, before=before, after=after, t_start=t0, t_end=t1,
         model_weights={m.name: m.memory for m in config.models}, notes=notes,
@@ -419,6 +425,7 @@ def tuning_step(
             "better": outcome.better, "applied": applied, "reason": outcome.reason,
             "requests": outcome.requests,
             "holdout_before": outcome.holdout_before, "holdout_after": outcome.holdout_after,
+            "warnings": outcome.warnings,
         },
     )  # fmt: skip
     return outcome
@@ -503,4 +510,5 @@ def scheduled_tuning(
         except Exception:
             return f"failed ({why}); the store could not record it: retried at the next check"
         return f"failed ({why}); retried in {RETRY_S / 3600:g} h"
-    return f"{out.reason}; changes: {', '.join(out.changes) or 'none'}; proposal: {out.proposal}"
+    said = f"{out.reason}; changes: {', '.join(out.changes) or 'none'}; proposal: {out.proposal}"
+    return said + "".join(f"; warning: {w}" for w in out.warnings)

@@ -5,6 +5,13 @@ trimmed down to what the class's models need: `reserve_floor`, never below), eac
 scored by replaying the search trace through the policy; a change is kept only when it lowers the
 objective by more than `MIN_GAIN`. The chosen config is then measured on the held-out days, which
 the search never saw. Pure Python (it only runs the simulator).
+
+Thin data: with `min_requests=MIN_MODEL_REQUESTS` (as `residency tune` and the service's tuning
+job call it), a model with fewer than that many requests in the search days is not tuned
+(its keep-alive and prewarm stay as configured: a window chosen from a handful of reuses fits
+noise), and a warning names it with its count; a search shorter than `MIN_SEARCH_SPAN_S` (a day)
+is warned of too (the windows then fit the hours it holds, not a day's round), but still tuned.
+Class reservations are searched as before.
 """
 
 from __future__ import annotations
@@ -26,6 +33,12 @@ KEEP_ALIVE_CHOICES: tuple[float | None, ...] = (None, 120.0, 600.0, 1800.0, 3600
 RESERVE_CHOICES_GIB = (0.0, 1.0, 2.0, 3.0, 4.0)
 MIN_GAIN = 0.005
 HOLDOUT_DAYS = 2.0
+MIN_MODEL_REQUESTS = 10
+"""A model with fewer requests than this in the search days keeps its configured keep-alive and
+prewarm (about ten reuse intervals, as the histogram policy's scarce-data rule asks before it
+trusts a window); the warning names it."""
+MIN_SEARCH_SPAN_S = 86400.0
+"""A search shorter than this (a day) is warned of: it has not seen a whole day's round."""
 
 
 class TuningStopped(Exception):
@@ -53,6 +66,11 @@ class TuneResult:
     """The settings the tuned config holds that differ from the config's, `llm.keep_alive = 1h`, in
     the order the search first changed them (a setting changed in the first pass and changed back in
     the second is not one)."""
+    thin: dict[str, int] = field(default_factory=dict)
+    """The models left as configured for too few requests in the search days (`thin_data`): name ->
+    requests, in the config's order."""
+    warnings: list[str] = field(default_factory=list)
+    """What to tell the user about the data the search had (`thin_data`); empty when it was enough."""
 
 
 def split_holdout(reqs: Sequence[Request], days: float = HOLDOUT_DAYS) -> tuple[list[Request], list[Request]]:
@@ -62,6 +80,33 @@ def split_holdout(reqs: Sequence[Request], days: float = HOLDOUT_DAYS) -> tuple[
     span = reqs[-1].t - reqs[0].t
     cut = reqs[-1].t - days * 86400.0 if span >= 2 * days * 86400.0 else reqs[0].t + 0.7 * span
     return [r for r in reqs if r.t < cut], [r for r in reqs if r.t >= cut]
+
+
+def thin_data(
+    config: Config, search: Sequence[Request], min_requests: int = MIN_MODEL_REQUESTS
+) -> tuple[dict[str, int], list[str]]:
+    """The models tuning would change (not pinned) that have fewer than `min_requests` requests in
+    `search` (name -> count, in the config's order), and the warnings to print: one naming those
+    models with their counts, one when `search` spans less than `MIN_SEARCH_SPAN_S`."""
+    counts = dict.fromkeys((m.name for m in config.models if not m.pin), 0)
+    for r in search:
+        if r.model in counts:
+            counts[r.model] += 1
+    thin = {name: n for name, n in counts.items() if n < min_requests}
+    warnings: list[str] = []
+    if thin:
+        named = ", ".join(f"{name} ({n})" for name, n in thin.items())
+        warnings.append(
+            f"too few requests to tune (fewer than {min_requests} requests in the search days): "
+            f"{named}; their keep_alive and prewarm are left as configured"
+        )
+    span = search[-1].t - search[0].t if search else 0.0
+    if span < MIN_SEARCH_SPAN_S:
+        warnings.append(
+            f"the search days span {_about(span)}, less than a day: the tuned windows fit those hours, "
+            "not a whole day's round"
+        )
+    return thin, warnings
 
 
 def reserve_floor(config: Config, class_name: str) -> int:
@@ -108,8 +153,13 @@ def tune(
     policy: str = "residency",
     progress: Callable[[str], None] | None = None,
     stop: Callable[[], bool] | None = None,
+    min_requests: int = 0,
 ) -> TuneResult:
-    """The search; `stop` (checked before each replay) ends it early with TuningStopped."""
+    """The search; `stop` (checked before each replay) ends it early with TuningStopped. A model
+    with fewer than `min_requests` requests in `search` is not tuned (`thin_data`): `residency
+    tune` and the service's tuning job give `MIN_MODEL_REQUESTS`; 0 (the search alone, as the
+    benchmarks and the search's own tests run it) tunes every model that is not pinned."""
+    thin, warnings = thin_data(config, search, min_requests)
     models: dict[str, dict[str, Any]] = {}
     classes: dict[str, dict[str, Any]] = {}
     evals = 0
@@ -136,7 +186,7 @@ def tune(
     best, before = first
     best_r = before
     changed: list[tuple[str, str, str]] = []  # (models or classes, name, field), first change first
-    tunable = [m for m in config.models if not m.pin]
+    tunable = [m for m in config.models if not m.pin and m.name not in thin]
     for _ in range(2):
         for m in tunable:
             cands: list[dict[str, Any]] = [{"keep_alive": k} for k in KEEP_ALIVE_CHOICES]
@@ -177,6 +227,8 @@ def tune(
         holdout_after=ha,
         evaluations=evals,
         changes=changes,
+        thin=thin,
+        warnings=warnings,
     )
 
 
@@ -203,6 +255,15 @@ def _net(
             updates[what].setdefault(name, {})[field_name] = yaml_value(field_name, v)
             out.append(f"{name}.{field_name} = {_yaml_text(yaml_value(field_name, v))}")
     return updates["models"], updates["classes"], out
+
+
+def _about(seconds: float) -> str:
+    """A span as a person says it: `3.7 h`, `25 min`, `40 s`."""
+    if seconds >= 3600.0:
+        return f"{seconds / 3600.0:.1f} h"
+    if seconds >= 60.0:
+        return f"{seconds / 60.0:.0f} min"
+    return f"{seconds:.3g} s"
 
 
 def _yaml_text(v: Any) -> str:
