@@ -956,6 +956,10 @@ def cmd_evict(a: argparse.Namespace) -> int:
     status = _admin(a, "Evict", pb.EvictRequest(name=_model_arg(a), to=a.to))
     if status.tier == a.to or a.json:
         return _model_result(a, status, f"evicted to {a.to}")
+    if status.tier == "loading" and a.to == "host":  # its move to host RAM is still unconfirmed
+        return _model_result(
+            a, status, "on its way to host RAM (`residency ps` says loading until it is there)"
+        )
     # a model serving requests (or a world session, or loading for them) goes when they end
     return _model_result(
         a, status, f"goes to {a.to} when its requests end (`residency events` says when: evict_deferred)"
@@ -976,7 +980,7 @@ def cmd_stats(a: argparse.Namespace) -> int:
         return 0
     line = (
         f"requests {s.requests}, cold starts {s.cold_starts}, load wait {s.load_wait_s:.3f} s, "
-        f"evictions {s.evictions}, thrash {s.thrash}, rejected {s.rejected}, "
+        f"evictions {s.evictions}, thrash {s.thrash}, rejected {s.rejected}, errors {s.errors}, "
         f"budget violations {s.budget_violations}"
     )
     if s.wait_p99_s:

@@ -109,6 +109,23 @@ def _outcome_of(e: BaseException) -> str:
     return "rejected" if isinstance(e, InsufficientCapacity) or getattr(e, REFUSED, False) else "error"
 
 
+class _LiveEngine(Engine):
+    """The decision engine as the live manager drives it: a prewarm to its GPU (a guess: the policy's at
+    a tick, a request's chained successors, a turn taken) of a model whose device has requests waiting
+    for room (`room_wanted`, `LiveManager._room_wanted`) is not made. It would take room those real
+    requests wait for, between two passes over them; it gives way to them (a later tick tries it again
+    once none waits). Pinned loads (`load_pinned`) are no prewarm: a pin outranks every class."""
+
+    def __init__(self, config: Config, policy: Any, room_wanted: Callable[[str], bool]) -> None:
+        super().__init__(config, policy)
+        self.room_wanted = room_wanted
+
+    def prewarm(self, m: Any, now: float, *, chained: bool = False) -> bool:
+        if m.tier != Tier.GPU and self.room_wanted(m.device):
+            return False
+        return super().prewarm(m, now, chained=chained)
+
+
 @dataclass
 class _Live:
     """What the workers have confirmed for one model."""
@@ -205,7 +222,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self.clock: Callable[[], float] = SteadyWallClock() if clock is None else clock
         """Unix seconds that never go back within a run (`manager.clock`); tests give their own."""
         self.poll_s = poll_s
-        self.engine = Engine(config, create_policy(config.policy.name))
+        self.engine = _LiveEngine(config, create_policy(config.policy.name), self._room_wanted)
         self.engine.actions = []
         self._seen_actions = 0
         self.specs = model_specs(config)
@@ -274,6 +291,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self._room_waits: list[_RoomWait] = []  # requests waiting for room (`_room_turn`)
         self._room_seq = 0  # arrival order of the requests that waited for room
         self._room_task: asyncio.Task[None] | None = None  # tries them again while any wait
+        self._room_changed = asyncio.Event()  # set when room may have come free: a pass follows at once
         self._pins_write: asyncio.Task[None] | None = None  # the last write of the pins, on a thread
         self._pins_dirty = False  # the pins changed since the store last took them (it failed)
 
@@ -397,6 +415,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         new, self._seen_actions = actions[self._seen_actions :], len(actions)
         for t, a in new:
             self._apply(t, a)
+        if new:  # (an eviction, a demote, a lease shrunk: room the requests waiting for it may take)
+            self._room_freed()
         if len(actions) > 10_000:  # keep memory bounded on a long-running service
             del actions[: self._seen_actions]
             self._seen_actions = 0
@@ -502,6 +522,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             # failure the model is off its device on the books already, or held for a load its host
             # abandoned (its room comes free when that ends, `_release_abandoned`: nothing more to do)
             self._deferred_evict(self.engine.models[model])
+        self._room_freed()  # (a load confirmed is evictable now; a failed one left its room)
 
     def _confirmed(
         self, r: P.CommandResult, model: str, kind: ActionKind | None, live: _Live, now: float
@@ -865,6 +886,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             m.ready_at = now
             self.engine.unbook(m, now)
             self._gauge_resident()
+            self._room_freed()
         detail = f"{why}; its abandoned load no longer runs: the room held for it is free"
         logger.info("device %s: %s: %s", m.device, m.name, detail)
         self._publish("released", m.name, detail, m.device, now)
@@ -1041,11 +1063,15 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         """Admit `m` for a request of class `rank` (the engine loads it, making room as the class may):
         at once when it is on its GPU or there is room, else once room comes free. The requests that
         wait for room are tried in class order, highest first, and within a class in arrival order
-        (`_room_pass`, at each arrival and every WAIT_RETRY_S): room that comes free goes to the
-        first one it is enough for, not to whichever asks first. InsufficientCapacity when the engine
-        rejects it, or no room came within its class's max_wait from `arrival` (None: none, an
-        admin's preload); DeadlineExceeded at `deadline` (`again`: its model was taken off its device
-        while it waited for the load it was admitted for); WorkerUnavailable once the service stops."""
+        (`_room_pass`: at each arrival, and by the `_room_passes` task alone meanwhile, at once when
+        room may have come free, `_room_freed`, else every WAIT_RETRY_S): room that comes free goes
+        to the first one it is enough for, not to whichever asks first. A waiting request does not
+        poll: it wakes when a pass admits or refuses it, at its deadline or its class's max_wait, or
+        at a stop; meanwhile no prewarm takes room on its device (`_LiveEngine`).
+        InsufficientCapacity when the engine rejects it, or no room came within its class's max_wait
+        from `arrival` (None: none, an admin's preload); DeadlineExceeded at `deadline` (`again`: its
+        model was taken off its device while it waited for the load it was admitted for);
+        WorkerUnavailable once the service stops."""
         if m.tier == Tier.GPU:  # loaded or loading: no room needed
             adm = self.engine.admit(m, rank, self.clock())
             self._flush()
@@ -1081,13 +1107,15 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                     held = self._held_note(m.device)
                     raise DeadlineExceeded(f"model {m.name!r}: no room became free before the deadline{held}")
                 self._if_stopping(m, "no room became free for it in time")
-                if self._room_task is None or self._room_task.done():
+                if self._room_task is None or self._room_task.done():  # (the one that serves it)
                     self._room_task = asyncio.get_running_loop().create_task(self._room_passes())
-                wake = min(WAIT_RETRY_S, max(deadline - now, 0.0))
+                # no poll: its own timer is for its deadline and max_wait only (on the loop's clock: a
+                # pass also wakes it once either has passed on the manager's, `_room_pass`)
+                wake = max(deadline - now, 0.0)
                 if arrival is not None:
                     wake = min(wake, max(arrival + max_wait - now, 0.0) + 1e-3)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(w.done.wait(), wake)
+                    await asyncio.wait_for(w.done.wait(), None if wake == math.inf else wake)
                 w.done.clear()  # (woken with no admission: past its time, or the service stops)
         finally:
             self._room_waits.remove(w)
@@ -1125,13 +1153,30 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                 w.done.set()
 
     async def _room_passes(self) -> None:
-        """`_room_pass` every WAIT_RETRY_S while requests wait for room."""
+        """The one server of the requests that wait for room (they do not poll): `_room_pass` at once
+        when room may have come free (`_room_freed`: a move of the books, a command's result, a
+        request's or a wait's end), and every WAIT_RETRY_S besides, while any wait (room also comes
+        free with time alone: a keep-alive or a min_residency that runs out)."""
         while self._room_waits:
-            await asyncio.sleep(WAIT_RETRY_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._room_changed.wait(), WAIT_RETRY_S)
+            self._room_changed.clear()
             try:
                 self._room_pass()
             except Exception:  # (the waiting requests still time out by themselves)
                 logger.exception("trying the requests that wait for room failed")
+
+    def _room_freed(self) -> None:
+        """Room may have come free (or a model become evictable): the requests waiting for room are
+        tried again at once, by the `_room_passes` task (not here: in the caller's step, the books may
+        be half-way through a change)."""
+        if self._room_waits:
+            self._room_changed.set()
+
+    def _room_wanted(self, device: str) -> bool:
+        """Whether requests (or admin preloads) still wait for room on `device`: a prewarm there gives
+        way to them (`_LiveEngine.prewarm`)."""
+        return any(w.m.device == device and w.admission is None and w.error is None for w in self._room_waits)
 
     async def _ready(
         self, m: Any, deadline: float, rank: int | None = None, *, arrival: float | None = None
@@ -1286,6 +1331,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self._flush()
         if abandoned is not None:
             self._deferred_evict(m)
+        self._room_freed()  # (idle now: evictable, within the rules)
         return end
 
     async def _queue_for(
@@ -1328,6 +1374,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             self.queued[cls_name] -= 1
             if not served:  # an admin's evict that waited for this request goes now if it was the last
                 self._deferred_evict(m)
+            self._room_freed()  # (no request waits for it now: evictable, within the rules)
 
     def _count_unserved(self, m: Any, cls_name: str, outcome: str) -> None:
         """A request that never ran, in Stats and the requests metric: `rejected` (admission refused
@@ -1449,6 +1496,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         finally:
             m.waiting -= 1
             self._deferred_evict(m)  # an admin's evict made during the preload's wait
+            self._room_freed()
 
     def _no_room(self, m: Any, now: float) -> str:
         """Why a preload of `m` to its GPU found no room: it can never fit there, or what holds the
@@ -1574,12 +1622,16 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self._apply_pins()  # an admin's pin or unpin outlives a reload of the file
         self.engine.load_pinned(self.clock())  # a model pinned now is loaded into free room
         self._flush()
+        self._room_freed()  # (reservations, sizes, keep-alives and pins may have changed)
         self._publish("config_reloaded", "", ", ".join(changes) or "no changes", "", self.clock())
         return changes
 
     def host_read_pending(self, model: str) -> bool:
-        """Is a load of `model` into host RAM sent to its device host and not answered yet?"""
-        return any(op == (model, ActionKind.LOAD_HOST) for op in self._ops.values())
+        """Is a copy of `model` into host RAM sent to its device host and not answered yet: a load into
+        host RAM, or a demote (GPU -> host RAM: the books count it in host RAM at once, its copy
+        there exists once the host's result says so)?"""
+        copies = ((model, ActionKind.LOAD_HOST), (model, ActionKind.DEMOTE))
+        return any(op in copies for op in self._ops.values())
 
     def set_pin(self, model: str, pinned: bool) -> None:
         """An admin's pin or unpin: it overrides the config's `pin` until the opposite call, across
@@ -1606,6 +1658,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         if pinned and m.tier != Tier.GPU:
             self.engine.load_pinned(self.clock())  # into free room (or room past its keep-alive)
             self._flush()
+        if not pinned:
+            self._room_freed()  # (unpinned: evictable, within the rules)
         if pinned == m.cfg.pin:
             self.pin_overrides.pop(model, None)
         else:

@@ -22,11 +22,13 @@ from residency_proto.v1 import residency_pb2_grpc as pb_grpc
 
 
 def loading_to_host(manager: LiveManager, name: str) -> bool:
-    """Whether `name` is in host RAM on the books but its read there is not confirmed yet: its device
-    host reports it on disk, or a read of it into host RAM is on its way (sent, not answered). The
-    host's report alone is not enough: right after an evict to disk, while the drop is still on its
-    way, the host still reports the model on the GPU (or in host RAM, from before): the new read has
-    not even begun there."""
+    """Whether `name` is in host RAM on the books but its copy there is not confirmed yet: its device
+    host reports it on disk, or a read of it into host RAM, or a demote from the GPU, is on its way
+    (sent, not answered: `LiveManager.host_read_pending`). The host's report alone is not enough:
+    right after an evict to disk, while the drop is still on its way, the host still reports the
+    model on the GPU (or in host RAM, from before): the new read has not even begun there; and during
+    a demote it reports the model on the GPU until the copy is made. `ps` says `loading` meanwhile
+    (the word it has for a move into a tier not confirmed yet)."""
     if manager.engine.models[name].tier != Tier.HOST:
         return False
     if manager.live[name].tier == "disk":
@@ -138,26 +140,63 @@ async def preload_host(manager: LiveManager, name: str, timeout_s: float = PRELO
     """Preload `name` into host RAM and wait until its device host confirms it holds it there (or it
     went on to the GPU meanwhile), as a preload to the GPU waits for its confirmed load: the answer
     said `host` while the read was still under way, and OK for a load that then failed; and right after
-    an evict to disk (`loading_to_host`), before the drop's result came.
-    WorkerUnavailable: the load failed, or the model left host RAM before it was confirmed there."""
+    an evict to disk (`loading_to_host`), before the drop's result came; and during a demote from the
+    GPU (an evict to host RAM, the policy's), before its copy in host RAM existed.
+    WorkerUnavailable: the load (or the demote) failed, or the model left host RAM before it was
+    confirmed there."""
     events = manager.subscribe()  # before the command: its confirmation cannot be missed
     try:
+        failures = manager.live[name].failures if name in manager.live else 0
         await manager.preload(name, "host")
         m, live = manager.engine.models[name], manager.live[name]
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while loading_to_host(manager, name):
-            left = deadline - loop.time()
-            if left <= 0:
-                raise DeadlineExceeded(
-                    f"model {name!r}: its load into host RAM did not finish within {timeout_s:g} s; "
-                    "it goes on (see `residency ps`)"
-                )
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(events.get(), left)  # any event: the books may have moved
+        if not await _until_in_host(manager, name, events, timeout_s):
+            raise DeadlineExceeded(
+                f"model {name!r}: its load into host RAM did not finish within {timeout_s:g} s; "
+                "it goes on (see `residency ps`)"
+            )
         if m.tier == Tier.DISK:
-            why = live.load_error or "it was dropped again before its load was confirmed (see the events)"
+            failed = live.error if live.failures > failures else None  # (a demote's failure, say)
+            why = (
+                live.load_error
+                or failed
+                or "it was dropped again before its load was confirmed (see the events)"
+            )
             raise WorkerUnavailable(f"model {name!r} could not be loaded into host RAM: {why}")
+    finally:
+        manager.unsubscribe(events)
+
+
+async def _until_in_host(
+    manager: LiveManager, name: str, events: asyncio.Queue[dict[str, Any]], timeout_s: float
+) -> bool:
+    """Wait while `name`'s copy into host RAM is on its way (`loading_to_host`), `timeout_s` at most;
+    `events`: a subscription made before that move was asked for (its result cannot be missed).
+    False when it is still on its way at the end."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while loading_to_host(manager, name):
+        left = deadline - loop.time()
+        if left <= 0:
+            return False
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(events.get(), left)  # any event: the books may have moved
+    return True
+
+
+EVICT_WAIT_S = 20.0
+"""How long an Evict(to=host) waits for the demote it starts to be confirmed (under the client's
+admin timeout, 30 s); past it, it answers `loading` (the demote goes on)."""
+
+
+async def evict(manager: LiveManager, name: str, to: str, wait_s: float = EVICT_WAIT_S) -> None:
+    """An admin's evict (`LiveManager.evict`). One to host RAM that demotes the model now waits, at most
+    `wait_s`, for the demote's result (its answer said `host` before the copy there existed); one
+    deferred behind requests or a load answers at once, as before (`evict_deferred`)."""
+    events = manager.subscribe()  # before the command: its confirmation cannot be missed
+    try:
+        manager.evict(name, to)
+        if to == "host":
+            await _until_in_host(manager, name, events, wait_s)
     finally:
         manager.unsubscribe(events)
 
@@ -206,7 +245,7 @@ class AdminServicer(pb_grpc.ResidencyServicer):
 
     @mapped
     async def Evict(self, request: pb.EvictRequest, context: Any) -> pb.ModelStatus:
-        self.manager.evict(request.name, request.to or "disk")
+        await evict(self.manager, request.name, request.to or "disk")
         return model_status(self.manager, request.name)
 
     @mapped
@@ -225,7 +264,7 @@ class AdminServicer(pb_grpc.ResidencyServicer):
         return pb.StatsResponse(
             requests=m.served, evictions=c.evictions, thrash=c.thrash, rejected=m.rejected,
             budget_violations=c.budget_violations, cold_starts=m.cold_starts,
-            load_wait_s=m.wait_total_s,
+            load_wait_s=m.wait_total_s, errors=m.failed,
             wait_p99_s={k: p99(list(v)) for k, v in m.waits.items()}, resident_bytes=resident,
         )  # fmt: skip
 
