@@ -20,7 +20,7 @@ import re
 import shutil
 import stat
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -107,6 +107,29 @@ def _du(d: Path) -> tuple[int, float]:
     return size, last if last > -math.inf else d.stat().st_mtime
 
 
+def _ran_nothing(reply: P.SessionReply) -> bool:
+    """Whether a host's close reply says the session closed having run no segment (its host's
+    `worldpager.session.Session.close` then saved nothing)."""
+    data = reply.data if reply.ok else {}
+    segments = data.get("segments")
+    return bool(data.get("closed")) and isinstance(segments, int) and segments == 0
+
+
+def _discard_unrun(d: Path) -> bool:
+    """Remove session folder `d` of a new session that ran no segment (what is left in it: the
+    manager's SENT_FILE). Only a folder of its own (a link to one elsewhere is left, as a prune leaves
+    it). True when `d` is gone."""
+    try:
+        if not stat.S_ISDIR(d.lstat().st_mode):
+            return False
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    shutil.rmtree(d, ignore_errors=True)
+    return not os.path.lexists(d)
+
+
 @dataclass
 class _World:
     """An open world session, as the manager tracks it to reopen it after its device host restarted."""
@@ -114,6 +137,7 @@ class _World:
     codec: str
     next_segment: int = 0  # segments the client has been sent
     resumes: int = 0
+    resumed: bool = False  # opened as a resume of a saved session (never discarded by its close)
 
 
 _SESSION_ID = re.compile(r"[0-9a-f]{12}")
@@ -430,7 +454,9 @@ class WorldSessionsMixin:
             raise worker_error(reply.error_code, f"world session on {m.name!r} could not open: {reply.error}")
         data = dict(reply.data)
         self.sessions[sid] = (m.name, arrival, rank)
-        self._world[sid] = _World(str(data.get("codec", codec)), int(data.get("next_segment", 0)))
+        self._world[sid] = _World(
+            str(data.get("codec", codec)), int(data.get("next_segment", 0)), resumed=resume_id is not None
+        )
         shrunk = await self._lease_caught_up(m, sid, sent)
         if shrunk is not None:  # the lease the session holds now, not the one it opened with
             data["lease_bytes"] = shrunk
@@ -651,6 +677,11 @@ class WorldSessionsMixin:
         why = ""
         try:
             reply = await self.close_session(sid)
+            if reply.get("discarded"):
+                return False, (
+                    f"world session {sid} was not saved (it ran no segment: there is nothing to "
+                    "resume): it cannot be resumed; start a new session"
+                )
             if not reply.get("closed"):
                 why = "its device host could not close it"
         except Exception as e:  # (the reply's own error is the host's log's)
@@ -680,7 +711,13 @@ class WorldSessionsMixin:
         async def close_on_host() -> P.SessionReply:
             if reopening is not None:  # a reopen under way: the session is closed once it is open
                 await asyncio.wait([reopening])
-            return await asyncio.to_thread(self.pool.session, m.device, "close", sid)
+            reply: P.SessionReply = await asyncio.to_thread(self.pool.session, m.device, "close", sid)
+            # a new session refused at its first pose: nothing to resume, its folder goes (here, so an
+            # open or a prune that waits for this close finds it gone)
+            unrun = w is not None and not w.resumed and _ran_nothing(reply)
+            if unrun and await asyncio.to_thread(_discard_unrun, self.session_dir / sid):
+                reply = replace(reply, data={**reply.data, "discarded": True})
+            return reply
 
         host_close = self._in_background(close_on_host())
         host_close.set_name(_CLOSING + sid)  # (an open waits for it, a prune keeps its directory)

@@ -644,10 +644,8 @@ def cmd_session(args: argparse.Namespace) -> int:
                 "--resume, or give an empty or new folder"
             ) from None
         except WindowLostError as e:  # the step it can continue at, said as this command's flag
-            n = e.resume_at
             raise UsageError(
-                f"{e.reason}; the log still holds the session up to step {n}: continue it there with "
-                f"--resume --resume-at {n} (the segments from {n} on are generated again)"
+                f"{e.reason}; {e.hint(f'--resume --resume-at {e.resume_at}', e.resume_at)}"
             ) from None
         except (ValueError, OSError, SegmentLogError) as e:
             if isinstance(e, LogFullError) or is_disk_full(e):  # the machine's failure, not the user's

@@ -109,6 +109,19 @@ class SegmentLayout:
             out.append((k, v))
         return out
 
+    def decode_page(self, page: torch.Tensor, device: torch.device | str | None = None) -> KV:
+        """One layer's ``(K, V)`` from its page (a 1-D uint8 tensor of ``page_nbytes``, on any device:
+        the codec runs where it is, then the result moves to ``device``): `decode` one layer at a
+        time, for a caller that must not hold a whole segment's decoded KV at once."""
+        if page.dtype != torch.uint8 or page.dim() != 1 or page.numel() != self.page_nbytes:
+            raise ValueError(f"page of {page.numel()} bytes, the layout needs {self.page_nbytes}")
+        n, dtype = self._tensor_nbytes, str(self.dtype).removeprefix("torch.")
+        k, v = (
+            codecs.decode(codecs.Packed(self.codec, self.kv_shape, dtype, page[a : a + n]), device)
+            for a in (0, n)
+        )
+        return k, v
+
     def rerotate(self, kv: Sequence[KV], from_frame: int, to_frame: int) -> list[KV]:
         """Keys moved from start frame ``from_frame`` to ``to_frame`` (temporal dims only); V as is."""
         h, w = self.latent_h, self.latent_w

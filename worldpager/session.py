@@ -42,7 +42,7 @@ from worldpager.retrieval import (
     outside_window,
     predict_pose,
 )
-from worldpager.segment_log import LOG_NAME, DiskFullError, is_disk_full
+from worldpager.segment_log import INDEX_NAME, LOG_NAME, META_NAME, DiskFullError, is_disk_full
 from worldpager.session_records import (
     CorruptSlot,
     EventLog,
@@ -187,6 +187,9 @@ class Session:
         self.resume_bytes_read = 0  # log bytes read back while reopening (host copies, rolling window)
         self.window_source: str | None = None  # resumed: "checkpoint" (window.bin) or "log"
         self._rollbacks: list[tuple[int, int]] = []  # (segment, slots) of each roll-back: store.abandoned
+        # a new session that runs no step leaves nothing behind (`close`): the folder too, if it made it
+        self._fresh = not resume
+        self._made_dir = not resume and not self.log_dir.exists() and not self.log_dir.is_symlink()
         self.log = store.open_log(self.log_dir, self.segment_bytes, log_max_bytes, resume=resume)
         model.reset_cache()
         self._first = self._next = 0
@@ -204,6 +207,8 @@ class Session:
                     self.handler.close()
             with contextlib.suppress(OSError):  # (its index write on a full disk: not the cause)
                 self.log.close()
+            if not resume:  # never opened: nothing of it is worth resuming
+                self._discard()
             raise
 
     @classmethod
@@ -461,7 +466,9 @@ class Session:
     # ---- lifecycle ------------------------------------------------------------------------------
     def close(self) -> None:
         """Stop the transfer threads (after outstanding I/O), release a prefetched step, close the log,
-        then save the session state (``session.json`` and the rolling window) for `resume`.
+        then save the session state (``session.json`` and the rolling window) for `resume`. A new
+        session that ran no step (its first pose refused, say) saves nothing: what it wrote at
+        creation is removed instead (`discarded`), and its folder when the session made it.
 
         On a full disk: an index the log cannot save is logged (its data is fsynced; the next resume
         scans for it) and the session is still saved; a save the disk refuses raises `LogFullError`
@@ -491,6 +498,9 @@ class Session:
                 )
             finally:
                 self._drain_events()
+        if self._fresh and self._next == 0 and self.log.n_slots == 0:
+            self._discard()  # refused at its first pose, or never stepped: nothing to resume
+            return
         try:
             self._save_state(window=self._save_window())
         except OSError as e:
@@ -499,6 +509,28 @@ class Session:
                     e, "the session", "a resume continues from what the folder holds"
                 ) from e
             raise
+
+    @property
+    def discarded(self) -> bool:
+        """Whether `close` left nothing on disk: a new session that ran no step (nothing to resume)."""
+        return self._closed and self._fresh and self._next == 0 and self.log.n_slots == 0
+
+    def _discard(self) -> None:
+        """Remove what this new session wrote in ``log_dir`` (its log, the log's index and meta file,
+        ``session.json``, ``window.bin``, and their temporary files), ``session.json`` first, and the
+        folder itself when this session made it and it is empty now. Other files are left as they are;
+        a file that cannot be removed is logged (a resume of what is left is refused as damaged)."""
+        names = (SESSION_FILE, WINDOW_FILE, LOG_NAME, INDEX_NAME, META_NAME)
+        for name in (*names, *(n + ".tmp" for n in names)):
+            try:
+                (self.log_dir / name).unlink(missing_ok=True)
+            except OSError as e:
+                logger.warning(
+                    "%s: cannot remove %s of a session that ran no step: %s", self.log_dir, name, e
+                )
+        if self._made_dir:
+            with contextlib.suppress(OSError):  # (not empty: files of someone else's stay)
+                self.log_dir.rmdir()
 
     def _disk_full(self, e: OSError, what: str, then: str) -> DiskFullError:
         """The `LogFullError` (a `DiskFullError`: an OSError too) for a write of ``what`` the full disk

@@ -483,11 +483,24 @@ class WindowLostError(SegmentLogError):
     ``reason``: the message without that hint (said in a caller's own words, e.g. a CLI flag)."""
 
     def __init__(self, reason: str, resume_at: int) -> None:
-        super().__init__(
-            f"{reason}; the log still holds the session up to step {resume_at}: resume it there with "
-            f"resume_at={resume_at} (the segments from {resume_at} on are generated again)"
-        )
+        super().__init__(f"{reason}; {self.hint(f'resume_at={resume_at}', resume_at)}")
         self.reason, self.resume_at = reason, resume_at
+
+    @staticmethod
+    def hint(how: str, resume_at: int) -> str:
+        """What to do, said with ``how`` (the way the caller sets the step: ``resume_at=N``, a CLI
+        flag): continue at ``resume_at``, or -- 0, no segment of the session can be kept -- restart it
+        from the beginning."""
+        if resume_at == 0:
+            return (
+                "no step's rolling window is whole in the log, so the session must restart from the "
+                f"beginning (step 0): resume it with {how} (every segment is generated again), or "
+                "start a new session"
+            )
+        return (
+            f"the log still holds the session up to step {resume_at}: resume it there with {how} "
+            f"(the segments from {resume_at} on are generated again)"
+        )
 
     def __reduce__(self) -> tuple[type[WindowLostError], tuple[str, int]]:
         return type(self), (self.reason, self.resume_at)  # (pickled whole: across processes too)

@@ -141,7 +141,9 @@ class _StepBuf:
     place_by_id: bool
     slot_seg: dict[int, int]  # slot -> segment
     targets: dict[int, int]  # slot -> virtual start frame
-    kv: dict[int, list[KV]] = field(default_factory=dict)  # slot -> uploaded KV
+    kv: dict[int, bool] = field(default_factory=dict)  # slot -> True once uploaded (its K/V in `store`)
+    store: list[KV] | None = None  # per layer (K, V) of every placed slot, one after the other
+    packed: int | None = None  # slots `memory` closed up (its first call): the first ones of `store`
     ready: threading.Event = field(default_factory=threading.Event)
     cuda_events: list[torch.cuda.Event] = field(default_factory=list)
     started: bool = False  # its memory was handed out (`memory`): it runs on it until released
@@ -215,10 +217,17 @@ class TransferHandler:
 
     @property
     def buffer_bytes(self) -> int:
-        """Bytes uploaded into the retrieval buffers of prepared, unreleased steps (on ``device``)."""
+        """Bytes the retrieval buffers of prepared, unreleased steps take (on ``device``): each is
+        allocated, for all its placed slots, at its first upload."""
         with self._cond:
-            kvs = [kv for buf in self._steps.values() for kv in buf.kv.values()]
-        return sum(t.numel() * t.element_size() for kv in kvs for pair in kv for t in pair)
+            stores = [buf.store for buf in self._steps.values() if buf.store is not None]
+        return sum(t.numel() * t.element_size() for st in stores for pair in st for t in pair)
+
+    @staticmethod
+    def staging_bytes(layout: SegmentLayout, *, cuda: bool) -> int:
+        """Host bytes one upload stages outside the host tier: one page at a time, copied out of the
+        host copy (and, on CUDA, into pinned memory for the copy to the device)."""
+        return (2 if cuda else 1) * layout.page_nbytes
 
     def take_events(self) -> list[RuntimeEvent]:
         """Drain the events recorded so far (``events`` then starts empty), atomically with respect to
@@ -405,7 +414,11 @@ class TransferHandler:
         compute stream always waits on the uploads of the buffer handed out (a re-planned buffer
         ready already was handed out with the stream waiting only on the old one's). After a
         transfer thread failed it raises that error, as `wait_ready` does (a failure marks every
-        buffer ready to wake its waiters, so the buffer may be partial): never a partial buffer."""
+        buffer ready to wake its waiters, so the buffer may be partial): never a partial buffer.
+
+        The K/V handed out are views of the step's buffer (its slots uploaded one after the other
+        into one tensor per layer; a slot left empty by a lost segment is closed up in place): no
+        second copy, so the device tier never holds more than its two buffers (the GPU lease)."""
         while True:
             with self._cond:
                 self._raise_error()  # (under the lock: the failure sets the error and `ready` together)
@@ -413,29 +426,41 @@ class TransferHandler:
                 if buf.ready.is_set():
                     buf.started = True
                     slots = sorted(s for s in buf.kv if s in buf.slot_seg)
-                    kvs = [buf.kv[s] for s in slots]
                     ids = tuple(buf.slot_seg[s] for s in slots)
                     events = list(buf.cuda_events)
+                    store, packed = buf.store, buf.packed
                     break
             self.wait_ready(step)
+        if not slots or store is None:
+            return None, ()
         if self._cuda:  # (again for events `wait_ready` waited on: a no-op on the stream)
             stream = torch.cuda.current_stream(self.device)
             for ev in events:
                 stream.wait_event(ev)
             # The uploads were made on the side stream and are read on this (the caller's) stream:
             # tell the caching allocator, so their memory is not reused before this stream is done.
-            for kv in kvs:
-                for k, v in kv:
-                    k.record_stream(stream)
-                    v.record_stream(stream)
-        if not kvs:
-            return None, ()
-        layers = len(kvs[0])
-        mem = [
-            (torch.cat([kv[i][0] for kv in kvs], dim=1), torch.cat([kv[i][1] for kv in kvs], dim=1))
-            for i in range(layers)
-        ]
+            for k, v in store:
+                k.record_stream(stream)
+                v.record_stream(stream)
+        if packed is not None:  # (packed once: packing moves slots within the buffer)
+            n = packed * self.layout.tokens
+            return [(k[:, :n], v[:, :n]) for k, v in store], ids
+        mem = self._packed(store, slots, self.layout.tokens)
+        with self._cond:
+            buf.packed = len(slots)
         return mem, ids
+
+    @staticmethod
+    def _packed(store: list[KV], slots: list[int], tokens: int) -> list[KV]:
+        """Per layer, the filled ``slots`` (ascending) of ``store`` as one view each: a slot after an
+        empty one is moved down within the buffer first (in place: no new tensor)."""
+        for i, slot in enumerate(slots):
+            if slot != i:  # (slot > i: its source is never one written here before)
+                for k, v in store:
+                    k[:, i * tokens : (i + 1) * tokens].copy_(k[:, slot * tokens : (slot + 1) * tokens])
+                    v[:, i * tokens : (i + 1) * tokens].copy_(v[:, slot * tokens : (slot + 1) * tokens])
+        n = len(slots) * tokens
+        return [(k[:, :n], v[:, :n]) for k, v in store]
 
     def release(self, step: int) -> None:
         with self._cond:
@@ -660,25 +685,56 @@ class TransferHandler:
             kv: list[KV] | None = None
             ev: torch.cuda.Event | None = None
             if buf is not None:  # else: nothing to place
-                kv, ev = self._upload(payload, from_frame, buf.targets[job.slot])
+                kv, ev = self._upload(payload, from_frame, buf.targets[job.slot], buf, job.slot)
             with self._cond:
                 if buf is not None and kv is not None:
-                    buf.kv[job.slot] = kv
+                    buf.kv[job.slot] = True
                     if ev is not None:
                         buf.cuda_events.append(ev)
                 self._complete(job.job_id, True)
 
     def _upload(
-        self, payload: bytes, from_frame: int, to_frame: int
+        self, payload: bytes, from_frame: int, to_frame: int, buf: _StepBuf, slot: int
     ) -> tuple[list[KV], torch.cuda.Event | None]:
+        """Place segment ``payload`` in ``buf``'s ``slot``, its keys re-rotated from ``from_frame`` to
+        ``to_frame``: page by page (one layer's bytes staged, decoded and copied into the buffer at
+        a time, `staging_bytes`), so an upload never holds a whole segment's decoded KV besides the
+        buffer. The slot's views of the buffer, and on CUDA the event that says they are written."""
+        layout, n = self.layout, self.layout.page_nbytes
+        view = memoryview(payload)
+        placed: list[KV] = []
         if not self._cuda:
-            return self.layout.rerotate(self.layout.decode(payload), from_frame, to_frame), None
+            for i, off in enumerate(layout.page_offsets):
+                page = torch.frombuffer(bytearray(view[off : off + n]), dtype=torch.uint8)
+                kv = layout.rerotate([layout.decode_page(page)], from_frame, to_frame)[0]
+                placed.append(self._place(buf, slot, i, kv))
+            return placed, None
         assert self._stream is not None
-        host = torch.frombuffer(bytearray(payload), dtype=torch.uint8).pin_memory()
         with torch.cuda.stream(self._stream):  # H2D of the compressed bytes, then decode on the device
-            dev = host.to(self.device, non_blocking=True)
-            kv = self.layout.rerotate(self.layout.decode(dev), from_frame, to_frame)
+            for i, off in enumerate(layout.page_offsets):
+                host = torch.frombuffer(bytearray(view[off : off + n]), dtype=torch.uint8).pin_memory()
+                dev = host.to(self.device, non_blocking=True)
+                kv = layout.rerotate([layout.decode_page(dev)], from_frame, to_frame)[0]
+                placed.append(self._place(buf, slot, i, kv))
+                del host, dev, kv  # (reused in this stream's order: after the copies above)
             ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ev.record(self._stream)
         # (the stream that reads them is told in `memory`: the caller's, not this thread's)
-        return kv, ev
+        return placed, ev
+
+    def _place(self, buf: _StepBuf, slot: int, layer: int, kv: KV) -> KV:
+        """Copy one layer's ``kv`` into ``slot`` of ``buf``'s buffer, allocated (every layer, every
+        placed slot) at its first upload; the slot's views. Upload thread only."""
+        k, v = kv
+        t = k.shape[1]
+        if buf.store is None:
+            n = len(buf.slot_seg) * t
+            buf.store = [
+                (k.new_empty((k.shape[0], n, *k.shape[2:])), v.new_empty((v.shape[0], n, *v.shape[2:])))
+                for _ in range(self.layout.layers)
+            ]
+        sk, sv = buf.store[layer]
+        dk, dv = sk[:, slot * t : (slot + 1) * t], sv[:, slot * t : (slot + 1) * t]
+        dk.copy_(k)
+        dv.copy_(v)
+        return dk, dv

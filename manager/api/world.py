@@ -6,7 +6,8 @@ client hung up is not counted sent: the resume continues at it. A device host th
 session costs a reopen from the saved state (the output says `resumed`); if that cannot be done in time
 the stream ends UNAVAILABLE with a message naming the session id to resume. Any other error that ends
 the stream once the session is open (a step that failed on the device host) closes the session first,
-and its status says which id to resume it with when its state is saved, or that it was not saved. A
+and its status says which id to resume it with when its state is saved, or that it was not saved (a
+new session refused at its first action, having run no segment, is not: it leaves nothing on disk). A
 client that sends no action for `server.world_idle_timeout` (default 10m; null: no limit) while its
 stream stays open has its session closed the same way, its state saved, and the stream ends
 DEADLINE_EXCEEDED saying how long it was idle and which id to resume it with: an idle client must not

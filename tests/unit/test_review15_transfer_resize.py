@@ -254,10 +254,11 @@ def test_memory_makes_the_compute_stream_wait_on_a_replanned_buffers_uploads(
             h.drain()
             made: list[int] = []
 
-            def upload(payload: bytes, f: int, t: int) -> Any:
+            def upload(payload: bytes, f: int, t: int, buf: Any, slot: int) -> Any:
                 ev = _FakeEvent()
                 made.append(ev.id)
-                return h.layout.rerotate(h.layout.decode(payload), f, t), ev
+                kvs = h.layout.rerotate(h.layout.decode(payload), f, t)
+                return [h._place(buf, slot, i, kv) for i, kv in enumerate(kvs)], ev
 
             monkeypatch.setattr(h, "_upload", upload)
             monkeypatch.setattr(h, "_cuda", True)

@@ -22,6 +22,7 @@ def test_a_close_whose_save_fails_still_gives_the_memory_back(tmp_path: Path) ->
     calls: list[str] = []
     ws = WorldSessions(torch.device("cpu"), release=lambda: calls.append("release"))
     ws.open("world", TinyCausalWan(cfg), "a", 10 * seg, tmp_path / "a")
+    ws.step("a", (0.0, 0.0, 0.0, 0.0, 0.0))  # (a session that ran no step saves nothing: review 19)
     session = ws.open_sessions["a"].session
 
     def full_disk(*_: Any, **__: Any) -> None:
