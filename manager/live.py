@@ -109,23 +109,6 @@ def _outcome_of(e: BaseException) -> str:
     return "rejected" if isinstance(e, InsufficientCapacity) or getattr(e, REFUSED, False) else "error"
 
 
-class _LiveEngine(Engine):
-    """The decision engine as the live manager drives it: a prewarm to its GPU (a guess: the policy's at
-    a tick, a request's chained successors, a turn taken) of a model whose device has requests waiting
-    for room (`room_wanted`, `LiveManager._room_wanted`) is not made. It would take room those real
-    requests wait for, between two passes over them; it gives way to them (a later tick tries it again
-    once none waits). Pinned loads (`load_pinned`) are no prewarm: a pin outranks every class."""
-
-    def __init__(self, config: Config, policy: Any, room_wanted: Callable[[str], bool]) -> None:
-        super().__init__(config, policy)
-        self.room_wanted = room_wanted
-
-    def prewarm(self, m: Any, now: float, *, chained: bool = False) -> bool:
-        if m.tier != Tier.GPU and self.room_wanted(m.device):
-            return False
-        return super().prewarm(m, now, chained=chained)
-
-
 @dataclass
 class _Live:
     """What the workers have confirmed for one model."""
@@ -222,7 +205,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self.clock: Callable[[], float] = SteadyWallClock() if clock is None else clock
         """Unix seconds that never go back within a run (`manager.clock`); tests give their own."""
         self.poll_s = poll_s
-        self.engine = _LiveEngine(config, create_policy(config.policy.name), self._room_wanted)
+        self.engine = Engine(config, create_policy(config.policy.name))
+        self.engine.room_wanted = self._room_wanted
         self.engine.actions = []
         self._seen_actions = 0
         self.specs = model_specs(config)
@@ -1067,7 +1051,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         room may have come free, `_room_freed`, else every WAIT_RETRY_S): room that comes free goes
         to the first one it is enough for, not to whichever asks first. A waiting request does not
         poll: it wakes when a pass admits or refuses it, at its deadline or its class's max_wait, or
-        at a stop; meanwhile no prewarm takes room on its device (`_LiveEngine`).
+        at a stop; meanwhile no prewarm takes room on its device (`Engine.room_wanted`).
         InsufficientCapacity when the engine rejects it, or no room came within its class's max_wait
         from `arrival` (None: none, an admin's preload); DeadlineExceeded at `deadline` (`again`: its
         model was taken off its device while it waited for the load it was admitted for);
@@ -1175,7 +1159,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
 
     def _room_wanted(self, device: str) -> bool:
         """Whether requests (or admin preloads) still wait for room on `device`: a prewarm there gives
-        way to them (`_LiveEngine.prewarm`)."""
+        way to them (`Engine.prewarm`)."""
         return any(w.m.device == device and w.admission is None and w.error is None for w in self._room_waits)
 
     async def _ready(

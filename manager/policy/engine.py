@@ -67,6 +67,9 @@ class Engine(TierMoves):
         """The model `make_room` is making room for (not a host-tier victim meanwhile)."""
         self.host_leaving: list[ModelState] = []
         self._elastic = [m for m in self.models.values() if m.elastic]
+        self.room_wanted: Callable[[str], bool] = _nothing_waits
+        """Whether requests wait for room on a device (the live manager's and the replay's queues):
+        no prewarm is made there meanwhile (`prewarm`)."""
         self.recheck_fit()
 
     # ---- requests ---------------------------------------------------------------------------
@@ -187,8 +190,13 @@ class Engine(TierMoves):
         one whose explicit keep-alive expired (`ModelState.held_off`: the user's word), before it is
         asked for again - or, `chained`, expected right after a request just made. Nor is one whose
         keep-alive is eager and zero (`keep_alive: 0`): it would be unloaded the moment its load is
-        over, a wasted load, and its request's reload would count as thrash."""
+        over, a wasted load, and its request's reload would count as thrash. Nor while requests wait
+        for room on its device (`room_wanted`): a guess (a tick's, a request's chained successors, a
+        turn taken) gives way to them, and a later wake-up tries it again. (Pinned loads are no
+        prewarm: a pin outranks every class.)"""
         if m.tier == GPU or self.never_fits[m.name] or not m.prewarm_ok or (m.held_off and not chained):
+            return False
+        if self.room_wanted(m.device):
             return False
         pol = self.policy
         if pol.is_eager(m) and pol.keep_alive(m, now) <= 0.0:
@@ -445,3 +453,8 @@ class Engine(TierMoves):
 
 
 __all__ = ["NEVER", "Admission", "Engine"]
+
+
+def _nothing_waits(device: str) -> bool:
+    """`Engine.room_wanted` where no queue is kept: no request ever waits for room."""
+    return False

@@ -167,6 +167,7 @@ class Simulator:
         self.waits: dict[str, list[float]] = {c: [] for c in self.class_names}
         self.figs = {name: ModelFigures() for name in self.engine.models}
         self.waiting: deque[_Waiting] = deque()
+        self.engine.room_wanted = self._room_wanted  # (no prewarm takes room requests wait for)
         # Per class rank: `max_queue`; how many of `waiting` are of that class; for a class with a
         # `max_queue`, when the loads its served requests still wait for end (a heap, so the count
         # at each arrival is amortized O(log n), not a scan).
@@ -301,6 +302,11 @@ class Simulator:
         while loading and loading[0] <= now:
             heapq.heappop(loading)
         return self.waiting_n[rank] + len(loading)
+
+    def _room_wanted(self, device: str) -> bool:
+        """Whether requests wait for room on `device`: a prewarm there gives way to them, as in the
+        live manager (`Engine.room_wanted`)."""
+        return any(w.m.device == device for w in self.waiting) if self.waiting else False
 
     def _arrive_waiting(self, req: Request, m: ModelState, rank: int, now: float) -> None:
         """A request that just arrived (within its class's `max_queue`) must wait for room: at most
