@@ -999,7 +999,19 @@ def cmd_reload(a: argparse.Namespace) -> int:
     if a.json:
         _print_json(as_dict(r))
     else:
-        print(f"config reloaded: {_said(r.message)}")
+        print(
+            f"config reloaded from {_said(r.path)}: {_said(r.message)}"
+            if r.path
+            else f"config reloaded: {_said(r.message)}"
+        )
+    if a.config and r.path and os.path.realpath(a.config) != os.path.realpath(r.path):
+        # --config says how to reach the service; it reads its own file (the one `serve` was given)
+        raise Refused(
+            f"{_said(a.config)} was not read: the service serves {_said(r.path)} and read that file again "
+            f"(--config only says how to reach the service). To serve {_said(a.config)}, copy it over "
+            f"{_said(r.path)} (the service reads its file again when it changes) or restart "
+            f"`residency serve --config {_said(a.config)}`"
+        )
     return 0
 
 
@@ -1116,7 +1128,12 @@ def _admin_parsers(sub: Any) -> None:
         help="disk: drop it (default); host: keep it in host RAM (a model in use goes when its requests end)",
     )
     admin("stats", "the service's counters: requests, cold starts, waits, evictions, thrash", cmd_stats)
-    admin("reload", "make the service read its config file again and apply what changed", cmd_reload)
+    admin(
+        "reload",
+        "make the service read its own config file (the one `serve` was given) again and apply what changed; "
+        "exit 1 when --config names another file",
+        cmd_reload,
+    )
     admin(
         "events",
         "follow the residency events (loads, evictions, lease changes...), one line each, until Ctrl-C",

@@ -252,7 +252,8 @@ class AdminServicer(pb_grpc.ResidencyServicer):
     async def ReloadConfig(self, request: pb.ReloadConfigRequest, context: Any) -> pb.ReloadConfigResponse:
         changes = await reload_from_file_on_loop(self.manager, self.config_path)
         msg = "changed: " + ", ".join(changes) if changes else "no changes"
-        return pb.ReloadConfigResponse(changed=bool(changes), message=msg)
+        path = os.path.abspath(self.config_path) if self.config_path else ""
+        return pb.ReloadConfigResponse(changed=bool(changes), message=msg, path=path)
 
     @mapped
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:

@@ -166,7 +166,7 @@ def test_stats_as_a_line_and_as_json(tmp_path: Path, capsys: pytest.CaptureFixtu
 def test_reload(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     async def body(target: str, manager: LiveManager, path: Path) -> None:
         assert await cli("reload", "--target", target) == 0
-        assert one_line(capsys.readouterr().out) == "config reloaded: no changes"
+        assert one_line(capsys.readouterr().out) == f"config reloaded from {path}: no changes"
         path.write_text(
             path.read_text().replace(
                 "keep_alive: auto\n    source: {preset", "keep_alive: 10m\n    source: {preset"
@@ -174,7 +174,7 @@ def test_reload(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         )
         assert await cli("reload", "--target", target) == 0
         line = one_line(capsys.readouterr().out)
-        assert line.startswith("config reloaded: changed: ") and "world" in line, line
+        assert line.startswith(f"config reloaded from {path}: changed: ") and "world" in line, line
         path.write_text(path.read_text().replace("keep_alive: 10m", "keep_alive: soon"))
         assert await cli("reload", "--target", target, "--json") == 1  # refused: nothing printed on stdout
         cap = capsys.readouterr()
@@ -285,5 +285,50 @@ def test_tls_as_ps_speaks_it(
             line = one_line(capsys.readouterr().err)
             assert "UNAVAILABLE" in line and "--tls-cert" in line, line
             assert manager.engine.models["embed"].pinned
+
+    asyncio.run(run())
+
+
+# Review 19's user walkthrough: `residency reload --config OTHER.yaml` answered "config reloaded: no
+# changes", exit 0, though the service never read OTHER.yaml: it reads its own file again (the one
+# `serve` was given), and --config only says how to reach it. Now the answer names the file the
+# service read (`ReloadConfigResponse.path`), and a --config naming another file is exit 1, saying so.
+
+
+def test_reload_names_the_file_the_service_read(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _config_file(tmp_path)
+
+    async def run() -> None:
+        async with serving(path) as (target, _):
+            assert await cli("reload", "--config", str(path), "--target", target) == 0
+            assert one_line(capsys.readouterr().out) == f"config reloaded from {path}: no changes"
+            assert await cli("reload", "--target", target, "--json") == 0
+            assert json.loads(capsys.readouterr().out)["path"] == str(path)
+
+    asyncio.run(run())
+
+
+def test_another_file_named_by_config_is_exit_1_saying_it_was_not_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _config_file(tmp_path)
+    other = tmp_path / "other.yaml"
+    other.write_text(
+        path.read_text().replace(
+            "keep_alive: auto\n    source: {preset", "keep_alive: 45m\n    source: {preset"
+        )
+    )
+    assert other.read_text() != path.read_text()
+
+    async def run() -> None:
+        async with serving(path) as (target, manager):
+            before = manager.engine.models["world"].keep_alive_cfg
+            assert await cli("reload", "--config", str(other), "--target", target) == 1
+            cap = capsys.readouterr()
+            assert one_line(cap.out) == f"config reloaded from {path}: no changes"
+            err = one_line(cap.err)
+            assert err.startswith(f"residency: {other} was not read: the service serves {path}"), err
+            assert f"residency serve --config {other}" in err
+            assert manager.engine.models["world"].keep_alive_cfg == before  # other.yaml's 45m: not applied
 
     asyncio.run(run())
