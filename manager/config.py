@@ -25,7 +25,9 @@ from ruamel.yaml.representer import RoundTripRepresenter
 from ruamel.yaml.scalarbool import ScalarBoolean
 from ruamel.yaml.tokens import CommentToken
 
+from manager.adapter_specs import known_adapters, model_json_schema_rules
 from manager.config_schema import (
+    CHECK_ADAPTERS,
     ByteSize,
     ClassConfig,
     Config,
@@ -368,7 +370,7 @@ def _validate(data: Any, file: str) -> Config:
     try:
         # by_name=False: a model's class is `class` in the file, as the JSON Schema says; `class_` (the
         # Python name, which code may use) was taken from a file too
-        return Config.model_validate(plain, by_name=False)
+        return Config.model_validate(plain, by_name=False, context={CHECK_ADAPTERS: True})
     except RecursionError:
         raise ConfigError(file, [("", "YAML nested too deeply")]) from None
     except ValidationError as exc:
@@ -409,8 +411,20 @@ def config_json_schema() -> dict[str, Any]:
     """JSON Schema of the config file (by alias: `class`, not `class_`)."""
     schema = Config.model_json_schema(by_alias=True)
     _bound_units(Config, schema["properties"], schema.get("$defs", {}), set())
+    _adapters(schema["$defs"][ModelConfig.__name__])
     _end_at_the_end(schema)
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema, "title": "Residency config"}
+
+
+def _adapters(model: dict[str, Any]) -> None:
+    """A model's schema (in place) as the loader checks it: `adapter` one of the catalogue's
+    (`manager.adapter_specs`), and per adapter (`if` adapter is X `then` ...) the keys its `source`
+    takes, their types, and those it needs."""
+    adapter = model["properties"]["adapter"]
+    adapter.pop("minLength", None)
+    adapter.pop("type", None)
+    adapter["enum"] = known_adapters()
+    model.setdefault("allOf", []).extend(model_json_schema_rules())
 
 
 _END = r"(?![\s\S])"

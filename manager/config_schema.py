@@ -18,11 +18,13 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainSerializer,
+    ValidationInfo,
     WithJsonSchema,
     field_validator,
     model_validator,
 )
 
+from manager.adapter_specs import adapter_problem, check_source
 from manager.store.redis_url import redact, redis_url_problem
 from manager.units import (
     DURATION_PATTERN,
@@ -502,6 +504,17 @@ class ElasticConfig(_Model):
         return self
 
 
+CHECK_ADAPTERS = "check_adapters"
+"""Validation context key (`Config.model_validate(data, context={CHECK_ADAPTERS: True})`, as
+`manager.config` loads a file): each model's `adapter` must be one of the catalogue
+(`manager.adapter_specs`) and its `source` hold the keys that adapter reads. Configs built in code
+(the policy's and replay's tests) name stand-in adapters and are not checked."""
+
+
+def _checks_adapters(info: ValidationInfo) -> bool:
+    return isinstance(info.context, dict) and bool(info.context.get(CHECK_ADAPTERS))
+
+
 class ModelConfig(_Model):
     model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
 
@@ -510,7 +523,7 @@ class ModelConfig(_Model):
     class_: str = Field(alias="class")
     """Priority class of its requests (one of `classes`)."""
     adapter: str = Field(min_length=1)
-    """Worker adapter that loads it; adapter-specific keys go in `source`."""
+    """Worker adapter that loads it (one of `manager.adapter_specs`); adapter-specific keys go in `source`."""
     device: str
     """Device it runs on (one of `devices`)."""
     memory: ByteSize = Field(gt=0)
@@ -530,14 +543,37 @@ class ModelConfig(_Model):
     elastic: ElasticConfig | None = None
     """KV lease range of an elastic tenant (e.g. a world model), on top of `memory`."""
     source: dict[str, Any] = Field(
-        default_factory=dict, json_schema_extra={"propertyNames": {"type": "string"}}
+        default_factory=dict, validate_default=True, json_schema_extra={"propertyNames": {"type": "string"}}
     )
-    """Adapter-specific keys (paths, factories, package names)."""
+    """Adapter-specific keys (paths, factories, package names): those `manager.adapter_specs` lists for
+    the model's adapter."""
     max_batch: WholeNumber = Field(1, ge=1, le=4096, strict=True)
     """Dynamic batching: concurrent requests for this model with the same input dtypes and shapes
     (but the first dimension) run as one call of up to this many rows, stacked along the first
     dimension and split again. For models whose rows are independent (an MLP, an embedder); 1 (the
     default) runs one request per call, as a stateful model (silero-vad) needs."""
+
+    @field_validator("adapter")
+    @classmethod
+    def _known_adapter(cls, v: str, info: ValidationInfo) -> str:
+        """An adapter of the catalogue (when the loader asks: `CHECK_ADAPTERS` in the context)."""
+        problem = adapter_problem(v) if _checks_adapters(info) else None
+        if problem:
+            raise ValueError(problem)
+        return v
+
+    @field_validator("source")
+    @classmethod
+    def _source_keys(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        """The keys the model's adapter reads, each of its type (when the loader asks); shapes' whole
+        floats as ints. Nothing is said of the source of an adapter that is not known (said there)."""
+        adapter = info.data.get("adapter")
+        if not _checks_adapters(info) or not isinstance(adapter, str):
+            return v
+        fixed, errors = check_source(adapter, v)
+        if errors:
+            raise _FieldErrors(errors)
+        return fixed
 
     @property
     def footprint_min(self) -> int:

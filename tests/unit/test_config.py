@@ -35,7 +35,7 @@ classes:
 models:
   - name: a
     class: realtime
-    adapter: x
+    adapter: worldpager-mg2
     device: gpu0
     memory: 1GiB
     load_seconds: {disk: 2, host: 1}
@@ -44,7 +44,7 @@ models:
 MODEL_B = """\
   - name: b
     class: interactive
-    adapter: x
+    adapter: worldpager-mg2
     device: gpu0
     memory: 2GiB
     load_seconds: {disk: 2, host: 1}
@@ -203,12 +203,12 @@ def test_class_defaults_and_max_wait() -> None:
             "must be between host (1.0s) and disk (2.0s)",
         ),
         (
-            "    adapter: x\n",
-            "    adapter: x\n    elastic: {min: 2GiB, max: 1GiB}\n",
+            "    adapter: worldpager-mg2\n",
+            "    adapter: worldpager-mg2\n    elastic: {min: 2GiB, max: 1GiB}\n",
             "models[0].elastic.min",
             "min (2GiB) must not be larger than max (1GiB)",
         ),
-        ("    adapter: x\n", "", "models[0].adapter", "required field is missing"),
+        ("    adapter: worldpager-mg2\n", "", "models[0].adapter", "required field is missing"),
         ("  - {name: interactive}\n", "", "", ""),  # still valid: sanity check of the harness
     ],
 )
@@ -255,7 +255,7 @@ def test_other_sections_accept_contract_values(tmp_path: Path) -> None:
 
 
 def test_unknown_field_is_named_with_a_suggestion(tmp_path: Path) -> None:
-    text = BASE.replace("    adapter: x\n", "    adapter: x\n    no_such_field: 1\n    keep_alvie: 5m\n")
+    text = BASE.replace("    adapter: worldpager-mg2\n", "    adapter: worldpager-mg2\n    no_such_field: 1\n    keep_alvie: 5m\n")
     err = error_of(write(tmp_path, text))
     paths = dict(err.errors)
     assert paths["models[0].no_such_field"].startswith(

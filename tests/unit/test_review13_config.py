@@ -26,7 +26,7 @@ BASE: dict[str, Any] = {
         {
             "name": "a",
             "class": "rt",
-            "adapter": "x",
+            "adapter": "worldpager-mg2",
             "device": "gpu0",
             "memory": "1GiB",
             "load_seconds": {"disk": 3, "host": 1},
@@ -59,7 +59,7 @@ models:
   - &llm
     name: a
     class: rt
-    adapter: x
+    adapter: worldpager-mg2
     device: gpu0
     memory: 24XB
     load_seconds: {disk: 3, host: 1}

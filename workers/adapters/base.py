@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from manager.adapter_specs import ADAPTER_SPECS
 from workers import protocol as P
 from workers.measure import Phases, tensor_bytes
 
@@ -89,8 +90,30 @@ class Adapter(ABC):
         """Files a disk load reads (to tell a page-cache load from a disk load)."""
         return []
 
+    # ---- the model's `source`: read only through these, each key one of the adapter's in the
+    # catalogue (manager.adapter_specs), which `config check` holds a config to
+    def has_source(self, key: str) -> bool:
+        """Whether the model's `source` sets `key`."""
+        return self._catalogued(key) in self.spec.source
+
+    def source_value(self, key: str, default: Any = None) -> Any:
+        """`source.<key>` as the config gives it (`default` when it is not set)."""
+        return self.spec.source.get(self._catalogued(key), default)
+
+    def _catalogued(self, key: str) -> str:
+        """`key`, if the catalogue lists it for this adapter (INTERNAL otherwise: a key `config check`
+        would refuse to a user, read by the adapter's own code)."""
+        entry = ADAPTER_SPECS.get(self.name)
+        if entry is not None and entry.keys is not None and entry.key(key) is None:
+            raise AdapterError(
+                P.INTERNAL,
+                f"model {self.spec.name!r}: adapter {self.name!r} reads source.{key}, which "
+                "manager.adapter_specs does not list for it",
+            )
+        return key
+
     def source_str(self, key: str) -> str:
-        v = self.spec.source.get(key)
+        v = self.source_value(key)
         if not isinstance(v, str) or not v:
             raise AdapterError(
                 P.BAD_CHECKPOINT, f"model {self.spec.name!r}: source.{key} must be a non-empty string"

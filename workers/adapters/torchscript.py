@@ -54,7 +54,7 @@ class TorchScriptAdapter(Adapter):
     def _shape(self, key: str) -> tuple[int, ...]:
         """`source.<key>` as a shape, `(-1, -1)` when not given; BAD_CHECKPOINT naming the model and
         the key when it is not a list of 1 to MAX_RANK dimensions, each positive or -1."""
-        v = self.spec.source.get(key)
+        v = self.source_value(key)
         if v is None:
             return (-1, -1)
         ok = isinstance(v, list | tuple) and 1 <= len(v) <= MAX_RANK
@@ -178,7 +178,7 @@ class TorchScriptAdapter(Adapter):
         if first.is_complex():  # `.float()` below kept its real part alone (a warning in the log)
             raise AdapterError(P.INTERNAL, P.complex_output(self.spec.name, "output", first.dtype))
         want = self.outputs()[0]
-        if "output_shape" in self.spec.source and not want.fits(first.shape):  # (undeclared: any shape)
+        if self.has_source("output_shape") and not want.fits(first.shape):  # (undeclared: any shape)
             raise AdapterError(
                 P.INTERNAL,
                 f"model {self.spec.name!r}: the TorchScript module returned output of shape "
@@ -237,7 +237,7 @@ class SileroVadAdapter(TorchScriptAdapter):
     MAX_SAMPLES = 60 * SILERO_RATE
 
     def path(self) -> Path:
-        if "path" in self.spec.source:
+        if self.has_source("path"):
             return Path(self.source_str("path"))
         threads = torch.get_num_threads()
         try:
@@ -277,6 +277,13 @@ class SileroVadAdapter(TorchScriptAdapter):
                 P.BAD_INPUT,
                 f"model {self.spec.name!r}: input 'audio' has {n} samples; expected a positive multiple "
                 f"of {SILERO_CHUNK} (16 kHz), at most {self.MAX_SAMPLES}",
+            )
+        bad = np.flatnonzero(~np.isfinite(a))
+        if bad.size:  # (no audio: a client's bug, a broken driver; the model would answer NaN)
+            raise AdapterError(
+                P.BAD_INPUT,
+                f"model {self.spec.name!r}: input 'audio' has {bad.size} samples that are not finite "
+                f"(NaN or inf), the first at index {int(bad[0])}; expected PCM samples in [-1, 1]",
             )
         x = torch.as_tensor(np.ascontiguousarray(a, dtype=np.float32), device=self.device)
         probs = []

@@ -27,7 +27,7 @@ class WorldPagerMG2Adapter(ModuleAdapter):
         from worldpager.model import mg2_config
         from worldpager.session import SESSION_PRESETS
 
-        preset = self.spec.source.get("preset", "tiny")
+        preset = self.source_value("preset", "tiny")
         # positions on the fly: a session may run past MG2's 1024-frame and 7500-frame tables
         if preset == "mg2":
             return mg2_config(on_the_fly=True)
@@ -43,7 +43,7 @@ class WorldPagerMG2Adapter(ModuleAdapter):
         return Path(self.source_str("path"))
 
     def disk_paths(self) -> list[Path]:
-        return [self.checkpoint()] if "path" in self.spec.source else []
+        return [self.checkpoint()] if self.has_source("path") else []
 
     def build(self) -> nn.Module:
         from worldpager.model import TinyCausalWan
@@ -51,7 +51,7 @@ class WorldPagerMG2Adapter(ModuleAdapter):
         return TinyCausalWan(self._config())
 
     def read(self, ph: Phases) -> HostCopy:
-        if "path" in self.spec.source:
+        if self.has_source("path"):
             return super().read(ph)
         # No checkpoint: the stand-in's seeded random weights, generated on the CPU (timed as a read).
         from worldpager.model import TinyCausalWan
