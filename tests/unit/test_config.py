@@ -255,7 +255,10 @@ def test_other_sections_accept_contract_values(tmp_path: Path) -> None:
 
 
 def test_unknown_field_is_named_with_a_suggestion(tmp_path: Path) -> None:
-    text = BASE.replace("    adapter: worldpager-mg2\n", "    adapter: worldpager-mg2\n    no_such_field: 1\n    keep_alvie: 5m\n")
+    text = BASE.replace(
+        "    adapter: worldpager-mg2\n",
+        "    adapter: worldpager-mg2\n    no_such_field: 1\n    keep_alvie: 5m\n",
+    )
     err = error_of(write(tmp_path, text))
     paths = dict(err.errors)
     assert paths["models[0].no_such_field"].startswith(

@@ -126,8 +126,8 @@ MERGED = """devices: [{name: gpu0, kind: cuda, index: 0, memory: 24GiB}]
 host: {memory: 32GiB}
 classes: [{name: a}]
 models:
-  - &x {name: m1, class: a, adapter: worldpager-mg2, device: gpu0, memory: 1GiB, load_seconds: {disk: 2, host: 1},
-        keep_alive: 10m}
+  - &x {name: m1, class: a, adapter: worldpager-mg2, device: gpu0, memory: 1GiB,
+        load_seconds: {disk: 2, host: 1}, keep_alive: 10m}
   - &y
     <<: *x
     name: m2

@@ -22,7 +22,8 @@ models:
     memory: 1GiB  # from the model card
     load_seconds: {disk: 3.0, cached: 1.2, host: 0.4}   # guessed
     keep_alive: 30m  # my choice
-    source: {factory: "models.voice:build", path: voice.pt, kwargs: {layers: [{width: 4}], heads: [{n: 2}, {n: 3}]}}
+    source: {factory: "models.voice:build", path: voice.pt,
+             kwargs: {layers: [{width: 4}], heads: [{n: 2}, {n: 3}]}}
   - name: embed
     class: background
     adapter: torchscript
@@ -131,9 +132,11 @@ def test_the_note_goes_past_a_hash_in_a_quoted_value_and_before_a_tuning_note(tm
     src.write_text(
         "devices: [{name: gpu0, kind: cpu, memory: 8GiB}]\nhost: {memory: 16GiB}\nclasses: [{name: rt}]\n"
         "models:\n"
-        "  - {name: a, class: rt, adapter: worldpager-mg2, device: gpu0, memory: 1GiB, load_seconds: {disk: 2, host: 1},"
+        "  - {name: a, class: rt, adapter: worldpager-mg2, device: gpu0, memory: 1GiB,"
+        " load_seconds: {disk: 2, host: 1},"
         ' source: {path: "a # b.pt"}}  # card # 2024\n'
-        "  - {name: b, class: rt, adapter: worldpager-mg2, device: gpu0, memory: 1GiB, load_seconds: {disk: 2, host: 1},"
+        "  - {name: b, class: rt, adapter: worldpager-mg2, device: gpu0, memory: 1GiB,"
+        " load_seconds: {disk: 2, host: 1},"
         " keep_alive: auto}  # mine  # residency tune: b.keep_alive was 10m\n",
         encoding="utf-8",
     )

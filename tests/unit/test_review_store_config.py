@@ -27,7 +27,8 @@ host: {memory: 64GiB, reserve: 4GiB}
 classes:
   - {name: interactive}
 models:
-  - {name: llm, class: interactive, adapter: worldpager-mg2, device: gpu0, memory: 20GiB, load_seconds: {disk: 9, host: 2}}
+  - {name: llm, class: interactive, adapter: worldpager-mg2, device: gpu0, memory: 20GiB,
+     load_seconds: {disk: 9, host: 2}}
 """
 
 
@@ -170,7 +171,7 @@ def test_a_ray_address_needs_a_real_port(tmp_path: Path, address: str) -> None:
     spent minutes trying to join a cluster at a port no socket can have."""
     err = config_error(write(tmp_path, BASE + f"ray: {{address: '{address}'}}\n"))
     assert err.errors[0][0] == "ray.address" and "port 0-65535" in err.errors[0][1]
-    assert str(err).startswith(f"{tmp_path / 'c.yaml'}:8: ray.address: expected null, 'auto'")
+    assert str(err).startswith(f"{tmp_path / 'c.yaml'}:9: ray.address: expected null, 'auto'")
     assert load_config(write(tmp_path, BASE + "ray: {address: '10.0.0.5:6379'}\n")).ray.address
 
 
