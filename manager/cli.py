@@ -708,10 +708,40 @@ def _measure_table(results: list[Any]) -> Table:
     return t
 
 
+def _early_stop_signals() -> contextlib.AbstractContextManager[None]:
+    """Within it, a stop signal (SIGTERM; SIGINT and SIGHUP unless the process was started with them
+    ignored: a shell's background job, `nohup`, whose choice is kept) raises StopSignal at once:
+    `serve` stops its start as it does for one once its own handlers are in place (they replace
+    these). It spans `serve` from before its heavy imports (torch, Ray); a signal there killed the
+    process without a word (SIGTERM) or was a KeyboardInterrupt. The handlers from before are put
+    back after it (`workers.signals.stop_signals_raise`, light: no torch, no Ray)."""
+    from workers.signals import stop_signals_raise
+
+    return stop_signals_raise()
+
+
+def _stopped_during_start_up(signum: int) -> int:
+    """One line for a stop signal during `serve`'s start, its exit status 128 + `signum`. The process
+    ends: no library's INFO lines at its exit (torch's FakeTensor cache statistics, an import the
+    signal cut short, were logged as the service's log level let them)."""
+    import logging
+
+    logging.disable(logging.INFO)
+    err.print(
+        f"residency: stopped during start-up ({signal.Signals(signum).name})", highlight=False, markup=False
+    )
+    return 128 + signum
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
+    from workers.signals import StopSignal
+
     try:
-        return _serve(a)
-    except KeyboardInterrupt:  # a Ctrl-C before the server's own handlers are in place (imports, Ray)
+        with _early_stop_signals():
+            return _serve(a)
+    except StopSignal as e:  # before serve's own handlers were in place: as for a signal after
+        return _stopped_during_start_up(e.signum)
+    except KeyboardInterrupt:  # a Ctrl-C not handled as a stop signal (not expected)
         err.print("residency: interrupted", highlight=False, markup=False)
         return 130
 
@@ -773,8 +803,7 @@ def _serve(a: argparse.Namespace) -> int:
                 )
             )
     except StoppedAtStartUp as e:  # a signal before it was ready: one line, as for Ctrl-C at start
-        err.print(f"residency: {e}", highlight=False, markup=False)
-        return 128 + e.signum
+        return _stopped_during_start_up(e.signum)
     except (ServeError, StoreError) as e:
         raise UsageError(str(e)) from None
     except OSError as e:  # a file or socket it cannot have: its own words, without "[Errno N]"

@@ -180,6 +180,54 @@ def _remove_stale(d: Path) -> None:
             pass
 
 
+HOST_END_WAIT_S = 2.0
+"""How long `remove_host_sockets` waits, in all, for the hosts' sockets to be let go (their processes
+ending)."""
+
+
+def _host_pid(p: Path) -> int | None:
+    """The pid in a socket's name (`<name>-<pid>-<random>.sock`, `.bind`); None where it has none."""
+    parts = p.stem.rsplit("-", 2)
+    return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
+
+
+def remove_host_sockets(
+    pids: list[int] | set[int],
+    wait_s: float = HOST_END_WAIT_S,
+    *,
+    clock: Any = time.monotonic,
+    sleep: Any = time.sleep,
+) -> list[str]:
+    """Remove the sockets of the hosts that ran as `pids` (processes of this pid namespace that were
+    ended: the device hosts of a local Ray shut down, which end without a word (SIGKILL, no
+    `ChannelServer.close`) and left their sockets until a later host's start). Each goes once no
+    process listens on it (`_refused`): a host still ending holds it, waited for (`wait_s` at most,
+    in all); one still listened on then (a host that lives on, or another container's with the same
+    pid) is left. The paths removed."""
+    d = Path(tempfile.gettempdir()) / f"residency-{os.getuid()}"
+    want = set(pids)
+    try:
+        left = [p for p in d.iterdir() if p.suffix in (".sock", ".bind") and _host_pid(p) in want]
+    except OSError:  # (no directory: no host ran here)
+        return []
+    removed: list[str] = []
+    deadline = clock() + wait_s
+    while left:
+        held = []
+        for p in left:
+            if _refused(p):
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+                    removed.append(str(p))
+            elif os.path.lexists(p):
+                held.append(p)
+        left = held
+        if not left or clock() >= deadline:
+            break
+        sleep(0.05)
+    return removed
+
+
 def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
     parts = []
     while n > 0:

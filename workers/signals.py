@@ -29,7 +29,9 @@ def stop_signals_raise(error: type[StopSignal] = StopSignal) -> Iterator[None]:
     """Within it, the first SIGINT, SIGTERM or SIGHUP raises `error(signum)` at once; a second does
     not break off what the first one undoes. The handlers from before are put back after it (one
     that comes while they go back reaches the handler from before all the same: Python's wakeup fd).
-    Only on the main thread (the one Python runs signal handlers on); elsewhere it does nothing."""
+    A signal ignored when it is entered (`residency serve &` ignores SIGINT, `nohup` SIGHUP) stays
+    ignored. Only on the main thread (the one Python runs signal handlers on); elsewhere it does
+    nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -44,7 +46,8 @@ def stop_signals_raise(error: type[StopSignal] = StopSignal) -> Iterator[None]:
 
     try:
         for s in STOP_SIGNALS:
-            signal.signal(s, interrupt)
+            if held[s] is not signal.SIG_IGN:  # (one the process was started with ignored stays so)
+                signal.signal(s, interrupt)
         yield
     finally:
         fired = True  # none raised while the handlers go back: it would pass the caller's `except`

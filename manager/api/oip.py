@@ -86,6 +86,16 @@ def data_type(datatype: str) -> pb.DataType:
     return _DATA_TYPES.get("TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}", pb.TYPE_INVALID)
 
 
+def _elapsed(s: float) -> str:
+    """`s` seconds in a unit that shows them (a `timeout` of 1 µs was "0.000 s"): whole microseconds
+    below a millisecond, milliseconds to a tenth below a second, else seconds to the millisecond."""
+    if s < 1e-3:
+        return f"{s * 1e6:.0f} µs"
+    if s < 1.0:
+        return f"{s * 1e3:.1f} ms"
+    return f"{s:.3f} s"
+
+
 @dataclass
 class _Duration:
     count: int = 0
@@ -424,9 +434,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         spent = max(0.0, self.clock() - arrived)
         if spent >= timeout_s:
             raise DeadlineExceeded(
-                f"model {model!r}: receiving and decoding the request's inputs took {spent:.3f} s, past "
-                f"its timeout ({timeout_s:.3f} s: its `timeout` parameter or the call's deadline); it was "
-                "not run"
+                f"model {model!r}: receiving and decoding the request's inputs took {_elapsed(spent)}, "
+                f"past its timeout ({_elapsed(timeout_s)}: its `timeout` parameter or the call's deadline); "
+                "it was not run"
             )
         return timeout_s - spent
 

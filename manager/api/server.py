@@ -51,7 +51,7 @@ from residency_proto.v1 import residency_pb2
 from workers import procs
 from workers import protocol as P
 from workers.bounded import SingleFlight, TimedOut
-from workers.signals import STOP_SIGNALS, StopSignal, stop_signals_raise
+from workers.signals import STOP_SIGNALS, StopSignal
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -334,18 +334,46 @@ class _StepsInterrupted(StopSignal):
     """A stop signal within `_stop_signals_end_start_up`; StoppedAtStartUp once out of it."""
 
 
+def honoured_stop_signals() -> tuple[int, ...]:
+    """The stop signals `serve` acts on: STOP_SIGNALS less those this process was started with ignored
+    (SIGINT in a shell's background job, SIGHUP under `nohup`): the one who started it chose so, and
+    they stay ignored. SIGTERM, what supervisors send, is always among them (a service's way to stop)."""
+    return tuple(s for s in STOP_SIGNALS if s == signal.SIGTERM or signal.getsignal(s) != signal.SIG_IGN)
+
+
 @contextlib.contextmanager
-def _stop_signals_end_start_up() -> Iterator[None]:
-    """Within it (start-up's steps before Ray's start: the listen check, the token and TLS pair, the
-    journal and the store's opening), a stop signal ends start-up at once: StoppedAtStartUp. `serve`'s
-    own handlers run on its event loop, which these blocking steps and then Ray's start keep from
-    running: the signal was acted on only once Ray had started. The handlers from before (the
-    loop's) are put back after it. Only on the main thread (the one Python runs signal handlers on)."""
+def _stop_signals_end_start_up(signals: tuple[int, ...] | None = None) -> Iterator[None]:
+    """Within it (start-up's blocking steps: the listen check, the token and TLS pair, the journal and
+    the store's opening, then the device hosts' pool: their modules' imports (torch, Ray), Ray's start
+    and the hosts' creation), a stop signal (of `signals`, default `honoured_stop_signals()`) ends
+    start-up at once: StoppedAtStartUp. `serve`'s own handlers run on its event loop, which these
+    blocking steps keep from running: the signal was acted on only once they had ended. A signal
+    while a stop signal's exception is being handled (Ray's start undoing what it began) does not
+    break that off. The handlers from before (the loop's) are put back after it. Only on the main
+    thread (the one Python runs signal handlers on)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = {s: signal.getsignal(s) for s in (honoured_stop_signals() if signals is None else signals)}
+    fired = False
+
+    def interrupt(signum: int, frame: Any) -> None:
+        nonlocal fired
+        if fired or isinstance(sys.exc_info()[1], KeyboardInterrupt):
+            return
+        fired = True
+        raise _StepsInterrupted(signum)
+
     try:
-        with stop_signals_raise(_StepsInterrupted):
-            yield
+        for s in held:
+            signal.signal(s, interrupt)
+        yield
     except _StepsInterrupted as e:
         raise StoppedAtStartUp(e.signum) from None
+    finally:
+        fired = True  # none raised while the handlers go back: it would pass the caller's `except`
+        for s, h in held.items():
+            signal.signal(s, signal.SIG_DFL if h is None else h)
 
 
 def _not_stopped(signals: list[int]) -> None:
@@ -354,16 +382,23 @@ def _not_stopped(signals: list[int]) -> None:
         raise StoppedAtStartUp(signals[0])
 
 
-def _pool_or_stop(create: Callable[[], Any], store: Any, journal: RequestJournal | None = None) -> Any:
-    """`create()`, the device hosts' pool (Ray's start); when it raises, `store` and `journal` are
-    closed, and a signal that stopped Ray's start (ray_pool.StartInterrupted, a KeyboardInterrupt) is
-    StoppedAtStartUp."""
+def _pool_or_stop(
+    create: Callable[[], Any], store: Any, journal: RequestJournal | None = None, *, ray_here: bool = False
+) -> Any:
+    """`create()`, the device hosts' pool (Ray's start); when it raises, the local Ray it started
+    (`ray_here`: none ran before) is shut down, `store` and `journal` are closed, and a signal that
+    stopped it (ray_pool.StartInterrupted, a KeyboardInterrupt) is StoppedAtStartUp."""
     try:
-        return create()
+        with _stop_signals_end_start_up():
+            return create()
     except BaseException as e:
+        if ray_here and _ray_connected():  # a signal once Ray had started (the hosts being made)
+            _shutdown_ray()
         store.close()
         if journal is not None:
             journal.close()
+        if isinstance(e, StoppedAtStartUp):
+            raise
         if isinstance(e, KeyboardInterrupt):
             raise StoppedAtStartUp(getattr(e, "signum", signal.SIGINT)) from None
         raise
@@ -412,6 +447,19 @@ def _shutdown_ray() -> None:
         ray.shutdown()
     except Exception:  # the service has stopped: what Ray could not end is said, not raised
         logger.warning("stopping: the local Ray did not shut down cleanly", exc_info=True)
+
+
+def _remove_host_sockets(pids: list[int]) -> None:
+    """The data-channel sockets of the device hosts among `pids` (the local Ray's processes, shut
+    down: a host ends without a word, its socket left behind), removed (`workers.channel`)."""
+    if not pids:
+        return
+    from workers.channel import remove_host_sockets
+
+    try:
+        remove_host_sockets(pids)
+    except Exception:  # the service has stopped: a socket left is removed by the next start
+        logger.warning("stopping: the device hosts' sockets were not removed", exc_info=True)
 
 
 async def _stop_manager(manager: LiveManager) -> None:
@@ -966,18 +1014,29 @@ signal delivers two at once (a person's second Ctrl-C comes later than this)."""
 
 
 class _StopSignals:
-    """`serve`'s stop signals, on its event loop: the first stops the service (`stop` set, and each
-    one's number in `came`), said on stderr; a second, while the stop is under way, ends the process
-    at once (`_exit_now`), and the processes of the local Ray `serve` started with it (`started`:
-    the stop's last step shuts that Ray down, which the signal cuts short); one within SAME_STOP_S
-    of the first is the same stop (said on stderr)."""
+    """`serve`'s stop signals (`stops`), on its event loop: the first stops the service (`stop` set,
+    and each one's number in `came`), said on stderr; before it serves (`starting`: start-up's task),
+    it abandons the start instead (that task cancelled: start-up's next step is not taken), said by
+    the one line of StoppedAtStartUp. A second, while the stop is under way, ends the process at once
+    (`_exit_now`), and the processes of the local Ray `serve` started with it (`started`: the stop's
+    last step shuts that Ray down, which the signal cuts short); one within SAME_STOP_S of the first
+    is the same stop (said on stderr). Once `closed` (`serve` has returned), one is not acted on."""
 
     def __init__(
-        self, stop: asyncio.Event, came: list[int], clock: Callable[[], float] = time.monotonic
+        self,
+        stop: asyncio.Event,
+        came: list[int],
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        stops: tuple[int, ...] = STOP_SIGNALS,
     ) -> None:
         self.stop = stop
         self.came = came
         self.clock = clock
+        self.stops = stops
+        self.starting: asyncio.Task[Any] | None = None
+        self._cancelled = False  # the first signal cancelled `starting`
+        self.closed = False
         self.first_at: float | None = None
         self.held: dict[int, Any] = {}  # the handlers the first signal replaced
         self.started: Callable[[], list[int]] | None = None
@@ -987,16 +1046,35 @@ class _StopSignals:
         self.ends_too: list[tuple[int, bool]] = []  # (a pidfd, True) each, or (its pid, False)
 
     def on_signal(self, sig: int) -> None:
+        if self.closed:
+            return
         if self.came:  # another one while the stop is under way
             self._again(sig)
             return
         self.first_at = self.clock()
         self.came.append(sig)
-        name = signal.Signals(sig).name
-        _say(f"residency: stopping ({name}); a second {name} exits at once")
+        if self.starting is not None:  # not serving yet: the rest of the start is abandoned
+            self._cancelled = True
+            self.starting.cancel()
+        else:
+            name = signal.Signals(sig).name
+            _say(f"residency: stopping ({name}); a second {name} exits at once")
         self.stop.set()
         self._hold_started()
         self._next_exits()
+
+    def serving(self) -> None:
+        """The service serves: a stop signal from now on stops it (said), no longer the start."""
+        self.starting = None
+
+    def abandoned_start(self) -> bool:
+        """Whether a stop signal cancelled the start (`on_signal`); the cancel is taken back, so that
+        the stop's own steps then run as usual."""
+        if not self._cancelled or self.starting is None:
+            return False
+        self._cancelled = False
+        self.starting.uncancel()
+        return True
 
     def _hold_started(self) -> None:
         """The processes `started` names, held for a second signal to end: a pidfd each, so that a
@@ -1053,7 +1131,7 @@ class _StopSignals:
         handler (`on_signal`) would run only once the loop is free again."""
         if threading.current_thread() is not threading.main_thread():
             return
-        for s in STOP_SIGNALS:
+        for s in self.stops:
             self.held[s] = signal.signal(s, lambda signum, frame: self._again(signum))
 
     def put_back(self) -> None:
@@ -1148,8 +1226,6 @@ async def serve(
     """Serve `config` until a signal. `server_overrides`: the `server` fields the command line set
     (`--listen`), which a reload of the file at `config_path` keeps. `config_seen`: that file's
     identity (`file_identity`) from before `config` was read from it (default: as it is now)."""
-    from manager.workers_bridge import create_pool
-
     # the config file as the service read it: the watcher, started once the service is up, reloads
     # an edit saved during the start-up (it took the file as it was then for the one it runs)
     file_seen = config_seen if config_seen is not None or not config_path else file_identity(config_path)
@@ -1160,16 +1236,65 @@ async def serve(
     # hold the stop, nor the process's exit, when a model's forward never returns
     executor = StopBoundedExecutor()
     loop.set_default_executor(executor)
-    signals = _StopSignals(stop, stopped_by)
-    on_signal = signals.on_signal
+    signals = _StopSignals(stop, stopped_by, stops=honoured_stop_signals())
+    signals.starting = asyncio.current_task()  # until it serves, a stop signal abandons the start
+    try:
+        await _serve(
+            config,
+            signals,
+            executor,
+            config_path,
+            in_process,
+            cpu_fallback,
+            ready,
+            server_overrides,
+            file_seen,
+        )
+    finally:
+        # a signal the loop still has to hand on (one that came in a blocking step of the start, which
+        # that step's own handler acted on, or during the stop) is not a stop of its own now
+        signals.closed = True
 
+
+def _serve_metrics(config: Config, manager: LiveManager, token: str | None) -> Any:
+    """The Prometheus endpoint at `server.metrics_listen` (its HTTP server and thread)."""
+    from manager.metrics import serve_metrics
+
+    where = config.server.metrics_listen or ""
+    host, _, mport = where.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):  # [::1]:9100, as server.listen takes it
+        host = host[1:-1]
+    # beyond loopback, scrapers need the admin bearer token (auth_token refused it without one)
+    allows = None if is_loopback(where) else AuthInterceptor(token or "").allows
+    try:
+        return serve_metrics(host, int(mport), manager.metrics.registry, allows)
+    except OSError as e:
+        raise ServeError(f"server.metrics_listen {where!r}: cannot listen: {e.strerror or e}") from None
+
+
+async def _serve(
+    config: Config,
+    signals: _StopSignals,
+    executor: StopBoundedExecutor,
+    config_path: str | None,
+    in_process: bool,
+    cpu_fallback: frozenset[str],
+    ready: Callable[[int], None] | None,
+    server_overrides: dict[str, Any] | None,
+    file_seen: tuple[int, int, int, int] | None,
+) -> None:
+    from manager.workers_bridge import create_pool
+
+    stop, stopped_by = signals.stop, signals.came
+    loop = asyncio.get_running_loop()
     # a Ctrl-C during start-up stops it cleanly; SIGHUP (its terminal closed) stops it as cleanly, the
-    # request log flushed, instead of killing it. Until Ray starts, `_stop_signals_end_start_up` holds
-    # these signals (the event loop cannot run their handlers before Ray's start has ended); while Ray
-    # starts (`create_pool`), `ensure_ray` holds them itself: one stops the start at once
-    # (StartInterrupted). These handlers are back after each.
-    for sig in STOP_SIGNALS:
-        loop.add_signal_handler(sig, on_signal, sig)
+    # request log flushed, instead of killing it (a signal the process was started with ignored stays
+    # so: `honoured_stop_signals`). While start-up's steps block the event loop (up to the device
+    # hosts' pool made: Ray's start, where `ensure_ray` holds them itself), `_stop_signals_end_start_up`
+    # holds these signals: one stops the start at once. These handlers are back after each; from
+    # then until it serves, one cancels the start's next step (`_StopSignals.on_signal`).
+    for sig in signals.stops:
+        loop.add_signal_handler(sig, signals.on_signal, sig)
     with _stop_signals_end_start_up():
         probe_listen(config.server.listen)  # a port in use is said now, not after Ray has started
         token = auth_token(config)  # so is a missing or unusable token
@@ -1182,7 +1307,10 @@ async def serve(
     ray_here = not in_process and not _ray_connected()
     before = _descendants() if ray_here else set()
     pool = _pool_or_stop(
-        lambda: create_pool(config, in_process=in_process, cpu_fallback=cpu_fallback), store, journal
+        lambda: create_pool(config, in_process=in_process, cpu_fallback=cpu_fallback),
+        store,
+        journal,
+        ray_here=ray_here,
     )
     owns_ray = ray_here and _ray_connected()
     if owns_ray:  # a second signal during the stop ends its processes with this one
@@ -1204,26 +1332,14 @@ async def serve(
             server, port, health_servicer = await build_server(config, manager, config_path)
         # grpc's health servicer answers SERVING for "" by default: NOT_SERVING until the manager runs
         await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        _not_stopped(stopped_by)  # (each step, from here on, only if no stop signal came before it)
         await server.start()
+        _not_stopped(stopped_by)
         if fronts is not None:
             port = await fronts.start()
+            _not_stopped(stopped_by)
         if config.server.metrics_listen:
-            from manager.metrics import serve_metrics
-
-            host, _, mport = config.server.metrics_listen.rpartition(":")
-            if host.startswith("[") and host.endswith("]"):  # [::1]:9100, as server.listen takes it
-                host = host[1:-1]
-            # beyond loopback, scrapers need the admin bearer token (auth_token refused it without one)
-            allows = (
-                None if is_loopback(config.server.metrics_listen) else AuthInterceptor(token or "").allows
-            )
-            try:
-                metrics = serve_metrics(host, int(mport), manager.metrics.registry, allows)
-            except OSError as e:
-                where = config.server.metrics_listen
-                raise ServeError(
-                    f"server.metrics_listen {where!r}: cannot listen: {e.strerror or e}"
-                ) from None
+            metrics = _serve_metrics(config, manager, token)
         _not_stopped(stopped_by)
         await manager.start()
         _not_stopped(stopped_by)
@@ -1234,6 +1350,8 @@ async def serve(
 
         gc.collect()
         gc.freeze()  # what start-up built stays: the collector no longer walks it on every request burst
+        _not_stopped(stopped_by)
+        signals.serving()  # a stop signal from now on stops the service, said on stderr
         watcher = (
             asyncio.create_task(watch_config(manager, config_path, seen=file_seen)) if config_path else None
         )
@@ -1247,6 +1365,10 @@ async def serve(
         await stop.wait()
         await health_servicer.enter_graceful_shutdown()
         served = True
+    except asyncio.CancelledError:
+        if not signals.abandoned_start():  # (cancelled from elsewhere: as it was)
+            raise
+        raise StoppedAtStartUp(stopped_by[0]) from None
     finally:
         tasks = [t for t in (watcher, tuner) if t is not None]
         for task in tasks:
@@ -1280,7 +1402,9 @@ async def serve(
         pool.close()
         await _close_store(store, bounded=not manager_stopped)
         if owns_ray:
+            hosts = signals.started() if signals.started is not None else []
             _shutdown_ray()
+            _remove_host_sockets(hosts)
         grace_end.cancel()  # (what still runs then is the executor's shutdown's: bounded too)
         signals.put_back()
         signals.release()
