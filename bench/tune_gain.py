@@ -2,7 +2,8 @@
 
 usage: python bench/tune_gain.py [--pairs 3]
 For each starting config (the hand-written one, and the shipped home.yaml) and each pair of weeks:
-load wait on week 2 with the starting config vs the tuned config.
+load wait on week 2 with the starting config vs the tuned config. Models with too few requests in
+week 1 are left as configured, as `residency tune` leaves them (`MIN_MODEL_REQUESTS`, `warnings`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import sys
 
 from manager.config import load_config
 from manager.replay.synth import synth
-from manager.replay.tune import tune
+from manager.replay.tune import MIN_MODEL_REQUESTS, tune
 
 CONFIGS = ["configs/examples/home-handwritten.yaml", "configs/home.yaml"]
 
@@ -28,7 +29,7 @@ def main() -> int:
         rows = []
         for k in range(a.pairs):
             w1, w2 = synth("home", 7, 200 + 2 * k), synth("home", 7, 201 + 2 * k)
-            res = tune(cfg, w1, w2)
+            res = tune(cfg, w1, w2, min_requests=MIN_MODEL_REQUESTS)  # as `residency tune` does
             assert res.holdout_before is not None and res.holdout_after is not None
             b, t = res.holdout_before.load_wait_s, res.holdout_after.load_wait_s
             rows.append(
@@ -39,6 +40,7 @@ def main() -> int:
                     "week2_load_wait_after_s": round(t, 2),
                     "reduction": round(1 - t / b, 3) if b > 0 else 0.0,
                     "changes": res.changes,
+                    "warnings": res.warnings,
                 }
             )
         out[path] = rows
