@@ -386,6 +386,29 @@ def cmd_schema(a: argparse.Namespace) -> int:
     return 0
 
 
+def _check_tls_pair(config_path: str, c: Config) -> None:
+    """UsageError, in `serve`'s words (its own check, `read_tls`), when server.tls_cert and tls_key
+    are files `serve` would refuse: one it cannot read, or not a PEM certificate and its key."""
+    if not (c.server.tls_cert and c.server.tls_key):
+        return
+    from manager.api.runtime import ServeError, read_tls
+
+    try:
+        read_tls(c.server.tls_cert, c.server.tls_key)
+    except ServeError as e:
+        raise UsageError(f"{config_path}: {e}") from None
+
+
+def _warn_relative_store(config_path: str, c: Config) -> None:
+    """The warning, on stderr, for a sqlite store.url whose relative path reads as an absolute one
+    (`config check` and `serve`)."""
+    from manager.store.sqlite import relative_path_warning
+
+    warning = relative_path_warning(c.store.url)
+    if warning:
+        err.print(f"{config_path}: warning: {warning}", highlight=False, markup=False)
+
+
 def cmd_check(a: argparse.Namespace) -> int:
     from manager.api.server import is_loopback
 
@@ -404,6 +427,8 @@ def cmd_check(a: argparse.Namespace) -> int:
             "is null: `residency serve` refuses to serve metrics there without a bearer token (scrapers "
             "send it), or listen on loopback"
         )
+    _check_tls_pair(a.config, c)
+    _warn_relative_store(a.config, c)
     if env and env in os.environ and not os.environ[env].strip():
         err.print(
             f"{a.config}: warning: server.auth_token_env names ${env}, which is set but empty here "
@@ -497,13 +522,13 @@ def _load_store_trace(config: Config, since: str, strict: bool) -> list[Request]
     removed whatever happens."""
     import tempfile
 
-    from manager.store.base import redact
+    from manager.store.base import store_location
 
     with tempfile.TemporaryDirectory(prefix="residency-tune-") as tmp:
         out = Path(tmp) / "requests.jsonl"
         n = _export(config, since, out)
         err.print(
-            f"tuning on {n} requests of the last {since} from {redact(config.store.url)}",
+            f"tuning on {n} requests of the last {since} from {store_location(config.store.url)}",
             highlight=False,
             markup=False,
         )
@@ -570,10 +595,10 @@ def cmd_tune(a: argparse.Namespace) -> int:
         )
     _check_tune_outputs(a)
     if a.from_store:
-        from manager.store.base import redact
+        from manager.store.base import store_location
 
         reqs = _load_store_trace(config, a.since, a.strict)
-        a.trace = f"the store's last {a.since} ({redact(config.store.url)})"
+        a.trace = f"the store's last {a.since} ({store_location(config.store.url)})"
     else:
         reqs, _ = _load_trace(a.trace, config, a.strict, "--trace")
     if a.holdout:
@@ -771,6 +796,7 @@ def _serve(a: argparse.Namespace) -> int:
         except ValidationError as e:
             raise UsageError(f"--listen {a.listen}: {e.errors(include_url=False)[0]['msg']}") from None
         config = config.model_copy(update={"server": server})
+    _warn_relative_store(a.config, config)
 
     from manager.workers_bridge import cuda_missing_here
 
@@ -785,9 +811,17 @@ def _serve(a: argparse.Namespace) -> int:
             markup=False,
         )
 
+    from manager.store.base import store_location
+
+    store = store_location(config.store.url)  # (a relative SQLite path with the file it opened)
+
     def ready(port: int) -> None:
         host = config.server.listen.rpartition(":")[0]
-        err.print(f"residency: serving on {host}:{port} (config {a.config})", highlight=False, markup=False)
+        err.print(
+            f"residency: serving on {host}:{port} (config {a.config}), store {store}",
+            highlight=False,
+            markup=False,
+        )
 
     try:
         with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
@@ -816,18 +850,72 @@ def _serve(a: argparse.Namespace) -> int:
 @dataclass(frozen=True)
 class _Connection:
     """Where and how the admin commands (and `ps`) reach the service: its address, the bearer token
-    (and the variable it came from), the TLS certificate to trust (None: plaintext)."""
+    (and the variable it came from), the TLS certificate to trust (None: plaintext); `cert_names`:
+    the host names and addresses that certificate holds (as far as they can be read); `listen`: the
+    config's wildcard `server.listen` that `target` dials on loopback (None: not one)."""
 
     target: str
     token: str | None
     token_env: str | None
     root_cert: bytes | None
+    cert_names: tuple[str, ...] = ()
+    listen: str | None = None
+
+
+def _cert_names(path: str) -> tuple[str, ...]:
+    """The DNS names and IP addresses the certificate in the PEM file `path` holds (its first one, a
+    server's own in a chain), as TLS matches them against the name dialled: its subjectAltName
+    entries, else its common name when that looks like a host name; () when they cannot be read
+    (the standard library's decoder, private to `ssl`, missing or refusing the file)."""
+    import importlib
+
+    decode = getattr(importlib.import_module("_ssl"), "_test_decode_cert", None)
+    try:
+        cert = decode(path) if decode is not None else {}
+    except Exception:  # a file that is not a certificate: gRPC's check names that (check_root_cert)
+        return ()
+    if not isinstance(cert, dict):
+        return ()
+    sans = tuple(str(v) for k, v in cert.get("subjectAltName", ()) if k in ("DNS", "IP Address"))
+    if sans:
+        return sans
+    common = [str(v) for rdn in cert.get("subject", ()) for k, v in rdn if k == "commonName"]
+    return tuple(c for c in common if c and " " not in c)
+
+
+def _wildcard_host(listen: str) -> str | None:
+    """The host of `listen` when it is a wildcard address (0.0.0.0, ::, [::]: every address of this
+    machine, which a client cannot dial by that name over TLS), else None."""
+    import ipaddress
+
+    host = listen.rpartition(":")[0].strip("[]")
+    try:
+        return host if ipaddress.ip_address(host).is_unspecified else None
+    except ValueError:
+        return None
+
+
+def _loopback_for(host: str, tls: bool, names: tuple[str, ...]) -> str:
+    """The loopback host to dial a service listening on the wildcard `host` by: over TLS, a loopback
+    name its certificate holds (`localhost` first, which reaches IPv4 and IPv6 listeners alike, then
+    127.0.0.1 or ::1; `localhost` when it holds none: the failure then says to give --target); in
+    plaintext, the loopback address of the wildcard's family."""
+    v6 = ":" in host
+    if tls:
+        held = {n.lower().removesuffix(".") for n in names}
+        for candidate, shown in (("localhost", "localhost"), ("127.0.0.1", "127.0.0.1"), ("::1", "[::1]")):
+            if candidate in held:
+                return shown
+        return "localhost"
+    return "[::1]" if v6 else "127.0.0.1"
 
 
 def _connection(a: argparse.Namespace) -> _Connection:
     """The service's address, token and TLS certificate from --target, --token-env, --tls-cert, and
     --config for what they leave out (its server.listen, auth_token_env, tls_cert); UsageError for a
-    bad value."""
+    bad value. A wildcard server.listen (0.0.0.0, ::) is dialled on loopback (`_loopback_for`): the
+    service is on this machine, and TLS checks its certificate against the name dialled; a --target
+    is dialled as given."""
     server = load_config(a.config).server if a.config else None
     if a.target is not None:
         _check_host_port("--target", a.target)
@@ -835,22 +923,47 @@ def _connection(a: argparse.Namespace) -> _Connection:
     # the config's TLS certificate and token variable are the defaults: a TLS server speaks only TLS
     cert_path = a.tls_cert or (server.tls_cert if server else None)
     root_cert = None
+    names: tuple[str, ...] = ()
     if cert_path:
         try:
             root_cert = Path(cert_path).read_bytes()
         except OSError as e:
             raise UsageError(f"cannot read the TLS certificate {cert_path}: {e.strerror or e}") from None
+        names = _cert_names(cert_path)
+    listen = None
+    wildcard = _wildcard_host(target) if a.target is None and server is not None else None
+    if wildcard is not None:
+        listen = target
+        target = f"{_loopback_for(wildcard, root_cert is not None, names)}:{target.rpartition(':')[2]}"
     token_env = a.token_env or (server.auth_token_env if server else None)
     token = os.environ.get(token_env) if token_env else None
     if a.token_env and token is None:
         raise UsageError(f"--token-env {a.token_env}: no such environment variable")
-    return _Connection(target, token, token_env, root_cert)
+    return _Connection(target, token, token_env, root_cert, names, listen)
+
+
+def _hostname_hint(conn: _Connection) -> str:
+    """What to do when TLS refused the service's certificate for the name dialled: give --target
+    with a name the certificate holds (those it holds, when they can be read)."""
+    host, _, port = conn.target.rpartition(":")
+    names = [n for n in conn.cert_names if "*" not in n]  # (a wildcard name is no host to dial)
+    dial = f"[{names[0]}]" if names and ":" in names[0] else names[0] if names else "HOST"
+    why = (
+        f"server.listen {conn.listen} is every address of the service's machine, so this dialled "
+        f"{host} on loopback, a name its TLS certificate does not hold"
+        if conn.listen
+        else f"its TLS certificate does not hold the name {host}"
+    )
+    if conn.cert_names:
+        return f" ({why}; it holds {', '.join(conn.cert_names)}: give --target {dial}:{port})"
+    return f" ({why}: give --target HOST:{port} with a name the certificate holds)"
 
 
 def _client_error(e: Any, conn: _Connection, *, refusals: bool = False) -> Exception:
     """The ClientError `e` as what the command line says: a Refused (exit 1) when the service itself
     refused the call and `refusals`, else a UsageError (exit 2: it could not be reached, it wants a
-    token, the token or certificate cannot be sent), naming why no token was sent when it wanted one."""
+    token, the token or certificate cannot be sent), naming why no token was sent when it wanted one,
+    and what to do when TLS refused the certificate for the name dialled (`_hostname_hint`)."""
     hint = ""
     if e.code == "UNAUTHENTICATED" and conn.token is None:  # say why no token was sent
         hint = (
@@ -858,6 +971,8 @@ def _client_error(e: Any, conn: _Connection, *, refusals: bool = False) -> Excep
             if conn.token_env
             else " (no token was sent: name its variable with --token-env, or give --config)"
         )
+    elif conn.root_cert is not None and "Hostname Verification Check failed" in str(e):
+        hint = _hostname_hint(conn)
     if refusals and e.answered and e.code != "UNAUTHENTICATED":
         return Refused(f"{e}")
     return UsageError(f"{e}{hint}")
@@ -1105,7 +1220,9 @@ def _connection_args(p: argparse.ArgumentParser) -> None:
     """The options that say where the service is and how to reach it (`ps` and the admin commands)."""
     p.add_argument("--config", help="the service's config: its server.listen, auth_token_env and tls_cert")
     p.add_argument(
-        "--target", help="host:port of the server (default: the config's server.listen, else 127.0.0.1:50051)"
+        "--target",
+        help="host:port of the server (default: the config's server.listen, a wildcard one (0.0.0.0, [::]) "
+        "dialled on loopback; else 127.0.0.1:50051)",
     )
     p.add_argument(
         "--token-env",

@@ -279,6 +279,8 @@ class StoreConfig(_Model):
         default="sqlite:///.residency/state.db", json_schema_extra={"pattern": "^(?:sqlite:///|rediss?://)"}
     )
     """Where state, events and the request log are kept: sqlite:///PATH or redis(s)://HOST:PORT/DB.
+    sqlite:///PATH (three slashes) is relative to the working folder the service is started from
+    (sqlite:///tmp/x.db is ./tmp/x.db); an absolute path takes four slashes: sqlite:////tmp/x.db.
     rediss:// (TLS) takes `?ssl_ca_certs=CA.pem&ssl_certfile=CLIENT.pem&ssl_keyfile=CLIENT.key` (files
     as paths; `&ssl_cert_reqs=none|optional|required`), beside `prefix=NAME`."""
     journal: str | None = ".residency/requests.journal"

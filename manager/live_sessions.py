@@ -37,9 +37,11 @@ from manager.policy.types import ActionKind
 from workers import protocol as P
 
 if TYPE_CHECKING:
+    from collections import deque
     from collections.abc import Callable, Coroutine
 
     from manager.live import _Live
+    from manager.metrics import Metrics
 
 logger = logging.getLogger("manager.live")  # the live manager's one logger (operators' log config)
 
@@ -138,6 +140,7 @@ class _World:
     next_segment: int = 0  # segments the client has been sent
     resumes: int = 0
     resumed: bool = False  # opened as a resume of a saved session (never discarded by its close)
+    failed: bool = False  # a step failed: the session ends as an `error` in the requests metric
 
 
 _SESSION_ID = re.compile(r"[0-9a-f]{12}")
@@ -229,6 +232,9 @@ class WorldSessionsMixin:
     live: dict[str, _Live]
     served: int
     cold_starts: int
+    waits: dict[str, deque[float]]
+    wait_total_s: float
+    metrics: Metrics
     sessions: dict[str, tuple[str, float, int]]
     session_dir: Path
     _world: dict[str, _World]
@@ -387,6 +393,7 @@ class WorldSessionsMixin:
             # as a request: waited for (never expired or evicted while its load is unconfirmed), and
             # under its class's queue limit
             arrival, cold = await self._queue_for(m, rank, self.config.classes[rank].name, deadline)
+            ready = self.clock()  # its wait (admission, a cold start) ends here, as a request's does
             self._not_open(resume_id)  # (again: another world model may have opened it meanwhile)
             self.cold_starts += cold
             m.busy_until = math.inf
@@ -395,7 +402,7 @@ class WorldSessionsMixin:
             # shielded: a client that hangs up mid-open (its RPC cancelled) must not leave the model
             # busy and the session open on its host with nobody to close it: it is closed once open
             opening = asyncio.ensure_future(
-                self._open_on_host(m, rank, sid, codec, resume_id, arrival, deadline)
+                self._open_on_host(m, rank, sid, codec, resume_id, arrival, deadline, ready)
             )
             self._opening_ids.add(sid)
             opening.add_done_callback(lambda _: self._world_opening.discard(model))
@@ -438,10 +445,20 @@ class WorldSessionsMixin:
             self._left_ids.discard(sid)
 
     async def _open_on_host(
-        self, m: Any, rank: int, sid: str, codec: str, resume_id: str | None, arrival: float, deadline: float
+        self,
+        m: Any,
+        rank: int,
+        sid: str,
+        codec: str,
+        resume_id: str | None,
+        arrival: float,
+        deadline: float,
+        ready: float,
     ) -> tuple[str, dict[str, Any]]:
         """Open (or resume) session `sid` on `m`'s device host, `m` already counted busy for it; it is
-        counted idle again on any failure."""
+        counted idle again on any failure. Once open, its wait (`arrival` to `ready`: its model
+        admitted and loaded) is counted as a served request's is, in Stats and the wait metric; the
+        session itself is counted a request when it ends (`close_session`)."""
         try:
             reply, sent = await self._open_reply(m, rank, sid, codec, resume_id is not None, deadline)
         except BaseException:
@@ -454,6 +471,11 @@ class WorldSessionsMixin:
             raise worker_error(reply.error_code, f"world session on {m.name!r} could not open: {reply.error}")
         data = dict(reply.data)
         self.sessions[sid] = (m.name, arrival, rank)
+        cls_name = self.config.classes[rank].name
+        wait = max(0.0, ready - arrival)  # the wall clock may step back (NTP) between the two
+        self.waits[cls_name].append(wait)
+        self.wait_total_s += wait
+        self.metrics.child("wait", cls_name).observe(wait)
         self._world[sid] = _World(
             str(data.get("codec", codec)), int(data.get("next_segment", 0)), resumed=resume_id is not None
         )
@@ -638,6 +660,22 @@ class WorldSessionsMixin:
         model = self.sessions[sid][0]
         m = self.engine.models[model]
         w = self._world[sid]
+        try:
+            return await self._step(sid, model, m, w, pose, recover_s)
+        except Exception:  # (not a cancel: the client hung up, the step did not fail)
+            w.failed = True  # the session ends as an `error` in the requests metric
+            raise
+
+    async def _step(
+        self,
+        sid: str,
+        model: str,
+        m: Any,
+        w: _World,
+        pose: tuple[float, float, float, float, float],
+        recover_s: float,
+    ) -> dict[str, Any]:
+        """`step_session`'s segment (its open session `sid` on `m`, tracked as `w`)."""
         deadline = self.clock() + recover_s
         reopened: dict[str, Any] | None = None
         for attempt in range(3):  # a host that dies again during a reopen gets another go, in time
@@ -729,7 +767,9 @@ class WorldSessionsMixin:
             live = self.live[model]
             live.requests += 1
             live.last_used = self.clock()  # in use until now (as the request log's record says)
-            self.served += 1
+            self.served += 1  # a request in Stats, and so in the requests metric (its wait: at its open)
+            outcome = "error" if w is not None and w.failed else "ok"
+            self.metrics.child("requests", model, self.config.classes[rank].name, outcome).inc()
             if self.store is not None:
                 rec = {"t": opened, "model": model, "busy_s": round(max(0.0, self.clock() - opened), 6),
                        "kind": "session", "class": self.config.classes[rank].name}  # fmt: skip

@@ -6,8 +6,13 @@ model and tier, load durations per transition, cold-start wait per class, reside
 and tier, queue depth per model, thrash, elastic lease size, failed worker commands per model and
 error code, and requests by outcome: `ok` and `error` (it ran and failed, or it failed before it ran:
 its model's load failed or did not finish in time) for requests admitted, `rejected` for those
-admission refused (it can never fit, a full queue, no room within its class's max_wait). (WorldPager
-stall figures join with world sessions.)
+admission refused (it can never fit, a full queue, no room within its class's max_wait). A world
+session counts as a request as `residency stats` counts it: when it ends (`error` when a step of it
+failed), its wait for its model observed when it opens. (WorldPager stall figures join with world
+sessions.)
+
+With `server.tls_cert`/`tls_key` set, the endpoint serves HTTPS with that certificate and key (as gRPC
+does: scrapers send the admin bearer token); plain HTTP is then answered 400, naming the fix.
 """
 
 from __future__ import annotations
@@ -15,9 +20,12 @@ from __future__ import annotations
 import copy
 import errno
 import logging
+import selectors
 import socket
+import ssl
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
@@ -139,7 +147,8 @@ HTTP_MAX_CONNECTIONS = 32
 
 
 class _Handler(WSGIRequestHandler):
-    timeout = HTTP_TIMEOUT_S  # StreamRequestHandler: the connection's socket timeout
+    timeout = HTTP_TIMEOUT_S  # StreamRequestHandler: the connection's socket timeout (and the TLS
+    # handshake's whole time: `_Server._tls_accept`)
 
     def log_message(self, format: str, *args: Any) -> None:
         """Silent, as prometheus_client's own handler."""
@@ -160,6 +169,32 @@ def _authorized(
         return [b"metrics: missing or wrong bearer token (server.auth_token_env)\n"]
 
     return guarded
+
+
+def metrics_tls(cert: str, key: str) -> ssl.SSLContext:
+    """The endpoint's TLS: `server.tls_cert` and `server.tls_key` (PEM, no passphrase), TLS 1.2 and up.
+    ssl.SSLError (or OSError: a file that cannot be read) when they are not a certificate and its key."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(cert, key, password="")  # (an encrypted key fails here rather than prompting)
+    return ctx
+
+
+TLS_HANDSHAKE = 0x16
+"""The first byte of a TLS connection (a handshake record); an HTTP request starts with a letter."""
+_PLAIN_HTTP_BODY = (
+    b"metrics: this endpoint serves HTTPS (server.tls_cert is set): scrape it with https:// "
+    b"(Prometheus: scheme: https)\n"
+)
+PLAIN_HTTP_REPLY = (
+    b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\nConnection: close\r\n"
+    b"Content-Length: %d\r\n\r\n%s" % (len(_PLAIN_HTTP_BODY), _PLAIN_HTTP_BODY)
+)
+"""The answer to plain HTTP on the HTTPS endpoint (as nginx answers it)."""
+
+
+class _TLSRefused(Exception):
+    """A connection to the HTTPS endpoint that is closed before HTTP: its reason is said at debug."""
 
 
 LOOPBACKS = ("127.0.0.1", "::1")
@@ -194,9 +229,11 @@ class _Server(ThreadingWSGIServer):
         sockaddr: tuple[Any, ...],
         slots: threading.BoundedSemaphore,
         v6only: bool,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.address_family = family  # (read by the constructor, which makes the socket)
         self.slots = slots
+        self.tls = tls
         self.peers: list[_Server] = []
         super().__init__(sockaddr, _Handler, bind_and_activate=False)
         try:
@@ -218,11 +255,62 @@ class _Server(ThreadingWSGIServer):
             self.slots.release()
             raise
 
+    def setup_environ(self) -> None:
+        super().setup_environ()
+        if self.tls is not None:  # wsgi.url_scheme: https
+            self.base_environ["HTTPS"] = "on"
+
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
+            if self.tls is not None:  # the handshake is this connection's thread's, not the accept loop's
+                try:
+                    request = self._tls_accept(request, self.tls)
+                except Exception:
+                    self.handle_error(request, client_address)
+                    self.shutdown_request(request)
+                    return
             super().process_request_thread(request, client_address)
         finally:
             self.slots.release()
+
+    def _tls_accept(self, request: socket.socket, tls: ssl.SSLContext) -> ssl.SSLSocket:
+        """`request` after its TLS handshake, which must end within the read timeout as a whole (a client
+        that connects and sends nothing, or a byte at a time, is cut off: TimeoutError). Plain HTTP is
+        answered PLAIN_HTTP_REPLY (_TLSRefused); a handshake that fails raises ssl.SSLError. On any
+        error `request` is left to close (the TLS socket made of it is closed here)."""
+        limit = float(self.RequestHandlerClass.timeout or HTTP_TIMEOUT_S)  # type: ignore[attr-defined]
+        deadline = time.monotonic() + limit
+        request.settimeout(limit)
+        first = request.recv(1, socket.MSG_PEEK)
+        if not first:
+            raise _TLSRefused("it closed before its TLS handshake")
+        if first[0] != TLS_HANDSHAKE:
+            request.recv(65536)  # (what came of its request: unread, the close would reset the reply)
+            request.sendall(PLAIN_HTTP_REPLY)
+            raise _TLSRefused("plain HTTP to the HTTPS endpoint: answered 400")
+        request.setblocking(False)
+        conn = tls.wrap_socket(request, server_side=True, do_handshake_on_connect=False)
+        try:
+            with selectors.DefaultSelector() as sel:
+                while True:
+                    try:
+                        conn.do_handshake()
+                        break
+                    except ssl.SSLWantReadError:
+                        want = selectors.EVENT_READ
+                    except ssl.SSLWantWriteError:
+                        want = selectors.EVENT_WRITE
+                    left = deadline - time.monotonic()
+                    sel.register(conn, want)
+                    ready = left > 0 and sel.select(left)
+                    sel.unregister(conn)
+                    if not ready:
+                        raise TimeoutError(f"its TLS handshake did not end within {limit:g} s")
+            conn.settimeout(limit)
+            return conn
+        except BaseException:
+            conn.close()
+            raise
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A connection whose client sent nothing for HTTP_TIMEOUT_S, or went away, is closed with a
@@ -230,7 +318,8 @@ class _Server(ThreadingWSGIServer):
         for each: a port scan, a TCP health check); anything else is logged, with its traceback."""
         e = sys.exc_info()[1]
         peer = _shown(tuple(client_address)) if isinstance(client_address, tuple) else str(client_address)
-        if isinstance(e, TimeoutError | ConnectionError):
+        # (a handshake that failed: the client's TLS is not ours, or it refused the certificate)
+        if isinstance(e, TimeoutError | ConnectionError | ssl.SSLError | _TLSRefused):
             logger.debug("metrics: the connection from %s was closed: %s", peer, e or type(e).__name__)
             return
         logger.error("metrics: serving the request from %s failed", peer, exc_info=e)
@@ -251,7 +340,9 @@ def _shown(sockaddr: tuple[Any, ...]) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _bind_all(host: str, port: int, slots: threading.BoundedSemaphore) -> list[_Server]:
+def _bind_all(
+    host: str, port: int, slots: threading.BoundedSemaphore, tls: ssl.SSLContext | None = None
+) -> list[_Server]:
     """A listening server on each address of `host` that this host has, all on one port (port 0:
     the first one's); OSError when one cannot be had for another reason, or none can."""
     addresses = _addresses(host, port)
@@ -262,7 +353,7 @@ def _bind_all(host: str, port: int, slots: threading.BoundedSemaphore) -> list[_
             if bound:
                 sockaddr = (sockaddr[0], bound[0].server_address[1], *sockaddr[2:])
             try:
-                bound.append(_Server(family, sockaddr, slots, v6only=len(addresses) > 1))
+                bound.append(_Server(family, sockaddr, slots, v6only=len(addresses) > 1, tls=tls))
             except OSError as e:
                 # which of the name's addresses failed is said (`localhost` is two)
                 where = OSError(e.errno, f"{e.strerror or e} on {_shown(sockaddr)}")
@@ -281,7 +372,12 @@ def _bind_all(host: str, port: int, slots: threading.BoundedSemaphore) -> list[_
 
 
 def serve_metrics(
-    host: str, port: int, registry: CollectorRegistry, allows: Callable[[str], bool] | None = None
+    host: str,
+    port: int,
+    registry: CollectorRegistry,
+    allows: Callable[[str], bool] | None = None,
+    *,
+    tls: ssl.SSLContext | None = None,
 ) -> tuple[WSGIServer, threading.Thread]:
     """Prometheus' exposition over HTTP on host:port in a daemon thread, as prometheus_client's
     `start_http_server`, but with a bearer token when `allows` is given, a read timeout and a bound
@@ -289,10 +385,11 @@ def serve_metrics(
     Every address `host` stands for is bound (`localhost`: 127.0.0.1 and ::1), on one port: only the
     first one was, so a scraper of the other loopback address found nothing there.
     Returns (server, thread): `server.shutdown()` and `server_close()` stop it on every address, and
-    the thread ends once it has. OSError if the address cannot be had."""
+    the thread ends once it has. OSError if the address cannot be had. `tls` (`metrics_tls`): HTTPS,
+    each connection's handshake done on its own thread within the read timeout."""
     app = make_wsgi_app(registry)
     app = app if allows is None else _authorized(app, allows)
-    first, *others = _bind_all(host, port, threading.BoundedSemaphore(HTTP_MAX_CONNECTIONS))
+    first, *others = _bind_all(host, port, threading.BoundedSemaphore(HTTP_MAX_CONNECTIONS), tls)
     first.peers = others
     threads = [
         threading.Thread(target=s.serve_forever, name="residency-metrics", daemon=True) for s in others

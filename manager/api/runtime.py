@@ -22,8 +22,12 @@ def quiet_grpc_fork() -> None:
     """Turn gRPC's fork support off in this process (unless the environment already chooses), before
     gRPC starts: the server forks only to exec (front ends, Ray's processes), and with it on, gRPC
     core prints "Other threads are currently calling into gRPC, skipping fork() handlers" on stderr
-    at each such start, a line a user cannot act on. Inherited by the processes started here."""
+    at each such start, a line a user cannot act on. Inherited by the processes started here.
+    gRPC core's INFO lines are off too (`GRPC_VERBOSITY=ERROR` unless the environment chooses): one
+    per plaintext client on a TLS port ("Handshake failed ... WRONG_VERSION_NUMBER") let anyone on
+    the network fill the log; its errors still show. Only read at gRPC's first import."""
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 
 def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

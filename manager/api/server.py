@@ -206,17 +206,24 @@ def auth_token(config: Config) -> str | None:
         )
     if not token and not is_loopback(config.server.listen):
         raise ServeError(
-            f"server.listen {config.server.listen!r} is beyond loopback: set server.auth_token_env and put a "
-            "bearer token in that environment variable (admin calls must be authenticated there)"
+            f"server.listen {config.server.listen!r} is beyond loopback: {_token_fix(env)} (admin calls "
+            "must be authenticated there)"
         )
     metrics = config.server.metrics_listen
     if not token and metrics and not is_loopback(metrics):
         raise ServeError(
-            f"server.metrics_listen {metrics!r} is beyond loopback: set server.auth_token_env and put a "
-            "bearer token in that environment variable (scrapers send it: the metrics show which models "
-            "the home uses, and when), or listen on loopback"
+            f"server.metrics_listen {metrics!r} is beyond loopback: {_token_fix(env)} (scrapers send it: "
+            "the metrics show which models the home uses, and when), or listen on loopback"
         )
     return token or None
+
+
+def _token_fix(env: str | None) -> str:
+    """What to do when no bearer token is there: name a variable, or set the one named (which is
+    unset: as `residency config check` says it)."""
+    if not env:
+        return "set server.auth_token_env and put a bearer token in that environment variable"
+    return f"server.auth_token_env names ${env}, which is not set: put the bearer token in ${env}"
 
 
 DESCRIBE_TIMEOUT_S = 60.0
@@ -1257,8 +1264,10 @@ async def serve(
 
 
 def _serve_metrics(config: Config, manager: LiveManager, token: str | None) -> Any:
-    """The Prometheus endpoint at `server.metrics_listen` (its HTTP server and thread)."""
-    from manager.metrics import serve_metrics
+    """The Prometheus endpoint at `server.metrics_listen` (its HTTP server and thread): HTTPS with
+    `server.tls_cert`/`tls_key` when they are set (the bearer token scrapers send is the admin one)."""
+    from manager.api.runtime import read_tls
+    from manager.metrics import metrics_tls, serve_metrics
 
     where = config.server.metrics_listen or ""
     host, _, mport = where.rpartition(":")
@@ -1266,8 +1275,16 @@ def _serve_metrics(config: Config, manager: LiveManager, token: str | None) -> A
         host = host[1:-1]
     # beyond loopback, scrapers need the admin bearer token (auth_token refused it without one)
     allows = None if is_loopback(where) else AuthInterceptor(token or "").allows
+    cert, key = config.server.tls_cert, config.server.tls_key
+    tls = None
+    if cert and key:
+        read_tls(cert, key)  # ServeError naming the setting and the file (`serve` checked them at start)
+        try:
+            tls = metrics_tls(cert, key)
+        except (OSError, ValueError) as e:  # (a file replaced since the check; ssl.SSLError is an OSError)
+            raise ServeError(f"server.tls_cert {cert!r} / server.tls_key {key!r}: {e}") from None
     try:
-        return serve_metrics(host, int(mport), manager.metrics.registry, allows)
+        return serve_metrics(host, int(mport), manager.metrics.registry, allows, tls=tls)
     except OSError as e:
         raise ServeError(f"server.metrics_listen {where!r}: cannot listen: {e.strerror or e}") from None
 

@@ -1,10 +1,12 @@
 """The service's store (`store.url` in the config): request log, JSON documents, tier intents.
 
   open_store(url, create=True) -> Store
-    sqlite:///PATH                              embedded default; a relative PATH is from the cwd,
-                                                parent folders are created (sqlite.py); with
-                                                create=False (read-only commands) a missing file is
-                                                a StoreError and nothing is created
+    sqlite:///PATH                              embedded default; a relative PATH is from the cwd
+                                                (sqlite:////ABS/PATH, four slashes, for an absolute
+                                                one; `store_location` prints a relative one with the
+                                                file it opens); parent folders are created
+                                                (sqlite.py); with create=False (read-only commands)
+                                                a missing file is a StoreError, nothing created
     redis://[:PASSWORD@]HOST:PORT/DB[?prefix=P]  Redis Streams + hashes under prefix P, default
                                                 "residency"; rediss:// for TLS (redis.py)
   Store, StoreError - the protocol and its error (base.py); export.py turns a time range of the
@@ -16,9 +18,9 @@ needs nothing beyond the standard library.
 
 from __future__ import annotations
 
-from manager.store.base import CorruptDocument, Store, StoreError, redact
+from manager.store.base import CorruptDocument, Store, StoreError, redact, store_location
 
-__all__ = ["CorruptDocument", "Store", "StoreError", "open_store"]
+__all__ = ["CorruptDocument", "Store", "StoreError", "open_store", "store_location"]
 
 _EXPECTED = "expected sqlite:///PATH or redis://HOST:PORT/DB"
 

@@ -3,7 +3,10 @@
 Primitives, in the order the service meets them:
   Store          - the Protocol both backends (SQLite, Redis) implement; `open_store(url)` picks one.
   StoreError     - the backend cannot do what was asked (unreachable, corrupt row/entry, bad url);
-                   its message names the url (never a password) and what is wrong.
+                   its message names the url (never a password; a relative SQLite path with the
+                   file it resolves to, `store_location`) and what is wrong.
+  store_location - a store url as printed: password hidden, a relative SQLite path followed by the
+                   absolute file it opens from the working folder.
   CorruptDocument - a StoreError: the backend answers, but the document it holds is unreadable
                    (replacing it with `put_doc` works; waiting for the store does not).
   OnCorrupt      - what a reader of the request log that can do without a corrupt row gives
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Protocol, runtime_checkable
@@ -52,6 +56,7 @@ __all__ = [
     "encode_doc",
     "normalize_record",
     "redact",
+    "store_location",
 ]
 
 TIERS: tuple[str, ...] = ("gpu", "host", "disk")
@@ -63,11 +68,27 @@ _RECORD_SET = frozenset(RECORD_FIELDS)
 _PLAIN = frozenset({str, int, float})  # exact types (not bool, not numpy scalars)
 
 
+def store_location(url: str) -> str:
+    """`url` as the store's location is printed (the start line, `tune --from-store`, errors): a
+    Redis url with its password hidden (`redact`); a sqlite url whose PATH is relative (SQLAlchemy's
+    convention: `sqlite:///tmp/x.db` is ./tmp/x.db, `sqlite:////tmp/x.db` is /tmp/x.db) followed by
+    the absolute file it opens from this working folder, `sqlite:///tmp/x.db (/srv/tmp/x.db)`, so
+    that it is not read as /tmp/x.db; any other url as it is."""
+    if not url.startswith("sqlite:///"):
+        return redact(url) if url.startswith(("redis://", "rediss://")) else url
+    path = url.removeprefix("sqlite:///").partition("?")[0].partition("#")[0]
+    if not path or path == ":memory:" or os.path.isabs(path):
+        return url
+    return f"{url} ({os.path.abspath(path)})"
+
+
 class StoreError(Exception):
-    """The store at `url` cannot do what was asked; `reason` says why (the message has both)."""
+    """The store at `url` cannot do what was asked; `reason` says why (the message has both: a
+    relative SQLite path with the file it resolves to, `store_location`)."""
 
     def __init__(self, url: str, reason: str) -> None:
-        super().__init__(f"store {url}: {reason}")
+        shown = store_location(url) if url.startswith("sqlite:///") else url  # (callers redact Redis')
+        super().__init__(f"store {shown}: {reason}")
         self.url = url
         self.reason = reason
 

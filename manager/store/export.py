@@ -30,7 +30,7 @@ from typing import TextIO
 
 from manager.policy.types import Request
 from manager.replay.trace import ExportStopped, write_requests, write_trace
-from manager.store.base import Store
+from manager.store.base import Store, store_location
 from manager.units import parse_duration
 
 __all__ = ["check_out_path", "export_trace", "parse_since"]
@@ -118,7 +118,7 @@ def export_trace(
     if not isinstance(out, str | os.PathLike):
         n = write_requests(out, _trace_requests(store, now - since_s, now, stop))
         out.flush()
-        logger.info("exported %s requests from %s to a stream", n, store.url)
+        logger.info("exported %s requests from %s to a stream", n, store_location(store.url))
         return n
     out = Path(out)
     check_out_path(out)
@@ -145,5 +145,5 @@ def export_trace(
             os.replace(tmp, real)
         finally:
             tmp.unlink(missing_ok=True)
-    logger.info("exported %s requests from %s to %s", n, store.url, out)
+    logger.info("exported %s requests from %s to %s", n, store_location(store.url), out)
     return n

@@ -2,7 +2,10 @@
 
 Primitives:
   parse_sqlite_url - `sqlite:///PATH` -> PATH (`sqlite:///rel/x.db` is relative to the cwd,
-                     `sqlite:////abs/x.db` absolute, `sqlite:///:memory:` a private in-memory db).
+                     `sqlite:////abs/x.db` absolute, `sqlite:///:memory:` a private in-memory db:
+                     SQLAlchemy's convention, kept so existing stores stay where they are).
+  relative_path_warning - what `config check` and `serve` say of a url whose relative PATH reads as
+                     an absolute one (`sqlite:///tmp/x.db`), or None.
   open_sqlite      - url -> SQLiteStore (creates parent folders and the schema; with create=False,
                      as read-only commands open it, a missing file is a StoreError instead).
   SQLiteStore      - the `Store` protocol over three tables:
@@ -61,7 +64,15 @@ from manager.store.base import (
     normalize_record,
 )
 
-__all__ = ["PAGE", "SCHEMA_VERSION", "TRIM_CHUNK", "SQLiteStore", "open_sqlite", "parse_sqlite_url"]
+__all__ = [
+    "PAGE",
+    "SCHEMA_VERSION",
+    "TRIM_CHUNK",
+    "SQLiteStore",
+    "open_sqlite",
+    "parse_sqlite_url",
+    "relative_path_warning",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +177,26 @@ def parse_sqlite_url(url: str) -> str:
     if not path or path.endswith("/"):
         raise StoreError(url, "no database file in the url; expected sqlite:///PATH/TO/FILE.db")
     return path
+
+
+def relative_path_warning(url: str) -> str | None:
+    """The warning for a sqlite `url` whose PATH is relative and may be read as absolute (three
+    slashes: `sqlite:///tmp/x.db` is ./tmp/x.db, from the folder the service is started in), naming
+    the file it opens from this working folder and the four-slash url of the absolute path; None for
+    another url, an absolute path, `:memory:`, a url the store refuses (said as an error elsewhere),
+    and a PATH that starts with a dot (`.residency/state.db`, the default, or `./x.db`: plainly
+    relative, and where the README says the store is)."""
+    try:
+        path = parse_sqlite_url(url) if url.startswith("sqlite:") else ""
+    except StoreError:
+        return None
+    if not path or path == ":memory:" or os.path.isabs(path) or path.startswith("."):
+        return None
+    return (
+        f"store.url {url!r} names a relative path, relative to the working folder: the store is "
+        f"{os.path.abspath(path)} when the service is started from {os.getcwd()}; an absolute path "
+        f"takes four slashes (sqlite:////{path} for /{path})"
+    )
 
 
 def open_sqlite(url: str, *, create: bool = True, hold: bool = False) -> SQLiteStore:

@@ -159,12 +159,15 @@ def test_a_successful_describe_is_kept_per_spec(gate: _Gate, tmp_path: Path) -> 
 
 
 def test_a_load_replaces_a_kept_answer(gate: _Gate, tmp_path: Path) -> None:
-    """A factory that failed on the meta device answers the default input and output; once the model
-    loads (its factory works now), its declared ones are the answer, not the kept default."""
+    """A factory that failed on the meta device is FACTORY_FAILED, naming why (review 19: it answered a
+    guessed `input` and `output`, kept for good); the failure is not kept: once the model loads (its
+    factory works now), its declared ones are the answer."""
     host = DeviceHost("cpu0", "cpu", node="t")
     spec = _spec(tmp_path)
     gate.fail = True
-    assert _names(host.describe(spec)) == (["input"], ["output"])
+    with pytest.raises(AdapterError) as e:
+        host.describe(spec)
+    assert e.value.code == P.FACTORY_FAILED and "its weights' server is down" in e.value.message
     gate.fail = False
     assert host.apply(P.Load(spec), "1").ok
     assert _names(host.describe(spec)) == (["tokens"], ["logits"])

@@ -129,8 +129,9 @@ def test_memory_tells_the_allocator_of_the_compute_stream_that_reads_the_uploads
         events: list[Any] = list(buf.cuda_events)  # (the fakes)
         assert len(events) == 3 and all(ev.stream is side for ev in events)  # recorded on the side stream
         assert all(ev in compute.waited for ev in events)  # the compute stream waits on every upload
-        made = [t for kv in buf.kv.values() for pair in kv for t in pair]
-        assert len(made) == 3 * 2 * LAYOUT.layers
+        assert buf.store is not None  # (review 19: one buffer per layer, every slot in it)
+        made = [t for pair in buf.store for t in pair]
+        assert len(made) == 2 * LAYOUT.layers
         told = [fake.record_stream.get(t.data_ptr(), []) for t in made]
         # every tensor made on the side stream is known to be read by the stream that reads it
         assert all(compute in streams for streams in told), told[:2]
