@@ -734,8 +734,8 @@ def _measure_table(results: list[Any]) -> Table:
 
 
 def _early_stop_signals() -> contextlib.AbstractContextManager[None]:
-    """Within it, a stop signal (SIGTERM; SIGINT and SIGHUP unless the process was started with them
-    ignored: a shell's background job, `nohup`, whose choice is kept) raises StopSignal at once:
+    """Within it, a stop signal (SIGTERM always; SIGINT and SIGHUP unless the process was started with
+    them ignored: a shell's background job, `nohup`, whose choice is kept) raises StopSignal at once:
     `serve` stops its start as it does for one once its own handlers are in place (they replace
     these). It spans `serve` from before its heavy imports (torch, Ray); a signal there killed the
     process without a word (SIGTERM) or was a KeyboardInterrupt. The handlers from before are put
@@ -1148,7 +1148,7 @@ def cmd_reload(a: argparse.Namespace) -> int:
             if r.path
             else f"config reloaded: {_said(r.message)}"
         )
-    if a.config and r.path and os.path.realpath(a.config) != os.path.realpath(r.path):
+    if a.config and r.path and not _same_config(a.config, r.path, r.sha256):
         # --config says how to reach the service; it reads its own file (the one `serve` was given)
         raise Refused(
             f"{_said(a.config)} was not read: the service serves {_said(r.path)} and read that file again "
@@ -1157,6 +1157,21 @@ def cmd_reload(a: argparse.Namespace) -> int:
             f"`residency serve --config {_said(a.config)}`"
         )
     return 0
+
+
+def _same_config(mine: str, served: str, served_sha256: str) -> bool:
+    """Whether the config file `mine` is the one the service read again (`served`, its path there):
+    the same file here, or the same bytes (a service in a container or on another host reads its
+    own copy at another path)."""
+    import hashlib
+
+    if os.path.realpath(mine) == os.path.realpath(served):
+        return True
+    try:
+        with open(mine, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest() == served_sha256
+    except OSError:
+        return False
 
 
 def _event_line(ev: Any) -> str:

@@ -764,6 +764,7 @@ class RayWorkerPool:
                 self._not_before[device] = now + UNAVAILABLE_RETRY_S
                 return None
         self._unavailable_since.pop(op, None)
+        self._lost_replies.discard(op)  # (a resend that found the host dead: answered now)
         self._deaths.seen(device, e, now)
         return _died(device, op, cmd, e)
 

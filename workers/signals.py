@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from types import FrameType
@@ -24,30 +25,39 @@ class StopSignal(KeyboardInterrupt):
         super().__init__(signal.Signals(signum).name)
 
 
+def honoured_stop_signals() -> tuple[int, ...]:
+    """The stop signals the service acts on: STOP_SIGNALS less those this process was started with
+    ignored (SIGINT in a shell's background job, SIGHUP under `nohup`): the one who started it chose
+    so, and they stay ignored. SIGTERM, what supervisors send, is always among them."""
+    return tuple(s for s in STOP_SIGNALS if s == signal.SIGTERM or signal.getsignal(s) != signal.SIG_IGN)
+
+
 @contextlib.contextmanager
-def stop_signals_raise(error: type[StopSignal] = StopSignal) -> Iterator[None]:
-    """Within it, the first SIGINT, SIGTERM or SIGHUP raises `error(signum)` at once; a second does
-    not break off what the first one undoes. The handlers from before are put back after it (one
-    that comes while they go back reaches the handler from before all the same: Python's wakeup fd).
-    A signal ignored when it is entered (`residency serve &` ignores SIGINT, `nohup` SIGHUP) stays
-    ignored. Only on the main thread (the one Python runs signal handlers on); elsewhere it does
-    nothing."""
+def stop_signals_raise(
+    error: type[StopSignal] = StopSignal, signals: tuple[int, ...] | None = None
+) -> Iterator[None]:
+    """Within it, the first stop signal (of `signals`, default `honoured_stop_signals()`) raises
+    `error(signum)` at once; a second, or one while a KeyboardInterrupt is being handled (what the
+    first one undoes: Ray's start), does not break that off. The handlers from before are put back
+    after it (one that comes while they go back reaches the handler from before all the same:
+    Python's wakeup fd). Only on the main thread (the one Python runs signal handlers on); elsewhere
+    it does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    held = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    held = {s: signal.getsignal(s) for s in (honoured_stop_signals() if signals is None else signals)}
     fired = False
 
     def interrupt(signum: int, frame: FrameType | None) -> None:
         nonlocal fired
-        if not fired:
-            fired = True
-            raise error(signum)
+        if fired or isinstance(sys.exc_info()[1], KeyboardInterrupt):
+            return
+        fired = True
+        raise error(signum)
 
     try:
-        for s in STOP_SIGNALS:
-            if held[s] is not signal.SIG_IGN:  # (one the process was started with ignored stays so)
-                signal.signal(s, interrupt)
+        for s in held:
+            signal.signal(s, interrupt)
         yield
     finally:
         fired = True  # none raised while the handlers go back: it would pass the caller's `except`

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import math
 import os
 from collections.abc import AsyncIterator
@@ -253,7 +254,8 @@ class AdminServicer(pb_grpc.ResidencyServicer):
         changes = await reload_from_file_on_loop(self.manager, self.config_path)
         msg = "changed: " + ", ".join(changes) if changes else "no changes"
         path = os.path.abspath(self.config_path) if self.config_path else ""
-        return pb.ReloadConfigResponse(changed=bool(changes), message=msg, path=path)
+        digest = await asyncio.to_thread(_sha256_of, path) if path else ""
+        return pb.ReloadConfigResponse(changed=bool(changes), message=msg, path=path, sha256=digest)
 
     @mapped
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
@@ -294,3 +296,12 @@ class AdminServicer(pb_grpc.ResidencyServicer):
                 if f is not None:
                     f.cancel()
             self.manager.unsubscribe(q)
+
+
+def _sha256_of(path: str) -> str:
+    """The hex SHA-256 of the file at `path` ("" when it cannot be read now)."""
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError:
+        return ""

@@ -51,7 +51,7 @@ from residency_proto.v1 import residency_pb2
 from workers import procs
 from workers import protocol as P
 from workers.bounded import SingleFlight, TimedOut
-from workers.signals import STOP_SIGNALS, StopSignal
+from workers.signals import STOP_SIGNALS, StopSignal, honoured_stop_signals, stop_signals_raise
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -341,46 +341,19 @@ class _StepsInterrupted(StopSignal):
     """A stop signal within `_stop_signals_end_start_up`; StoppedAtStartUp once out of it."""
 
 
-def honoured_stop_signals() -> tuple[int, ...]:
-    """The stop signals `serve` acts on: STOP_SIGNALS less those this process was started with ignored
-    (SIGINT in a shell's background job, SIGHUP under `nohup`): the one who started it chose so, and
-    they stay ignored. SIGTERM, what supervisors send, is always among them (a service's way to stop)."""
-    return tuple(s for s in STOP_SIGNALS if s == signal.SIGTERM or signal.getsignal(s) != signal.SIG_IGN)
-
-
 @contextlib.contextmanager
 def _stop_signals_end_start_up(signals: tuple[int, ...] | None = None) -> Iterator[None]:
     """Within it (start-up's blocking steps: the listen check, the token and TLS pair, the journal and
     the store's opening, then the device hosts' pool: their modules' imports (torch, Ray), Ray's start
     and the hosts' creation), a stop signal (of `signals`, default `honoured_stop_signals()`) ends
     start-up at once: StoppedAtStartUp. `serve`'s own handlers run on its event loop, which these
-    blocking steps keep from running: the signal was acted on only once they had ended. A signal
-    while a stop signal's exception is being handled (Ray's start undoing what it began) does not
-    break that off. The handlers from before (the loop's) are put back after it. Only on the main
-    thread (the one Python runs signal handlers on)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held = {s: signal.getsignal(s) for s in (honoured_stop_signals() if signals is None else signals)}
-    fired = False
-
-    def interrupt(signum: int, frame: Any) -> None:
-        nonlocal fired
-        if fired or isinstance(sys.exc_info()[1], KeyboardInterrupt):
-            return
-        fired = True
-        raise _StepsInterrupted(signum)
-
+    blocking steps keep from running: the signal was acted on only once they had ended
+    (`workers.signals.stop_signals_raise`)."""
     try:
-        for s in held:
-            signal.signal(s, interrupt)
-        yield
+        with stop_signals_raise(_StepsInterrupted, signals):
+            yield
     except _StepsInterrupted as e:
         raise StoppedAtStartUp(e.signum) from None
-    finally:
-        fired = True  # none raised while the handlers go back: it would pass the caller's `except`
-        for s, h in held.items():
-            signal.signal(s, signal.SIG_DFL if h is None else h)
 
 
 def _not_stopped(signals: list[int]) -> None:

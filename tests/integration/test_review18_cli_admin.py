@@ -332,3 +332,23 @@ def test_another_file_named_by_config_is_exit_1_saying_it_was_not_read(
             assert manager.engine.models["world"].keep_alive_cfg == before  # other.yaml's 45m: not applied
 
     asyncio.run(run())
+
+
+def test_a_copy_of_the_served_file_elsewhere_is_the_same_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Read-through of review 19: the paths were compared alone, so a service in a container or on
+    another host (its own copy of the file, at another path) made `reload --config` exit 1, "was not
+    read", though the bytes it read are the user's. The service now sends their SHA-256 too."""
+    path = _config_file(tmp_path)
+    copy = tmp_path / "elsewhere" / "config.yaml"
+    copy.parent.mkdir()
+    copy.write_bytes(path.read_bytes())
+
+    async def run() -> None:
+        async with serving(path) as (target, _):
+            assert await cli("reload", "--config", str(copy), "--target", target) == 0
+            cap = capsys.readouterr()
+            assert one_line(cap.out) == f"config reloaded from {path}: no changes" and cap.err == ""
+
+    asyncio.run(run())

@@ -22,6 +22,7 @@ def bare_pool() -> RayWorkerPool:
     pool._queued = {"gpu0": deque()}
     pool._not_before = {"gpu0": 0.0}
     pool._unavailable_since = {}
+    pool._lost_replies = set()
     pool._deaths = _Deaths()
     return pool
 

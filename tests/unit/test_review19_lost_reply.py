@@ -16,8 +16,6 @@ Driven with Ray's own exception objects on a pool built without actors, as in
 
 from __future__ import annotations
 
-from collections import deque
-
 import pytest
 from ray.exceptions import (
     ActorDiedError,
@@ -26,9 +24,10 @@ from ray.exceptions import (
     ObjectReconstructionFailedError,
     OwnerDiedError,
 )
+from test_ray_pool_restarting import bare_pool
 
 from workers import protocol as P
-from workers.ray_pool import RayWorkerPool, _Deaths, _is_death
+from workers.ray_pool import _is_death
 
 LOST = [
     ObjectLostError("ab" * 14, None, ""),
@@ -37,16 +36,6 @@ LOST = [
     OwnerDiedError("ab" * 14, None, ""),
 ]
 IDS = [type(e).__name__ for e in LOST]
-
-
-def bare_pool() -> RayWorkerPool:
-    pool = object.__new__(RayWorkerPool)  # no Ray: only what `_failed` touches
-    pool._queued = {"gpu0": deque()}
-    pool._not_before = {"gpu0": 0.0}
-    pool._unavailable_since = {}
-    pool._lost_replies = set()
-    pool._deaths = _Deaths()
-    return pool
 
 
 @pytest.mark.parametrize("e", LOST, ids=IDS)
@@ -79,6 +68,7 @@ def test_the_resent_command_finding_the_host_dead_reports_its_death() -> None:
     pool._queued["gpu0"].popleft()
     died = pool._failed("gpu0", "op-1", load, ActorDiedError(), now=101.0)
     assert died is not None and died.error_code == P.WORKER_DIED
+    assert "op-1" not in pool._lost_replies  # (read-through: it stayed there for good)
 
 
 @pytest.mark.parametrize("e", LOST[:2], ids=IDS[:2])
