@@ -110,11 +110,11 @@ def _du(d: Path) -> tuple[int, float]:
 
 
 def _ran_nothing(reply: P.SessionReply) -> bool:
-    """Whether a host's close reply says the session closed having run no segment (its host's
-    `worldpager.session.Session.close` then saved nothing)."""
+    """Whether a host's close reply says the session was discarded: a new one that ran no segment,
+    whose host's `worldpager.session.Session.close` saved nothing (`Session.discarded`: the host's
+    word, not a guess from its segment count: a host's own reopen at step 0 saves its state)."""
     data = reply.data if reply.ok else {}
-    segments = data.get("segments")
-    return bool(data.get("closed")) and isinstance(segments, int) and segments == 0
+    return bool(data.get("closed")) and data.get("discarded") is True
 
 
 def _discard_unrun(d: Path) -> bool:

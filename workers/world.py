@@ -387,9 +387,10 @@ class WorldSessions:
                 with o.lock:
                     o.session.close()
                     segments = o.session.step_index
+                    discarded = o.session.discarded  # (a new one that ran nothing: nothing saved)
             finally:  # (also when its state could not be saved: its buffers are gone all the same)
                 self._release()
-        return {"session_id": session_id, "closed": True, "segments": segments}
+        return {"session_id": session_id, "closed": True, "segments": segments, "discarded": discarded}
 
     def close_model(self, model: str) -> list[str]:
         """Close every session of `model` (before its weights leave the gpu tier)."""

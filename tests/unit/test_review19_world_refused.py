@@ -94,8 +94,23 @@ def test_a_host_open_closed_before_any_step_leaves_nothing(tmp_path: Path) -> No
     ws.open("world", TinyCausalWan(CFG), "a", 1 << 20, tmp_path / "a")
     with pytest.raises(ValueError, match="pose"):
         ws.step("a", (math.nan, 0.0, 0.0, 0.0, 0.0))
-    assert ws.close("a")["segments"] == 0
+    closed = ws.close("a")
+    assert closed["segments"] == 0 and closed["discarded"] is True
     assert not (tmp_path / "a").exists()
+
+
+def test_a_host_reopen_at_step_0_of_a_saved_session_is_not_discarded(tmp_path: Path) -> None:
+    """Read-through: the manager judged a close by its segment count alone, so a session the host
+    reopened at step 0 from a saved log (after a host restart, or a resume at 0) would have its folder
+    removed. The host now says whether it discarded the session (`Session.discarded`)."""
+    ws = WorldSessions(torch.device("cpu"))
+    ws.open("world", TinyCausalWan(CFG), "a", 1 << 20, tmp_path / "a")
+    ws.step("a", (0.0, 0.0, 0.0, 0.0, 0.0))
+    assert ws.close("a")["discarded"] is False
+    ws.open("world", TinyCausalWan(CFG), "a", 1 << 20, tmp_path / "a", resume=True, resume_at=0)
+    closed = ws.close("a")
+    assert closed["segments"] == 0 and closed["discarded"] is False
+    assert (tmp_path / "a").exists()
 
 
 # ---- the manager --------------------------------------------------------------------------------------
