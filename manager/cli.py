@@ -733,18 +733,6 @@ def _measure_table(results: list[Any]) -> Table:
     return t
 
 
-def _early_stop_signals() -> contextlib.AbstractContextManager[None]:
-    """Within it, a stop signal (SIGTERM always; SIGINT and SIGHUP unless the process was started with
-    them ignored: a shell's background job, `nohup`, whose choice is kept) raises StopSignal at once:
-    `serve` stops its start as it does for one once its own handlers are in place (they replace
-    these). It spans `serve` from before its heavy imports (torch, Ray); a signal there killed the
-    process without a word (SIGTERM) or was a KeyboardInterrupt. The handlers from before are put
-    back after it (`workers.signals.stop_signals_raise`, light: no torch, no Ray)."""
-    from workers.signals import stop_signals_raise
-
-    return stop_signals_raise()
-
-
 def _stopped_during_start_up(signum: int) -> int:
     """One line for a stop signal during `serve`'s start, its exit status 128 + `signum`. The process
     ends: no library's INFO lines at its exit (torch's FakeTensor cache statistics, an import the
@@ -759,10 +747,14 @@ def _stopped_during_start_up(signum: int) -> int:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    from workers.signals import StopSignal
+    from workers.signals import StopSignal, stop_signals_raise  # (light: no torch, no Ray)
 
     try:
-        with _early_stop_signals():
+        # from before `serve`'s heavy imports (torch, Ray), a stop signal (SIGTERM always; SIGINT and
+        # SIGHUP unless the process was started with them ignored) stops its start as one does once
+        # its own handlers are in place (they replace these): it killed the process without a word
+        # (SIGTERM) or was a KeyboardInterrupt
+        with stop_signals_raise():
             return _serve(a)
     except StopSignal as e:  # before serve's own handlers were in place: as for a signal after
         return _stopped_during_start_up(e.signum)

@@ -513,7 +513,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
     ) -> None:
         """A command's success (`r`): the books take its measures, waiters of its load wake."""
         self._drops_refused.discard(model)
-        if kind in (ActionKind.LOAD, ActionKind.PROMOTE, ActionKind.LOAD_HOST):
+        if kind in LOAD_KINDS:
             # (its host starts no load of it while an abandoned one runs: that one ended; not a
             # drop's, say the admin's evict's: it finds nothing of the model, the load still runs)
             self._held_loads.pop(model, None)
@@ -573,7 +573,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         m = self.engine.models[model]
         if kind in LOAD_KINDS:
             self._say_load_failed(r, model, kind, live, r.device or m.device, now)
-        if kind in (ActionKind.LOAD, ActionKind.PROMOTE, ActionKind.LOAD_HOST):
+        if kind in LOAD_KINDS:
             # a model that cannot load is not prewarmed again (no retry loop on a missing file);
             # a request still tries, so a fixed cause is picked up, and a success re-enables it
             m.prewarm_ok = False
@@ -1238,10 +1238,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             )
         finally:
             self._deferred_evict(m)  # an admin's evict waits for the request's end, its retry included
-        wait = max(0.0, start - arrival)  # the wall clock may step back (NTP) between the two
-        self.waits[cls_name].append(wait)
-        self.wait_total_s += wait
-        self.metrics.child("wait", cls_name).observe(wait)
+        wait = self._count_wait(cls_name, arrival, start)
         self.metrics.child("requests", model, cls_name, "ok" if result.ok else "error").inc()
         live.requests += 1
         live.last_used = end
@@ -1359,6 +1356,15 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             if not served:  # an admin's evict that waited for this request goes now if it was the last
                 self._deferred_evict(m)
             self._room_freed()  # (no request waits for it now: evictable, within the rules)
+
+    def _count_wait(self, cls_name: str, arrival: float, start: float) -> float:
+        """A served request's wait (a world session's, at its open), from `arrival` to `start`, counted
+        in Stats (its class's recent waits, the total) and the wait metric; the wait."""
+        wait = max(0.0, start - arrival)  # the wall clock may step back (NTP) between the two
+        self.waits[cls_name].append(wait)
+        self.wait_total_s += wait
+        self.metrics.child("wait", cls_name).observe(wait)
+        return wait
 
     def _count_unserved(self, m: Any, cls_name: str, outcome: str) -> None:
         """A request that never ran, in Stats and the requests metric: `rejected` (admission refused

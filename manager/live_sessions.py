@@ -37,7 +37,6 @@ from manager.policy.types import ActionKind
 from workers import protocol as P
 
 if TYPE_CHECKING:
-    from collections import deque
     from collections.abc import Callable, Coroutine
 
     from manager.live import _Live
@@ -232,8 +231,6 @@ class WorldSessionsMixin:
     live: dict[str, _Live]
     served: int
     cold_starts: int
-    waits: dict[str, deque[float]]
-    wait_total_s: float
     metrics: Metrics
     sessions: dict[str, tuple[str, float, int]]
     session_dir: Path
@@ -258,6 +255,7 @@ class WorldSessionsMixin:
             self, m: Any, rank: int, cls_name: str, deadline: float, *, retry: bool = False
         ) -> tuple[float, bool]: ...
         def _lost(self, m: Any, why: str) -> None: ...
+        def _count_wait(self, cls_name: str, arrival: float, start: float) -> float: ...
         def _deferred_evict(self, m: Any) -> None: ...
         def _log(self, rec: dict[str, Any]) -> None: ...
         def _publish(
@@ -471,11 +469,7 @@ class WorldSessionsMixin:
             raise worker_error(reply.error_code, f"world session on {m.name!r} could not open: {reply.error}")
         data = dict(reply.data)
         self.sessions[sid] = (m.name, arrival, rank)
-        cls_name = self.config.classes[rank].name
-        wait = max(0.0, ready - arrival)  # the wall clock may step back (NTP) between the two
-        self.waits[cls_name].append(wait)
-        self.wait_total_s += wait
-        self.metrics.child("wait", cls_name).observe(wait)
+        self._count_wait(self.config.classes[rank].name, arrival, ready)
         self._world[sid] = _World(
             str(data.get("codec", codec)), int(data.get("next_segment", 0)), resumed=resume_id is not None
         )

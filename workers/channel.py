@@ -125,8 +125,13 @@ def same_machine(addr: ChannelAddress) -> bool:
     return addr.boot_id == boot_id() and os.path.exists(addr.path)
 
 
+def _socket_folder() -> Path:
+    """Where the hosts' sockets are: `$TMPDIR/residency-<uid>` (`_socket_dir` makes and checks it)."""
+    return Path(tempfile.gettempdir()) / f"residency-{os.getuid()}"
+
+
 def _socket_dir() -> Path:
-    d = Path(tempfile.gettempdir()) / f"residency-{os.getuid()}"
+    d = _socket_folder()
     d.mkdir(mode=0o700, exist_ok=True)
     st = d.stat()
     if st.st_uid != os.getuid() or st.st_mode & 0o077:
@@ -204,7 +209,7 @@ def remove_host_sockets(
     process listens on it (`_refused`): a host still ending holds it, waited for (`wait_s` at most,
     in all); one still listened on then (a host that lives on, or another container's with the same
     pid) is left. The paths removed."""
-    d = Path(tempfile.gettempdir()) / f"residency-{os.getuid()}"
+    d = _socket_folder()
     want = set(pids)
     try:
         left = [p for p in d.iterdir() if p.suffix in (".sock", ".bind") and _host_pid(p) in want]

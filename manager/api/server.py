@@ -342,15 +342,15 @@ class _StepsInterrupted(StopSignal):
 
 
 @contextlib.contextmanager
-def _stop_signals_end_start_up(signals: tuple[int, ...] | None = None) -> Iterator[None]:
+def _stop_signals_end_start_up() -> Iterator[None]:
     """Within it (start-up's blocking steps: the listen check, the token and TLS pair, the journal and
     the store's opening, then the device hosts' pool: their modules' imports (torch, Ray), Ray's start
-    and the hosts' creation), a stop signal (of `signals`, default `honoured_stop_signals()`) ends
+    and the hosts' creation), a stop signal (`honoured_stop_signals()`) ends
     start-up at once: StoppedAtStartUp. `serve`'s own handlers run on its event loop, which these
     blocking steps keep from running: the signal was acted on only once they had ended
     (`workers.signals.stop_signals_raise`)."""
     try:
-        with stop_signals_raise(_StepsInterrupted, signals):
+        with stop_signals_raise(_StepsInterrupted):
             yield
     except _StepsInterrupted as e:
         raise StoppedAtStartUp(e.signum) from None
