@@ -81,6 +81,8 @@ class LocalBatcher:
         self.running = False
         if task.cancelled():
             results = [self._failed("the batch was cancelled") for _ in batch]
+        elif (e := task.exception()) is not None:  # (its thread's call abandoned at the stop)
+            results = [self._failed(f"{type(e).__name__}: {e}") for _ in batch]
         else:
             results = task.result()
         self._answer(batch, results)

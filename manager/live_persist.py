@@ -73,10 +73,20 @@ def _join_hist(a: ReuseHistogram, b: ReuseHistogram) -> ReuseHistogram:
 T = TypeVar("T")
 
 
+def read_outcome(task: asyncio.Future[Any]) -> None:
+    """A done callback: `task`'s exception marked read. A task no caller awaits any more (its caller
+    was cancelled; a stop left it) would otherwise have asyncio log "Task exception was never
+    retrieved", with a traceback, when it is collected; whoever still awaits it gets the exception all
+    the same."""
+    if not task.cancelled():
+        task.exception()
+
+
 async def _off_loop(fn: Callable[..., T], *args: Any) -> T:
     """`fn(*args)` on a thread. Cancelled, the caller waits for it to end before the cancellation
     goes on: a store write is never left running behind a later one."""
     work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    work.add_done_callback(read_outcome)  # (a cancelled caller no longer reads it)
     try:
         return await asyncio.shield(work)
     except asyncio.CancelledError:

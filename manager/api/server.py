@@ -46,6 +46,7 @@ from manager.api.world import WorldSessionServicer
 from manager.config import Config
 from manager.journal import RequestJournal
 from manager.live import LiveManager
+from manager.live_persist import read_outcome
 from residency_proto.inference import grpc_service_pb2
 from residency_proto.v1 import residency_pb2
 from workers import procs
@@ -484,6 +485,7 @@ async def _close_store(store: Any, bounded: bool) -> None:
         store.close()
         return
     closing = asyncio.ensure_future(asyncio.to_thread(store.close))
+    closing.add_done_callback(read_outcome)  # (left running past the wait: abandoned later)
     done, _ = await asyncio.wait({closing}, timeout=STOP_ANSWER_S)
     if not done:
         logger.warning(
@@ -1180,6 +1182,7 @@ async def tuning_loop(manager: LiveManager, path: str, store: Any, check_s: floa
         run = asyncio.ensure_future(
             asyncio.to_thread(scheduled_tuning, on_loop, Path(path), store, now, stopping.is_set)
         )
+        run.add_done_callback(read_outcome)  # (a stop waits STOP_TUNING_S at most, then leaves it)
         try:
             detail = await asyncio.shield(run)
         except asyncio.CancelledError:
