@@ -1369,8 +1369,9 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
     def _count_unserved(self, m: Any, cls_name: str, outcome: str) -> None:
         """A request that never ran, in Stats and the requests metric: `rejected` (admission refused
         it: no room, a full queue) or `error` (it failed after admission: its model's load failed or
-        did not finish before its deadline). Neither goes to the request log, which holds the requests
-        that ran (the replay's input: their demand, and their busy time)."""
+        did not finish before its deadline; a world session's open failed on its host). Neither goes
+        to the request log, which holds the requests that ran (the replay's input: their demand, and
+        their busy time)."""
         if outcome == "rejected":
             self.rejected += 1
         else:

@@ -256,6 +256,7 @@ class WorldSessionsMixin:
         ) -> tuple[float, bool]: ...
         def _lost(self, m: Any, why: str) -> None: ...
         def _count_wait(self, cls_name: str, arrival: float, start: float) -> float: ...
+        def _count_unserved(self, m: Any, cls_name: str, outcome: str) -> None: ...
         def _deferred_evict(self, m: Any) -> None: ...
         def _log(self, rec: dict[str, Any]) -> None: ...
         def _publish(
@@ -456,20 +457,26 @@ class WorldSessionsMixin:
         """Open (or resume) session `sid` on `m`'s device host, `m` already counted busy for it; it is
         counted idle again on any failure. Once open, its wait (`arrival` to `ready`: its model
         admitted and loaded) is counted as a served request's is, in Stats and the wait metric; the
-        session itself is counted a request when it ends (`close_session`)."""
+        session itself is counted a request when it ends (`close_session`). An open that fails here,
+        after admission, is counted a request that failed (Stats' `errors`, outcome `error`), as an
+        inference that fails after admission is."""
+        cls_name = self.config.classes[rank].name
         try:
             reply, sent = await self._open_reply(m, rank, sid, codec, resume_id is not None, deadline)
-        except BaseException:
+        except BaseException as e:
             self._end_busy(m, arrival)
+            if isinstance(e, Exception):
+                self._count_unserved(m, cls_name, "error")
             raise
         if not reply.ok:
             self._end_busy(m, arrival)
+            self._count_unserved(m, cls_name, "error")
             if reply.error_code == P.NO_SESSION:
                 raise ModelNotFound(f"no saved world session {sid!r} to resume")
             raise worker_error(reply.error_code, f"world session on {m.name!r} could not open: {reply.error}")
         data = dict(reply.data)
         self.sessions[sid] = (m.name, arrival, rank)
-        self._count_wait(self.config.classes[rank].name, arrival, ready)
+        self._count_wait(cls_name, arrival, ready)
         self._world[sid] = _World(
             str(data.get("codec", codec)), int(data.get("next_segment", 0)), resumed=resume_id is not None
         )
