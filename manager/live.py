@@ -37,7 +37,6 @@ from manager.errors import (
     DeadlineExceeded,
     InsufficientCapacity,
     InvalidRequest,
-    ModelFailed,
     ModelNotFound,
     ResidencyError,
     WorkerUnavailable,
@@ -1441,8 +1440,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         return b
 
     def _raise_infer_error(self, r: P.InferResult) -> None:
-        if r.error_code == P.INTERNAL:  # it ran and failed, or may have run: not UNAVAILABLE (retried)
-            raise ModelFailed(r.error or "inference failed")
+        # INTERNAL: it ran and failed, or may have run: ModelFailed, not UNAVAILABLE (retried)
         raise worker_error(r.error_code, r.error or "inference failed")
 
     def _log_request(

@@ -29,6 +29,7 @@ from manager.errors import (
     DeadlineExceeded,
     InsufficientCapacity,
     InvalidRequest,
+    ModelFailed,
     ModelNotFound,
     WorkerUnavailable,
 )
@@ -59,9 +60,28 @@ def worker_error(code: str | None, message: str) -> Exception:
     are the server's state, not the request's fault: a client may try again)."""
     if code == P.BAD_INPUT:
         return InvalidRequest(message)
+    if code == P.INTERNAL:  # it ran and failed (the model's code raised): not UNAVAILABLE (retried)
+        return ModelFailed(message)
     if code == P.DEADLINE:  # no answer in time (the request's own deadline, or a slow model)
         return DeadlineExceeded(message)
     return WorkerUnavailable(message)
+
+
+def _with_replaced(reply: P.SessionReply, client_next: int, sid: str) -> P.SessionReply:
+    """`reply` to a (re)open of session `sid` whose client was sent the segments before
+    `client_next`: when the session continues at an earlier segment, the segments from there on are
+    ones its client was sent but that never reached the session's log (a full disk held them in host
+    RAM alone) and were lost with their device host. They are generated again, replacing those the
+    client has: ``replaced_segments`` ([first, last]) says so, and it is logged."""
+    at = int(reply.data.get("next_segment", client_next))
+    if at >= client_next:
+        return reply
+    logger.warning(
+        "world session %s: segments %d-%d were sent to its client but never saved (the disk was "
+        "full) and were lost with the device host: the session continues at segment %d, replacing them",
+        sid, at, client_next - 1, at,
+    )  # fmt: skip
+    return replace(reply, data={**reply.data, "replaced_segments": [at, client_next - 1]})
 
 
 class SessionResumable(WorkerUnavailable):
@@ -376,6 +396,8 @@ class WorldSessionsMixin:
             raise InvalidRequest(f"model {model!r} has no elastic KV lease: it is not a world model")
         if resume_id is not None and not _SESSION_ID.fullmatch(resume_id):
             raise InvalidRequest(f"resume_session_id {resume_id!r} is not a session id (12 hex digits)")
+        if codec and codec not in P.SESSION_CODECS:  # (before admission: nothing loaded for it)
+            raise InvalidRequest(f"unknown codec {codec!r}: expected one of {', '.join(P.SESSION_CODECS)}")
         self._not_open(resume_id)
         running = next((sid for sid, (name, _, _) in self.sessions.items() if name == model), None)
         if running is not None or model in self._world_opening:
@@ -517,6 +539,7 @@ class WorldSessionsMixin:
             if reply.ok and resume_at is not None:  # rolled back: recorded in the session's own state
                 with contextlib.suppress(OSError):
                     await asyncio.to_thread((self.session_dir / sid / SENT_FILE).unlink, missing_ok=True)
+                reply = _with_replaced(reply, resume_at, sid)
             orphan = None if orphan_closed else self._orphan(reply)
             if orphan is not None:  # closed (its state saved, so it can be resumed), then opened again
                 orphan_closed = True
@@ -612,6 +635,7 @@ class WorldSessionsMixin:
         reply = await asyncio.shield(call)
         if not reply.ok:
             raise unavailable(reply.error or "the reopen failed")
+        reply = _with_replaced(reply, w.next_segment, sid)
         await self._lease_caught_up(m, sid, sent)
         w.resumes += 1
         data = dict(reply.data)
@@ -696,6 +720,7 @@ class WorldSessionsMixin:
         if reopened is not None:
             data["corrupt_slots"] = reopened.get("corrupt_slots", {})
             data["missing_segments"] = reopened.get("missing_segments", [])
+            data["replaced_segments"] = reopened.get("replaced_segments", [])
         w.next_segment = int(data["step"]) + 1
         return data
 

@@ -44,6 +44,10 @@ DEADLINE = "deadline"
 not a death (the host's state is checked, `WORKER_DIED` is for a host that died)."""
 INTERNAL = "internal"
 
+SESSION_CODECS = ("bf16", "int8", "int4")
+"""The codecs a world session's KV pages may be stored in (`worldpager.codecs.CODECS`, named here so
+the manager checks a session's codec before it admits it, without importing torch)."""
+
 
 @dataclass(frozen=True)
 class ModelSpec:

@@ -270,15 +270,19 @@ class WorldSessions:
     def _resumed(session_id: str, log_dir: Path, resume: Callable[[], Any]) -> Any:
         """``resume()``, a saved state it finds damaged (a log it cannot reopen, a file gone meanwhile)
         said as `SavedStateDamaged`, and its other refusals without the server's paths."""
-        from worldpager.segment_log import LogFullError, SegmentLogError
+        from worldpager.segment_log import DiskFullError, LogFullError, SegmentLogError
 
         try:
             return resume()
         except FileNotFoundError as e:
             raise _damaged(session_id, log_dir, f"{Path(e.filename or '?').name} is missing") from None
         except SegmentLogError as e:
-            if isinstance(e, LogFullError):
-                raise
+            if isinstance(e, LogFullError):  # (the server's path in the log, not to the client)
+                logger.warning("world session %r: its resume was refused: %s", session_id, e)
+                said = _unpathed(str(e), log_dir)
+                if isinstance(e, DiskFullError):
+                    raise DiskFullError(said, e.errno) from None
+                raise LogFullError(said) from None
             raise _damaged(session_id, log_dir, str(e)) from None
         except ValueError as e:  # the session's own (another model config, codec or log than saved)
             raise ValueError(_unpathed(str(e), log_dir)) from None

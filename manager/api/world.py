@@ -67,7 +67,15 @@ def _cut(lines: list[str]) -> list[str]:
 def _unusable_lines(d: dict[str, Any]) -> list[str]:
     """What a reopen found unusable in the saved state (never attended to), one line each."""
     slots = [f"slot {slot}: {why}" for slot, why in sorted((d.get("corrupt_slots") or {}).items())]
-    return slots + [f"segment {i}: missing" for i in d.get("missing_segments") or []]
+    replaced = []
+    if d.get("replaced_segments"):
+        first, last = d["replaced_segments"]
+        span = f"segment {first}" if first == last else f"segments {first}-{last}"
+        replaced = [
+            f"{span}: sent, but never saved (the disk was full) and lost with the device host: the "
+            f"session continues at segment {first}, generating {'it' if first == last else 'them'} again"
+        ]
+    return replaced + slots + [f"segment {i}: missing" for i in d.get("missing_segments") or []]
 
 
 def _unusable(d: dict[str, Any]) -> list[str]:

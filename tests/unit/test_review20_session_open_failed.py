@@ -15,7 +15,7 @@ import pytest
 from test_review19_metrics_sessions import POSE, _run, samples
 
 from manager.api.admin import AdminServicer
-from manager.errors import ModelNotFound, WorkerUnavailable
+from manager.errors import ModelFailed, ModelNotFound
 from manager.live import LiveManager
 from residency_proto.v1 import residency_pb2 as rpb
 from workers import protocol as P
@@ -57,7 +57,7 @@ def test_an_open_its_host_refuses_counts_as_a_failed_request(
             return reply
 
         monkeypatch.setattr(lm.pool, "session", refuses_opens)
-        with pytest.raises(WorkerUnavailable, match="could not open: out of host memory"):
+        with pytest.raises(ModelFailed, match="could not open: out of host memory"):
             await lm.open_session("world")
         assert samples(lm, "residency_requests_total") == {ERROR: 1.0}
         assert lm.failed == 1 and lm.served == 0
