@@ -38,7 +38,7 @@ from manager.policy.factory import POLICY_NAMES
 from manager.policy.types import Request
 from manager.replay.sim import ReplayResult, replay
 from manager.replay.synth import MAX_DAYS, PROFILES, synth
-from manager.replay.trace import STDIN, TraceError, read_trace, request_to_json, write_trace
+from manager.replay.trace import STDIN, TraceError, read_trace, request_to_json
 
 err = Console(stderr=True, soft_wrap=True)
 MAX_BAD_LINES_SHOWN = 10
@@ -150,7 +150,11 @@ def _prepare_out_file(value: str, flag: str, *, create: bool = True) -> Path:
     """The file `flag` names, checked before any work is done: not empty, not a directory, its
     folder made (as `trace synth` does; with `create` False only checked) and writable, an existing
     file writable. UsageError naming `flag`."""
+    from manager.store.export import names_a_folder
+
     path = Path(_not_empty(value, flag, "a file to write"))
+    if names_a_folder(value):  # (Path drops the slash: a file of the folder's name would be written)
+        raise UsageError(f"{flag} {value}: names a folder (it ends in /); give the path of a file to write")
     if path.is_dir() or not path.name:
         raise UsageError(f"{flag} {value}: is a directory; give the path of a file to write")
     _prepare_dir(path.parent, flag, create=create, for_file=value)
@@ -178,6 +182,7 @@ def _check_tune_outputs(a: argparse.Namespace) -> None:
     if a.report:
         _prepare_dir(Path(a.report), "--report", create=False)
         _check_report_files(Path(a.report))
+        _not_in_the_report(a.out, a.report)
 
 
 def _count(n: int, one: str, many: str | None = None) -> str:
@@ -223,6 +228,20 @@ def _same_file(a: str, b: str) -> bool:
         return os.path.samefile(a, b)
     except OSError:
         return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _not_in_the_report(out: str, report: str) -> None:
+    """UsageError when `tune`'s --out is the --report folder or one of the files the report writes
+    there (the tuned config would be written over by the report, or not written at all)."""
+    from manager.replay.report import REPORT_FILES
+
+    if _same_file(out, report):
+        raise UsageError(f"--out {out} is the --report folder; give another path for the tuned config")
+    if Path(out).name in REPORT_FILES and _same_file(str(Path(out).parent), report):
+        raise UsageError(
+            f"--out {out} is a file the report writes in --report {report}; give another path for the "
+            "tuned config"
+        )
 
 
 def _check_report_files(folder: Path) -> None:
@@ -366,12 +385,15 @@ def cmd_synth(a: argparse.Namespace) -> int:
         sys.stdout.flush()
         n = len(reqs)
     else:
-        try:
-            n = write_trace(a.out, reqs)
+        from manager.store.export import write_trace_file
+
+        try:  # whole or not at all: a full disk leaves a file that was there as it was
+            n = write_trace_file(Path(a.out), reqs)
         except BrokenPipeError:  # --out /dev/stdout, its reader gone: main ends quietly
             raise
         except OSError as e:  # the disk filled up, say: the flag and the system's words, one line
-            raise UsageError(f"--out {a.out}: {e.strerror or e}") from None
+            kept = "; the file is unchanged" if Path(a.out).is_file() else "; nothing was written"
+            raise UsageError(f"--out {a.out}: {e.strerror or e}{kept}") from None
     err.print(
         f"wrote {_count(n, 'request')} ({_count(a.days, 'day')}, profile {a.profile}, seed {a.seed}) to "
         f"{'standard output' if to_stdout else a.out}",
@@ -594,15 +616,17 @@ def cmd_tune(a: argparse.Namespace) -> int:
             "them as a file"
         )
     _check_tune_outputs(a)
+    bad = 0  # the trace's lines skipped
     if a.from_store:
         from manager.store.base import store_location
 
         reqs = _load_store_trace(config, a.since, a.strict)
         a.trace = f"the store's last {a.since} ({store_location(config.store.url)})"
     else:
-        reqs, _ = _load_trace(a.trace, config, a.strict, "--trace")
+        reqs, bad = _load_trace(a.trace, config, a.strict, "--trace")
+    holdout_bad = bad  # (split from the same trace: its lines skipped)
     if a.holdout:
-        search, holdout = reqs, _load_trace(a.holdout, config, a.strict, "--holdout")[0]
+        search, (holdout, holdout_bad) = reqs, _load_trace(a.holdout, config, a.strict, "--holdout")
     else:
         search, holdout = split_holdout(reqs)
     if not search and reqs:
@@ -638,7 +662,8 @@ def cmd_tune(a: argparse.Namespace) -> int:
         f"Tuned by `residency tune` from {a.config} on {_trace_name(a.trace)} ({len(search)} requests); "
         f"{len(res.changes)} change(s): {'; '.join(res.changes) or 'none'}"
     )
-    _write_tuned(a.config, a.out, res, header)
+    _count_bad_lines(res, bad, holdout_bad)
+    _write_tune_files(a, config, res, shown, header)
     fig: dict[str, Any] = {
         "out": a.out,
         "evaluations": res.evaluations,
@@ -649,7 +674,6 @@ def cmd_tune(a: argparse.Namespace) -> int:
     if res.holdout_before is not None and res.holdout_after is not None:
         fig["holdout"] = {"before": res.holdout_before.to_json(), "after": res.holdout_after.to_json()}
     if a.report:
-        _report(a, config, res, shown)
         fig["report"] = str(Path(a.report) / "index.html")
     if a.json:
         _print_json(fig)
@@ -663,6 +687,33 @@ def cmd_tune(a: argparse.Namespace) -> int:
             f"wrote {a.out}; changes: {'; '.join(res.changes) or 'none'}", highlight=False, markup=False
         )
     return 0
+
+
+def _count_bad_lines(res: Any, bad: int, holdout_bad: int) -> None:
+    """`tune`'s replay figures carry the lines of their trace that were skipped (`bad`: --trace's,
+    `holdout_bad`: --holdout's), as `replay --json` counts them."""
+    for r in (res.search_before, res.search_after):
+        r.bad_lines = bad
+    for r in (res.holdout_before, res.holdout_after):
+        if r is not None:
+            r.bad_lines = holdout_bad
+
+
+def _write_tune_files(
+    a: argparse.Namespace, config: Config, res: Any, shown: list[Request], header: str
+) -> None:
+    """`tune`'s report (--report) and then its tuned config (--out): a report that cannot be written
+    (a full disk) leaves --out as it was, and says so naming --report and the file."""
+    if a.report:
+        try:
+            _report(a, config, res, shown)
+        except OSError as e:
+            where = f" ({e.filename})" if e.filename else ""
+            raise UsageError(
+                f"--report {a.report}: {e.strerror or e}{where}; the report was not written (its files "
+                f"there are as they were), nor --out {a.out}"
+            ) from None
+    _write_tuned(a.config, a.out, res, header)
 
 
 def _report(a: argparse.Namespace, config: Config, res: Any, reqs: list[Request]) -> None:
@@ -1204,7 +1255,11 @@ def cmd_events(a: argparse.Namespace) -> int:
 
 
 def cmd_export(a: argparse.Namespace) -> int:
+    from manager.store.export import names_a_folder
+
     _not_empty(a.out, "--out", "a file to write")  # not ".", the folder an empty path is
+    if names_a_folder(a.out):  # (Path drops the slash: a file of the folder's name would be written)
+        raise UsageError(f"--out {a.out}: names a folder (it ends in /); give the path of a file to write")
     to_stdout = a.out == "-"  # as `trace synth --out -` (a file named "-" is ./-)
     n = _export(load_config(a.config), a.since, sys.stdout if to_stdout else Path(a.out))
     where = "standard output" if to_stdout else a.out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import math
+import os
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -332,9 +333,33 @@ def write_report(
         ("memory.png", "GPU memory stacked per model over the period, in GiB"),
         ("cold_starts.png", "Cold starts per hour of week, before and after"),
     ]
-    _plot_timeline(out_dir / images[0][0], runs, models, t_start, t_end)
-    _plot_memory(out_dir / images[1][0], runs, models, model_weights, t_start, t_end)
-    _plot_cold(out_dir / images[2][0], runs)
+    # each file written beside its place first, and all put in place once all are written: a report
+    # that fails part way (a full disk) leaves the folder's earlier report whole, not mixed with this one
+    staged = {name: out_dir / f".partial-{os.getpid()}-{name}" for name in REPORT_FILES}
+    try:
+        _plot_timeline(staged[images[0][0]], runs, models, t_start, t_end)
+        _plot_memory(staged[images[1][0]], runs, models, model_weights, t_start, t_end)
+        _plot_cold(staged[images[2][0]], runs)
+        page = _page(before, after, t_start, t_end, title, notes, images)
+        staged["index.html"].write_text(page, encoding="utf-8")
+        for name, tmp in staged.items():
+            os.replace(tmp, out_dir / name)
+    finally:
+        for tmp in staged.values():
+            tmp.unlink(missing_ok=True)
+    return out_dir / "index.html"
+
+
+def _page(
+    before: ReplayResult,
+    after: ReplayResult,
+    t_start: float,
+    t_end: float,
+    title: str,
+    notes: list[str] | None,
+    images: list[tuple[str, str]],
+) -> str:
+    """The report's `index.html`."""
     fmt = "%a %Y-%m-%d %H:%M"
     span = " – ".join(datetime.fromtimestamp(t, tz=UTC).strftime(fmt) for t in (t_start, t_end))
     parts = [
@@ -351,6 +376,4 @@ def write_report(
     for name, alt in images:
         parts.append(f'<img src="{html.escape(name)}" alt="{html.escape(alt)}">')
     parts.append("</body></html>\n")
-    index = out_dir / "index.html"
-    index.write_text("\n".join(parts), encoding="utf-8")
-    return index
+    return "\n".join(parts)

@@ -24,7 +24,7 @@ import os
 import secrets
 import shutil
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TextIO
 
@@ -33,7 +33,7 @@ from manager.replay.trace import ExportStopped, write_requests, write_trace
 from manager.store.base import Store, store_location
 from manager.units import parse_duration
 
-__all__ = ["check_out_path", "export_trace", "parse_since"]
+__all__ = ["check_out_path", "export_trace", "names_a_folder", "parse_since", "write_trace_file"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +72,18 @@ def _trace_requests(
         )
 
 
-def check_out_path(out: Path) -> None:
+def names_a_folder(value: str) -> bool:
+    """Whether the path `value` ends in a separator (``out/``), which names a folder: `Path` drops it
+    (``Path("x/").name`` is "x"), so a file named "x" would be written, or replace one."""
+    return value.endswith(("/", os.sep))
+
+
+def check_out_path(out: Path | str) -> None:
     """Raise IsADirectoryError when `out` (followed through symlinks) is a directory (or has no
     file name), before anything is read or created."""
+    if names_a_folder(str(out)):
+        why = "names a folder (it ends in /); give the path of a file"
+        raise IsADirectoryError(errno.EISDIR, why, str(out))
     out = Path(out)
     if out.is_dir() or not out.name:
         raise IsADirectoryError(errno.EISDIR, "is a directory; give the path of a file", str(out))
@@ -122,11 +131,21 @@ def export_trace(
         return n
     out = Path(out)
     check_out_path(out)
+    n = write_trace_file(out, _trace_requests(store, now - since_s, now, stop))
+    logger.info("exported %s requests from %s to %s", n, store_location(store.url), out)
+    return n
+
+
+def write_trace_file(out: Path, requests: Iterable[Request]) -> int:
+    """Write `requests` as a trace to the file `out` (its parent folders made): an existing regular
+    file is replaced only once every line is written (its permission bits kept), so a full disk, an
+    interrupt or a failing source leaves it as it was and never a cut-off trace; a symlink's target
+    is replaced, the link kept; a FIFO or device is written to directly, and a file reached through
+    /proc (`/dev/stdout` redirected to a file) appended to. How many were written."""
     try:
         st: os.stat_result | None = os.stat(out)  # through symlinks, as open() goes
     except FileNotFoundError:
         st = None
-    requests = _trace_requests(store, now - since_s, now, stop)
     if st is not None and not stat.S_ISREG(st.st_mode):
         n = write_trace(out, requests)  # a FIFO, a terminal, /dev/null: never replaced
     elif st is not None and _via_proc(out):
@@ -145,5 +164,4 @@ def export_trace(
             os.replace(tmp, real)
         finally:
             tmp.unlink(missing_ok=True)
-    logger.info("exported %s requests from %s to %s", n, store_location(store.url), out)
     return n
