@@ -32,6 +32,7 @@ from manager.config import (
     _printable,
     config_json_schema,
     load_config,
+    load_server_settings,
     write_config_with_updates,
 )
 from manager.policy.factory import POLICY_NAMES
@@ -959,7 +960,8 @@ def _connection(a: argparse.Namespace) -> _Connection:
     bad value. A wildcard server.listen (0.0.0.0, ::) is dialled on loopback (`_loopback_for`): the
     service is on this machine, and TLS checks its certificate against the name dialled; a --target
     is dialled as given."""
-    server = load_config(a.config).server if a.config else None
+    # (its server section alone: a mistake elsewhere in the file is the service's to refuse)
+    server = load_server_settings(a.config) if a.config else None
     if a.target is not None:
         _check_host_port("--target", a.target)
     target = a.target or (server.listen if server else "127.0.0.1:50051")

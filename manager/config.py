@@ -387,6 +387,38 @@ MAX_CONFIG_BYTES = 1 << 20
 def load_config(path: str | Path) -> Config:
     """Read and validate a YAML config; every problem is reported through ConfigError."""
     file = str(path)
+    return _validate(_parse_yaml(_read_config_text(path), file), file)
+
+
+def load_server_settings(path: str | Path) -> ServerConfig:
+    """The `server` section of the config file at `path` alone, validated as `load_config` does:
+    what the admin commands need to reach the service (its listen address, token variable, TLS
+    certificate). A mistake elsewhere in the file is the service's to refuse (`reload` says it, exit
+    1), not the reason a command cannot reach the service; one in `server` is a ConfigError."""
+    file = str(path)
+    data = _parse_yaml(_read_config_text(path), file)
+    if not isinstance(data, dict):
+        _validate(data, file)  # (raises: the top level is not a mapping)
+    server = data.get("server")
+    if server is None:
+        return ServerConfig()
+    try:
+        plain = _plain(server)
+        return ServerConfig.model_validate(plain, by_name=False)
+    except (_TooManyNodes, RecursionError):
+        _validate(data, file)  # (raises, naming what is too large or deep)
+        raise
+    except ValidationError as exc:
+        errors = [(("server", *loc), msg) for loc, msg in _readable_errors(exc, plain)]
+        raise ConfigError(
+            file, [(_fmt_loc(loc), msg) for loc, msg in errors], [_line_of(data, loc) for loc, _ in errors]
+        ) from None
+
+
+def _read_config_text(path: str | Path) -> str:
+    """The text of the config file at `path` (at most MAX_CONFIG_BYTES, UTF-8); ConfigError naming
+    the file (and the line of a byte that is not UTF-8) when it cannot be had."""
+    file = str(path)
     if not file.strip():  # (Path("") is the current folder: "Is a directory: '.'", naming no file)
         raise ConfigError("(no path)", [("", "expected a config file's path, got an empty one")])
     try:
@@ -395,7 +427,7 @@ def load_config(path: str | Path) -> Config:
         if len(raw) > MAX_CONFIG_BYTES:
             msg = f"more than {MAX_CONFIG_BYTES // 2**20} MiB; a config is not that large (a wrong file?)"
             raise ConfigError(file, [("", msg)])
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(file, [("", "config file not found")]) from None
     except UnicodeDecodeError as exc:  # the line to fix, not Python's codec message and byte offset
@@ -404,7 +436,6 @@ def load_config(path: str | Path) -> Config:
         raise ConfigError(file, [("", msg)], [line]) from None
     except OSError as exc:
         raise ConfigError(file, [("", f"cannot read config file: {exc}")]) from None
-    return _validate(_parse_yaml(text, file), file)
 
 
 def config_json_schema() -> dict[str, Any]:

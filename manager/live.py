@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import logging
 import math
+import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Coroutine
@@ -43,7 +45,7 @@ from manager.errors import (
 )
 from manager.journal import RequestJournal
 from manager.live_batch import LocalBatcher
-from manager.live_persist import PersistenceMixin
+from manager.live_persist import PersistenceMixin, read_outcome
 from manager.live_sessions import WorldSessionsMixin, _World, worker_error
 from manager.metrics import Metrics
 from manager.policy.engine import Engine
@@ -67,11 +69,14 @@ SAVE_EVERY_S = 60.0
 LOG_EVERY_S = 1.0
 LOG_BATCH = 500
 INLINE_INFER_S = 0.0005
+"""In-process models whose recent inferences took less than this run on the event loop itself:
+handing them to a thread would cost more than the inference."""
+INLINE_SLOW_S = 0.01
+"""An inline call that held the event loop longer than this sends its model's calls to a thread for
+good (`LiveManager._inline_took`)."""
 WAIT_WINDOW = 10_000
 """Stats' wait p99 per class is over the last this many requests of the class (a window, not the
 whole uptime: a service that runs for months keeps no per-request list)."""
-"""In-process models whose recent inferences took less than this run on the event loop itself:
-handing them to a thread would cost more than the inference."""
 RESYNC_TRIES = 20
 RESYNC_RETRY_S = 0.5
 """A device host that does not report its status for a resync (it is still restarting) is asked again
@@ -179,10 +184,15 @@ async def _within(
     try:
         return await asyncio.wait_for(call, timeout_s)
     except TimeoutError:
-        return P.InferResult(
-            model, False, error_code=P.DEADLINE,
-            error=f"model {model!r}: no answer from device {device!r} within {timeout_s:.3g} s",
-        )  # fmt: skip
+        return _no_answer(device, model, timeout_s)
+
+
+def _no_answer(device: str, model: str, timeout_s: float) -> P.InferResult:
+    """DEADLINE: `model` on `device` gave no answer within `timeout_s` (as the Ray pool answers)."""
+    return P.InferResult(
+        model, False, error_code=P.DEADLINE,
+        error=f"model {model!r}: no answer from device {device!r} within {timeout_s:.3g} s",
+    )  # fmt: skip
 
 
 class LiveManager(PersistenceMixin, WorldSessionsMixin):
@@ -251,6 +261,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self._stats_unread = False
         self._measured: set[str] = set()  # models whose footprint a device host measured
         self._infer_s: dict[str, float] = {}
+        self._slow_inline: set[str] = set()  # models one of whose inline calls was slow (`_inline_took`)
         self._batchers: dict[str, LocalBatcher | None] = {}
         self.queued: dict[str, int] = {}  # requests of each class waiting for their model
         self._background: set[asyncio.Task[Any]] = set()
@@ -1262,20 +1273,26 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             seen = self._results.get(m.name, 0)
             m.busy_until = math.inf  # busy while it runs: never evicted under a request
             live.inflight += 1
+            late: list[asyncio.Future[Any]] = []  # its forward, when it outlives the request
             call = asyncio.ensure_future(
-                self._run_infer(m.device, m.name, inputs, max(deadline - start, 0.1))
+                self._run_infer(m.device, m.name, inputs, max(deadline - start, 0.1), late)
             )
             try:
                 result = await asyncio.shield(call)
             except asyncio.CancelledError:
                 # the caller gave up (a client that hung up) but the device host still runs it: the
                 # model stays busy, never evicted under it, until the call really ends
-                call.add_done_callback(functools.partial(self._call_ended, m, start))
+                self._ended_when_done(m, start, call, late)
                 raise
             except BaseException:
                 self._call_ended(m, start)
                 raise
-            end = self._call_ended(m, start)
+            if late:  # answered at its deadline, its forward still running on its thread: the model
+                # stays busy (an evict waits for it, as for a request in flight) until it ends
+                self._ended_when_done(m, start, call, late)
+                end = self.clock()
+            else:
+                end = self._call_ended(m, start)
             lost = not result.ok and result.error_code in (P.WORKER_DIED, P.BAD_TRANSITION)
             if lost or result.error_code == P.DEADLINE:  # the host died or restarted (its other models
                 # too: their requests in flight: no), or was silent (hung, or a slow model): looked at
@@ -1295,6 +1312,19 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                 break
             cold = cold or again
         return result, start, end, cold, retry_failed
+
+    def _ended_when_done(
+        self, m: Any, start: float, call: asyncio.Future[Any], late: list[asyncio.Future[Any]]
+    ) -> None:
+        """`_call_ended` for a request nobody waits for any more (`call`, its `_run_infer`, done or
+        not), once its forward really ends: `late`'s thread when it outlived its deadline."""
+        if not call.done():
+            call.add_done_callback(lambda c: self._ended_when_done(m, start, c, late))
+        elif late:
+            call.cancelled() or call.exception()  # (retrieved: its DEADLINE answer was given)
+            late[0].add_done_callback(functools.partial(self._call_ended, m, start))
+        else:
+            self._call_ended(m, start, call)
 
     def _call_ended(self, m: Any, start: float, abandoned: asyncio.Future[Any] | None = None) -> float:
         """A request's call on its device host ended (started at `start`): the model is idle again when
@@ -1399,29 +1429,64 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self._flush()
 
     async def _run_infer(
-        self, device: str, model: str, inputs: dict[str, np.ndarray], timeout_s: float
+        self,
+        device: str,
+        model: str,
+        inputs: dict[str, np.ndarray],
+        timeout_s: float,
+        late: list[asyncio.Future[Any]] | None = None,
     ) -> P.InferResult:
         """The data path: awaited directly on Ray (no thread per request); in process, inline for
-        models that take microseconds, else on a thread."""
+        models that take microseconds (until one call of theirs does not: `_slow_inline`), else on a
+        thread. A thread's forward that outlives `timeout_s` is answered DEADLINE then, and its future
+        put in `late` (it runs on: a thread cannot be stopped)."""
         infer_async = getattr(self.pool, "infer_async", None)
         batcher = None if infer_async is not None else self._batcher(device, model)
         if infer_async is not None:
             result: P.InferResult = await infer_async(device, model, inputs, timeout_s)
         elif batcher is not None:
             result = await _within(batcher.submit(inputs), timeout_s, device, model)
-        elif self._infer_s.get(model, 1.0) < INLINE_INFER_S:
+        elif self._infer_s.get(model, 1.0) < INLINE_INFER_S and model not in self._slow_inline:
             # a turn of the loop first: a request served from memory awaits nothing that suspends,
             # so a caller serving in a loop would hold the loop (and threads' results) to itself
             await asyncio.sleep(0)
+            began = time.perf_counter()
             result = self.pool.infer(device, model, inputs, timeout_s)
+            self._inline_took(model, time.perf_counter() - began)
         else:  # (the in-process host takes no deadline: the request is answered at its own)
-            call = asyncio.to_thread(self.pool.infer, device, model, inputs, timeout_s)
-            result = await _within(call, timeout_s, device, model)
+            forward = asyncio.get_running_loop().run_in_executor(
+                None, contextvars.copy_context().run, self.pool.infer, device, model, inputs, timeout_s
+            )
+            try:
+                done, _ = await asyncio.wait({forward}, timeout=timeout_s)
+            except asyncio.CancelledError:
+                forward.add_done_callback(read_outcome)  # (it runs on; nobody reads it now)
+                raise
+            if done:
+                result = forward.result()
+            else:
+                if late is not None:
+                    late.append(forward)
+                else:
+                    forward.add_done_callback(read_outcome)
+                result = _no_answer(device, model, timeout_s)
         if result.ok:  # by the time the call holds a thread (the wall time on a busy thread pool
             # grows with GIL contention, which would keep a microsecond model off the loop for good)
             prev, took = self._infer_s.get(model), result.hold_seconds
             self._infer_s[model] = took if prev is None else 0.8 * prev + 0.2 * took
         return result
+
+    def _inline_took(self, model: str, wall_s: float) -> None:
+        """An inline call of `model` held the event loop `wall_s`: past INLINE_SLOW_S (a forward
+        that slept, waited on I/O or a lock, or took long on this input) the model's calls run on a
+        thread from now on, whatever its average says: the loop serves every other request, the
+        admin API and world sessions, and an inline call cannot be cut at its deadline."""
+        if wall_s > INLINE_SLOW_S and model not in self._slow_inline:
+            self._slow_inline.add(model)
+            logger.warning(
+                "model %r: a call run on the event loop took %s (its calls so far took microseconds): "
+                "its calls run on a thread from now on", model, f"{wall_s * 1000:.1f} ms",
+            )  # fmt: skip
 
     def _batcher(self, device: str, model: str) -> LocalBatcher | None:
         """In process, the dynamic batcher of a model with `max_batch` > 1 (None for the others);

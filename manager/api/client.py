@@ -3,6 +3,7 @@ stats, reload, events)."""
 
 from __future__ import annotations
 
+import re
 import ssl
 import threading
 from collections.abc import Generator
@@ -101,6 +102,12 @@ def _channel(target: str, root_cert: bytes | None) -> Any:
     return grpc.insecure_channel(target)
 
 
+STOPPING_WORDS = re.compile(r"\bthe (?:service|server) is stopping\b")
+"""The service's own answer while it stops: its channel may be closed by the time the answer is
+read, so the words, not the channel's state, say that the service answered (gRPC's own UNAVAILABLE
+says "failed to connect", "Socket closed" and the like)."""
+
+
 def _error(e: grpc.RpcError, ch: Any, target: str, tls: bool) -> ClientError:
     """The failed call `e` as a ClientError naming `target`, the code and the server's words; it was
     answered by the service when its channel is connected: gRPC's own UNAVAILABLE (nothing listens,
@@ -108,7 +115,11 @@ def _error(e: grpc.RpcError, ch: Any, target: str, tls: bool) -> ClientError:
     the service's UNAVAILABLE (a load that failed) comes over a connected one."""
     code = e.code()
     details = str(e.details())
-    answered = code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or _connected(ch)
+    answered = (
+        code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        or STOPPING_WORDS.search(details) is not None  # (its channel closing meanwhile: its words)
+        or _connected(ch)
+    )
     return ClientError(
         f"{target}: {code.name}: {details}{_tls_hint(details, tls)}", code.name, answered=answered
     )

@@ -1,0 +1,165 @@
+"""Review 20, a walkthrough of the live service in process:
+
+- A request answered DEADLINE while its model's forward still ran on its thread (a thread cannot be
+  stopped) counted the model idle at once: an admin evict then acted at once instead of waiting for
+  the forward ("a model in use goes when its requests end"), and its drop held the device's commands
+  behind the forward (another model's request waited 7.8 s). The model now stays busy until the
+  forward really ends.
+- A model whose calls so far took microseconds ran its next call on the event loop, whatever it
+  did: one slow call (4 s) held every other request, the admin API and world sessions, and ignored its
+  own deadline. One inline call that takes longer than INLINE_SLOW_S now sends the model's calls to a
+  thread for good (logged).
+
+The manager over the in-process pool (real device hosts); the model is a fake adapter whose forward
+waits on an event the test sets, registered for the test only."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from manager import live as live_mod
+from manager.config import load_config
+from manager.errors import DeadlineExceeded
+from manager.live import LiveManager
+from manager.policy.types import Tier
+from manager.workers_bridge import create_pool
+from workers import protocol as P
+from workers.adapters import ADAPTERS, Adapter, HostCopy
+
+CONFIG = """
+devices: [{name: cpu0, kind: cpu, memory: 1GiB, reserve: 128MiB}]
+host: {memory: 8GiB, reserve: 1GiB}
+classes: [{name: realtime}, {name: interactive}]
+models:
+  - {name: slow, class: interactive, adapter: fake-r20-gated, device: cpu0, memory: 1MiB,
+     load_seconds: {disk: 0.1, host: 0.05}}
+  - {name: quick, class: realtime, adapter: fake-r20-gated, device: cpu0, memory: 1MiB,
+     load_seconds: {disk: 0.1, host: 0.05}}
+"""
+GATE = threading.Event()  # a forward whose input is x > 0 waits for it (x seconds at most)
+SPIN = {"s": 0.0}  # a forward whose input is x < 0 holds its thread -x seconds (awake: not sleeping)
+
+
+class FakeGated(Adapter):
+    """A fake model for the test: input x (FP32, 1); x > 0: waits for GATE (x s at most); x < 0:
+    busy for -x s; else returns at once."""
+
+    name = "fake-r20-gated"
+
+    def inputs(self) -> list[P.TensorSpec]:
+        return [P.TensorSpec("x", "FP32", (1,))]
+
+    def outputs(self) -> list[P.TensorSpec]:
+        return [P.TensorSpec("y", "FP32", (1,))]
+
+    def read(self, ph: Any) -> HostCopy:
+        return HostCopy(tensors={"w": torch.zeros(4)})
+
+    def materialize(self, host: HostCopy, ph: Any) -> Any:
+        return host.tensors
+
+    def to_host(self, runnable: Any, ph: Any) -> HostCopy:
+        return HostCopy(tensors=runnable)
+
+    def runnable_bytes(self, runnable: Any) -> int:
+        return 16
+
+    def infer(self, runnable: Any, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        x = float(inputs["x"][0])
+        if x > 0:
+            GATE.wait(x)
+        elif x < 0:
+            until = time.perf_counter() - x
+            while time.perf_counter() < until:
+                pass
+        return {"y": np.zeros(1, np.float32)}
+
+
+def _run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: Callable[[LiveManager], Awaitable[Any]]
+) -> Any:
+    monkeypatch.setitem(ADAPTERS, "fake-r20-gated", FakeGated)
+    (tmp_path / "c.yaml").write_text(CONFIG)
+    config = load_config(tmp_path / "c.yaml")
+    GATE.clear()
+
+    async def main() -> Any:
+        pool = create_pool(config, in_process=True)
+        lm = LiveManager(config, pool)
+        await lm.start()
+        try:
+            return await body(lm)
+        finally:
+            GATE.set()
+            await lm.stop()
+            pool.close()
+
+    return asyncio.run(main())
+
+
+def _x(v: float) -> dict[str, np.ndarray]:
+    return {"x": np.array([v], np.float32)}
+
+
+def test_a_model_whose_forward_outlives_its_deadline_stays_busy_until_it_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def body(lm: LiveManager) -> None:
+        m = lm.engine.models["slow"]
+        with pytest.raises(DeadlineExceeded):
+            await lm.infer("slow", _x(30.0), timeout_s=0.3)
+        assert lm.live["slow"].inflight == 1  # its forward runs on: in use
+        assert m.busy_until == float("inf")
+        lm.evict("slow")
+        await asyncio.sleep(0.2)
+        assert m.tier == Tier.GPU and lm.live["slow"].evict_to == "disk"  # deferred, not done
+        GATE.set()  # the forward ends
+        for _ in range(200):
+            if m.tier != Tier.GPU:
+                break
+            await asyncio.sleep(0.02)
+        assert lm.live["slow"].inflight == 0 and m.busy_until < float("inf")
+        assert m.tier != Tier.GPU  # and the evict went then
+
+    _run(tmp_path, monkeypatch, body)
+
+
+def test_one_slow_inline_call_sends_the_models_calls_to_a_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def body(lm: LiveManager) -> None:
+        for _ in range(30):  # microseconds each: it runs on the event loop from now on
+            await lm.infer("quick", _x(0.0))
+        assert lm._infer_s["quick"] < live_mod.INLINE_INFER_S
+        await lm.infer("quick", _x(-0.2))  # one call that holds its thread 0.2 s
+        assert "quick" in lm._slow_inline
+        assert any("its calls run on a thread from now on" in r.message for r in caplog.records)
+
+        # a slow call now runs on a thread: the loop goes on meanwhile, and its deadline holds
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.ensure_future(tick())
+        began = time.monotonic()
+        with pytest.raises(DeadlineExceeded):
+            await lm.infer("quick", _x(-1.0), timeout_s=0.3)
+        took = time.monotonic() - began
+        ticker.cancel()
+        assert took < 0.9, took
+        assert ticks >= 5, ticks
+
+    _run(tmp_path, monkeypatch, body)
