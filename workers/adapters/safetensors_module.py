@@ -19,6 +19,8 @@ per declared output (anything else is an error naming what it returned).
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 import weakref
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,29 @@ from torch import nn
 
 from workers import protocol as P
 from workers.adapters.base import AdapterError, ModuleAdapter, one_line, params_on_meta
+
+
+def _import_from_serve_folder(name: str) -> Any:
+    """Module `name`, imported as Python would, else from the folder the service runs in (the
+    current one: a device host's, in process and on the local Ray alike, is the folder `serve` was
+    started from). The `residency` console script puts its own folder first on `sys.path`, not the
+    current one, so a `models/llm.py` beside the config was never found. That folder goes last on
+    `sys.path` (an installed package, or the standard library, is never shadowed by a file there), and
+    stays: what the factory imports later (a sibling module) is found too."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        here = os.getcwd()
+        top = name.partition(".")[0]
+        if (
+            e.name != top
+            or here in sys.path
+            or not (os.path.isdir(os.path.join(here, top)) or os.path.isfile(os.path.join(here, top + ".py")))
+        ):
+            raise
+        sys.path.append(here)
+        importlib.invalidate_caches()
+        return importlib.import_module(name)
 
 
 class SafetensorsModuleAdapter(ModuleAdapter):
@@ -47,7 +72,7 @@ class SafetensorsModuleAdapter(ModuleAdapter):
                 f"model {self.spec.name!r}: source.factory {ref!r}: expected 'module:callable'",
             )
         try:
-            mod = importlib.import_module(mod_name)
+            mod = _import_from_serve_folder(mod_name)
         except (Exception, SystemExit) as e:  # a script's module may sys.exit() at import: not the host
             raise AdapterError(
                 P.FACTORY_FAILED,
