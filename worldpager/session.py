@@ -321,7 +321,8 @@ class Session:
         A step that raises otherwise (a transfer failure, the codec refusing the block's KV, the
         model itself) may have changed the session part-way (its buffers, the model's rolling
         window): the session is then failed, and every later step raises a RuntimeError naming the
-        failed step and its cause. `close` still saves it; a resume continues from the log."""
+        failed step and its cause. `close` still saves it, without its rolling window (which the
+        failure may have left half-changed); a resume continues from the log."""
         if self._closed:
             raise RuntimeError("session is closed")
         if self._failed is not None:
@@ -502,7 +503,10 @@ class Session:
             self._discard()  # refused at its first pose, or never stepped: nothing to resume
             return
         try:
-            self._save_state(window=self._save_window())
+            # a failed step may have changed the model's rolling window part-way (shifted one layer's
+            # K but not its V, or not its end index): no checkpoint of it, the resume rebuilds the
+            # window from the log
+            self._save_state(window=None if self._failed is not None else self._save_window())
         except OSError as e:
             if is_disk_full(e):
                 raise self._disk_full(
