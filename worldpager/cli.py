@@ -17,6 +17,7 @@ return 2, without a traceback; a run that fails on the machine (a session whose 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -442,7 +443,13 @@ def _resume_settings(args: argparse.Namespace) -> tuple[str | None, str | None]:
             )
         if preset is not None and preset != saved_preset:
             raise UsageError(f"--preset {preset}: the saved session ran --preset {saved_preset}")
-    return preset or saved_preset, codec or saved.get("codec")
+    saved_codec = saved.get("codec")
+    if codec is not None and saved_codec is not None and codec != saved_codec:
+        raise UsageError(f"--codec {codec}: the saved session ran --codec {saved_codec} (leave --codec out)")
+    seed, saved_seed = getattr(args, "seed", None), saved.get("seed")
+    if seed is not None and saved_seed is not None and seed != saved_seed:
+        raise UsageError(f"--seed {seed}: the saved session ran --seed {saved_seed} (leave --seed out)")
+    return preset or saved_preset, codec or saved_codec
 
 
 def _resume_at(args: argparse.Namespace) -> int | None:
@@ -564,6 +571,33 @@ def _host_segments_cap(text: str) -> int:
     return int(_positive("--host-segments", text, int))
 
 
+def _check_log_dir(value: str) -> None:
+    """--log-dir: UsageError when it is empty (an unset shell variable: the session would have run in
+    a temporary folder and been deleted), or a file, or under a file."""
+    if not value:
+        raise UsageError("--log-dir is empty: give the folder to keep the session in")
+    path = Path(value)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--log-dir {value}: is a file, expected a folder")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UsageError(f"--log-dir {value}: {parent} is a file, not a folder")
+            break
+
+
+def _os_error(e: OSError, log_dir: Path, resume: bool) -> str:
+    """What the system refused of the session's folder, said with --log-dir and the file, not as
+    Python's "[Errno 2] No such file or directory: 'D/segments.wplog'"."""
+    from worldpager.segment_log import LOG_NAME
+
+    name = Path(e.filename).name if e.filename else ""
+    if resume and isinstance(e, FileNotFoundError) and name == LOG_NAME:
+        return f"--resume: {log_dir} holds a saved session but no {LOG_NAME} (its log is missing)"
+    what = f" ({name})" if name and Path(e.filename) != log_dir else ""
+    return f"--log-dir {log_dir}: {e.strerror or e}{what}"
+
+
 def _run_steps(session: Session, segments: int, kept_in: Path | None) -> None:
     """Run ``segments`` steps of ``session`` on its trajectory, then close (save) it; RunError naming
     the step or the save that failed on the machine (e.g. a full disk), never a traceback."""
@@ -615,8 +649,8 @@ def cmd_session(args: argparse.Namespace) -> int:
             throttle = float(parse_size(args.read_bandwidth))
         except ValueError as e:
             raise UsageError(f"--read-bandwidth: {e}") from None
-    if args.log_dir and Path(args.log_dir).exists() and not Path(args.log_dir).is_dir():
-        raise UsageError(f"--log-dir {args.log_dir}: is a file, expected a folder")
+    if args.log_dir is not None:
+        _check_log_dir(args.log_dir)
     resume_at = _resume_at(args)
     preset, codec = _resume_settings(args) if args.resume else (args.preset, args.codec)
     preset, codec = preset or "tiny", codec or "bf16"
@@ -631,8 +665,11 @@ def cmd_session(args: argparse.Namespace) -> int:
         "host_budget_bytes": budget, "mode": args.mode, "retrieval_k": args.retrieval_k,
         "throttle_bps": throttle, "warmup_segments": warmup, "codec": codec, "seed": args.seed,
     }  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="wp-session-") as tmp:
-        log_dir = Path(args.log_dir) if args.log_dir else Path(tmp) / "log"
+    with contextlib.ExitStack() as stack:
+        if args.log_dir is not None:
+            log_dir = Path(args.log_dir)
+        else:
+            log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="wp-session-"))) / "log"
         try:
             if args.resume:
                 session = Session.resume(log_dir, model, resume_at=resume_at, **opts)
@@ -650,6 +687,8 @@ def cmd_session(args: argparse.Namespace) -> int:
         except (ValueError, OSError, SegmentLogError) as e:
             if isinstance(e, LogFullError) or is_disk_full(e):  # the machine's failure, not the user's
                 raise RunError(f"session: {e}") from None
+            if isinstance(e, OSError) and not isinstance(e, SegmentLogError):
+                raise UsageError(_os_error(e, log_dir, args.resume)) from None
             raise UsageError(str(e)) from None
         _run_steps(session, segments, log_dir if args.log_dir else None)
         result = session.summary()
@@ -754,11 +793,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM, raised as Ctrl-C is, so that the command's `with` blocks run (its temporary folders
+    removed, its session closed and saved)."""
+
+
+def _raise_stopped(signum: int, frame: Any) -> None:
+    raise _Stopped
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command line: bad input is one line and exit 2, a failure of the machine exit 1, an
+    interrupt (Ctrl-C, SIGTERM) one line and 130 or 143, its temporary folders removed."""
+    import signal
+    import threading
+
+    held = None
+    if threading.current_thread() is threading.main_thread():
+        held = signal.signal(signal.SIGTERM, _raise_stopped)
+    args: argparse.Namespace | None = None
     try:
         args = build_parser().parse_args(argv)
         rc: int = args.fn(args)
         return rc
+    except KeyboardInterrupt as e:
+        kept = getattr(args, "log_dir", None)
+        where = f"; the steps it ran are kept in {kept} (continue with --resume)" if kept else ""
+        name = "SIGTERM" if isinstance(e, _Stopped) else "SIGINT"
+        print(f"worldpager: interrupted ({name}){where}", file=sys.stderr)
+        return 143 if isinstance(e, _Stopped) else 130
     except UsageError as e:
         print(f"worldpager: {e}", file=sys.stderr)
         return 2
@@ -767,6 +830,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else 0
+    finally:
+        if held is not None:
+            signal.signal(signal.SIGTERM, held)
 
 
 if __name__ == "__main__":
