@@ -155,7 +155,7 @@ def _prepare_out_file(value: str, flag: str, *, create: bool = True) -> Path:
 
     path = Path(_not_empty(value, flag, "a file to write"))
     if names_a_folder(value):  # (Path drops the slash: a file of the folder's name would be written)
-        raise UsageError(f"{flag} {value}: names a folder (it ends in /); give the path of a file to write")
+        raise UsageError(f"{flag} {value}: names a folder (it ends in / or .): give a file")
     if path.is_dir() or not path.name:
         raise UsageError(f"{flag} {value}: is a directory; give the path of a file to write")
     _prepare_dir(path.parent, flag, create=create, for_file=value)
@@ -1261,7 +1261,7 @@ def cmd_export(a: argparse.Namespace) -> int:
 
     _not_empty(a.out, "--out", "a file to write")  # not ".", the folder an empty path is
     if names_a_folder(a.out):  # (Path drops the slash: a file of the folder's name would be written)
-        raise UsageError(f"--out {a.out}: names a folder (it ends in /); give the path of a file to write")
+        raise UsageError(f"--out {a.out}: names a folder (it ends in / or .): give a file")
     to_stdout = a.out == "-"  # as `trace synth --out -` (a file named "-" is ./-)
     n = _export(load_config(a.config), a.since, sys.stdout if to_stdout else Path(a.out))
     where = "standard output" if to_stdout else a.out

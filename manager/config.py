@@ -396,7 +396,14 @@ def load_server_settings(path: str | Path) -> ServerConfig:
     certificate). A mistake elsewhere in the file is the service's to refuse (`reload` says it, exit
     1), not the reason a command cannot reach the service; one in `server` is a ConfigError."""
     file = str(path)
-    data = _parse_yaml(_read_config_text(path), file)
+    text = _read_config_text(path)
+    try:
+        data = _parse_yaml(text, file)
+    except ConfigError:  # (a YAML slip elsewhere in the file: its `server` block read alone)
+        block = _server_block(text)
+        if block is None:
+            raise
+        data = _parse_yaml(block, file)
     if not isinstance(data, dict):
         _validate(data, file)  # (raises: the top level is not a mapping)
     server = data.get("server")
@@ -413,6 +420,21 @@ def load_server_settings(path: str | Path) -> ServerConfig:
         raise ConfigError(
             file, [(_fmt_loc(loc), msg) for loc, msg in errors], [_line_of(data, loc) for loc, _ in errors]
         ) from None
+
+
+def _server_block(text: str) -> str | None:
+    """The top-level `server:` block of a config's text alone (its lines from `server:` to the next
+    top-level key), the other lines blanked so that line numbers stay the file's; None when there is
+    none (or it is written inline in a flow mapping)."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if re.match(r"server\s*:", line)), None)
+    if start is None:
+        return None
+    end = next(
+        (i for i in range(start + 1, len(lines)) if lines[i][:1] not in ("", " ", "\t", "#")),
+        len(lines),
+    )
+    return "\n" * start + "\n".join(lines[start:end]) + "\n"
 
 
 def _read_config_text(path: str | Path) -> str:

@@ -1445,7 +1445,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         if infer_async is not None:
             result: P.InferResult = await infer_async(device, model, inputs, timeout_s)
         elif batcher is not None:
-            result = await _within(batcher.submit(inputs), timeout_s, device, model)
+            result = await _within(batcher.submit(inputs, late), timeout_s, device, model)
         elif self._infer_s.get(model, 1.0) < INLINE_INFER_S and model not in self._slow_inline:
             # a turn of the loop first: a request served from memory awaits nothing that suspends,
             # so a caller serving in a loop would hold the loop (and threads' results) to itself

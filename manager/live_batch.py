@@ -39,15 +39,26 @@ class LocalBatcher:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.batches = 0
         self.requests = 0
+        self._carrying: dict[asyncio.Future[P.InferResult], asyncio.Task[Any]] = {}
+        """A request's future -> the batch on a thread that carries it, until that batch ends."""
 
-    async def submit(self, inputs: Inputs) -> P.InferResult:
+    async def submit(self, inputs: Inputs, late: list[asyncio.Future[Any]] | None = None) -> P.InferResult:
+        """The request's result. Cancelled (its deadline passed) while its batch runs on a thread,
+        that batch's task goes in `late`: its forward runs on (a thread cannot be stopped)."""
         loop = asyncio.get_running_loop()
         if loop is not self.loop:  # a new event loop (tests run several): the old one's futures are gone
             self.loop, self.queue, self.scheduled, self.running = loop, [], False, False
+            self._carrying = {}
         fut: asyncio.Future[P.InferResult] = loop.create_future()
         self.queue.append((inputs, fut))
         self._schedule()
-        return await fut
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            carrier = self._carrying.get(fut)
+            if carrier is not None and not carrier.done() and late is not None:
+                late.append(carrier)
+            raise
 
     def _schedule(self) -> None:
         if not self.scheduled and not self.running and self.queue and self.loop is not None:
@@ -73,12 +84,16 @@ class LocalBatcher:
         self.running = True
         assert self.loop is not None
         task = self.loop.create_task(asyncio.to_thread(self._call, items))
+        for _, f in batch:
+            self._carrying[f] = task
         task.add_done_callback(lambda t: self._done(batch, t))
 
     def _done(
         self, batch: list[tuple[Inputs, asyncio.Future[P.InferResult]]], task: asyncio.Task[Any]
     ) -> None:
         self.running = False
+        for _, f in batch:
+            self._carrying.pop(f, None)
         if task.cancelled():
             results = [self._failed("the batch was cancelled") for _ in batch]
         elif (e := task.exception()) is not None:  # (its thread's call abandoned at the stop)

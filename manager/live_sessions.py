@@ -70,16 +70,16 @@ def worker_error(code: str | None, message: str) -> Exception:
 def _with_replaced(reply: P.SessionReply, client_next: int, sid: str) -> P.SessionReply:
     """`reply` to a (re)open of session `sid` whose client was sent the segments before
     `client_next`: when the session continues at an earlier segment, the segments from there on are
-    ones its client was sent but that never reached the session's log (a full disk held them in host
-    RAM alone) and were lost with their device host. They are generated again, replacing those the
-    client has: ``replaced_segments`` ([first, last]) says so, and it is logged."""
+    ones its client was sent but whose saved copies are gone (a full disk held them in host RAM
+    alone, lost with their device host) or unusable (found corrupt). They are generated again,
+    replacing those the client has: ``replaced_segments`` ([first, last]) says so, and it is logged."""
     at = int(reply.data.get("next_segment", client_next))
     if at >= client_next:
         return reply
     logger.warning(
-        "world session %s: segments %d-%d were sent to its client but never saved (the disk was "
-        "full) and were lost with the device host: the session continues at segment %d, replacing them",
-        sid, at, client_next - 1, at,
+        "world session %s: segments %d-%d were sent to its client, but their saved copies are gone "
+        "(never saved on a full disk, and lost with the device host) or unusable (corrupt): the "
+        "session continues at segment %d, replacing them", sid, at, client_next - 1, at,
     )  # fmt: skip
     return replace(reply, data={**reply.data, "replaced_segments": [at, client_next - 1]})
 

@@ -817,8 +817,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         rc: int = args.fn(args)
         return rc
     except KeyboardInterrupt as e:
+        from worldpager.session import SESSION_FILE
+
         kept = getattr(args, "log_dir", None)
-        where = f"; the steps it ran are kept in {kept} (continue with --resume)" if kept else ""
+        saved = kept is not None and kept != "" and (Path(kept) / SESSION_FILE).is_file()  # (none: no step)
+        where = f"; the steps it ran are kept in {kept} (continue with --resume)" if saved else ""
         name = "SIGTERM" if isinstance(e, _Stopped) else "SIGINT"
         print(f"worldpager: interrupted ({name}){where}", file=sys.stderr)
         return 143 if isinstance(e, _Stopped) else 130

@@ -71,9 +71,11 @@ def _unusable_lines(d: dict[str, Any]) -> list[str]:
     if d.get("replaced_segments"):
         first, last = d["replaced_segments"]
         span = f"segment {first}" if first == last else f"segments {first}-{last}"
+        them = "it" if first == last else "them"
         replaced = [
-            f"{span}: sent, but never saved (the disk was full) and lost with the device host: the "
-            f"session continues at segment {first}, generating {'it' if first == last else 'them'} again"
+            f"{span}: sent, but {'its saved copy is' if first == last else 'their saved copies are'} "
+            "gone (never saved on a full disk, and lost with the device host) or unusable (corrupt): "
+            f"the session continues at segment {first}, generating {them} again"
         ]
     return replaced + slots + [f"segment {i}: missing" for i in d.get("missing_segments") or []]
 

@@ -344,6 +344,11 @@ def write_report(
         staged["index.html"].write_text(page, encoding="utf-8")
         for name, tmp in staged.items():
             os.replace(tmp, out_dir / name)
+    except OSError as e:  # named by the report's own file, not the staged one (removed below)
+        for name, tmp in staged.items():
+            if e.filename is not None and Path(e.filename) == tmp:
+                e.filename = str(out_dir / name)
+        raise
     finally:
         for tmp in staged.values():
             tmp.unlink(missing_ok=True)

@@ -73,16 +73,17 @@ def _trace_requests(
 
 
 def names_a_folder(value: str) -> bool:
-    """Whether the path `value` ends in a separator (``out/``), which names a folder: `Path` drops it
-    (``Path("x/").name`` is "x"), so a file named "x" would be written, or replace one."""
-    return value.endswith(("/", os.sep))
+    """Whether the path `value` names a folder by its form: it ends in a separator (``out/``), or in
+    ``.`` or ``..`` (``out/.``). `Path` drops those (``Path("x/").name`` is "x"), so a file named "x"
+    would be written, or replace one."""
+    return value.endswith(("/", os.sep)) or os.path.basename(value) in (".", "..")
 
 
 def check_out_path(out: Path | str) -> None:
     """Raise IsADirectoryError when `out` (followed through symlinks) is a directory (or has no
     file name), before anything is read or created."""
     if names_a_folder(str(out)):
-        why = "names a folder (it ends in /); give the path of a file"
+        why = "names a folder (it ends in / or .); give the path of a file"
         raise IsADirectoryError(errno.EISDIR, why, str(out))
     out = Path(out)
     if out.is_dir() or not out.name:

@@ -41,10 +41,12 @@ def test_an_out_ending_in_a_slash_is_refused_and_no_file_is_written(
     keep = tmp_path / "keep.jsonl"
     keep.write_text("a week\n")
     assert _synth(f"{keep}/") == 2
-    assert "names a folder (it ends in /)" in capsys.readouterr().err
+    assert "names a folder (it ends in / or .)" in capsys.readouterr().err
     assert keep.read_text() == "a week\n"
     assert _synth(f"{tmp_path / 'newdir'}/") == 2
     assert not (tmp_path / "newdir").exists()
+    assert _synth(f"{tmp_path / 'nd'}/.") == 2  # (Path("nd/.") is "nd" too)
+    assert not (tmp_path / "nd").exists()
     code = main(["tune", "--config", HANDWRITTEN, "--trace", WEEK, "--out", f"{tmp_path / 'tdir'}/"])
     assert code == 2 and not (tmp_path / "tdir").exists()
     assert "names a folder" in capsys.readouterr().err
@@ -109,7 +111,7 @@ def test_a_report_that_fails_part_way_names_itself_and_writes_nothing(
     code = main(["tune", "--config", HANDWRITTEN, "--trace", trace, "--out", str(out), "--report", str(rep)])
     err = capsys.readouterr().err
     assert code == 2, err
-    assert f"--report {rep}: No space left on device" in err, err
+    assert f"--report {rep}: No space left on device ({rep / 'memory.png'})" in err, err
     assert f"nor --out {out}" in err and not out.exists()
     assert sorted(os.listdir(rep)) == sorted(report_mod.REPORT_FILES)  # no partial file left
     assert all((rep / n).read_text() == f"the earlier {n}" for n in report_mod.REPORT_FILES)

@@ -16,6 +16,7 @@ waits on an event the test sets, registered for the test only."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -163,3 +164,16 @@ def test_one_slow_inline_call_sends_the_models_calls_to_a_thread(
         assert ticks >= 5, ticks
 
     _run(tmp_path, monkeypatch, body)
+
+
+def test_a_batched_model_whose_forward_outlives_its_deadline_stays_busy_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(Read-through: the first fix covered the unbatched thread path only; a model with max_batch > 1
+    runs its batches on a thread of the LocalBatcher, and was evicted under its running forward.)"""
+    old = "adapter: fake-r20-gated, device: cpu0, memory: 1MiB,\n     load_seconds"
+    assert old in CONFIG
+    monkeypatch.setattr(
+        sys.modules[__name__], "CONFIG", CONFIG.replace(old, old.replace("1MiB,", "1MiB, max_batch: 4,"), 1)
+    )
+    test_a_model_whose_forward_outlives_its_deadline_stays_busy_until_it_ends(tmp_path, monkeypatch)

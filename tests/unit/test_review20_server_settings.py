@@ -53,3 +53,22 @@ def test_a_mistake_in_the_server_section_or_the_file_is_said(tmp_path: Path, tex
 def test_a_missing_file_is_said(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="config file not found"):
         load_server_settings(tmp_path / "none.yaml")
+
+
+def test_a_yaml_slip_elsewhere_in_the_file_still_gives_its_server_section(tmp_path: Path) -> None:
+    """(Read-through: the whole file was parsed first, so a YAML syntax error anywhere still made the
+    admin commands exit 2 without asking the service.)"""
+    f = tmp_path / "c.yaml"
+    f.write_text(
+        "# my home\nserver:\n  listen: 127.0.0.1:50998   # mine\n\n  auth_token_env: T\n"
+        "policy: {default_keep_alive: [5m}\n"
+    )
+    with pytest.raises(ConfigError, match="YAML syntax error"):
+        load_config(f)
+    server = load_server_settings(f)
+    assert (server.listen, server.auth_token_env) == ("127.0.0.1:50998", "T")
+    # a mistake in the server block itself is still said, at its line in the file
+    f.write_text("devices: [\nserver:\n  listen: nowhere\n")
+    with pytest.raises(ConfigError) as e:
+        load_server_settings(f)
+    assert ":3: server.listen" in str(e.value), str(e.value)

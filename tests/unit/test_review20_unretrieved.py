@@ -78,9 +78,7 @@ def test_a_batch_whose_thread_call_fails_answers_its_waiters() -> None:
     async def main() -> list[P.InferResult]:
         loop = asyncio.get_running_loop()
         loop.set_exception_handler(lambda _loop, ctx: seen.append(ctx))
-        b = LocalBatcher.__new__(LocalBatcher)
-        b.model = "m"
-        b.running = False
+        b = LocalBatcher(None, "cpu0", "m", 4, lambda n: False)
         fut: asyncio.Future[P.InferResult] = loop.create_future()
 
         # (the executor's future ends in RuntimeError outside `_call`'s own handling, as

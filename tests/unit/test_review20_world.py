@@ -99,15 +99,16 @@ def test_segments_lost_with_a_full_disk_and_a_host_death_are_said_to_be_generate
         out = _output(sid, data)
         assert out.segment == 3 and out.resumed
         assert out.unusable[0] == (
-            "segments 3-5: sent, but never saved (the disk was full) and lost with the device host: "
-            "the session continues at segment 3, generating them again"
+            "segments 3-5: sent, but their saved copies are gone (never saved on a full disk, and lost "
+            "with the device host) or unusable (corrupt): the session continues at segment 3, generating "
+            "them again"
         )
         # and it goes on from there, as any session does
         assert (await lm.step_session(sid, POSES[7]))["step"] == 4
         await lm.close_session(sid)
 
     _run(tmp_path, body)
-    assert any("segments 3-5 were sent to its client but never saved" in r.message for r in caplog.records)
+    assert any("segments 3-5 were sent to its client, but their saved" in r.message for r in caplog.records)
 
 
 def test_a_reopen_at_the_clients_next_segment_says_nothing_is_replaced(tmp_path: Path) -> None:

@@ -119,3 +119,20 @@ def test_an_interrupted_session_in_a_log_dir_is_saved_and_said_so(tmp_path: Path
     assert list(tmp.iterdir()) == []  # no temporary folder made for it
     assert (d / SESSION_FILE).is_file()
     assert main(["session", "--log-dir", str(d), "--resume", "--segments", "1", "--json"]) == 0
+
+
+def test_an_interrupt_before_any_step_does_not_say_steps_were_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """(Read-through: "the steps it ran are kept in D (continue with --resume)" was said whenever
+    --log-dir was given, though a new session that ran no step leaves nothing to resume.)"""
+    from worldpager.session import Session
+
+    def interrupted(self: Session, pose: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Session, "step", interrupted)
+    d = tmp_path / "early"
+    assert main(_session("--log-dir", str(d))) == 130
+    assert capsys.readouterr().err.strip() == "worldpager: interrupted (SIGINT)"
+    assert not (d / SESSION_FILE).exists()
