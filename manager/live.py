@@ -1454,9 +1454,11 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             result = self.pool.infer(device, model, inputs, timeout_s)
             self._inline_took(model, time.perf_counter() - began)
         else:  # (the in-process host takes no deadline: the request is answered at its own)
-            forward = asyncio.get_running_loop().run_in_executor(
-                None, contextvars.copy_context().run, self.pool.infer, device, model, inputs, timeout_s
+            # (as asyncio.to_thread hands it over: the stop knows a model's call by that form)
+            call = functools.partial(
+                contextvars.copy_context().run, self.pool.infer, device, model, inputs, timeout_s
             )
+            forward = asyncio.get_running_loop().run_in_executor(None, call)
             try:
                 done, _ = await asyncio.wait({forward}, timeout=timeout_s)
             except asyncio.CancelledError:
