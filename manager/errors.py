@@ -35,3 +35,8 @@ class DeadlineExceeded(ResidencyError):
 
 class Unauthenticated(ResidencyError):
     """Missing or wrong bearer token on an admin call (UNAUTHENTICATED)."""
+
+
+class Unsupported(ResidencyError):
+    """A request for something this service does not offer (Triton's UNSUPPORTED, UNIMPLEMENTED):
+    another model repository than its one, say."""

@@ -17,6 +17,7 @@ from manager.errors import (
     ModelNotFound,
     ResidencyError,
     Unauthenticated,
+    Unsupported,
     WorkerUnavailable,
 )
 
@@ -30,6 +31,7 @@ STATUS: dict[type[ResidencyError], grpc.StatusCode] = {
     ModelFailed: grpc.StatusCode.INTERNAL,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    Unsupported: grpc.StatusCode.UNIMPLEMENTED,
 }
 
 T = TypeVar("T")

@@ -54,6 +54,7 @@ from manager.errors import (
     InvalidRequest,
     ModelNotFound,
     ResidencyError,
+    Unsupported,
 )
 from manager.live import LiveManager, Served
 from manager.units import shown
@@ -64,9 +65,13 @@ MODEL_INFER = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods_by_
 
 VERSION = "0.1.0"
 EXTENSIONS = ["model_repository", "residency_class", "priority"]
-DEFAULT_TIMEOUT_S = 60.0
 MAX_TIMEOUT_S = 86400.0
 """The longest a request's own `timeout` parameter may ask to wait (a day)."""
+DEFAULT_TIMEOUT_S = MAX_TIMEOUT_S
+"""A request with no deadline (no `timeout` parameter, or 0, and none on its call) waits as Triton's
+does, without one of the server's (it was 60 s: a slow model's forward, or a cold load of minutes,
+was cut off, blamed on a deadline the client never set); a day at most, its class's `max_wait` for
+admission, and the client may cancel."""
 VERSIONS = ("1",)
 WORLD_PLATFORM = "residency/world-session"
 """A world model's ModelMetadata platform: served by `residency.v1.WorldSession/Run`, not ModelInfer
@@ -169,6 +174,16 @@ def stats_of(manager: LiveManager) -> InferStats:
     except TypeError:
         return InferStats()
     return stats
+
+
+def _one_repository(name: str) -> None:
+    """Unsupported (UNIMPLEMENTED) for a `repository_name`, as Triton answers it: the service has
+    one repository, its config; a call naming one acted on that one all the same."""
+    if name:
+        raise Unsupported(
+            f"'repository_name' specification is not supported (got {shown(name, 60)}): the service has "
+            "one model repository, its config file; leave repository_name empty"
+        )
 
 
 def _param(p: Any) -> Any:
@@ -525,7 +540,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.RepositoryIndexRequest, context: Any
     ) -> pb.RepositoryIndexResponse:
         """Each model's state in Triton's words (READY, LOADING, UNAVAILABLE: a model off the GPU is
-        UNAVAILABLE "unloaded", as Triton says it, with the tier that holds it)."""
+        UNAVAILABLE "unloaded", as Triton says it, with the tier that holds it, or goes to)."""
+        _one_repository(request.repository_name)
         resp = pb.RepositoryIndexResponse()
         for name, live in self.manager.live.items():
             ready = self.manager.serving(name)
@@ -544,7 +560,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     if is_world(self.manager.engine.models[name])
                     else "a request"
                 )
-                state, reason = "UNAVAILABLE", f"unloaded (in the {live.tier} tier; {by} loads it)"
+                # the tier the books hold it in: where an unload under way takes it, not where it was
+                tier = self.manager.engine.models[name].tier.name.lower()
+                state, reason = "UNAVAILABLE", f"unloaded (in the {tier} tier; {by} loads it)"
             resp.models.add(name=name, version="1", state=state, reason=reason)
         return resp
 
@@ -552,6 +570,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryModelLoad(
         self, request: pb.RepositoryModelLoadRequest, context: Any
     ) -> pb.RepositoryModelLoadResponse:
+        _one_repository(request.repository_name)
         self.manager._model(request.model_name)
         if request.parameters:  # Triton's `config` override and `file:` contents: taken, they would be
             # ignored, and the client would believe the model now runs with them
@@ -568,6 +587,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryModelUnload(
         self, request: pb.RepositoryModelUnloadRequest, context: Any
     ) -> pb.RepositoryModelUnloadResponse:
+        _one_repository(request.repository_name)
         if request.model_name not in self.manager.live:
             raise ModelNotFound(f"unknown model {request.model_name!r}")
         self.manager.evict(request.model_name, "disk")

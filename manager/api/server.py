@@ -753,6 +753,7 @@ def _model_call(fn: Callable[..., Any], args: tuple[Any, ...], grace_s: float) -
         elif name == "session" and len(args) >= 3 and args[1] == "step":
             return f"the world step of session {args[2]!r} on {device}", P.SessionReply(
                 False,
+                error_code=P.INTERNAL,  # (it may still finish: not UNAVAILABLE, which clients retry)
                 error=f"the server is stopping, and this step on {device} had not ended {grace_s:g} s into "
                 "the stop; it was abandoned (its thread left running to the process's end)",
             )
@@ -764,10 +765,13 @@ def _model_call(fn: Callable[..., Any], args: tuple[Any, ...], grace_s: float) -
     what = f"the inference of {', '.join(repr(m) for m in models)} on {device}"
     why = (
         f"the server is stopping, and its inference on {device} had not ended {grace_s:g} s into the "
-        "stop; it was abandoned (its thread left running to the process's end): retry when the server "
-        "is back"
+        "stop; it was abandoned, its thread left running to the process's end, so it may still have "
+        "run to its end"
     )
-    answers = [P.InferResult(str(m), False, error=f"model {str(m)!r}: {why}") for m, _ in items]
+    # INTERNAL (the model may have run, its answer lost), not UNAVAILABLE: retry policies retry that,
+    # and a stateful model (a voice detector) would run it twice
+    names = [str(m) for m, _ in items]
+    answers = [P.InferResult(n, False, error_code=P.INTERNAL, error=f"model {n!r}: {why}") for n in names]
     return what, (answers[0] if name == "infer" else answers)
 
 

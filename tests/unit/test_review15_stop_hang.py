@@ -8,10 +8,11 @@ thread (`shutdown_default_executor`, no timeout in Python 3.11) and the process 
 second SIGINT (or SIGTERM) did nothing either: it was only counted. Now:
 
 - `serve`'s default executor is `StopBoundedExecutor`: at the stop's grace, an inference still
-  running in this process is answered UNAVAILABLE, "the server is stopping" (logged in the request
-  log as a failed request), its thread left to the process's end; the stop goes on as usual (the
-  request log flushed, the statistics saved) and the process exits with its usual status, its last
-  log line naming the inference (`manager.cli._exit_past_abandoned`);
+  running in this process is answered INTERNAL (since review 20; it was UNAVAILABLE), "the server
+  is stopping" (logged in the request log as a failed request), its thread left to the process's
+  end; the stop goes on as usual (the request log flushed, the statistics saved) and the process
+  exits with its usual status, its last log line naming the inference
+  (`manager.cli._exit_past_abandoned`);
 - a second stop signal while the stop is under way ends the process at once: one line on stderr,
   exit status 128 + the signal, even while the event loop is held by a blocking step of the stop.
 
@@ -240,7 +241,7 @@ def test_an_inference_that_never_returns_no_longer_holds_the_stop(served: Any) -
     assert rc == 0, text
     assert "Traceback" not in text and "Fatal Python error" not in text
     ((code, details),) = answers
-    assert code == "UNAVAILABLE", details
+    assert code == "INTERNAL", details  # (review 20: it may have run; was UNAVAILABLE)
     assert details.startswith("model 'hung': the server is stopping, and its inference on cpu0 had not ended")
     last = text.strip().splitlines()[-1]
     assert "WARNING manager.cli:" in last
