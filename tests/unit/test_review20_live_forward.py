@@ -25,16 +25,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
+from live_helpers import run
+from test_review19_metrics_sessions import FakeZeros
 
 from manager import live as live_mod
 from manager.config import load_config
 from manager.errors import DeadlineExceeded
 from manager.live import LiveManager
 from manager.policy.types import Tier
-from manager.workers_bridge import create_pool
-from workers import protocol as P
-from workers.adapters import ADAPTERS, Adapter, HostCopy
+from workers.adapters import ADAPTERS
 
 CONFIG = """
 devices: [{name: cpu0, kind: cpu, memory: 1GiB, reserve: 128MiB}]
@@ -50,29 +49,11 @@ GATE = threading.Event()  # a forward whose input is x > 0 waits for it (x secon
 SPIN = {"s": 0.0}  # a forward whose input is x < 0 holds its thread -x seconds (awake: not sleeping)
 
 
-class FakeGated(Adapter):
+class FakeGated(FakeZeros):
     """A fake model for the test: input x (FP32, 1); x > 0: waits for GATE (x s at most); x < 0:
     busy for -x s; else returns at once."""
 
     name = "fake-r20-gated"
-
-    def inputs(self) -> list[P.TensorSpec]:
-        return [P.TensorSpec("x", "FP32", (1,))]
-
-    def outputs(self) -> list[P.TensorSpec]:
-        return [P.TensorSpec("y", "FP32", (1,))]
-
-    def read(self, ph: Any) -> HostCopy:
-        return HostCopy(tensors={"w": torch.zeros(4)})
-
-    def materialize(self, host: HostCopy, ph: Any) -> Any:
-        return host.tensors
-
-    def to_host(self, runnable: Any, ph: Any) -> HostCopy:
-        return HostCopy(tensors=runnable)
-
-    def runnable_bytes(self, runnable: Any) -> int:
-        return 16
 
     def infer(self, runnable: Any, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         x = float(inputs["x"][0])
@@ -90,21 +71,15 @@ def _run(
 ) -> Any:
     monkeypatch.setitem(ADAPTERS, "fake-r20-gated", FakeGated)
     (tmp_path / "c.yaml").write_text(CONFIG)
-    config = load_config(tmp_path / "c.yaml")
     GATE.clear()
 
-    async def main() -> Any:
-        pool = create_pool(config, in_process=True)
-        lm = LiveManager(config, pool)
-        await lm.start()
+    async def gated(lm: LiveManager) -> Any:
         try:
             return await body(lm)
         finally:
-            GATE.set()
-            await lm.stop()
-            pool.close()
+            GATE.set()  # (a forward still waiting ends before the stop)
 
-    return asyncio.run(main())
+    return run(load_config(tmp_path / "c.yaml"), gated)
 
 
 def _x(v: float) -> dict[str, np.ndarray]:

@@ -14,7 +14,6 @@ stand-in, the manager over the in-process pool):
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,7 +22,7 @@ from typing import Any
 
 import grpc
 import pytest
-from live_helpers import POSES, world_config
+from live_helpers import POSES, run, world_config
 
 import worldpager.session as wps
 import worldpager.session_store as st
@@ -32,7 +31,6 @@ from manager.api.world import WorldSessionServicer, _output
 from manager.config import load_config
 from manager.errors import InvalidRequest, ModelFailed
 from manager.live import LiveManager
-from manager.workers_bridge import create_pool
 from residency_proto.v1 import residency_pb2 as pb
 from workers import protocol as P
 from workers.host import DeviceHost
@@ -50,18 +48,7 @@ def _run(
         assert patch[0] in text
         (tmp_path / "c.yaml").write_text(text.replace(*patch))
         config = load_config(tmp_path / "c.yaml")
-
-    async def main() -> Any:
-        pool = create_pool(config, in_process=True)
-        lm = LiveManager(config, pool)
-        await lm.start()
-        try:
-            return await body(lm)
-        finally:
-            await lm.stop()
-            pool.close()
-
-    return asyncio.run(main())
+    return run(config, body)
 
 
 def _segment_bytes() -> int:
