@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import errno
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 from live_helpers import POSES, run, world_config
+from test_review17_world_stream import Aborted, HeldAfter, _inputs, _pose
 
 import worldpager.session as wps
 import worldpager.session_store as st
@@ -113,33 +114,6 @@ def test_a_reopen_at_the_clients_next_segment_says_nothing_is_replaced(tmp_path:
     _run(tmp_path, body)
 
 
-class _Aborted(Exception):
-    pass
-
-
-class _Context:
-    def __init__(self) -> None:
-        self.written: list[pb.WorldOutput] = []
-        self.aborted: list[tuple[grpc.StatusCode, str]] = []
-
-    async def write(self, out: pb.WorldOutput) -> None:
-        self.written.append(out)
-
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
-        self.aborted.append((code, details))
-        raise _Aborted(details)
-
-
-def _action(i: int) -> pb.WorldInput:
-    x, y, z, pitch, yaw = POSES[i]
-    return pb.WorldInput(action=pb.WorldAction(x=x, y=y, z=z, pitch=pitch, yaw=yaw))
-
-
-async def _messages(*msgs: pb.WorldInput) -> AsyncIterator[pb.WorldInput]:
-    for m in msgs:
-        yield m
-
-
 def test_a_step_whose_model_raises_ends_the_stream_internal(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -155,10 +129,10 @@ def test_a_step_whose_model_raises_ends_the_stream_internal(
     monkeypatch.setattr(WorldSessions, "step", step)
 
     async def body(lm: LiveManager) -> None:
-        ctx = _Context()
+        ctx = HeldAfter(ok=100)  # (every output goes out)
         start = pb.WorldInput(start=pb.WorldStart(model="world"))
-        with pytest.raises(_Aborted):
-            await WorldSessionServicer(lm)._run(_messages(start, _action(0), _action(1), _action(2)), ctx)
+        with pytest.raises(Aborted):
+            await WorldSessionServicer(lm)._run(_inputs(start, _pose(0), _pose(1), _pose(2)), ctx)
         assert [o.segment for o in ctx.written] == [-1, 0]
         ((code, details),) = ctx.aborted
         assert code == grpc.StatusCode.INTERNAL, details  # was UNAVAILABLE
