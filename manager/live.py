@@ -26,7 +26,7 @@ import math
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -229,6 +229,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self._task: asyncio.Task[None] | None = None
         self.started = False
         self._stopping = asyncio.Event()  # set at stop: requests still waiting for a load give up
+        self._stop_answer: asyncio.Future[None] | None = None  # done at the stop's grace (`abandon_waits`)
         self.waits: dict[str, deque[float]] = {c.name: deque(maxlen=WAIT_WINDOW) for c in config.classes}
         self.wait_total_s = 0.0  # every served request's wait, summed since start
         self.rejected = 0  # requests admission refused (no room, a full queue): never run
@@ -292,6 +293,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
         self._stopping.clear()
+        self._stop_answer = None
         if self.journal is not None:  # requests served before a crash, not yet in the store
             self._log_buf = self.journal.read() + self._log_buf
             await self.flush_log()
@@ -321,6 +323,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self._stopping.set()
         for w in self._room_waits:  # (those waiting for room: now, not at their next poll)
             w.done.set()
+        if self._stop_answer is not None and not self._stop_answer.done():
+            self._stop_answer.set_result(None)  # (the forwards on Ray's device hosts: answered now)
 
     async def stop(self) -> None:
         """Stop: what still waits for a load is answered at once (`abandon_waits`), the reconciler
@@ -1442,8 +1446,10 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         put in `late` (it runs on: a thread cannot be stopped)."""
         infer_async = getattr(self.pool, "infer_async", None)
         batcher = None if infer_async is not None else self._batcher(device, model)
-        if infer_async is not None:
+        if infer_async is not None and self._stopping.is_set():
             result: P.InferResult = await infer_async(device, model, inputs, timeout_s)
+        elif infer_async is not None:
+            result = await self._infer_on_host(infer_async, device, model, inputs, timeout_s, late)
         elif batcher is not None:
             result = await _within(batcher.submit(inputs, late), timeout_s, device, model)
         elif self._infer_s.get(model, 1.0) < INLINE_INFER_S and model not in self._slow_inline:
@@ -1477,6 +1483,37 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             prev, took = self._infer_s.get(model), result.hold_seconds
             self._infer_s[model] = took if prev is None else 0.8 * prev + 0.2 * took
         return result
+
+    async def _infer_on_host(
+        self,
+        infer_async: Callable[..., Awaitable[P.InferResult]],
+        device: str,
+        model: str,
+        inputs: dict[str, np.ndarray],
+        timeout_s: float,
+        late: list[asyncio.Future[Any]] | None,
+    ) -> P.InferResult:
+        """A forward on a device host of its own (Ray), answered at the stop's grace if it has not
+        ended (`abandon_waits`) as an in-process one is: INTERNAL, it may still run to its end (the
+        stop cancelled the call before: gRPC's UNAVAILABLE "Cancelling all calls", which clients
+        retry, and no record in the request log). The call itself goes on, in `late`."""
+        if self._stop_answer is None or self._stop_answer.get_loop() is not asyncio.get_running_loop():
+            self._stop_answer = asyncio.get_running_loop().create_future()
+        work: asyncio.Future[Any] = asyncio.ensure_future(infer_async(device, model, inputs, timeout_s))
+        await asyncio.wait({work, self._stop_answer}, return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            result: P.InferResult = work.result()
+            return result
+        if late is not None:
+            late.append(work)
+        else:
+            work.add_done_callback(read_outcome)
+        return P.InferResult(
+            model, False, error_code=P.INTERNAL,
+            error=f"model {model!r}: the server is stopping, and its inference on {device} had not ended "
+            "by the stop's grace; it was abandoned, its device host left to run it, so it may still have "
+            "run to its end",
+        )  # fmt: skip
 
     def _inline_took(self, model: str, wall_s: float) -> None:
         """An inline call of `model` held the event loop `wall_s`: past INLINE_SLOW_S (a forward

@@ -551,7 +551,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 state, reason = "READY", ""
             elif live.error:
                 state, reason = "UNAVAILABLE", live.error
-            elif live.loads_pending:
+            elif live.loads_pending or name in self.manager._held_loads:  # (an abandoned load held)
                 state, reason = "LOADING", ""
             else:  # "UNLOADED" was no state of Triton's: a client matching its states met an unknown one
                 # (a world model's ModelInfer is refused, never loading it)

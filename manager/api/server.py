@@ -687,9 +687,11 @@ past it, those still waiting for a load are answered UNAVAILABLE (the service is
 load is abandoned to its device host (a Ray actor finishes it, or not, on its own; device hosts in
 this process abandon it at the pool's close, logged naming the model and device: the process's exit
 does not wait for it; `residency serve` then ends the process itself when a load it abandoned still
-runs: `manager.cli._exit_past_abandoned`). So are those whose model's forward still runs in this
-process (in-process device hosts: a forward that may never return), answered UNAVAILABLE "the server
-is stopping", its thread left to the process's end (`StopBoundedExecutor.abandon_running`)."""
+runs: `manager.cli._exit_past_abandoned`). Those whose model's forward still runs are answered
+INTERNAL "the server is stopping" (it may still run to its end: not UNAVAILABLE, which clients
+retry): in this process (a forward that may never return) its thread is left to the process's end
+(`StopBoundedExecutor.abandon_running`); on a device host of its own (Ray) the host runs it on
+(`LiveManager.abandon_waits`)."""
 STOP_ANSWER_S = 1.0
 """After the grace, how long the gRPC server gives the requests answered so to be sent, before it
 cancels what is still running."""
@@ -735,7 +737,7 @@ def _model_call(fn: Callable[..., Any], args: tuple[Any, ...], grace_s: float) -
     `LocalBatcher._call`) or a world session's step: what it is ("the inference of 'x' on cpu0") and
     the answer its caller gets when the stop abandons it `grace_s` into the stop, a failed one of
     the kind it returns, saying that the server is stopping (the manager answers its request
-    UNAVAILABLE, and logs it). None for any other call (a store's write, a status read: waited for)."""
+    INTERNAL, and logs it). None for any other call (a store's write, a status read: waited for)."""
     from manager.live_batch import LocalBatcher
 
     fn, args = _to_thread_target(fn, args)

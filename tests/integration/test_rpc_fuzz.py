@@ -37,6 +37,7 @@ CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local-cpu.yaml"
 ALLOWED = {
     grpc.StatusCode.OK, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,
     grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.UNIMPLEMENTED,  # (a repository_name, as Triton answers it: review 20)
 }  # fmt: skip
 DATATYPES = ["FP32", "FP16", "FP64", "INT64", "INT32", "INT8", "UINT8", "BOOL", "BYTES", "BF16", "fp32", ""]
 

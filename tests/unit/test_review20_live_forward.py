@@ -30,7 +30,7 @@ from test_review19_metrics_sessions import FakeZeros
 
 from manager import live as live_mod
 from manager.config import load_config
-from manager.errors import DeadlineExceeded
+from manager.errors import DeadlineExceeded, ModelFailed
 from manager.live import LiveManager
 from manager.policy.types import Tier
 from workers.adapters import ADAPTERS
@@ -152,3 +152,59 @@ def test_a_batched_model_whose_forward_outlives_its_deadline_stays_busy_too(
         sys.modules[__name__], "CONFIG", CONFIG.replace(old, old.replace("1MiB,", "1MiB, max_batch: 4,"), 1)
     )
     test_a_model_whose_forward_outlives_its_deadline_stays_busy_until_it_ends(tmp_path, monkeypatch)
+
+
+class _HostOfItsOwn:
+    """The in-process pool driven as the Ray pool is: `infer_async`, the forward awaited on a thread
+    of its own (not the service's executor, which the stop's grace knows)."""
+
+    def __init__(self, pool: Any) -> None:
+        self._pool = pool
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pool, name)
+
+    async def infer_async(self, device: str, model: str, inputs: Any, timeout_s: float) -> Any:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Any] = loop.create_future()
+
+        def forward() -> None:
+            result = self._pool.infer(device, model, inputs, timeout_s)
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
+
+        threading.Thread(target=forward, daemon=True).start()
+        return await done
+
+
+def test_a_forward_on_a_host_of_its_own_is_answered_internal_at_the_stops_grace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(Read-through: with Ray's device hosts, a forward still running at the stop's grace was cut by
+    the gRPC server's stop, "Cancelling all calls" (UNAVAILABLE, which clients retry), and its request
+    was never logged; in process it is answered INTERNAL and logged as a failed request.)"""
+    monkeypatch.setitem(ADAPTERS, "fake-r20-gated", FakeGated)
+    (tmp_path / "c.yaml").write_text(CONFIG)
+    GATE.clear()
+
+    async def body(lm: LiveManager) -> None:
+        try:
+            asking = asyncio.ensure_future(lm.infer("slow", _x(30.0), timeout_s=60.0))
+            for _ in range(500):
+                if lm.live["slow"].inflight:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)
+            lm.abandon_waits()  # the stop's grace
+            with pytest.raises(ModelFailed, match="the server is stopping, and its inference on cpu0"):
+                await asyncio.wait_for(asking, 5)
+            assert lm.failed == 0 and lm.served == 1  # it ran (or may have): a request, failed
+            assert lm.live["slow"].inflight == 1  # its forward runs on: the model is in use
+        finally:
+            GATE.set()
+        for _ in range(500):
+            if not lm.live["slow"].inflight:
+                break
+            await asyncio.sleep(0.01)
+        assert lm.live["slow"].inflight == 0
+
+    run(load_config(tmp_path / "c.yaml"), body, wrap=_HostOfItsOwn)

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from live_helpers import grpc_service, on_port_0
+from live_helpers import CONFIG, grpc_service, on_port_0, run, until
 
 from manager.api.oip import MAX_TIMEOUT_S, InferenceServicer
 from manager.config import load_config
+from manager.live import LiveManager
 from residency_proto.inference import grpc_service_pb2 as pb
 from residency_proto.inference import grpc_service_pb2_grpc as pb_grpc
 
@@ -70,3 +71,25 @@ def test_a_repository_name_is_unimplemented_and_an_unload_says_where_the_model_g
             assert embed.reason == "unloaded (in the disk tier; a request loads it)", embed.reason
 
     asyncio.run(main())
+
+
+def test_a_model_whose_abandoned_load_is_held_reads_as_loading() -> None:
+    """(Read-through: once the index named the tier the books hold a model in, a model whose abandoned
+    load is held on its host, booked on the GPU so nothing else takes that room, read "unloaded (in
+    the gpu tier; a request loads it)", though a request is refused while that load runs.)"""
+
+    async def body(lm: LiveManager) -> None:
+        await until(lambda: lm.serving("embed"), "embed to load")
+        lm.evict("embed", "disk")
+        m = lm.engine.models["embed"]
+        await until(lambda: lm.live["embed"].tier == "disk", "embed to go to disk")
+        # as a restarted manager's resync does when its host's status lists the load as abandoned
+        assert lm._hold_abandoned(m, "its load did not finish within 15 minutes (load_timeout)")
+        try:
+            index = await InferenceServicer(lm, None).RepositoryIndex(pb.RepositoryIndexRequest(), None)
+            (embed,) = [e for e in index.models if e.name == "embed"]
+            assert (embed.state, embed.reason) == ("LOADING", ""), embed
+        finally:
+            lm._held_loads.clear()
+
+    run(load_config(CONFIG), body)
