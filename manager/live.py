@@ -1500,7 +1500,12 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         if self._stop_answer is None or self._stop_answer.get_loop() is not asyncio.get_running_loop():
             self._stop_answer = asyncio.get_running_loop().create_future()
         work: asyncio.Future[Any] = asyncio.ensure_future(infer_async(device, model, inputs, timeout_s))
-        await asyncio.wait({work, self._stop_answer}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.wait({work, self._stop_answer}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # (as when the call was awaited directly: it is cancelled too)
+            work.cancel()
+            work.add_done_callback(read_outcome)
+            raise
         if work.done():
             result: P.InferResult = work.result()
             return result
