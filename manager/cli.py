@@ -147,15 +147,21 @@ def _not_empty(value: str, flag: str, what: str) -> str:
     return value
 
 
+def _not_a_folder_name(value: str, flag: str) -> None:
+    """UsageError when the path `value` names a folder by its form (`out/`, `out/.`): `Path` drops
+    that, and a file of the folder's name would be written (`names_a_folder`)."""
+    from manager.store.export import names_a_folder
+
+    if names_a_folder(value):
+        raise UsageError(f"{flag} {value}: names a folder (it ends in / or .): give a file")
+
+
 def _prepare_out_file(value: str, flag: str, *, create: bool = True) -> Path:
     """The file `flag` names, checked before any work is done: not empty, not a directory, its
     folder made (as `trace synth` does; with `create` False only checked) and writable, an existing
     file writable. UsageError naming `flag`."""
-    from manager.store.export import names_a_folder
-
     path = Path(_not_empty(value, flag, "a file to write"))
-    if names_a_folder(value):  # (Path drops the slash: a file of the folder's name would be written)
-        raise UsageError(f"{flag} {value}: names a folder (it ends in / or .): give a file")
+    _not_a_folder_name(value, flag)
     if path.is_dir() or not path.name:
         raise UsageError(f"{flag} {value}: is a directory; give the path of a file to write")
     _prepare_dir(path.parent, flag, create=create, for_file=value)
@@ -1257,11 +1263,8 @@ def cmd_events(a: argparse.Namespace) -> int:
 
 
 def cmd_export(a: argparse.Namespace) -> int:
-    from manager.store.export import names_a_folder
-
     _not_empty(a.out, "--out", "a file to write")  # not ".", the folder an empty path is
-    if names_a_folder(a.out):  # (Path drops the slash: a file of the folder's name would be written)
-        raise UsageError(f"--out {a.out}: names a folder (it ends in / or .): give a file")
+    _not_a_folder_name(a.out, "--out")
     to_stdout = a.out == "-"  # as `trace synth --out -` (a file named "-" is ./-)
     n = _export(load_config(a.config), a.since, sys.stdout if to_stdout else Path(a.out))
     where = "standard output" if to_stdout else a.out

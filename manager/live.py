@@ -1325,7 +1325,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         if not call.done():
             call.add_done_callback(lambda c: self._ended_when_done(m, start, c, late))
         elif late:
-            call.cancelled() or call.exception()  # (retrieved: its DEADLINE answer was given)
+            read_outcome(call)  # (its DEADLINE answer was given)
             late[0].add_done_callback(functools.partial(self._call_ended, m, start))
         else:
             self._call_ended(m, start, call)

@@ -33,6 +33,7 @@ from manager.errors import (
     ModelNotFound,
     WorkerUnavailable,
 )
+from manager.live_persist import read_outcome
 from manager.policy.engine import Engine
 from manager.policy.types import ActionKind
 from workers import protocol as P
@@ -628,8 +629,7 @@ class WorldSessionsMixin:
         def done(t: asyncio.Task[Any]) -> None:
             if self._reopening.get(sid) is t:
                 del self._reopening[sid]
-            if not t.cancelled():
-                t.exception()  # retrieved, if nobody waits
+            read_outcome(t)  # (if nobody waits)
 
         call.add_done_callback(done)
         reply = await asyncio.shield(call)
@@ -785,7 +785,7 @@ class WorldSessionsMixin:
 
         host_close = self._in_background(close_on_host())
         host_close.set_name(_CLOSING + sid)  # (an open waits for it, a prune keeps its directory)
-        host_close.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved, if nobody waits
+        host_close.add_done_callback(read_outcome)  # (if nobody waits)
         try:  # the books are closed even when this is cancelled (or the host fails) midway
             reply = await asyncio.shield(host_close)
         finally:

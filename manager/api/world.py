@@ -43,6 +43,7 @@ import grpc
 from manager.api.errors import details_of, status_of
 from manager.errors import DeadlineExceeded, InvalidRequest, ResidencyError
 from manager.live import LiveManager
+from manager.live_persist import read_outcome
 from manager.live_sessions import SessionResumable
 from manager.units import format_duration
 from residency_proto.v1 import residency_pb2 as pb
@@ -127,12 +128,6 @@ def _unread(sid: str, waited_s: float) -> DeadlineExceeded:
     )
 
 
-def _retrieve(f: asyncio.Future[Any]) -> None:
-    """Read a finished future's exception, so asyncio never logs it as not retrieved."""
-    if not f.cancelled():
-        f.exception()
-
-
 def _idle(sid: str, idle_s: float) -> DeadlineExceeded:
     return DeadlineExceeded(
         f"world session {sid} was idle for {format_duration(idle_s)} (no action within "
@@ -178,7 +173,7 @@ class WorldSessionServicer(pb_grpc.WorldSessionServicer):
         write = asyncio.ensure_future(context.write(out))
         # its error read whatever becomes of this task (a client's cancel fails the write and cancels
         # the handler in one turn: asyncio logged "Task exception was never retrieved" at each)
-        write.add_done_callback(_retrieve)
+        write.add_done_callback(read_outcome)
         stop = asyncio.ensure_future(self.stopping.wait())
         try:
             await asyncio.wait((write, stop), timeout=limit_s, return_when=asyncio.FIRST_COMPLETED)

@@ -79,12 +79,10 @@ def names_a_folder(value: str) -> bool:
     return value.endswith(("/", os.sep)) or os.path.basename(value) in (".", "..")
 
 
-def check_out_path(out: Path | str) -> None:
+def check_out_path(out: Path) -> None:
     """Raise IsADirectoryError when `out` (followed through symlinks) is a directory (or has no
-    file name), before anything is read or created."""
-    if names_a_folder(str(out)):
-        why = "names a folder (it ends in / or .); give the path of a file"
-        raise IsADirectoryError(errno.EISDIR, why, str(out))
+    file name), before anything is read or created. (A path given as text that names a folder by
+    its form, `out/`, is the caller's to refuse: `names_a_folder`; a Path has lost that form.)"""
     out = Path(out)
     if out.is_dir() or not out.name:
         raise IsADirectoryError(errno.EISDIR, "is a directory; give the path of a file", str(out))
