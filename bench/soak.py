@@ -53,6 +53,7 @@ import os
 import random
 import shlex
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -778,10 +779,28 @@ def parse(argv: list[str] | None = None) -> Options:
                    rss_bound_mib=a.rss_bound_mib, events=a.events)  # fmt: skip
 
 
+class Terminated(SystemExit):
+    """SIGTERM, raised where the soak runs so its stop and temporary folders' removal still run."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise Terminated(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     opts = parse(argv)
     t0 = time.monotonic()
-    result = run_soak(opts)
+    # A kill (SIGTERM) ends the soak as Ctrl-C does: the manager stops, its session logs and the
+    # temporary folder go (by default a SIGTERM ends the process there and then, leaving them).
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        result = run_soak(opts)
+    except KeyboardInterrupt:
+        log("interrupted: no result")
+        return 130
+    except Terminated as e:
+        log("terminated: no result")
+        return int(e.code or 143)
     args = argv if argv is not None else sys.argv[1:]
     result["command"] = shlex.join(["python", "bench/soak.py", *args])
     result["machine"] = {"cpus": os.cpu_count()}
