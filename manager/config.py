@@ -967,6 +967,96 @@ def _measure_noted(text: str, before: Any, updates: dict[str, dict[str, Any]], e
     return _if_same("".join(lines), expected, text)
 
 
+AliasComment = tuple[tuple[Any, ...], str, int]
+"""(the path of keys and indices to a field whose value is an alias, its line's own end-of-line
+comment, that comment's column)."""
+
+
+def _alias_comments(data: Any) -> list[AliasComment]:
+    """Take out of round-trip `data` the end-of-line comments of lines whose value is an alias of a
+    scalar (`keep_alive: *ka  # words`), and return them, for `_with_alias_comments`.
+
+    ruamel reads such a line with the comment of the line its anchor is on (the node is shared, and
+    so is its comment) and puts the line's own comment before the next item of an enclosing
+    collection, or at its end; it writes a shared node's comment once, beside the anchor. Written
+    back, the anchor's words would land on the alias's line (or the alias's on the anchor's) and the
+    alias's words on a line of their own below. Here the alias loses the shared comment, and its own
+    comment goes back on its line after the file is written."""
+    tokens: dict[int, tuple[list[Any], CommentToken]] = {}  # line: (the list holding it, the token)
+    aliases: list[tuple[tuple[Any, ...], Any, Any]] = []  # (path, mapping, key)
+    seen: set[int] = set()
+    stack: list[tuple[tuple[Any, ...], Any]] = [((), data)]
+    while stack:
+        path, node = stack.pop()
+        if id(node) in seen or not isinstance(node, dict | list):
+            continue
+        seen.add(id(node))
+        ca = getattr(node, "ca", None)
+        held: list[Any] = [ca.end, ca.comment, *ca.items.values()] if ca is not None else []
+        while held:
+            x = held.pop()
+            if isinstance(x, list):
+                held.extend(y for y in x if isinstance(y, list))
+                for tok in x:
+                    if isinstance(tok, CommentToken) and tok.start_mark is not None:
+                        tokens.setdefault(tok.start_mark.line, (x, tok))
+        for key, value in node.items() if isinstance(node, dict) else ():
+            anchor = getattr(getattr(value, "anchor", None), "value", None)
+            if anchor is not None and not isinstance(value, dict | list) and hasattr(node, "lc"):
+                aliases.append(((*path, key), node, key))
+        children = node.items() if isinstance(node, dict) else enumerate(node)
+        stack.extend(((*path, k), v) for k, v in children)
+    out: list[AliasComment] = []
+    for path, mapping, key in aliases:
+        try:
+            key_line, value_line = int(mapping.lc.key(key)[0]), int(mapping.lc.value(key)[0])
+        except (KeyError, TypeError, IndexError):
+            continue
+        if value_line >= key_line:  # the anchor itself (an alias comes after its anchor)
+            continue
+        slot = mapping.ca.items.get(key)
+        shared = slot[2] if slot and len(slot) > 2 else None
+        if (
+            isinstance(shared, CommentToken)
+            and shared.start_mark is not None
+            and shared.start_mark.line == value_line  # the anchor line's comment
+        ):
+            del mapping.ca.items[key]
+        own = tokens.pop(key_line, None)
+        if own is None or not own[1].value.startswith("#"):
+            continue
+        held_in, tok = own
+        first, _, rest = tok.value.partition("\n")
+        if rest:  # blank lines and comment lines after it stay where they are
+            tok.value = rest
+        else:
+            held_in.remove(tok)
+        out.append((path, first.rstrip(), tok.start_mark.column))
+    return out
+
+
+def _with_alias_comments(text: str, comments: list[AliasComment], expected: Any) -> str:
+    """`text` with each comment of `_alias_comments` back at the end of its field's line (where that
+    line has no comment of its own now); `text` as it is if that would not read back as `expected`."""
+    if not comments:
+        return text
+    data = _yaml().load(text)
+    lines = text.splitlines(keepends=True)
+    for path, comment, column in comments:
+        node = data
+        try:
+            for part in path[:-1]:
+                node = node[part]
+            line = int(node.lc.key(path[-1])[0])
+        except (KeyError, IndexError, TypeError, AttributeError):
+            continue
+        if line >= len(lines) or "#" in lines[line]:
+            continue
+        body = lines[line].rstrip("\r\n")
+        lines[line] = body + " " * max(2, column - len(body)) + comment + "\n"
+    return _if_same("".join(lines), expected, text)
+
+
 def write_config_with_updates(
     src: Path,
     dst: Path,
@@ -992,6 +1082,7 @@ def write_config_with_updates(
         raw = f.read()
     newline = _newline_of(raw)
     data = _parse_yaml(raw.replace("\r\n", "\n").replace("\r", "\n"), str(src))
+    alias_comments = _alias_comments(data)
     try:
         expected = _plain(data)  # every alias its own copy: what the updates alone should give
     except (_TooManyNodes, RecursionError):
@@ -1001,7 +1092,7 @@ def write_config_with_updates(
     _apply(expected, "classes", class_updates or {}, str(src))
     _apply(data, "models", model_updates, str(src))
     _apply(data, "classes", class_updates or {}, str(src))
-    text = _dump_unshared(data, expected, str(src))
+    text = _with_alias_comments(_dump_unshared(data, expected, str(src)), alias_comments, expected)
     if note_changes:
         text, expected = _noted(
             text, before, {"models": model_updates, "classes": class_updates or {}}, expected

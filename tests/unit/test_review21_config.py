@@ -1,0 +1,83 @@
+"""A config written again (tune, measure) keeps each comment on the line it was written on when a
+value is an alias of an anchored scalar (`keep_alive: *ka  # words`). ruamel reads the alias with the
+anchor line's comment and moves the alias line's own comment below it: tune wrote one model's comment
+on another model's line, and the right one on a line of its own."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from manager.config import load_config, write_config_with_updates
+
+CONFIG = """\
+devices:
+  - {name: cpu0, kind: cpu, memory: 4GiB, reserve: 512MiB}
+host: {memory: 16GiB, reserve: 4GiB}
+classes:
+  - {name: realtime, reserve: 256MiB}
+  - {name: interactive}
+  - {name: background, may_evict: false}
+models:
+  - name: voice
+    class: realtime
+    adapter: silero-vad
+    device: cpu0
+    memory: 2MiB
+    keep_alive: &ka 30m   # half an hour for voice
+  - name: embed
+    class: background
+    adapter: sentence-transformers
+    device: cpu0
+    memory: 90MiB
+    keep_alive: *ka       # same as voice
+
+  # the second embedder
+  - name: embed2
+    class: background
+    adapter: sentence-transformers
+    device: cpu0
+    memory: 90MiB
+    keep_alive: *ka  # also
+policy: {name: residency}
+"""
+
+
+def lines_of(path: Path) -> list[str]:
+    return path.read_text().splitlines()
+
+
+@pytest.mark.parametrize(
+    ("updates", "changed"),
+    [
+        # an update elsewhere: every line as it was
+        ({"voice": {"memory": "3MiB"}}, {12: "    memory: 3MiB  # residency tune: voice.memory was 2MiB"}),
+        # the alias tuned: its own comment stays on its line, the anchor's on the anchor's
+        (
+            {"embed": {"keep_alive": "10m"}},
+            {19: "    keep_alive: 10m       # same as voice  # residency tune: embed.keep_alive was 30m"},
+        ),
+        # the anchor tuned: the next use of the old value holds the anchor now, with its own comment
+        (
+            {"voice": {"keep_alive": "10m"}},
+            {
+                13: "    keep_alive: 10m       # half an hour for voice"
+                "  # residency tune: voice.keep_alive was 30m",
+                19: "    keep_alive: &ka 30m   # same as voice",
+            },
+        ),
+    ],
+)
+def test_comments_stay_on_their_lines_beside_aliases(
+    tmp_path: Path, updates: dict[str, dict[str, str]], changed: dict[int, str]
+) -> None:
+    src, dst = tmp_path / "home.yaml", tmp_path / "tuned.yaml"
+    src.write_text(CONFIG)
+    write_config_with_updates(src, dst, updates, note_changes=True)
+    want = CONFIG.splitlines()
+    for i, line in changed.items():
+        want[i] = line
+    assert lines_of(dst) == want
+    cfg = load_config(dst)
+    assert {m.name: m.keep_alive for m in cfg.models}["embed2"] == 1800.0  # still the anchor's value
