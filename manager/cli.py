@@ -346,7 +346,8 @@ def _table(results: list[ReplayResult], title: str, names: list[str] | None = No
         ("rejected", [r.rejected for r in results]),
         ("cold starts", [r.cold_starts for r in results]),
         ("load wait s", [f"{r.load_wait_s:.1f}" for r in results]),
-        *[(f"p99 {c} s", [f"{r.wait_p99_s.get(c, 0.0):.2f}" for r in results]) for c in classes],
+        # a class's name is the config's text, not markup (`[/rt]` would be parsed, and fail)
+        *[(escape(f"p99 {c} s"), [f"{r.wait_p99_s.get(c, 0.0):.2f}" for r in results]) for c in classes],
         ("evictions", [r.evictions for r in results]),
         ("thrash", [r.thrash for r in results]),
         ("budget violations", [r.budget_violations for r in results]),
@@ -362,7 +363,7 @@ def cmd_replay(a: argparse.Namespace) -> int:
     config = load_config(a.config)
     reqs, bad = _load_trace(a.trace, config, a.strict, "--trace")
     if not reqs:  # an export of a quiet hour, say: figures of no request would read as a result
-        raise UsageError(f"{a.trace}: no request to replay (the file has no line but blank ones)")
+        raise UsageError(f"{a.trace}: no request to replay (the file is empty, or has only blank lines)")
     if a.json:
         r = _replay_all(config, reqs, [a.policy or config.policy.name], bad)[0]
         _print_json(r.to_json())

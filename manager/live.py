@@ -52,6 +52,7 @@ from manager.policy.engine import Engine
 from manager.policy.factory import create_policy
 from manager.policy.outcomes import Admission
 from manager.policy.types import TIER_NAMES, Action, ActionKind, Tier
+from manager.reload import TunedHold
 from manager.store.base import CorruptDocument
 from manager.units import format_size as fmt_bytes
 from manager.workers_bridge import model_specs
@@ -207,8 +208,13 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         journal: str | Path | RequestJournal | None = None,
     ) -> None:
         self.config = config
+        self.started_config = config
+        """The config the service started with: what its settings read only at start hold."""
         self.server_overrides: dict[str, Any] = {}
         """`server` fields given on the command line (`serve --listen`): a reload of the file keeps them."""
+        self.tuning_overrides: TunedHold = {}
+        """The scheduled tuning's settings the config file could not take (read-only): a reload of
+        the file keeps each while the file holds that field as it did (`reload`, `over_file`)."""
         self.pool = pool
         self.store = store
         self.clock: Callable[[], float] = SteadyWallClock() if clock is None else clock
@@ -1691,29 +1697,46 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         thread, as `reload`: what it reads is the loop's to change."""
         return self._checked(new)[1]
 
-    def _checked(self, new: Config) -> tuple[Config, list[str]]:
+    def _checked(self, new: Config, hold: TunedHold | None = None) -> tuple[Config, list[str]]:
         """The checks of a reload to `new` (`check_reload` and `reload` both make them, so they cannot
         say different things): `new` as the reload takes it (the command line's `server` fields over
-        the file's) and its changes, or what refuses it."""
-        from manager.reload import check_measured_fit, plan_reload
+        the file's, the tuned settings the file could not take over its unchanged fields) and its
+        changes, or what refuses it."""
+        from manager.reload import check_measured_fit, over_file, plan_reload
 
+        new = over_file(new, self.tuning_overrides if hold is None else hold)[0]
         if self.server_overrides:
             new = new.model_copy(update={"server": new.server.model_copy(update=self.server_overrides)})
-        changes = plan_reload(self.config, new)
+        changes = plan_reload(self.config, new, self.started_config)
         pins = {m.name: self.pin_overrides.get(m.name, m.pin) for m in new.models}  # an admin's hold
         check_measured_fit(self.engine, new, pins, self._measured)
         return new, changes
 
-    def reload(self, new: Config) -> list[str]:
+    def reload(self, new: Config, hold: TunedHold | None = None) -> list[str]:
         """Take a changed config, dropping nothing in flight (RestartNeeded: structural changes;
         PinsDoNotFit: its pinned models do not fit a device together at their measured footprints;
         both found by `check_reload`'s checks before anything changes). The command line's `server`
-        fields (`server_overrides`) hold over the file's, as at start."""
-        from manager.reload import apply_reload
+        fields (`server_overrides`) hold over the file's, as at start, and so do the tuned settings
+        the file could not take (`tuning_overrides`) over the fields the file holds as it did.
+        `hold`: the scheduled tuning's reload to settings its file could not take (all of them, in
+        place of `tuning_overrides`)."""
+        from manager.reload import apply_reload, over_file
 
-        new, changes = self._checked(new)
+        kept = over_file(new, self.tuning_overrides)[1] if hold is None else hold
+        new, changes = self._checked(new, hold)
         apply_reload(self.engine, new)
         self.config = new
+        gone = sorted(".".join(k) for k in self.tuning_overrides if k not in kept)
+        if gone and hold is None:  # a person's edit of the field (or the tuning's own write) won
+            logger.info(
+                "the config file now sets %s: the tuned value it could not take is dropped", ", ".join(gone)
+            )
+        if kept:
+            logger.info(
+                "tuned settings the config file could not take are kept: %s (a restart reverts them)",
+                ", ".join(sorted(".".join(k) for k in kept)),
+            )
+        self.tuning_overrides = kept
         for name, live in self.live.items():  # a model that failed to load is still not prewarmed
             if live.load_error is not None:  # (until a load of it works), whatever the file says
                 self.engine.models[name].prewarm_ok = False

@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping
+from typing import Any
+
+from pydantic import ValidationError
 
 from manager.config import Config, ConfigError
 from manager.policy.engine import Engine
@@ -90,9 +93,52 @@ def _device_change(old: Config, new: Config) -> str | None:
     return None
 
 
-def plan_reload(old: Config, new: Config) -> list[str]:
+TunedField = tuple[str, str, str]
+"""A tuned setting: ("models" or "classes", the entry's name, the field)."""
+TunedHold = dict[TunedField, tuple[Any, Any]]
+"""The tuned settings a running service holds that its config file could not take (read-only):
+each field's value in the file when the tuning applied it, and the tuned value (a YAML scalar)."""
+
+
+def entry_values(config: Config) -> dict[TunedField, Any]:
+    """Every model's and class's field in `config`, as its dump gives them."""
+    data = config.model_dump(by_alias=True)
+    return {
+        (section, e["name"], f): v
+        for section in ("models", "classes")
+        for e in data[section]
+        for f, v in e.items()
+    }
+
+
+def over_file(new: Config, held: Mapping[TunedField, tuple[Any, Any]]) -> tuple[Config, TunedHold]:
+    """`new` (the config file as read again) with the tuned settings of `held` whose field the file
+    still holds as it did when the tuning applied them (a person's edit of the field wins), and
+    those settings. `new` and none when they no longer make a valid config."""
+    if not held:
+        return new, {}
+    now = entry_values(new)
+    kept = {k: v for k, v in held.items() if k in now and now[k] == v[0]}
+    if not kept:
+        return new, {}
+    data = new.model_dump(by_alias=True)
+    for (section, name, field), (_, tuned) in kept.items():
+        for e in data[section]:
+            if e["name"] == name:
+                e[field] = tuned
+    try:
+        return Config.model_validate(data), kept
+    except ValidationError:
+        return new, {}
+
+
+def plan_reload(old: Config, new: Config, started: Config | None = None) -> list[str]:
     """The changes a reload from `old` to `new` applies (and those read at the next restart), or
-    RestartNeeded naming the first structural change, its fields and their old and new values."""
+    RestartNeeded naming the first structural change, its fields and their old and new values.
+    `started` (default `old`): the config the service started with. A setting read only at start is
+    listed "(at the next restart)" where `new` differs from it, not from `old`: one changed by an
+    earlier reload is still waiting for the restart, and one changed back needs none."""
+    started = old if started is None else started
     devices = _device_change(old, new)
     if devices is not None:
         raise RestartNeeded(devices)
@@ -117,13 +163,15 @@ def plan_reload(old: Config, new: Config) -> list[str]:
             )
     changes: list[str] = []
     olds = {m.name: m for m in old.models}
+    firsts = {m.name: m for m in started.models}
     for m in new.models:
         o = olds[m.name]
         for f in ("keep_alive", "prewarm", "pin"):
             if getattr(o, f) != getattr(m, f):
                 changes.append(f"models.{m.name}.{f}")
+        first = firsts.get(m.name, o)
         for f in ("memory", "load_seconds"):  # seeds of what the running service measures itself
-            if getattr(o, f) != getattr(m, f):
+            if getattr(first, f) != getattr(m, f):
                 changes.append(f"models.{m.name}.{f} (at the next restart)")
     for oc, nc in zip(old.classes, new.classes, strict=True):
         for f in ("reserve", "may_evict", "max_wait", "max_queue"):
@@ -132,29 +180,33 @@ def plan_reload(old: Config, new: Config) -> list[str]:
     for f in ("thrash_window", "min_residency", "default_keep_alive"):
         if getattr(old.policy, f) != getattr(new.policy, f):
             changes.append(f"policy.{f}")
-    return changes + _service_changes(old, new)
+    return changes + _service_changes(old, new, started)
 
 
-def _service_changes(old: Config, new: Config) -> list[str]:
+def _service_changes(old: Config, new: Config, started: Config) -> list[str]:
     """The tuning settings read at each run, and the settings read once, at start (listed, so a
-    reload never says "no changes" while it ignores them)."""
+    reload never says "no changes" while it ignores them; against `started`, the config the service
+    started with)."""
     changes = [
         f"tuning.{f}"
         for f in ("apply", "since", "out_dir")
         if getattr(old.tuning, f) != getattr(new.tuning, f)
     ]
     for section in ("server", "store", "ray"):
-        o, n = getattr(old, section), getattr(new, section)
-        changes += [
-            f"{section}.{f}" + ("" if (section, f) in _READ_LIVE else " (at the next restart)")
-            for f in type(o).model_fields
-            if getattr(o, f) != getattr(n, f)
-        ]
-    if old.tuning.schedule != new.tuning.schedule:
-        # the schedule's loop is started at start, when it is on, and reads the schedule at each check:
-        # another period, or off, holds at once; turned on, it starts with the next restart
-        later = old.tuning.schedule == "off"
-        changes.append("tuning.schedule" + (" (at the next restart)" if later else ""))
+        o, n, first = getattr(old, section), getattr(new, section), getattr(started, section)
+        for f in type(o).model_fields:
+            if (section, f) in _READ_LIVE:
+                if getattr(o, f) != getattr(n, f):
+                    changes.append(f"{section}.{f}")
+            elif getattr(first, f) != getattr(n, f):
+                changes.append(f"{section}.{f} (at the next restart)")
+    # the schedule's loop is started at start, when it is on, and reads the schedule at each check:
+    # another period, or off, holds at once; turned on from off at start, it starts with the restart
+    if started.tuning.schedule == "off":
+        if new.tuning.schedule != "off":
+            changes.append("tuning.schedule (at the next restart)")
+    elif old.tuning.schedule != new.tuning.schedule:
+        changes.append("tuning.schedule")
     return changes
 
 

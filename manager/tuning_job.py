@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from manager.config import Config, ConfigError, write_config_with_updates
+from manager.reload import TunedHold, entry_values
 from manager.replay.sim import replay
 from manager.replay.trace import ExportStopped, read_trace
 from manager.replay.tune import MIN_MODEL_REQUESTS, TuningStopped, objective, split_holdout, tune
@@ -67,17 +68,20 @@ def run_tuning(
     store: Any,
     now: float | None = None,
     stop: Callable[[], bool] | None = None,
+    held: TunedHold | None = None,
 ) -> TuningOutcome:
     """One run, its files under `tuning.out_dir`. `stop` ends it (TuningStopped) at its next replay
     or before its next file. A stopped or failed run leaves nothing: the folder it made is removed
-    (a failed run is tried again each `RETRY_S`, and each left its exported request log behind)."""
+    (a failed run is tried again each `RETRY_S`, and each left its exported request log behind).
+    `held`: the tuned settings the running `config` holds that its file could not take: the
+    proposal (the file with the run's updates) has them too, so that it is the running config."""
     now = time.time() if now is None else now
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now))
     out_dir = Path(config.tuning.out_dir) / stamp
     made = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return _run(config, config_path, store, now, stamp, out_dir, stop)
+        return _run(config, config_path, store, now, stamp, out_dir, stop, held or {})
     except BaseException:
         if made:
             shutil.rmtree(out_dir, ignore_errors=True)
@@ -97,6 +101,7 @@ def _run(
     stamp: str,
     out_dir: Path,
     stop: Callable[[], bool] | None,
+    held: TunedHold,
 ) -> TuningOutcome:
     trace = out_dir / "requests.jsonl"
     try:
@@ -104,14 +109,32 @@ def _run(
     except ExportStopped as e:  # the run's stop, met in its export: the run is stopped
         raise TuningStopped(str(e)) from e
     names = {m.name for m in config.models}
-    reqs = [r for r in read_trace(trace, strict=False).requests if r.model in names]
+    read = read_trace(trace, strict=False, known_classes=[c.name for c in config.classes])
+    reqs = [r for r in read.requests if r.model in names]
+    skipped: list[str] = []
+    if read.bad_lines:  # a class renamed since, say: left out and said, as `tune --from-store` does
+        line, why = read.bad_lines[0]
+        skipped.append(
+            f"skipped {len(read.bad_lines)} logged requests the replay cannot take (record {line}: {why})"
+        )
+        # (replayed, each would count as a rejection of its model, and the model as never asked for)
     search, holdout = split_holdout(reqs)
     if not search or not holdout:
-        return TuningOutcome(None, None, n, reason=f"{n} requests logged: too few days to tune and hold out")
+        for w in skipped:
+            logger.warning("scheduled tuning: %s", w)
+        reason = f"{n} requests logged: too few days to tune and hold out"
+        return TuningOutcome(None, None, n, reason=reason, warnings=skipped)
     res = tune(config, search, holdout, policy=config.policy.name, stop=stop, min_requests=MIN_MODEL_REQUESTS)
     _stopped(stop)  # (the held-out replays, after the search, do not look)
-    for w in res.warnings:
+    warnings = [*skipped, *res.warnings]
+    for w in warnings:
         logger.warning("scheduled tuning: %s", w)
+    # the settings the running config holds over its file go into the proposal (and into the file,
+    # where the run's outcome is written there) beneath the run's own updates
+    model_updates, class_updates = (
+        _under(held, "models", res.model_updates),
+        _under(held, "classes", res.class_updates),
+    )
     proposal = out_dir / "proposed.yaml"
     header = f"Proposed by the service's tuning on {stamp} from {len(search)} requests; changes: " + (
         "; ".join(res.changes) or "none"
@@ -120,7 +143,7 @@ def _run(
 
     def write(tmp: Path) -> Config:
         return write_config_with_updates(
-            config_path, tmp, res.model_updates, res.class_updates, header, note_changes=True
+            config_path, tmp, model_updates, class_updates, header, note_changes=True
         )
 
     write_config_atomically(proposal, write, mode=mode)
@@ -132,8 +155,19 @@ def _run(
     why = "beats the running config on the held-out days" if better else "no improvement on the held-out days"
     return TuningOutcome(
         proposal, report, n, list(res.changes), better, before.to_json(), after.to_json(), why,
-        res.model_updates, res.class_updates, list(res.warnings),
+        model_updates, class_updates, warnings,
     )  # fmt: skip
+
+
+def _under(held: TunedHold, section: str, updates: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """`updates` over the tuned values `held` has for `section`'s entries."""
+    out: dict[str, dict[str, Any]] = {}
+    for (sec, name, key), (_, tuned) in held.items():
+        if sec == section:
+            out.setdefault(name, {})[key] = tuned
+    for name, fields in updates.items():
+        out.setdefault(name, {}).update(fields)
+    return out
 
 
 def _report(
@@ -412,7 +446,7 @@ def tuning_step(
         began: bytes | None = Path(config_path).read_bytes()
     except OSError:
         began = None
-    outcome = run_tuning(config, config_path, store, now, stop)
+    outcome = run_tuning(config, config_path, store, now, stop, getattr(manager, "tuning_overrides", None))
     _stopped(stop)  # the service is stopping: nothing is written or reloaded now
     applied = False
     if outcome.better and config.tuning.apply == "auto" and outcome.proposal is not None:
@@ -467,9 +501,10 @@ def _apply(manager: Any, config_path: Path, outcome: TuningOutcome, began: bytes
     try:
         if isinstance(written, _Written):
             new = written.config  # what the file holds (not read again: an edit since is not it)
+            manager.reload(new)
         else:  # not the proposal, made from the config as it was when the run began
             new = with_settings(manager.config, outcome.model_updates, outcome.class_updates)
-        manager.reload(new)
+            _reload_holding(manager, running, new, outcome)
     except TimeoutError:  # the reload did not answer: it may still be applied, so the file stays
         raise
     except Exception as e:
@@ -487,6 +522,27 @@ def _apply(manager: Any, config_path: Path, outcome: TuningOutcome, began: bytes
         return False
     outcome.reason += "; applied" + (f", but {unwritten}: a restart reverts it" if unwritten else "")
     return True
+
+
+def _reload_holding(manager: Any, running: Config, new: Config, outcome: TuningOutcome) -> None:
+    """Reload `manager` to `new`, the tuned settings its config file could not take, which it then
+    holds over the file's reloads (`LiveManager.tuning_overrides`): each with the field's value in
+    the file (in `running` where it held none of that field yet), and only where it differs."""
+    held: TunedHold | None = getattr(manager, "tuning_overrides", None)
+    if held is None:  # a manager that holds none
+        manager.reload(new)
+        return
+    was, now = entry_values(running), entry_values(new)
+    hold = dict(held)
+    for section, updates in (("models", outcome.model_updates), ("classes", outcome.class_updates)):
+        for name, fields in updates.items():
+            for key, value in fields.items():
+                field = (section, name, key)
+                in_file = hold[field][0] if field in hold else was.get(field)
+                hold.pop(field, None)
+                if now.get(field) != in_file:
+                    hold[field] = (in_file, value)
+    manager.reload(new, hold=hold)
 
 
 def scheduled_tuning(

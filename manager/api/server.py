@@ -47,6 +47,7 @@ from manager.config import Config
 from manager.journal import RequestJournal
 from manager.live import LiveManager
 from manager.live_persist import read_outcome
+from manager.reload import TunedHold
 from residency_proto.inference import grpc_service_pb2
 from residency_proto.v1 import residency_pb2
 from workers import procs
@@ -1166,9 +1167,13 @@ class _ReloadOnLoop:
     def config(self) -> Config:
         return self.manager.config
 
-    def reload(self, new: Config) -> list[str]:
+    @property
+    def tuning_overrides(self) -> TunedHold:
+        return self.manager.tuning_overrides
+
+    def reload(self, new: Config, hold: TunedHold | None = None) -> list[str]:
         async def on_loop() -> list[str]:
-            return self.manager.reload(new)
+            return self.manager.reload(new) if hold is None else self.manager.reload(new, hold)
 
         return asyncio.run_coroutine_threadsafe(on_loop(), self.loop).result(timeout=60.0)  # never hangs
 
@@ -1195,10 +1200,12 @@ async def tuning_loop(manager: LiveManager, path: str, store: Any, check_s: floa
             stopping.set()
             await asyncio.wait([run], timeout=STOP_TUNING_S)
             raise
-        if detail is not None:
+        if detail is not None:  # (said when it ended: an applied run's reload comes before)
             if detail.startswith("failed"):
                 logger.warning("scheduled tuning %s", detail)
-            manager._publish("tuning", "", detail, "", now)
+            else:  # what it found, and what it applied (the reload it made says only its fields)
+                logger.info("scheduled tuning: %s", detail)
+            manager._publish("tuning", "", detail, "", manager.clock())
         await asyncio.sleep(check_s)
 
 

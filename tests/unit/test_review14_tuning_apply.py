@@ -73,7 +73,9 @@ def _tuned(class_updates: dict[str, dict[str, Any]]) -> Callable[..., TuningOutc
     """In place of `run_tuning`: a better run whose outcome is `class_updates`, its proposal written
     as the job writes it."""
 
-    def run(config: Config, config_path: Path, store: Any, now: float, stop: Any = None) -> TuningOutcome:
+    def run(
+        config: Config, config_path: Path, store: Any, now: float, stop: Any = None, held: Any = None
+    ) -> TuningOutcome:
         out_dir = Path(config.tuning.out_dir) / "20260101-000000"
         out_dir.mkdir(parents=True)
         proposal = out_dir / "proposed.yaml"

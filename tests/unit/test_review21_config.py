@@ -81,3 +81,22 @@ def test_comments_stay_on_their_lines_beside_aliases(
     assert lines_of(dst) == want
     cfg = load_config(dst)
     assert {m.name: m.keep_alive for m in cfg.models}["embed2"] == 1800.0  # still the anchor's value
+
+
+def test_a_class_named_like_markup_is_printed_as_it_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`replay`'s table printed a class's name as rich markup: `[/rt]` raised MarkupError (a
+    traceback), `[bold]rt` lost its brackets. Both are valid class names."""
+    from manager.cli import main
+
+    root = Path(__file__).resolve().parents[2]
+    trace = root / "bench" / "traces" / "home-week-seed1.jsonl"
+    day = tmp_path / "day.jsonl"
+    day.write_text("".join(trace.read_text().splitlines(keepends=True)[:300]))
+    for name in ("[/rt]", "[bold]rt"):
+        text = (root / "configs" / "home.yaml").read_text().replace("realtime", f'"{name}"')
+        cfg = tmp_path / "weird.yaml"
+        cfg.write_text(text)
+        assert main(["replay", "--config", str(cfg), "--trace", str(day), "--policy", "residency"]) == 0
+        assert f"p99 {name} s" in capsys.readouterr().out
