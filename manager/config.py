@@ -10,7 +10,9 @@ import copy
 import datetime
 import difflib
 import io
+import os
 import re
+import stat
 from pathlib import Path
 from typing import Any, get_args
 
@@ -390,6 +392,12 @@ def load_config(path: str | Path) -> Config:
     return _validate(_parse_yaml(_read_config_text(path), file), file)
 
 
+class _ServerSection(BaseModel):
+    """A config's `server` section alone (`load_server_settings`), under its key as in Config."""
+
+    server: ServerConfig
+
+
 def load_server_settings(path: str | Path) -> ServerConfig:
     """The `server` section of the config file at `path` alone, validated as `load_config` does:
     what the admin commands need to reach the service (its listen address, token variable, TLS
@@ -410,13 +418,13 @@ def load_server_settings(path: str | Path) -> ServerConfig:
     if server is None:
         return ServerConfig()
     try:
-        plain = _plain(server)
-        return ServerConfig.model_validate(plain, by_name=False)
+        plain = {"server": _plain(server)}  # (under its key: messages see it where Config has it)
+        return _ServerSection.model_validate(plain, by_name=False).server
     except (_TooManyNodes, RecursionError):
         _validate(data, file)  # (raises, naming what is too large or deep)
         raise
     except ValidationError as exc:
-        errors = [(("server", *loc), msg) for loc, msg in _readable_errors(exc, plain)]
+        errors = _readable_errors(exc, plain)
         raise ConfigError(
             file, [(_fmt_loc(loc), msg) for loc, msg in errors], [_line_of(data, loc) for loc, _ in errors]
         ) from None
@@ -444,7 +452,18 @@ def _read_config_text(path: str | Path) -> str:
     if not file.strip():  # (Path("") is the current folder: "Is a directory: '.'", naming no file)
         raise ConfigError("(no path)", [("", "expected a config file's path, got an empty one")])
     try:
-        with Path(path).open("rb") as f:  # a cap first: a 3 MB file took 18 s and 465 MB to refuse
+        # O_NONBLOCK: a FIFO (or a device) at the path must not hold the open, and with it a hot
+        # reload's thread and every later reload, until something writes into it; it is refused below
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            kind = _not_regular(os.fstat(fd).st_mode)
+        except BaseException:
+            os.close(fd)
+            raise
+        if kind:
+            os.close(fd)
+            raise ConfigError(file, [("", f"not a regular file ({kind}); a config is a file")])
+        with os.fdopen(fd, "rb") as f:  # a cap first: a 3 MB file took 18 s and 465 MB to refuse
             raw = f.read(MAX_CONFIG_BYTES + 1)
         if len(raw) > MAX_CONFIG_BYTES:
             msg = f"more than {MAX_CONFIG_BYTES // 2**20} MiB; a config is not that large (a wrong file?)"
@@ -458,6 +477,15 @@ def _read_config_text(path: str | Path) -> str:
         raise ConfigError(file, [("", msg)], [line]) from None
     except OSError as exc:
         raise ConfigError(file, [("", f"cannot read config file: {exc}")]) from None
+
+
+def _not_regular(mode: int) -> str:
+    """What a file of `mode` is when it is not a regular file ("" when it is)."""
+    if stat.S_ISREG(mode):
+        return ""
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))  # fmt: skip
+    return next((what for test, what in kinds if test(mode)), "not a file")
 
 
 def config_json_schema() -> dict[str, Any]:

@@ -1708,6 +1708,10 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         if self.server_overrides:
             new = new.model_copy(update={"server": new.server.model_copy(update=self.server_overrides)})
         changes = plan_reload(self.config, new, self.started_config)
+        for name, pinned in self.pin_overrides.items():  # an admin's pin or unpin holds over the
+            if f"models.{name}.pin" in changes:  # file's `pin` (`_apply_pins`): said, not applied
+                i = changes.index(f"models.{name}.pin")
+                changes[i] += f" (an admin's {'pin' if pinned else 'unpin'} holds)"
         pins = {m.name: self.pin_overrides.get(m.name, m.pin) for m in new.models}  # an admin's hold
         check_measured_fit(self.engine, new, pins, self._measured)
         return new, changes

@@ -774,7 +774,10 @@ class PersistenceMixin:
             if tier not in ("gpu", "host") or m.tier == Tier.GPU or (tier == "host" and m.tier == Tier.HOST):
                 continue  # held as intended, held on the gpu tier already, or intended on disk
             if not m.prewarm_ok or self.engine.never_fits[name]:
-                why = "prewarm: false" if not m.prewarm_ok else "it can never fit"
+                # (one that can never fit its device would be held in host RAM for requests it
+                # refuses: its reason says which room it can never have)
+                never = self.engine.never_fits[name]
+                why = "prewarm: false" if not m.prewarm_ok else f"it can never fit ({never})"
                 logger.info("recorded intent %s for %s not restored: %s", tier, name, why)
                 continue
             reason = f"restart: recorded intent {tier}"

@@ -273,14 +273,18 @@ def _pinned_need(
             continue
         said = []
         for m in pinned:
-            size = format_size(m.weights + m.lease_min)
-            if m.lease_min:
-                size += f" with its elastic minimum {format_size(m.lease_min)}"
+            # its weights (measured, or the config's estimate) and, for an elastic model, the lease's
+            # minimum: the config's `memory` is compared with the weights alone
+            weights = format_size(m.weights)
             if m.name in measured:
                 estimate = config.model(m.name).memory
-                size += " measured" + (
+                weights += " measured" + (
                     f" (the config says {format_size(estimate)})" if m.weights != estimate else ""
                 )
+            size = weights
+            if m.lease_min:
+                both = format_size(m.weights + m.lease_min)
+                size += f" + its elastic minimum {format_size(m.lease_min)} = {both}"
             said.append(f"{m.name} {size}")
         reserved = f" (reserve {format_size(reserve)})" if reserve and pinned else ""
         parts.append(

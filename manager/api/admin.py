@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import math
 import os
 from collections.abc import AsyncIterator
@@ -20,6 +21,8 @@ from manager.policy.types import TIER_NAMES, Tier
 from manager.replay.sim import p99
 from residency_proto.v1 import residency_pb2 as pb
 from residency_proto.v1 import residency_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
 
 
 def loading_to_host(manager: LiveManager, name: str) -> bool:
@@ -251,7 +254,15 @@ class AdminServicer(pb_grpc.ResidencyServicer):
 
     @mapped
     async def ReloadConfig(self, request: pb.ReloadConfigRequest, context: Any) -> pb.ReloadConfigResponse:
-        changes = await reload_from_file_on_loop(self.manager, self.config_path)
+        from manager.errors import ResidencyError
+
+        try:
+            changes = await reload_from_file_on_loop(self.manager, self.config_path)
+        except ResidencyError as e:  # logged and said in an event, as the watcher's refusals are
+            if self.config_path:
+                logger.warning("%s", e)
+                self.manager._publish("config_rejected", "", str(e), "", self.manager.clock())
+            raise
         msg = "changed: " + ", ".join(changes) if changes else "no changes"
         path = os.path.abspath(self.config_path) if self.config_path else ""
         digest = await asyncio.to_thread(_sha256_of, path) if path else ""
