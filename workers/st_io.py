@@ -18,6 +18,7 @@ import itertools
 import json
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,11 +80,33 @@ def _count(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
+def _open(p: Path) -> Any:
+    """`p` opened for reading, as a binary file; CheckpointError when it is not a regular file. A
+    FIFO at the path would hold the open (and the load, and every later load of the model, behind
+    it) until something wrote into it: opened without waiting (O_NONBLOCK), then refused."""
+    fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            what = (
+                "a directory"
+                if stat.S_ISDIR(mode)
+                else "a FIFO"
+                if stat.S_ISFIFO(mode)
+                else "not a regular file"
+            )
+            raise CheckpointError(f"{p}: is {what}, not a safetensors file")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def parse_header(path: str | Path) -> Header:
     """Read and check a safetensors header; CheckpointError names the file and what is wrong."""
     p = Path(path)
     try:
-        with p.open("rb") as f:
+        with _open(p) as f:
             return _parse(f, p)
     except (OSError, ValueError) as e:
         if isinstance(e, CheckpointError):
@@ -159,6 +182,21 @@ def _parse(f: Any, p: Path) -> Header:
             raise CheckpointError(
                 f"{p}: tensors {a!r} and {b!r} overlap in the file (data offsets; a corrupt header)"
             )
+        if start_b > end_a:  # bytes no tensor reads: the reference reader refuses them too
+            raise CheckpointError(
+                f"{p}: {start_b - end_a} bytes between tensors {a!r} and {b!r} belong to no tensor "
+                "(data offsets; a corrupt header)"
+            )
+    covered = spans[-1][1] if spans else 0
+    first = spans[0][0] if spans else 0
+    if first or covered != data_bytes:  # (each would be read and held in memory for nothing)
+        where = (
+            f"before the first tensor: {first}" if first else f"after the last tensor: {data_bytes - covered}"
+        )
+        raise CheckpointError(
+            f"{p}: bytes that belong to no tensor {where} of its {data_bytes}-byte data region "
+            "(a corrupt header, or data appended to the file)"
+        )
     return Header(8 + n, data_bytes, tuple(entries), dict(meta))
 
 
@@ -189,7 +227,7 @@ def read_safetensors(
     try:
         # one open for the header and the data: a file replaced in between (renamed over) is not read
         # at the other version's offsets; one rewritten in place meanwhile is seen by its stat
-        with p.open("rb") as f:
+        with _open(p) as f:
             before = os.fstat(f.fileno())
             header = _parse(f, p)
             buf = torch.empty(header.data_bytes, dtype=torch.uint8, pin_memory=pin)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -144,8 +146,16 @@ def test_an_unreadable_file_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyP
             raise PermissionError(13, "Permission denied", str(p))
         return real_open(file, *a, **k)  # type: ignore[call-overload]
 
+    real_os_open = os.open
+
+    def refuse_fd(file: Any, *a: Any, **k: Any) -> int:
+        if str(file) == str(p):
+            raise PermissionError(13, "Permission denied", str(p))
+        return real_os_open(file, *a, **k)
+
     monkeypatch.setattr(builtins, "open", refuse)
     monkeypatch.setattr(Path, "open", lambda self, *a, **k: refuse(self, *a, **k))
+    monkeypatch.setattr(os, "open", refuse_fd)  # (the reader opens it so: a FIFO must not wait)
     with pytest.raises(CheckpointError) as e:
         read_safetensors(p)
     assert str(p) in str(e.value) and "cannot be read (Permission denied)" in str(e.value)

@@ -56,6 +56,14 @@ def _import_from_serve_folder(name: str) -> Any:
         return importlib.import_module(name)
 
 
+def _forget_module(name: str) -> None:
+    """Drop the imported module `name` (a factory's, whose build failed), so that the next load
+    imports it again from its file: one fixed meanwhile is picked up. Models built from it keep
+    what they were built with."""
+    sys.modules.pop(name, None)
+    importlib.invalidate_caches()
+
+
 class SafetensorsModuleAdapter(ModuleAdapter):
     name = "safetensors-module"
     batchable = True
@@ -91,6 +99,15 @@ class SafetensorsModuleAdapter(ModuleAdapter):
         if not isinstance(kwargs, dict):
             raise AdapterError(P.FACTORY_FAILED, f"model {self.spec.name!r}: source.kwargs must be a mapping")
         fn = self.factory()
+        try:
+            return self._built(fn, kwargs)
+        except BaseException:
+            # Python keeps an imported module (sys.modules): a factory fixed on disk would never be
+            # read again, and every later load would fail as this one did, until a restart
+            _forget_module(self.source_str("factory").partition(":")[0])
+            raise
+
+    def _built(self, fn: Any, kwargs: dict[str, Any]) -> nn.Module:
         try:
             module = fn(**kwargs)
         except SystemExit as e:  # the host's process is not the factory's to end

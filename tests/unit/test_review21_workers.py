@@ -1,0 +1,97 @@
+"""Review 21, a walkthrough of models brought as their own files (safetensors + a factory module):
+
+- A checkpoint path that was a FIFO held the load's open until something wrote into it: `measure`
+  hung, and in the service the load was abandoned at its timeout but every later load of the model
+  waited behind it, a good file put in place included, until a restart. Refused at once now.
+- A file with bytes after its last tensor (or between two) loaded, all of it read and held in
+  memory, and `measure --write-config` wrote its size as the model's; the reference reader refuses it.
+- A factory whose build() failed stayed imported (sys.modules): fixed on disk, it was never read
+  again, and every load failed as the first did until a restart."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from workers import protocol as P
+from workers.demo import write_tiny_mlp
+from workers.host import DeviceHost
+from workers.st_io import CheckpointError, read_safetensors, write_safetensors
+
+
+def _in_time(fn: Any, timeout_s: float = 10.0) -> Any:
+    """`fn()` on a thread; fails (not hangs) when it takes longer than `timeout_s`."""
+    out: list[Any] = []
+
+    def call() -> None:
+        try:
+            out.append(fn())
+        except BaseException as e:
+            out.append(e)
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    assert out, f"still loading after {timeout_s} s"
+    return out[0]
+
+
+def _spec(path: Path, factory: str = "workers.demo:tiny_mlp") -> P.ModelSpec:
+    return P.ModelSpec(
+        "m", "safetensors-module", {"factory": factory, "path": str(path), "kwargs": {"width": 8}}
+    )
+
+
+def test_a_fifo_checkpoint_is_refused_at_once_and_a_good_file_then_loads(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.safetensors"
+    os.mkfifo(path)
+    got = _in_time(lambda: read_safetensors(path))
+    assert isinstance(got, CheckpointError) and "is a FIFO, not a safetensors file" in str(got), got
+    host = DeviceHost("cpu0", "cpu", node="test")
+    r = _in_time(lambda: host.apply(P.Load(_spec(path)), "load"))
+    assert (r.ok, r.error_code) == (False, P.BAD_CHECKPOINT), r.error
+    assert str(path) in r.error and "FIFO" in r.error
+    path.unlink()
+    write_tiny_mlp(path, 8)
+    assert _in_time(lambda: host.apply(P.Load(_spec(path)), "load again")).ok
+
+
+def test_bytes_that_belong_to_no_tensor_are_refused_as_the_reference_reader_refuses_them(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "trailing.safetensors"
+    write_safetensors({"w": torch.ones(4), "b": torch.zeros(2)}, path)
+    assert set(read_safetensors(path)[0]) == {"w", "b"}
+    with path.open("ab") as f:
+        f.write(b"\0" * 4096)
+    with pytest.raises(SafetensorError):
+        load_file(path)
+    with pytest.raises(CheckpointError) as e:
+        read_safetensors(path)
+    assert "4096" in str(e.value) and "after the last tensor" in str(e.value), e.value
+
+
+def test_a_factory_fixed_after_its_build_failed_is_read_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = tmp_path / "review21_factory.py"
+    module.write_text("def build(**kw):\n    raise ValueError('not written yet')\n")
+    monkeypatch.delitem(__import__("sys").modules, "review21_factory", raising=False)
+    path = write_tiny_mlp(tmp_path / "tiny.safetensors", 8)
+    host = DeviceHost("cpu0", "cpu", node="test")
+    spec = _spec(path, "review21_factory:build")
+    r = host.apply(P.Load(spec), "load")
+    assert not r.ok and "not written yet" in r.error, r.error
+    module.write_text(
+        "from workers.demo import tiny_mlp\n\n\ndef build(**kw):\n    # fixed\n    return tiny_mlp(**kw)\n"
+    )
+    r = host.apply(P.Load(spec), "load again")  # (another op: the host answers an op id once)
+    assert r.ok, r.error
