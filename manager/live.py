@@ -260,6 +260,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         """Served requests not yet in the store (given open, `serve` opened it before Ray's start: a
         second service on the same file is refused before it starts anything)."""
         self._next_flush = 0.0
+        self._persisting: asyncio.Task[None] | None = None  # the reconciler's store work under way
         # The store failed: the next log write is tried once a LOG_EVERY_S, after a ping (not on
         # every poll with the whole buffer re-encoded); intents are rewritten and the statistics
         # saved at start-up are merged in (not overwritten) once it answers again.
@@ -341,6 +342,10 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        if self._persisting is not None:  # its store writes end first (they are shielded)
+            self._persisting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._persisting
         if self._room_task is not None:  # (the requests it tried are answered: `abandon_waits`)
             self._room_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -390,20 +395,36 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                     self._check_abandoned(now)
                     next_tick = now + 1.0
                 full = len(self._log_buf) >= LOG_BATCH and not self._log_failing
-                if self._log_buf and (now >= self._next_flush or full):
-                    await self.flush_log()
-                    self._next_flush = now + LOG_EVERY_S
-                if now >= self._next_save:
-                    if self._pins_unread:
-                        await self._restore_pins_off_loop()
-                    writing = self._pins_write is not None and not self._pins_write.done()
-                    if self._pins_dirty and not self._pins_unread and not writing:
-                        self._save_pins()  # a pin whose write failed: written once the store answers
-                    await self.save_stats_async()
-                    self._next_save = now + SAVE_EVERY_S
+                flush = bool(self._log_buf) and (now >= self._next_flush or full)
+                save = now >= self._next_save
+                if (flush or save) and (self._persisting is None or self._persisting.done()):
+                    # on a task of its own: a store that hangs (a stopped Redis: 15 s a call) held
+                    # the reconciler, so no load's result was taken, and the first request after a
+                    # start waited a minute for a model its host had loaded in a second
+                    self._persisting = asyncio.ensure_future(self._persist(now, flush, save))
             except Exception:  # the reconciler must outlive any one bad result
                 logger.exception("reconciler step failed")
             await asyncio.sleep(self.poll_s)
+
+    async def _persist(self, now: float, flush: bool, save: bool) -> None:
+        """The reconciler's store work, beside it: the request log's flush, the admin pins read or
+        written again, the statistics' save."""
+        try:
+            if flush:
+                await self.flush_log()
+                self._next_flush = now + LOG_EVERY_S
+            if save:
+                if self._pins_unread:
+                    await self._restore_pins_off_loop()
+                writing = self._pins_write is not None and not self._pins_write.done()
+                if self._pins_dirty and not self._pins_unread and not writing:
+                    self._save_pins()  # a pin whose write failed: written once the store answers
+                await self.save_stats_async()
+                self._next_save = now + SAVE_EVERY_S
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # (tried again at the next flush or save)
+            logger.exception("saving to the store failed")
 
     def _load_pins(self, now: float) -> None:
         """A pinned model that found no room when it was pinned (or at start) loads as soon as there is

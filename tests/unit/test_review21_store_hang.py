@@ -1,0 +1,65 @@
+"""Review 21: a store that hangs (a stopped Redis: each call waits for its 15 s timeout) held the
+reconciler in its request-log flush and statistics save, so it took no device host's results
+meanwhile: the first request after a start waited about a minute for a model its host had loaded in
+a second. The store's work now runs beside the reconciler.
+
+The store here is the real SQLite store whose statistics write hangs, off the event loop's thread
+(where the reconciler's store calls run), until the test lets it go."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from typing import Any
+
+from live_helpers import TEXT, local_config
+
+from manager.live import LiveManager
+from manager.policy.types import Tier
+from manager.store.sqlite import SQLiteStore
+from manager.workers_bridge import create_pool
+
+
+class _HungSQLiteStore(SQLiteStore):
+    """The real store, but a statistics write off the main thread waits for `go` (unit test only)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.hanging = threading.Event()
+        self.go = threading.Event()
+
+    def put_doc(self, key: str, doc: Any) -> None:
+        if key == "stats" and threading.current_thread() is not threading.main_thread():
+            self.hanging.set()
+            self.go.wait(60)
+        super().put_doc(key, doc)
+
+
+def test_a_request_is_served_while_a_store_write_hangs(tmp_path: Path) -> None:
+    config = local_config(tmp_path, ("voice", "embed"))
+    models = [m.model_copy(update={"prewarm": False}) if m.name == "embed" else m for m in config.models]
+    config = config.model_copy(update={"models": models})
+    store = _HungSQLiteStore(config.store.url)
+
+    async def main() -> None:
+        pool = create_pool(config, in_process=True)
+        lm = LiveManager(config, pool, store=store)
+        await lm.start()
+        try:
+            # the reconciler's first save is due at once: it hangs in the statistics write
+            assert await asyncio.to_thread(store.hanging.wait, 30), "the save did not start"
+            assert lm.engine.models["embed"].tier != Tier.GPU  # (prewarm: false)
+            served = await asyncio.wait_for(lm.infer("embed", TEXT), 30)
+            assert served.result.ok and served.cold, served  # its load's result was taken meanwhile
+            assert not store.go.is_set()  # served while the store's write still hung
+            assert lm._persisting is not None and not lm._persisting.done()
+        finally:
+            store.go.set()
+            await lm.stop()
+            pool.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        store.close()
