@@ -533,10 +533,11 @@ def _export(config: Config, since: str, out: Path | TextIO) -> int:
         raise UsageError(f"--out {out}: is a directory; give the path of a file to write") from None
     if isinstance(out, Path):
         _not_the_services_file(config, out)
+    skipped: list[StoreError] = []
     try:
         store = open_store(config.store.url, create=False)
         try:
-            return export_trace(store, seconds, time.time(), out)
+            n = export_trace(store, seconds, time.time(), out, skipped=skipped)
         finally:
             store.close()
     except StoreError as e:
@@ -545,6 +546,15 @@ def _export(config: Config, since: str, out: Path | TextIO) -> int:
         raise
     except OSError as e:
         raise UsageError(f"--out {out if isinstance(out, Path) else '-'}: {e.strerror or e}") from None
+    if skipped:  # the rest is exported, as a trace file's bad lines are skipped
+        first = skipped[0]
+        err.print(
+            f"skipped {len(skipped)} damaged request record(s) in the store (first: {first}); "
+            "repair or delete them to read them",
+            highlight=False,
+            markup=False,
+        )
+    return n
 
 
 def _load_store_trace(config: Config, since: str, strict: bool) -> list[Request]:

@@ -178,6 +178,15 @@ def _skip_corrupt(e: StoreError, said: set[str]) -> None:
     )
 
 
+def _skip_in_catch_up(e: StoreError, said: set[str]) -> None:
+    """Say (once) a damaged stored row that the statistics' catch-up leaves out: it stopped the
+    whole catch-up, and the next save's mark then put the requests it had not read out of reach."""
+    if e.reason in said:
+        return
+    said.add(e.reason)
+    logger.warning("%s; left out of the statistics' catch-up (repair or delete it to count it)", e)
+
+
 def _why(e: Exception) -> str:
     """What is wrong with a saved entry, from the error reading it (a KeyError names only the key)."""
     return f"it has no {e.args[0]!r}" if isinstance(e, KeyError) and e.args else str(e)
@@ -589,7 +598,9 @@ class PersistenceMixin:
         waiting.sort(key=lambda r: r["t"])  # (stable: equal times keep the buffer's order)
         keys = Counter(map(_same, waiting))
         held: Counter[tuple[tuple[str, Any], ...]] = Counter()
-        stored = ((rec, True) for rec in self.store.requests(max(lo, 0.0), hi) if wanted(rec))
+        said: set[str] = set()  # a damaged row is named once and left out: the rest is caught up on
+        log = self.store.requests(max(lo, 0.0), hi, on_corrupt=lambda e: _skip_in_catch_up(e, said))
+        stored = ((rec, True) for rec in log if wanted(rec))
         # merged by time, the store's first at equal times: its copy of a waiting record comes before it
         for rec, in_store in heapq.merge(stored, ((rec, False) for rec in waiting), key=lambda x: x[0]["t"]):
             if keys:
@@ -752,9 +763,14 @@ class PersistenceMixin:
         fit. Intents of models no longer configured are ignored. Returns "model (tier)" per load."""
         if self.store is None:
             return []
+
+        def corrupt(e: StoreError) -> None:  # one damaged row: the others are restored, it is rewritten
+            logger.warning("%s; left out at start (rewritten at the next save)", e)
+            self._intents_stale = True
+
         try:
-            intents = self.store.intents()
-        except Exception as e:  # the store is down, or holds an intent it cannot read back
+            intents = self.store.intents(on_corrupt=corrupt)
+        except Exception as e:  # the store is down
             if isinstance(e, StoreError):  # (it names what failed: said in one line)
                 logger.warning("could not read the recorded intents at start (%s); not restored", e)
             else:
@@ -866,6 +882,9 @@ class PersistenceMixin:
         why = str(e) or type(e).__name__
         logger.warning("could not write %d requests to the store (%s); kept for a retry", len(batch), why)
         self._log_failing = True
+        # it may come back without what it held (a Redis restarted without its data): every intent
+        # is rewritten from the books once it answers, not only those that changed meanwhile
+        self._intents_stale = True
         self._keep_log(batch)
 
     def _write_done(self) -> None:

@@ -104,14 +104,17 @@ def _run(
     held: TunedHold,
 ) -> TuningOutcome:
     trace = out_dir / "requests.jsonl"
+    damaged: list[Any] = []  # (StoreError: a damaged stored row, left out of the export)
     try:
-        n = export_trace(store, config.tuning.since, now, trace, stop)  # (weeks of records: stops too)
+        n = export_trace(store, config.tuning.since, now, trace, stop, damaged)  # (weeks: stops too)
     except ExportStopped as e:  # the run's stop, met in its export: the run is stopped
         raise TuningStopped(str(e)) from e
     names = {m.name for m in config.models}
     read = read_trace(trace, strict=False, known_classes=[c.name for c in config.classes])
     reqs = [r for r in read.requests if r.model in names]
     skipped: list[str] = []
+    if damaged:  # the rest is tuned on (a damaged row failed every run, retried each hour for good)
+        skipped.append(f"skipped {len(damaged)} damaged request record(s) in the store (first: {damaged[0]})")
     if read.bad_lines:  # a class renamed since, say: left out and said, as `tune --from-store` does
         line, why = read.bad_lines[0]
         skipped.append(

@@ -160,8 +160,9 @@ class Store(Protocol):
         """Record the tier (gpu | host | disk) the manager intends `model` to be in."""
         ...
 
-    def intents(self) -> dict[str, str]:
-        """Every recorded intent, model -> tier."""
+    def intents(self, *, on_corrupt: OnCorrupt | None = None) -> dict[str, str]:
+        """Every recorded intent, model -> tier. StoreError names a corrupt one; given `on_corrupt`,
+        each corrupt one is passed to it instead and left out (the others are read)."""
         ...
 
     def ping(self) -> bool:

@@ -30,7 +30,7 @@ from typing import TextIO
 
 from manager.policy.types import Request
 from manager.replay.trace import ExportStopped, write_requests, write_trace
-from manager.store.base import Store, store_location
+from manager.store.base import Store, StoreError, store_location
 from manager.units import parse_duration
 
 __all__ = ["check_out_path", "export_trace", "names_a_folder", "parse_since", "write_trace_file"]
@@ -57,9 +57,14 @@ STOP_EVERY = 1000
 
 
 def _trace_requests(
-    store: Store, since: float, until: float, stop: Callable[[], bool] | None = None
+    store: Store,
+    since: float,
+    until: float,
+    stop: Callable[[], bool] | None = None,
+    skipped: list[StoreError] | None = None,
 ) -> Iterator[Request]:
-    for i, rec in enumerate(store.requests(since, until)):
+    on_corrupt = skipped.append if skipped is not None else None
+    for i, rec in enumerate(store.requests(since, until, on_corrupt=on_corrupt)):
         if stop is not None and i % STOP_EVERY == 0 and stop():
             raise ExportStopped("the export was stopped (the service is stopping)")
         yield Request(
@@ -104,11 +109,18 @@ def _via_proc(path: Path) -> bool:
 
 
 def export_trace(
-    store: Store, since_s: float, now: float, out: Path | TextIO, stop: Callable[[], bool] | None = None
+    store: Store,
+    since_s: float,
+    now: float,
+    out: Path | TextIO,
+    stop: Callable[[], bool] | None = None,
+    skipped: list[StoreError] | None = None,
 ) -> int:
     """Write the requests of [now - since_s, now) to `out` as a trace; return how many. `stop` (the
     service stopping, for its tuning job) is asked every `STOP_EVERY` records: when it says so, the
-    export ends with ExportStopped (a regular file is then left as it was).
+    export ends with ExportStopped (a regular file is then left as it was). `skipped`: a damaged
+    stored row (or Redis entry) is left out and its error appended there, and the export goes on, as
+    a trace file's bad lines are skipped (without it, the export fails naming the row).
 
     `out` an open text stream (standard output for `--out -`): the lines are written to it as they
     are read, and it is flushed (a store that fails part way leaves the lines before it written).
@@ -124,13 +136,13 @@ def export_trace(
         OSError: `out` cannot be written (BrokenPipeError: its reader stopped reading).
     """
     if not isinstance(out, str | os.PathLike):
-        n = write_requests(out, _trace_requests(store, now - since_s, now, stop))
+        n = write_requests(out, _trace_requests(store, now - since_s, now, stop, skipped))
         out.flush()
         logger.info("exported %s requests from %s to a stream", n, store_location(store.url))
         return n
     out = Path(out)
     check_out_path(out)
-    n = write_trace_file(out, _trace_requests(store, now - since_s, now, stop))
+    n = write_trace_file(out, _trace_requests(store, now - since_s, now, stop, skipped))
     logger.info("exported %s requests from %s to %s", n, store_location(store.url), out)
     return n
 

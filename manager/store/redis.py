@@ -713,7 +713,7 @@ class RedisStore:
         with self._errors(f"set intent for {model!r}") as r:
             r.hset(self._intents_key, model, tier)
 
-    def intents(self) -> dict[str, str]:
+    def intents(self, *, on_corrupt: OnCorrupt | None = None) -> dict[str, str]:
         with self._errors("read intents") as r:
             raw = r.hgetall(self._intents_key)
         out: dict[str, str] = {}
@@ -722,9 +722,11 @@ class RedisStore:
             try:
                 check_intent(model, tier)
             except ValueError as e:
-                raise StoreError(
-                    self.url, f"intent for {model!r} in {self._intents_key} is corrupt: {e}"
-                ) from None
+                error = StoreError(self.url, f"intent for {model!r} in {self._intents_key} is corrupt: {e}")
+                if on_corrupt is None:
+                    raise error from None
+                on_corrupt(error)
+                continue
             out[model] = tier
         return dict(sorted(out.items()))
 

@@ -489,12 +489,16 @@ class SQLiteStore:
 
     def get_doc(self, key: str) -> dict[str, Any] | None:
         with self._db(f"get document {key!r}") as db:
-            row = db.execute("SELECT value FROM docs WHERE key = ?", (key,)).fetchone()
+            # as bytes: text that is not UTF-8 (a damaged page) failed sqlite3's decoding, read as the
+            # store being down (never set aside, nor replaced) rather than as a damaged document
+            row = db.execute(
+                "SELECT typeof(value), CAST(value AS BLOB) FROM docs WHERE key = ?", (key,)
+            ).fetchone()
         if row is None:
             return None
-        if not isinstance(row[0], str | bytes):
-            raise CorruptDocument(self.url, f"document {key!r} is corrupt: stored as {type(row[0]).__name__}")
-        return decode_doc(self.url, key, row[0])
+        if row[0] not in ("text", "blob"):
+            raise CorruptDocument(self.url, f"document {key!r} is corrupt: stored as {row[0]}")
+        return decode_doc(self.url, key, row[1])
 
     def set_aside_doc(self, key: str) -> str | None:
         aside = aside_key(key)
@@ -511,7 +515,7 @@ class SQLiteStore:
                 (model, tier),
             )
 
-    def intents(self) -> dict[str, str]:
+    def intents(self, *, on_corrupt: OnCorrupt | None = None) -> dict[str, str]:
         with self._db("read intents") as db:
             rows = db.execute("SELECT model, tier FROM intents ORDER BY model").fetchall()
         out: dict[str, str] = {}
@@ -519,7 +523,11 @@ class SQLiteStore:
             try:
                 check_intent(model, tier)
             except ValueError as e:
-                raise StoreError(self.url, f"intent for {model!r} is corrupt: {e}") from None
+                error = StoreError(self.url, f"intent for {model!r} is corrupt: {e}")
+                if on_corrupt is None:
+                    raise error from None
+                on_corrupt(error)
+                continue
             out[model] = tier
         return out
 

@@ -259,8 +259,10 @@ class _Counting:
     def __init__(self, real: Any) -> None:
         self.real, self.url, self.read = real, real.url, 0
 
-    def requests(self, since: float, until: float | None = None) -> Iterator[dict[str, Any]]:
-        for rec in self.real.requests(since, until):
+    def requests(
+        self, since: float, until: float | None = None, *, on_corrupt: Any = None
+    ) -> Iterator[dict[str, Any]]:
+        for rec in self.real.requests(since, until, on_corrupt=on_corrupt):
             self.read += 1
             yield rec
 
@@ -350,8 +352,10 @@ def test_a_log_read_that_fails_half_way_takes_none_of_it(tmp_path: Path) -> None
         def __init__(self, real: Any) -> None:
             self.real, self.url = real, real.url
 
-        def requests(self, since: float, until: float | None = None) -> Iterator[dict[str, Any]]:
-            for i, rec in enumerate(self.real.requests(since, until)):
+        def requests(
+            self, since: float, until: float | None = None, *, on_corrupt: Any = None
+        ) -> Iterator[dict[str, Any]]:
+            for i, rec in enumerate(self.real.requests(since, until, on_corrupt=on_corrupt)):
                 if i == 2:
                     raise StoreError(self.url, "read requests: disk I/O error (injected)")
                 yield rec

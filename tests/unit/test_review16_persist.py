@@ -226,14 +226,15 @@ def test_a_damaged_intent_is_named_and_replaced(tmp_path: Path, caplog: pytest.L
     """Bug: one intent the store could not read back (a tier of "GPU", written by hand or another
     tool) made the start say only "could not read the recorded intents at start", without what or
     where, and it stayed: every later start restored no intent either. Now the line names it, and
-    the next save rewrites every intent from the engine's books."""
+    the next save rewrites every intent from the engine's books. (Since review 21 the others are
+    restored: one damaged row dropped them all.)"""
     store = open_store(f"sqlite:///{tmp_path}/state.db")
     store.set_intent("voice", "gpu")
     with closing(sqlite3.connect(tmp_path / "state.db")) as db, db:
         db.execute("INSERT INTO intents (model, tier) VALUES ('embed', 'GPU')")
     lm = LiveManager(load_config(CONFIG), None, store=store, clock=lambda: T0)
     with caplog.at_level(logging.WARNING, "manager.live"):
-        assert lm.restore_intent(T0) == []
+        assert lm.restore_intent(T0) == ["voice (gpu)"]
     assert "intent for 'embed' is corrupt" in caplog.text
     lm.save_stats()
     books = {n: {Tier.GPU: "gpu", Tier.HOST: "host"}.get(m.tier, "disk") for n, m in lm.engine.models.items()}
