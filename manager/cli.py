@@ -1153,7 +1153,13 @@ def cmd_preload(a: argparse.Namespace) -> int:
     from residency_proto.v1 import residency_pb2 as pb
 
     status = _admin(a, "Preload", pb.PreloadRequest(name=_model_arg(a), tier=a.tier), PRELOAD_TIMEOUT_S)
-    return _model_result(a, status, f"preloaded to {a.tier}")
+    # a model already on the GPU asked into host RAM stays (a preload never moves one down)
+    done = (
+        "already on the gpu, kept there"
+        if a.tier == "host" and status.tier == "gpu"
+        else f"preloaded to {a.tier}"
+    )
+    return _model_result(a, status, done)
 
 
 def cmd_evict(a: argparse.Namespace) -> int:

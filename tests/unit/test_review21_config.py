@@ -100,3 +100,23 @@ def test_a_class_named_like_markup_is_printed_as_it_is(
         cfg.write_text(text)
         assert main(["replay", "--config", str(cfg), "--trace", str(day), "--policy", "residency"]) == 0
         assert f"p99 {name} s" in capsys.readouterr().out
+
+
+def test_a_host_preload_of_a_model_on_the_gpu_says_it_stayed(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`preload --tier host` of a model on the GPU said "preloaded to host (now gpu ...)": nothing
+    moved (a preload never moves a model down)."""
+    import types
+
+    import manager.cli as cli
+
+    answer = types.SimpleNamespace(name="embed", tier="gpu", device="cpu0", last_error="")
+    monkeypatch.setattr(cli, "_admin", lambda *a, **k: answer)
+    args = types.SimpleNamespace(name="embed", tier="host", json=False)
+    monkeypatch.setattr(cli, "_model_arg", lambda a: a.name)
+    assert cli.cmd_preload(args) == 0  # type: ignore[arg-type]
+    assert capsys.readouterr().out.strip() == "embed: already on the gpu, kept there (now gpu on cpu0)"
+    answer.tier = "host"
+    assert cli.cmd_preload(args) == 0  # type: ignore[arg-type]
+    assert capsys.readouterr().out.strip() == "embed: preloaded to host (now host on cpu0)"
