@@ -591,6 +591,18 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                 self._measured.add(model)
                 self._flush()  # measured larger: what made room for it leaves now
                 self._gauge_resident()  # the books count the measured bytes now (no action said so)
+        if (
+            r.to_tier == "host"
+            and not r.noop
+            and r.footprint.host_bytes > 0
+            and m.tier == Tier.HOST
+            and model not in self._measured
+        ):
+            # read into host RAM and never measured on the device yet: the bytes it holds there are
+            # a truer size than the config's estimate (two models of 256 MiB estimated at 1 MiB each
+            # were booked as 2 MiB of host RAM); a device load's measure replaces it
+            self.engine.measured_footprint(m, r.footprint.host_bytes, now)
+            self._flush()  # measured larger than host RAM holds beside the others: one leaves now
         if r.to_tier == "gpu" and live.loads_pending == 0 and m.tier == Tier.GPU:
             live.ready.set()
         self._publish("confirmed", model, f"{r.op} {r.transition} in {r.timing.total_s:.3f} s", r.device, now)

@@ -95,3 +95,42 @@ def test_a_factory_fixed_after_its_build_failed_is_read_again(
     )
     r = host.apply(P.Load(spec), "load again")  # (another op: the host answers an op id once)
     assert r.ok, r.error
+
+
+def test_a_model_read_into_host_ram_is_booked_at_the_bytes_it_holds_there(tmp_path: Path) -> None:
+    """A load straight into host RAM kept the config's `memory` as the model's size: two models of
+    hundreds of MiB estimated at 1 MiB were booked as 2 MiB of host RAM. Now the host bytes the load
+    measured replace the estimate (until a device load measures it)."""
+    import asyncio
+
+    from live_helpers import local_config, until
+
+    from manager.live import LiveManager
+    from manager.policy.types import Tier
+    from manager.workers_bridge import create_pool
+
+    config = local_config(tmp_path, ("voice", "embed"))
+    models = [
+        m.model_copy(update={"memory": 2**20, "prewarm": False}) if m.name == "embed" else m
+        for m in config.models
+    ]
+    config = config.model_copy(update={"models": models})
+
+    async def main() -> None:
+        pool = create_pool(config, in_process=True)
+        lm = LiveManager(config, pool)
+        await lm.start()
+        try:
+            m = lm.engine.models["embed"]
+            assert m.weights == 2**20
+            before = lm.engine.host.used
+            await lm.preload("embed", "host")
+            await until(lambda: not lm.host_read_pending("embed"), "the read into host RAM answered")
+            assert m.tier == Tier.HOST
+            assert m.weights > 50 * 2**20, m.weights  # all-MiniLM-L6-v2: ~87 MiB of tensors
+            assert lm.engine.host.used == before + m.weights
+        finally:
+            await lm.stop()
+            pool.close()
+
+    asyncio.run(main())
