@@ -278,6 +278,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self.pin_overrides: dict[str, bool] = {}  # admin pin/unpin over the config's `pin`
         self._pins_set: set[str] = set()  # pinned or unpinned by an admin since this start
         self._pins_unread = False  # the store was down at start: its pins are still to be read
+        self._pins_why = "no answer"  # why they could not be read (the store's error)
         self._flush_lock = asyncio.Lock()
         self._save_lock = asyncio.Lock()
         self._intent_gen = 0
@@ -1928,14 +1929,19 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         except CorruptDocument as e:  # it answers, but cannot read it: replaced at the next pin
             logger.error("the admin pins saved in the store are unreadable (%s); the config's pins hold", e)
             return {}
-        except Exception:
+        except Exception as e:
+            self._pins_why = str(e) or type(e).__name__  # (said by `_take_pins`)
             return None
 
     def _take_pins(self, doc: dict[str, Any] | None, *, late: bool) -> None:
         """The pins `_read_pins` read (None: the store is down, said once) over the config's."""
         if doc is None:
             if not self._pins_unread:
-                logger.warning("could not read the admin pins from the store; the config's pins hold")
+                logger.warning(
+                    "could not read the admin pins from the store (%s); the config's pins hold until "
+                    "it answers",
+                    self._pins_why,
+                )
             self._pins_unread = True
             return
         self._pins_unread = False

@@ -473,6 +473,8 @@ class DeviceHost:
         source = self._source(adapter)
         ph, t0, used0, rss0 = Phases(), time.perf_counter(), self.probe.used(), rss_bytes()
         host = adapter.read(ph)
+        if cmd.tier != "gpu":  # (a load to the device checks it as it builds the runnable)
+            adapter.check_host_copy(host, ph)
         r = _Resident(spec, adapter, "host", host=host, tensor_bytes=host.nbytes, host_bytes=host.nbytes)
         r.read_bytes = host.nbytes
         del host

@@ -89,6 +89,10 @@ def split_redis_url(url: str) -> RedisURLParts:
         raise ValueError(f"the port must be a number 0-65535 (ASCII digits); {_EXPECTED}") from None
     if not parts.hostname:
         raise ValueError(f"no host; {_EXPECTED}")
+    if any(c.isspace() or not c.isprintable() for c in parts.hostname):  # no resolver takes one
+        raise ValueError(
+            f"the host {shown(parts.hostname)} holds a space or a control character; {_EXPECTED}"
+        )
     if parts.fragment:
         raise ValueError(f"a #fragment after the host; {_EXPECTED} (a '#' in a password goes before the '@')")
     path = parts.path.lstrip("/")

@@ -40,6 +40,7 @@ as immutable; with a -wal file holding data that user cannot open, it is refused
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
@@ -159,6 +160,30 @@ def _fix(path: str, e: sqlite3.Error) -> str:
     return ""
 
 
+def _identity(path: str) -> tuple[int, int] | None:
+    """The file at `path` (its device and inode, following links); None when there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+def _lock_file_error(e: OSError, lock: str) -> str:
+    """Why the store's lock file `lock` (beside the database) could not be opened, and what to do."""
+    said = f"cannot open the store's lock file {lock}: {e.strerror or e}"
+    where = os.path.dirname(os.path.abspath(lock))
+    if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return (
+            f"{said}; the store's folder {where} must be writable by this user (the lock, and SQLite's "
+            "-wal and -shm files, go beside the database): give this user write access to it, or "
+            "point store.url at a writable folder"
+        )
+    if e.errno == errno.ENOSPC:
+        return f"{said}; the disk holding {where} is full: free some space, then start again"
+    return said
+
+
 def _cannot_open(url: str, path: str, e: sqlite3.Error) -> StoreError:
     fix = _fix(path, e)
     return StoreError(url, f"cannot open the database: {e}" + (f"; {fix}" if fix else ""))
@@ -228,6 +253,7 @@ class SQLiteStore:
         self._lock = threading.Lock()
         self._closed = False
         self._hold_fd = -1
+        self._identity: tuple[int, int] | None = None
         if not create and self.path != ":memory:" and not Path(self.path).exists():
             raise StoreError(self.url, f"no store at {self.path} (nothing recorded yet?)")
         if self.path != ":memory:":
@@ -261,6 +287,9 @@ class SQLiteStore:
             if isinstance(e, StoreError):
                 raise
             raise _cannot_open(self.url, self.path, e) from None
+        # a service's store: the file it opened, told apart from another put at its path later
+        if hold and self.path != ":memory:":
+            self._identity = _identity(self.path)
         logger.debug("opened sqlite store %s", self.url)
 
     def _hold(self) -> int:
@@ -278,10 +307,7 @@ class SQLiteStore:
                 "store.url of its own",
             ) from None
         except OSError as e:
-            raise StoreError(
-                self.url,
-                f"cannot open the store's lock file: {e.strerror or e}",  # (which names it)
-            ) from None
+            raise StoreError(self.url, _lock_file_error(e, path)) from None
         if unlocked is not None:  # a file system without locks (some network ones): served, unguarded
             logger.warning(
                 "%s: cannot lock the store (%s); a second service on it would not be refused", path, unlocked
@@ -406,6 +432,15 @@ class SQLiteStore:
         with self._lock:
             if self._closed:
                 raise StoreError(self.url, f"{what}: the store is closed")
+            if self._identity is not None and _identity(self.path) != self._identity:
+                # deleted (or replaced) under the service: its writes went to a file nobody could
+                # read, and the journal let the requests go as stored. A store that fails keeps them.
+                raise StoreError(
+                    self.url,
+                    f"{what}: {self.path} was removed or replaced while the service had it open; "
+                    "what it serves is kept in memory and in the request journal until a restart "
+                    "opens the store at that path",
+                )
             try:
                 yield self._conn
             except sqlite3.Error as e:

@@ -185,3 +185,82 @@ def test_every_intent_is_rewritten_once_the_store_answers_after_an_outage(tmp_pa
         assert set(real.intents()) == set(lm.engine.models)
     finally:
         real.close()
+
+
+def test_a_store_folder_the_service_may_not_write_is_said_with_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read-only store folder (a read-only mount: root is refused too) said only "cannot open the
+    store's lock file: ...: Read-only file system"; now what to do as well."""
+    import errno
+
+    import manager.pidlock as pidlock
+
+    def read_only(path: Any) -> Any:
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(pidlock, "hold", read_only)
+    with pytest.raises(StoreError) as e:
+        open_store(f"sqlite:///{tmp_path}/state.db", hold=True)
+    said = str(e.value)
+    assert "state.db.lock" in said and "Read-only file system" in said, said
+    assert f"the store's folder {tmp_path} must be writable by this user" in said, said
+
+
+def test_a_redis_host_with_a_space_is_refused_by_the_config_check() -> None:
+    """`redis://local host:6391` passed `config check`, and the service then ran with its store down
+    for good (no resolver takes such a name)."""
+    from manager.store.redis_url import split_redis_url
+
+    with pytest.raises(ValueError, match="holds a space"):
+        split_redis_url("redis://local host:6391/0")
+    assert split_redis_url("redis://localhost:6391/0").hostname == "localhost"
+
+
+def test_pins_the_store_could_not_read_are_said_with_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = _config(tmp_path)
+    real = open_store(config.store.url)
+
+    class _Down:
+        url = real.url
+
+        def get_doc(self, key: str) -> Any:
+            raise StoreError(real.url, "connection refused (injected)")
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+    lm = LiveManager(config, None, store=_Down(), clock=_Clock(T0))
+    try:
+        with caplog.at_level(logging.WARNING, logger="manager.live"):
+            lm._restore_pins()
+        assert "could not read the admin pins from the store (" in caplog.text
+        assert "connection refused (injected)" in caplog.text
+    finally:
+        real.close()
+
+
+def test_a_store_file_removed_under_the_service_fails_its_writes_and_the_journal_keeps_them(
+    tmp_path: Path,
+) -> None:
+    """state.db deleted while the service ran: its writes went to the unlinked file, the journal let
+    the requests go as stored, and the next start found an empty store. Now the store fails (the
+    service keeps what it serves, in memory and in its journal), saying why."""
+    db = tmp_path / "state.db"
+    store = open_store(f"sqlite:///{db}", hold=True)
+    try:
+        store.append_requests([{"t": T0, "model": "voice", "busy_s": 0.1}])
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{db}{suffix}").unlink(missing_ok=True)
+        with pytest.raises(StoreError, match="was removed or replaced while the service had it open"):
+            store.append_requests([{"t": T0 + 1, "model": "voice", "busy_s": 0.1}])
+        assert not store.ping()
+    finally:
+        store.close()
+    reader = open_store(f"sqlite:///{tmp_path}/other.db")  # a store not held (a command's) is not checked
+    try:
+        reader.append_requests([{"t": T0, "model": "voice", "busy_s": 0.1}])
+    finally:
+        reader.close()

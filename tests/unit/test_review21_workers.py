@@ -134,3 +134,25 @@ def test_a_model_read_into_host_ram_is_booked_at_the_bytes_it_holds_there(tmp_pa
             pool.close()
 
     asyncio.run(main())
+
+
+def test_a_read_into_host_ram_checks_the_checkpoint_against_the_module(tmp_path: Path) -> None:
+    """A load into host RAM took a checkpoint another module's (an extra tensor, a wrong shape),
+    held its bytes and said the model's earlier failure was over; the next request's load failed.
+    Now the read is refused as the device load refuses it, naming the file."""
+    path = tmp_path / "other.safetensors"
+    write_safetensors(
+        {"0.weight": torch.zeros(8, 8), "0.bias": torch.zeros(8), "extra": torch.zeros(2)}, path
+    )
+    host = DeviceHost("cpu0", "cpu", node="test")
+    r = host.apply(P.Load(_spec(path), "host"), "to host")
+    assert (r.ok, r.error_code) == (False, P.BAD_CHECKPOINT), r.error
+    assert str(path) in r.error and "checkpoint does not match the module" in r.error, r.error
+    assert "m" not in host.status().models or host.status().models["m"].tier == "disk"
+    good = write_tiny_mlp(tmp_path / "good.safetensors", 8)
+    r = host.apply(P.Load(_spec(good), "host"), "to host again")
+    assert r.ok and r.to_tier == "host", r.error
+    wrong = write_tiny_mlp(tmp_path / "wide.safetensors", 16)  # the shapes of another width
+    r = host.apply(P.Load(_spec(wrong), "gpu"), "to the device")
+    assert (r.ok, r.error_code) == (False, P.BAD_CHECKPOINT), r.error
+    assert str(wrong) in r.error and "has shape" in r.error, r.error

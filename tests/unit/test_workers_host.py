@@ -539,7 +539,8 @@ def test_declared_inputs_and_outputs_are_known_before_the_module_is_built(tmp_pa
     sys.modules[mod.__name__] = mod
     try:
         ck = tmp_path / "d.safetensors"
-        write_safetensors(nn.Linear(16, 4).state_dict(), ck)
+        # (its names as the module has them: a read into host RAM checks them since review 21)
+        write_safetensors({f"lin.{k}": v for k, v in nn.Linear(16, 4).state_dict().items()}, ck)
         spec = P.ModelSpec(
             "d", "safetensors-module", {"factory": f"{mod.__name__}:Declared", "path": str(ck)}
         )

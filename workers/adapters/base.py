@@ -124,6 +124,11 @@ class Adapter(ABC):
     @abstractmethod
     def read(self, ph: Phases) -> HostCopy: ...
 
+    def check_host_copy(self, host: HostCopy, ph: Phases) -> None:
+        """What a load into host RAM alone checks of what `read` gave (a load to the device checks it
+        as it builds the runnable): AdapterError when it could never run. Nothing, by default."""
+        del host, ph
+
     @abstractmethod
     def materialize(self, host: HostCopy, ph: Phases) -> Any: ...
 
@@ -247,21 +252,18 @@ def params_on_meta() -> Iterator[None]:
         _meta.depth -= 1
 
 
-def assign_tensors(
+def check_tensors(
     module: nn.Module,
     tensors: dict[str, torch.Tensor],
     *,
     model: str,
-    device: torch.device,
     ignore_prefixes: tuple[str, ...] = (),
+    where: str = "",
 ) -> None:
-    """Put `tensors` into `module` without copying (strict on parameters; shapes must match).
-
-    Parameters missing from `tensors` are an error; buffers missing from it keep their computed values
-    and move to `device`; tensors the module does not have are an error unless ignored by prefix.
-    """
-    # every name of each parameter: a tied one (an LM head sharing the embedding's weight) has several,
-    # and a checkpoint holds it under one of them (safetensors' save_model keeps one)
+    """BAD_CHECKPOINT unless `tensors` fit `module` (built on meta: nothing is assigned): every
+    parameter given (under one of its names), no tensor it does not have (but those ignored by
+    prefix), each of its shape, and a dtype it can take. `where`: the checkpoint, named in the error."""
+    head = f"model {model!r}: " + (f"{where}: " if where else "")
     aliases: dict[int, list[str]] = {}
     for n, p in module.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(n)
@@ -274,20 +276,19 @@ def assign_tensors(
     if missing or unexpected:
         raise AdapterError(
             P.BAD_CHECKPOINT,
-            f"model {model!r}: checkpoint does not match the module: {len(missing)} missing "
+            f"{head}checkpoint does not match the module: {len(missing)} missing "
             f"{missing[:4]}, {len(unexpected)} unexpected {unexpected[:4]}",
         )
     shapes = {n: tuple(p.shape) for n, p in module.named_parameters(remove_duplicate=False)}
     dtypes = {n: p.dtype for n, p in module.named_parameters(remove_duplicate=False)}
     shapes.update({n: tuple(b.shape) for n, b in buffers.items()})
-    done: set[str] = set()
     for name, t in tensors.items():
-        if (name not in params and name not in buffers) or name in done:
+        if name not in params and name not in buffers:
             continue
         if shapes[name] != tuple(t.shape):
             raise AdapterError(
                 P.BAD_CHECKPOINT,
-                f"model {model!r}: tensor {name!r} has shape {list(t.shape)} in the checkpoint, "
+                f"{head}tensor {name!r} has shape {list(t.shape)} in the checkpoint, "
                 f"{list(shapes[name])} in the module",
             )
         if name in params and (dtypes[name] in _FP8 or t.dtype in _FP8) and dtypes[name] != t.dtype:
@@ -296,7 +297,7 @@ def assign_tensors(
             # computes in fp8 unless the module was written for it (scales, a scaled matmul)
             raise AdapterError(
                 P.BAD_CHECKPOINT,
-                f"model {model!r}: tensor {name!r} has dtype {t.dtype} in the checkpoint, "
+                f"{head}tensor {name!r} has dtype {t.dtype} in the checkpoint, "
                 f"{dtypes[name]} in the module (8-bit float weights need a module built for them)",
             )
         if name in params and dtypes[name].is_floating_point != t.dtype.is_floating_point:
@@ -305,9 +306,36 @@ def assign_tensors(
             # module built in fp32 may take an fp16/bf16 checkpoint (its inputs declared to match)
             raise AdapterError(
                 P.BAD_CHECKPOINT,
-                f"model {model!r}: tensor {name!r} has dtype {t.dtype} in the checkpoint, "
-                f"{dtypes[name]} in the module",
+                f"{head}tensor {name!r} has dtype {t.dtype} in the checkpoint, {dtypes[name]} in the module",
             )
+
+
+def assign_tensors(
+    module: nn.Module,
+    tensors: dict[str, torch.Tensor],
+    *,
+    model: str,
+    device: torch.device,
+    ignore_prefixes: tuple[str, ...] = (),
+    where: str = "",
+) -> None:
+    """Put `tensors` into `module` without copying (strict on parameters; shapes must match:
+    `check_tensors`, first). Parameters missing from `tensors` are an error; buffers missing from it
+    keep their computed values and move to `device`; tensors the module does not have are an error
+    unless ignored by prefix."""
+    check_tensors(module, tensors, model=model, ignore_prefixes=ignore_prefixes, where=where)
+    # every name of each parameter: a tied one (an LM head sharing the embedding's weight) has several,
+    # and a checkpoint holds it under one of them (safetensors' save_model keeps one)
+    aliases: dict[int, list[str]] = {}
+    for n, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(n)
+    params = {n: names for names in aliases.values() for n in names}
+    buffers = dict(module.named_buffers())
+    dtypes = {n: p.dtype for n, p in module.named_parameters(remove_duplicate=False)}
+    done: set[str] = set()
+    for name, t in tensors.items():
+        if (name not in params and name not in buffers) or name in done:
+            continue
         if name in params:
             shared = nn.Parameter(t, requires_grad=False)
             for alias in params[name]:  # one Parameter for every name of a tied one
@@ -438,6 +466,35 @@ class ModuleAdapter(Adapter):
                 raise AdapterError(code, f"model {self.spec.name!r}: {e}") from None
         return HostCopy(tensors=tensors)
 
+    def check_host_copy(self, host: HostCopy, ph: Phases) -> None:
+        """The tensors read for the host tier checked against the module (built on meta: no memory),
+        as a load to the device checks them: a read into host RAM took a checkpoint that could never
+        run (another module's names or shapes), held its bytes, and said the model's earlier failure
+        was over."""
+        with ph.phase("deserialize"):
+            wanted = {n: t for n, t in host.tensors.items() if not n.startswith(self.ignore_prefixes)}
+            check_tensors(
+                self._built_on_meta(), wanted, model=self.spec.name, ignore_prefixes=self.ignore_prefixes,
+                where=self._where(),
+            )  # fmt: skip
+
+    def _where(self) -> str:
+        """The checkpoint, as errors name it ("" for weights made, not read: the world stand-in's)."""
+        files = self.disk_paths()
+        return str(files[0]) if files else ""
+
+    def _built_on_meta(self) -> nn.Module:
+        """The module on meta (no memory); FACTORY_FAILED naming why when its factory fails."""
+        try:
+            with params_on_meta():
+                return self.build()
+        except AdapterError:
+            raise
+        except Exception as e:
+            raise AdapterError(
+                P.FACTORY_FAILED, f"model {self.spec.name!r}: building the module failed: {e!r}"
+            ) from None
+
     def materialize(self, host: HostCopy, ph: Phases) -> Any:
         # tensors the module does not take (ignored by prefix: a pooler) are not copied to the device:
         # on CUDA they took device memory for nothing, and the allocator's cache kept it counted
@@ -445,18 +502,11 @@ class ModuleAdapter(Adapter):
         with ph.phase("to_device"):
             dev = copy_tensors(wanted, self.device, pin=False)
         with ph.phase("deserialize"):
-            try:
-                with params_on_meta():
-                    module = self.build()
-            except AdapterError:
-                raise
-            except Exception as e:
-                raise AdapterError(
-                    P.FACTORY_FAILED, f"model {self.spec.name!r}: building the module failed: {e!r}"
-                ) from None
+            module = self._built_on_meta()
             assign_tensors(
-                module, dev, model=self.spec.name, device=self.device, ignore_prefixes=self.ignore_prefixes
-            )
+                module, dev, model=self.spec.name, device=self.device, ignore_prefixes=self.ignore_prefixes,
+                where=self._where(),
+            )  # fmt: skip
             module.eval()
         return module
 

@@ -60,6 +60,9 @@ def _forget_module(name: str) -> None:
     """Drop the imported module `name` (a factory's, whose build failed), so that the next load
     imports it again from its file: one fixed meanwhile is picked up. Models built from it keep
     what they were built with."""
+    mod = sys.modules.get(name)
+    if getattr(mod, "__file__", None) is None:  # not read from a file (made in code): nothing to re-read
+        return
     sys.modules.pop(name, None)
     importlib.invalidate_caches()
 
