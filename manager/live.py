@@ -266,6 +266,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         # saved at start-up are merged in (not overwritten) once it answers again.
         self._log_failing = False
         self._intents_stale = False
+        self._intents_pending = {}
         self._stats_unread = False
         self._measured: set[str] = set()  # models whose footprint a device host measured
         self._infer_s: dict[str, float] = {}
@@ -347,6 +348,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             self._persisting.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._persisting
+        if self._intent_writer is not None:  # the intents recorded last are written before the stop's
+            await asyncio.wait({self._intent_writer}, timeout=STOP_WAIT_S)  # save (which may rewrite them)
         if self._room_task is not None:  # (the requests it tried are answered: `abandon_waits`)
             self._room_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -238,6 +238,9 @@ class PersistenceMixin:
     _log_buf: list[dict[str, Any]]
     _log_failing: bool
     _intents_stale: bool
+    _intents_pending: dict[str, tuple[str, str]]
+    """Intents recorded on the event loop and not yet written (`_set_intent`): model -> (tier, why)."""
+    _intent_writer: asyncio.Task[None] | None = None
     _stats_unread: bool
     _stats_until: float = math.inf
     """This run's start: the request log's records before it are an earlier run's (caught up)."""
@@ -818,17 +821,40 @@ class PersistenceMixin:
             self._set_intent(a.model, tier, a.kind.value)
 
     def _set_intent(self, model: str, tier: str, why: str = "adopted") -> None:
-        """Record `model`'s intended tier. Runs on the event loop: once a write has failed, the next
-        ones are not tried (a store that hangs would hold every request for its timeout, each time);
-        every intent is rewritten from the engine's books once it answers (`save_stats_async`)."""
+        """Record `model`'s intended tier. On the event loop the write goes to a thread, in order
+        (`_write_pending_intents`): made there, a store that hangs held the loop, and every request,
+        for its timeout (15 s with Redis) at the first write. Once a write has failed the next ones
+        are not tried; every intent is rewritten from the engine's books once the store answers
+        (`save_stats_async`). Without a running loop (a test's direct call), written at once."""
         self._intent_gen += 1
         if self.store is None or self._intents_stale:
             return
         try:
-            self.store.set_intent(model, tier)
-        except Exception:  # serving goes on; all intents are rewritten once the store is back
-            self._intents_stale = True
-            logger.warning("could not record the intent for %s (%s -> %s)", model, why, tier)
+            asyncio.get_running_loop()
+        except RuntimeError:
+            self._write_intent_batch({model: (tier, why)})
+            return
+        self._intents_pending[model] = (tier, why)  # (a later intent of the model replaces it)
+        if self._intent_writer is None or self._intent_writer.done():
+            self._intent_writer = asyncio.ensure_future(self._write_pending_intents())
+            self._intent_writer.add_done_callback(read_outcome)
+
+    async def _write_pending_intents(self) -> None:
+        while self._intents_pending and not self._intents_stale:
+            batch, self._intents_pending = self._intents_pending, {}
+            await _off_loop(self._write_intent_batch, batch)
+        self._intents_pending = {}  # (the store failed: all are rewritten once it answers)
+
+    def _write_intent_batch(self, batch: dict[str, tuple[str, str]]) -> None:
+        """Write `batch` (model: (tier, why)) in order; a failure marks every intent for a rewrite.
+        Any thread."""
+        for model, (tier, why) in batch.items():
+            try:
+                self.store.set_intent(model, tier)
+            except Exception:  # serving goes on; all intents are rewritten once the store is back
+                self._intents_stale = True
+                logger.warning("could not record the intent for %s (%s -> %s)", model, why, tier)
+                return
 
     # ---- request-log buffering and flushing ---------------------------------------------------
     def _log(self, rec: dict[str, Any]) -> None:

@@ -171,7 +171,7 @@ def _identity(path: str) -> tuple[int, int] | None:
 
 def _lock_file_error(e: OSError, lock: str) -> str:
     """Why the store's lock file `lock` (beside the database) could not be opened, and what to do."""
-    said = f"cannot open the store's lock file {lock}: {e.strerror or e}"
+    said = f"cannot open the store's lock file: {e.strerror or e}"  # (which names it)
     where = os.path.dirname(os.path.abspath(lock))
     if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
         return (

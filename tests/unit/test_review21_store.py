@@ -197,7 +197,7 @@ def test_a_store_folder_the_service_may_not_write_is_said_with_the_fix(
     import manager.pidlock as pidlock
 
     def read_only(path: Any) -> Any:
-        raise OSError(errno.EROFS, "Read-only file system", str(path))
+        raise OSError(errno.EROFS, f"{path}: Read-only file system")  # (as pidlock.hold says it)
 
     monkeypatch.setattr(pidlock, "hold", read_only)
     with pytest.raises(StoreError) as e:

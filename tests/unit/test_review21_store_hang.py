@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from live_helpers import TEXT, local_config
+from live_helpers import TEXT, local_config, until
 
 from manager.live import LiveManager
 from manager.policy.types import Tier
@@ -54,6 +54,52 @@ def test_a_request_is_served_while_a_store_write_hangs(tmp_path: Path) -> None:
             assert served.result.ok and served.cold, served  # its load's result was taken meanwhile
             assert not store.go.is_set()  # served while the store's write still hung
             assert lm._persisting is not None and not lm._persisting.done()
+        finally:
+            store.go.set()
+            await lm.stop()
+            pool.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        store.close()
+
+
+class _HungIntents(SQLiteStore):
+    """The real store, but an intent write off the main thread waits for `go` (unit test only)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.hanging = threading.Event()
+        self.go = threading.Event()
+
+    def set_intent(self, model: str, tier: str) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            self.hanging.set()
+            self.go.wait(60)
+        super().set_intent(model, tier)
+
+
+def test_an_intent_write_that_hangs_holds_no_request(tmp_path: Path) -> None:
+    """An intent was written on the event loop: a store that hangs held the loop, and every request,
+    for its timeout at the first write after it stopped answering."""
+    config = local_config(tmp_path, ("voice", "embed"))
+    models = [m.model_copy(update={"prewarm": False}) if m.name == "embed" else m for m in config.models]
+    config = config.model_copy(update={"models": models})
+    store = _HungIntents(config.store.url)
+
+    async def main() -> None:
+        pool = create_pool(config, in_process=True)
+        lm = LiveManager(config, pool, store=store)
+        await lm.start()  # the pinned voice's load: its intent's write hangs
+        try:
+            assert await asyncio.to_thread(store.hanging.wait, 30), "no intent was written"
+            served = await asyncio.wait_for(lm.infer("embed", TEXT), 30)
+            assert served.result.ok and served.cold, served
+            assert not store.go.is_set()  # served while the intent's write still hung
+            assert "embed" in lm._intents_pending  # its own intent waits its turn
+            store.go.set()
+            await until(lambda: store.intents().get("embed") == "gpu", "embed's intent written")
         finally:
             store.go.set()
             await lm.stop()
