@@ -598,15 +598,18 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         if (
             r.to_tier == "host"
             and not r.noop
-            and r.footprint.host_bytes > 0
+            and r.footprint.host_bytes > m.weights
             and m.tier == Tier.HOST
             and model not in self._measured
         ):
-            # read into host RAM and never measured on the device yet: the bytes it holds there are
-            # a truer size than the config's estimate (two models of 256 MiB estimated at 1 MiB each
-            # were booked as 2 MiB of host RAM); a device load's measure replaces it
+            # read into host RAM, larger than its estimate, and never measured on the device yet: it
+            # is booked at the bytes it holds there (two models of 256 MiB estimated at 1 MiB each were
+            # booked as 2 MiB of host RAM). Never smaller than the estimate: that is the device's
+            # figure (`measure` writes what the device took, its runtime's memory included), and
+            # one size serves both tiers' books; a device load's measure replaces it
             self.engine.measured_footprint(m, r.footprint.host_bytes, now)
             self._flush()  # measured larger than host RAM holds beside the others: one leaves now
+            self._gauge_resident()  # the books count the measured bytes now (no action said so)
         if r.to_tier == "gpu" and live.loads_pending == 0 and m.tier == Tier.GPU:
             live.ready.set()
         self._publish("confirmed", model, f"{r.op} {r.transition} in {r.timing.total_s:.3f} s", r.device, now)
@@ -1770,7 +1773,9 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         gone = sorted(".".join(k) for k in self.tuning_overrides if k not in kept)
         if gone and hold is None:  # a person's edit of the field (or the tuning's own write) won
             logger.info(
-                "the config file now sets %s: the tuned value it could not take is dropped", ", ".join(gone)
+                "tuned value(s) the config file could not take dropped: %s (the file sets the field now, "
+                "or the value no longer fits the file's other settings)",
+                ", ".join(gone),
             )
         if kept:
             logger.info(

@@ -312,6 +312,11 @@ class PersistenceMixin:
         if self.store is None:
             return
         async with self._save_lock:
+            writer = self._intent_writer
+            if self._intents_stale and writer is not None and not writer.done():
+                # its write under way ends first (it stops at its failure): an intent it wrote late
+                # would stand over the rewrite from the books below, for good
+                await asyncio.wait({writer})
             steps, result = self._save_steps(), None
             try:
                 while True:

@@ -119,17 +119,32 @@ def over_file(new: Config, held: Mapping[TunedField, tuple[Any, Any]]) -> tuple[
         return new, {}
     now = entry_values(new)
     kept = {k: v for k, v in held.items() if k in now and now[k] == v[0]}
-    if not kept:
-        return new, {}
-    data = new.model_dump(by_alias=True)
-    for (section, name, field), (_, tuned) in kept.items():
-        for e in data[section]:
-            if e["name"] == name:
-                e[field] = tuned
+    while kept:  # (one that no longer fits the file's other values goes, not all of them)
+        data = new.model_dump(by_alias=True)
+        for (section, name, field), (_, tuned) in kept.items():
+            for e in data[section]:
+                if e["name"] == name:
+                    e[field] = tuned
+        try:
+            return Config.model_validate(data), kept
+        except ValidationError:
+            bad = next((k for k in kept if not _fits(new, k, kept[k][1])), next(iter(kept)))
+            del kept[bad]
+    return new, {}
+
+
+def _fits(config: Config, field: TunedField, tuned: Any) -> bool:
+    """Whether `config` with the one tuned value `field` = `tuned` is valid."""
+    section, name, key = field
+    data = config.model_dump(by_alias=True)
+    for e in data[section]:
+        if e["name"] == name:
+            e[key] = tuned
     try:
-        return Config.model_validate(data), kept
+        Config.model_validate(data)
     except ValidationError:
-        return new, {}
+        return False
+    return True
 
 
 def plan_reload(old: Config, new: Config, started: Config | None = None) -> list[str]:

@@ -80,7 +80,7 @@ def _count(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
-def _open(p: Path) -> Any:
+def open_regular(p: Path, kind: str = "a safetensors file") -> Any:
     """`p` opened for reading, as a binary file; CheckpointError when it is not a regular file. A
     FIFO at the path would hold the open (and the load, and every later load of the model, behind
     it) until something wrote into it: opened without waiting (O_NONBLOCK), then refused."""
@@ -95,7 +95,7 @@ def _open(p: Path) -> Any:
                 if stat.S_ISFIFO(mode)
                 else "not a regular file"
             )
-            raise CheckpointError(f"{p}: is {what}, not a safetensors file")
+            raise CheckpointError(f"{p}: is {what}, not {kind}")
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
@@ -106,7 +106,7 @@ def parse_header(path: str | Path) -> Header:
     """Read and check a safetensors header; CheckpointError names the file and what is wrong."""
     p = Path(path)
     try:
-        with _open(p) as f:
+        with open_regular(p) as f:
             return _parse(f, p)
     except (OSError, ValueError) as e:
         if isinstance(e, CheckpointError):
@@ -227,7 +227,7 @@ def read_safetensors(
     try:
         # one open for the header and the data: a file replaced in between (renamed over) is not read
         # at the other version's offsets; one rewritten in place meanwhile is seen by its stat
-        with _open(p) as f:
+        with open_regular(p) as f:
             before = os.fstat(f.fileno())
             header = _parse(f, p)
             buf = torch.empty(header.data_bytes, dtype=torch.uint8, pin_memory=pin)

@@ -17,7 +17,7 @@ from live_helpers import TEXT, local_config, until
 
 from manager.live import LiveManager
 from manager.policy.types import Tier
-from manager.store.sqlite import SQLiteStore
+from manager.store.sqlite import SQLiteStore, parse_sqlite_url
 from manager.workers_bridge import create_pool
 
 
@@ -25,7 +25,7 @@ class _HungSQLiteStore(SQLiteStore):
     """The real store, but a statistics write off the main thread waits for `go` (unit test only)."""
 
     def __init__(self, url: str) -> None:
-        super().__init__(url)
+        super().__init__(parse_sqlite_url(url), url=url)  # (a path: the url is no folder)
         self.hanging = threading.Event()
         self.go = threading.Event()
 
@@ -69,7 +69,7 @@ class _HungIntents(SQLiteStore):
     """The real store, but an intent write off the main thread waits for `go` (unit test only)."""
 
     def __init__(self, url: str) -> None:
-        super().__init__(url)
+        super().__init__(parse_sqlite_url(url), url=url)  # (a path: the url is no folder)
         self.hanging = threading.Event()
         self.go = threading.Event()
 

@@ -64,10 +64,6 @@ def test_tuned_values_a_read_only_file_could_not_take_outlive_its_reloads(
     async def body(lm: LiveManager) -> None:
         # the tuning's in-memory apply (`_apply` when the file is not writable)
         outcome = TuningOutcome(None, None, 0, model_updates={"embed": {"keep_alive": "10m"}})
-        new = (
-            job.with_settings(lm.config, outcome.model_updates, {}) if hasattr(job, "with_settings") else None
-        )
-
         new = with_settings(lm.config, outcome.model_updates, {})
         job._reload_holding(lm, lm.config, new, outcome)
         assert _keep_alive(lm, "embed") == 600.0
@@ -164,3 +160,18 @@ def test_settings_read_at_start_are_listed_against_the_config_the_service_starte
     daily = started.model_copy(update={"tuning": started.tuning.model_copy(update={"schedule": "daily"})})
     assert started.tuning.schedule == "off"
     assert plan_reload(on, daily, started) == ["tuning.schedule (at the next restart)"]
+
+
+def test_a_held_tuned_value_that_no_longer_fits_goes_alone() -> None:
+    """One held value that no longer fits the file's other settings dropped every held value."""
+    from manager.reload import entry_values, over_file
+
+    config = load_config(ROOT / "configs" / "home.yaml")
+    was = entry_values(config)
+    held = {
+        ("models", "llm", "keep_alive"): (was[("models", "llm", "keep_alive")], "17m"),
+        ("classes", "realtime", "reserve"): (was[("classes", "realtime", "reserve")], "100GiB"),  # too big
+    }
+    new, kept = over_file(config, held)
+    assert list(kept) == [("models", "llm", "keep_alive")]
+    assert next(m.keep_alive for m in new.models if m.name == "llm") == 17 * 60.0

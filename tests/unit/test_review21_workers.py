@@ -83,18 +83,25 @@ def test_a_factory_fixed_after_its_build_failed_is_read_again(
 ) -> None:
     monkeypatch.syspath_prepend(str(tmp_path))
     module = tmp_path / "review21_factory.py"
-    module.write_text("def build(**kw):\n    raise ValueError('not written yet')\n")
+    imports = tmp_path / "imports.log"
+    head = f"with open({str(imports)!r}, 'a') as _f:\n    _f.write('imported\\n')\n\n\n"
+    module.write_text(head + "def build(**kw):\n    raise ValueError('not written yet')\n")
     monkeypatch.delitem(__import__("sys").modules, "review21_factory", raising=False)
     path = write_tiny_mlp(tmp_path / "tiny.safetensors", 8)
     host = DeviceHost("cpu0", "cpu", node="test")
     spec = _spec(path, "review21_factory:build")
     r = host.apply(P.Load(spec), "load")
     assert not r.ok and "not written yet" in r.error, r.error
+    # the file unchanged (the fix was elsewhere, say): not imported again (its top-level code runs once)
+    r = host.apply(P.Load(spec), "load, the file unchanged")  # (another op: an op id is answered once)
+    assert not r.ok and imports.read_text().splitlines() == ["imported"]
     module.write_text(
-        "from workers.demo import tiny_mlp\n\n\ndef build(**kw):\n    # fixed\n    return tiny_mlp(**kw)\n"
+        head
+        + "from workers.demo import tiny_mlp\n\n\ndef build(**kw):\n    # fixed\n    return tiny_mlp(**kw)\n"
     )
-    r = host.apply(P.Load(spec), "load again")  # (another op: the host answers an op id once)
+    r = host.apply(P.Load(spec), "load again")
     assert r.ok, r.error
+    assert imports.read_text().splitlines() == ["imported", "imported"]
 
 
 def test_a_model_read_into_host_ram_is_booked_at_the_bytes_it_holds_there(tmp_path: Path) -> None:
@@ -156,3 +163,15 @@ def test_a_read_into_host_ram_checks_the_checkpoint_against_the_module(tmp_path:
     r = host.apply(P.Load(_spec(wrong), "gpu"), "to the device")
     assert (r.ok, r.error_code) == (False, P.BAD_CHECKPOINT), r.error
     assert str(wrong) in r.error and "has shape" in r.error, r.error
+
+
+def test_a_fifo_torchscript_archive_is_refused_at_once(tmp_path: Path) -> None:
+    """The TorchScript adapter opened its archive as the safetensors reader did: a FIFO held the
+    load until something wrote into it."""
+    path = tmp_path / "vad.pt"
+    os.mkfifo(path)
+    spec = P.ModelSpec("ts", "torchscript", {"path": str(path)})
+    host = DeviceHost("cpu0", "cpu", node="test")
+    r = _in_time(lambda: host.apply(P.Load(spec), "load"))
+    assert (r.ok, r.error_code) == (False, P.BAD_CHECKPOINT), r.error
+    assert "is a FIFO, not a TorchScript archive" in r.error, r.error

@@ -56,15 +56,41 @@ def _import_from_serve_folder(name: str) -> Any:
         return importlib.import_module(name)
 
 
-def _forget_module(name: str) -> None:
-    """Drop the imported module `name` (a factory's, whose build failed), so that the next load
-    imports it again from its file: one fixed meanwhile is picked up. Models built from it keep
-    what they were built with."""
+_FAILED_AT: dict[str, tuple[int, int] | None] = {}
+"""Factory modules whose build failed: the file as it was then (its modification time and size)."""
+
+
+def _file_stamp(mod: Any) -> tuple[int, int] | None:
+    """The imported module's file as it is now (its modification time and size); None without one."""
+    file = getattr(mod, "__file__", None)
+    try:
+        st = os.stat(file) if file else None
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size) if st is not None else None
+
+
+def _failed_build(name: str) -> None:
+    """The module `name`'s factory failed to build: its file as it is now is noted, so that the next
+    load reads it again once it has changed (`_fresh_import`)."""
     mod = sys.modules.get(name)
-    if getattr(mod, "__file__", None) is None:  # not read from a file (made in code): nothing to re-read
+    if mod is not None:
+        _FAILED_AT[name] = _file_stamp(mod)
+
+
+def _fresh_import(name: str) -> None:
+    """Forget the imported module `name` when its build failed and its file changed since: Python
+    keeps a module (sys.modules), so a factory fixed on disk was never read again, and every load
+    failed as the first did until a restart. A file unchanged (the fix was in the config's kwargs)
+    is not imported again: its top-level code (a custom op it registers) runs once."""
+    if name not in _FAILED_AT:
         return
-    sys.modules.pop(name, None)
-    importlib.invalidate_caches()
+    mod = sys.modules.get(name)
+    if mod is None or _file_stamp(mod) != _FAILED_AT[name]:
+        _FAILED_AT.pop(name, None)
+        if mod is not None and getattr(mod, "__file__", None):  # (one made in code has no file to read)
+            sys.modules.pop(name, None)
+            importlib.invalidate_caches()
 
 
 class SafetensorsModuleAdapter(ModuleAdapter):
@@ -82,6 +108,7 @@ class SafetensorsModuleAdapter(ModuleAdapter):
                 P.FACTORY_FAILED,
                 f"model {self.spec.name!r}: source.factory {ref!r}: expected 'module:callable'",
             )
+        _fresh_import(mod_name)
         try:
             mod = _import_from_serve_folder(mod_name)
         except (Exception, SystemExit) as e:  # a script's module may sys.exit() at import: not the host
@@ -105,9 +132,7 @@ class SafetensorsModuleAdapter(ModuleAdapter):
         try:
             return self._built(fn, kwargs)
         except BaseException:
-            # Python keeps an imported module (sys.modules): a factory fixed on disk would never be
-            # read again, and every later load would fail as this one did, until a restart
-            _forget_module(self.source_str("factory").partition(":")[0])
+            _failed_build(self.source_str("factory").partition(":")[0])  # (read again once changed)
             raise
 
     def _built(self, fn: Any, kwargs: dict[str, Any]) -> nn.Module:

@@ -23,6 +23,7 @@ from workers import protocol as P
 from workers.adapters.base import Adapter, AdapterError, HostCopy, one_line
 from workers.adapters.safetensors_module import _compute_dtype
 from workers.measure import Phases, tensor_bytes
+from workers.st_io import CheckpointError, open_regular
 
 MAX_RANK = 8
 """The most dimensions `source.input_shape` / `output_shape` may declare."""
@@ -74,12 +75,15 @@ class TorchScriptAdapter(Adapter):
                 # the size is the open file's (fstat), and the read is from that file: a file renamed
                 # over the path between a stat of the path and its open was read at the size of the
                 # other one (cut short, or a short read); one rewritten in place is seen by its stat
-                with path.open("rb") as f:
+                # (opened without waiting: a FIFO held the load, and every later one, for good)
+                with open_regular(path, "a TorchScript archive") as f:
                     before = os.fstat(f.fileno())
                     blob = torch.empty(before.st_size, dtype=torch.uint8)
                     got = _read_into(f, memoryview(blob.numpy()).cast("B"))  # type: ignore[arg-type]
                     more = f.read(1)
                     after = os.fstat(f.fileno())
+            except CheckpointError as e:  # not a regular file (a FIFO, a device)
+                raise AdapterError(P.BAD_CHECKPOINT, f"model {self.spec.name!r}: {e}") from None
             except FileNotFoundError:
                 raise AdapterError(
                     P.MISSING_CHECKPOINT, f"model {self.spec.name!r}: {path}: no such file"
