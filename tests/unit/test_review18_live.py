@@ -379,8 +379,10 @@ def test_an_admin_evict_during_a_promote_waits_for_it(gate: Gate, tmp_path: Path
         await lm.start()
         try:
             dev = lm.engine.state.devices["cpu0"]
+            gate.open.set()  # (a read into host RAM builds the module on meta to check the file)
             await lm.preload("stuck", "host")
             await until(lambda: lm.live["stuck"].tier == "host", "stuck in host RAM")
+            gate.open.clear()
             with pytest.raises(DeadlineExceeded, match="did not finish loading"):
                 await lm.infer("stuck", X4, timeout_s=0.2)  # its promote hangs
             assert lm.live["stuck"].loads_pending == 1
