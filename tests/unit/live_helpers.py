@@ -218,3 +218,21 @@ def gated_module(monkeypatch: pytest.MonkeyPatch, module: str) -> Iterator[Gate]
     for t in threading.enumerate():
         if t.name.startswith(("residency-load-", "residency-promote-")):
             t.join(30)
+
+
+def in_time(fn: Callable[[], Any], timeout_s: float = 10.0) -> Any:
+    """`fn()` on a thread: what it returned, or the exception it raised; fails (not hangs) when it
+    takes longer than `timeout_s` (a read that blocks: a FIFO at a file's path)."""
+    out: list[Any] = []
+
+    def call() -> None:
+        try:
+            out.append(fn())
+        except BaseException as e:
+            out.append(e)
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    assert out, f"still running after {timeout_s} s"
+    return out[0]

@@ -16,14 +16,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 import yaml
-from live_helpers import CONFIG, run
+from live_helpers import CONFIG, in_time, run
 
 from manager.api.admin import AdminServicer, reload_from_file
 from manager.cli import main
@@ -33,29 +32,12 @@ from manager.live import LiveManager
 from residency_proto.v1 import residency_pb2 as pb
 
 
-def _in_time(fn: Any, timeout_s: float = 10.0) -> Any:
-    """`fn()` on a thread; fails (not hangs) when it takes longer than `timeout_s`."""
-    out: list[Any] = []
-
-    def call() -> None:
-        try:
-            out.append(fn())
-        except BaseException as e:
-            out.append(e)
-
-    t = threading.Thread(target=call, daemon=True)
-    t.start()
-    t.join(timeout_s)
-    assert out, f"still reading after {timeout_s} s"
-    return out[0]
-
-
 def test_a_fifo_at_the_config_path_is_refused_at_once(tmp_path: Path) -> None:
     fifo = tmp_path / "pipe.yaml"
     os.mkfifo(fifo)
-    got = _in_time(lambda: load_config(fifo))
+    got = in_time(lambda: load_config(fifo))
     assert isinstance(got, ConfigError) and "not a regular file (a FIFO)" in str(got), got
-    got = _in_time(lambda: load_config(tmp_path))
+    got = in_time(lambda: load_config(tmp_path))
     assert isinstance(got, ConfigError) and "not a regular file (a folder)" in str(got), got
     assert load_config(CONFIG).models  # a regular file reads as before
 
@@ -71,7 +53,7 @@ def test_a_reload_of_a_path_turned_into_a_fifo_is_refused_and_the_next_one_works
     async def body(lm: LiveManager) -> None:
         link.unlink()
         link.symlink_to(fifo.name)
-        got = await asyncio.wait_for(asyncio.to_thread(_in_time, lambda: reload_from_file(lm, str(link))), 20)
+        got = await asyncio.wait_for(asyncio.to_thread(in_time, lambda: reload_from_file(lm, str(link))), 20)
         assert isinstance(got, InvalidRequest) and "not a regular file (a FIFO)" in str(got), got
         link.unlink()
         link.symlink_to(real.name)

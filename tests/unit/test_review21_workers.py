@@ -11,12 +11,11 @@
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+from live_helpers import in_time
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
@@ -24,23 +23,6 @@ from workers import protocol as P
 from workers.demo import write_tiny_mlp
 from workers.host import DeviceHost
 from workers.st_io import CheckpointError, read_safetensors, write_safetensors
-
-
-def _in_time(fn: Any, timeout_s: float = 10.0) -> Any:
-    """`fn()` on a thread; fails (not hangs) when it takes longer than `timeout_s`."""
-    out: list[Any] = []
-
-    def call() -> None:
-        try:
-            out.append(fn())
-        except BaseException as e:
-            out.append(e)
-
-    t = threading.Thread(target=call, daemon=True)
-    t.start()
-    t.join(timeout_s)
-    assert out, f"still loading after {timeout_s} s"
-    return out[0]
 
 
 def _spec(path: Path, factory: str = "workers.demo:tiny_mlp") -> P.ModelSpec:
@@ -52,15 +34,15 @@ def _spec(path: Path, factory: str = "workers.demo:tiny_mlp") -> P.ModelSpec:
 def test_a_fifo_checkpoint_is_refused_at_once_and_a_good_file_then_loads(tmp_path: Path) -> None:
     path = tmp_path / "ckpt.safetensors"
     os.mkfifo(path)
-    got = _in_time(lambda: read_safetensors(path))
+    got = in_time(lambda: read_safetensors(path))
     assert isinstance(got, CheckpointError) and "is a FIFO, not a safetensors file" in str(got), got
     host = DeviceHost("cpu0", "cpu", node="test")
-    r = _in_time(lambda: host.apply(P.Load(_spec(path)), "load"))
+    r = in_time(lambda: host.apply(P.Load(_spec(path)), "load"))
     assert (r.ok, r.error_code) == (False, P.BAD_CHECKPOINT), r.error
     assert str(path) in r.error and "FIFO" in r.error
     path.unlink()
     write_tiny_mlp(path, 8)
-    assert _in_time(lambda: host.apply(P.Load(_spec(path)), "load again")).ok
+    assert in_time(lambda: host.apply(P.Load(_spec(path)), "load again")).ok
 
 
 def test_bytes_that_belong_to_no_tensor_are_refused_as_the_reference_reader_refuses_them(
@@ -172,6 +154,6 @@ def test_a_fifo_torchscript_archive_is_refused_at_once(tmp_path: Path) -> None:
     os.mkfifo(path)
     spec = P.ModelSpec("ts", "torchscript", {"path": str(path)})
     host = DeviceHost("cpu0", "cpu", node="test")
-    r = _in_time(lambda: host.apply(P.Load(spec), "load"))
+    r = in_time(lambda: host.apply(P.Load(spec), "load"))
     assert (r.ok, r.error_code) == (False, P.BAD_CHECKPOINT), r.error
     assert "is a FIFO, not a TorchScript archive" in r.error, r.error
