@@ -1737,14 +1737,14 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         thread, as `reload`: what it reads is the loop's to change."""
         return self._checked(new)[1]
 
-    def _checked(self, new: Config, hold: TunedHold | None = None) -> tuple[Config, list[str]]:
+    def _checked(self, new: Config, hold: TunedHold | None = None) -> tuple[Config, list[str], TunedHold]:
         """The checks of a reload to `new` (`check_reload` and `reload` both make them, so they cannot
         say different things): `new` as the reload takes it (the command line's `server` fields over
         the file's, the tuned settings the file could not take over its unchanged fields) and its
-        changes, or what refuses it."""
+        changes and the tuned settings it keeps, or what refuses it."""
         from manager.reload import check_measured_fit, over_file, plan_reload
 
-        new = over_file(new, self.tuning_overrides if hold is None else hold)[0]
+        new, kept = over_file(new, self.tuning_overrides if hold is None else hold)
         if self.server_overrides:
             new = new.model_copy(update={"server": new.server.model_copy(update=self.server_overrides)})
         changes = plan_reload(self.config, new, self.started_config)
@@ -1754,7 +1754,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                 changes[i] += f" (an admin's {'pin' if pinned else 'unpin'} holds)"
         pins = {m.name: self.pin_overrides.get(m.name, m.pin) for m in new.models}  # an admin's hold
         check_measured_fit(self.engine, new, pins, self._measured)
-        return new, changes
+        return new, changes, kept
 
     def reload(self, new: Config, hold: TunedHold | None = None) -> list[str]:
         """Take a changed config, dropping nothing in flight (RestartNeeded: structural changes;
@@ -1764,10 +1764,10 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         the file could not take (`tuning_overrides`) over the fields the file holds as it did.
         `hold`: the scheduled tuning's reload to settings its file could not take (all of them, in
         place of `tuning_overrides`)."""
-        from manager.reload import apply_reload, over_file
+        from manager.reload import apply_reload
 
-        kept = over_file(new, self.tuning_overrides)[1] if hold is None else hold
-        new, changes = self._checked(new, hold)
+        new, changes, kept = self._checked(new, hold)
+        kept = kept if hold is None else hold  # (`new` holds the tuned values already, not the file's)
         apply_reload(self.engine, new)
         self.config = new
         gone = sorted(".".join(k) for k in self.tuning_overrides if k not in kept)

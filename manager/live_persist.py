@@ -166,25 +166,21 @@ def _same(rec: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted(rec.items()))
 
 
-def _skip_corrupt(e: StoreError, said: set[str]) -> None:
-    """Say (once: `said` holds what was) a corrupt stored row that the journal's replay leaves out."""
+JOURNAL_COMPARE = (
+    "left out while the request journal's records were compared with the store (a journal record it "
+    "may have been is written again); repair or delete it to read that time range"
+)
+CATCH_UP = "left out of the statistics' catch-up (repair or delete it to count it)"
+"""What `_skip_corrupt` says of a damaged row, by the read that left it out (the catch-up's stopped
+whole, and the next save's mark then put the requests it had not read out of reach)."""
+
+
+def _skip_corrupt(e: StoreError, said: set[str], what: str) -> None:
+    """Say (once: `said` holds what was) a corrupt stored row that a read leaves out, and `what` of it."""
     if e.reason in said:
         return
     said.add(e.reason)
-    logger.warning(
-        "%s; left out while the request journal's records were compared with the store (a journal "
-        "record it may have been is written again); repair or delete it to read that time range",
-        e,
-    )
-
-
-def _skip_in_catch_up(e: StoreError, said: set[str]) -> None:
-    """Say (once) a damaged stored row that the statistics' catch-up leaves out: it stopped the
-    whole catch-up, and the next save's mark then put the requests it had not read out of reach."""
-    if e.reason in said:
-        return
-    said.add(e.reason)
-    logger.warning("%s; left out of the statistics' catch-up (repair or delete it to count it)", e)
+    logger.warning("%s; %s", e, what)
 
 
 def _why(e: Exception) -> str:
@@ -607,7 +603,7 @@ class PersistenceMixin:
         keys = Counter(map(_same, waiting))
         held: Counter[tuple[tuple[str, Any], ...]] = Counter()
         said: set[str] = set()  # a damaged row is named once and left out: the rest is caught up on
-        log = self.store.requests(max(lo, 0.0), hi, on_corrupt=lambda e: _skip_in_catch_up(e, said))
+        log = self.store.requests(max(lo, 0.0), hi, on_corrupt=lambda e: _skip_corrupt(e, said, CATCH_UP))
         stored = ((rec, True) for rec in log if wanted(rec))
         # merged by time, the store's first at equal times: its copy of a waiting record comes before it
         for rec, in_store in heapq.merge(stored, ((rec, False) for rec in waiting), key=lambda x: x[0]["t"]):
@@ -978,7 +974,9 @@ class PersistenceMixin:
             return batch
         said = self.journal.corrupt_said if self.journal is not None else set()
         window = self.store.requests(
-            min(times), math.nextafter(max(times), math.inf), on_corrupt=lambda e: _skip_corrupt(e, said)
+            min(times),
+            math.nextafter(max(times), math.inf),
+            on_corrupt=lambda e: _skip_corrupt(e, said, JOURNAL_COMPARE),
         )
         held = Counter(map(_same, window))
         out = []

@@ -111,40 +111,37 @@ def entry_values(config: Config) -> dict[TunedField, Any]:
     }
 
 
+def held_updates(held: Mapping[TunedField, tuple[Any, Any]], section: str) -> dict[str, dict[str, Any]]:
+    """The tuned values of `held` for `section`'s entries, as `with_settings` takes them."""
+    out: dict[str, dict[str, Any]] = {}
+    for (sec, name, key), (_, tuned) in held.items():
+        if sec == section:
+            out.setdefault(name, {})[key] = tuned
+    return out
+
+
+def _with_held(config: Config, held: Mapping[TunedField, tuple[Any, Any]]) -> Config | None:
+    """`config` with the tuned values of `held`; None when that is not a valid config."""
+    from manager.replay.tune import with_settings
+
+    try:
+        return with_settings(config, held_updates(held, "models"), held_updates(held, "classes"))
+    except ValidationError:
+        return None
+
+
 def over_file(new: Config, held: Mapping[TunedField, tuple[Any, Any]]) -> tuple[Config, TunedHold]:
     """`new` (the config file as read again) with the tuned settings of `held` whose field the file
     still holds as it did when the tuning applied them (a person's edit of the field wins), and
-    those settings. `new` and none when they no longer make a valid config."""
-    if not held:
-        return new, {}
-    now = entry_values(new)
+    those settings. One that no longer fits the file's other values goes, not all of them."""
+    now = entry_values(new) if held else {}
     kept = {k: v for k, v in held.items() if k in now and now[k] == v[0]}
-    while kept:  # (one that no longer fits the file's other values goes, not all of them)
-        data = new.model_dump(by_alias=True)
-        for (section, name, field), (_, tuned) in kept.items():
-            for e in data[section]:
-                if e["name"] == name:
-                    e[field] = tuned
-        try:
-            return Config.model_validate(data), kept
-        except ValidationError:
-            bad = next((k for k in kept if not _fits(new, k, kept[k][1])), next(iter(kept)))
-            del kept[bad]
+    while kept:
+        config = _with_held(new, kept)
+        if config is not None:
+            return config, kept
+        del kept[next((k for k in kept if _with_held(new, {k: kept[k]}) is None), next(iter(kept)))]
     return new, {}
-
-
-def _fits(config: Config, field: TunedField, tuned: Any) -> bool:
-    """Whether `config` with the one tuned value `field` = `tuned` is valid."""
-    section, name, key = field
-    data = config.model_dump(by_alias=True)
-    for e in data[section]:
-        if e["name"] == name:
-            e[key] = tuned
-    try:
-        Config.model_validate(data)
-    except ValidationError:
-        return False
-    return True
 
 
 def plan_reload(old: Config, new: Config, started: Config | None = None) -> list[str]:

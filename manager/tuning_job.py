@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from manager.config import Config, ConfigError, write_config_with_updates
-from manager.reload import TunedHold, entry_values
+from manager.reload import TunedHold, entry_values, held_updates
 from manager.replay.sim import replay
 from manager.replay.trace import ExportStopped, read_trace
 from manager.replay.tune import MIN_MODEL_REQUESTS, TuningStopped, objective, split_holdout, tune
@@ -164,10 +164,7 @@ def _run(
 
 def _under(held: TunedHold, section: str, updates: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """`updates` over the tuned values `held` has for `section`'s entries."""
-    out: dict[str, dict[str, Any]] = {}
-    for (sec, name, key), (_, tuned) in held.items():
-        if sec == section:
-            out.setdefault(name, {})[key] = tuned
+    out = held_updates(held, section)
     for name, fields in updates.items():
         out.setdefault(name, {}).update(fields)
     return out
