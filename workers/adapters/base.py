@@ -259,10 +259,12 @@ def check_tensors(
     model: str,
     ignore_prefixes: tuple[str, ...] = (),
     where: str = "",
-) -> None:
+) -> tuple[dict[str, list[str]], dict[str, torch.Tensor], dict[str, torch.dtype]]:
     """BAD_CHECKPOINT unless `tensors` fit `module` (built on meta: nothing is assigned): every
     parameter given (under one of its names), no tensor it does not have (but those ignored by
-    prefix), each of its shape, and a dtype it can take. `where`: the checkpoint, named in the error."""
+    prefix), each of its shape, and a dtype it can take. `where`: the checkpoint, named in the error.
+    Returns what it read of the module: each parameter name's aliases (every name of a tied one),
+    its buffers, and its parameters' dtypes."""
     head = f"model {model!r}: " + (f"{where}: " if where else "")
     aliases: dict[int, list[str]] = {}
     for n, p in module.named_parameters(remove_duplicate=False):
@@ -308,6 +310,7 @@ def check_tensors(
                 P.BAD_CHECKPOINT,
                 f"{head}tensor {name!r} has dtype {t.dtype} in the checkpoint, {dtypes[name]} in the module",
             )
+    return params, buffers, dtypes
 
 
 def assign_tensors(
@@ -323,15 +326,11 @@ def assign_tensors(
     `check_tensors`, first). Parameters missing from `tensors` are an error; buffers missing from it
     keep their computed values and move to `device`; tensors the module does not have are an error
     unless ignored by prefix."""
-    check_tensors(module, tensors, model=model, ignore_prefixes=ignore_prefixes, where=where)
     # every name of each parameter: a tied one (an LM head sharing the embedding's weight) has several,
     # and a checkpoint holds it under one of them (safetensors' save_model keeps one)
-    aliases: dict[int, list[str]] = {}
-    for n, p in module.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), []).append(n)
-    params = {n: names for names in aliases.values() for n in names}
-    buffers = dict(module.named_buffers())
-    dtypes = {n: p.dtype for n, p in module.named_parameters(remove_duplicate=False)}
+    params, buffers, dtypes = check_tensors(
+        module, tensors, model=model, ignore_prefixes=ignore_prefixes, where=where
+    )
     done: set[str] = set()
     for name, t in tensors.items():
         if (name not in params and name not in buffers) or name in done:
