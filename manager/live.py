@@ -306,6 +306,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         if self.journal is not None:  # requests served before a crash, not yet in the store
             self._log_buf = self.journal.read() + self._log_buf
             await self.flush_log()
+            if self._log_failing:
+                self._down_at_start = "not tried: the store failed to take the request log at start"
         if self.restore_stats():
             self._catch_up_stats()
         self._restore_pins()
@@ -1917,6 +1919,10 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         """The admin pins saved in the store, over the config's. `late`: the store was down at start
         and answers now; a pin an admin set since the start holds over the saved one."""
         if self.store is None:
+            return
+        if self._down_at_start is not None and not late:
+            self._pins_why = self._down_at_start
+            self._take_pins(None, late=False)
             return
         self._take_pins(self._read_pins(), late=late)
 

@@ -238,6 +238,11 @@ class PersistenceMixin:
     """Intents recorded on the event loop and not yet written (`_set_intent`): model -> (tier, why)."""
     _intent_writer: asyncio.Task[None] | None = None
     _stats_unread: bool
+    _down_at_start: str | None = None
+    """Why the start's first store call (the journal's flush, else the statistics' read) was not
+    answered, if it was not: the start's other reads are not tried (a store that hangs, a stopped
+    Redis, takes 15 s a call, and the start waited for each in turn); the statistics and the pins
+    are read once the store answers, the intents are rewritten from the books."""
     _stats_until: float = math.inf
     """This run's start: the request log's records before it are an earlier run's (caught up)."""
     _stats_caught_up: bool = False
@@ -444,6 +449,12 @@ class PersistenceMixin:
         # Not the clock: one set back between the runs (NTP) would leave the last run's latest
         # requests out of the statistics, as this run's own.
         until = {n: m.hist.first_t if m.hist.count else math.inf for n, m in self.engine.models.items()}
+        if self._down_at_start is not None:
+            logger.warning(
+                "could not read saved statistics from the store (%s); starting fresh", self._down_at_start
+            )
+            self._stats_unread = True
+            return 0
         try:
             doc = self.store.get_doc("stats") or {}
         except CorruptDocument as e:  # it answers, but cannot read it: kept aside, fresh
@@ -455,6 +466,7 @@ class PersistenceMixin:
             else:
                 logger.exception("could not read saved statistics from the store; starting fresh")
             self._stats_unread = True  # merged in when the store is back (save_stats)
+            self._down_at_start = "not tried: the store failed the statistics' read at start"
             return 0
         self._stats_others = {n: d for n, d in doc.items() if n not in self.engine.models}
         since: dict[str, float | None] = dict.fromkeys(self.engine.models, _saved_until(doc))
@@ -773,6 +785,8 @@ class PersistenceMixin:
             self._intents_stale = True
 
         try:
+            if self._down_at_start is not None:
+                raise StoreError(self.store.url, self._down_at_start)
             intents = self.store.intents(on_corrupt=corrupt)
         except Exception as e:  # the store is down
             if isinstance(e, StoreError):  # (it names what failed: said in one line)

@@ -1,0 +1,132 @@
+"""Review 22: with a store that does not answer at start (a stopped Redis: 15 s a call), the start
+made its store calls one after another, each waiting for its own timeout: the journal's flush, the
+statistics' read, the admin pins' read, the recorded intents' read. About a minute passed before the
+service served. Once the start's first call fails, the others are not tried: the statistics and the
+pins are read once the store answers (as before), the intents are rewritten from the books.
+
+The store is the real SQLite store behind a wrapper that fails every call while `down` and counts
+the calls made (unit test only)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+from live_helpers import TEXT, kill, local_config, started, until
+
+from manager.config import Config
+from manager.live import LiveManager
+from manager.store import open_store
+from manager.store.base import StoreError
+
+
+class _CountingDownStore:
+    """The real store; while `down`, every call fails as a stopped Redis's does (StoreError), and each
+    call is counted in `calls` by name."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.down = False
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+        if not callable(attr):
+            return attr
+
+        def call(*a: Any, **k: Any) -> Any:
+            self.calls.append(name)
+            if self.down:
+                raise StoreError(self.url, f"{name}: TimeoutError: Timeout reading from socket (test)")
+            return attr(*a, **k)
+
+        return call
+
+
+def _config(tmp_path: Path) -> Config:
+    return local_config(tmp_path, ("voice", "embed"))
+
+
+def test_a_store_down_at_start_is_asked_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    config = _config(tmp_path)
+    inner = open_store(f"sqlite:///{tmp_path / 'state.db'}")
+    inner.put_doc("pins", {"embed": True})  # saved by the run before
+    inner.set_intent("embed", "gpu")
+    store = _CountingDownStore(inner)
+    store.down = True
+
+    async def main() -> None:
+        from manager.workers_bridge import create_pool
+
+        pool = create_pool(config, in_process=True)
+        lm = LiveManager(config, pool, store=store)
+        await lm.start()
+        try:
+            assert store.calls == ["get_doc"], store.calls  # the statistics' read, and no other
+            assert lm._stats_unread and lm._pins_unread and lm._intents_stale
+            assert not lm.engine.models["embed"].pinned  # not read yet: the config's pins hold
+            store.down = False  # it answers: what the start did not read is read now
+            await until(lambda: lm.engine.models["embed"].pinned, "the saved pin read once the store answers")
+            await until(lambda: not lm._stats_unread, "the saved statistics merged once the store answers")
+            served = await asyncio.wait_for(lm.infer("embed", TEXT), 30)
+            assert served.result.ok
+        finally:
+            await lm.stop()
+            pool.close()
+
+    try:
+        with caplog.at_level(logging.WARNING):
+            asyncio.run(main())
+        said = caplog.text
+        assert "could not read saved statistics from the store (store " in said  # the store's own error
+        assert "the admin pins from the store (not tried: the store failed the statistics' read" in said
+        assert "could not read the recorded intents at start (store " in said
+        assert inner.intents()["embed"] == "gpu"  # rewritten from the books once it answered
+    finally:
+        inner.close()
+
+
+def test_a_store_that_fails_the_journals_flush_at_start_is_not_asked_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A killed run's journal holds requests: the start's first call is their flush. It fails: the
+    statistics, pins and intents are not read at start (they were, each waiting for its timeout), and
+    the journal's requests are written, and taken into the statistics, once the store answers."""
+    config = _config(tmp_path)
+    inner = open_store(f"sqlite:///{tmp_path / 'state.db'}")
+    store = _CountingDownStore(inner)
+    journal = tmp_path / "journal.jsonl"
+
+    async def first_run() -> None:  # serves one request, and is killed before the store took it
+        lm, pool = await started(config, store, journal)
+        store.down = True
+        served = await asyncio.wait_for(lm.infer("embed", TEXT), 30)
+        assert served.result.ok
+        kill(lm, pool)
+
+    async def second_run() -> None:
+        store.calls.clear()
+        lm, pool = await started(config, store, journal)
+        try:
+            assert store.calls.count("get_doc") == 0 and "intents" not in store.calls, store.calls
+            assert lm._stats_unread and lm._pins_unread and lm._log_failing
+            store.down = False
+            await until(lambda: not lm._log_buf and not lm._stats_unread, "the journal written and merged")
+            assert lm.live["embed"].requests >= 1  # the killed run's request is in the statistics
+        finally:
+            await lm.stop()
+            pool.close()
+
+    try:
+        asyncio.run(first_run())
+        assert journal.read_text().strip(), "the killed run's request is not in its journal"
+        with caplog.at_level(logging.WARNING):
+            asyncio.run(second_run())
+        assert "not tried: the store failed to take the request log at start" in caplog.text
+        assert any(r["model"] == "embed" for r in inner.requests(0.0, None))
+    finally:
+        inner.close()
