@@ -701,6 +701,12 @@ class PersistenceMixin:
                     m.weights = int(ms.device_bytes)  # the host's measure, before the books count it
                     self._measured.add(name)
                     self.engine.recheck_fit()
+                elif tier == Tier.HOST and ms.host_bytes > m.weights and name not in self._measured:
+                    # held in host RAM, larger than its estimate and never measured on the device: the
+                    # bytes it holds there, as a read into host RAM is booked (`_confirmed`); it was
+                    # adopted at its estimate (two models of 256 MiB estimated at 1 MiB: 2 MiB booked)
+                    m.weights = int(ms.host_bytes)
+                    self.engine.recheck_fit()
                 if not self.engine.adopt(m, tier, now):
                     logger.warning("device %s holds %s, which does not fit the books: dropped", device, name)
                     self._drop_on_host(device, name)

@@ -1,11 +1,16 @@
-"""Review 22: with a store that does not answer at start (a stopped Redis: 15 s a call), the start
+"""Review 22, restarts.
+
+With a store that does not answer at start (a stopped Redis: 15 s a call), the start
 made its store calls one after another, each waiting for its own timeout: the journal's flush, the
 statistics' read, the admin pins' read, the recorded intents' read. About a minute passed before the
 service served. Once the start's first call fails, the others are not tried: the statistics and the
 pins are read once the store answers (as before), the intents are rewritten from the books.
 
 The store is the real SQLite store behind a wrapper that fails every call while `down` and counts
-the calls made (unit test only)."""
+the calls made (unit test only).
+
+A model its device host held in host RAM at a restart was adopted at the config's estimate, not the
+bytes it holds there (a read into host RAM is booked at those)."""
 
 from __future__ import annotations
 
@@ -130,3 +135,43 @@ def test_a_store_that_fails_the_journals_flush_at_start_is_not_asked_again(
         assert any(r["model"] == "embed" for r in inner.requests(0.0, None))
     finally:
         inner.close()
+
+
+def test_a_model_held_in_host_ram_at_a_restart_is_booked_at_its_host_bytes(tmp_path: Path) -> None:
+    """A restarted manager adopted a model its device host held in host RAM at the config's estimate
+    (1 MiB for ~87 MiB of tensors), until a device load measured it: host RAM was booked short."""
+    from manager.policy.types import Tier
+    from manager.workers_bridge import create_pool
+
+    config = _config(tmp_path)
+    models = [
+        m.model_copy(update={"memory": 2**20, "prewarm": False}) if m.name == "embed" else m
+        for m in config.models
+    ]
+    config = config.model_copy(update={"models": models})
+
+    async def main() -> None:
+        pool = create_pool(config, in_process=True)  # the device host outlives both managers
+        try:
+            first = LiveManager(config, pool)
+            await first.start()
+            await first.preload("embed", "host")
+            await until(lambda: not first.host_read_pending("embed"), "the read into host RAM answered")
+            held = pool.status("cpu0").models["embed"]
+            assert held.tier == "host" and held.host_bytes > 50 * 2**20, held
+            await first.stop()
+
+            second = LiveManager(config, pool)
+            before = second.engine.host.used
+            await second.start()
+            try:
+                m = second.engine.models["embed"]
+                assert m.tier == Tier.HOST  # adopted, not read again
+                assert m.weights == held.host_bytes, (m.weights, held.host_bytes)
+                assert second.engine.host.used == before + held.host_bytes
+            finally:
+                await second.stop()
+        finally:
+            pool.close()
+
+    asyncio.run(main())
