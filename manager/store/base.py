@@ -171,7 +171,8 @@ class Store(Protocol):
 
     def refused(self) -> str | None:
         """Why the backend refuses this store for good (a wrong password, a database it does not
-        have), which no wait for it to come back mends; None when it answers or is only down."""
+        have, a key of its that holds another program's data), which no wait for it to come back
+        mends; None when it answers or is only down."""
         ...
 
     def close(self) -> None:

@@ -37,10 +37,11 @@ RedisStore; connects lazily), RedisStore (the `Store` protocol over an injected 
 Errors: any Redis or socket failure is a StoreError whose url has the password replaced by ***;
 `ping()` returns False instead. A key of another type than the store keeps there (WRONGTYPE) is named
 with its type, in the same words whatever the Redis version. `refused()` tells a login, a database, a
-server certificate or a client certificate (missing, or not trusted) that the server refuses for
-good from an outage. Thread safety: redis-py clients are thread-safe (a connection pool);
-a batch is one Lua script (read the newest id, place the ids, add the entries), which Redis runs
-whole: all of it is written or none, and racing writers cannot interleave with it.
+server certificate or a client certificate (missing, or not trusted) that the server refuses for good
+from an outage, and a key of the store's that holds another program's data. Thread safety: redis-py
+clients are thread-safe (a connection pool); a batch is one Lua script (read the newest id, place the
+ids, add the entries), which Redis runs whole: all of it is written or none, and racing writers cannot
+interleave with it.
 """
 
 from __future__ import annotations
@@ -480,10 +481,19 @@ class RedisStore:
     def _wrong_types(self) -> str:
         """Which of this store's keys hold another kind of value than the store keeps there, and
         what to do: the message of a WRONGTYPE error, the same whatever the Redis version."""
+        return self._wrong_types_in(self._key_types())
+
+    def _key_types(self) -> dict[str, str]:
+        """What each of this store's keys holds, as Redis's TYPE names it ({}: no answer)."""
         try:
-            found = {key: _text(self._client.type(key)) for key in self._types}
+            with self._client.pipeline(transaction=False) as p:
+                for key in self._types:
+                    p.type(key)
+                return {key: _text(t) for key, t in zip(self._types, p.execute(), strict=True)}
         except (redis.RedisError, OSError):
-            found = {}
+            return {}
+
+    def _wrong_types_in(self, found: dict[str, str]) -> str:
         wrong = [
             f"{key} holds a {kind}, not a {self._types[key]}"
             for key, kind in found.items()
@@ -759,6 +769,11 @@ class RedisStore:
             return None
         except (redis.RedisError, OSError):
             return None  # down, or unreachable: an outage, which the service rides out
+        found = self._key_types()
+        if any(kind not in ("none", self._types[key]) for key, kind in found.items()):
+            # another program's data where this store keeps its own: every read and write of that
+            # key would fail for the whole run (said once, then read as an outage), which no wait mends
+            return f"WRONGTYPE: {self._wrong_types_in(found)}"
         return None
 
     def close(self) -> None:
