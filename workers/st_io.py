@@ -146,34 +146,8 @@ def _parse(f: Any, p: Path) -> Header:
     meta = doc.pop("__metadata__", None) or {}
     if not isinstance(meta, dict):
         raise CheckpointError(f"{p}: __metadata__ is not a JSON object")
-    entries = []
     data_bytes = size - 8 - n
-    for name, info in doc.items():
-        try:
-            dtype, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{p}: tensor {name!r}: malformed entry") from None
-        # a size past int64 fails in torch (a zero-sized tensor passes the size check below)
-        if not isinstance(info["shape"], list) or not all(_count(d) and d < MAX_DIM for d in shape):
-            raise CheckpointError(
-                f"{p}: tensor {name!r}: shape {info['shape']!r} is not a list of sizes >= 0 (and < 2**63)"
-            )
-        if not (_count(start) and _count(end)):
-            raise CheckpointError(
-                f"{p}: tensor {name!r}: data offsets {[start, end]!r} are not integers >= 0"
-            )
-        if not isinstance(dtype, str) or dtype not in DTYPES:
-            raise CheckpointError(f"{p}: tensor {name!r}: unsupported dtype {dtype!r}")
-        numel = 1
-        for d in shape:
-            numel *= int(d)
-        itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
-        if not (0 <= start <= end <= data_bytes) or end - start != numel * itemsize:
-            raise CheckpointError(
-                f"{p}: tensor {name!r}: data offsets {start}..{end} do not fit its shape or the file "
-                f"(data region {data_bytes} bytes; truncated?)"
-            )
-        entries.append(Entry(name, dtype, shape, int(start), int(end)))
+    entries = [_entry(p, name, info, data_bytes) for name, info in doc.items()]
     # Two tensors over the same bytes (a header lying about its offsets) would load as views of one
     # another: silently wrong weights. The reference reader refuses such a file; so does this one.
     spans = sorted((e.start, e.end, e.name) for e in entries if e.end > e.start)
@@ -198,6 +172,36 @@ def _parse(f: Any, p: Path) -> Header:
             "(a corrupt header, or data appended to the file)"
         )
     return Header(8 + n, data_bytes, tuple(entries), dict(meta))
+
+
+def _entry(p: Path, name: str, info: Any, data_bytes: int) -> Entry:
+    """The header's entry of tensor `name`, checked against the file's data region."""
+    try:
+        dtype, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError(f"{p}: tensor {name!r}: malformed entry") from None
+    # a size past int64 fails in torch (a zero-sized tensor passes the size check below)
+    if not isinstance(info["shape"], list) or not all(_count(d) and d < MAX_DIM for d in shape):
+        raise CheckpointError(
+            f"{p}: tensor {name!r}: shape {info['shape']!r} is not a list of sizes >= 0 (and < 2**63)"
+        )
+    if not (_count(start) and _count(end)):
+        raise CheckpointError(f"{p}: tensor {name!r}: data offsets {[start, end]!r} are not integers >= 0")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise CheckpointError(f"{p}: tensor {name!r}: unsupported dtype {dtype!r}")
+    numel = span = 1
+    for d in shape:
+        numel *= int(d)
+        span *= max(int(d), 1)
+    if span >= MAX_DIM:  # (torch multiplies the sizes, a zero among them too: past int64 it fails)
+        raise CheckpointError(f"{p}: tensor {name!r}: shape {info['shape']!r}: its sizes multiply past 2**63")
+    itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
+    if not (0 <= start <= end <= data_bytes) or end - start != numel * itemsize:
+        raise CheckpointError(
+            f"{p}: tensor {name!r}: data offsets {start}..{end} do not fit its shape or the file "
+            f"(data region {data_bytes} bytes; truncated?)"
+        )
+    return Entry(name, dtype, shape, int(start), int(end))
 
 
 def _views(buf: torch.Tensor, header: Header) -> dict[str, torch.Tensor]:
@@ -236,7 +240,7 @@ def read_safetensors(
                     _copy_mmap(f.fileno(), header, buf)
                 else:
                     f.seek(header.data_offset)
-                    _readinto(f, buf)
+                    _readinto(f, buf, p)
             after = os.fstat(f.fileno())
     except (OSError, ValueError) as e:
         if isinstance(e, CheckpointError):
@@ -263,13 +267,14 @@ def _copy_mmap(fd: int, header: Header, buf: torch.Tensor) -> None:
         mm.close()
 
 
-def _readinto(f: Any, buf: torch.Tensor) -> int:
+def _readinto(f: Any, buf: torch.Tensor, path: str | Path) -> int:
+    """Fill `buf` from `f` (read from `path`, which errors name: `f` may be opened from a descriptor)."""
     view = memoryview(buf.numpy()).cast("B")  # type: ignore[arg-type]
     got = 0
     while got < len(view):
         n = f.readinto(view[got : got + CHUNK])
         if not n:
-            raise CheckpointError(f"{f.name}: file ended after {got} of {len(view)} data bytes")
+            raise CheckpointError(f"{path}: file ended after {got} of {len(view)} data bytes")
         got += n
     return got
 
@@ -278,7 +283,7 @@ def raw_read(path: str | Path) -> int:
     """Read a whole file sequentially into one preallocated buffer: the speed limit of any loader."""
     with open(path, "rb") as f:  # sized through the open file: what was sized is what is read
         buf = torch.empty(os.fstat(f.fileno()).st_size, dtype=torch.uint8)
-        return _readinto(f, buf)
+        return _readinto(f, buf, path)
 
 
 def drop_file_cache(path: str | Path) -> None:

@@ -318,12 +318,12 @@ class TestFileChangesWhileRead:
         same_size = {"w": old["w"] + 1000}
         real = st_io._readinto
 
-        def rewrite_then_read(f: Any, buf: torch.Tensor) -> int:
+        def rewrite_then_read(f: Any, buf: torch.Tensor, path: Path) -> int:
             other = tmp_path / "same.safetensors"
             write_safetensors(same_size, other)
             with open(p, "r+b") as w:  # same inode, same size, other weights
                 w.write(other.read_bytes())
-            return real(f, buf)
+            return real(f, buf, path)
 
         monkeypatch.setattr(st_io, "_readinto", rewrite_then_read)
         with pytest.raises(CheckpointError) as e:

@@ -344,23 +344,22 @@ def assign_tensors(
         else:
             owner_name, _, attr = name.rpartition(".")
             module.get_submodule(owner_name)._buffers[attr] = t
-    for name, b in buffers.items():
-        if name not in tensors and b.device != device:
+    for name, b in buffers.items():  # (one on meta has no values to move: said below)
+        if name not in tensors and b.device != device and b.device.type != "meta":
             owner_name, _, attr = name.rpartition(".")
             module.get_submodule(owner_name)._buffers[attr] = b.to(device)
     empty = [n for n, p in module.named_parameters(remove_duplicate=False) if p.device.type == "meta"]
     empty += [n for n, b in module.named_buffers() if b.device.type == "meta"]
+    head = f"model {model!r}: " + (f"{where}: " if where else "")
     if empty:  # a module that would compute on no weights at all
-        raise AdapterError(
-            P.BAD_CHECKPOINT, f"model {model!r}: no weights in the checkpoint for {sorted(empty)[:4]}"
-        )
-    _unify_float_params(module, {d for d in dtypes.values() if d.is_floating_point}, model=model)
+        raise AdapterError(P.BAD_CHECKPOINT, f"{head}no weights in the checkpoint for {sorted(empty)[:4]}")
+    _unify_float_params(module, {d for d in dtypes.values() if d.is_floating_point}, head=head)
 
 
 _UNIFIABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _unify_float_params(module: nn.Module, built: set[torch.dtype], *, model: str) -> None:
+def _unify_float_params(module: nn.Module, built: set[torch.dtype], *, head: str) -> None:
     """A module built in one float dtype, given a checkpoint that mixes float dtypes (fp16 weights with
     fp32 biases, an fp64 weight with an fp32 bias), gets all its float parameters in one dtype: the
     one most of its parameter elements have in the checkpoint (where two tie, the one both fit in).
@@ -368,7 +367,8 @@ def _unify_float_params(module: nn.Module, built: set[torch.dtype], *, model: st
     dtype"): no input dtype suits a layer whose weight and bias differ. Its declared inputs then go
     in as that dtype, as for a checkpoint in one other dtype. BAD_CHECKPOINT naming the tensor when
     a value does not fit that dtype (an fp32 value past fp16's range); a module built in several
-    dtypes is left as it is (its forward is written for them)."""
+    dtypes is left as it is (its forward is written for them). `head` begins an error's message
+    (the model, and the checkpoint's file)."""
     if len(built) != 1:
         return
     groups: dict[int, list[str]] = {}
@@ -396,7 +396,7 @@ def _unify_float_params(module: nn.Module, built: set[torch.dtype], *, model: st
         if int(torch.isfinite(t).sum()) != int(torch.isfinite(p.detach()).sum()):
             raise AdapterError(
                 P.BAD_CHECKPOINT,
-                f"model {model!r}: the checkpoint mixes float dtypes ({mixed}); its parameters go in as "
+                f"{head}the checkpoint mixes float dtypes ({mixed}); its parameters go in as "
                 f"{str(target).removeprefix('torch.')}, the dtype of most of them, but tensor {names[0]!r} "
                 f"({str(p.dtype).removeprefix('torch.')}) holds values beyond its range: save the "
                 "checkpoint in one float dtype",
@@ -466,15 +466,16 @@ class ModuleAdapter(Adapter):
         return HostCopy(tensors=tensors)
 
     def check_host_copy(self, host: HostCopy, ph: Phases) -> None:
-        """The tensors read for the host tier checked against the module (built on meta: no memory),
-        as a load to the device checks them: a read into host RAM took a checkpoint that could never
-        run (another module's names or shapes), held its bytes, and said the model's earlier failure
-        was over."""
+        """The tensors read for the host tier put into the module (built on meta; they are shared, not
+        copied) as a load to the device puts them (`assign_tensors`: names, shapes, dtypes, weights
+        for every parameter, a mix of float dtypes within range), then the module is let go: a read
+        into host RAM took a checkpoint that could never run (another module's names or shapes),
+        held its bytes, and said the model's earlier failure was over."""
         with ph.phase("deserialize"):
             wanted = {n: t for n, t in host.tensors.items() if not n.startswith(self.ignore_prefixes)}
-            check_tensors(
-                self._built_on_meta(), wanted, model=self.spec.name, ignore_prefixes=self.ignore_prefixes,
-                where=self._where(),
+            assign_tensors(
+                self._built_on_meta(), wanted, model=self.spec.name, device=torch.device("cpu"),
+                ignore_prefixes=self.ignore_prefixes, where=self._where(),
             )  # fmt: skip
 
     def _where(self) -> str:

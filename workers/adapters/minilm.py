@@ -27,6 +27,7 @@ from torch import nn
 
 from workers import protocol as P
 from workers.adapters.base import AdapterError, ModuleAdapter
+from workers.st_io import CheckpointError, open_regular
 
 MAX_TEXTS = 256
 DEFAULT_MAX_SEQ_LENGTH = 256
@@ -75,11 +76,13 @@ class SentenceEmbeddingAdapter(ModuleAdapter):
         given. AdapterError naming the file when it is unreadable or not JSON."""
         p = self.model_dir() / rel
         try:
-            return json.loads(p.read_text())
+            return json.loads(_read_regular(p))
         except FileNotFoundError:
             if default is not None:
                 return default
             raise AdapterError(P.MISSING_CHECKPOINT, f"model {self.spec.name!r}: {p}: no such file") from None
+        except CheckpointError as e:  # (it names the file)
+            raise AdapterError(P.BAD_CHECKPOINT, f"model {self.spec.name!r}: {e}") from None
         except (OSError, ValueError, RecursionError) as e:
             raise AdapterError(P.BAD_CHECKPOINT, f"model {self.spec.name!r}: {p}: {e}") from None
 
@@ -163,10 +166,18 @@ class SentenceEmbeddingAdapter(ModuleAdapter):
             from tokenizers import Tokenizer
 
             p = self.model_dir() / "tokenizer.json"
-            if not p.is_file():
-                raise AdapterError(P.MISSING_CHECKPOINT, f"model {self.spec.name!r}: {p}: no such file")
             try:
-                tok = Tokenizer.from_file(str(p))
+                text = _read_regular(p)
+            except FileNotFoundError:
+                raise AdapterError(
+                    P.MISSING_CHECKPOINT, f"model {self.spec.name!r}: {p}: no such file"
+                ) from None
+            except CheckpointError as e:  # (it names the file)
+                raise AdapterError(P.BAD_CHECKPOINT, f"model {self.spec.name!r}: {e}") from None
+            except (OSError, ValueError) as e:
+                raise AdapterError(P.BAD_CHECKPOINT, f"model {self.spec.name!r}: {p}: {e}") from None
+            try:
+                tok = Tokenizer.from_str(text)
             except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
                 raise AdapterError(
                     P.BAD_CHECKPOINT, f"model {self.spec.name!r}: {p}: not a tokenizer file ({e})"
@@ -240,3 +251,12 @@ class SentenceEmbeddingAdapter(ModuleAdapter):
                 pooled = total / (n.sqrt() if mode == "mean_sqrt_len" else n)
             emb = torch.nn.functional.normalize(pooled, p=2, dim=1)
         return {"embedding": emb.float().cpu().numpy()}
+
+
+def _read_regular(p: Path) -> str:
+    """The text of `p`, which must be a regular file: a FIFO in the model's directory held the load
+    (and every later load of the model, behind it) until something wrote into it. CheckpointError
+    names a path that is not a regular file."""
+    with open_regular(p, "a model file") as f:
+        data: bytes = f.read()
+        return data.decode()

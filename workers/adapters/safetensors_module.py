@@ -118,6 +118,7 @@ class SafetensorsModuleAdapter(ModuleAdapter):
             ) from None
         fn = getattr(mod, attr, None)
         if not callable(fn):
+            _failed_build(mod_name)  # (a typo fixed in its file: read again once changed)
             raise AdapterError(P.FACTORY_FAILED, f"model {self.spec.name!r}: {ref!r} is not a callable")
         return fn
 

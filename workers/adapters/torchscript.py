@@ -12,6 +12,7 @@ import importlib.resources
 import io
 import os
 import warnings
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,26 @@ class TorchScriptAdapter(Adapter):
                 )
         return HostCopy(blob=blob)
 
+    def check_host_copy(self, host: HostCopy, ph: Phases) -> None:
+        """The bytes read for the host tier are a TorchScript archive (a zip holding a pickled module
+        and its code), read from its directory without deserializing it: a file that is not one was
+        held in host RAM, said loaded, and failed only at its promote."""
+        assert host.blob is not None
+        with ph.phase("deserialize"):
+            try:
+                with zipfile.ZipFile(io.BufferedReader(_BlobReader(host.blob))) as z:
+                    names = z.namelist()
+            except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError) as e:
+                why = f"not a zip archive ({e})"
+            else:
+                ok = any(n.endswith("/data.pkl") for n in names) and any("/code/" in n for n in names)
+                why = "" if ok else "a zip archive without a pickled module and its code (data.pkl, code/)"
+            if why:
+                raise AdapterError(
+                    P.BAD_CHECKPOINT,
+                    f"model {self.spec.name!r}: {self.path()}: not a TorchScript archive: {why}",
+                )
+
     def materialize(self, host: HostCopy, ph: Phases) -> Any:
         assert host.blob is not None
         with ph.phase("deserialize"):
@@ -189,6 +210,37 @@ class TorchScriptAdapter(Adapter):
                 f"{list(first.shape)}; source.output_shape declares {list(want.shape)} (-1: any)",
             )
         return {"output": first.detach().float().cpu().numpy()}
+
+
+class _BlobReader(io.RawIOBase):
+    """A seekable read-only file over a uint8 tensor's bytes (no copy of them)."""
+
+    def __init__(self, blob: torch.Tensor) -> None:
+        super().__init__()
+        self._view = memoryview(blob.numpy()).cast("B")  # type: ignore[arg-type]
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        if base + offset < 0:
+            raise ValueError("negative seek position")
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        chunk = self._view[self._pos : self._pos + len(b)]
+        memoryview(b).cast("B")[: len(chunk)] = chunk
+        self._pos += len(chunk)
+        return len(chunk)
 
 
 def _read_into(f: Any, view: memoryview) -> int:
