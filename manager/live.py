@@ -266,6 +266,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         # saved at start-up are merged in (not overwritten) once it answers again.
         self._log_failing = False
         self._intents_stale = False
+        self._intents_damaged: list[object] = []
         self._intents_pending = {}
         self._stats_unread = False
         self._measured: set[str] = set()  # models whose footprint a device host measured
@@ -306,17 +307,17 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         if self.journal is not None:  # requests served before a crash, not yet in the store
             self._log_buf = self.journal.read() + self._log_buf
             await self.flush_log()
-            if self._log_failing:
-                self._down_at_start = "not tried: the store failed to take the request log at start"
-        if self.restore_stats():
-            self._catch_up_stats()
-        self._restore_pins()
+        # the store's reads on a thread (a store that hangs held the event loop: health checks, stop
+        # signals); once the statistics' read fails, the others are not tried (`_down_at_start`)
+        await self.restore_stats_async()
+        await self._restore_pins_at_start()
         adopted = await self.adopt()
         if adopted:
             self._publish("reattached", "", f"adopted {', '.join(adopted)}", "", self.clock())
+        intents = await asyncio.to_thread(self._read_intents) if self.store is not None else {}
         now = self.clock()
         self.engine.load_pinned(now)  # pinned models first: intents take what room is left
-        restored = self.restore_intent(now)
+        restored = self.restore_intent(now, intents)
         if restored:
             self._publish("intent_restored", "", f"loading {', '.join(restored)}", "", now)
         self.engine.start(now)
@@ -1925,6 +1926,15 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             self._take_pins(None, late=False)
             return
         self._take_pins(self._read_pins(), late=late)
+
+    async def _restore_pins_at_start(self) -> None:
+        """`_restore_pins()` as the start makes it: the store's read on a thread."""
+        if self.store is None:
+            return
+        if self._down_at_start is not None:
+            self._restore_pins()  # (says so: no call)
+            return
+        self._take_pins(await asyncio.to_thread(self._read_pins), late=False)
 
     async def _restore_pins_off_loop(self) -> None:
         """`_restore_pins(late=True)` as the reconciler and an admin's pin (`_save_pins`) make it: the

@@ -22,7 +22,8 @@ import math
 import uuid
 from bisect import bisect_right
 from collections import Counter
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from manager.journal import RequestJournal
@@ -30,7 +31,7 @@ from manager.metrics import Metrics
 from manager.policy.engine import Engine
 from manager.policy.stats import EDGES, HOW_EDGES, LoadCost, ReuseHistogram, hour_of_week
 from manager.policy.types import Action, ActionKind, Tier
-from manager.store.base import CorruptDocument, StoreError, normalize_record
+from manager.store.base import CorruptDocument, CorruptRow, StoreError, normalize_record
 from manager.units import format_duration
 from workers import protocol as P
 
@@ -170,7 +171,10 @@ JOURNAL_COMPARE = (
     "left out while the request journal's records were compared with the store (a journal record it "
     "may have been is written again); repair or delete it to read that time range"
 )
-CATCH_UP = "left out of the statistics' catch-up (repair or delete it to count it)"
+CATCH_UP = (
+    "left out of the statistics' catch-up for good (they go on without that request; `trace export` "
+    "and the tuning leave the row out too, until it is repaired or deleted)"
+)
 """What `_skip_corrupt` says of a damaged row, by the read that left it out (the catch-up's stopped
 whole, and the next save's mark then put the requests it had not read out of reach)."""
 
@@ -219,6 +223,37 @@ def _saved_until(doc: dict[str, Any]) -> float | None:
     return max((float(t) for t in seen if t is not None and _time_or_none(t)), default=None)
 
 
+_Taken = tuple[dict[str, ReuseHistogram], dict[str, tuple[int, float]]]
+"""What `_take_missed` read of the request log: each model's histogram that took its records, and per
+model how many and when its last one ended."""
+
+
+@dataclass(frozen=True)
+class _MergePlan:
+    """Statistics saved by an earlier run, read late (`_merge_plan`): per model its saved entry (the
+    histogram, load costs, request count, last use), its saved histogram or a fresh one, up to when
+    it is complete, and from when the log's records are this run's."""
+
+    saved: dict[str, tuple[ReuseHistogram, LoadCost, int, float]]
+    before: dict[str, ReuseHistogram]
+    since: dict[str, float | None]
+    until: dict[str, float]
+
+
+def _wanted(since: dict[str, float | None], until: dict[str, float]) -> Callable[[dict[str, Any]], bool]:
+    """Whether a request record is one the statistics' catch-up takes: a configured model's (those in
+    `since`), after its `since` (any when None), before its `until`."""
+
+    def wanted(rec: dict[str, Any]) -> bool:
+        name, t = rec["model"], rec["t"]
+        if name not in since or t >= until[name]:
+            return False  # a model no longer configured, or a request this run has seen
+        after = since[name]
+        return after is None or t > after  # (else in the snapshot already)
+
+    return wanted
+
+
 class PersistenceMixin:
     """Statistics, intents and the request log of `LiveManager` (see the module's docstring)."""
 
@@ -234,15 +269,18 @@ class PersistenceMixin:
     _log_buf: list[dict[str, Any]]
     _log_failing: bool
     _intents_stale: bool
+    _intents_damaged: list[object]
+    """The keys of the damaged intent rows read at start (`_read_intents`), until a save replaces them."""
     _intents_pending: dict[str, tuple[str, str]]
     """Intents recorded on the event loop and not yet written (`_set_intent`): model -> (tier, why)."""
     _intent_writer: asyncio.Task[None] | None = None
     _stats_unread: bool
     _down_at_start: str | None = None
-    """Why the start's first store call (the journal's flush, else the statistics' read) was not
-    answered, if it was not: the start's other reads are not tried (a store that hangs, a stopped
-    Redis, takes 15 s a call, and the start waited for each in turn); the statistics and the pins
-    are read once the store answers, the intents are rewritten from the books."""
+    """Why the start's statistics read was not answered, if it was not: the start's other reads (the
+    admin pins, the intents) are not tried (a store that hangs, a stopped Redis, takes 15 s a call,
+    and the start waited for each in turn); the pins are read once the store answers, the intents
+    rewritten from the books. (A failed journal flush does not count: a store may refuse writes, a
+    Redis at its maxmemory, and still answer reads.)"""
     _stats_until: float = math.inf
     """This run's start: the request log's records before it are an earlier run's (caught up)."""
     _stats_caught_up: bool = False
@@ -278,16 +316,20 @@ class PersistenceMixin:
         merged in (saving without them would overwrite the earlier runs' history). Returns whether the
         statistics were saved (not while the store is still down)."""
         if self._intents_stale:
-            gen, tiers = self._intent_gen, self._intent_tiers()
-            written = yield self._write_intents, (tiers,)
+            gen, tiers, damaged = self._intent_gen, self._intent_tiers(), list(self._intents_damaged)
+            written = yield self._write_intents, (tiers, damaged)
+            if written:
+                self._intents_damaged = [k for k in self._intents_damaged if k not in damaged]
             if written and self._intent_gen == gen:  # (else decided meanwhile: rewritten next time)
                 self._intents_stale = False
         if self._stats_unread:
             saved = yield self._read_saved_stats, ()
             if saved is None:
                 return False
+            plan = self._merge_plan(saved)
+            taken = yield self._take_missed, self._missed_args(plan.before, plan.since, plan.until)
+            self._merge_apply(plan, taken)
             self._stats_unread = False
-            self._merge_stats(saved)
         yield self._put_stats, (self._stats_doc(),)
         return True
 
@@ -362,12 +404,17 @@ class PersistenceMixin:
         tiers = {Tier.GPU: "gpu", Tier.HOST: "host"}
         return {name: tiers.get(m.tier, "disk") for name, m in self.engine.models.items()}
 
-    def _write_intents(self, tiers: dict[str, str]) -> bool:
+    def _write_intents(self, tiers: dict[str, str], damaged: Sequence[object] = ()) -> bool:
         """Every model's intended tier, as `tiers` has it (the engine's books, after writes were lost
-        to a store outage); whether all were written. Any thread."""
+        to a store outage, or a damaged row read at start); the `damaged` rows' keys that name no
+        model of `tiers` removed (a model no longer configured: no rewrite would replace them, and
+        every start said them again). Whether all was written. Any thread."""
         try:
             for name, tier in tiers.items():
                 self.store.set_intent(name, tier)
+            for key in damaged:
+                if not (isinstance(key, str) and key in tiers):
+                    self.store.drop_intent(key)
             return True
         except Exception as e:
             logger.warning("the store is still down: intents not rewritten (%s)", str(e) or type(e).__name__)
@@ -441,30 +488,61 @@ class PersistenceMixin:
         """Statistics saved by an earlier run, for the models still configured, brought up to date with
         the request log (`_catch_up_stats`); returns how many models' were restored. The store down:
         fresh statistics now, the saved ones (and the log's) taken in once it answers (`save_stats`).
-        The entries of models not configured now are kept as they are (saved with this run's)."""
+        The entries of models not configured now are kept as they are (saved with this run's). The
+        store's calls are made here, on the caller's thread: the service's start makes them on a
+        thread (`restore_stats_async`)."""
         if self.store is None:
             return 0
+        steps, result = self._restore_steps(), None
+        try:
+            while True:
+                fn, args = steps.send(result)
+                result = fn(*args)
+        except StopIteration as done:
+            return int(done.value)
+
+    async def restore_stats_async(self) -> int:
+        """`restore_stats` as the service's start makes it: the store's calls (the statistics' read, the
+        request log's catch-up) on a thread, the books changed on the event loop. Made there, a store
+        that hangs held the loop (health checks, stop signals) for its timeout; a long catch-up too."""
+        if self.store is None:
+            return 0
+        steps, result = self._restore_steps(), None
+        try:
+            while True:
+                fn, args = steps.send(result)
+                result = await _off_loop(fn, *args)
+        except StopIteration as done:
+            return int(done.value)
+
+    def _read_stats_doc(self) -> dict[str, Any] | BaseException:
+        """The saved "stats" document ({} when none, or unreadable: said); the store's error when it
+        does not answer. Any thread."""
+        try:
+            return self.store.get_doc("stats") or {}
+        except CorruptDocument as e:  # it answers, but cannot read it: kept aside, fresh
+            logger.error("the statistics saved in the store are unreadable (%s); %s", e, self._stats_aside())
+            return {}
+        except Exception as e:
+            return e
+
+    def _restore_steps(self) -> Generator[tuple[Callable[..., Any], tuple[Any, ...]], Any, int]:
+        """The steps of `restore_stats`, each store call yielded as (function, arguments) for the caller
+        to make and its result sent back (as `_save_steps`)."""
         self._stats_until = min(self._stats_until, self.clock())  # what the log has before: caught up
         # What is this run's in the request log: its arrivals from its first on (none yet, at start).
         # Not the clock: one set back between the runs (NTP) would leave the last run's latest
         # requests out of the statistics, as this run's own.
         until = {n: m.hist.first_t if m.hist.count else math.inf for n, m in self.engine.models.items()}
-        if self._down_at_start is not None:
-            logger.warning(
-                "could not read saved statistics from the store (%s); starting fresh", self._down_at_start
-            )
-            self._stats_unread = True
-            return 0
-        try:
-            doc = self.store.get_doc("stats") or {}
-        except CorruptDocument as e:  # it answers, but cannot read it: kept aside, fresh
-            logger.error("the statistics saved in the store are unreadable (%s); %s", e, self._stats_aside())
-            doc = {}
-        except Exception as e:  # the store is down at start: serve anyway, with fresh statistics
-            if isinstance(e, StoreError):  # supported (said, without a traceback)
-                logger.warning("could not read saved statistics from the store (%s); starting fresh", e)
+        doc = yield self._read_stats_doc, ()
+        if isinstance(doc, BaseException):  # the store is down at start: serve anyway, fresh statistics
+            if isinstance(doc, StoreError):  # supported (said, without a traceback)
+                logger.warning("could not read saved statistics from the store (%s); starting fresh", doc)
             else:
-                logger.exception("could not read saved statistics from the store; starting fresh")
+                logger.error(
+                    "could not read saved statistics from the store; starting fresh",
+                    exc_info=(type(doc), doc, doc.__traceback__),
+                )
             self._stats_unread = True  # merged in when the store is back (save_stats)
             self._down_at_start = "not tried: the store failed the statistics' read at start"
             return 0
@@ -505,15 +583,20 @@ class PersistenceMixin:
             self.live[name].last_used = last_used
             restored += 1
         self.engine.recheck_fit()  # restored footprints change what can ever fit
-        self._catch_up_stats(since, until)  # also with no snapshot: a run killed before its first save
+        # the request log's catch-up, also with no snapshot (a run killed before its first save)
+        if not self._stats_caught_up:
+            hists = {n: m.hist for n, m in self.engine.models.items()}
+            taken = yield self._take_missed, self._missed_args(hists, since, until)
+            self._apply_caught(taken)
         return restored
 
-    def _merge_stats(self, doc: dict[str, Any]) -> None:
-        """Statistics saved by an earlier run, read late (the store was down at start), with the
-        requests the request log has after them (`_missed_requests`: a killed earlier run's, from its
-        journal), followed by what this run has seen, in time order: reuse histograms and request
-        counts add up, saved load times join the measured ones. Footprints stay as this run has them
-        (the engine's books count them)."""
+    def _merge_plan(self, doc: dict[str, Any]) -> _MergePlan:
+        """Statistics saved by an earlier run, read late (the store was down at start): each model's
+        saved entry, and up to when it is complete. Then (`_save_steps`) the request log's records
+        after that are read on a thread (`_take_missed`: a killed earlier run's, from its journal),
+        and `_merge_apply` adds what this run has seen after them, in time order: reuse histograms
+        and request counts add up, saved load times join the measured ones. Footprints stay as this
+        run has them (the engine's books count them)."""
         saved: dict[str, tuple[ReuseHistogram, LoadCost, int, float]] = {}
         self._stats_others = {n: d for n, d in doc.items() if n not in self.engine.models}
         since: dict[str, float | None] = dict.fromkeys(self.engine.models, _saved_until(doc))
@@ -541,11 +624,20 @@ class PersistenceMixin:
         before = {n: saved[n][0] if n in saved else ReuseHistogram() for n in self.engine.models}
         # this run's first arrival of each model bounds what is an earlier run's (a clock step aside)
         until = {n: min(self._stats_until, m.hist.first_t) for n, m in self.engine.models.items()}
-        caught = self._take_missed(before, since, until)
+        return _MergePlan(saved, before, since, until)
+
+    def _merge_apply(self, plan: _MergePlan, taken: _Taken | None) -> None:
+        """`plan`'s saved statistics, the request log's records after them (`taken`; None: unread)
+        and what this run has seen (on the books now), joined in time order."""
+        before = dict(plan.before)
+        caught: dict[str, tuple[int, float]] = {}
+        if taken is not None:
+            work, caught = taken
+            before.update(work)
         for name, m in self.engine.models.items():
             live = self.live[name]
-            if name in saved:
-                _, m.cost, requests, last_used = saved[name]
+            if name in plan.saved:
+                _, m.cost, requests, last_used = plan.saved[name]
                 live.requests += requests
                 live.last_used = max(live.last_used, last_used)
             m.hist = _join_hist(before[name], m.hist)
@@ -554,55 +646,15 @@ class PersistenceMixin:
                 live.requests += caught[name][0]
                 live.last_used = max(live.last_used, caught[name][1])
 
-    def _take_missed(
+    def _missed_args(
         self, hists: dict[str, ReuseHistogram], since: dict[str, float | None], until: dict[str, float]
-    ) -> dict[str, tuple[int, float]]:
-        """Each of `hists` (a model's statistics, complete up to its `since`) observes the requests the
-        log has after that, before its `until` (`_missed_requests`), in time order; the histograms that
-        took them replace those in `hists`. Returns per model how many and when its last one ended.
-        The log unreadable: nothing is taken (said), `hists` are left as they were."""
+    ) -> tuple[Any, ...]:
+        """The arguments of `_take_missed`, taken on the event loop: copies of `hists` (the thread
+        that reads the log adds to them; the books' own take requests meanwhile) and the request
+        records still waiting for the store that it wants. The catch-up is made once per run."""
         self._stats_caught_up = True
-        work = {n: copy.deepcopy(h) for n, h in hists.items()}  # (a read failing half-way takes none)
-        out: dict[str, tuple[int, float]] = {}
-        try:
-            for rec in self._missed_requests(since, until):
-                name, t = rec["model"], rec["t"]
-                work[name].observe(t)
-                n, end = out.get(name, (0, 0.0))
-                out[name] = (n + 1, max(end, t + rec.get("wait_s", 0.0) + rec["busy_s"]))
-        except Exception as e:  # the store failed between the two reads: the snapshot alone
-            if isinstance(e, StoreError):  # (said in one line: the store names what failed)
-                logger.error("could not read the request log to bring the statistics up to date: %s", e)
-            else:
-                logger.exception("could not read the request log to bring the statistics up to date")
-            return {}
-        hists.update(work)
-        taken = sum(n for n, _ in out.values())
-        if taken:
-            logger.info("statistics brought up to date with %d requests from the request log", taken)
-        return out
-
-    def _missed_requests(
-        self, since: dict[str, float | None], until: dict[str, float]
-    ) -> Iterator[dict[str, Any]]:
-        """The request records of the models in `since` after each one's `since` (all of them when
-        None) and before its `until` (this run's own are seen already), in time order (equal times
-        in the log's order): those the store has, and those still waiting for it (the journal's,
-        read at start while the store was down), each once: a waiting record the store has already
-        (a batch it took just before a kill, which the journal still had) is taken from the store
-        alone. Streamed: a log of millions read since a model's last use months ago is never held
-        whole, only the waiting records are."""
-
-        def wanted(rec: dict[str, Any]) -> bool:
-            name, t = rec["model"], rec["t"]
-            if name not in since or t >= until[name]:
-                return False  # a model no longer configured, or a request this run has seen
-            after = since[name]
-            return after is None or t > after  # (else in the snapshot already)
-
-        lo = min((0.0 if t is None else t for t in since.values()), default=0.0)
-        ends = [t for t in until.values() if math.isfinite(t)]
-        hi = max(ends) if len(ends) == len(until) and ends else None
+        copies = {n: copy.deepcopy(h) for n, h in hists.items()}
+        wanted = _wanted(since, until)
         waiting = []
         for rec in self._log_buf:
             try:
@@ -612,6 +664,51 @@ class PersistenceMixin:
             if wanted(rec):
                 waiting.append(rec)
         waiting.sort(key=lambda r: r["t"])  # (stable: equal times keep the buffer's order)
+        return copies, since, until, waiting
+
+    def _take_missed(
+        self,
+        hists: dict[str, ReuseHistogram],
+        since: dict[str, float | None],
+        until: dict[str, float],
+        waiting: list[dict[str, Any]],
+    ) -> _Taken | None:
+        """Each of `hists` (a model's statistics, complete up to its `since`: copies, `_missed_args`)
+        observes the requests the log has after that, before its `until` (`_missed_requests`), in
+        time order. Returns them and, per model, how many it took and when its last one ended; None
+        when the log is unreadable (said). Any thread."""
+        out: dict[str, tuple[int, float]] = {}
+        try:
+            for rec in self._missed_requests(since, until, waiting):
+                name, t = rec["model"], rec["t"]
+                hists[name].observe(t)
+                n, end = out.get(name, (0, 0.0))
+                out[name] = (n + 1, max(end, t + rec.get("wait_s", 0.0) + rec["busy_s"]))
+        except Exception as e:  # the store failed between the two reads: the snapshot alone
+            if isinstance(e, StoreError):  # (said in one line: the store names what failed)
+                logger.error("could not read the request log to bring the statistics up to date: %s", e)
+            else:
+                logger.exception("could not read the request log to bring the statistics up to date")
+            return None
+        taken = sum(n for n, _ in out.values())
+        if taken:
+            logger.info("statistics brought up to date with %d requests from the request log", taken)
+        return hists, out
+
+    def _missed_requests(
+        self, since: dict[str, float | None], until: dict[str, float], waiting: list[dict[str, Any]]
+    ) -> Iterator[dict[str, Any]]:
+        """The request records of the models in `since` after each one's `since` (all of them when
+        None) and before its `until` (this run's own are seen already), in time order (equal times
+        in the log's order): those the store has, and those still waiting for it (`waiting`: the
+        journal's, read at start while the store was down; in time order), each once: a waiting
+        record the store has already (a batch it took just before a kill, which the journal still
+        had) is taken from the store alone. Streamed: a log of millions read since a model's last use
+        months ago is never held whole, only the waiting records are."""
+        wanted = _wanted(since, until)
+        lo = min((0.0 if t is None else t for t in since.values()), default=0.0)
+        ends = [t for t in until.values() if math.isfinite(t)]
+        hi = max(ends) if len(ends) == len(until) and ends else None
         keys = Counter(map(_same, waiting))
         held: Counter[tuple[tuple[str, Any], ...]] = Counter()
         said: set[str] = set()  # a damaged row is named once and left out: the rest is caught up on
@@ -636,9 +733,10 @@ class PersistenceMixin:
         model's reuse histogram, request count and last use take them in, so a kill loses no
         statistics. Each model's histogram says up to when it is complete (its last arrival); the
         only ones not recovered are requests in flight at that snapshot. Once per run (at start, by
-        `restore_stats`; later, with the store down at start, by `_merge_stats`). `since` and `until`:
-        per model, up to when its statistics are complete and from when the log's records are this
-        run's (`_take_missed`; by default its last arrival and now). Returns how many."""
+        `restore_stats`; later, with the store down at start, by the save's merge). `since` and
+        `until`: per model, up to when its statistics are complete and from when the log's records
+        are this run's (`_take_missed`; by default its last arrival and now). The log is read here,
+        on the caller's thread. Returns how many."""
         if self.store is None or self._stats_caught_up:
             return 0
         hists = {n: m.hist for n, m in self.engine.models.items()}
@@ -646,7 +744,14 @@ class PersistenceMixin:
             since = {n: h.last_t if h.count else None for n, h in hists.items()}
         if until is None:
             until = {n: min(self._stats_until, self.clock()) for n in hists}
-        caught = self._take_missed(hists, since, until)
+        return self._apply_caught(self._take_missed(*self._missed_args(hists, since, until)))
+
+    def _apply_caught(self, taken: _Taken | None) -> int:
+        """The request log's records taken by `_take_missed` on the books: each model's histogram (a
+        copy that took them), request count, last use and idle time. Returns how many."""
+        if taken is None:
+            return 0
+        hists, caught = taken
         for name, m in self.engine.models.items():
             m.hist = hists[name]
         for name, (n, end) in caught.items():
@@ -777,23 +882,20 @@ class PersistenceMixin:
             closed.append(s.session_id)
         return closed
 
-    def restore_intent(self, now: float) -> list[str]:
-        """At start, after adoption: the models whose recorded intent is the gpu or host tier but that
-        no device host holds (the host died with the manager, or lost them) are loaded back, higher
-        classes first, within the admission rules: only into free room (nothing evicted for them),
-        never a model with `prewarm: false` (it loads at its first request) or one that can never
-        fit. Intents of models no longer configured are ignored. Returns "model (tier)" per load."""
-        if self.store is None:
-            return []
+    def _read_intents(self) -> dict[str, str]:
+        """The recorded intents, for `restore_intent` ({} when the store does not answer: said; every
+        intent is then rewritten from the books at the next save). Any thread."""
 
-        def corrupt(e: StoreError) -> None:  # one damaged row: the others are restored, it is rewritten
-            logger.warning("%s; left out at start (rewritten at the next save)", e)
+        def corrupt(e: StoreError) -> None:  # one damaged row: the others are restored, it is replaced
+            logger.warning("%s; left out at start (replaced, or removed, at the next save)", e)
+            if isinstance(e, CorruptRow):  # (a model not configured now: removed, not rewritten)
+                self._intents_damaged.append(e.key)
             self._intents_stale = True
 
         try:
             if self._down_at_start is not None:
                 raise StoreError(self.store.url, self._down_at_start)
-            intents = self.store.intents(on_corrupt=corrupt)
+            return dict(self.store.intents(on_corrupt=corrupt))
         except Exception as e:  # the store is down
             if isinstance(e, StoreError):  # (it names what failed: said in one line)
                 logger.warning("could not read the recorded intents at start (%s); not restored", e)
@@ -802,7 +904,19 @@ class PersistenceMixin:
             # the policy's start-up decides alone; every intent is rewritten from its books at the
             # next save (a damaged one replaced, else every later start would read none either)
             self._intents_stale = True
+            return {}
+
+    def restore_intent(self, now: float, intents: dict[str, str] | None = None) -> list[str]:
+        """At start, after adoption: the models whose recorded intent is the gpu or host tier but that
+        no device host holds (the host died with the manager, or lost them) are loaded back, higher
+        classes first, within the admission rules: only into free room (nothing evicted for them),
+        never a model with `prewarm: false` (it loads at its first request) or one that can never
+        fit. Intents of models no longer configured are ignored. `intents`: as `_read_intents` read
+        them (the service's start, on a thread); by default read here. Returns "model (tier)" per load."""
+        if self.store is None:
             return []
+        if intents is None:
+            intents = self._read_intents()
         restored: list[str] = []
         models = self.engine.models
         for name in sorted(intents, key=lambda n: (models[n].rank if n in models else 0, n)):

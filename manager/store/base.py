@@ -93,6 +93,15 @@ class StoreError(Exception):
         self.reason = reason
 
 
+class CorruptRow(StoreError):
+    """One row the store holds is unreadable (its others are read): `key` is its key as stored, which
+    `Store.drop_intent` takes to remove a damaged intent."""
+
+    def __init__(self, url: str, reason: str, key: object) -> None:
+        super().__init__(url, reason)
+        self.key = key
+
+
 class CorruptDocument(StoreError):
     """The store answers, but the document it holds under a key is not a readable JSON object."""
 
@@ -161,8 +170,13 @@ class Store(Protocol):
         ...
 
     def intents(self, *, on_corrupt: OnCorrupt | None = None) -> dict[str, str]:
-        """Every recorded intent, model -> tier. StoreError names a corrupt one; given `on_corrupt`,
-        each corrupt one is passed to it instead and left out (the others are read)."""
+        """Every recorded intent, model -> tier. CorruptRow (a StoreError) names a corrupt one; given
+        `on_corrupt`, each corrupt one is passed to it instead and left out (the others are read)."""
+        ...
+
+    def drop_intent(self, key: object) -> None:
+        """Forget the intent recorded under `key` (a model's name, or a damaged row's key as its
+        CorruptRow holds it); nothing when there is none."""
         ...
 
     def ping(self) -> bool:

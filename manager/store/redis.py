@@ -66,6 +66,7 @@ from redis.retry import Retry
 
 from manager.replay.trace import MAX_T
 from manager.store.base import (
+    CorruptRow,
     OnCorrupt,
     StoreError,
     aside_key,
@@ -723,6 +724,12 @@ class RedisStore:
         with self._errors(f"set intent for {model!r}") as r:
             r.hset(self._intents_key, model, tier)
 
+    def drop_intent(self, key: object) -> None:
+        if not isinstance(key, (str, bytes)):
+            raise StoreError(self.url, f"drop intent: a key must be text, not {type(key).__name__}")
+        with self._errors(f"drop intent for {key!r}") as r:
+            r.hdel(self._intents_key, key)
+
     def intents(self, *, on_corrupt: OnCorrupt | None = None) -> dict[str, str]:
         with self._errors("read intents") as r:
             raw = r.hgetall(self._intents_key)
@@ -732,7 +739,9 @@ class RedisStore:
             try:
                 check_intent(model, tier)
             except ValueError as e:
-                error = StoreError(self.url, f"intent for {model!r} in {self._intents_key} is corrupt: {e}")
+                error = CorruptRow(
+                    self.url, f"intent for {model!r} in {self._intents_key} is corrupt: {e}", k
+                )
                 if on_corrupt is None:
                     raise error from None
                 on_corrupt(error)

@@ -56,6 +56,7 @@ from manager import pidlock
 from manager.store.base import (
     RECORD_FIELDS,
     CorruptDocument,
+    CorruptRow,
     OnCorrupt,
     StoreError,
     aside_key,
@@ -550,6 +551,10 @@ class SQLiteStore:
                 (model, tier),
             )
 
+    def drop_intent(self, key: object) -> None:
+        with self._db(f"drop intent for {key!r}") as db, db:
+            db.execute("DELETE FROM intents WHERE model = ?", (key,))
+
     def intents(self, *, on_corrupt: OnCorrupt | None = None) -> dict[str, str]:
         with self._db("read intents") as db:
             rows = db.execute("SELECT model, tier FROM intents ORDER BY model").fetchall()
@@ -558,7 +563,7 @@ class SQLiteStore:
             try:
                 check_intent(model, tier)
             except ValueError as e:
-                error = StoreError(self.url, f"intent for {model!r} is corrupt: {e}")
+                error = CorruptRow(self.url, f"intent for {model!r} is corrupt: {e}", model)
                 if on_corrupt is None:
                     raise error from None
                 on_corrupt(error)

@@ -56,3 +56,22 @@ def test_serve_stops_at_start_naming_the_key(
     assert "residency:docs holds a string, not a hash" in last and "?prefix=NAME" in last, err
     assert "Traceback" not in err and "serving on" not in err
     assert client.get("residency:docs") == b"another program's string"  # left as it was
+
+
+def test_a_damaged_intent_is_named_with_its_key_and_can_be_dropped(
+    rstore: RedisStore,  # noqa: F811
+    client: redis.Redis,  # noqa: F811
+) -> None:
+    from manager.store.base import CorruptRow
+
+    rstore.set_intent("voice", "gpu")
+    client.hset("residency:intents", "old-model", "gpuu")
+    damaged: list[object] = []
+    intents = rstore.intents(on_corrupt=lambda e: damaged.append(e.key if isinstance(e, CorruptRow) else e))
+    assert intents == {"voice": "gpu"}
+    assert damaged == [b"old-model"], damaged  # (the key as stored: the client reads bytes)
+    for key in damaged:
+        rstore.drop_intent(key)
+    assert client.hgetall("residency:intents") == {b"voice": b"gpu"}
+    rstore.drop_intent("never-recorded")  # nothing to drop: nothing happens
+    assert rstore.intents() == {"voice": "gpu"}

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from live_helpers import TEXT, kill, local_config, started, until
+from live_helpers import TEXT, kill, local_config, lru_config, started, until
 
 from manager.config import Config
 from manager.live import LiveManager
@@ -29,14 +31,19 @@ from manager.store.base import StoreError
 
 
 class _CountingDownStore:
-    """The real store; while `down`, every call fails as a stopped Redis's does (StoreError), and each
-    call is counted in `calls` by name."""
+    """The real store; while `down`, every call fails as a stopped Redis's does (StoreError), and
+    while `writes_refused` every write fails as a Redis at its maxmemory refuses one (reads answer).
+    Each call is counted in `calls` by name, and those made on the event loop's thread (the main
+    thread here) in `on_loop`."""
+
+    WRITES = ("append_requests", "put_doc", "set_intent")
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.url = inner.url
-        self.down = False
+        self.down = self.writes_refused = False
         self.calls: list[str] = []
+        self.on_loop: list[str] = []
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self.inner, name)
@@ -45,8 +52,12 @@ class _CountingDownStore:
 
         def call(*a: Any, **k: Any) -> Any:
             self.calls.append(name)
+            if threading.current_thread() is threading.main_thread():
+                self.on_loop.append(name)
             if self.down:
                 raise StoreError(self.url, f"{name}: TimeoutError: Timeout reading from socket (test)")
+            if self.writes_refused and name in self.WRITES:
+                raise StoreError(self.url, f"{name}: ResponseError: OOM command not allowed (test)")
             return attr(*a, **k)
 
         return call
@@ -72,6 +83,7 @@ def test_a_store_down_at_start_is_asked_once(tmp_path: Path, caplog: pytest.LogC
         await lm.start()
         try:
             assert store.calls == ["get_doc"], store.calls  # the statistics' read, and no other
+            assert store.on_loop == [], store.on_loop  # on a thread: the event loop was not held
             assert lm._stats_unread and lm._pins_unread and lm._intents_stale
             assert not lm.engine.models["embed"].pinned  # not read yet: the config's pins hold
             store.down = False  # it answers: what the start did not read is read now
@@ -95,12 +107,12 @@ def test_a_store_down_at_start_is_asked_once(tmp_path: Path, caplog: pytest.LogC
         inner.close()
 
 
-def test_a_store_that_fails_the_journals_flush_at_start_is_not_asked_again(
+def test_a_store_that_fails_the_journals_flush_at_start_is_asked_the_statistics_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A killed run's journal holds requests: the start's first call is their flush. It fails: the
-    statistics, pins and intents are not read at start (they were, each waiting for its timeout), and
-    the journal's requests are written, and taken into the statistics, once the store answers."""
+    """A killed run's journal holds requests: the start's first call is their flush. It fails, then
+    the statistics' read fails: the pins and intents are not read at start, and the journal's
+    requests are written, and taken into the statistics, once the store answers."""
     config = _config(tmp_path)
     inner = open_store(f"sqlite:///{tmp_path / 'state.db'}")
     store = _CountingDownStore(inner)
@@ -117,7 +129,7 @@ def test_a_store_that_fails_the_journals_flush_at_start_is_not_asked_again(
         store.calls.clear()
         lm, pool = await started(config, store, journal)
         try:
-            assert store.calls.count("get_doc") == 0 and "intents" not in store.calls, store.calls
+            assert store.calls.count("get_doc") == 1 and "intents" not in store.calls, store.calls
             assert lm._stats_unread and lm._pins_unread and lm._log_failing
             store.down = False
             await until(lambda: not lm._log_buf and not lm._stats_unread, "the journal written and merged")
@@ -131,8 +143,71 @@ def test_a_store_that_fails_the_journals_flush_at_start_is_not_asked_again(
         assert journal.read_text().strip(), "the killed run's request is not in its journal"
         with caplog.at_level(logging.WARNING):
             asyncio.run(second_run())
-        assert "not tried: the store failed to take the request log at start" in caplog.text
+        assert "(not tried: the store failed the statistics' read at start)" in caplog.text
         assert any(r["model"] == "embed" for r in inner.requests(0.0, None))
+    finally:
+        inner.close()
+
+
+def test_a_store_that_refuses_writes_at_start_is_still_read(tmp_path: Path) -> None:
+    """A store that refuses writes but answers reads (a Redis at its maxmemory, a read-only replica)
+    failed the journal's flush, and the start read nothing more: the recorded intents were not
+    restored, and were then overwritten from the books (found in review of the change above)."""
+    from manager.journal import RequestJournal
+
+    config = lru_config(tmp_path)
+    inner = open_store(f"sqlite:///{tmp_path / 'state.db'}")
+    inner.set_intent("embed", "gpu")  # the working set a restart brings back
+    journal = RequestJournal(tmp_path / "journal.jsonl")  # a killed run left one request in it
+    journal.append({"t": time.time() - 5, "model": "embed", "busy_s": 0.01, "class": "background"})
+    journal.close()
+    store = _CountingDownStore(inner)
+    store.writes_refused = True
+
+    async def main() -> None:
+        lm, pool = await started(config, store, tmp_path / "journal.jsonl")
+        try:
+            assert lm._log_failing  # the flush failed
+            assert "intents" in store.calls and "get_doc" in store.calls, store.calls
+            assert lm.engine.models["embed"].tier.name == "GPU"  # restored from its intent
+        finally:
+            kill(lm, pool)
+
+    try:
+        asyncio.run(main())
+    finally:
+        inner.close()
+
+
+def test_the_late_merge_reads_the_request_log_off_the_event_loop(tmp_path: Path) -> None:
+    """With the store down at start, the statistics it holds are merged in once it answers: the
+    request log's records after them were read on the event loop (a slow or large read held every
+    request), though the save's other store calls were made on a thread."""
+    config = _config(tmp_path)
+    inner = open_store(f"sqlite:///{tmp_path / 'state.db'}")
+    inner.put_doc("stats", {})
+    store = _CountingDownStore(inner)
+    store.down = True
+
+    async def main() -> None:
+        from manager.workers_bridge import create_pool
+
+        pool = create_pool(config, in_process=True)
+        lm = LiveManager(config, pool, store=store)
+        await lm.start()
+        try:
+            assert lm._stats_unread
+            store.calls.clear()
+            store.down = False
+            await until(lambda: not lm._stats_unread, "the saved statistics merged")
+            await until(lambda: "requests" in store.calls, "the request log read for the merge")
+            assert "requests" not in store.on_loop and "get_doc" not in store.on_loop, store.on_loop
+        finally:
+            await lm.stop()
+            pool.close()
+
+    try:
+        asyncio.run(main())
     finally:
         inner.close()
 
@@ -175,3 +250,44 @@ def test_a_model_held_in_host_ram_at_a_restart_is_booked_at_its_host_bytes(tmp_p
             pool.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    "key", ["old-model", "", "voice"], ids=["not-configured", "empty-name", "configured"]
+)
+def test_a_damaged_intent_row_is_replaced_or_removed_at_the_next_save(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, key: str
+) -> None:
+    """A damaged intent row was said at start to be "rewritten at the next save", but the rewrite
+    writes the configured models' intents only: one under another name (a model since removed, a
+    damaged name) stayed, said again at every start."""
+    import sqlite3
+
+    from live_helpers import run
+
+    config = _config(tmp_path)
+    db = tmp_path / "state.db"
+    open_store(f"sqlite:///{db}").close()
+    with sqlite3.connect(db) as c:
+        c.execute("INSERT INTO intents VALUES (?, 'gpuu')", (key,))  # a damaged tier
+    for start in (1, 2):
+        store = open_store(f"sqlite:///{db}")
+        caplog.clear()
+
+        async def body(lm: LiveManager) -> bool:
+            await lm.save_stats_async()  # the next save
+            return lm._intents_stale
+
+        with caplog.at_level(logging.WARNING):
+            stale = run(config, body, store=store)
+        said = [r.getMessage() for r in caplog.records if "is corrupt" in r.getMessage()]
+        assert not stale
+        assert len(said) == (1 if start == 1 else 0), (start, said)
+        intents = store.intents()
+        store.close()
+        assert key not in intents or intents[key] in ("gpu", "host", "disk"), intents
+    with sqlite3.connect(db) as c:
+        rows = c.execute("SELECT tier FROM intents WHERE model = ?", (key,)).fetchall()
+    assert rows == (
+        [] if key != "voice" else [(store_tier,)] if (store_tier := rows[0][0]) != "gpuu" else []
+    ), rows
