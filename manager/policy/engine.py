@@ -192,14 +192,19 @@ class Engine(TierMoves):
         keep-alive is eager and zero (`keep_alive: 0`): it would be unloaded the moment its load is
         over, a wasted load, and its request's reload would count as thrash. Nor while requests wait
         for room on its device (`room_wanted`): a guess (a tick's, a request's chained successors, a
-        turn taken) gives way to them, and a later wake-up tries it again. (Pinned loads are no
-        prewarm: a pin outranks every class.)"""
+        turn taken) gives way to them, and a later wake-up tries it again. Nor one never asked for
+        whose keep-alive is unbounded (`keep_alive: forever`, not pinned): the guess would hold its
+        room for good, above every lower class's requests (one that fits the empty device was never
+        served); its first request loads it (the oracle's prewarms are that request's load, moved
+        earlier). (Pinned loads are no prewarm: a pin outranks every class.)"""
         if m.tier == GPU or self.never_fits[m.name] or not m.prewarm_ok or (m.held_off and not chained):
             return False
         if self.room_wanted(m.device):
             return False
         pol = self.policy
         if pol.is_eager(m) and pol.keep_alive(m, now) <= 0.0:
+            return False
+        if m.keep_alive_cfg == math.inf and not m.pinned and not m.hist.count and not pol.prewarm_as_demand:
             return False
         if not self.make_room(m, m.rank, now, may_evict=True, prewarm=True):
             return False

@@ -36,6 +36,7 @@ class TierMoves:
     gpu_time: dict[str, float]
     wakeups: list[float]
     _on_gpu_at: dict[str, float]
+    models: dict[str, ModelState]
     host_leaving: list[ModelState]
     """Host residents already chosen to leave host RAM this moment (`_host_victims`): no policy
     chooses them again (`base.host_models` leaves them out)."""
@@ -66,8 +67,17 @@ class TierMoves:
                 continue
             self._set_lease(t, t.lease - give, now, reason=reason or f"room for '{m.name}'")
             # WorldPager spills the KV pages to host RAM at PCIe speed before the bytes are free.
-            spill_s = give / max(1.0, t.weights / max(1e-6, t.cost.get("host")))
-            dev.loader_free_at = max(dev.loader_free_at, now) + spill_s
+            dev.loader_free_at = max(dev.loader_free_at, now) + give / self._host_link_rate(dev)
+
+    def _host_link_rate(self, dev: DeviceState) -> float:
+        """Bytes a second between host RAM and `dev`: the fastest of its models' host loads (weights
+        over the host->gpu load time). Not the session's own model's: a small one's load time is
+        mostly fixed costs, and its rate made a spill of gigabytes of KV take minutes."""
+        rate = 1.0
+        for x in self.models.values():
+            if x.device == dev.name:
+                rate = max(rate, x.weights / max(1e-6, float(x.cost.get("host"))))
+        return rate
 
     def _lease_growth(self, m: ModelState, now: float) -> int:
         """Bytes a session's lease would grow by now: into the free room its device leaves (less the

@@ -175,6 +175,7 @@ class Simulator:
         self.waiting_n: list[int] = [0] * len(self.class_names)
         self.loading: list[list[float]] = [[] for _ in self.class_names]
         self.heap: list[float] = []
+        self._seen = -math.inf  # the latest time the engine was given (`_drain`)
         self._retry_at = math.nan
 
     # ---- the loop -------------------------------------------------------------------------------
@@ -191,6 +192,7 @@ class Simulator:
             now = r.t
             if self.heap and self.heap[0] <= now:
                 self._drain(now)
+            self._seen = max(self._seen, now)
             self.res.requests += 1
             m = models.get(r.model)
             rank = m.rank if m is not None and r.cls is None else self.class_rank.get(r.cls or "", -1)
@@ -203,6 +205,7 @@ class Simulator:
             if limit is not None and self._queued(rank, now) >= limit and not self._ready(m, now):
                 # The live manager's words (manager/live.py `_queue_for`), checked at arrival.
                 self._reject(f"class '{self.class_names[rank]}': queue full ({limit} requests waiting)")
+                self._push_wakeups()  # (those its arrival asked for: the oracle's, say)
                 continue
             # Behind an earlier request for its model of its class or a higher one, or no room yet.
             if self._behind(m, rank) or not self._handle(r, m, rank, now, now):
@@ -242,6 +245,10 @@ class Simulator:
             t = heapq.heappop(heap)
             while heap and heap[0] <= t:
                 heapq.heappop(heap)
+            # a wake-up for a time the engine has passed is made now: time never goes back (a request
+            # served before it arrived, a lease grown before its session began)
+            t = max(t, self._seen)
+            self._seen = t
             self.engine.tick(t)
             if self.waiting:
                 self._retry(t)

@@ -113,8 +113,9 @@ class TestLeasesShrinkWhereTheyMakeRoom:
             # Before: r shrank 4 -> 1 GiB (2 of the 3 GiB back into realtime's reservation), then i 4 -> 2.
             assert lease_moves(eng, 100.0)[:1] == [("shrink_lease", "i", 1.0)], policy
             assert eng.models["r"].lease == 4 * GiB, policy
-            # i's 3 GiB spill at 1 GiB/s (its weights in 1 s from host RAM), then x's 4 s load: 107 (was 109).
-            assert eng.models["x"].ready_at == pytest.approx(107.0), policy
+            # i's 3 GiB spill at 3 GiB/s (the device's host link: its fastest host load, x's 3 GiB in
+            # 1 s; review 22: i's own 1 GiB in 1 s before), then x's 4 s load: 105 (was 107, 109).
+            assert eng.models["x"].ready_at == pytest.approx(105.0), policy
             assert eng.counters.budget_violations == 0
 
     def test_a_lease_inside_its_classs_reservation_is_not_spilled_for_nothing(self) -> None:
