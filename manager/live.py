@@ -234,6 +234,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self._subscribers: list[EventQueue] = []
         self._task: asyncio.Task[None] | None = None
         self.started = False
+        self._started = asyncio.Event()  # set once `start` is done: requests that came before it wait
         self._stopping = asyncio.Event()  # set at stop: requests still waiting for a load give up
         self._stop_answer: asyncio.Future[None] | None = None  # done at the stop's grace (`abandon_waits`)
         self.waits: dict[str, deque[float]] = {c.name: deque(maxlen=WAIT_WINDOW) for c in config.classes}
@@ -304,9 +305,18 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
     async def start(self) -> None:
         self._stopping.clear()
         self._stop_answer = None
+        # the store did not answer a first probe (`serve`'s `refused`, within 2 s): the start tries
+        # none of its store reads or writes, each of which would wait for its own timeout
+        silent = self.store is not None and getattr(self.store, "answered", None) is False
+        self._down_at_start = (
+            "not tried: the store did not answer its first call at start" if silent else None
+        )
         if self.journal is not None:  # requests served before a crash, not yet in the store
             self._log_buf = self.journal.read() + self._log_buf
-            await self.flush_log()
+            if self._down_at_start is None:
+                await self.flush_log()
+            elif self._log_buf:  # (kept, written once the store answers: a ping first)
+                self._log_failing = True
         # the store's reads on a thread (a store that hangs held the event loop: health checks, stop
         # signals); once the statistics' read fails, the others are not tried (`_down_at_start`)
         await self.restore_stats_async()
@@ -324,6 +334,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self._flush()
         self._task = asyncio.create_task(self._loop(), name="residency-reconciler")
         self.started = True
+        self._started.set()
 
     def abandon_waits(self) -> None:
         """The service is stopping: the requests (and preloads, session opens) that wait for a model's
@@ -360,11 +371,37 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             self._room_task = None
         if self._background:  # session closes and lease changes on their way to a host (5 s at most)
             await asyncio.wait(set(self._background), timeout=STOP_WAIT_S)
-        await self._save_pins_at_stop()
-        await self.flush_log()
-        await self.save_stats_async()
+        if await self._store_silent_at_stop():
+            # each write would wait for its timeout (15 s a call with a stopped Redis): what a kill
+            # leaves is left, and taken back as after one (the journal's requests, written at the
+            # next start; the statistics caught up from them)
+            kept = (
+                "in the journal for the next start" if self.journal is not None else "unwritten (no journal)"
+            )
+            logger.warning(
+                "the store does not answer: the stop leaves %d request(s) %s, and does not save the "
+                "statistics (caught up from the request log at the next start)",
+                len(self._log_buf),
+                kept,
+            )
+        else:
+            await self._save_pins_at_stop()
+            await self.flush_log()
+            await self.save_stats_async()
         if self.journal is not None:
             self.journal.close()
+
+    async def _store_silent_at_stop(self) -> bool:
+        """Whether the store, which failed a call lately (a write, the start's reads), does not answer
+        a short probe now (a Redis's `refused`: one PING within 2 s; another store's `ping`). Not
+        asked when nothing failed."""
+        failed = self._log_failing or self._stats_unread or self._intents_stale or self._pins_unread
+        if self.store is None or not failed:
+            return False
+        if getattr(self.store, "answered", None) is not None:  # (a Redis store)
+            await asyncio.to_thread(self.store.refused)
+            return self.store.answered is False
+        return not await self._store_answers()
 
     async def _save_pins_at_stop(self) -> None:
         """The admin pins whose last write failed (or that waited for the store's saved pins to be
@@ -1265,6 +1302,23 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                     live.ready.clear()
                 await self._room_turn(m, m.rank if rank is None else rank, arrival, deadline, again=True)
 
+    async def _until_started(self, m: Any, deadline: float) -> None:
+        """A request that came while the service starts (its gRPC server takes calls before the start
+        has read the store and adopted what the device hosts hold) waits for the start's end, within
+        its deadline: observed meanwhile, its arrival was lost when the restored statistics replaced
+        the books' (and the start's reads, on threads, let it in between them)."""
+        waits = (asyncio.ensure_future(self._started.wait()), asyncio.ensure_future(self._stopping.wait()))
+        try:
+            await asyncio.wait(
+                waits, timeout=max(0.0, deadline - self.clock()), return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            for w in waits:
+                w.cancel()
+        self._if_stopping(m, "it had not started")
+        if not self.started:
+            raise DeadlineExceeded(f"model {m.name!r}: the service was still starting at the deadline")
+
     def _if_stopping(self, m: Any, what: str = "its load did not finish in time") -> None:
         """WorkerUnavailable when the service is stopping (`abandon_waits`), saying `what` `m` waited
         for: the load (or room) it waits for is abandoned (its device host may still finish a load)."""
@@ -1404,6 +1458,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         most `max_queue` requests of the class wait for their model's load (or for room) at once; one
         more that would wait is refused, one whose model is loaded and ready is not (a `retry` of an
         accepted request skips the limit, is not observed again nor counted rejected)."""
+        if not self.started:
+            await self._until_started(m, deadline)
         limit = None if retry else self.config.classes[rank].max_queue
         # A request for a model loaded and ready waits for no load and no room: never "queue full".
         # (`ready` alone is not enough: a failed load sets it to wake its waiters, the model on disk.)

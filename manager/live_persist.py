@@ -230,11 +230,13 @@ model how many and when its last one ended."""
 
 @dataclass(frozen=True)
 class _MergePlan:
-    """Statistics saved by an earlier run, read late (`_merge_plan`): per model its saved entry (the
-    histogram, load costs, request count, last use), its saved histogram or a fresh one, up to when
-    it is complete, and from when the log's records are this run's."""
+    """Statistics saved by an earlier run, read late (`_merge_plan`): per model its saved entry, its
+    saved histogram or a fresh one, up to when it is complete, and from when the log's records are
+    this run's."""
 
-    saved: dict[str, tuple[ReuseHistogram, LoadCost, int, float]]
+    saved: dict[str, tuple[ReuseHistogram, Any, int, float]]
+    """Per model: its saved histogram, load costs (as saved: joined with the measured ones at the
+    apply; None when another model was saved under its name), request count and last use."""
     before: dict[str, ReuseHistogram]
     since: dict[str, float | None]
     until: dict[str, float]
@@ -275,12 +277,14 @@ class PersistenceMixin:
     """Intents recorded on the event loop and not yet written (`_set_intent`): model -> (tier, why)."""
     _intent_writer: asyncio.Task[None] | None = None
     _stats_unread: bool
+    _pins_unread: bool  # (LiveManager's: the store was down at start, its admin pins still to be read)
     _down_at_start: str | None = None
-    """Why the start's statistics read was not answered, if it was not: the start's other reads (the
-    admin pins, the intents) are not tried (a store that hangs, a stopped Redis, takes 15 s a call,
-    and the start waited for each in turn); the pins are read once the store answers, the intents
-    rewritten from the books. (A failed journal flush does not count: a store may refuse writes, a
-    Redis at its maxmemory, and still answer reads.)"""
+    """Why the store did not answer at start (`serve`'s first probe, `RedisStore.refused`, or the
+    statistics' read), if it did not: the start's other reads (the admin pins, the intents) are not
+    tried (a store that hangs, a stopped Redis, takes 15 s a call, and the start waited for each in
+    turn); the pins are read once the store answers, the intents rewritten from the books. (A failed
+    journal flush does not count: a store may refuse writes, a Redis at its maxmemory, and still
+    answer reads.)"""
     _stats_until: float = math.inf
     """This run's start: the request log's records before it are an earlier run's (caught up)."""
     _stats_caught_up: bool = False
@@ -303,6 +307,7 @@ class PersistenceMixin:
     if TYPE_CHECKING:  # LiveManager's
 
         def _gauge_resident(self) -> None: ...
+        async def _restore_pins_off_loop(self) -> None: ...
         def _hold_abandoned(self, m: Any, why: str) -> bool: ...
         def _publish(
             self, kind: str, model: str, detail: str, device: str, t: float, **extra: Any
@@ -413,7 +418,9 @@ class PersistenceMixin:
             for name, tier in tiers.items():
                 self.store.set_intent(name, tier)
             for key in damaged:
-                if not (isinstance(key, str) and key in tiers):
+                # (Redis gives its keys as bytes: one naming a configured model was just rewritten)
+                named = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
+                if not (isinstance(named, str) and named in tiers):
                     self.store.drop_intent(key)
             return True
         except Exception as e:
@@ -511,7 +518,9 @@ class PersistenceMixin:
         try:
             while True:
                 fn, args = steps.send(result)
-                result = await _off_loop(fn, *args)
+                # (reads: a stop signal during the start does not wait for one to end, as a write's
+                # caller does, `_off_loop`; a store that hangs would hold it for its timeout)
+                result = await asyncio.to_thread(fn, *args)
         except StopIteration as done:
             return int(done.value)
 
@@ -534,6 +543,12 @@ class PersistenceMixin:
         # Not the clock: one set back between the runs (NTP) would leave the last run's latest
         # requests out of the statistics, as this run's own.
         until = {n: m.hist.first_t if m.hist.count else math.inf for n, m in self.engine.models.items()}
+        if self._down_at_start is not None:
+            logger.warning(
+                "could not read saved statistics from the store (%s); starting fresh", self._down_at_start
+            )
+            self._stats_unread = True  # merged in when the store is back (save_stats)
+            return 0
         doc = yield self._read_stats_doc, ()
         if isinstance(doc, BaseException):  # the store is down at start: serve anyway, fresh statistics
             if isinstance(doc, StoreError):  # supported (said, without a traceback)
@@ -597,7 +612,7 @@ class PersistenceMixin:
         and `_merge_apply` adds what this run has seen after them, in time order: reuse histograms
         and request counts add up, saved load times join the measured ones. Footprints stay as this
         run has them (the engine's books count them)."""
-        saved: dict[str, tuple[ReuseHistogram, LoadCost, int, float]] = {}
+        saved: dict[str, tuple[ReuseHistogram, Any, int, float]] = {}
         self._stats_others = {n: d for n, d in doc.items() if n not in self.engine.models}
         since: dict[str, float | None] = dict.fromkeys(self.engine.models, _saved_until(doc))
         for name, d in doc.items():
@@ -607,10 +622,11 @@ class PersistenceMixin:
             try:  # all of a model's entry is read before any of it is merged (none, if unreadable)
                 if not isinstance(d, dict):
                     raise ValueError(f"an entry that is not an object but {type(d).__name__}")
-                hist, cost = _read_hist(d["hist"]), _read_cost(m.cost, d["cost"])
+                hist, cost = _read_hist(d["hist"]), d["cost"]
+                _read_cost(m.cost, cost)  # (read: all of the entry or none; joined at the apply)
                 requests, last_used = _count(d.get("requests", 0)), _when(d.get("last_used", 0.0))
                 if not self._same_spec(name, d):
-                    cost = m.cost
+                    cost = None
             except (KeyError, TypeError, ValueError) as e:
                 logger.warning(
                     "statistics of %s in the store are unreadable (%s); rebuilt from the request log",
@@ -637,7 +653,9 @@ class PersistenceMixin:
         for name, m in self.engine.models.items():
             live = self.live[name]
             if name in plan.saved:
-                _, m.cost, requests, last_used = plan.saved[name]
+                _, cost, requests, last_used = plan.saved[name]
+                if cost is not None:  # joined now: a load measured while the log was read is kept
+                    m.cost = _read_cost(m.cost, cost)
                 live.requests += requests
                 live.last_used = max(live.last_used, last_used)
             m.hist = _join_hist(before[name], m.hist)
@@ -1032,6 +1050,8 @@ class PersistenceMixin:
             raise asyncio.CancelledError
         if error is None and (self._intents_stale or self._stats_unread):  # the store answers again:
             await self.save_stats_async()  # what else it missed
+        if error is None and self._pins_unread:  # (its admin pins: not at the next save, a minute on)
+            await self._restore_pins_off_loop()
 
     def _write_failed(self, batch: list[dict[str, Any]], e: BaseException) -> None:
         if isinstance(e, ValueError):  # records the store refuses (it answers): those go, the rest stay

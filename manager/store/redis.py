@@ -61,7 +61,7 @@ from typing import Any
 from urllib.parse import unquote
 
 import redis
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 from manager.replay.trace import MAX_T
@@ -361,6 +361,13 @@ def open_redis(url: str, *, timeout_s: float = 5.0) -> RedisStore:
     return RedisStore(client, url=u.display, prefix=u.prefix, tls=u if u.ssl else None, timeout_s=timeout_s)
 
 
+PROBE_S = 2.0
+"""How long `refused()` waits for the server's answer to its PING (once, not retried)."""
+
+_NOT_READY = ("BUSY", "LOADING", "MASTERDOWN", "TRYAGAIN")
+"""Error replies of a server that is busy or not ready yet (a script running, a dataset loading, a
+replica without its master): an outage, which the service rides out, not a refusal for good."""
+
 _CERT_ALERTS = frozenset(
     {
         "TLSV13_ALERT_CERTIFICATE_REQUIRED",  # TLS 1.3: no client certificate
@@ -449,6 +456,9 @@ class RedisStore:
         self._closed = False
         self._tls = tls
         self._timeout_s = timeout_s
+        self.answered: bool | None = None
+        """Whether the server answered `refused()`'s PING (None: not asked yet): a service told it did
+        not tries none of its start's reads, each of which would wait for its own timeout."""
         self._requests_key = f"{prefix}:requests"
         self._lag_key = f"{prefix}:requests:lag"
         self._late_key = f"{prefix}:requests:late"
@@ -760,11 +770,22 @@ class RedisStore:
             return False
 
     def refused(self) -> str | None:
+        """See `Store.refused`. One PING on a connection of its own, within PROBE_S and not retried
+        (a server that hangs, a paused Redis, held the start for three timeouts, 15 s, before the
+        service even listened); `answered` says afterwards whether the server answered it."""
+        self.answered = False
+        conn: Any = self._client.connection_pool.make_connection()  # (redis-py's stubs lack its fields)
+        conn.socket_timeout = conn.socket_connect_timeout = min(PROBE_S, self._timeout_s)
+        conn.retry = Retry(NoBackoff(), 0)
         try:
-            self._client.ping()
+            conn.connect()  # (its login and database: a refusal of either is raised here)
+            conn.send_command("PING")
+            conn.read_response()
         except (redis.AuthenticationError, redis.exceptions.AuthorizationError) as e:
             return f"the server refuses this login: {e} (the user and password in store.url)"
         except redis.ResponseError as e:  # NOAUTH, WRONGPASS, an out-of-range database number
+            if str(e).startswith(_NOT_READY):  # busy for now: an outage, not a refusal
+                return None
             return f"the server refuses this store: {e} (store.url)"
         except redis.ConnectionError as e:
             cause = e.__cause__ or e.__context__
@@ -778,6 +799,9 @@ class RedisStore:
             return None
         except (redis.RedisError, OSError):
             return None  # down, or unreachable: an outage, which the service rides out
+        finally:
+            conn.disconnect()
+        self.answered = True
         found = self._key_types()
         if any(kind not in ("none", self._types[key]) for key, kind in found.items()):
             # another program's data where this store keeps its own: every read and write of that

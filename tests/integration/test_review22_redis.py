@@ -6,6 +6,7 @@ the fix, as it does for a wrong password."""
 
 from __future__ import annotations
 
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,150 @@ def test_a_damaged_intent_is_named_with_its_key_and_can_be_dropped(
     assert client.hgetall("residency:intents") == {b"voice": b"gpu"}
     rstore.drop_intent("never-recorded")  # nothing to drop: nothing happens
     assert rstore.intents() == {"voice": "gpu"}
+
+
+def test_a_damaged_intent_of_a_configured_model_is_replaced_not_dropped(
+    redis_clean: str,  # noqa: F811
+    client: redis.Redis,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Redis gives its keys as bytes: the save rewrote a configured model's damaged intent, then
+    dropped its key as one naming no configured model, deleting the intent it had just written
+    (found in review)."""
+    import asyncio
+
+    from manager.config import load_config
+    from manager.live import LiveManager
+    from manager.store import open_store
+
+    config = load_config(CONFIG)
+    client.hset("residency:intents", "voice", "gpuu")  # damaged
+    store = open_store(redis_clean)
+    try:
+        lm = LiveManager(config, None, store=store)
+        assert lm._read_intents() == {} and lm._intents_stale
+        asyncio.run(lm.save_stats_async())
+        assert not lm._intents_stale
+        assert store.intents().get("voice") in ("gpu", "host", "disk"), store.intents()
+    finally:
+        store.close()
+
+
+def test_a_paused_redis_holds_the_start_for_one_short_probe(tmp_path: Path) -> None:
+    """A Redis that hangs (paused: SIGSTOP) held `serve`'s start for three 15 s timeouts before it even
+    listened (`refused`'s PING, retried), then one more for the journal's flush and one for the
+    statistics' read: 33 to 49 s before it served (found in a walkthrough). The first probe now waits
+    2 s, once, and a store that did not answer it is not asked the start's reads."""
+    import asyncio
+    import os
+    import shutil
+    import signal
+    import time
+
+    from manager.config import load_config
+    from manager.live import LiveManager
+    from manager.store import open_store
+    from manager.workers_bridge import create_pool
+
+    from .redis_server import _start, _stop
+
+    exe = shutil.which("redis-server")
+    assert exe is not None
+    proc, port = _start(exe, tmp_path)
+    try:
+        url = f"redis://127.0.0.1:{port}/0"
+        with closing(open_store(url)) as live:
+            assert live.refused() is None and live.answered is True
+            live.put_doc("pins", {"embed": True})  # an earlier run's admin pin
+        os.kill(proc.pid, signal.SIGSTOP)
+        store = open_store(url, hold=True)
+        began = time.monotonic()
+        assert store.refused() is None  # down: an outage, not a refusal
+        probe = time.monotonic() - began
+        assert probe < 4.0 and store.answered is False, probe
+        config = load_config(CONFIG)
+
+        async def main() -> float:
+            pool = create_pool(config, in_process=True)
+            lm = LiveManager(config, pool, store=store)
+            began = time.monotonic()
+            await lm.start()
+            took = time.monotonic() - began
+            try:
+                assert lm._stats_unread and lm._pins_unread and lm._intents_stale
+                os.kill(proc.pid, signal.SIGCONT)  # it answers again: what the start did not read is read
+                deadline = time.monotonic() + 60
+                while not lm.engine.models["embed"].pinned and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                assert lm.engine.models["embed"].pinned, "the saved pin was not read once the store answered"
+            finally:
+                await lm.stop()
+                pool.close()
+            return took
+
+        took = asyncio.run(main())
+        assert took < 10.0, took  # (a load or two of the example config's models, no store timeout)
+        store.close()
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        _stop(proc)
+
+
+def test_a_stop_with_a_paused_redis_leaves_its_requests_in_the_journal(tmp_path: Path) -> None:
+    """With a Redis that hangs, the stop waited for each of its writes' timeouts (the pins, the request
+    log, the statistics): 32 s, past a container's 10 s stop grace (found in a walkthrough). Now a
+    store that failed lately and does not answer a 2 s probe is left as a kill leaves it: the journal
+    keeps the requests, written at the next start."""
+    import asyncio
+    import os
+    import shutil
+    import signal
+    import time
+
+    import numpy as np
+
+    from manager.config import load_config
+    from manager.live import LiveManager
+    from manager.store import open_store
+    from manager.workers_bridge import create_pool
+
+    from .redis_server import _start, _stop
+
+    exe = shutil.which("redis-server")
+    assert exe is not None
+    proc, port = _start(exe, tmp_path)
+    url = f"redis://127.0.0.1:{port}/0"
+    config = load_config(CONFIG)
+    journal = tmp_path / "journal.jsonl"
+
+    async def run(paused: bool) -> float:
+        store = open_store(url, hold=True)
+        store.refused()
+        pool = create_pool(config, in_process=True)
+        lm = LiveManager(config, pool, store=store, journal=journal)
+        await lm.start()
+        try:
+            if paused:
+                text = {"text": np.array([b"turn on the lights"], dtype=object)}
+                served = await asyncio.wait_for(lm.infer("embed", text), 60)
+                assert served.result.ok
+        finally:
+            began = time.monotonic()
+            await lm.stop()
+            took = time.monotonic() - began
+            pool.close()
+            store.close()
+        return took
+
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)
+        took = asyncio.run(run(paused=True))
+        assert took < 8.0, took
+        assert any('"embed"' in line for line in journal.read_text().splitlines()), "not in the journal"
+        os.kill(proc.pid, signal.SIGCONT)
+        asyncio.run(run(paused=False))  # the next start writes it
+        with closing(open_store(url)) as s:
+            assert [r["model"] for r in s.requests(0.0, None)] == ["embed"]
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        _stop(proc)

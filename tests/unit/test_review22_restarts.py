@@ -15,6 +15,7 @@ bytes it holds there (a read into host RAM is booked at those)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -44,6 +45,7 @@ class _CountingDownStore:
         self.down = self.writes_refused = False
         self.calls: list[str] = []
         self.on_loop: list[str] = []
+        self.slow: dict[str, float] = {}  # call name -> seconds it takes first
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self.inner, name)
@@ -54,6 +56,7 @@ class _CountingDownStore:
             self.calls.append(name)
             if threading.current_thread() is threading.main_thread():
                 self.on_loop.append(name)
+            time.sleep(self.slow.get(name, 0.0))
             if self.down:
                 raise StoreError(self.url, f"{name}: TimeoutError: Timeout reading from socket (test)")
             if self.writes_refused and name in self.WRITES:
@@ -291,3 +294,98 @@ def test_a_damaged_intent_row_is_replaced_or_removed_at_the_next_save(
     assert rows == (
         [] if key != "voice" else [(store_tier,)] if (store_tier := rows[0][0]) != "gpuu" else []
     ), rows
+
+
+def _saved_once(config: Config, inner: Any) -> None:
+    """An earlier run's statistics in `inner`: embed asked for once, 100 s ago."""
+    first = LiveManager(config, None, store=inner)
+    first.engine.observe(first.engine.models["embed"], time.time() - 100)
+    inner.put_doc("stats", first._stats_doc())
+
+
+def test_a_request_that_comes_during_the_start_waits_for_it(tmp_path: Path) -> None:
+    """The start's store reads are made on threads, so a request the gRPC server took meanwhile ran
+    between them: observed on the books before the restored statistics replaced them, its arrival
+    was lost (found in review of the change above). It waits for the start's end now."""
+    from manager.workers_bridge import create_pool
+
+    config = _config(tmp_path)
+    inner = open_store(f"sqlite:///{tmp_path / 'state.db'}")
+    _saved_once(config, inner)
+    store = _CountingDownStore(inner)
+    store.slow["get_doc"] = 1.0
+
+    async def main() -> None:
+        pool = create_pool(config, in_process=True)
+        lm = LiveManager(config, pool, store=store)
+        start = asyncio.ensure_future(lm.start())
+        try:
+            await asyncio.sleep(0.2)  # the statistics' read is under way
+            request = asyncio.ensure_future(lm.infer("embed", TEXT))
+            await asyncio.sleep(0.2)
+            assert not request.done() and lm.engine.models["embed"].hist.count == 0  # it waits
+            await start
+            served = await asyncio.wait_for(request, 30)
+            assert served.result.ok
+            assert lm.engine.models["embed"].hist.count == 2  # the saved arrival and this one
+        finally:
+            await start
+            await lm.stop()
+            pool.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        inner.close()
+
+
+def test_a_load_measured_during_the_late_merge_is_kept(tmp_path: Path) -> None:
+    """The late merge (the store down at start) reads the request log on a thread: a load time
+    measured meanwhile was dropped when the saved load times replaced the books' (found in review)."""
+    config = _config(tmp_path)
+    inner = open_store(f"sqlite:///{tmp_path / 'state.db'}")
+    _saved_once(config, inner)
+    store = _CountingDownStore(inner)
+    store.down = True
+    lm = LiveManager(config, None, store=store)
+    lm.restore_stats()
+    assert lm._stats_unread
+    store.down = False
+    store.slow["requests"] = 0.5  # a long request log
+    m = lm.engine.models["embed"]
+
+    async def main() -> None:
+        save = asyncio.ensure_future(lm.save_stats_async())
+        await until(lambda: "requests" in store.calls, "the merge's read of the request log")
+        m.cost.measure("disk", 7.5)  # a load confirmed now (`_confirmed`)
+        await save
+
+    try:
+        asyncio.run(main())
+        assert 7.5 in m.cost.capture().get("disk", []), m.cost.capture()
+        assert not lm._stats_unread
+    finally:
+        inner.close()
+
+
+def test_a_stop_during_the_starts_store_read_does_not_wait_for_it(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    inner = open_store(f"sqlite:///{tmp_path / 'state.db'}")
+    store = _CountingDownStore(inner)
+    store.slow["get_doc"] = 3.0  # a store that hangs (a stopped Redis: its timeout)
+
+    async def main() -> float:
+        lm = LiveManager(config, None, store=store)
+        task = asyncio.ensure_future(lm.start())
+        await until(lambda: "get_doc" in store.calls, "the statistics' read")
+        t0 = time.monotonic()
+        task.cancel()  # what a stop signal during the start does
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return time.monotonic() - t0
+
+    try:
+        took = asyncio.run(main())
+        assert took < 1.0, took
+    finally:
+        inner.close()
