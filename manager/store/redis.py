@@ -497,10 +497,7 @@ class RedisStore:
     def _key_types(self) -> dict[str, str]:
         """What each of this store's keys holds, as Redis's TYPE names it ({}: no answer)."""
         try:
-            with self._client.pipeline(transaction=False) as p:
-                for key in self._types:
-                    p.type(key)
-                return {key: _text(t) for key, t in zip(self._types, p.execute(), strict=True)}
+            return {key: _text(self._client.type(key)) for key in self._types}
         except (redis.RedisError, OSError):
             return {}
 
