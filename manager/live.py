@@ -67,6 +67,8 @@ STOP_WAIT_S = 5.0
 """At a stop, how long the writes on their way to a device host or the store are waited for."""
 
 SAVE_EVERY_S = 60.0
+SILENT_RETRY_S = 5.0
+"""How soon a statistics save that found the store silent (`_store_silent`) is tried again."""
 LOG_EVERY_S = 1.0
 LOG_BATCH = 500
 INLINE_INFER_S = 0.0005
@@ -315,11 +317,11 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             self._log_buf = self.journal.read() + self._log_buf
             if self._down_at_start is None:
                 await self.flush_log()
-            elif self._log_buf:  # (kept, written once the store answers: a ping first)
-                self._log_failing = True
         # the store's reads on a thread (a store that hangs held the event loop: health checks, stop
         # signals); once the statistics' read fails, the others are not tried (`_down_at_start`)
         await self.restore_stats_async()
+        if self._down_at_start is not None:  # the first flush probes it first (`_store_answers`)
+            self._log_failing = True
         await self._restore_pins_at_start()
         adopted = await self.adopt()
         if adopted:
@@ -371,7 +373,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             self._room_task = None
         if self._background:  # session closes and lease changes on their way to a host (5 s at most)
             await asyncio.wait(set(self._background), timeout=STOP_WAIT_S)
-        if await self._store_silent_at_stop():
+        if await self._store_silent(seen_within=2 * SILENT_RETRY_S):
             # each write would wait for its timeout (15 s a call with a stopped Redis): what a kill
             # leaves is left, and taken back as after one (the journal's requests, written at the
             # next start; the statistics caught up from them)
@@ -390,18 +392,6 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             await self.save_stats_async()
         if self.journal is not None:
             self.journal.close()
-
-    async def _store_silent_at_stop(self) -> bool:
-        """Whether the store, which failed a call lately (a write, the start's reads), does not answer
-        a short probe now (a Redis's `refused`: one PING within 2 s; another store's `ping`). Not
-        asked when nothing failed."""
-        failed = self._log_failing or self._stats_unread or self._intents_stale or self._pins_unread
-        if self.store is None or not failed:
-            return False
-        if getattr(self.store, "answered", None) is not None:  # (a Redis store)
-            await asyncio.to_thread(self.store.refused)
-            return self.store.answered is False
-        return not await self._store_answers()
 
     async def _save_pins_at_stop(self) -> None:
         """The admin pins whose last write failed (or that waited for the store's saved pins to be
@@ -457,6 +447,9 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             if flush:
                 await self.flush_log()
                 self._next_flush = now + LOG_EVERY_S
+            if save and await self._store_silent():  # (tried again in a moment, a probe first)
+                self._next_save = now + SILENT_RETRY_S
+                return
             if save:
                 if self._pins_unread:
                     await self._restore_pins_off_loop()

@@ -13,16 +13,16 @@ retention (`store.request_log_retention`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import heapq
 import json
 import logging
 import math
+import time
 import uuid
 from bisect import bisect_right
 from collections import Counter
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -93,6 +93,33 @@ async def _off_loop(fn: Callable[..., T], *args: Any) -> T:
     except asyncio.CancelledError:
         await asyncio.wait({work})
         raise
+
+
+_Steps = Generator[tuple[Callable[..., Any], tuple[Any, ...]], Any, Any]
+"""Work whose store calls are yielded as (function, arguments), each call's result sent back
+(`PersistenceMixin._save_steps`, `_restore_steps`): the caller chooses the thread they are made on."""
+
+
+def _run_steps(steps: _Steps) -> Any:
+    """`steps` run to their end, each store call made here; what they return."""
+    result = None
+    try:
+        while True:
+            fn, args = steps.send(result)
+            result = fn(*args)
+    except StopIteration as done:
+        return done.value
+
+
+async def _run_steps_async(steps: _Steps, call: Callable[..., Awaitable[Any]]) -> Any:
+    """`steps` run to their end on the event loop, each store call made by `call` (on a thread)."""
+    result = None
+    try:
+        while True:
+            fn, args = steps.send(result)
+            result = await call(fn, *args)
+    except StopIteration as done:
+        return done.value
 
 
 MAX_COUNT = 2**53
@@ -277,6 +304,7 @@ class PersistenceMixin:
     """Intents recorded on the event loop and not yet written (`_set_intent`): model -> (tier, why)."""
     _intent_writer: asyncio.Task[None] | None = None
     _stats_unread: bool
+    _silent_at: float = -math.inf  # (monotonic) when a probe last found the store silent
     _pins_unread: bool  # (LiveManager's: the store was down at start, its admin pins still to be read)
     _down_at_start: str | None = None
     """Why the store did not answer at start (`serve`'s first probe, `RedisStore.refused`, or the
@@ -314,7 +342,7 @@ class PersistenceMixin:
         ) -> None: ...
 
     # ---- statistics that survive a restart ---------------------------------------------------
-    def _save_steps(self) -> Generator[tuple[Callable[..., Any], tuple[Any, ...]], Any, bool]:
+    def _save_steps(self) -> _Steps:
         """The steps of a statistics save, each store call yielded as (function, arguments) for the
         caller to make (here: `save_stats`; on a thread: `save_stats_async`) and its result sent back.
         After the store was down: first the intents it missed, and the statistics it held at start-up
@@ -344,11 +372,7 @@ class PersistenceMixin:
         saves with `save_stats_async`."""
         if self.store is None:
             return
-        steps, result = self._save_steps(), None
-        with contextlib.suppress(StopIteration):
-            while True:
-                fn, args = steps.send(result)
-                result = fn(*args)
+        _run_steps(self._save_steps())
 
     async def save_stats_async(self) -> None:
         """`save_stats` as the service makes it: what is saved is taken on the event loop, the store's
@@ -365,14 +389,8 @@ class PersistenceMixin:
                 # its write under way ends first (it stops at its failure): an intent it wrote late
                 # would stand over the rewrite from the books below, for good
                 await asyncio.wait({writer})
-            steps, result = self._save_steps(), None
-            try:
-                while True:
-                    fn, args = steps.send(result)
-                    result = await _off_loop(fn, *args)
-            except StopIteration as done:
-                if not done.value:
-                    return
+            if not await _run_steps_async(self._save_steps(), _off_loop):
+                return
             await self._trim_log()
 
     async def _trim_log(self) -> None:
@@ -500,13 +518,7 @@ class PersistenceMixin:
         thread (`restore_stats_async`)."""
         if self.store is None:
             return 0
-        steps, result = self._restore_steps(), None
-        try:
-            while True:
-                fn, args = steps.send(result)
-                result = fn(*args)
-        except StopIteration as done:
-            return int(done.value)
+        return int(_run_steps(self._restore_steps()))
 
     async def restore_stats_async(self) -> int:
         """`restore_stats` as the service's start makes it: the store's calls (the statistics' read, the
@@ -514,15 +526,9 @@ class PersistenceMixin:
         that hangs held the loop (health checks, stop signals) for its timeout; a long catch-up too."""
         if self.store is None:
             return 0
-        steps, result = self._restore_steps(), None
-        try:
-            while True:
-                fn, args = steps.send(result)
-                # (reads: a stop signal during the start does not wait for one to end, as a write's
-                # caller does, `_off_loop`; a store that hangs would hold it for its timeout)
-                result = await asyncio.to_thread(fn, *args)
-        except StopIteration as done:
-            return int(done.value)
+        # (reads: a stop signal during the start does not wait for one to end, as a write's caller
+        # does, `_off_loop`; a store that hangs would hold it for its timeout)
+        return int(await _run_steps_async(self._restore_steps(), asyncio.to_thread))
 
     def _read_stats_doc(self) -> dict[str, Any] | BaseException:
         """The saved "stats" document ({} when none, or unreadable: said); the store's error when it
@@ -535,7 +541,7 @@ class PersistenceMixin:
         except Exception as e:
             return e
 
-    def _restore_steps(self) -> Generator[tuple[Callable[..., Any], tuple[Any, ...]], Any, int]:
+    def _restore_steps(self) -> _Steps:
         """The steps of `restore_stats`, each store call yielded as (function, arguments) for the caller
         to make and its result sent back (as `_save_steps`)."""
         self._stats_until = min(self._stats_until, self.clock())  # what the log has before: caught up
@@ -1087,10 +1093,30 @@ class PersistenceMixin:
         return good
 
     async def _store_answers(self) -> bool:
+        """One short probe of the store, on a thread: a Redis store's `refused` (one PING within 2 s,
+        not retried: its `ping` waits for three 5 s timeouts when Redis hangs), another's `ping`."""
         try:
+            if hasattr(self.store, "answered"):  # (a Redis store)
+                await asyncio.to_thread(self.store.refused)
+                return self.store.answered is True
             return bool(await asyncio.to_thread(self.store.ping))
         except Exception:
             return False
+
+    async def _store_silent(self, *, seen_within: float = 0.0) -> bool:
+        """Whether the store, which failed a call lately (a write, the start's reads), does not answer
+        a short probe now (`_store_answers`): its calls would each wait for their timeout (15 s with
+        a Redis that hangs). Not asked when nothing failed, nor when a probe found it silent less than
+        `seen_within` seconds ago (the stop: the reconciler's last probe stands)."""
+        failed = self._log_failing or self._stats_unread or self._intents_stale or self._pins_unread
+        if self.store is None or not failed:
+            return False
+        if time.monotonic() - self._silent_at <= seen_within:
+            return True
+        silent = not await self._store_answers()
+        if silent:
+            self._silent_at = time.monotonic()
+        return silent
 
     def _keep_log(self, batch: list[dict[str, Any]]) -> None:
         """Put an unwritten batch back in front of the buffer, keeping at most LOG_KEEP (the oldest
