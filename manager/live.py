@@ -69,6 +69,9 @@ STOP_WAIT_S = 5.0
 SAVE_EVERY_S = 60.0
 SILENT_RETRY_S = 5.0
 """How soon a statistics save that found the store silent (`_store_silent`) is tried again."""
+SILENT_REUSE_S = 2.5
+"""At the stop, a probe that found the store silent at most this long ago stands (no second probe):
+shorter than SILENT_RETRY_S, so a store back since the reconciler's last probe is not skipped for long."""
 LOG_EVERY_S = 1.0
 LOG_BATCH = 500
 INLINE_INFER_S = 0.0005
@@ -373,7 +376,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             self._room_task = None
         if self._background:  # session closes and lease changes on their way to a host (5 s at most)
             await asyncio.wait(set(self._background), timeout=STOP_WAIT_S)
-        if await self._store_silent(seen_within=2 * SILENT_RETRY_S):
+        # (without a journal the buffered requests are lost if the flush is left: a fresh probe)
+        if await self._store_silent(seen_within=SILENT_REUSE_S if self.journal is not None else 0.0):
             # each write would wait for its timeout (15 s a call with a stopped Redis): what a kill
             # leaves is left, and taken back as after one (the journal's requests, written at the
             # next start; the statistics caught up from them)
@@ -382,9 +386,10 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             )
             logger.warning(
                 "the store does not answer: the stop leaves %d request(s) %s, and does not save the "
-                "statistics (caught up from the request log at the next start)",
+                "statistics (caught up from the request log at the next start)%s",
                 len(self._log_buf),
                 kept,
+                f"; the admin pins not saved: {self.pin_overrides}" if self._pins_dirty else "",
             )
         else:
             await self._save_pins_at_stop()

@@ -304,6 +304,9 @@ class PersistenceMixin:
     """Intents recorded on the event loop and not yet written (`_set_intent`): model -> (tier, why)."""
     _intent_writer: asyncio.Task[None] | None = None
     _stats_unread: bool
+    _retry_len: int = 0
+    """The request log's first records that are a batch the store failed: sent again alone, as they
+    were (`_flush_log`)."""
     _silent_at: float = -math.inf  # (monotonic) when a probe last found the store silent
     _pins_unread: bool  # (LiveManager's: the store was down at start, its admin pins still to be read)
     _down_at_start: str | None = None
@@ -660,8 +663,10 @@ class PersistenceMixin:
             live = self.live[name]
             if name in plan.saved:
                 _, cost, requests, last_used = plan.saved[name]
-                if cost is not None:  # joined now: a load measured while the log was read is kept
-                    m.cost = _read_cost(m.cost, cost)
+                if cost is not None:  # the saved samples, then this run's (the newest are kept)
+                    mine = m.cost.capture()  # (taken now: a load measured while the log was read too)
+                    m.cost = _read_cost(m.cost.fresh(), cost)
+                    m.cost.restore(mine)
                 live.requests += requests
                 live.last_used = max(live.last_used, last_used)
             m.hist = _join_hist(before[name], m.hist)
@@ -1034,7 +1039,10 @@ class PersistenceMixin:
         if self._log_failing and not await self._store_answers():
             self._keep_log([])  # still down: a ping, not the whole batch encoded and sent again
             return
-        batch, self._log_buf = self._log_buf, []
+        # a batch the store failed goes again as it was (its records alone, the newer ones after it):
+        # a Redis that hangs may run the first copy once it answers, and the same batch is written once
+        retried, n = self._retry_len > 0, self._retry_len or len(self._log_buf)
+        batch, self._log_buf = self._log_buf[:n], self._log_buf[n:]
         # shielded: a cancelled caller (the reconciler at stop) must not leave a written batch in the
         # journal, or the next start would log it twice; and the write's outcome is still handled
         # here, under the flush lock (a batch the store fails is kept), before the cancel goes on
@@ -1054,6 +1062,9 @@ class PersistenceMixin:
             self._write_done()
         if cancelled:
             raise asyncio.CancelledError
+        if error is None and retried and self._log_buf:  # then the newer records, in this flush too
+            await self._flush_log()
+            return
         if error is None and (self._intents_stale or self._stats_unread):  # the store answers again:
             await self.save_stats_async()  # what else it missed
         if error is None and self._pins_unread:  # (its admin pins: not at the next save, a minute on)
@@ -1064,6 +1075,7 @@ class PersistenceMixin:
             good = self._valid_records(batch)
             if len(good) < len(batch):
                 self._keep_log(good)  # written at the next flush; the journal loses the bad ones then
+                self._retry_len = 0
                 return
         # the store is down: keep the records (bounded) and try again later
         why = str(e) or type(e).__name__
@@ -1073,10 +1085,13 @@ class PersistenceMixin:
         # is rewritten from the books once it answers, not only those that changed meanwhile
         self._intents_stale = True
         self._keep_log(batch)
+        self._retry_len = len(batch) if self._log_buf[: len(batch)] == batch else 0
 
     def _write_done(self) -> None:
         self.metrics.log_buffered.set(len(self._log_buf))
         self._log_failing = False
+        self._retry_len = 0
+        self._silent_at = -math.inf  # (it answers)
 
     def _valid_records(self, batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The records of `batch` the store can take; each other one is dropped, said and counted (a
@@ -1114,8 +1129,7 @@ class PersistenceMixin:
         if time.monotonic() - self._silent_at <= seen_within:
             return True
         silent = not await self._store_answers()
-        if silent:
-            self._silent_at = time.monotonic()
+        self._silent_at = time.monotonic() if silent else -math.inf
         return silent
 
     def _keep_log(self, batch: list[dict[str, Any]]) -> None:

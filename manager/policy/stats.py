@@ -167,6 +167,11 @@ class LoadCost:
     def as_dict(self) -> dict[str, float]:
         return dict(self._est)
 
+    def fresh(self) -> LoadCost:
+        """A LoadCost with the same seeds and no measurement."""
+        s = self._seed
+        return LoadCost(s["disk"], s["cached"], s["host"])
+
     def capture(self) -> dict[str, list[float]]:
         """The measured samples per source (the seeds come from the config)."""
         return {k: list(v) for k, v in self._samples.items()}

@@ -46,6 +46,7 @@ interleave with it.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import json
 import logging
@@ -53,7 +54,6 @@ import math
 import re
 import socket
 import ssl
-import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -174,9 +174,11 @@ TRIM_CHUNK = 1000
 
 
 _BATCH_KEY = "{prefix}:requests:batch:{token}"
-"""Set (for 10 minutes) by the batch whose `append_requests` call drew `token`: redis-py sends a
-command again when it timed out, and Redis may run both copies (it reads a socket only between
-commands: a busy server runs the first copy late). The second copy finds the key and writes nothing."""
+"""Set (for 10 minutes) by the batch whose digest is `token`: redis-py sends a command again when it
+timed out, and Redis may run both copies (it reads a socket only between commands: a busy or paused
+server runs the first copy late); so does the service, which sends a batch the store failed again,
+as it was. The second copy finds the key and writes nothing. (Two batches of the same records within
+10 minutes would be one: records of the same requests, to the microsecond.)"""
 
 
 def _ms(t: float) -> int:
@@ -520,7 +522,10 @@ class RedisStore:
         if not rows:
             return
         args: list[str | int] = [x for row in rows for x in row]
-        batch_key = _BATCH_KEY.format(prefix=self.prefix, token=uuid.uuid4().hex)
+        # the batch's own digest: the same batch sent again (redis-py's resend after a timeout, or
+        # the service's retry of a write that timed out) writes nothing once a copy of it has run
+        digest = hashlib.sha256("\n".join(f"{ms} {row}" for ms, row in rows).encode()).hexdigest()
+        batch_key = _BATCH_KEY.format(prefix=self.prefix, token=digest[:32])
         with self._errors("append requests") as r:
             keys = [self._requests_key, self._lag_key, batch_key, self._late_key]
             late = self._append(keys=keys, args=args, client=r)
@@ -771,10 +776,14 @@ class RedisStore:
         (a server that hangs, a paused Redis, held the start for three timeouts, 15 s, before the
         service even listened); `answered` says afterwards whether the server answered it."""
         self.answered = False
-        conn: Any = self._client.connection_pool.make_connection()  # (redis-py's stubs lack its fields)
-        conn.socket_timeout = conn.socket_connect_timeout = min(PROBE_S, self._timeout_s)
-        conn.retry = Retry(NoBackoff(), 0)
+        # a connection of its own, outside the client's pool: one made by the pool is counted in it
+        # for good, and a probe every few seconds through an outage used up its 100 connections
+        pool = self._client.connection_pool
+        wait = min(PROBE_S, self._timeout_s)
+        kwargs = dict(pool.connection_kwargs, socket_timeout=wait, socket_connect_timeout=wait)
+        conn: Any = None
         try:
+            conn = pool.connection_class(**(kwargs | {"retry": Retry(NoBackoff(), 0)}))
             conn.connect()  # (its login and database: a refusal of either is raised here)
             conn.send_command("PING")
             conn.read_response()
@@ -797,7 +806,8 @@ class RedisStore:
         except (redis.RedisError, OSError):
             return None  # down, or unreachable: an outage, which the service rides out
         finally:
-            conn.disconnect()
+            if conn is not None:
+                conn.disconnect()
         self.answered = True
         found = self._key_types()
         if any(kind not in ("none", self._types[key]) for key, kind in found.items()):

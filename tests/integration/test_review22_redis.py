@@ -223,3 +223,27 @@ def test_a_stop_with_a_paused_redis_leaves_its_requests_in_the_journal(tmp_path:
     finally:
         os.kill(proc.pid, signal.SIGCONT)
         _stop(proc)
+
+
+def test_the_same_batch_sent_again_is_written_once(rstore: RedisStore) -> None:  # noqa: F811
+    """A write that timed out against a paused Redis sits in its socket and runs when Redis resumes;
+    the service's retry of the batch, under a new token, wrote its requests a second time (found in a
+    walkthrough: 19 entries for 18 requests after a 20 s pause). A batch is marked by its own digest
+    now, and the service sends a failed batch again as it was (tests/unit/test_review22_restarts.py):
+    the copy that runs second writes nothing."""
+    batch = [{"t": 1_800_000_000.0 + i, "model": "voice", "busy_s": 0.4} for i in range(3)]
+    rstore.append_requests(batch)
+    rstore.append_requests(batch)  # the service's retry, the first copy having run after all
+    assert rstore.count_requests() == 3
+    rstore.append_requests(batch[:2])  # another batch: written
+    assert rstore.count_requests() == 5
+
+
+def test_a_probe_uses_no_connection_of_the_clients_pool(rstore: RedisStore) -> None:  # noqa: F811
+    """Each probe took a connection of the client's pool for good: after 100 (one a second through an
+    outage) the pool was spent, the probe raised, and the store read as silent for the run (found in
+    review)."""
+    for _ in range(120):
+        assert rstore.refused() is None and rstore.answered is True
+    rstore.put_doc("x", {"ok": True})
+    assert rstore.get_doc("x") == {"ok": True}
