@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from live_helpers import TEXT, kill, local_config, lru_config, started, until
+from live_helpers import TEXT, kill, local_config, lru_config, run, started, until
 
 from manager.config import Config
 from manager.live import LiveManager
@@ -78,29 +78,20 @@ def test_a_store_down_at_start_is_asked_once(tmp_path: Path, caplog: pytest.LogC
     store = _CountingDownStore(inner)
     store.down = True
 
-    async def main() -> None:
-        from manager.workers_bridge import create_pool
-
-        pool = create_pool(config, in_process=True)
-        lm = LiveManager(config, pool, store=store)
-        await lm.start()
-        try:
-            assert store.calls == ["get_doc"], store.calls  # the statistics' read, and no other
-            assert store.on_loop == [], store.on_loop  # on a thread: the event loop was not held
-            assert lm._stats_unread and lm._pins_unread and lm._intents_stale
-            assert not lm.engine.models["embed"].pinned  # not read yet: the config's pins hold
-            store.down = False  # it answers: what the start did not read is read now
-            await until(lambda: lm.engine.models["embed"].pinned, "the saved pin read once the store answers")
-            await until(lambda: not lm._stats_unread, "the saved statistics merged once the store answers")
-            served = await asyncio.wait_for(lm.infer("embed", TEXT), 30)
-            assert served.result.ok
-        finally:
-            await lm.stop()
-            pool.close()
+    async def body(lm: LiveManager) -> None:
+        assert store.calls == ["get_doc"], store.calls  # the statistics' read, and no other
+        assert store.on_loop == [], store.on_loop  # on a thread: the event loop was not held
+        assert lm._stats_unread and lm._pins_unread and lm._intents_stale
+        assert not lm.engine.models["embed"].pinned  # not read yet: the config's pins hold
+        store.down = False  # it answers: what the start did not read is read now
+        await until(lambda: lm.engine.models["embed"].pinned, "the saved pin read once the store answers")
+        await until(lambda: not lm._stats_unread, "the saved statistics merged once the store answers")
+        served = await asyncio.wait_for(lm.infer("embed", TEXT), 30)
+        assert served.result.ok
 
     try:
         with caplog.at_level(logging.WARNING):
-            asyncio.run(main())
+            run(config, body, store=store)
         said = caplog.text
         assert "could not read saved statistics from the store (store " in said  # the store's own error
         assert "the admin pins from the store (not tried: the store failed the statistics' read" in said
@@ -192,25 +183,16 @@ def test_the_late_merge_reads_the_request_log_off_the_event_loop(tmp_path: Path)
     store = _CountingDownStore(inner)
     store.down = True
 
-    async def main() -> None:
-        from manager.workers_bridge import create_pool
-
-        pool = create_pool(config, in_process=True)
-        lm = LiveManager(config, pool, store=store)
-        await lm.start()
-        try:
-            assert lm._stats_unread
-            store.calls.clear()
-            store.down = False
-            await until(lambda: not lm._stats_unread, "the saved statistics merged")
-            await until(lambda: "requests" in store.calls, "the request log read for the merge")
-            assert "requests" not in store.on_loop and "get_doc" not in store.on_loop, store.on_loop
-        finally:
-            await lm.stop()
-            pool.close()
+    async def body(lm: LiveManager) -> None:
+        assert lm._stats_unread
+        store.calls.clear()
+        store.down = False
+        await until(lambda: not lm._stats_unread, "the saved statistics merged")
+        await until(lambda: "requests" in store.calls, "the request log read for the merge")
+        assert "requests" not in store.on_loop and "get_doc" not in store.on_loop, store.on_loop
 
     try:
-        asyncio.run(main())
+        run(config, body, store=store)
     finally:
         inner.close()
 
@@ -265,8 +247,6 @@ def test_a_damaged_intent_row_is_replaced_or_removed_at_the_next_save(
     writes the configured models' intents only: one under another name (a model since removed, a
     damaged name) stayed, said again at every start."""
     import sqlite3
-
-    from live_helpers import run
 
     config = _config(tmp_path)
     db = tmp_path / "state.db"
