@@ -1305,14 +1305,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         has read the store and adopted what the device hosts hold) waits for the start's end, within
         its deadline: observed meanwhile, its arrival was lost when the restored statistics replaced
         the books' (and the start's reads, on threads, let it in between them)."""
-        waits = (asyncio.ensure_future(self._started.wait()), asyncio.ensure_future(self._stopping.wait()))
-        try:
-            await asyncio.wait(
-                waits, timeout=max(0.0, deadline - self.clock()), return_when=asyncio.FIRST_COMPLETED
-            )
-        finally:
-            for w in waits:
-                w.cancel()
+        await self._until_set(self._started, max(0.0, deadline - self.clock()))
         self._if_stopping(m, "it had not started")
         if not self.started:
             raise DeadlineExceeded(f"model {m.name!r}: the service was still starting at the deadline")
@@ -1327,9 +1320,13 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
 
     async def _wait_ready(self, live: _Live, timeout: float) -> None:
         """Wait until `live.ready` is set, the service stops (`abandon_waits`), or `timeout` passes."""
+        await self._until_set(live.ready, timeout)
+
+    async def _until_set(self, event: asyncio.Event, timeout: float) -> None:
+        """Wait until `event` is set, the service stops (`abandon_waits`), or `timeout` passes."""
         if self._stopping.is_set():
             return
-        waits = (asyncio.ensure_future(live.ready.wait()), asyncio.ensure_future(self._stopping.wait()))
+        waits = (asyncio.ensure_future(event.wait()), asyncio.ensure_future(self._stopping.wait()))
         try:
             await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -1975,18 +1972,15 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         and answers now; a pin an admin set since the start holds over the saved one."""
         if self.store is None:
             return
-        if self._down_at_start is not None and not late:
-            self._pins_why = self._down_at_start
-            self._take_pins(None, late=False)
-            return
         self._take_pins(self._read_pins(), late=late)
 
     async def _restore_pins_at_start(self) -> None:
         """`_restore_pins()` as the start makes it: the store's read on a thread."""
         if self.store is None:
             return
-        if self._down_at_start is not None:
-            self._restore_pins()  # (says so: no call)
+        if self._down_at_start is not None:  # not asked: said as a store that does not answer is
+            self._pins_why = self._down_at_start
+            self._take_pins(None, late=False)
             return
         self._take_pins(await asyncio.to_thread(self._read_pins), late=False)
 

@@ -608,10 +608,7 @@ class PersistenceMixin:
             restored += 1
         self.engine.recheck_fit()  # restored footprints change what can ever fit
         # the request log's catch-up, also with no snapshot (a run killed before its first save)
-        if not self._stats_caught_up:
-            hists = {n: m.hist for n, m in self.engine.models.items()}
-            taken = yield self._take_missed, self._missed_args(hists, since, until)
-            self._apply_caught(taken)
+        yield from self._catch_up_steps(since, until)
         return restored
 
     def _merge_plan(self, doc: dict[str, Any]) -> _MergePlan:
@@ -766,14 +763,23 @@ class PersistenceMixin:
         `until`: per model, up to when its statistics are complete and from when the log's records
         are this run's (`_take_missed`; by default its last arrival and now). The log is read here,
         on the caller's thread. Returns how many."""
-        if self.store is None or self._stats_caught_up:
+        if self.store is None:
+            return 0
+        return int(_run_steps(self._catch_up_steps(since, until)))
+
+    def _catch_up_steps(
+        self, since: dict[str, float | None] | None = None, until: dict[str, float] | None = None
+    ) -> _Steps:
+        """The steps of `_catch_up_stats` (its read of the log yielded, as `_save_steps`); how many."""
+        if self._stats_caught_up:
             return 0
         hists = {n: m.hist for n, m in self.engine.models.items()}
         if since is None:
             since = {n: h.last_t if h.count else None for n, h in hists.items()}
         if until is None:
             until = {n: min(self._stats_until, self.clock()) for n in hists}
-        return self._apply_caught(self._take_missed(*self._missed_args(hists, since, until)))
+        taken = yield self._take_missed, self._missed_args(hists, since, until)
+        return self._apply_caught(taken)
 
     def _apply_caught(self, taken: _Taken | None) -> int:
         """The request log's records taken by `_take_missed` on the books: each model's histogram (a
@@ -1108,12 +1114,8 @@ class PersistenceMixin:
         return good
 
     async def _store_answers(self) -> bool:
-        """One short probe of the store, on a thread: a Redis store's `refused` (one PING within 2 s,
-        not retried: its `ping` waits for three 5 s timeouts when Redis hangs), another's `ping`."""
+        """The store's `ping`, on a thread (a Redis store's: one PING within 2 s, not retried)."""
         try:
-            if hasattr(self.store, "answered"):  # (a Redis store)
-                await asyncio.to_thread(self.store.refused)
-                return self.store.answered is True
             return bool(await asyncio.to_thread(self.store.ping))
         except Exception:
             return False

@@ -364,7 +364,7 @@ def open_redis(url: str, *, timeout_s: float = 5.0) -> RedisStore:
 
 
 PROBE_S = 2.0
-"""How long `refused()` waits for the server's answer to its PING (once, not retried)."""
+"""How long `ping()` and `refused()` wait for the server's answer to their PING (once, not retried)."""
 
 _NOT_READY = ("BUSY", "LOADING", "MASTERDOWN", "TRYAGAIN")
 """Error replies of a server that is busy or not ready yet (a script running, a dataset loading, a
@@ -763,21 +763,13 @@ class RedisStore:
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
-    def ping(self) -> bool:
-        try:
-            with self._errors("ping") as r:
-                return bool(r.ping())
-        except StoreError as e:
-            logger.debug("redis store ping failed: %s", e)
-            return False
-
-    def refused(self) -> str | None:
-        """See `Store.refused`. One PING on a connection of its own, within PROBE_S and not retried
-        (a server that hangs, a paused Redis, held the start for three timeouts, 15 s, before the
-        service even listened); `answered` says afterwards whether the server answered it."""
-        self.answered = False
-        # a connection of its own, outside the client's pool: one made by the pool is counted in it
-        # for good, and a probe every few seconds through an outage used up its 100 connections
+    def _probe(self) -> None:
+        """One PING on a connection of its own, within PROBE_S and not retried (the client's would
+        wait for three 5 s timeouts when Redis hangs); what it met is raised. Outside the client's
+        pool: a connection the pool makes is counted in it for good, and a probe every few seconds
+        through an outage used up its 100 connections."""
+        if self._closed:
+            raise StoreError(self.url, "ping: the store is closed")
         pool = self._client.connection_pool
         wait = min(PROBE_S, self._timeout_s)
         kwargs = dict(pool.connection_kwargs, socket_timeout=wait, socket_connect_timeout=wait)
@@ -787,6 +779,28 @@ class RedisStore:
             conn.connect()  # (its login and database: a refusal of either is raised here)
             conn.send_command("PING")
             conn.read_response()
+        finally:
+            if conn is not None:
+                conn.disconnect()
+
+    def ping(self) -> bool:
+        """`Store.ping`: one short probe (`_probe`)."""
+        try:
+            self._probe()
+        except (redis.RedisError, OSError, StoreError) as e:
+            logger.debug("redis store ping failed: %s", e)
+            return False
+        return True
+
+    def refused(self) -> str | None:
+        """See `Store.refused`. Its PING is `_probe`'s (a server that hangs, a paused Redis, held the
+        start for three timeouts, 15 s, before the service even listened); `answered` says afterwards
+        whether the server answered it."""
+        self.answered = False
+        try:
+            self._probe()
+        except StoreError:  # (closed)
+            return None
         except (redis.AuthenticationError, redis.exceptions.AuthorizationError) as e:
             return f"the server refuses this login: {e} (the user and password in store.url)"
         except redis.ResponseError as e:  # NOAUTH, WRONGPASS, an out-of-range database number
@@ -805,9 +819,6 @@ class RedisStore:
             return None
         except (redis.RedisError, OSError):
             return None  # down, or unreachable: an outage, which the service rides out
-        finally:
-            if conn is not None:
-                conn.disconnect()
         self.answered = True
         found = self._key_types()
         if any(kind not in ("none", self._types[key]) for key, kind in found.items()):
