@@ -1334,16 +1334,27 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                 w.cancel()
 
     async def infer(
-        self, model: str, inputs: dict[str, np.ndarray], *, cls: str | None = None, timeout_s: float = 30.0
+        self,
+        model: str,
+        inputs: dict[str, np.ndarray],
+        *,
+        cls: str | None = None,
+        timeout_s: float = 30.0,
+        keep_alive: float | None = None,
     ) -> Served:
         """Serve one request. If the device host lost the model under it (the host died or restarted),
-        the model is taken off the books and the request is retried once, within its deadline."""
+        the model is taken off the books and the request is retried once, within its deadline.
+        `keep_alive`: the request's own (seconds, inf: forever), as Ollama's; once it is admitted, it
+        holds for the idle time after it, until the next admitted request says otherwise (None: the
+        config's). A request refused before it is admitted leaves the model's keep-alive as it was."""
         m = self._model(model)
         rank = self.rank_of(m, cls)
         deadline = self.clock() + timeout_s
         live = self.live[model]
         cls_name = self.config.classes[rank].name
         arrival, cold = await self._queue_for(m, rank, cls_name, deadline)
+        if keep_alive is not None or m.keep_alive_req is not None:
+            self.engine.request_keep_alive(m, keep_alive)
         try:
             result, start, end, cold, retry_failed = await self._attempts(
                 m, rank, cls_name, inputs, deadline, cold
@@ -1356,7 +1367,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         live.last_used = end
         self.served += 1
         self.cold_starts += cold
-        self._log_request(arrival, model, max(0.0, end - start), cls, wait, result)
+        self._log_request(arrival, model, max(0.0, end - start), cls, wait, result, keep_alive)
         if retry_failed:
             raise WorkerUnavailable(f"{result.error}; retried once: {retry_failed}")
         if not result.ok:
@@ -1653,7 +1664,14 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         raise worker_error(r.error_code, r.error or "inference failed")
 
     def _log_request(
-        self, t: float, model: str, busy: float, cls: str | None, wait: float, r: P.InferResult
+        self,
+        t: float,
+        model: str,
+        busy: float,
+        cls: str | None,
+        wait: float,
+        r: P.InferResult,
+        keep_alive: float | None = None,
     ) -> None:
         if self.store is None:
             return
@@ -1661,6 +1679,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         rec["outcome"] = "ok" if r.ok else "error"
         if cls is not None:
             rec["class"] = cls
+        if keep_alive is not None:  # (a trace line's form: JSON has no infinity)
+            rec["keep_alive"] = "forever" if math.isinf(keep_alive) else keep_alive
         self._log(rec)
 
     # ---- admin --------------------------------------------------------------------------------

@@ -310,7 +310,11 @@ def apply_reload(engine: Engine, new: Config) -> None:
     for mc in new.models:
         m = engine.models[mc.name]
         m.cfg = mc
-        m.keep_alive_cfg = mc.keep_alive
+        if mc.keep_alive != m.keep_alive_conf:  # the hold-off was the old keep-alive's word
+            m.held_off = False
+        m.keep_alive_conf = mc.keep_alive
+        if m.keep_alive_req is None:  # (a request's own keep-alive holds until the next request)
+            m.keep_alive_cfg = mc.keep_alive
         m.prewarm_ok = mc.prewarm
         m.pinned = mc.pin
     state.class_may_evict = [c.may_evict for c in new.classes]
@@ -321,4 +325,5 @@ def apply_reload(engine: Engine, new: Config) -> None:
     engine.min_residency = new.policy.min_residency
     engine.policy.default_keep_alive = new.policy.default_keep_alive
     engine.config = new
+    engine.policy.reloaded()  # what it computed from the old timers
     engine.recheck_fit()  # pins and reservations may have changed

@@ -19,6 +19,7 @@ __all__ = [
     "format_duration",
     "format_size",
     "parse_duration",
+    "parse_keep_alive",
     "parse_size",
     "shown",
 ]
@@ -194,6 +195,38 @@ def parse_duration(v: int | float | str) -> float:
     if pos == 0 or pos != len(v):
         raise ValueError(f"{_DURATION_EXPECTED}, got {shown(v)}")
     return _finite(float(total), v)
+
+
+KEEP_ALIVE_EXPECTED = (
+    "expected a keep-alive: a duration like '10m' or seconds (0: unload once idle), or 'forever' "
+    "(a negative number of seconds is forever too, as Ollama reads it)"
+)
+
+
+def parse_keep_alive(v: int | float | str) -> float:
+    """A request's own keep-alive (Ollama's `keep_alive`), in seconds: a duration (`10m`, `90`),
+    `forever` (infinity), or a negative number or duration (forever, as Ollama reads `-1`, `-1m`).
+    Raises ValueError saying what was expected."""
+    if isinstance(v, str):
+        text = v.strip()
+        if text.lower() == "forever":
+            return math.inf
+        if text.startswith("-") and _is_duration(text[1:]):  # Ollama's "-1", "-1m": forever
+            return math.inf
+    elif isinstance(v, int | float) and not isinstance(v, bool) and v < 0 and not math.isinf(v):
+        return math.inf
+    try:
+        return parse_duration(v)
+    except ValueError:
+        raise ValueError(f"{KEEP_ALIVE_EXPECTED}, got {shown(v)}") from None
+
+
+def _is_duration(v: str) -> bool:
+    try:
+        parse_duration(v)
+    except ValueError:
+        return False
+    return True
 
 
 def _finite(seconds: float, v: int | float | str) -> float:

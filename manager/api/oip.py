@@ -57,7 +57,7 @@ from manager.errors import (
     Unsupported,
 )
 from manager.live import LiveManager, Served
-from manager.units import shown
+from manager.units import parse_keep_alive, shown
 from residency_proto.inference import grpc_service_pb2 as pb
 from residency_proto.inference import grpc_service_pb2_grpc as pb_grpc
 
@@ -205,6 +205,25 @@ def is_world(m: Any) -> bool:
 
 def _spec_str(t: Any) -> str:
     return f"{t.name} ({t.datatype} {list(t.shape)})"
+
+
+def _keep_alive(request: pb.ModelInferRequest) -> float | None:
+    """The request's own `keep_alive` parameter (Ollama's: how long the model stays loaded after this
+    request), in seconds, inf for forever; None when absent. A string_param takes a duration ("10m",
+    "0"), "forever", or a negative number ("-1": forever); an int64/uint64/double_param takes seconds
+    (negative: forever). Anything else is refused by name."""
+    if "keep_alive" not in request.parameters:
+        return None
+    v = _param(request.parameters["keep_alive"])
+    if isinstance(v, bool) or not isinstance(v, int | float | str):
+        raise InvalidRequest(
+            f"parameter 'keep_alive' must be a duration (string_param: '10m', '0', 'forever', '-1') or "
+            f"seconds (int64_param, uint64_param or double_param), got {shown(v, 40)}"
+        )
+    try:
+        return parse_keep_alive(v)
+    except ValueError as e:
+        raise InvalidRequest(f"parameter 'keep_alive': {e}") from None
 
 
 def _check_parameters(model: str, where: str, tensor: Any) -> None:
@@ -507,9 +526,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         check_request(request, declared_in, declared_out)
         timeout_s = self._timeout(request, seconds_left)
         cls = self._class_of(request)
+        keep_alive = _keep_alive(request)
         inputs = await self._decoded(request)
         timeout_s = self._left(request.model_name, timeout_s, arrived)
-        served = await self.manager.infer(request.model_name, inputs, cls=cls, timeout_s=timeout_s)
+        served = await self.manager.infer(
+            request.model_name, inputs, cls=cls, timeout_s=timeout_s, keep_alive=keep_alive
+        )
         wanted = {o.name for o in request.outputs}
         resp = pb.ModelInferResponse(model_name=request.model_name, model_version=VERSIONS[0], id=request.id)
         # a device host labels a BF16 output (its bit patterns in uint16) BF16 itself; an older host's

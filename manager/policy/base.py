@@ -80,6 +80,10 @@ class Policy:
     def on_request(self, m: ModelState, now: float) -> None:
         """A request for `m` arrived (its histogram already holds it)."""
 
+    def reloaded(self) -> None:
+        """The config was reloaded in place (the engine's timers and `default_keep_alive` are the new
+        ones): what the policy computed from the old ones is computed again."""
+
     def keep_alive(self, m: ModelState, now: float) -> float:
         if m.pinned:
             return math.inf

@@ -33,10 +33,13 @@ class LruKeepAlive(Policy):
     max_loaded = 3
 
     def keep_alive(self, m: ModelState, now: float) -> float:
-        return math.inf if m.pinned else self.default_keep_alive
+        if m.pinned:
+            return math.inf
+        return self.default_keep_alive if m.keep_alive_req is None else m.keep_alive_req
 
     def honours_keep_alive(self, m: ModelState) -> bool:
-        return False  # its keep-alive is its own fixed one, not the config's
+        # its keep-alive is its own fixed one, not the config's; a request's own is honoured (Ollama)
+        return m.keep_alive_req is not None and not m.pinned
 
     def victim_key(self, c: ModelState, now: float) -> tuple[float, str]:
         return (self.keep_alive(c, now), c.name)
@@ -64,6 +67,11 @@ class HistogramPolicy(Policy):
         pre, ka = self._compute(m)
         self._windows[m.name] = (pre, ka)
         self._prewarm_at.pop(m.name, None)
+
+    def reloaded(self) -> None:
+        # the windows of a model with too few samples are the default keep-alive: the new one
+        models = self.engine.models
+        self._windows = {name: self._compute(models[name]) for name in self._windows}
 
     def keep_alive(self, m: ModelState, now: float) -> float:
         if m.pinned:

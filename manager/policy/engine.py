@@ -122,6 +122,13 @@ class Engine(TierMoves):
         self.policy.on_request(m, now)
         m.last_arrival = now
 
+    def request_keep_alive(self, m: ModelState, keep_alive: float | None) -> None:
+        """An admitted request's own keep-alive (seconds; inf: forever), or None for the config's: it
+        holds for the idle time after this request, until the next request says otherwise (Ollama's
+        per-request `keep_alive`). A pin still wins."""
+        m.keep_alive_req = keep_alive
+        m.keep_alive_cfg = m.keep_alive_conf if keep_alive is None else keep_alive
+
     def admit(self, m: ModelState, rank: int, now: float) -> Admission:
         if m.tier == GPU:
             if m.prewarmed:

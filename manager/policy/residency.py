@@ -146,6 +146,9 @@ class ResidencyPolicy(Policy):
             if m.prewarm_ok and m.tier == DISK:
                 self.engine.load_host(m, now, "boot: warm in host RAM")
 
+    def reloaded(self) -> None:
+        self._ka_cache.clear()  # learned keep-alives are floored at min_residency: the new one
+
     def on_request(self, m: ModelState, now: float) -> None:
         if self.t0 != self.t0:
             self.t0 = now

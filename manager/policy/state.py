@@ -32,6 +32,8 @@ class ModelState:
         "held_off",
         "hist",
         "keep_alive_cfg",
+        "keep_alive_conf",
+        "keep_alive_req",
         "last_arrival",
         "last_end",
         "lease",
@@ -61,7 +63,12 @@ class ModelState:
         # Has an elastic KV lease (the range is fixed for the process: changing it needs a restart).
         self.elastic = self.lease_max > 0
         self.lease = 0
+        self.keep_alive_conf = cfg.keep_alive
+        """The config's keep-alive (None: the policy's own)."""
+        self.keep_alive_req: float | None = None
+        """The keep-alive the last admitted request gave (Ollama's per-request `keep_alive`), or None."""
         self.keep_alive_cfg = cfg.keep_alive
+        """The explicit keep-alive in force (the user's word): the last request's own, else the config's."""
         self.prewarm_ok = cfg.prewarm
         self.tier = Tier.DISK
         self.ready_at = NEVER

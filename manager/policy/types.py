@@ -17,7 +17,8 @@ class Request:
     """One request: `t` Unix seconds, `model` name, `busy_s` how long it keeps the model busy.
 
     `cls` overrides the model's configured class for this request; `kind` is "infer" or "session"
-    (a world-model session whose `busy_s` is its length); `client` is free-form.
+    (a world-model session whose `busy_s` is its length); `client` is free-form; `keep_alive` is
+    the request's own keep-alive in seconds (inf: forever; None: the config's), as Ollama's.
     """
 
     t: float
@@ -26,6 +27,7 @@ class Request:
     cls: str | None = None
     kind: str = "infer"
     client: str | None = None
+    keep_alive: float | None = None
 
 
 class Tier(enum.IntEnum):

@@ -207,6 +207,8 @@ class Simulator:
                 self._reject(f"class '{self.class_names[rank]}': queue full ({limit} requests waiting)")
                 self._push_wakeups()  # (those its arrival asked for: the oracle's, say)
                 continue
+            if r.keep_alive is not None or m.keep_alive_req is not None:  # (accepted, as live)
+                eng.request_keep_alive(m, r.keep_alive)
             # Behind an earlier request for its model of its class or a higher one, or no room yet.
             if self._behind(m, rank) or not self._handle(r, m, rank, now, now):
                 self._arrive_waiting(r, m, rank, now)

@@ -4,6 +4,10 @@ One request per line, in time order::
 
     {"t":1793577600.0,"model":"voice","busy_s":0.4}
     {"t":1793577601.2,"model":"world","busy_s":5400.0,"kind":"session","client":"world-app"}
+    {"t":1793577700.0,"model":"llm","busy_s":2.1,"keep_alive":3600}
+
+`keep_alive` (optional, an extension of the contract) is the request's own keep-alive, as Ollama's:
+seconds, a duration ("10m"), "forever", or a negative number (forever); null is absent.
 
 Primitives, in the order a trace meets them:
   parse_line      - one line -> Request, or ValueError with a reason a person can act on.
@@ -45,7 +49,7 @@ from pathlib import Path
 from typing import IO, Any, TextIO
 
 from manager.policy.types import Request
-from manager.units import shown
+from manager.units import parse_keep_alive, shown
 
 __all__ = [
     "ALLOWED_FIELDS",
@@ -64,7 +68,7 @@ __all__ = [
     "write_trace",
 ]
 
-ALLOWED_FIELDS: tuple[str, ...] = ("t", "model", "busy_s", "class", "kind", "client")
+ALLOWED_FIELDS: tuple[str, ...] = ("t", "model", "busy_s", "class", "kind", "client", "keep_alive")
 MAX_T = 1e11
 """The latest `t` accepted (the year 5138 in Unix seconds): a larger one is almost surely in
 milliseconds, and times near float's limits break the replay's arithmetic."""
@@ -234,11 +238,24 @@ def parse_object(
         raise ValueError(f"'kind' must be one of 'infer', 'session', got {_show(kind)}")
     cls = _optional_str(obj, "class")
     client = _optional_str(obj, "client")
+    keep_alive = _keep_alive(obj.get("keep_alive"))
     if known_models is not None:
         _known("model", model, known_models)
     if known_classes is not None and cls is not None:
         _known("class", cls, known_classes)
-    return Request(t=t, model=model, busy_s=busy_s, cls=cls, kind=kind, client=client)
+    return Request(t=t, model=model, busy_s=busy_s, cls=cls, kind=kind, client=client, keep_alive=keep_alive)
+
+
+def _keep_alive(v: object) -> float | None:
+    """The request's own keep-alive (null: absent, the config's holds)."""
+    if v is None:
+        return None
+    if not isinstance(v, int | float | str):
+        raise ValueError(f"'keep_alive' must be seconds, a duration or 'forever', got {_show(v)}")
+    try:
+        return parse_keep_alive(v)
+    except ValueError as e:
+        raise ValueError(f"'keep_alive': {e}") from None
 
 
 def read_trace(
@@ -382,7 +399,8 @@ def _not_a_trace(first: tuple[int, str], nul: bool, lines: int | None = None) ->
 
 
 def request_to_json(r: Request) -> str:
-    """One compact line: t, model, busy_s, then class/kind/client only where not the default."""
+    """One compact line: t, model, busy_s, then class/kind/client/keep_alive only where not the
+    default (a keep-alive of forever as "forever")."""
     obj: dict[str, object] = {"t": round(r.t, 3), "model": r.model, "busy_s": round(r.busy_s, 3)}
     if r.cls is not None:
         obj["class"] = r.cls
@@ -390,6 +408,8 @@ def request_to_json(r: Request) -> str:
         obj["kind"] = r.kind
     if r.client is not None:
         obj["client"] = r.client
+    if r.keep_alive is not None:
+        obj["keep_alive"] = "forever" if math.isinf(r.keep_alive) else round(r.keep_alive, 3)
     return json.dumps(obj, separators=(",", ":"))
 
 

@@ -55,6 +55,7 @@ __all__ = [
     "decode_doc",
     "encode_doc",
     "normalize_record",
+    "record_keep_alive",
     "redact",
     "store_location",
 ]
@@ -231,6 +232,12 @@ def _extras(record: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def record_keep_alive(record: Mapping[str, Any]) -> float | None:
+    """A normalized record's own keep-alive in seconds (inf: forever), or None."""
+    v = record.get("keep_alive")
+    return None if v is None else math.inf if v == "forever" else float(v)
+
+
 def normalize_record(record: Mapping[str, Any]) -> dict[str, Any]:
     """The canonical form of one request record (see the module docstring).
 
@@ -273,6 +280,8 @@ def normalize_record(record: Mapping[str, Any]) -> dict[str, Any]:
         out["kind"] = r.kind
     if r.client is not None:
         out["client"] = r.client
+    if r.keep_alive is not None:  # (as a trace line writes it: forever as "forever", JSON has no inf)
+        out["keep_alive"] = "forever" if math.isinf(r.keep_alive) else r.keep_alive
     out.update(_extras(record))
     return out
 

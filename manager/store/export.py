@@ -30,7 +30,7 @@ from typing import TextIO
 
 from manager.policy.types import Request
 from manager.replay.trace import ExportStopped, write_requests, write_trace
-from manager.store.base import Store, StoreError, store_location
+from manager.store.base import Store, StoreError, record_keep_alive, store_location
 from manager.units import parse_duration
 
 __all__ = ["check_out_path", "export_trace", "names_a_folder", "parse_since", "write_trace_file"]
@@ -74,6 +74,7 @@ def _trace_requests(
             cls=rec.get("class"),
             kind=rec.get("kind", "infer"),
             client=rec.get("client"),
+            keep_alive=record_keep_alive(rec),
         )
 
 

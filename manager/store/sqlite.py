@@ -9,8 +9,8 @@ Primitives:
   open_sqlite      - url -> SQLiteStore (creates parent folders and the schema; with create=False,
                      as read-only commands open it, a missing file is a StoreError instead).
   SQLiteStore      - the `Store` protocol over three tables:
-                       requests(id, t, model, busy_s, class, kind, client, wait_s, outcome, source)
-                                with an index on t;
+                       requests(id, t, model, busy_s, class, kind, client, keep_alive, wait_s,
+                                outcome, source) with an index on t;
                        docs(key, value JSON); intents(model, tier).
 
 Thread safety: one connection (`check_same_thread=False`) guarded by a lock; `requests()` reads in
@@ -29,6 +29,10 @@ file a symbolic link points to, as SQLite's -wal and -shm are), held while the s
 lets it go when the process ends, however it ends), refuses a second service naming the one that
 holds it. Two services on one store would each overwrite the other's statistics and intents, and
 count the other's requests again at a restart. Read-only commands and other opens do not take it.
+
+Schema versions: 2 added requests.keep_alive (a request's own keep-alive). The service's open of a
+version-1 file adds the column (one ALTER TABLE, nothing rewritten); a read-only open reads a
+version-1 file as it is, each request without a keep-alive of its own.
 
 Read-only opening (create=False, `trace export` and `tune --from-store`): nothing is written (nor
 the journal mode: only the service's open puts a file in WAL mode), and a file without this schema
@@ -79,7 +83,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 PAGE = 1000
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+_ADDED_IN_2 = frozenset({"keep_alive"})
+"""The requests table's columns that schema version 2 added (a version-1 file lacks them)."""
 BUSY_TIMEOUT_S = 10.0
 """How long a statement waits for another process's lock on the file before it fails."""
 _TABLES: dict[str, frozenset[str]] = {
@@ -99,6 +105,7 @@ CREATE TABLE IF NOT EXISTS requests (
     kind TEXT NOT NULL DEFAULT 'infer',
     client TEXT,
     wait_s REAL,
+    keep_alive REAL,
     outcome TEXT,
     source TEXT
 );
@@ -109,7 +116,14 @@ PRAGMA user_version = {SCHEMA_VERSION};
 COMMIT;
 """
 _INSERT = f"INSERT INTO requests ({_COLUMNS}) VALUES ({', '.join('?' for _ in RECORD_FIELDS)})"
-_SELECT_PAGE = f"SELECT id, {_COLUMNS} FROM requests WHERE (t, id) > (?, ?) AND t < ? ORDER BY t, id LIMIT ?"
+_PAGE_WHERE = "FROM requests WHERE (t, id) > (?, ?) AND t < ? ORDER BY t, id LIMIT ?"
+_SELECT_PAGE = f"SELECT id, {_COLUMNS} {_PAGE_WHERE}"
+# A version-1 file read as it is (a read-only open): its requests have no keep-alive of their own.
+_SELECT_PAGE_V1 = (
+    "SELECT id, "
+    + ", ".join("NULL" if c in _ADDED_IN_2 else f'"{c}"' for c in RECORD_FIELDS)
+    + f" {_PAGE_WHERE}"
+)
 # SQLite sorts text and blobs after every number, so a row whose t is not a number (a damaged file, a
 # hand edit) is in no time range: this finds one through the index, which the pages would pass over.
 _SELECT_NOT_A_TIME = "SELECT id, t FROM requests WHERE t >= ? ORDER BY t LIMIT ?"  # (-1: no limit)
@@ -253,6 +267,7 @@ class SQLiteStore:
         self.url = url if url is not None else f"sqlite:///{self.path}"
         self._lock = threading.Lock()
         self._closed = False
+        self._select_page = _SELECT_PAGE
         self._hold_fd = -1
         self._identity: tuple[int, int] | None = None
         if not create and self.path != ":memory:" and not Path(self.path).exists():
@@ -328,22 +343,30 @@ class SQLiteStore:
                 f"schema version {version} is newer than this program's ({SCHEMA_VERSION}): {self.path} "
                 "was written by a newer residency; run that version, or point store.url at another file",
             )
-        if version < SCHEMA_VERSION and not create:  # a read-only command writes nothing
+        if version == 0 and not create:  # a read-only command writes nothing
             raise StoreError(
                 self.url,
                 f"{self.path} holds no residency store (an empty file, or another program's database)",
             )
         self._check_tables(version)
+        self._select_page = _SELECT_PAGE_V1 if version == 1 else _SELECT_PAGE
         if immutable or not create:  # a read-only command leaves the file's journal mode as it is
             return
         (mode,) = self._conn.execute("PRAGMA journal_mode=WAL").fetchone()
         if mode != "wal" and self.path != ":memory:":
             logger.warning("sqlite store %s: journal_mode is %s, not wal", self.url, mode)
         self._conn.execute("PRAGMA synchronous=NORMAL")
-        if create and version == SCHEMA_VERSION:  # (a new file is written just below)
+        if create and version > 0:  # (a new file is written just below)
             self._check_writable()
             self._check_intact()
-        if version < SCHEMA_VERSION:  # a store at this version has its tables: nothing to write
+        if version == 1:  # an older store: the column added, in one transaction with the version
+            self._conn.executescript(
+                "BEGIN; ALTER TABLE requests ADD COLUMN keep_alive REAL; "
+                f"PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;"
+            )
+            self._select_page = _SELECT_PAGE
+            logger.info("sqlite store %s: schema 1 -> %d (requests.keep_alive)", self.url, SCHEMA_VERSION)
+        elif version < SCHEMA_VERSION:  # a store at this version has its tables: nothing to write
             self._conn.executescript(_SCHEMA)  # (so a user who may only read it can export it)
 
     def _check_tables(self, version: int) -> None:
@@ -355,7 +378,7 @@ class SQLiteStore:
         ).fetchall()
         tables = {name for (name,) in rows}
         foreign = sorted(tables - _TABLES.keys())
-        missing = sorted(_TABLES.keys() - tables) if version == SCHEMA_VERSION else []
+        missing = sorted(_TABLES.keys() - tables) if version > 0 else []
         if foreign or missing:
             names, plural = (foreign, "s" if len(foreign) > 1 else "") if foreign else (missing, "")
             what = (
@@ -370,7 +393,7 @@ class SQLiteStore:
             )
         for table in sorted(tables):
             columns = {row[1] for row in self._conn.execute(f'PRAGMA table_info("{table}")')}
-            lacking = sorted(_TABLES[table] - columns)
+            lacking = sorted(_TABLES[table] - columns - (_ADDED_IN_2 if version == 1 else frozenset()))
             if lacking:
                 raise StoreError(
                     self.url,
@@ -475,7 +498,7 @@ class SQLiteStore:
             on_corrupt(e)
         while True:
             with self._db("read requests") as db:
-                page = db.execute(_SELECT_PAGE, (*key, hi, PAGE)).fetchall()
+                page = db.execute(self._select_page, (*key, hi, PAGE)).fetchall()
             for row in page:
                 try:
                     rec = self._record(row)

@@ -38,6 +38,7 @@ from manager.replay.trace import MAX_BUSY_S, MAX_LINE_CHARS, read_trace
 from manager.store import StoreError, open_store
 from manager.store.base import normalize_record
 from manager.store.export import export_trace
+from manager.store.sqlite import SCHEMA_VERSION
 from manager.workers_bridge import create_pool
 
 MODELS = ("voice", "embed", "world")  # the models of configs/local-cpu.yaml
@@ -552,7 +553,7 @@ def test_a_newer_schema_is_refused_naming_the_fix(tmp_path: Path) -> None:
     db = tmp_path / "state.db"
     _good_store(db, 1)
     with closing(sqlite3.connect(db)) as c:
-        c.execute("PRAGMA user_version = 2")
+        c.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
     with pytest.raises(StoreError, match="written by a newer residency; run that version, or point"):
         open_store(f"sqlite:///{db}")
 
