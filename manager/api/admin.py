@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 
 from manager.api.errors import mapped
+from manager.api.runtime import LOAD_WAIT_S, call_wait_s
 from manager.config import Config
 from manager.errors import DeadlineExceeded, WorkerUnavailable
 from manager.live import EventQueue, LiveManager
@@ -136,7 +137,7 @@ def _apply_reload(manager: LiveManager, path: str | None, new: Config) -> list[s
         raise InvalidRequest(f"config not reloaded: {path}: {e}; restart the service to apply it") from None
 
 
-PRELOAD_TIMEOUT_S = 120.0
+PRELOAD_TIMEOUT_S = LOAD_WAIT_S
 """How long a Preload waits for its model's confirmed load (as `LiveManager.preload` to the GPU)."""
 
 
@@ -242,9 +243,11 @@ class AdminServicer(pb_grpc.ResidencyServicer):
     @mapped
     async def Preload(self, request: pb.PreloadRequest, context: Any) -> pb.ModelStatus:
         if request.tier == "host":
-            await preload_host(self.manager, request.name)
+            await preload_host(self.manager, request.name, call_wait_s(context.time_remaining()))
         else:
-            await self.manager.preload(request.name, request.tier or "gpu")
+            await self.manager.preload(
+                request.name, request.tier or "gpu", call_wait_s(context.time_remaining())
+            )
         return model_status(self.manager, request.name)
 
     @mapped

@@ -48,6 +48,7 @@ from manager.api.convert import decode_input, typed_count
 from manager.api.errors import details_of, mapped, status_of
 from manager.api.fastpath import waited_s
 from manager.api.handlers import not_a_message
+from manager.api.runtime import call_wait_s
 from manager.errors import (
     DeadlineExceeded,
     InsufficientCapacity,
@@ -64,7 +65,18 @@ from residency_proto.inference import grpc_service_pb2_grpc as pb_grpc
 MODEL_INFER = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods_by_name["ModelInfer"]
 
 VERSION = "0.1.0"
-EXTENSIONS = ["model_repository", "residency_class", "priority"]
+EXTENSIONS = [
+    "model_repository",
+    "model_configuration",
+    "statistics",
+    "schedule_policy",
+    "parameters",
+    "residency_class",
+    "priority",
+]
+"""Triton's names for what is served (ModelConfig: model_configuration; ModelStatistics: statistics;
+the `priority` and `timeout` parameters: schedule_policy; request parameters: parameters), then this
+service's own (`residency_class`; `priority`, as it was listed before Triton's name was)."""
 MAX_TIMEOUT_S = 86400.0
 """The longest a request's own `timeout` parameter may ask to wait (a day)."""
 DEFAULT_TIMEOUT_S = MAX_TIMEOUT_S
@@ -602,7 +614,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 "a model's configuration and files come from the service's config file (edit it, then "
                 "residency.v1.Residency/ReloadConfig): a load only brings the configured model onto its GPU"
             )
-        await self.manager.preload(request.model_name, "gpu")
+        await self.manager.preload(request.model_name, "gpu", call_wait_s(context.time_remaining()))
         return pb.RepositoryModelLoadResponse()
 
     @mapped

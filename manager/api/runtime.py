@@ -18,6 +18,23 @@ class ServeError(Exception):
     """The server cannot start as configured (printed, exit 2)."""
 
 
+LOAD_WAIT_S = 86400.0
+"""How long a load call (OIP RepositoryModelLoad, the admin's Preload) without a deadline of its
+own waits for the load: as long as it takes (a load that fails or hangs ends by the device host's
+own timeout), at most a day. It was 120 s, so a slow cold load answered DEADLINE_EXCEEDED to a
+client that set no deadline, and went on loading."""
+
+
+def call_wait_s(time_remaining: float | None, default_s: float = LOAD_WAIT_S) -> float:
+    """How long a call may wait: its deadline (what `context.time_remaining()` says, less a margin -
+    a tenth of it, at most a second - for the answer saying why to reach the client before its
+    deadline does), else `default_s`."""
+    if time_remaining is None:
+        return default_s
+    left = float(time_remaining)
+    return max(left - min(1.0, left / 10.0), 0.01)
+
+
 def quiet_grpc_fork() -> None:
     """Turn gRPC's fork support off in this process (unless the environment already chooses), before
     gRPC starts: the server forks only to exec (front ends, Ray's processes), and with it on, gRPC

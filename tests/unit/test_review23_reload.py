@@ -1,16 +1,25 @@
 """Found in review (2026-12-06, twenty-third session): a config reload applied to the engine's timers
 but not to what the policies had computed from the old ones, nor to the hold-off of the old
-keep-alive."""
+keep-alive; load calls that waited 120 s whatever their deadline; ServerMetadata's extensions."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+import pytest
+
+from manager.api import admin as admin_module
+from manager.api.admin import AdminServicer
+from manager.api.oip import InferenceServicer
+from manager.api.runtime import LOAD_WAIT_S
 from manager.config import Config
 from manager.policy.engine import Engine
 from manager.policy.factory import create_policy
 from manager.policy.types import DISK, GPU, HOST
 from manager.reload import apply_reload, plan_reload
+from residency_proto.inference import grpc_service_pb2 as pb
+from residency_proto.v1 import residency_pb2 as admin_pb
 
 
 def config(policy: dict[str, Any], *models: dict[str, Any], classes: int = 1) -> Config:
@@ -92,3 +101,55 @@ def test_the_hold_off_of_an_expired_keep_alive_goes_with_it_at_a_reload() -> Non
     reloaded(eng, config({"name": "residency"}, llm("auto")), "models.llm.keep_alive")
     assert not m.held_off
     assert eng.prewarm(m, 1001.0) and m.tier == GPU
+
+
+class _Loads:
+    """A stand-in manager for the servicers' load calls: records each preload's wait."""
+
+    def __init__(self) -> None:
+        self.config = config({"name": "residency"}, {"name": "llm", "class": "interactive", "memory": "4GiB"})
+        self.waits: list[tuple[str, float]] = []
+
+    def _model(self, name: str) -> None:
+        pass
+
+    async def preload(self, name: str, tier: str = "gpu", timeout_s: float = 120.0) -> None:
+        self.waits.append((tier, timeout_s))
+
+
+class _Call:
+    def __init__(self, left: float | None) -> None:
+        self.left = left
+
+    def time_remaining(self) -> float | None:
+        return self.left
+
+
+@pytest.mark.parametrize(("left", "waited"), [(None, LOAD_WAIT_S), (600.0, 599.0), (5.0, 4.5)])
+def test_a_load_call_waits_as_long_as_its_deadline_lets_it(
+    left: float | None, waited: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: RepositoryModelLoad (tritonclient's load_model, no deadline by default) and
+    the admin's Preload waited 120 s, whatever the call's deadline: a slower cold load was answered
+    DEADLINE_EXCEEDED to a client that set none, and went on loading; Triton's load waits for it."""
+    monkeypatch.setattr(admin_module, "model_status", lambda manager, name: admin_pb.ModelStatus(name=name))
+    manager = _Loads()
+    oip_servicer = InferenceServicer(manager, describe=None)  # type: ignore[arg-type]
+    asyncio.run(
+        oip_servicer.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="llm"), _Call(left))
+    )
+    admin = AdminServicer(manager)  # type: ignore[arg-type]
+    asyncio.run(admin.Preload(admin_pb.PreloadRequest(name="llm", tier="gpu"), _Call(left)))
+    assert manager.waits == [("gpu", pytest.approx(waited))] * 2
+    assert LOAD_WAIT_S >= 86400.0
+
+
+def test_server_metadata_lists_tritons_names_for_what_is_served() -> None:
+    """Found in review: ModelConfig and ModelStatistics are served but `model_configuration` and
+    `statistics` were not listed, so a tool checking the list first took them for unsupported."""
+    meta = asyncio.run(
+        InferenceServicer(_Loads(), None).ServerMetadata(pb.ServerMetadataRequest(), _Call(None))
+    )  # type: ignore[arg-type]
+    assert {"model_repository", "model_configuration", "statistics", "schedule_policy"} <= set(
+        meta.extensions
+    )
