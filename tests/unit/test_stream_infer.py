@@ -1,0 +1,151 @@
+"""ModelStreamInfer over a real gRPC socket (the service's server on in-process device hosts): each
+request answered on the stream, by id, failures as `error_message` with the stream going on, a
+message that is not a request ending it with INVALID_ARGUMENT after those before it are answered.
+(tritonclient's own stream is driven against `residency serve` in tests/e2e.)"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from live_helpers import grpc_service, local_config
+
+from manager.api import oip
+from residency_proto.inference import grpc_service_pb2 as pb
+from residency_proto.inference import grpc_service_pb2_grpc as pb_grpc
+
+STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
+
+
+def voice(rid: str, samples: int = 512, **params: str) -> pb.ModelInferRequest:
+    r = pb.ModelInferRequest(model_name="voice", id=rid)
+    r.inputs.add(name="audio", datatype="FP32", shape=[samples])
+    r.raw_input_contents.append(np.zeros(samples, np.float32).tobytes())
+    for key, value in params.items():
+        r.parameters[key].string_param = value
+    return r
+
+
+def embed(rid: str, text: bytes) -> pb.ModelInferRequest:
+    r = pb.ModelInferRequest(model_name="embed", id=rid)
+    r.inputs.add(name="text", datatype="BYTES", shape=[1])
+    r.raw_input_contents.append(len(text).to_bytes(4, "little") + text)
+    return r
+
+
+async def answered(
+    stub: pb_grpc.GRPCInferenceServiceStub, requests: list[pb.ModelInferRequest]
+) -> dict[str, pb.ModelStreamInferResponse]:
+    async def send() -> AsyncIterator[pb.ModelInferRequest]:
+        for r in requests:
+            yield r
+
+    got: dict[str, pb.ModelStreamInferResponse] = {}
+    async for answer in stub.ModelStreamInfer(send(), timeout=120):
+        assert answer.infer_response.id not in got
+        got[answer.infer_response.id] = answer
+    return got
+
+
+def test_each_request_is_answered_by_id_and_a_failure_does_not_end_the_stream(tmp_path: Path) -> None:
+    config = local_config(tmp_path, ("voice", "embed"))
+
+    async def main() -> None:
+        async with (
+            grpc_service(config) as (port, manager, _, _),
+            grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
+        ):
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            requests = [
+                voice("a"),
+                embed("b", b"hello"),
+                voice("c", samples=100),  # refused by the model: not a multiple of 512
+                pb.ModelInferRequest(model_name="nope", id="d"),
+                voice("e", keep_alive="forever"),
+                voice("f", keep_alive="soon"),  # a bad parameter, named
+            ]
+            got = await answered(stub, requests)
+            assert set(got) == {"a", "b", "c", "d", "e", "f"}
+            for rid in ("a", "b", "e"):
+                assert got[rid].error_message == "", got[rid].error_message
+            assert [o.name for o in got["a"].infer_response.outputs] == ["speech_prob"]
+            assert got["a"].infer_response.model_name == "voice"
+            emb = np.frombuffer(got["b"].infer_response.raw_output_contents[0], np.float32)
+            assert emb.shape == (384,)
+            assert "multiple of 512" in got["c"].error_message
+            assert "unknown model 'nope'" in got["d"].error_message
+            assert got["d"].infer_response.model_name == "nope"  # which request it answers
+            assert "parameter 'keep_alive'" in got["f"].error_message
+            assert manager.engine.models["voice"].keep_alive_cfg is not None  # e's, then f was refused
+            # ModelStatistics counts them as ModelInfer calls
+            stats = await stub.ModelStatistics(pb.ModelStatisticsRequest(name="voice"))
+            counted = stats.model_stats[0].inference_stats
+            assert counted.success.count == 2 and counted.fail.count == 2
+
+    asyncio.run(main())
+
+
+def test_a_message_that_is_not_a_request_ends_the_stream_after_those_before_it(tmp_path: Path) -> None:
+    config = local_config(tmp_path, ("voice",))
+
+    async def main() -> None:
+        async with (
+            grpc_service(config) as (port, _, _, _),
+            grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
+        ):
+            call = channel.stream_stream(STREAM)  # raw bytes: a stock stub cannot send a broken message
+
+            async def send() -> AsyncIterator[bytes]:
+                yield voice("a").SerializeToString()
+                yield b"\xff\xff\xff"
+
+            answers = []
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for raw in call(send(), timeout=120):
+                    answers.append(pb.ModelStreamInferResponse.FromString(raw))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "ModelStreamInfer: the request is not a valid inference.ModelInferRequest" in str(
+                e.value.details()
+            )
+            assert [a.infer_response.id for a in answers] == ["a"] and answers[0].error_message == ""
+
+    asyncio.run(main())
+
+
+def test_no_more_than_its_limit_run_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stream reads the next request as one ends: with a limit of 2, the third request is not
+    taken before one of the first two is answered (a client sending thousands does not start
+    thousands of waits)."""
+    monkeypatch.setattr(oip, "STREAM_IN_FLIGHT", 2)
+    config = local_config(tmp_path, ("voice",))
+
+    async def main() -> None:
+        async with (
+            grpc_service(config) as (port, manager, _, _),
+            grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
+        ):
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            now = most = 0
+            real = manager.infer
+
+            async def counted(*args: Any, **kw: Any) -> Any:
+                nonlocal now, most
+                now += 1
+                most = max(most, now)
+                try:
+                    await asyncio.sleep(0.05)
+                    return await real(*args, **kw)
+                finally:
+                    now -= 1
+
+            manager.infer = counted  # type: ignore[method-assign]
+            got = await answered(stub, [voice(str(i)) for i in range(8)])
+            assert len(got) == 8 and all(a.error_message == "" for a in got.values())
+            assert most == 2
+
+    asyncio.run(main())
