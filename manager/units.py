@@ -207,26 +207,22 @@ def parse_keep_alive(v: int | float | str) -> float:
     """A request's own keep-alive (Ollama's `keep_alive`), in seconds: a duration (`10m`, `90`),
     `forever` (infinity), or a negative number or duration (forever, as Ollama reads `-1`, `-1m`).
     Raises ValueError saying what was expected."""
+    negative = False
     if isinstance(v, str):
         text = v.strip()
         if text.lower() == "forever":
             return math.inf
-        if text.startswith("-") and _is_duration(text[1:]):  # Ollama's "-1", "-1m": forever
-            return math.inf
-    elif isinstance(v, int | float) and not isinstance(v, bool) and v < 0 and not math.isinf(v):
+        if text.startswith("-"):  # Ollama's "-1", "-1m": forever ("-0s" is 0, as Go reads it)
+            v, negative = text[1:], True
+    elif isinstance(v, int) and not isinstance(v, bool) and v < 0:  # (an int of 400 digits too)
         return math.inf
+    elif isinstance(v, float) and v < 0 and not math.isinf(v):
+        v, negative = -v, True
     try:
-        return parse_duration(v)
+        seconds = parse_duration(v)
     except ValueError:
-        raise ValueError(f"{KEEP_ALIVE_EXPECTED}, got {shown(v)}") from None
-
-
-def _is_duration(v: str) -> bool:
-    try:
-        parse_duration(v)
-    except ValueError:
-        return False
-    return True
+        raise ValueError(f"{KEEP_ALIVE_EXPECTED}, got {shown(v if not negative else f'-{v}')}") from None
+    return math.inf if negative and seconds > 0 else seconds
 
 
 def _finite(seconds: float, v: int | float | str) -> float:

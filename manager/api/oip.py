@@ -12,6 +12,9 @@ ends (so answers may come in another order than their requests: a client matches
 with Triton); a request that fails is answered with its `error_message` (the details ModelInfer's
 status would carry) and the stream goes on. A message that is not a ModelInferRequest ends the stream
 with INVALID_ARGUMENT, once the requests before it are answered. The call's deadline is each request's.
+A slot is given back when its answer is sent, so a client that does not read its answers stops the
+stream taking requests (at most STREAM_IN_FLIGHT answers wait for it). When the service stops, an open
+stream takes no more requests and ends UNAVAILABLE once those taken are answered.
 
 Every model has one version, "1" ("" names it too). An infer request is checked against the model's
 declared inputs and outputs before any of its data is decoded, as Triton checks it: each declared
@@ -242,13 +245,19 @@ def _stream_error(request: pb.ModelInferRequest, details: str) -> pb.ModelStream
     )
 
 
-async def _stream_ended(reader: asyncio.Future[None], context: Any) -> None:
-    """The request stream ended: OK when the client closed it; a message that was not a request (or
-    the stream broken) ends the call with its status."""
+async def _stream_ended(reader: asyncio.Future[bool], context: Any) -> None:
+    """The request stream ended: OK when the client closed it; UNAVAILABLE when the service stops
+    (the requests taken before are answered); a message that was not a request (or the stream
+    broken) ends the call with its status."""
     try:
-        await reader
+        stopped = await reader
     except ResidencyError as e:
         await context.abort(status_of(e), details_of(e))
+    if stopped:
+        await context.abort(
+            grpc.StatusCode.UNAVAILABLE,
+            "the service is stopping: this stream takes no more requests (those sent before were answered)",
+        )
 
 
 def _keep_alive(request: pb.ModelInferRequest) -> float | None:
@@ -341,8 +350,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         max_response_bytes: int | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        stopping: asyncio.Event | None = None,
     ) -> None:
         self.manager = manager
+        self.stopping = stopping if stopping is not None else asyncio.Event()
+        """Set when the service stops: open ModelStreamInfer streams take no more requests and end
+        (UNAVAILABLE) once those taken are answered, instead of holding the stop for its grace."""
         self.describe = describe  # model name -> (inputs, outputs) TensorSpecs, awaited
         self.classes = [c.name for c in manager.config.classes]
         self.max_response_bytes = max_response_bytes  # gRPC's send limit (server.max_request_bytes)
@@ -539,18 +552,29 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             except Exception:
                 logger.exception("ModelStreamInfer: a request failed")
                 answer = _stream_error(request, "ModelStreamInfer: internal error (see the server log)")
-            finally:
-                room.release()
             answers.put_nowait(answer)
 
-        async def read() -> None:
+        async def read() -> bool:
+            """Take requests until the client closes its side (False) or the service stops (True)."""
+            it = aiter(requests)
+            stop = asyncio.ensure_future(self.stopping.wait())
             try:
-                async for request in requests:
-                    await room.acquire()
+                while True:
+                    await room.acquire()  # given back once an answer is sent, not merely made
+                    following = asyncio.ensure_future(anext(it))
+                    await asyncio.wait((following, stop), return_when=asyncio.FIRST_COMPLETED)
+                    if not following.done():  # stopping: no more requests are taken
+                        following.cancel()
+                        return True
+                    try:
+                        request = following.result()
+                    except StopAsyncIteration:
+                        return False
                     task = asyncio.ensure_future(serve(request))
                     serving.add(task)
                     task.add_done_callback(serving.discard)
             finally:  # (a message that was not a request, too: those before it are answered first)
+                stop.cancel()
                 if serving:
                     await asyncio.wait(set(serving))
                 answers.put_nowait(None)
@@ -559,6 +583,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         try:
             while (answer := await answers.get()) is not None:
                 yield answer
+                room.release()
             await _stream_ended(reader, context)
         finally:
             reader.cancel()

@@ -295,10 +295,13 @@ async def build_server(
     oip_service = grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     admin_service = residency_pb2.DESCRIPTOR.services_by_name["Residency"]
     world_service = residency_pb2.DESCRIPTOR.services_by_name["WorldSession"]
-    oip_servicer = InferenceServicer(manager, describer(manager), config.server.max_request_bytes)
-    add_servicer(server, oip_service, oip_servicer)
     world = WorldSessionServicer(manager)
     server.world_stopping = world.stopping  # set by `serve` at its stop
+    # open ModelStreamInfer streams end at the same moment, once the requests they took are answered
+    oip_servicer = InferenceServicer(
+        manager, describer(manager), config.server.max_request_bytes, stopping=world.stopping
+    )
+    add_servicer(server, oip_service, oip_servicer)
     # open Events streams end at the same moment (they never end by themselves: each held the stop
     # for its whole grace)
     add_servicer(server, admin_service, AdminServicer(manager, config_path, stopping=world.stopping))

@@ -207,8 +207,6 @@ class Simulator:
                 self._reject(f"class '{self.class_names[rank]}': queue full ({limit} requests waiting)")
                 self._push_wakeups()  # (those its arrival asked for: the oracle's, say)
                 continue
-            if r.keep_alive is not None or m.keep_alive_req is not None:  # (accepted, as live)
-                eng.request_keep_alive(m, r.keep_alive)
             # Behind an earlier request for its model of its class or a higher one, or no room yet.
             if self._behind(m, rank) or not self._handle(r, m, rank, now, now):
                 self._arrive_waiting(r, m, rank, now)
@@ -289,6 +287,8 @@ class Simulator:
         self.waits[self.class_names[rank]].append(start - arrival)
         if res.served_log is not None:
             res.served_log.append((arrival, m.name, cold, lw))
+        if req.keep_alive is not None or m.keep_alive_req is not None:  # (served: as the live manager)
+            eng.request_keep_alive(m, req.keep_alive)
         eng.finish(m, start, req.busy_s)
         eng.after_request(m, now)
         return True

@@ -133,6 +133,11 @@ is let go between chunks, so requests keep being logged while years of records g
 _TRIM = "DELETE FROM requests WHERE id IN (SELECT id FROM requests WHERE t < ? ORDER BY t LIMIT ?)"
 
 
+def _version(db: sqlite3.Connection) -> int:
+    (version,) = db.execute("PRAGMA user_version").fetchone()
+    return int(version)
+
+
 def _read_only(e: sqlite3.Error) -> bool:
     """True for SQLite's "attempt to write a readonly database" and "unable to open database file"
     (a WAL file whose -shm this user cannot make)."""
@@ -498,6 +503,8 @@ class SQLiteStore:
             on_corrupt(e)
         while True:
             with self._db("read requests") as db:
+                if self._select_page is _SELECT_PAGE_V1 and _version(db) > 1:  # the service migrated it
+                    self._select_page = _SELECT_PAGE
                 page = db.execute(self._select_page, (*key, hi, PAGE)).fetchall()
             for row in page:
                 try:

@@ -40,9 +40,19 @@ class TestParsing:
     def test_a_duration_or_seconds(self, given: Any, seconds: float) -> None:
         assert parse_keep_alive(given) == seconds
 
-    @pytest.mark.parametrize("given", ["forever", "Forever", -1, -0.5, "-1", " -1 ", "-1m"])
+    @pytest.mark.parametrize("given", ["forever", "Forever", -1, -0.5, "-1", " -1 ", "-1m", -(10**400)])
     def test_forever_and_negatives_keep_it_forever_as_ollama_reads_them(self, given: Any) -> None:
         assert parse_keep_alive(given) == math.inf
+
+    @pytest.mark.parametrize("given", ["-0", "-0s", -0.0])
+    def test_minus_zero_is_zero_as_go_reads_it(self, given: Any) -> None:
+        assert parse_keep_alive(given) == 0.0  # (found in review: "-0" was forever)
+
+    def test_a_huge_negative_integer_on_a_trace_line_is_forever_not_a_traceback(self) -> None:
+        # found in review: math.isinf of an int too large for a float raised OverflowError, which the
+        # trace reader, the journal and the Redis store did not catch
+        r = parse_line('{"t": 1, "model": "llm", "busy_s": 2, "keep_alive": -' + "9" * 400 + "}", 1)
+        assert r.keep_alive == math.inf
 
     @pytest.mark.parametrize("given", ["soon", "--1", "-x", float("nan"), float("inf"), True, "1e400"])
     def test_anything_else_is_refused_saying_what_is_expected(self, given: Any) -> None:
@@ -173,6 +183,19 @@ class TestStored:
         finally:
             store.close()
         assert self.version(db) == 1  # nothing written
+
+    def test_a_reader_of_version_1_reads_the_column_once_the_service_added_it(self, tmp_path: Path) -> None:
+        """Found in review: a read-only open (an export) chose its columns once, so the rows the
+        service wrote after migrating the file were read without their keep-alive."""
+        _, url = self.v1_store(tmp_path)
+        reader = open_store(url, create=False)
+        service = open_store(url)
+        try:
+            service.append_requests([{"t": 200.0, "model": "llm", "busy_s": 1.0, "keep_alive": "forever"}])
+            assert [r.get("keep_alive") for r in reader.requests(0)] == [None, "forever"]
+        finally:
+            service.close()
+            reader.close()
 
     def test_the_services_open_adds_the_column_and_keeps_what_was_there(self, tmp_path: Path) -> None:
         db, url = self.v1_store(tmp_path)

@@ -149,3 +149,79 @@ def test_no_more_than_its_limit_run_at_once(tmp_path: Path, monkeypatch: pytest.
             assert most == 2
 
     asyncio.run(main())
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Call:
+    """A stand-in servicer context: no deadline; `abort` raises with its status."""
+
+    def time_remaining(self) -> None:
+        return None
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise _Aborted(code, details)
+
+
+class _Servicer(oip.InferenceServicer):
+    """The stream's own logic over a stand-in `infer` that counts the requests it was given."""
+
+    def __init__(self, stopping: asyncio.Event | None = None) -> None:
+        self.stopping = stopping if stopping is not None else asyncio.Event()
+        self.started: list[str] = []
+
+    async def infer(self, request: pb.ModelInferRequest, seconds_left: float | None, **_: Any) -> Any:
+        self.started.append(request.id)
+        return pb.ModelInferResponse(model_name=request.model_name, id=request.id)
+
+
+def test_a_client_that_reads_no_answer_stops_the_stream_taking_requests(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found in review: a slot was given back when a request ended, not when its answer was sent, so
+    a client that sent requests and read nothing had every one of them run and its answer held."""
+    monkeypatch.setattr(oip, "STREAM_IN_FLIGHT", 2)
+
+    async def main() -> None:
+        servicer = _Servicer()
+
+        async def requests() -> AsyncIterator[pb.ModelInferRequest]:
+            for i in range(8):
+                yield pb.ModelInferRequest(model_name="voice", id=str(i))
+
+        stream = servicer.ModelStreamInfer(requests(), _Call())
+        first = await anext(stream)
+        await asyncio.sleep(0.2)  # the client reads nothing more
+        assert first.infer_response.id == "0"
+        assert servicer.started == ["0", "1"]
+        rest = [a.infer_response.id async for a in stream]  # it reads: the others are taken
+        assert sorted(rest) == [str(i) for i in range(1, 8)] and len(servicer.started) == 8
+
+    asyncio.run(main())
+
+
+def test_a_stop_ends_an_open_stream_once_its_requests_are_answered() -> None:
+    """Found in review: an idle open stream (tritonclient keeps one open until stop_stream) held the
+    service's stop for its whole grace, taking new requests meanwhile."""
+
+    async def main() -> None:
+        stopping = asyncio.Event()
+        servicer = _Servicer(stopping)
+        never = asyncio.Event()
+
+        async def requests() -> AsyncIterator[pb.ModelInferRequest]:
+            yield pb.ModelInferRequest(model_name="voice", id="a")
+            await never.wait()  # an open stream with nothing more to send
+            yield pb.ModelInferRequest(model_name="voice", id="b")
+
+        stream = servicer.ModelStreamInfer(requests(), _Call())
+        assert (await anext(stream)).infer_response.id == "a"
+        stopping.set()
+        with pytest.raises(_Aborted) as e:
+            await asyncio.wait_for(anext(stream), 5)
+        assert e.value.args[0] == grpc.StatusCode.UNAVAILABLE and "stopping" in e.value.args[1]
+        assert servicer.started == ["a"]
+
+    asyncio.run(main())
