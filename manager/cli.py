@@ -595,12 +595,23 @@ def _load_store_trace(config: Config, since: str, strict: bool) -> list[Request]
     return reqs
 
 
-def _write_tuned(config: str, out: str, res: Any, header: str) -> None:
+def _write_tuned(config: str, out: str, res: Any, header: str, read: bytes) -> None:
     """The tuned config at `out`, whole or not at all (`out` may be the config itself, which a
-    running service watches), with the config's mode; UsageError naming --out when it is not."""
+    running service watches), with the config's mode; UsageError naming --out when it is not, and
+    naming --config when it no longer holds `read` (what the search was measured on: an edit saved
+    meanwhile would go into `out` unmeasured, and its "was" notes would speak of the edit)."""
     from manager.tuning_job import NotWritable, write_config_atomically
 
     def write(tmp: Path) -> Config:
+        try:
+            now = Path(config).read_bytes()
+        except OSError as e:
+            now = str(e).encode()
+        if now != read:
+            raise UsageError(
+                f"--config {config} changed while tune ran (saved meanwhile): the search measured it as "
+                f"it was, so --out {out} was not written; run tune again"
+            )
         return write_config_with_updates(
             Path(config), tmp, res.model_updates, res.class_updates, header, note_changes=True
         )
@@ -616,6 +627,10 @@ def _write_tuned(config: str, out: str, res: Any, header: str) -> None:
 def cmd_tune(a: argparse.Namespace) -> int:
     from manager.replay.tune import MIN_MODEL_REQUESTS, split_holdout, tune
 
+    try:  # what the search measures: --out is written only if the file still holds it
+        a.config_read = Path(a.config).read_bytes()
+    except OSError:
+        a.config_read = b""  # (load_config says what is wrong with it)
     config = load_config(a.config)
     a.policy = a.policy or config.policy.name  # the policy the config runs, as the service's tuning job
     # an empty value (an unset shell variable) is said, not taken as the flag not given
@@ -731,7 +746,7 @@ def _write_tune_files(
                 f"--report {a.report}: {e.strerror or e}{where}; the report was not written (its files "
                 f"there are as they were), nor --out {a.out}"
             ) from None
-    _write_tuned(a.config, a.out, res, header)
+    _write_tuned(a.config, a.out, res, header, a.config_read)
 
 
 def _report(a: argparse.Namespace, config: Config, res: Any, reqs: list[Request]) -> None:

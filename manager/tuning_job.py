@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from manager.config import Config, ConfigError, write_config_with_updates
+from manager.config import Config, ConfigError, load_config, write_config_with_updates
 from manager.reload import TunedHold, entry_values, held_updates
 from manager.replay.sim import replay
 from manager.replay.trace import ExportStopped, read_trace
@@ -446,6 +446,8 @@ def tuning_step(
         began: bytes | None = Path(config_path).read_bytes()
     except OSError:
         began = None
+    if began is not None:  # the proposal is written from the file: one that does not load (an edit
+        load_config(config_path)  # the reload refused) fails the run now, not after a whole search
     outcome = run_tuning(config, config_path, store, now, stop, getattr(manager, "tuning_overrides", None))
     _stopped(stop)  # the service is stopping: nothing is written or reloaded now
     applied = False
@@ -501,7 +503,7 @@ def _apply(manager: Any, config_path: Path, outcome: TuningOutcome, began: bytes
     try:
         if isinstance(written, _Written):
             new = written.config  # what the file holds (not read again: an edit since is not it)
-            manager.reload(new)
+            _reload_written(manager, new, outcome)
         else:  # not the proposal, made from the config as it was when the run began
             new = with_settings(manager.config, outcome.model_updates, outcome.class_updates)
             _reload_holding(manager, running, new, outcome)
@@ -522,6 +524,28 @@ def _apply(manager: Any, config_path: Path, outcome: TuningOutcome, began: bytes
         return False
     outcome.reason += "; applied" + (f", but {unwritten}: a restart reverts it" if unwritten else "")
     return True
+
+
+def _tuned_fields(outcome: TuningOutcome) -> set[tuple[str, str, str]]:
+    """The fields this run tuned, as `LiveManager.tuning_overrides` names them."""
+    return {
+        (section, name, key)
+        for section, updates in (("models", outcome.model_updates), ("classes", outcome.class_updates))
+        for name, fields in updates.items()
+        for key in fields
+    }
+
+
+def _reload_written(manager: Any, new: Config, outcome: TuningOutcome) -> None:
+    """Reload `manager` to `new`, the file as this run wrote it: a value an earlier run could not
+    write (held over the file since) goes for each field this run wrote, even where the file's value
+    did not change (the run found the file's value better): the file and the service agree again."""
+    held: TunedHold | None = getattr(manager, "tuning_overrides", None)
+    if not held:
+        manager.reload(new)
+        return
+    tuned = _tuned_fields(outcome)
+    manager.reload(new, hold={k: v for k, v in held.items() if k not in tuned})
 
 
 def _reload_holding(manager: Any, running: Config, new: Config, outcome: TuningOutcome) -> None:

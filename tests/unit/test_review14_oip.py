@@ -261,12 +261,13 @@ class TestUnservedMethodsThroughAFrontEnd:
             assert service.both(method, request) == ("UNIMPLEMENTED", "Method not found!", b"")
 
     def test_a_stream_of_an_unserved_method_is_unimplemented_as_directly(self, service: Service) -> None:
-        """tritonclient's start_stream / async_stream_infer: ModelStreamInfer."""
+        """A bidirectional stream to a method neither serves (ModelStreamInfer was the example until it
+        was served, 2026-12-06)."""
         answers = set()
         for port in (service.direct, service.front):
             for _ in range(10):
                 with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-                    call = channel.stream_stream(SERVICE + "ModelStreamInfer")
+                    call = channel.stream_stream(SERVICE + "ModelStreamInferV3")
                     with pytest.raises(grpc.RpcError) as e:
                         list(call(iter([ser(voice()), ser(voice())]), timeout=30))
                 answers.add((port == service.front, e.value.code().name, e.value.details()))
@@ -274,6 +275,15 @@ class TestUnservedMethodsThroughAFrontEnd:
             (False, "UNIMPLEMENTED", "Method not found!"),
             (True, "UNIMPLEMENTED", "Method not found!"),
         }
+
+    def test_model_stream_infer_is_served_directly_and_through_a_front_end(self, service: Service) -> None:
+        for port in (service.direct, service.front):
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call = channel.stream_stream(SERVICE + "ModelStreamInfer")
+                raw = list(call(iter([ser(voice()), ser(voice())]), timeout=30))
+            answers = [pb.ModelStreamInferResponse.FromString(r) for r in raw]
+            assert [a.error_message for a in answers] == ["", ""], port
+            assert all(a.infer_response.model_name == "voice" for a in answers)
 
     def test_the_front_end_knows_every_method_the_managers_server_serves(self, service: Service) -> None:
         """The front end answers UNIMPLEMENTED for a method it does not know: it must know them all
