@@ -627,11 +627,11 @@ def _write_tuned(config: str, out: str, res: Any, header: str, read: bytes) -> N
 def cmd_tune(a: argparse.Namespace) -> int:
     from manager.replay.tune import MIN_MODEL_REQUESTS, split_holdout, tune
 
+    config = load_config(a.config)  # (it refuses a FIFO, a device, a file too large, by name)
     try:  # what the search measures: --out is written only if the file still holds it
         a.config_read = Path(a.config).read_bytes()
     except OSError:
-        a.config_read = b""  # (load_config says what is wrong with it)
-    config = load_config(a.config)
+        a.config_read = b""  # (gone since: --out is not written, said then)
     a.policy = a.policy or config.policy.name  # the policy the config runs, as the service's tuning job
     # an empty value (an unset shell variable) is said, not taken as the flag not given
     if not a.from_store and a.trace is None:

@@ -13,8 +13,11 @@ with Triton); a request that fails is answered with its `error_message` (the det
 status would carry) and the stream goes on. A message that is not a ModelInferRequest ends the stream
 with INVALID_ARGUMENT, once the requests before it are answered. The call's deadline is each request's.
 A slot is given back when its answer is sent, so a client that does not read its answers stops the
-stream taking requests (at most STREAM_IN_FLIGHT answers wait for it). When the service stops, an open
-stream takes no more requests and ends UNAVAILABLE once those taken are answered.
+stream taking requests (at most STREAM_IN_FLIGHT answers wait for it): a client reads its answers
+while it writes (tritonclient does, on a thread of its own); one that writes all its requests before
+reading any stalls once gRPC's flow-control windows are full (large messages: about 64 of them).
+When the service stops, an open stream takes no more requests and ends UNAVAILABLE once those taken
+are answered.
 
 Every model has one version, "1" ("" names it too). An infer request is checked against the model's
 declared inputs and outputs before any of its data is decoded, as Triton checks it: each declared
@@ -558,6 +561,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             """Take requests until the client closes its side (False) or the service stops (True)."""
             it = aiter(requests)
             stop = asyncio.ensure_future(self.stopping.wait())
+            following: asyncio.Future[pb.ModelInferRequest] | None = None
             try:
                 while True:
                     await room.acquire()  # given back once an answer is sent, not merely made
@@ -575,6 +579,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     task.add_done_callback(serving.discard)
             finally:  # (a message that was not a request, too: those before it are answered first)
                 stop.cancel()
+                if following is not None and not following.done():  # the call ended under it
+                    following.cancel()
                 if serving:
                     await asyncio.wait(set(serving))
                 answers.put_nowait(None)

@@ -5,13 +5,14 @@ during its search."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from live_helpers import CONFIG, run
+from live_helpers import CONFIG, in_time, run
 
 import manager.replay.tune as tune_module
 import manager.tuning_job as job
@@ -126,3 +127,20 @@ def test_a_config_file_that_does_not_load_fails_the_run_before_its_search(
         store.close()
     assert said is not None and said.startswith("failed (ConfigError") and "YAML" in said
     assert searched == []
+
+
+def test_tune_refuses_a_config_that_is_a_fifo_as_load_config_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found in review: the bytes the search measures were read before `load_config`, with none of
+    its guards: `tune --config FIFO` hung (a device: read until memory ran out)."""
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, synth("home", days=1, seed=5))
+    code = in_time(
+        lambda: main(
+            ["tune", "--config", str(fifo), "--trace", str(trace), "--out", str(tmp_path / "o.yaml")]
+        )
+    )
+    assert code == 2 and "not a regular file (a FIFO)" in capsys.readouterr().err

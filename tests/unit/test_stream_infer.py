@@ -225,3 +225,27 @@ def test_a_stop_ends_an_open_stream_once_its_requests_are_answered() -> None:
         assert servicer.started == ["a"]
 
     asyncio.run(main())
+
+
+def test_a_stream_closed_under_its_read_leaves_no_task_behind() -> None:
+    """Found in review: a stream whose call ended (the client cancelled, its deadline passed) while it
+    waited for the next request left that read's task pending; it ended later with an exception
+    nobody retrieved, which asyncio logged as an error, once per such stream."""
+
+    async def main() -> None:
+        ended = asyncio.Event()
+
+        async def requests() -> AsyncIterator[pb.ModelInferRequest]:
+            yield pb.ModelInferRequest(model_name="voice", id="a")
+            await ended.wait()  # the transport's read, pending until the call is torn down
+
+        before = set(asyncio.all_tasks())
+        stream = _Servicer().ModelStreamInfer(requests(), _Call())
+        assert (await anext(stream)).infer_response.id == "a"
+        await asyncio.sleep(0.05)
+        await stream.aclose()  # the call ends: the stream's finally runs
+        await asyncio.sleep(0.05)
+        left = [t for t in asyncio.all_tasks() - before if t is not asyncio.current_task()]
+        assert left == []
+
+    asyncio.run(main())
