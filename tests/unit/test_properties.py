@@ -22,6 +22,7 @@ model's class and the third property is well defined.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -105,7 +106,16 @@ def traces(draw: st.DrawFn, names: list[str]) -> list[Request]:
     for _ in range(draw(st.integers(1, 40))):
         t += draw(st.one_of(st.just(0.0), st.floats(0.0, 30.0), st.floats(30.0, 3000.0)))
         busy = draw(st.one_of(st.floats(0.0, 10.0), st.floats(10.0, 1200.0)))
-        out.append(Request(t=round(t, 3), model=draw(st.sampled_from(names)), busy_s=round(busy, 3)))
+        # a request's own keep-alive (Ollama's), now and then: the rules hold whatever it asks
+        keep_alive = draw(st.sampled_from([None, None, None, None, 0.0, 30.0, 3600.0, math.inf]))
+        out.append(
+            Request(
+                t=round(t, 3),
+                model=draw(st.sampled_from(names)),
+                busy_s=round(busy, 3),
+                keep_alive=keep_alive,
+            )
+        )
     return out
 
 
