@@ -91,6 +91,12 @@ requests = st.fixed_dictionaries(
         "priority": st.one_of(st.none(), st.integers(min_value=-5, max_value=10)),
         "cls": st.one_of(st.none(), st.sampled_from(["realtime", "background", "vip", ""])),
         "timeout_us": st.one_of(st.none(), st.integers(min_value=-10, max_value=5_000_000)),
+        "keep_alive": st.one_of(
+            st.none(),
+            st.sampled_from(["10m", "forever", "-1", "-0", "0", "soon", "", "1e400", "-" * 3]),
+            st.integers(min_value=-(10**30), max_value=10**30),
+            st.floats(allow_nan=True, allow_infinity=True),
+        ),
     }
 )
 
@@ -110,6 +116,18 @@ def _request(d: dict[str, Any]) -> oip.ModelInferRequest:
         req.parameters["residency_class"].string_param = d["cls"]
     if d["timeout_us"] is not None:
         req.parameters["timeout"].int64_param = d["timeout_us"]
+    ka = d["keep_alive"]
+    if isinstance(ka, str):
+        req.parameters["keep_alive"].string_param = ka
+    elif isinstance(ka, int):  # (int64 or uint64, as they fit: an int beyond both, as a double)
+        if -(2**63) <= ka < 2**63:
+            req.parameters["keep_alive"].int64_param = ka
+        elif 0 <= ka < 2**64:
+            req.parameters["keep_alive"].uint64_param = ka
+        else:
+            req.parameters["keep_alive"].double_param = float(ka)
+    elif isinstance(ka, float):
+        req.parameters["keep_alive"].double_param = ka
     return req
 
 
@@ -126,6 +144,25 @@ def test_random_infer_requests_get_a_proper_status(server: _Server, d: dict[str,
         assert code in ALLOWED, (code, details)
         if code != grpc.StatusCode.OK:
             assert details and "Traceback" not in details
+        assert stub.ServerLive(oip.ServerLiveRequest(), timeout=10).live
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ds=st.lists(requests, max_size=6))
+def test_random_request_streams_get_an_answer_each_and_a_proper_end(
+    server: _Server, ds: list[dict[str, Any]]
+) -> None:
+    """ModelStreamInfer: one answer per request (a failure as its `error_message`, never a traceback),
+    then OK; the server keeps serving."""
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        stub = oip_grpc.GRPCInferenceServiceStub(ch)
+        sent = [_request(d) for d in ds]
+        answers = list(stub.ModelStreamInfer(iter(sent), timeout=60))
+        assert len(answers) == len(sent)
+        for a in answers:
+            assert "Traceback" not in a.error_message and "internal error" not in a.error_message, (
+                a.error_message
+            )
         assert stub.ServerLive(oip.ServerLiveRequest(), timeout=10).live
 
 
