@@ -4,7 +4,6 @@ during its search."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any
 import pytest
 import yaml
 from live_helpers import CONFIG, in_time, run
+from test_tuning_job import _Manager, filled  # noqa: F401 (a fixture)
 
 import manager.replay.tune as tune_module
 import manager.tuning_job as job
@@ -20,11 +20,9 @@ from manager.cli import main
 from manager.config import load_config
 from manager.replay.synth import synth
 from manager.replay.trace import write_trace
-from manager.store import open_store
 from manager.tuning_job import TuningOutcome
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "configs" / "home.yaml"
-HANDWRITTEN = Path(__file__).resolve().parents[2] / "configs" / "examples" / "home-handwritten.yaml"
 
 
 def test_a_field_written_into_the_file_drops_the_value_held_over_it(tmp_path: Path) -> None:
@@ -89,34 +87,13 @@ def test_tune_writes_nothing_when_its_config_was_saved_during_the_search(
     assert not out.exists()
 
 
-class _Manager:
-    """Stands in for the LiveManager (unit test only): holds a config."""
-
-    def __init__(self, config: Any) -> None:
-        self.config = config
-
-
-def _scheduled(tmp_path: Path) -> tuple[Path, Any, float]:
-    """A weekly, proposing tuning over a store holding a synthetic week: the config file, the store
-    and a time a run is due."""
-    store = open_store(f"sqlite:///{tmp_path / 'state.db'}")
-    reqs = synth("home", days=7, seed=2)
-    trace = tmp_path / "week.jsonl"
-    write_trace(trace, reqs)
-    store.append_requests([json.loads(line) for line in trace.read_text().splitlines()])
-    cfg = tmp_path / "config.yaml"
-    cfg.write_text(
-        HANDWRITTEN.read_text() + f"tuning: {{schedule: weekly, out_dir: {tmp_path / 'tuning'}}}\n"
-    )
-    return cfg, store, reqs[-1].t + 1.0
-
-
 def test_a_config_file_that_does_not_load_fails_the_run_before_its_search(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    filled: tuple[Any, float, Path],  # noqa: F811 (the fixture)
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The proposal is written from the file: a file saved broken (its reload refused) failed the run
     only after the export and the whole search, again each hour while it lasted."""
-    cfg, store, now = _scheduled(tmp_path)
+    store, now, cfg = filled
     manager = _Manager(load_config(cfg))
     cfg.write_text(cfg.read_text() + "models: [\n")
     searched: list[int] = []
