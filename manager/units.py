@@ -198,7 +198,7 @@ def parse_duration(v: int | float | str) -> float:
 
 
 KEEP_ALIVE_EXPECTED = (
-    "expected a keep-alive: a duration like '10m' or seconds (0: unload once idle), or 'forever' "
+    "expected a keep-alive: a duration like '10m' or seconds (0: off the GPU once idle), or 'forever' "
     "(a negative number of seconds is forever too, as Ollama reads it)"
 )
 
@@ -214,9 +214,11 @@ def parse_keep_alive(v: int | float | str) -> float:
             return math.inf
         if text.startswith("-"):  # Ollama's "-1", "-1m": forever ("-0s" is 0, as Go reads it)
             v, negative = text[1:], True
-    elif isinstance(v, int) and not isinstance(v, bool) and v < 0:  # (an int of 400 digits too)
+    elif (isinstance(v, int) and not isinstance(v, bool) and v < 0) or (  # (an int of 400 digits too)
+        isinstance(v, float) and math.isinf(v)  # (a double: inf, and -inf as a negative number)
+    ):
         return math.inf
-    elif isinstance(v, float) and v < 0 and not math.isinf(v):
+    elif isinstance(v, float) and v < 0:
         v, negative = -v, True
     try:
         seconds = parse_duration(v)

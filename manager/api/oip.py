@@ -72,6 +72,7 @@ from manager.errors import (
     Unsupported,
 )
 from manager.live import LiveManager, Served
+from manager.live_persist import read_outcome
 from manager.units import parse_keep_alive, shown
 from residency_proto.inference import grpc_service_pb2 as pb
 from residency_proto.inference import grpc_service_pb2_grpc as pb_grpc
@@ -237,15 +238,25 @@ def _spec_str(t: Any) -> str:
     return f"{t.name} ({t.datatype} {list(t.shape)})"
 
 
+def _final_flag_asked(request: pb.ModelInferRequest) -> bool:
+    """tritonclient's `enable_empty_final_response`: the client waits for an answer flagged
+    `triton_final_response` (Triton flags every answer of a model that is not decoupled)."""
+    p = request.parameters.get("triton_enable_empty_final_response")
+    return p is not None and _param(p) is True
+
+
 def _stream_error(request: pb.ModelInferRequest, details: str) -> pb.ModelStreamInferResponse:
     """A failed request's answer on a ModelStreamInfer stream (Triton's: its `error_message`), naming
     the request it answers."""
-    return pb.ModelStreamInferResponse(
+    answer = pb.ModelStreamInferResponse(
         error_message=details,
         infer_response=pb.ModelInferResponse(
             model_name=request.model_name, model_version=request.model_version, id=request.id
         ),
     )
+    if _final_flag_asked(request):
+        answer.infer_response.parameters["triton_final_response"].bool_param = True
+    return answer
 
 
 async def _stream_ended(reader: asyncio.Future[bool], context: Any) -> None:
@@ -259,7 +270,7 @@ async def _stream_ended(reader: asyncio.Future[bool], context: Any) -> None:
     if stopped:
         await context.abort(
             grpc.StatusCode.UNAVAILABLE,
-            "the service is stopping: this stream takes no more requests (those sent before were answered)",
+            "the service is stopping: this stream takes no more requests (those it took were answered)",
         )
 
 
@@ -550,6 +561,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 answer = pb.ModelStreamInferResponse(
                     infer_response=await self.infer(request, context.time_remaining())
                 )
+                if _final_flag_asked(request):  # Triton's: each answer of a non-decoupled model is final
+                    answer.infer_response.parameters["triton_final_response"].bool_param = True
             except ResidencyError as e:
                 answer = _stream_error(request, details_of(e))
             except Exception:
@@ -566,6 +579,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 while True:
                     await room.acquire()  # given back once an answer is sent, not merely made
                     following = asyncio.ensure_future(anext(it))
+                    # (gRPC may end a read cancelled under it with StopAsyncIteration, not CancelledError:
+                    # marked read, as nothing awaits it then)
+                    following.add_done_callback(read_outcome)
                     await asyncio.wait((following, stop), return_when=asyncio.FIRST_COMPLETED)
                     if not following.done():  # stopping: no more requests are taken
                         following.cancel()

@@ -6,6 +6,7 @@ message that is not a request ending it with INVALID_ARGUMENT after those before
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -249,3 +250,51 @@ def test_a_stream_closed_under_its_read_leaves_no_task_behind() -> None:
         assert left == []
 
     asyncio.run(main())
+
+
+def test_a_read_that_ends_when_cancelled_is_not_logged_as_an_error() -> None:
+    """Found in review (an operator's walkthrough): gRPC ends a request read cancelled under it with
+    StopAsyncIteration rather than CancelledError; left unread, asyncio logged it as an error with a
+    traceback at each stream a client left while one of its requests ran."""
+    unread: list[str] = []
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: unread.append(ctx["message"]))
+        ended = asyncio.Event()
+
+        async def requests() -> AsyncIterator[pb.ModelInferRequest]:
+            yield pb.ModelInferRequest(model_name="voice", id="a")
+            try:
+                await ended.wait()
+            except asyncio.CancelledError:
+                return  # as gRPC's read ends: the stream is over, no exception of its own
+
+        stream = _Servicer().ModelStreamInfer(requests(), _Call())
+        assert (await anext(stream)).infer_response.id == "a"
+        await asyncio.sleep(0.05)
+        await stream.aclose()
+        await asyncio.sleep(0.05)
+        gc.collect()
+        await asyncio.sleep(0.05)
+
+    asyncio.run(main())
+    gc.collect()
+    assert not [m for m in unread if "never retrieved" in m], unread
+
+
+def test_an_answer_is_flagged_final_when_the_client_asks_as_triton_flags_it() -> None:
+    """tritonclient's `enable_empty_final_response=True`: the client waits for an answer flagged
+    `triton_final_response`, which Triton sets on every answer of a model that is not decoupled."""
+
+    async def main() -> list[pb.ModelStreamInferResponse]:
+        async def requests() -> AsyncIterator[pb.ModelInferRequest]:
+            for rid in ("a", "b"):
+                r = pb.ModelInferRequest(model_name="voice", id=rid)
+                r.parameters["triton_enable_empty_final_response"].bool_param = rid == "a"
+                yield r
+
+        return [a async for a in _Servicer().ModelStreamInfer(requests(), _Call())]
+
+    answers = {a.infer_response.id: a.infer_response.parameters for a in asyncio.run(main())}
+    assert answers["a"]["triton_final_response"].bool_param is True
+    assert "triton_final_response" not in answers["b"]
