@@ -629,9 +629,9 @@ def cmd_tune(a: argparse.Namespace) -> int:
 
     config = load_config(a.config)  # (it refuses a FIFO, a device, a file too large, by name)
     try:  # what the search measures: --out is written only if the file still holds it
-        a.config_read = Path(a.config).read_bytes()
+        read = Path(a.config).read_bytes()
     except OSError:
-        a.config_read = b""  # (gone since: --out is not written, said then)
+        read = b""  # (gone since: --out is not written, said then)
     a.policy = a.policy or config.policy.name  # the policy the config runs, as the service's tuning job
     # an empty value (an unset shell variable) is said, not taken as the flag not given
     if not a.from_store and a.trace is None:
@@ -696,7 +696,7 @@ def cmd_tune(a: argparse.Namespace) -> int:
         f"{len(res.changes)} change(s): {'; '.join(res.changes) or 'none'}"
     )
     _count_bad_lines(res, bad, holdout_bad)
-    _write_tune_files(a, config, res, shown, header)
+    _write_tune_files(a, config, res, shown, header, read)
     fig: dict[str, Any] = {
         "out": a.out,
         "evaluations": res.evaluations,
@@ -733,10 +733,11 @@ def _count_bad_lines(res: Any, bad: int, holdout_bad: int) -> None:
 
 
 def _write_tune_files(
-    a: argparse.Namespace, config: Config, res: Any, shown: list[Request], header: str
+    a: argparse.Namespace, config: Config, res: Any, shown: list[Request], header: str, read: bytes
 ) -> None:
     """`tune`'s report (--report) and then its tuned config (--out): a report that cannot be written
-    (a full disk) leaves --out as it was, and says so naming --report and the file."""
+    (a full disk) leaves --out as it was, and says so naming --report and the file. `read`: the
+    config file's bytes the search measured (`_write_tuned`)."""
     if a.report:
         try:
             _report(a, config, res, shown)
@@ -746,7 +747,7 @@ def _write_tune_files(
                 f"--report {a.report}: {e.strerror or e}{where}; the report was not written (its files "
                 f"there are as they were), nor --out {a.out}"
             ) from None
-    _write_tuned(a.config, a.out, res, header, a.config_read)
+    _write_tuned(a.config, a.out, res, header, read)
 
 
 def _report(a: argparse.Namespace, config: Config, res: Any, reqs: list[Request]) -> None:

@@ -53,6 +53,7 @@ from manager.policy.factory import create_policy
 from manager.policy.outcomes import Admission
 from manager.policy.types import TIER_NAMES, Action, ActionKind, Tier
 from manager.reload import TunedHold
+from manager.replay.trace import keep_alive_json
 from manager.store.base import CorruptDocument
 from manager.units import format_size as fmt_bytes
 from manager.workers_bridge import model_specs
@@ -1680,7 +1681,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         if cls is not None:
             rec["class"] = cls
         if keep_alive is not None:  # (a trace line's form: JSON has no infinity)
-            rec["keep_alive"] = "forever" if math.isinf(keep_alive) else keep_alive
+            rec["keep_alive"] = keep_alive_json(keep_alive)
         self._log(rec)
 
     # ---- admin --------------------------------------------------------------------------------

@@ -248,15 +248,12 @@ def _final_flag_asked(request: pb.ModelInferRequest) -> bool:
 def _stream_error(request: pb.ModelInferRequest, details: str) -> pb.ModelStreamInferResponse:
     """A failed request's answer on a ModelStreamInfer stream (Triton's: its `error_message`), naming
     the request it answers."""
-    answer = pb.ModelStreamInferResponse(
+    return pb.ModelStreamInferResponse(
         error_message=details,
         infer_response=pb.ModelInferResponse(
             model_name=request.model_name, model_version=request.model_version, id=request.id
         ),
     )
-    if _final_flag_asked(request):
-        answer.infer_response.parameters["triton_final_response"].bool_param = True
-    return answer
 
 
 async def _stream_ended(reader: asyncio.Future[bool], context: Any) -> None:
@@ -561,13 +558,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 answer = pb.ModelStreamInferResponse(
                     infer_response=await self.infer(request, context.time_remaining())
                 )
-                if _final_flag_asked(request):  # Triton's: each answer of a non-decoupled model is final
-                    answer.infer_response.parameters["triton_final_response"].bool_param = True
             except ResidencyError as e:
                 answer = _stream_error(request, details_of(e))
             except Exception:
                 logger.exception("ModelStreamInfer: a request failed")
                 answer = _stream_error(request, "ModelStreamInfer: internal error (see the server log)")
+            if _final_flag_asked(request):  # Triton's: each answer of a non-decoupled model is final
+                answer.infer_response.parameters["triton_final_response"].bool_param = True
             answers.put_nowait(answer)
 
         async def read() -> bool:

@@ -62,6 +62,8 @@ __all__ = [
     "ExportStopped",
     "TraceError",
     "TraceReadResult",
+    "keep_alive_json",
+    "keep_alive_of_json",
     "parse_line",
     "read_trace",
     "request_to_json",
@@ -246,6 +248,19 @@ def parse_object(
     return Request(t=t, model=model, busy_s=busy_s, cls=cls, kind=kind, client=client, keep_alive=keep_alive)
 
 
+def keep_alive_json(seconds: float, digits: int | None = None) -> float | str:
+    """A keep-alive in seconds as a trace line, a request record and the journal write it: forever
+    (infinity, which JSON lacks) as "forever"; `digits`: rounded to so many decimals."""
+    if math.isinf(seconds):
+        return "forever"
+    return seconds if digits is None else round(seconds, digits)
+
+
+def keep_alive_of_json(v: float | str | None) -> float | None:
+    """`keep_alive_json`'s value (as a normalized record holds it) back in seconds; None: absent."""
+    return None if v is None else math.inf if v == "forever" else float(v)
+
+
 def _keep_alive(v: object) -> float | None:
     """The request's own keep-alive (null: absent, the config's holds)."""
     if v is None:
@@ -409,7 +424,7 @@ def request_to_json(r: Request) -> str:
     if r.client is not None:
         obj["client"] = r.client
     if r.keep_alive is not None:
-        obj["keep_alive"] = "forever" if math.isinf(r.keep_alive) else round(r.keep_alive, 3)
+        obj["keep_alive"] = keep_alive_json(r.keep_alive, digits=3)
     return json.dumps(obj, separators=(",", ":"))
 
 

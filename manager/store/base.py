@@ -39,7 +39,15 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Protocol, runtime_checkable
 
-from manager.replay.trace import ALLOWED_FIELDS, MAX_LINE_CHARS, parse_line, parse_object, request_to_json
+from manager.replay.trace import (
+    ALLOWED_FIELDS,
+    MAX_LINE_CHARS,
+    keep_alive_json,
+    keep_alive_of_json,
+    parse_line,
+    parse_object,
+    request_to_json,
+)
 from manager.store.redis_url import redact
 
 __all__ = [
@@ -234,8 +242,7 @@ def _extras(record: Mapping[str, Any]) -> dict[str, Any]:
 
 def record_keep_alive(record: Mapping[str, Any]) -> float | None:
     """A normalized record's own keep-alive in seconds (inf: forever), or None."""
-    v = record.get("keep_alive")
-    return None if v is None else math.inf if v == "forever" else float(v)
+    return keep_alive_of_json(record.get("keep_alive"))
 
 
 def normalize_record(record: Mapping[str, Any]) -> dict[str, Any]:
@@ -281,7 +288,7 @@ def normalize_record(record: Mapping[str, Any]) -> dict[str, Any]:
     if r.client is not None:
         out["client"] = r.client
     if r.keep_alive is not None:  # (as a trace line writes it: forever as "forever", JSON has no inf)
-        out["keep_alive"] = "forever" if math.isinf(r.keep_alive) else r.keep_alive
+        out["keep_alive"] = keep_alive_json(r.keep_alive)
     out.update(_extras(record))
     return out
 

@@ -341,7 +341,7 @@ class SQLiteStore:
             os.close(fd)  # the lock goes with its last descriptor
 
     def _init_schema(self, create: bool, *, immutable: bool = False) -> None:
-        (version,) = self._conn.execute("PRAGMA user_version").fetchone()
+        version = _version(self._conn)
         if version > SCHEMA_VERSION:
             raise StoreError(
                 self.url,
