@@ -40,6 +40,7 @@ from manager.policy.types import Request
 from manager.replay.sim import ReplayResult, replay
 from manager.replay.synth import MAX_DAYS, PROFILES, synth
 from manager.replay.trace import STDIN, TraceError, read_trace, request_to_json
+from manager.units import format_duration
 
 err = Console(stderr=True, soft_wrap=True)
 MAX_BAD_LINES_SHOWN = 10
@@ -1056,6 +1057,16 @@ def _client_error(e: Any, conn: _Connection, *, refusals: bool = False) -> Excep
     return UsageError(f"{e}{hint}")
 
 
+def _shown_duration(s: float) -> str:
+    """`s` seconds as `ps` shows a time: whole seconds as the config writes a duration (`4m12s`,
+    `2h`, `0s`), a negative one (the service's word for no end) as `forever`."""
+    if math.isnan(s):
+        return "-"
+    if s < 0 or math.isinf(s):
+        return "forever"
+    return format_duration(round(s))
+
+
 def cmd_ps(a: argparse.Namespace) -> int:
     from manager.api.client import ClientError, as_dict, list_models
 
@@ -1077,6 +1088,7 @@ def cmd_ps(a: argparse.Namespace) -> int:
         "pin",
         "MiB",
         "lease MiB",  # an elastic model's KV lease (the world model's), beside its weights
+        "keep-alive",  # the window in force, and whose word it is (pin, request, config, policy)
         "keep-alive left",
         "last use",
         "load s (disk/cached/host)",
@@ -1085,17 +1097,16 @@ def cmd_ps(a: argparse.Namespace) -> int:
     import time as _time
 
     for m in resp.models:
-        left = (
-            "forever"
-            if m.keep_alive_left_s < 0
-            else (f"{m.keep_alive_left_s:.0f} s" if m.keep_alive_left_s else "-")
+        left = _shown_duration(m.keep_alive_left_s) if m.keep_alive_left_s else "-"
+        keep = (  # (an older server sends no keep_alive_from)
+            f"{_shown_duration(m.keep_alive_s)} ({m.keep_alive_from})" if m.keep_alive_from else "-"
         )
         ago = max(0.0, _time.time() - m.last_used)  # (the server's clock may be ahead: manager.clock)
-        last = f"{ago:.0f} s ago" if m.last_used else "never"
+        last = f"{_shown_duration(ago)} ago" if m.last_used else "never"
         ls = m.load_seconds
         names = [escape(x) for x in (m.name, m.tier, m.device, m.class_name)]  # the server's text, not markup
         lease = f"{m.lease_bytes / 2**20:.1f}" if m.lease_bytes else ""  # none: not elastic (or none held)
-        t.add_row(*names, "yes" if m.pinned else "", f"{m.bytes / 2**20:.1f}", lease,
+        t.add_row(*names, "yes" if m.pinned else "", f"{m.bytes / 2**20:.1f}", lease, escape(keep),
                   left, last, f"{ls.disk:.3f}/{ls.cached:.3f}/{ls.host:.3f}")  # fmt: skip
     console = _out()
     console.print(t)

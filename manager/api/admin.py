@@ -58,6 +58,7 @@ def model_status(manager: LiveManager, name: str) -> pb.ModelStatus:
     else:
         left = 0.0
     cost = m.cost.as_dict()
+    keep_s, keep_from = keep_alive_in_force(manager, name, now)
     return pb.ModelStatus(
         name=name, tier=tier, device=m.device, class_name=manager.config.classes[m.rank].name,
         pinned=m.pinned, bytes=int(m.weights), last_used=live.last_used, keep_alive_left_s=left,
@@ -65,7 +66,25 @@ def model_status(manager: LiveManager, name: str) -> pb.ModelStatus:
                                     host=cost.get("host", 0.0)),
         lease_bytes=int(m.lease), requests=live.requests, adapter=m.cfg.adapter,
         last_error=live.load_error or "",
+        keep_alive_s=-1.0 if keep_s == math.inf else keep_s, keep_alive_from=keep_from,
     )  # fmt: skip
+
+
+def keep_alive_in_force(manager: LiveManager, name: str, now: float) -> tuple[float, str]:
+    """How long after its last use the policy protects `name` on the GPU (inf: forever), and whose
+    word that is: "pin", "request" (the last admitted request's own keep-alive), "config" (the
+    model's keep_alive, a tuned value included), or "policy" (learned from its reuse intervals, or
+    the policy's default: `lru-keepalive` keeps its fixed one whatever the config says, `histogram`
+    its own windows)."""
+    m = manager.engine.models[name]
+    keep = manager.engine.policy.keep_alive(m, now)
+    if m.pinned:
+        return keep, "pin"
+    if m.keep_alive_req is not None and keep == m.keep_alive_req:
+        return keep, "request"
+    if m.keep_alive_conf is not None and keep == m.keep_alive_conf:
+        return keep, "config"
+    return keep, "policy"
 
 
 def reload_from_file(manager: LiveManager, path: str | None) -> list[str]:

@@ -16,6 +16,7 @@ from live_helpers import TEXT, local_config, run, until
 from test_sim import T0, m, server
 
 from manager.api import oip
+from manager.api.admin import model_status
 from manager.errors import InvalidRequest
 from manager.live import LiveManager
 from manager.policy.types import Request, Tier
@@ -241,6 +242,8 @@ def test_the_live_manager_honours_logs_and_then_forgets_it(tmp_path: Path) -> No
         assert embed.keep_alive_cfg is None and embed.keep_alive_req is None  # the config's: auto
         assert (await lm.infer("embed", TEXT, keep_alive=math.inf)).result.ok
         assert lm.engine.policy.keep_alive(embed, lm.clock()) == math.inf
+        status = model_status(lm, "embed")  # what `residency ps` shows
+        assert (status.keep_alive_s, status.keep_alive_from) == (-1.0, "request")
 
     try:
         run(config, body, store=store)
@@ -248,3 +251,67 @@ def test_the_live_manager_honours_logs_and_then_forgets_it(tmp_path: Path) -> No
     finally:
         store.close()
     assert logged == [0.0, None, "forever"]
+
+
+class TestShownByPs:
+    """`residency ps` shows the keep-alive in force and whose word it is (`admin.keep_alive_in_force`):
+    a pin, a request's own, the config's, or the policy's (learned, or its fixed default)."""
+
+    def manager(self, policy: str, *models: dict[str, Any]) -> Any:
+        from types import SimpleNamespace
+
+        from manager.policy.engine import Engine
+        from manager.policy.factory import create_policy
+
+        cfg = server(list(models))
+        cfg = cfg.model_copy(update={"policy": cfg.policy.model_copy(update={"name": policy})})
+        return SimpleNamespace(engine=Engine(cfg, create_policy(policy)))
+
+    def test_whose_word_each_is(self) -> None:
+        from manager.api.admin import keep_alive_in_force
+
+        lm = self.manager(
+            "residency",
+            m("chat", "interactive", "2GiB"),  # test_sim's server: an explicit 10m
+            {**m("auto", "interactive", "2GiB"), "keep_alive": "auto"},
+            {**m("pinned", "interactive", "2GiB"), "pin": True},
+        )
+        chat = lm.engine.models["chat"]
+        assert keep_alive_in_force(lm, "chat", T0) == (600.0, "config")
+        assert keep_alive_in_force(lm, "auto", T0) == (300.0, "policy")  # nothing learned yet: 5 min
+        assert keep_alive_in_force(lm, "pinned", T0) == (math.inf, "pin")
+        lm.engine.request_keep_alive(chat, 3600.0)
+        assert keep_alive_in_force(lm, "chat", T0) == (3600.0, "request")
+        lm.engine.request_keep_alive(chat, None)
+        assert keep_alive_in_force(lm, "chat", T0) == (600.0, "config")
+
+    def test_ollamas_rule_keeps_its_own_not_the_configs(self) -> None:
+        from manager.api.admin import keep_alive_in_force
+
+        lm = self.manager("lru-keepalive", m("chat", "interactive", "2GiB"))
+        assert keep_alive_in_force(lm, "chat", T0) == (300.0, "policy")
+        lm.engine.request_keep_alive(lm.engine.models["chat"], 0.0)
+        assert keep_alive_in_force(lm, "chat", T0) == (0.0, "request")
+
+    def test_the_table_shows_it(
+        self, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        from manager.cli import main
+        from residency_proto.v1 import residency_pb2 as rpb
+
+        resp = rpb.ListResponse(
+            models=[
+                rpb.ModelStatus(name="chat", tier="gpu", keep_alive_s=3600, keep_alive_from="request",
+                                keep_alive_left_s=3599.6),
+                rpb.ModelStatus(name="voice", tier="gpu", pinned=True, keep_alive_s=-1, keep_alive_from="pin",
+                                keep_alive_left_s=-1),
+                rpb.ModelStatus(name="old", tier="disk"),  # an older server: no keep_alive_from
+            ]
+        )  # fmt: skip
+        monkeypatch.setattr("manager.api.client.list_models", lambda *a, **k: resp)
+        monkeypatch.setenv("COLUMNS", "200")
+        assert main(["ps", "--target", "127.0.0.1:50051"]) == 0
+        rows = {line.split()[1]: line for line in capsys.readouterr().out.splitlines() if "│" in line[:2]}
+        assert "1h (request)" in rows["chat"] and "1h" in rows["chat"].split("(request)")[1]
+        assert "forever (pin)" in rows["voice"]
+        assert "(" not in rows["old"]

@@ -438,7 +438,7 @@ def test_ps_json_is_snake_case_with_numbers_and_every_field(
     models = json.loads(capsys.readouterr().out)["models"]
     fields = {
         "name", "tier", "device", "class_name", "pinned", "bytes", "last_used", "keep_alive_left_s",
-        "load_seconds", "lease_bytes", "requests", "adapter", "last_error",
+        "load_seconds", "lease_bytes", "requests", "adapter", "last_error", "keep_alive_s", "keep_alive_from",
     }  # fmt: skip
     assert all(set(m) == fields for m in models)
     voice, llm = models
