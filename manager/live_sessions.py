@@ -36,6 +36,7 @@ from manager.errors import (
 from manager.live_persist import read_outcome
 from manager.policy.engine import Engine
 from manager.policy.types import ActionKind
+from manager.replay.trace import keep_alive_json
 from workers import protocol as P
 
 if TYPE_CHECKING:
@@ -161,6 +162,7 @@ class _World:
     resumes: int = 0
     resumed: bool = False  # opened as a resume of a saved session (never discarded by its close)
     failed: bool = False  # a step failed: the session ends as an `error` in the requests metric
+    keep_alive: float | None = None  # the session's own keep-alive (WorldStart.keep_alive), logged at its end
 
 
 _SESSION_ID = re.compile(r"[0-9a-f]{12}")
@@ -387,11 +389,15 @@ class WorldSessionsMixin:
         timeout_s: float = 60.0,
         codec: str = "bf16",
         resume_id: str | None = None,
+        keep_alive: float | None = None,
     ) -> tuple[str, dict[str, Any]]:
         """Admit a world session like a long request, then open it on the model's device host with the
         model's current lease. The model stays busy (never evicted) until `close_session`.
         ``resume_id``: reopen that session from its saved state instead (it continues at its next
-        segment; ``codec`` empty: the saved one); NOT_FOUND when nothing is saved under that id."""
+        segment; ``codec`` empty: the saved one); NOT_FOUND when nothing is saved under that id.
+        ``keep_alive``: the session's own (seconds, inf: forever), as a request's (`infer`): once the
+        session is admitted it holds for the idle time after it ends, until the next admitted request
+        or session of the model says otherwise (None: the config's)."""
         m = self._model(model)
         if m.cfg.elastic is None:
             raise InvalidRequest(f"model {model!r} has no elastic KV lease: it is not a world model")
@@ -416,6 +422,8 @@ class WorldSessionsMixin:
             # under its class's queue limit
             arrival, cold = await self._queue_for(m, rank, self.config.classes[rank].name, deadline)
             ready = self.clock()  # its wait (admission, a cold start) ends here, as a request's does
+            if keep_alive is not None or m.keep_alive_req is not None:
+                self.engine.request_keep_alive(m, keep_alive)
             self._not_open(resume_id)  # (again: another world model may have opened it meanwhile)
             self.cold_starts += cold
             m.busy_until = math.inf
@@ -424,7 +432,7 @@ class WorldSessionsMixin:
             # shielded: a client that hangs up mid-open (its RPC cancelled) must not leave the model
             # busy and the session open on its host with nobody to close it: it is closed once open
             opening = asyncio.ensure_future(
-                self._open_on_host(m, rank, sid, codec, resume_id, arrival, deadline, ready)
+                self._open_on_host(m, rank, sid, codec, resume_id, arrival, deadline, ready, keep_alive)
             )
             self._opening_ids.add(sid)
             opening.add_done_callback(lambda _: self._world_opening.discard(model))
@@ -476,6 +484,7 @@ class WorldSessionsMixin:
         arrival: float,
         deadline: float,
         ready: float,
+        keep_alive: float | None = None,
     ) -> tuple[str, dict[str, Any]]:
         """Open (or resume) session `sid` on `m`'s device host, `m` already counted busy for it; it is
         counted idle again on any failure. Once open, its wait (`arrival` to `ready`: its model
@@ -501,7 +510,10 @@ class WorldSessionsMixin:
         self.sessions[sid] = (m.name, arrival, rank)
         self._count_wait(cls_name, arrival, ready)
         self._world[sid] = _World(
-            str(data.get("codec", codec)), int(data.get("next_segment", 0)), resumed=resume_id is not None
+            str(data.get("codec", codec)),
+            int(data.get("next_segment", 0)),
+            resumed=resume_id is not None,
+            keep_alive=keep_alive,
         )
         shrunk = await self._lease_caught_up(m, sid, sent)
         if shrunk is not None:  # the lease the session holds now, not the one it opened with
@@ -799,6 +811,8 @@ class WorldSessionsMixin:
             if self.store is not None:
                 rec = {"t": opened, "model": model, "busy_s": round(max(0.0, self.clock() - opened), 6),
                        "kind": "session", "class": self.config.classes[rank].name}  # fmt: skip
+                if w is not None and w.keep_alive is not None:  # (a trace line's form, as a request's)
+                    rec["keep_alive"] = keep_alive_json(w.keep_alive)
                 self._log(rec)
             self._publish("session_closed", model, f"session {sid}", m.device, self.clock())
         return dict(reply.data)

@@ -45,7 +45,7 @@ from manager.errors import DeadlineExceeded, InvalidRequest, ResidencyError
 from manager.live import LiveManager
 from manager.live_persist import read_outcome
 from manager.live_sessions import SessionResumable
-from manager.units import format_duration
+from manager.units import format_duration, parse_keep_alive
 from residency_proto.v1 import residency_pb2 as pb
 from residency_proto.v1 import residency_pb2_grpc as pb_grpc
 
@@ -97,6 +97,17 @@ def _output(sid: str, d: dict[str, Any]) -> pb.WorldOutput:
         bytes_read=int(d["bytes_read"]), bytes_written=int(d["bytes_written"]),
         max_position=int(d["max_position"]),
     )  # fmt: skip
+
+
+def _keep_alive(start: pb.WorldStart) -> float | None:
+    """`start.keep_alive`: the session's own keep-alive, a duration as ModelInfer's `keep_alive`
+    string parameter takes it ("10m", "0", "forever", "-1": forever); None when empty (the config's)."""
+    if not start.keep_alive:
+        return None
+    try:
+        return parse_keep_alive(start.keep_alive)
+    except ValueError as e:
+        raise InvalidRequest(f"start.keep_alive: {e}") from None
 
 
 class ServerStopping(Exception):
@@ -233,6 +244,7 @@ class WorldSessionServicer(pb_grpc.WorldSessionServicer):
                 cls=st.class_name or None,
                 codec=st.codec or ("" if resume else "bf16"),
                 resume_id=resume,
+                keep_alive=_keep_alive(st),
             )
             opened_out = pb.WorldOutput(
                 session_id=sid, segment=-1, lease_bytes=int(opened["lease_bytes"]),

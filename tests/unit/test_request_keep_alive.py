@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from live_helpers import TEXT, local_config, run, until
+from live_helpers import POSES, TEXT, local_config, run, served_world_config, until
 from test_sim import T0, m, server
 
 from manager.api import oip
@@ -315,3 +315,37 @@ class TestShownByPs:
         assert "1h (request)" in rows["chat"] and "1h" in rows["chat"].split("(request)")[1]
         assert "forever (pin)" in rows["voice"]
         assert "(" not in rows["old"]
+
+
+def test_a_world_session_takes_one_too(tmp_path: Path) -> None:
+    """WorldStart.keep_alive: a session asking for 0 s has the world model leave the GPU once the
+    session has ended; it is logged with the session; a malformed one is refused by name, before
+    anything is admitted."""
+    from manager.api.world import _keep_alive as world_keep_alive
+    from residency_proto.v1 import residency_pb2 as rpb
+
+    assert world_keep_alive(rpb.WorldStart(model="world")) is None
+    assert world_keep_alive(rpb.WorldStart(model="world", keep_alive="-1")) == math.inf
+    with pytest.raises(InvalidRequest, match=r"^start\.keep_alive: "):
+        world_keep_alive(rpb.WorldStart(model="world", keep_alive="soon"))
+    config = served_world_config(tmp_path)
+    store = open_store(config.store.url)
+
+    async def body(lm: LiveManager) -> None:
+        world = lm.engine.models["world"]
+        sid, _ = await lm.open_session("world", keep_alive=0.0)
+        assert (await lm.step_session(sid, POSES[0]))["step"] == 0
+        assert world.tier == Tier.GPU  # in use: kept whatever its keep-alive
+        assert (model_status(lm, "world").keep_alive_s, model_status(lm, "world").keep_alive_from) == (
+            0.0,
+            "request",
+        )
+        await lm.close_session(sid)
+        await until(lambda: world.tier != Tier.GPU, "world off the GPU once its session ended")
+
+    try:
+        run(config, body, store=store)
+        logged = [(r.get("kind"), r.get("keep_alive")) for r in store.requests(0)]
+    finally:
+        store.close()
+    assert logged == [("session", 0.0)]
