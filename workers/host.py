@@ -59,7 +59,12 @@ CACHED_AT = 0.9
 
 
 def _answer(
-    model: str, out: dict[str, np.ndarray], carried: dict[str, str], took: float, held: float
+    model: str,
+    out: dict[str, np.ndarray],
+    carried: dict[str, str],
+    took: float,
+    held: float,
+    share: float = 1.0,
 ) -> P.InferResult:
     """A call's outputs as an `InferResult`: each output held in a carrier (`carried`: a BF16 output's
     bit patterns in uint16) labelled with the datatype it stands for, not the carrier's. An adapter
@@ -78,7 +83,7 @@ def _answer(
                 model, False, error_code=P.INTERNAL, error=f"model {model!r}: output {k!r}: {e}"
             )
     return P.InferResult(
-        model, True, outputs=outputs, seconds=took, hold_seconds=held, carriers_labelled=True
+        model, True, outputs=outputs, seconds=took, hold_seconds=held, carriers_labelled=True, share=share
     )
 
 
@@ -693,7 +698,8 @@ class DeviceHost:
         if r is not None:
             r.inferences += len(inputs) - 1  # one per request, not one per call
         return [
-            _answer(model, part, carried, took, held * n / total) for part, n in zip(parts, rows, strict=True)
+            _answer(model, part, carried, took, held * n / total, n / total)
+            for part, n in zip(parts, rows, strict=True)
         ]
 
     def _call(

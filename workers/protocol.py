@@ -352,6 +352,9 @@ class InferResult:
     error: str | None = None
     seconds: float = 0.0
     hold_seconds: float = 0.0  # the caller's thread held: CPU time on a CPU device, wall time on CUDA
+    share: float = 1.0
+    """This request's part of the call that served it (`seconds` is the call's): its rows over the
+    call's rows when it ran batched with others, else 1."""
     carriers_labelled: bool = False
     """Its outputs held in a carrier (`CARRIERS`) say the datatype they stand for: a BF16 output says
     BF16, not UINT16. A device host sets it on every answer; False from an older host, whose BF16

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
@@ -119,6 +120,8 @@ class TestDeviceHost:
         assert values(got[-1]).shape == (2, WIDTH)
         assert host.models["mlp"].inferences - calls_before == 6  # counted per request
         assert all(r.hold_seconds <= got[0].seconds for r in got)
+        # each answer's part of the one call: its rows over the call's 7
+        assert [r.share for r in got] == pytest.approx([1 / 7] * 5 + [2 / 7])
 
     def test_without_max_batch_each_request_is_its_own_call(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -233,13 +236,21 @@ def test_concurrent_requests_are_coalesced_and_each_gets_its_answer(tmp_path: Pa
             b = lm._batcher("cpu0", "mlp")
             assert b is not None
             n0, r0 = b.batches, b.requests
+            busy: list[float] = []  # what the request log would say each kept the model busy
+            lm._log_request = lambda t, model, b, *a, **k: busy.append(b)  # type: ignore[method-assign]
+            t0 = time.perf_counter()
             served = await asyncio.gather(*(lm.infer("mlp", x) for x in xs))
+            elapsed = time.perf_counter() - t0
             for s, w in zip(served, want, strict=True):
                 got = P.output_array(s.result.outputs["output"])
                 np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6)
             assert b.requests - r0 == 40
             assert b.batches - n0 <= 40 // 16 + 2  # in batches of up to 16, not one call each
             assert lm.served == 41
+            # a batch's time is shared by its requests: replayed one after another, they keep the
+            # model busy no longer than the burst took (each counted the whole batch, and the wait
+            # for the batch before it)
+            assert len(busy) == 40 and 0 < sum(busy) <= elapsed
         finally:
             await lm.stop()
             pool.close()
