@@ -41,6 +41,7 @@ from typing import Any, NoReturn
 import grpc
 
 from manager.api.errors import details_of, status_of
+from manager.api.runtime import call_wait_s
 from manager.errors import DeadlineExceeded, InvalidRequest, ResidencyError
 from manager.live import LiveManager
 from manager.live_persist import read_outcome
@@ -245,6 +246,9 @@ class WorldSessionServicer(pb_grpc.WorldSessionServicer):
                 codec=st.codec or ("" if resume else "bf16"),
                 resume_id=resume,
                 keep_alive=_keep_alive(st),
+                # its admission and cold load wait as long as the call's deadline lets them (none: a
+                # day at most, as a ModelInfer's); it was 60 s whatever the client set
+                timeout_s=call_wait_s(context.time_remaining()),
             )
             opened_out = pb.WorldOutput(
                 session_id=sid, segment=-1, lease_bytes=int(opened["lease_bytes"]),

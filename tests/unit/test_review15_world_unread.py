@@ -40,6 +40,9 @@ class HeldContext:
         self.aborted.append((code, details))
         raise AssertionError("aborted")
 
+    def time_remaining(self) -> None:
+        return None  # (a stream without a deadline)
+
 
 OUT = pb.WorldOutput(session_id="s", segment=0)
 

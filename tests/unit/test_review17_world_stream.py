@@ -34,6 +34,9 @@ class HeldAfter:
         self.held = asyncio.Event()
         self.aborted: list[tuple[Any, str]] = []
 
+    def time_remaining(self) -> None:
+        return None  # (a stream without a deadline)
+
     async def write(self, out: pb.WorldOutput) -> None:
         if len(self.written) >= self.ok:
             self.held.set()
