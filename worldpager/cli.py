@@ -234,12 +234,18 @@ def _positive(
 
 
 def _check_plot_path(path: str) -> None:
-    """UsageError unless a plot can be written to ``path`` (its folder exists and matplotlib is there)."""
+    """UsageError unless a plot can be written to ``path`` (its folder exists and matplotlib is there);
+    an empty one (an unset shell variable) is refused, not taken for no plot."""
+    if not path:
+        raise UsageError("--plot is empty: give the file to draw the plot in")
     parent = Path(path).parent
-    if not parent.is_dir():
-        raise UsageError(f"--plot {path}: no folder {str(parent)!r}")
-    if Path(path).is_dir():
-        raise UsageError(f"--plot {path}: a folder, expected a file name")
+    try:
+        if not parent.is_dir():
+            raise UsageError(f"--plot {path}: no folder {str(parent)!r}")
+        if Path(path).is_dir():
+            raise UsageError(f"--plot {path}: a folder, expected a file name")
+    except OSError as e:  # (a name too long for the file system)
+        raise UsageError(f"--plot {path}: {e.strerror or e}") from None
     try:
         import matplotlib  # noqa: F401
     except ImportError as e:
@@ -337,7 +343,7 @@ def cmd_bench_stall(args: argparse.Namespace) -> int:
         )
     _check_bandwidths(opts)
     _check_bench_room(args, opts)
-    if args.plot:  # checked before the benchmark runs, not after
+    if args.plot is not None:  # checked before the benchmark runs, not after
         _check_plot_path(args.plot)
     try:
         result = stall.run_bench(**opts)
@@ -577,13 +583,16 @@ def _check_log_dir(value: str) -> None:
     if not value:
         raise UsageError("--log-dir is empty: give the folder to keep the session in")
     path = Path(value)
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"--log-dir {value}: is a file, expected a folder")
-    for parent in path.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise UsageError(f"--log-dir {value}: {parent} is a file, not a folder")
-            break
+    try:
+        if path.exists() and not path.is_dir():
+            raise UsageError(f"--log-dir {value}: is a file, expected a folder")
+        for parent in path.parents:
+            if parent.exists():
+                if not parent.is_dir():
+                    raise UsageError(f"--log-dir {value}: {parent} is a file, not a folder")
+                break
+    except OSError as e:  # (a name too long for the file system)
+        raise UsageError(f"--log-dir {value}: {e.strerror or e}") from None
 
 
 def _os_error(e: OSError, log_dir: Path, resume: bool) -> str:
@@ -817,10 +826,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         rc: int = args.fn(args)
         return rc
     except KeyboardInterrupt as e:
-        from worldpager.session import SESSION_FILE
-
+        # not imported here: an interrupt while torch is still being imported (the first seconds)
+        # failed importing it again, half loaded, with a traceback; not loaded, no step has run
+        store = sys.modules.get("worldpager.session_store")
         kept = getattr(args, "log_dir", None)
-        saved = kept is not None and kept != "" and (Path(kept) / SESSION_FILE).is_file()  # (none: no step)
+        saved = False
+        if store is not None and kept is not None and kept != "":
+            with contextlib.suppress(OSError):  # (none: no step)
+                saved = (Path(kept) / store.SESSION_FILE).is_file()
         where = f"; the steps it ran are kept in {kept} (continue with --resume)" if saved else ""
         name = "SIGTERM" if isinstance(e, _Stopped) else "SIGINT"
         print(f"worldpager: interrupted ({name}){where}", file=sys.stderr)

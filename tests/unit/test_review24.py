@@ -56,3 +56,49 @@ def test_a_world_sessions_open_waits_as_long_as_the_calls_deadline_lets_it(
     context = asyncio.run(main())
     assert asked == [pytest.approx(waits)]
     assert "(enough" in context.aborted[0][1]
+
+
+# ---- the worldpager CLI ---------------------------------------------------------------------------
+
+
+def test_an_interrupt_while_torch_is_still_imported_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C or SIGTERM in a run's first seconds (torch half imported) failed importing the session
+    module again inside the interrupt's handler: a traceback and exit 1. Here torch cannot be
+    imported at all, as a half-imported one could not."""
+    import sys
+
+    from worldpager import cli
+
+    class Interrupted:
+        def parse_args(self, argv: Any) -> Any:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", lambda: Interrupted())
+    for name in ("worldpager.session", "worldpager.session_store"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setitem(sys.modules, "torch", None)  # (an import of it raises)
+    assert cli.main([]) == 130
+    assert capsys.readouterr().err == "worldpager: interrupted (SIGINT)\n"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["session", "--preset", "micro", "--segments", "1", "--log-dir", "/tmp/" + "a" * 300],
+        ["bench-stall", "--plot", "/tmp/" + "a" * 300 + ".png"],
+        ["bench-stall", "--plot", ""],
+    ],
+    ids=["log-dir-too-long", "plot-too-long", "plot-empty"],
+)
+def test_a_path_the_file_system_refuses_or_an_empty_plot_is_exit_2(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A name over 255 bytes was a traceback (Path.exists raised); `--plot ''` was no plot, exit 0."""
+    from worldpager.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"worldpager: {argv[-2]} ") and err.count("\n") == 1
+    assert "name too long" in err or "is empty" in err
