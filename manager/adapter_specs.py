@@ -109,6 +109,10 @@ BUILTIN: tuple[AdapterSpec, ...] = (
     ),
 )
 
+WORLD_ADAPTERS = frozenset({"worldpager-mg2"})
+"""The built-in adapters that run world sessions: a model of theirs needs `elastic` (the KV lease the
+manager lends its sessions), and of the built-in adapters only theirs may have one."""
+
 ADAPTER_SPECS: dict[str, AdapterSpec] = {a.name: a for a in BUILTIN}
 """Every adapter a config may name, by name: the built-in ones and any `register`ed at run time."""
 
@@ -260,14 +264,22 @@ def source_json_schema(spec: AdapterSpec) -> dict[str, Any]:
 
 def model_json_schema_rules() -> list[dict[str, Any]]:
     """`allOf` rules of a model's JSON Schema: for each catalogued adapter, `if` the model names it,
-    `then` its `source` (absent: `{}`) takes that adapter's keys."""
+    `then` its `source` (absent: `{}`) takes that adapter's keys; a world adapter's model has an
+    `elastic` lease, a built-in plain one's none (`ModelConfig`'s check)."""
     rules: list[dict[str, Any]] = []
+    builtin = {a.name for a in BUILTIN}
     for spec in ADAPTER_SPECS.values():
         if spec.keys is None:
             continue
         then: dict[str, Any] = {"properties": {"source": source_json_schema(spec)}}
-        if any(k.required for k in spec.keys):
-            then["required"] = ["source"]
+        required = ["source"] if any(k.required for k in spec.keys) else []
+        if spec.name in WORLD_ADAPTERS:
+            required.append("elastic")
+            then["properties"]["elastic"] = {"not": {"type": "null"}}
+        elif spec.name in builtin:
+            then["properties"]["elastic"] = {"type": "null"}
+        if required:
+            then["required"] = required
         rules.append(
             {"if": {"properties": {"adapter": {"const": spec.name}}, "required": ["adapter"]}, "then": then}
         )

@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from manager.adapter_specs import adapter_problem, check_source
+from manager.adapter_specs import BUILTIN, WORLD_ADAPTERS, adapter_problem, check_source
 from manager.store.redis_url import redact, redis_url_problem
 from manager.units import (
     DURATION_PATTERN,
@@ -36,6 +36,8 @@ from manager.units import (
     parse_size,
     shown,
 )
+
+BUILTIN_NAMES = frozenset(a.name for a in BUILTIN)
 
 Loc = tuple[str | int, ...]
 
@@ -554,6 +556,27 @@ class ModelConfig(_Model):
     (but the first dimension) run as one call of up to this many rows, stacked along the first
     dimension and split again. For models whose rows are independent (an MLP, an embedder); 1 (the
     default) runs one request per call, as a stateful model (silero-vad) needs."""
+
+    @model_validator(mode="after")
+    def _elastic_is_a_world_models(self, info: ValidationInfo) -> ModelConfig:
+        """(When the loader asks, as for the adapter's name.) A world model's adapter without an
+        `elastic` lease could run no session, and got plain requests it refused once loaded; a plain
+        model's with one was taken for a world model and refused every request."""
+        if not _checks_adapters(info):
+            return self
+        if self.adapter in WORLD_ADAPTERS and self.elastic is None:
+            msg = (
+                f"adapter {self.adapter!r} runs world sessions, whose KV memory is leased: give the model "
+                "`elastic: {min: SIZE, max: SIZE}` (configs/home.yaml's world model has 1GiB to 8GiB)"
+            )
+            raise _FieldErrors([(("elastic",), msg)])
+        if self.elastic is not None and self.adapter in BUILTIN_NAMES and self.adapter not in WORLD_ADAPTERS:
+            msg = (
+                f"only a world model ({', '.join(sorted(WORLD_ADAPTERS))}) has an elastic KV lease; adapter "
+                f"{self.adapter!r} serves plain requests: remove `elastic`"
+            )
+            raise _FieldErrors([(("elastic",), msg)])
+        return self
 
     @field_validator("adapter")
     @classmethod

@@ -112,7 +112,7 @@ def test_ps_with_a_config_speaks_tls_and_reads_its_token_variable(
         "devices: [{name: cpu0, kind: cpu, memory: 4GiB}]\n"
         "host: {memory: 16GiB, reserve: 4GiB}\n"
         "classes: [{name: interactive}]\n"
-        "models: [{name: m, class: interactive, adapter: worldpager-mg2, device: cpu0, memory: 1MiB,"
+        "models: [{name: m, class: interactive, adapter: silero-vad, device: cpu0, memory: 1MiB,"
         " load_seconds: {disk: 1, host: 0.1}}]\n",
         encoding="utf-8",
     )

@@ -35,7 +35,7 @@ classes:
 models:
   - name: a
     class: realtime
-    adapter: worldpager-mg2
+    adapter: silero-vad
     device: gpu0
     memory: 1GiB
     load_seconds: {disk: 2, host: 1}
@@ -44,11 +44,14 @@ models:
 MODEL_B = """\
   - name: b
     class: interactive
-    adapter: worldpager-mg2
+    adapter: silero-vad
     device: gpu0
     memory: 2GiB
     load_seconds: {disk: 2, host: 1}
 """
+
+WORLD_B = MODEL_B.replace("adapter: silero-vad", "adapter: worldpager-mg2")
+"""MODEL_B as a world model: the adapter that takes an `elastic` KV lease."""
 
 
 def write(tmp_path: Path, text: str, name: str = "c.yaml") -> Path:
@@ -203,12 +206,12 @@ def test_class_defaults_and_max_wait() -> None:
             "must be between host (1.0s) and disk (2.0s)",
         ),
         (
-            "    adapter: worldpager-mg2\n",
-            "    adapter: worldpager-mg2\n    elastic: {min: 2GiB, max: 1GiB}\n",
+            "    adapter: silero-vad\n",
+            "    adapter: silero-vad\n    elastic: {min: 2GiB, max: 1GiB}\n",
             "models[0].elastic.min",
             "min (2GiB) must not be larger than max (1GiB)",
         ),
-        ("    adapter: worldpager-mg2\n", "", "models[0].adapter", "required field is missing"),
+        ("    adapter: silero-vad\n", "", "models[0].adapter", "required field is missing"),
         ("  - {name: interactive}\n", "", "", ""),  # still valid: sanity check of the harness
     ],
 )
@@ -256,8 +259,8 @@ def test_other_sections_accept_contract_values(tmp_path: Path) -> None:
 
 def test_unknown_field_is_named_with_a_suggestion(tmp_path: Path) -> None:
     text = BASE.replace(
-        "    adapter: worldpager-mg2\n",
-        "    adapter: worldpager-mg2\n    no_such_field: 1\n    keep_alvie: 5m\n",
+        "    adapter: silero-vad\n",
+        "    adapter: silero-vad\n    no_such_field: 1\n    keep_alvie: 5m\n",
     )
     err = error_of(write(tmp_path, text))
     paths = dict(err.errors)
@@ -342,7 +345,7 @@ def test_duplicate_names(tmp_path: Path, text: str, path: str) -> None:
 
 
 def test_pinned_models_and_reserves_must_fit_the_device(tmp_path: Path) -> None:
-    text = BASE.replace("memory: 1GiB", "memory: 12GiB\n    pin: true") + MODEL_B.replace(
+    text = BASE.replace("memory: 1GiB", "memory: 12GiB\n    pin: true") + WORLD_B.replace(
         "memory: 2GiB", "memory: 11GiB\n    pin: true\n    elastic: {min: 1GiB, max: 2GiB}"
     )
     err = error_of(write(tmp_path, text))
@@ -358,7 +361,7 @@ def test_class_reserve_counts_even_without_pinned_models(tmp_path: Path) -> None
     # realtime keeps 3GiB; a pinned interactive model of 20GiB leaves 23 - 3 = 20GiB: fits exactly.
     ok = BASE + MODEL_B.replace("memory: 2GiB", "memory: 20GiB\n    pin: true")
     assert load_config(write(tmp_path, ok)).model("b").pin
-    too_big = BASE.replace("reserve: 3GiB}", "reserve: 4GiB}") + MODEL_B.replace(
+    too_big = BASE.replace("reserve: 3GiB}", "reserve: 4GiB}") + WORLD_B.replace(
         "memory: 2GiB", "memory: 19GiB\n    pin: true\n    elastic: {min: 512MiB, max: 1GiB}"
     )
     err = error_of(write(tmp_path, too_big))
@@ -366,7 +369,7 @@ def test_class_reserve_counts_even_without_pinned_models(tmp_path: Path) -> None
 
 
 def test_model_that_can_never_fit(tmp_path: Path) -> None:
-    text = BASE + MODEL_B.replace("memory: 2GiB", "memory: 20GiB\n    elastic: {min: 1GiB, max: 2GiB}")
+    text = BASE + WORLD_B.replace("memory: 2GiB", "memory: 20GiB\n    elastic: {min: 1GiB, max: 2GiB}")
     err = error_of(write(tmp_path, text))
     assert err.errors == [
         (

@@ -80,7 +80,7 @@ models:
   - &base
     name: llm
     class: interactive
-    adapter: worldpager-mg2
+    adapter: silero-vad
     device: gpu0
     memory: 9GiB
     load_seconds: &ls {disk: 7.0, host: 1.0}
@@ -90,7 +90,7 @@ models:
     memory: 7GiB
   - name: tts
     class: interactive
-    adapter: worldpager-mg2
+    adapter: silero-vad
     device: gpu0
     memory: 1GiB
     load_seconds: *ls

@@ -32,7 +32,7 @@ classes: [{name: realtime}, {name: interactive}]
 models:
   - name: world    # the world model
     class: interactive
-    adapter: worldpager-mg2
+    adapter: silero-vad
     device: gpu0
     memory: 4GiB
     load_seconds: {disk: 4.0, host: 0.5}
@@ -40,7 +40,7 @@ models:
   # the voice model, always ready
   - name: voice
     class: realtime
-    adapter: worldpager-mg2
+    adapter: silero-vad
     device: gpu0
     memory: 1GiB
     load_seconds: {disk: 1.0, host: 0.2}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from manager.config import load_config, write_config_with_updates
 
-_ENTRY = "  - {{name: {}, class: {}, adapter: worldpager-mg2, device: cpu0, memory: 1GiB, {}}}\n"
+_ENTRY = "  - {{name: {}, class: {}, adapter: silero-vad, device: cpu0, memory: 1GiB, {}}}\n"
 CONFIG = (
     "devices: [{name: cpu0, kind: cpu, memory: 8GiB, reserve: 512MiB}]\n"
     "host: {memory: 8GiB, reserve: 1GiB}\n"

@@ -40,7 +40,8 @@ def _model(adapter: str, source: str | None = None, name: str = "m") -> str:
     text = (
         f"  - name: {name}\n    class: realtime\n    adapter: {adapter}\n    device: cpu0\n    memory: 1GiB\n"
     )
-    return text + (f"    source: {source}\n" if source is not None else "")
+    world = "    elastic: {min: 64MiB, max: 128MiB}\n" if adapter == "worldpager-mg2" else ""  # (needs one)
+    return text + world + (f"    source: {source}\n" if source is not None else "")
 
 
 def _errors(tmp_path: Path, text: str) -> list[str]:

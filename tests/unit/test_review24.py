@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -102,3 +103,54 @@ def test_a_path_the_file_system_refuses_or_an_empty_plot_is_exit_2(
     err = capsys.readouterr().err
     assert err.startswith(f"worldpager: {argv[-2]} ") and err.count("\n") == 1
     assert "name too long" in err or "is empty" in err
+
+
+# ---- a world model is its adapter and its lease together ------------------------------------------
+
+_WORLD_HEAD = """\
+devices: [{name: cpu0, kind: cpu, memory: 4GiB, reserve: 512MiB}]
+host: {memory: 8GiB, reserve: 1GiB}
+classes: [{name: interactive}]
+models:
+"""
+
+
+@pytest.mark.parametrize(
+    ("model", "said"),
+    [
+        (
+            "{name: w, class: interactive, adapter: worldpager-mg2, device: cpu0, memory: 4MiB}",
+            "give the model",
+        ),
+        (
+            "{name: e, class: interactive, adapter: sentence-transformers, device: cpu0, memory: 100MiB, "
+            "elastic: {min: 16MiB, max: 64MiB}}",
+            "remove `elastic`",
+        ),
+    ],
+    ids=["world-without-lease", "lease-on-a-plain-model"],
+)
+def test_a_world_adapter_and_an_elastic_lease_go_together(tmp_path: Path, model: str, said: str) -> None:
+    """`config check` passed both: a world-model adapter without `elastic` was loaded by the first
+    request and then refused it (and every session, "not a world model"); `elastic` on a plain model
+    had every request refused as for a world model. The JSON Schema refuses them as the loader does."""
+    import jsonschema
+
+    from manager.config import ConfigError, config_json_schema, load_config
+
+    text = _WORLD_HEAD + f"  - {model}\n"
+    path = tmp_path / "c.yaml"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError) as exc:
+        load_config(path)
+    assert ": models[0].elastic: " in str(exc.value) and said in str(exc.value)
+    import yaml
+
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(yaml.safe_load(text), config_json_schema())
+    fixed = text.replace(", elastic: {min: 16MiB, max: 64MiB}", "").replace(
+        "memory: 4MiB}", "memory: 4MiB, elastic: {min: 16MiB, max: 64MiB}}"
+    )
+    path.write_text(fixed, encoding="utf-8")
+    assert load_config(path).models[0].name in ("w", "e")
+    jsonschema.validate(yaml.safe_load(fixed), config_json_schema())

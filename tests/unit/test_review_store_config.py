@@ -27,7 +27,7 @@ host: {memory: 64GiB, reserve: 4GiB}
 classes:
   - {name: interactive}
 models:
-  - {name: llm, class: interactive, adapter: worldpager-mg2, device: gpu0, memory: 20GiB,
+  - {name: llm, class: interactive, adapter: silero-vad, device: gpu0, memory: 20GiB,
      load_seconds: {disk: 9, host: 2}}
 """
 
