@@ -504,6 +504,13 @@ def cmd_check(a: argparse.Namespace) -> int:
                 highlight=False,
                 markup=False,
             )
+    if c.policy.name == "oracle":
+        err.print(
+            f"{a.config}: warning: policy.name: 'oracle' sees every request of a trace in advance: "
+            "`residency replay` and `tune` run it, `residency serve` refuses it",
+            highlight=False,
+            markup=False,
+        )
     # the result on stdout (`config check FILE && ...`, or its line captured); warnings and errors on stderr
     print(
         f"{a.config}: ok ({_count(len(c.devices), 'device')}, {_count(len(c.classes), 'class', 'classes')}, "

@@ -184,6 +184,16 @@ def _deny() -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(abort)
 
 
+def check_servable_policy(config: Config) -> None:
+    """ServeError when `policy.name` is one the service cannot run: `oracle` knows the whole trace in
+    advance (a reference for replays); the service failed with a traceback once Ray had started."""
+    if config.policy.name == "oracle":
+        raise ServeError(
+            "policy.name 'oracle' sees every request of a trace in advance: it is a reference for "
+            "`residency replay`, not a policy the service can run; use 'residency' (or a baseline)"
+        )
+
+
 def auth_token(config: Config) -> str | None:
     env = config.server.auth_token_env
     token = os.environ.get(env) if env else None
@@ -1305,6 +1315,7 @@ async def _serve(
     for sig in signals.stops:
         loop.add_signal_handler(sig, signals.on_signal, sig)
     with _stop_signals_end_start_up():
+        check_servable_policy(config)  # (before anything starts)
         probe_listen(config.server.listen)  # a port in use is said now, not after Ray has started
         token = auth_token(config)  # so is a missing or unusable token
         if config.server.tls_cert and config.server.tls_key:

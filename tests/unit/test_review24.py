@@ -154,3 +154,30 @@ def test_a_world_adapter_and_an_elastic_lease_go_together(tmp_path: Path, model:
     path.write_text(fixed, encoding="utf-8")
     assert load_config(path).models[0].name in ("w", "e")
     jsonschema.validate(yaml.safe_load(fixed), config_json_schema())
+
+
+# ---- the oracle is for replays ----------------------------------------------------------------------
+
+
+def test_serve_refuses_the_oracle_in_one_line_and_config_check_warns(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`policy.name: oracle` passed `config check`, and `serve` failed with a traceback (exit 1) once
+    Ray and the device hosts had started ("it needs the whole trace")."""
+    from manager import cli
+
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "configs" / "local-cpu.yaml").read_text(encoding="utf-8")
+    assert "policy: {name: residency}" in text
+    cfg = tmp_path / "oracle.yaml"
+    store = f'store: {{url: "sqlite:///{tmp_path}/state.db", journal: "{tmp_path}/journal"}}\n'
+    oracle = text.replace("policy: {name: residency}", "policy: {name: oracle}")
+    cfg.write_text(oracle + store, encoding="utf-8")
+    assert cli.main(["config", "check", str(cfg)]) == 0
+    err = capsys.readouterr().err
+    assert "warning: policy.name: 'oracle'" in err and "serve` refuses it" in err
+    assert cli.main(["serve", "--config", str(cfg), "--in-process", "--listen", "127.0.0.1:0"]) == 2
+    err = capsys.readouterr().err
+    assert "policy.name 'oracle' sees every request of a trace in advance" in err
+    assert "Traceback" not in err
+    assert not list(tmp_path.glob("*.db"))  # refused before anything started (its store not opened)
