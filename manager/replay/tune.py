@@ -124,6 +124,15 @@ def reserve_floor(config: Config, class_name: str) -> int:
     return min(configured, need)
 
 
+def never_fit(config: Config) -> set[str]:
+    """The models `config` leaves room for on no device, its pins and reservations standing (the
+    engine's own rule, which `config check` warns of): every request for them is refused."""
+    from manager.policy.engine import Engine
+    from manager.policy.factory import create_policy
+
+    return {name for name, why in Engine(config, create_policy("residency")).never_fits.items() if why}
+
+
 def with_settings(
     base: Config, models: dict[str, dict[str, Any]], classes: dict[str, dict[str, Any]]
 ) -> Config:
@@ -199,12 +208,19 @@ def tune(
                     changed += [("models", m.name, k) for k in cand]
             if progress is not None:
                 progress(f"{m.name}: objective {best:.1f}")
+    unservable = never_fit(config)
     for c in config.classes:
         floor = reserve_floor(config, c.name)
         for gib in RESERVE_CHOICES_GIB:
             if int(gib * 2**30) < floor:
                 continue
             trial_c = {**classes, c.name: {"reserve": int(gib * 2**30)}}
+            try:  # a reservation that leaves some model no room anywhere is no candidate: a model the
+                # search days never asked for costs nothing in their replay, and would be refused after
+                if not never_fit(with_settings(config, models, trial_c)) <= unservable:
+                    continue
+            except ValidationError:
+                continue
             s = score(models, trial_c)
             if s is not None and s[0] < best * (1.0 - MIN_GAIN):
                 best, best_r, classes = s[0], s[1], trial_c

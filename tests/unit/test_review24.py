@@ -181,3 +181,43 @@ def test_serve_refuses_the_oracle_in_one_line_and_config_check_warns(
     assert "policy.name 'oracle' sees every request of a trace in advance" in err
     assert "Traceback" not in err
     assert not list(tmp_path.glob("*.db"))  # refused before anything started (its store not opened)
+
+
+# ---- tuning never leaves a model without room -------------------------------------------------------
+
+
+def test_tuning_raises_no_reservation_that_leaves_a_model_no_room(tmp_path: Path) -> None:
+    """The example home with a second card holding a pinned 10 GiB model and a 3 GiB one the search
+    days never ask for (and a world lease fixed at 4 GiB, so voice gains from a larger realtime
+    reserve): the search raised realtime's reserve to 4 GiB, a change that cost the unasked model
+    nothing in the replay, and left it no room on its card (16 - 4 - 10 < 3 GiB): every request for
+    it would then be refused."""
+    from manager.config import load_config
+    from manager.replay.synth import synth
+    from manager.replay.tune import MIN_MODEL_REQUESTS, never_fit, split_holdout, tune
+
+    root = Path(__file__).resolve().parents[2]
+    text = (
+        (root / "configs" / "home.yaml")
+        .read_text(encoding="utf-8")
+        .replace("elastic: {min: 1GiB, max: 8GiB}", "elastic: {min: 4GiB, max: 4GiB}")
+    )
+    gpu0 = "  - {name: gpu0, kind: cuda, index: 0, memory: 24GiB, reserve: 1536MiB}\n"
+    assert gpu0 in text and text.endswith("\n")
+    text = text.replace(gpu0, gpu0 + "  - {name: gpu1, kind: cuda, index: 1, memory: 16GiB}\n")
+    text = text.replace(
+        "\nmodels:\n",
+        "\nmodels:\n"
+        "  - {name: sd, class: interactive, adapter: torchscript, device: gpu1, memory: 10GiB, pin: true,"
+        " source: {path: sd.pt}}\n"
+        "  - {name: video, class: interactive, adapter: torchscript, device: gpu1, memory: 3GiB,"
+        " source: {path: video.pt}}\n",
+    )
+    (tmp_path / "c.yaml").write_text(text, encoding="utf-8")
+    config = load_config(tmp_path / "c.yaml")
+    assert never_fit(config) == set()
+    trace = synth("home", days=2, seed=1)
+    assert not any(r.model == "video" for r in trace)
+    search, holdout = split_holdout(trace)  # as `residency tune` runs it
+    result = tune(config, search, holdout, min_requests=MIN_MODEL_REQUESTS)
+    assert never_fit(result.config) == set(), result.changes
