@@ -10,6 +10,7 @@ import copy
 import datetime
 import difflib
 import io
+import itertools
 import os
 import re
 import stat
@@ -653,16 +654,50 @@ def _apply(data: Any, section: str, updates: dict[str, dict[str, Any]], file: st
             _set_path(items[index], key, value, f"{section}[{index}]")
 
 
-def _dump(data: Any) -> str:
+Indent = tuple[int, int, int]
+"""Block indentation as ruamel's `YAML.indent(mapping, sequence, offset)` takes it."""
+
+DEFAULT_INDENT: Indent = (2, 4, 2)
+"""configs/home.yaml's: `models:` then `  - name: voice` then `    class: realtime`."""
+
+_KEY_LINE = re.compile(r"^( *)[^\s#\-][^#]*:[ \t]*(#.*)?$")
+"""A block key whose value starts on the next line (`models:`, `server:  # words`)."""
+
+
+def _indentation(text: str) -> Indent:
+    """The block indentation `text` is written in, so that a config written again (tune, measure)
+    differs only where its values changed: a file in `yaml.dump`'s style (`- name: voice` at the
+    key's column) was re-indented whole. The first mapping nested under a key gives `mapping` (its
+    keys' column past the key's); the first block sequence under a key gives `offset` (its dash's
+    column past the key's) and `sequence` (its items' keys', two past the dash). What the text does
+    not show keeps DEFAULT_INDENT's."""
+    mapping, sequence, offset = DEFAULT_INDENT
+    seen_map = seen_seq = False
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    for prev, line in itertools.pairwise(lines):
+        key = _KEY_LINE.match(prev)
+        if key is None:
+            continue
+        k, at = len(key.group(1)), len(line) - len(line.lstrip(" "))
+        if line.lstrip().startswith("- ") and at >= k and not seen_seq:
+            seen_seq, offset, sequence = True, at - k, at - k + 2
+        elif at > k and not line.lstrip().startswith("- ") and not seen_map:
+            seen_map, mapping = True, at - k
+        if seen_map and seen_seq:
+            break
+    return mapping, sequence, offset
+
+
+def _dump(data: Any, indent: Indent = DEFAULT_INDENT) -> str:
     out = io.StringIO()
     yaml = _yaml()
-    yaml.indent(mapping=2, sequence=4, offset=2)
+    yaml.indent(mapping=indent[0], sequence=indent[1], offset=indent[2])
     yaml.brace_single_entry_mapping_in_flow_sequence = True  # `[{name: a}]`, not `[name: a]`
     yaml.dump(data, out)
     return out.getvalue()
 
 
-def _dump_unshared(data: Any, expected: Any, file: str) -> str:
+def _dump_unshared(data: Any, expected: Any, file: str, indent: Indent = DEFAULT_INDENT) -> str:
     """`data` as YAML text that reads back as `expected` (the plain data with only the updates).
 
     A mapping that YAML shares (`&base` merged with `<<: *base` into another model, or a
@@ -673,7 +708,7 @@ def _dump_unshared(data: Any, expected: Any, file: str) -> str:
     at all) is written out whole, without its merge (its own comments go with it). Raises ValueError
     if the text still reads back different (a share this cannot undo)."""
     for attempt in range(4):
-        text = _dump(data)
+        text = _dump(data, indent)
         got = _plain(_yaml().load(text))
         if got == expected:
             return text
@@ -1120,7 +1155,8 @@ def write_config_with_updates(
     _apply(expected, "classes", class_updates or {}, str(src))
     _apply(data, "models", model_updates, str(src))
     _apply(data, "classes", class_updates or {}, str(src))
-    text = _with_alias_comments(_dump_unshared(data, expected, str(src)), alias_comments, expected)
+    indent = _indentation(raw.replace("\r\n", "\n").replace("\r", "\n"))  # (the file's own)
+    text = _with_alias_comments(_dump_unshared(data, expected, str(src), indent), alias_comments, expected)
     if note_changes:
         text, expected = _noted(
             text, before, {"models": model_updates, "classes": class_updates or {}}, expected

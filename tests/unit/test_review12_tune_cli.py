@@ -102,7 +102,7 @@ def test_notes_on_a_flow_style_config_read_back_and_measure_writes_none(tmp_path
     src.write_text(
         "{devices: [{name: gpu0, kind: cuda, memory: 24GiB}], host: {memory: 32GiB},\n"
         " classes: [{name: rt, reserve: 1GiB}, {name: bg}],\n"
-        " models: [{name: a, class: rt, adapter: worldpager-mg2, device: gpu0, memory: 1GiB,\n"
+        " models: [{name: a, class: rt, adapter: silero-vad, device: gpu0, memory: 1GiB,\n"
         "   load_seconds: {disk: 2, host: 1}, keep_alive: 10m}]}\n",
         encoding="utf-8",
     )
@@ -126,7 +126,7 @@ MERGED = """devices: [{name: gpu0, kind: cuda, index: 0, memory: 24GiB}]
 host: {memory: 32GiB}
 classes: [{name: a}]
 models:
-  - &x {name: m1, class: a, adapter: worldpager-mg2, device: gpu0, memory: 1GiB,
+  - &x {name: m1, class: a, adapter: silero-vad, device: gpu0, memory: 1GiB,
         load_seconds: {disk: 2, host: 1}, keep_alive: 10m}
   - &y
     <<: *x

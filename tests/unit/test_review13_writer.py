@@ -132,10 +132,10 @@ def test_the_note_goes_past_a_hash_in_a_quoted_value_and_before_a_tuning_note(tm
     src.write_text(
         "devices: [{name: gpu0, kind: cpu, memory: 8GiB}]\nhost: {memory: 16GiB}\nclasses: [{name: rt}]\n"
         "models:\n"
-        "  - {name: a, class: rt, adapter: worldpager-mg2, device: gpu0, memory: 1GiB,"
+        "  - {name: a, class: rt, adapter: silero-vad, device: gpu0, memory: 1GiB,"
         " load_seconds: {disk: 2, host: 1},"
         ' source: {path: "a # b.pt"}}  # card # 2024\n'
-        "  - {name: b, class: rt, adapter: worldpager-mg2, device: gpu0, memory: 1GiB,"
+        "  - {name: b, class: rt, adapter: silero-vad, device: gpu0, memory: 1GiB,"
         " load_seconds: {disk: 2, host: 1},"
         " keep_alive: auto}  # mine  # residency tune: b.keep_alive was 10m\n",
         encoding="utf-8",

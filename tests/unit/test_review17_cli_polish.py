@@ -48,7 +48,7 @@ def test_one_thing_is_said_in_the_singular(tmp_path: Path, capsys: pytest.Captur
         "host: {memory: 8GiB, reserve: 1GiB}\n"
         "classes: [{name: realtime}]\n"
         "models:\n"
-        "  - {name: voice, class: realtime, adapter: worldpager-mg2, device: cpu0, memory: 1GiB,\n"
+        "  - {name: voice, class: realtime, adapter: silero-vad, device: cpu0, memory: 1GiB,\n"
         "     load_seconds: {disk: 1.0, host: 0.2}}\n"
     )
     assert main(["config", "check", str(cfg)]) == 0

@@ -221,3 +221,39 @@ def test_tuning_raises_no_reservation_that_leaves_a_model_no_room(tmp_path: Path
     search, holdout = split_holdout(trace)  # as `residency tune` runs it
     result = tune(config, search, holdout, min_requests=MIN_MODEL_REQUESTS)
     assert never_fit(result.config) == set(), result.changes
+
+
+# ---- a config written again keeps its indentation ----------------------------------------------------
+
+_INDENTED = {
+    "yaml.dump's": ("  ", "", "- "),  # `- name:` at the key's column, keys two in
+    "four spaces": ("    ", "    ", "    - "),
+}
+
+
+@pytest.mark.parametrize("style", list(_INDENTED))
+def test_a_config_written_again_differs_only_where_a_value_changed(tmp_path: Path, style: str) -> None:
+    """`tune` (and `measure --write-config`) re-indented a whole file not written in
+    configs/home.yaml's style: 38 lines differed for 2 changed values."""
+    from manager.config import load_config, write_config_with_updates
+
+    key, item, dash = _INDENTED[style]
+    inner = item + "  "
+    text = (
+        "devices:\n"
+        f"{dash}name: gpu0   # the card\n{inner}kind: cuda\n{inner}memory: 24GiB\n"
+        f"host:\n{key}memory: 32GiB\n{key}reserve: 4GiB\n"
+        f"classes:\n{dash}name: interactive\n"
+        "models:\n"
+        f"{dash}name: voice\n{inner}class: interactive\n{inner}adapter: silero-vad\n"
+        f"{inner}device: gpu0\n{inner}memory: 1GiB\n{inner}keep_alive: 30m   # bursts\n"
+        f"policy:\n{key}name: residency\n"
+    )
+    src, dst = tmp_path / "c.yaml", tmp_path / "t.yaml"
+    src.write_text(text, encoding="utf-8")
+    load_config(src)
+    write_config_with_updates(src, dst, {"voice": {"keep_alive": "1h"}})
+    before, after = text.splitlines(), dst.read_text(encoding="utf-8").splitlines()
+    assert len(before) == len(after)
+    changed = [(a, b) for a, b in zip(before, after, strict=True) if a != b]
+    assert changed == [(f"{inner}keep_alive: 30m   # bursts", f"{inner}keep_alive: 1h    # bursts")]
