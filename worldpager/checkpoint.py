@@ -85,7 +85,7 @@ def load_mg2_checkpoint(model: nn.Module, path: str | Path) -> None:
     nonfinite = [
         f"{k} ({n} of {t.numel()} values)"
         for k, t in sorted(state.items())
-        if t.is_floating_point() and (n := _count_nonfinite(t)) > 0
+        if t.is_floating_point() and (n := count_nonfinite(t)) > 0
     ]
     if nonfinite:
         raise ValueError(
@@ -94,7 +94,7 @@ def load_mg2_checkpoint(model: nn.Module, path: str | Path) -> None:
     model.load_state_dict(state)
 
 
-def _count_nonfinite(t: torch.Tensor) -> int:
+def count_nonfinite(t: torch.Tensor) -> int:
     """NaN and infinite values in floating-point ``t`` (one-byte floats are widened: torch has no
     `isfinite` for some of them)."""
     return int((~torch.isfinite(t.float() if t.element_size() == 1 else t)).sum())

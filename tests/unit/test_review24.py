@@ -257,3 +257,34 @@ def test_a_config_written_again_differs_only_where_a_value_changed(tmp_path: Pat
     assert len(before) == len(after)
     changed = [(a, b) for a, b in zip(before, after, strict=True) if a != b]
     assert changed == [(f"{inner}keep_alive: 30m   # bursts", f"{inner}keep_alive: 1h    # bursts")]
+
+
+# ---- the world model's weights ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tier", ["host", "gpu"])
+def test_a_world_checkpoint_with_a_nan_weight_is_a_bad_checkpoint(tmp_path: Path, tier: str) -> None:
+    """The service's `worldpager-mg2` adapter loaded it (to host RAM and to the device), and every
+    session then failed at its first step blaming the client's pose ("cannot encode non-finite
+    values"), then INTERNAL; `load_mg2_checkpoint` refuses it, as the README says."""
+    from safetensors.torch import save_file
+
+    from workers import protocol as P
+    from workers.host import DeviceHost
+    from worldpager.model import TinyCausalWan
+    from worldpager.session import SESSION_PRESETS
+
+    weights = {
+        k: v.contiguous().clone()
+        for k, v in TinyCausalWan(SESSION_PRESETS["micro"].on_the_fly()).state_dict().items()
+    }
+    first = sorted(k for k, v in weights.items() if v.is_floating_point())[0]
+    weights[first].view(-1)[0] = float("nan")
+    save_file(weights, str(tmp_path / "nan.safetensors"))
+    host = DeviceHost("cpu0", "cpu", node="test")
+    spec = P.ModelSpec(
+        "world", "worldpager-mg2", {"preset": "micro", "path": str(tmp_path / "nan.safetensors")}
+    )
+    r = host.apply(P.Load(spec, tier), "load")
+    assert not r.ok and r.error_code == P.BAD_CHECKPOINT
+    assert "nan.safetensors" in (r.error or "") and f"{first} (1 of " in (r.error or "")

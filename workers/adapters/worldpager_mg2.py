@@ -52,13 +52,34 @@ class WorldPagerMG2Adapter(ModuleAdapter):
 
     def read(self, ph: Phases) -> HostCopy:
         if self.has_source("path"):
-            return super().read(ph)
+            host = super().read(ph)
+            self._finite(host)
+            return host
         # No checkpoint: the stand-in's seeded random weights, generated on the CPU (timed as a read).
         from worldpager.model import TinyCausalWan
 
         with ph.phase("read"):
             tensors = {k: v.contiguous() for k, v in module_tensors(TinyCausalWan(self._config())).items()}
         return HostCopy(tensors=tensors)
+
+    def _finite(self, host: HostCopy) -> None:
+        """BAD_CHECKPOINT naming the file and tensors when a floating-point weight is NaN or infinite,
+        as `worldpager.checkpoint.load_mg2_checkpoint` refuses one: the load went through, and each
+        session then failed at its first step, blaming the client's pose ("cannot encode non-finite
+        values"), then INTERNAL."""
+        from worldpager.checkpoint import count_nonfinite
+
+        bad = [
+            f"{k} ({n} of {t.numel()} values)"
+            for k, t in sorted(host.tensors.items())
+            if t.is_floating_point() and (n := count_nonfinite(t)) > 0
+        ]
+        if bad:
+            raise AdapterError(
+                P.BAD_CHECKPOINT,
+                f"model {self.spec.name!r}: {self.checkpoint()}: {len(bad)} tensors hold NaN or infinite "
+                f"weights: {'; '.join(bad[:5])}",
+            )
 
     def inputs(self) -> list[P.TensorSpec]:
         return [P.TensorSpec("actions", "FP32", (-1, 4))]
