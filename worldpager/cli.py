@@ -690,6 +690,9 @@ def cmd_session(args: argparse.Namespace) -> int:
                 "--resume, or give an empty or new folder"
             ) from None
         except WindowLostError as e:  # the step it can continue at, said as this command's flag
+            from worldpager.segment_log import LOG_NAME
+
+            _corrupt_slots(e.events, log_dir / LOG_NAME)  # (said once: retired, they are not found again)
             raise UsageError(
                 f"{e.reason}; {e.hint(f'--resume --resume-at {e.resume_at}', e.resume_at)}"
             ) from None

@@ -599,7 +599,11 @@ class Session:
                 self._events.record(MissingSegment(sid, "not in the log (lost, corrupt or never written)"))
         self._infos.extend(infos)
         if window is None:
-            window = store.window_from_log(stored, nxt, self.log, self.layout, self.cfg, self.log_dir)
+            try:
+                window = store.window_from_log(stored, nxt, self.log, self.layout, self.cfg, self.log_dir)
+            except WindowLostError as e:  # the slots found corrupt (and retired) meanwhile go with it
+                e.events = self._events.events()
+                raise
             self.window_source = "log"
         else:
             self.window_source = "checkpoint"

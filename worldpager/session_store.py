@@ -485,6 +485,8 @@ class WindowLostError(SegmentLogError):
     def __init__(self, reason: str, resume_at: int) -> None:
         super().__init__(f"{reason}; {self.hint(f'resume_at={resume_at}', resume_at)}")
         self.reason, self.resume_at = reason, resume_at
+        self.events: list[Any] = []
+        """What the resume found before it gave up (the corrupt slots it retired: the cause, often)."""
 
     @staticmethod
     def hint(how: str, resume_at: int) -> str:

@@ -288,3 +288,31 @@ def test_a_world_checkpoint_with_a_nan_weight_is_a_bad_checkpoint(tmp_path: Path
     r = host.apply(P.Load(spec, tier), "load")
     assert not r.ok and r.error_code == P.BAD_CHECKPOINT
     assert "nan.safetensors" in (r.error or "") and f"{first} (1 of " in (r.error or "")
+
+
+def test_a_resume_that_fails_names_the_corrupt_slot_it_retired(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """window.bin gone and slot 28 of 30 damaged: the resume failed ("segment 28 is not in the log ...
+    --resume-at 28") and said nothing of the slot, which it had retired meanwhile (so the suggested
+    resume never mentioned it either): the cause, a damaged log file, was told nowhere."""
+    import json
+
+    from worldpager.cli import main
+    from worldpager.segment_log import HEADER_SIZE, LOG_NAME
+
+    d = tmp_path / "s"
+    args = ["session", "--preset", "micro", "--log-dir", str(d), "--json"]
+    assert main([*args, "--segments", "30"]) == 0
+    capsys.readouterr()
+    (d / "window.bin").unlink()
+    slot_size = json.loads((d / "meta.json").read_text())["slot_size"]
+    with open(d / LOG_NAME, "r+b") as f:
+        f.seek(28 * slot_size + HEADER_SIZE + 100)
+        byte = f.read(1)[0]
+        f.seek(-1, 1)
+        f.write(bytes([byte ^ 0xFF]))
+    assert main([*args, "--segments", "1", "--resume"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert f"worldpager: warning: {d / LOG_NAME}: slot 28: payload checksum mismatch (never used)" in err
+    assert "--resume-at 28" in err[-1]
