@@ -771,8 +771,9 @@ def _report(a: argparse.Namespace, config: Config, res: Any, reqs: list[Request]
     notes = [f"change: {c}" for c in res.changes] or ["no change beat the running config"]
     notes += [f"warning: {w}" for w in res.warnings]
     write_report(
-        Path(a.report), before=before, after=after, t_start=t0, t_end=t1, model_weights=weights, notes=notes
-    )
+        Path(a.report), before=before, after=after, t_start=t0, t_end=t1, model_weights=weights, notes=notes,
+        model_devices={m.name: m.device for m in config.models},
+    )  # fmt: skip
 
 
 def cmd_measure(a: argparse.Namespace) -> int:

@@ -192,6 +192,7 @@ def _report(
         out, before=before, after=after, t_start=t0, t_end=t1,
         model_weights={m.name: m.memory for m in config.models}, notes=notes,
         title="Residency tuning report (held-out days)",
+        model_devices={m.name: m.device for m in config.models},
     )  # fmt: skip
 
 

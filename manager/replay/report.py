@@ -229,20 +229,46 @@ def _plot_timeline(path: Path, runs: Runs, models: list[str], t0: float, t1: flo
     _save(fig, path, _xlabel(t0, t1))
 
 
+def device_groups(
+    models: list[str], model_devices: dict[str, str] | None
+) -> list[tuple[str | None, list[str]]]:
+    """The models by the device they run on, devices in order of their first model (one group, device
+    None, when `model_devices` is not given): the memory plot stacks each device's models apart, as
+    each device's memory is its own (one stack over three GPUs showed more than any one held)."""
+    if not model_devices:
+        return [(None, list(models))]
+    groups: dict[str | None, list[str]] = {}
+    for m in models:
+        groups.setdefault(model_devices.get(m), []).append(m)
+    return list(groups.items())
+
+
 def _plot_memory(
-    path: Path, runs: Runs, models: list[str], weights: dict[str, int], t0: float, t1: float
+    path: Path,
+    runs: Runs,
+    models: list[str],
+    weights: dict[str, int],
+    t0: float,
+    t1: float,
+    model_devices: dict[str, str] | None = None,
 ) -> None:
-    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 3.6 * len(runs)), squeeze=False, sharey=True)
-    colors = [plt.get_cmap("tab10")(i % 10) for i in range(len(models))]
-    for ax, (label, res) in zip(axes[:, 0], runs, strict=True):
-        times, values = gpu_bytes(res.actions or [], models, weights, t0, t1)
+    groups = device_groups(models, model_devices)
+    fig, axes = plt.subplots(
+        len(runs) * len(groups), 1, figsize=(12, 3.6 * len(runs) * len(groups)), squeeze=False
+    )
+    colors = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(models)}
+    rows = [(run, group) for run in runs for group in groups]
+    for ax, ((label, res), (device, names)) in zip(axes[:, 0], rows, strict=True):
+        times, values = gpu_bytes(res.actions or [], names, weights, t0, t1)
         x = [(t - t0) / DAY for t in times]
-        ys = [[v / GIB for v in values[m]] for m in models]
-        ax.stackplot(x, *ys, labels=models, colors=colors, step="post")
-        ax.set_ylabel("GPU GiB")
-        ax.set_title(f"GPU memory per model — {label}")
+        ys = [[v / GIB for v in values[m]] for m in names]
+        ax.stackplot(x, *ys, labels=names, colors=[colors[m] for m in names], step="post")
+        ax.set_ylabel("GiB")
+        where = f"device {device}" if device is not None else "GPU"
+        ax.set_title(f"{where}: memory per model — {label}")
         _day_axis(ax, t0, t1)
-    axes[0, 0].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+        if (label, res) == runs[0]:
+            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     _save(fig, path, _xlabel(t0, t1))
 
 
@@ -311,8 +337,10 @@ def write_report(
     model_weights: dict[str, int],
     title: str = "Residency tuning report",
     notes: list[str] | None = None,
+    model_devices: dict[str, str] | None = None,
 ) -> Path:
     """Write `index.html` and its PNGs (timeline, memory, cold starts) into `out_dir`; return the page.
+    `model_devices` (model -> device) has the memory plot stack each device's models apart.
 
     Both results must come from `replay(..., record=True)` (their actions and served logs).
 
@@ -330,7 +358,7 @@ def write_report(
     runs = [(f"before ({before.policy})", before), (f"after ({after.policy})", after)]
     images = [
         ("timeline.png", "Residency timeline: tier (GPU, host RAM, disk) of each model over the period"),
-        ("memory.png", "GPU memory stacked per model over the period, in GiB"),
+        ("memory.png", "Memory of each device stacked per model over the period, in GiB"),
         ("cold_starts.png", "Cold starts per hour of week, before and after"),
     ]
     # each file written beside its place first, and all put in place once all are written: a report
@@ -338,7 +366,7 @@ def write_report(
     staged = {name: out_dir / f".partial-{os.getpid()}-{name}" for name in REPORT_FILES}
     try:
         _plot_timeline(staged[images[0][0]], runs, models, t_start, t_end)
-        _plot_memory(staged[images[1][0]], runs, models, model_weights, t_start, t_end)
+        _plot_memory(staged[images[1][0]], runs, models, model_weights, t_start, t_end, model_devices)
         _plot_cold(staged[images[2][0]], runs)
         page = _page(before, after, t_start, t_end, title, notes, images)
         staged["index.html"].write_text(page, encoding="utf-8")

@@ -316,3 +316,63 @@ def test_a_resume_that_fails_names_the_corrupt_slot_it_retired(
     err = capsys.readouterr().err.splitlines()
     assert f"worldpager: warning: {d / LOG_NAME}: slot 28: payload checksum mismatch (never used)" in err
     assert "--resume-at 28" in err[-1]
+
+
+# ---- the report's memory plot, device by device ----------------------------------------------------------
+
+
+def test_the_memory_plot_stacks_each_devices_models_apart(tmp_path: Path) -> None:
+    """`tune --report` on a three-GPU home stacked every model on one "GPU GiB" axis: 18.5 GiB,
+    more than any one device held. Each device's models are stacked apart now, and no stack ever
+    holds more than its device may."""
+    from manager.config import Config
+    from manager.policy.types import Request
+    from manager.replay.report import device_groups, gpu_bytes, write_report
+    from manager.replay.sim import replay
+
+    cfg = Config.model_validate(
+        {
+            "devices": [
+                {"name": "a", "kind": "cuda", "index": 0, "memory": "8GiB", "reserve": "1GiB"},
+                {"name": "b", "kind": "cuda", "index": 1, "memory": "8GiB", "reserve": "1GiB"},
+            ],
+            "host": {"memory": "32GiB", "reserve": "4GiB"},
+            "classes": [{"name": "interactive"}],
+            "models": [
+                {
+                    "name": n,
+                    "class": "interactive",
+                    "adapter": "test",
+                    "device": d,
+                    "memory": "3GiB",
+                    "load_seconds": {"disk": 2, "host": 1},
+                }
+                for n, d in (("a1", "a"), ("a2", "a"), ("b1", "b"), ("b2", "b"))
+            ],
+        }
+    )
+    reqs = [
+        Request(t=1.8e9 + 10 * i, model=m, busy_s=5.0) for i, m in enumerate(["a1", "a2", "b1", "b2"] * 3)
+    ]
+    res = replay(cfg, reqs, "residency", record=True)
+    devices = {m.name: m.device for m in cfg.models}
+    groups = device_groups([m.name for m in cfg.models], devices)
+    assert groups == [("a", ["a1", "a2"]), ("b", ["b1", "b2"])]
+    assert device_groups(["a1", "b1"], None) == [(None, ["a1", "b1"])]
+    t0, t1 = reqs[0].t - 60, reqs[-1].t + 60
+    weights = {m.name: m.memory for m in cfg.models}
+    for device, names in groups:
+        _, values = gpu_bytes(res.actions or [], names, weights, t0, t1)
+        peak = max(map(sum, zip(*values.values(), strict=True)))
+        assert 0 < peak <= cfg.device(str(device)).usable  # (all four at once: 12 GiB, over either)
+    out = write_report(
+        tmp_path / "r",
+        before=res,
+        after=res,
+        t_start=t0,
+        t_end=t1,
+        model_weights=weights,
+        model_devices=devices,
+    )
+    assert (out.parent / "memory.png").stat().st_size > 1000
+    assert "Memory of each device" in out.read_text(encoding="utf-8")
