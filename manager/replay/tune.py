@@ -124,6 +124,14 @@ def reserve_floor(config: Config, class_name: str) -> int:
     return min(configured, need)
 
 
+OWN_KEEP_ALIVE = {
+    "lru-keepalive": "keeps its fixed keep-alive (policy.default_keep_alive, as Ollama's)",
+    "histogram": "keeps the windows its histograms give",
+    "oracle": "keeps what its foresight says",
+}
+"""The policies whose keep-alive is their own: a model's `keep_alive` changes nothing under them."""
+
+
 def never_fit(config: Config) -> set[str]:
     """The models `config` leaves room for on no device, its pins and reservations standing (the
     engine's own rule, which `config check` warns of): every request for them is refused."""
@@ -169,6 +177,11 @@ def tune(
     tune` and the service's tuning job give `MIN_MODEL_REQUESTS`; 0 (the search alone, as the
     benchmarks and the search's own tests run it) tunes every model that is not pinned."""
     thin, warnings = thin_data(config, search, min_requests)
+    if policy in OWN_KEEP_ALIVE:
+        warnings.append(
+            f"policy {policy!r} {OWN_KEEP_ALIVE[policy]}, not the models' keep_alive: tuning their "
+            "keep_alive changes nothing under it"
+        )
     models: dict[str, dict[str, Any]] = {}
     classes: dict[str, dict[str, Any]] = {}
     evals = 0

@@ -376,3 +376,20 @@ def test_the_memory_plot_stacks_each_devices_models_apart(tmp_path: Path) -> Non
     )
     assert (out.parent / "memory.png").stat().st_size > 1000
     assert "Memory of each device" in out.read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("policy", ["lru-keepalive", "histogram"])
+def test_tuning_under_a_policy_with_its_own_keep_alive_says_so(policy: str) -> None:
+    """`tune` under lru-keepalive ran 53 replays of keep-alives the policy never reads and said only
+    "changes: none"."""
+    from manager.config import load_config
+    from manager.replay.synth import synth
+    from manager.replay.tune import tune
+
+    root = Path(__file__).resolve().parents[2]
+    config = load_config(root / "configs" / "local-cpu.yaml")
+    trace = synth("home", days=1, seed=3)
+    trace = [r for r in trace if r.model in {m.name for m in config.models}][:200]
+    result = tune(config, trace, None, policy=policy)
+    assert any(f"policy {policy!r}" in w and "changes nothing" in w for w in result.warnings)
+    assert not any("policy " in w for w in tune(config, trace, None).warnings)  # residency reads them
