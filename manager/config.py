@@ -669,8 +669,8 @@ def _indentation(text: str) -> Indent:
     differs only where its values changed: a file in `yaml.dump`'s style (`- name: voice` at the
     key's column) was re-indented whole. The first mapping nested under a key gives `mapping` (its
     keys' column past the key's); the first block sequence under a key gives `offset` (its dash's
-    column past the key's) and `sequence` (its items' keys', two past the dash). What the text does
-    not show keeps DEFAULT_INDENT's."""
+    column past the key's) and `sequence` (its items' keys': `- name` two past the dash, PyYAML's
+    `indent=4` `-   name` four). What the text does not show keeps DEFAULT_INDENT's."""
     mapping, sequence, offset = DEFAULT_INDENT
     seen_map = seen_seq = False
     lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
@@ -680,7 +680,8 @@ def _indentation(text: str) -> Indent:
             continue
         k, at = len(key.group(1)), len(line) - len(line.lstrip(" "))
         if line.lstrip().startswith("- ") and at >= k and not seen_seq:
-            seen_seq, offset, sequence = True, at - k, at - k + 2
+            item = line.lstrip()[1:]  # its keys' column: past the dash and the spaces after it
+            seen_seq, offset, sequence = True, at - k, at - k + 1 + len(item) - len(item.lstrip(" "))
         elif at > k and not line.lstrip().startswith("- ") and not seen_map:
             seen_map, mapping = True, at - k
         if seen_map and seen_seq:

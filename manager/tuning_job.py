@@ -34,7 +34,7 @@ from manager.config import Config, ConfigError, load_config, write_config_with_u
 from manager.reload import TunedHold, entry_values, held_updates
 from manager.replay.sim import replay
 from manager.replay.trace import ExportStopped, read_trace
-from manager.replay.tune import MIN_MODEL_REQUESTS, TuningStopped, objective, split_holdout, tune
+from manager.replay.tune import MIN_MODEL_REQUESTS, LiveSizes, TuningStopped, objective, split_holdout, tune
 from manager.store.base import CorruptDocument
 from manager.store.export import export_trace
 
@@ -69,6 +69,7 @@ def run_tuning(
     now: float | None = None,
     stop: Callable[[], bool] | None = None,
     held: TunedHold | None = None,
+    live: LiveSizes | None = None,
 ) -> TuningOutcome:
     """One run, its files under `tuning.out_dir`. `stop` ends it (TuningStopped) at its next replay
     or before its next file. A stopped or failed run leaves nothing: the folder it made is removed
@@ -81,7 +82,7 @@ def run_tuning(
     made = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return _run(config, config_path, store, now, stamp, out_dir, stop, held or {})
+        return _run(config, config_path, store, now, stamp, out_dir, stop, held or {}, live)
     except BaseException:
         if made:
             shutil.rmtree(out_dir, ignore_errors=True)
@@ -102,6 +103,7 @@ def _run(
     out_dir: Path,
     stop: Callable[[], bool] | None,
     held: TunedHold,
+    live: LiveSizes | None = None,
 ) -> TuningOutcome:
     trace = out_dir / "requests.jsonl"
     damaged: list[Any] = []  # (StoreError: a damaged stored row, left out of the export)
@@ -127,7 +129,10 @@ def _run(
             logger.warning("scheduled tuning: %s", w)
         reason = f"{n} requests logged: too few days to tune and hold out"
         return TuningOutcome(None, None, n, reason=reason, warnings=skipped)
-    res = tune(config, search, holdout, policy=config.policy.name, stop=stop, min_requests=MIN_MODEL_REQUESTS)
+    res = tune(
+        config, search, holdout, policy=config.policy.name, stop=stop, min_requests=MIN_MODEL_REQUESTS,
+        live=live,
+    )  # fmt: skip
     _stopped(stop)  # (the held-out replays, after the search, do not look)
     warnings = [*skipped, *res.warnings]
     for w in warnings:
@@ -449,7 +454,10 @@ def tuning_step(
         began = None
     if began is not None:  # the proposal is written from the file: one that does not load (an edit
         load_config(config_path)  # the reload refused) fails the run now, not after a whole search
-    outcome = run_tuning(config, config_path, store, now, stop, getattr(manager, "tuning_overrides", None))
+    engine = getattr(manager, "engine", None)  # (its measured sizes and pins: `tune`'s `live`)
+    live = {n: (m.weights, m.pinned) for n, m in engine.models.items()} if engine is not None else None
+    held = getattr(manager, "tuning_overrides", None)
+    outcome = run_tuning(config, config_path, store, now, stop, held, live)
     _stopped(stop)  # the service is stopping: nothing is written or reloaded now
     applied = False
     if outcome.better and config.tuning.apply == "auto" and outcome.proposal is not None:

@@ -77,14 +77,13 @@ def keep_alive_in_force(manager: LiveManager, name: str, now: float) -> tuple[fl
     the policy's default: `lru-keepalive` keeps its fixed one whatever the config says, `histogram`
     its own windows)."""
     m = manager.engine.models[name]
-    keep = manager.engine.policy.keep_alive(m, now)
+    policy = manager.engine.policy
+    keep = policy.keep_alive(m, now)
     if m.pinned:
         return keep, "pin"
-    if m.keep_alive_req is not None and keep == m.keep_alive_req:
-        return keep, "request"
-    if m.keep_alive_conf is not None and keep == m.keep_alive_conf:
-        return keep, "config"
-    return keep, "policy"
+    if not policy.honours_keep_alive(m):  # (the policy's own: a value that equals one is no source)
+        return keep, "policy"
+    return keep, "request" if m.keep_alive_req is not None else "config"
 
 
 def reload_from_file(manager: LiveManager, path: str | None) -> list[str]:

@@ -257,8 +257,12 @@ def _plot_memory(
         len(runs) * len(groups), 1, figsize=(12, 3.6 * len(runs) * len(groups)), squeeze=False
     )
     colors = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(models)}
-    rows = [(run, group) for run in runs for group in groups]
+    rows = [(run, group) for group in groups for run in runs]  # a device's runs one above the other
+    first: dict[str | None, Any] = {}  # a device's first plot, whose y scale its others share
     for ax, ((label, res), (device, names)) in zip(axes[:, 0], rows, strict=True):
+        if device in first:
+            ax.sharey(first[device])
+        first.setdefault(device, ax)
         times, values = gpu_bytes(res.actions or [], names, weights, t0, t1)
         x = [(t - t0) / DAY for t in times]
         ys = [[v / GIB for v in values[m]] for m in names]
@@ -267,7 +271,7 @@ def _plot_memory(
         where = f"device {device}" if device is not None else "GPU"
         ax.set_title(f"{where}: memory per model — {label}")
         _day_axis(ax, t0, t1)
-        if (label, res) == runs[0]:
+        if first[device] is ax:
             ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     _save(fig, path, _xlabel(t0, t1))
 

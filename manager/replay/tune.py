@@ -132,13 +132,25 @@ OWN_KEEP_ALIVE = {
 """The policies whose keep-alive is their own: a model's `keep_alive` changes nothing under them."""
 
 
-def never_fit(config: Config) -> set[str]:
+LiveSizes = dict[str, tuple[int, bool]]
+"""A running service's view of its models: name -> (bytes measured, pinned now: an admin's pin
+or unpin included)."""
+
+
+def never_fit(config: Config, live: LiveSizes | None = None) -> set[str]:
     """The models `config` leaves room for on no device, its pins and reservations standing (the
-    engine's own rule, which `config check` warns of): every request for them is refused."""
+    engine's own rule, which `config check` warns of): every request for them is refused. `live`:
+    the sizes and pins a running service has (its measured footprints, not the config's estimates)."""
     from manager.policy.engine import Engine
     from manager.policy.factory import create_policy
 
-    return {name for name, why in Engine(config, create_policy("residency")).never_fits.items() if why}
+    eng = Engine(config, create_policy("residency"))
+    if live:
+        for m in eng.models.values():
+            if m.name in live:
+                m.weights, m.pinned = live[m.name]
+        eng.recheck_fit()
+    return {name for name, why in eng.never_fits.items() if why}
 
 
 def with_settings(
@@ -171,11 +183,14 @@ def tune(
     progress: Callable[[str], None] | None = None,
     stop: Callable[[], bool] | None = None,
     min_requests: int = 0,
+    live: LiveSizes | None = None,
 ) -> TuneResult:
     """The search; `stop` (checked before each replay) ends it early with TuningStopped. A model
     with fewer than `min_requests` requests in `search` is not tuned (`thin_data`): `residency
     tune` and the service's tuning job give `MIN_MODEL_REQUESTS`; 0 (the search alone, as the
-    benchmarks and the search's own tests run it) tunes every model that is not pinned."""
+    benchmarks and the search's own tests run it) tunes every model that is not pinned. `live` (the
+    service's tuning job): its measured sizes and pins, which a class reservation tried is checked
+    against (`never_fit`)."""
     thin, warnings = thin_data(config, search, min_requests)
     if policy in OWN_KEEP_ALIVE:
         warnings.append(
@@ -221,7 +236,7 @@ def tune(
                     changed += [("models", m.name, k) for k in cand]
             if progress is not None:
                 progress(f"{m.name}: objective {best:.1f}")
-    unservable = never_fit(config)
+    unservable = never_fit(config, live)
     for c in config.classes:
         floor = reserve_floor(config, c.name)
         for gib in RESERVE_CHOICES_GIB:
@@ -230,7 +245,7 @@ def tune(
             trial_c = {**classes, c.name: {"reserve": int(gib * 2**30)}}
             try:  # a reservation that leaves some model no room anywhere is no candidate: a model the
                 # search days never asked for costs nothing in their replay, and would be refused after
-                if not never_fit(with_settings(config, models, trial_c)) <= unservable:
+                if not never_fit(with_settings(config, models, trial_c), live) <= unservable:
                     continue
             except ValidationError:
                 continue

@@ -285,13 +285,22 @@ class TestShownByPs:
         lm.engine.request_keep_alive(chat, None)
         assert keep_alive_in_force(lm, "chat", T0) == (600.0, "config")
 
-    def test_ollamas_rule_keeps_its_own_not_the_configs(self) -> None:
+    @pytest.mark.parametrize("configured", ["10m", "5m"])  # (5m: the policy's own, the same value)
+    def test_ollamas_rule_keeps_its_own_not_the_configs(self, configured: str) -> None:
         from manager.api.admin import keep_alive_in_force
 
-        lm = self.manager("lru-keepalive", m("chat", "interactive", "2GiB"))
+        lm = self.manager("lru-keepalive", {**m("chat", "interactive", "2GiB"), "keep_alive": configured})
         assert keep_alive_in_force(lm, "chat", T0) == (300.0, "policy")
         lm.engine.request_keep_alive(lm.engine.models["chat"], 0.0)
         assert keep_alive_in_force(lm, "chat", T0) == (0.0, "request")
+
+    def test_the_histogram_policy_keeps_its_windows_whatever_is_asked(self) -> None:
+        from manager.api.admin import keep_alive_in_force
+
+        lm = self.manager("histogram", {**m("chat", "interactive", "2GiB"), "keep_alive": "5m"})
+        assert keep_alive_in_force(lm, "chat", T0) == (300.0, "policy")
+        lm.engine.request_keep_alive(lm.engine.models["chat"], 300.0)  # (its window's value, by chance)
+        assert keep_alive_in_force(lm, "chat", T0) == (300.0, "policy")
 
     def test_the_table_shows_it(
         self, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]

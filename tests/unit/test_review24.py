@@ -186,15 +186,10 @@ def test_serve_refuses_the_oracle_in_one_line_and_config_check_warns(
 # ---- tuning never leaves a model without room -------------------------------------------------------
 
 
-def test_tuning_raises_no_reservation_that_leaves_a_model_no_room(tmp_path: Path) -> None:
-    """The example home with a second card holding a pinned 10 GiB model and a 3 GiB one the search
-    days never ask for (and a world lease fixed at 4 GiB, so voice gains from a larger realtime
-    reserve): the search raised realtime's reserve to 4 GiB, a change that cost the unasked model
-    nothing in the replay, and left it no room on its card (16 - 4 - 10 < 3 GiB): every request for
-    it would then be refused."""
+def _two_card_home(tmp_path: Path, video: str = "3GiB") -> Any:
+    """configs/home.yaml with a second 16 GiB card holding a pinned 10 GiB model and `video`, and a
+    world lease fixed at 4 GiB (so voice gains from a larger realtime reserve)."""
     from manager.config import load_config
-    from manager.replay.synth import synth
-    from manager.replay.tune import MIN_MODEL_REQUESTS, never_fit, split_holdout, tune
 
     root = Path(__file__).resolve().parents[2]
     text = (
@@ -210,11 +205,22 @@ def test_tuning_raises_no_reservation_that_leaves_a_model_no_room(tmp_path: Path
         "\nmodels:\n"
         "  - {name: sd, class: interactive, adapter: torchscript, device: gpu1, memory: 10GiB, pin: true,"
         " source: {path: sd.pt}}\n"
-        "  - {name: video, class: interactive, adapter: torchscript, device: gpu1, memory: 3GiB,"
+        f"  - {{name: video, class: interactive, adapter: torchscript, device: gpu1, memory: {video},"
         " source: {path: video.pt}}\n",
     )
     (tmp_path / "c.yaml").write_text(text, encoding="utf-8")
-    config = load_config(tmp_path / "c.yaml")
+    return load_config(tmp_path / "c.yaml")
+
+
+def test_tuning_raises_no_reservation_that_leaves_a_model_no_room(tmp_path: Path) -> None:
+    """The example home with a second card holding a pinned 10 GiB model and a 3 GiB one the search
+    days never ask for: the search raised realtime's reserve to 4 GiB, a change that cost the unasked
+    model nothing in the replay, and left it no room on its card (16 - 4 - 10 < 3 GiB): every request
+    for it would then be refused."""
+    from manager.replay.synth import synth
+    from manager.replay.tune import MIN_MODEL_REQUESTS, never_fit, split_holdout, tune
+
+    config = _two_card_home(tmp_path)
     assert never_fit(config) == set()
     trace = synth("home", days=2, seed=1)
     assert not any(r.model == "video" for r in trace)
@@ -225,9 +231,10 @@ def test_tuning_raises_no_reservation_that_leaves_a_model_no_room(tmp_path: Path
 
 # ---- a config written again keeps its indentation ----------------------------------------------------
 
-_INDENTED = {
-    "yaml.dump's": ("  ", "", "- "),  # `- name:` at the key's column, keys two in
-    "four spaces": ("    ", "    ", "    - "),
+_INDENTED = {  # a nested mapping's keys, a list item's dash, the item's other keys
+    "yaml.dump's": ("  ", "- ", "  "),  # `- name:` at the key's column
+    "yaml.dump indent=4": ("    ", "-   ", "    "),  # `-   name:`: the item's keys four in
+    "four spaces": ("    ", "    - ", "      "),
 }
 
 
@@ -237,8 +244,7 @@ def test_a_config_written_again_differs_only_where_a_value_changed(tmp_path: Pat
     configs/home.yaml's style: 38 lines differed for 2 changed values."""
     from manager.config import load_config, write_config_with_updates
 
-    key, item, dash = _INDENTED[style]
-    inner = item + "  "
+    key, dash, inner = _INDENTED[style]
     text = (
         "devices:\n"
         f"{dash}name: gpu0   # the card\n{inner}kind: cuda\n{inner}memory: 24GiB\n"
@@ -378,6 +384,35 @@ def test_the_memory_plot_stacks_each_devices_models_apart(tmp_path: Path) -> Non
     assert "Memory of each device" in out.read_text(encoding="utf-8")
 
 
+def test_the_memory_plot_shows_a_devices_before_and_after_on_one_scale(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The per-device plots each took their own y scale: a device's "before" holding 4.5 GiB looked
+    as full as its "after" holding 20 GiB. A device's runs are one above the other, on its scale."""
+    from manager.config import load_config
+    from manager.replay import report
+    from manager.replay.sim import replay
+    from manager.replay.synth import synth
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "home.yaml")
+    reqs = synth("home", days=1, seed=2)
+    runs = [
+        ("before", replay(cfg, reqs, "lru-keepalive", record=True)),
+        ("after", replay(cfg, reqs, "residency", record=True)),
+    ]
+    figs: list[Any] = []
+    monkeypatch.setattr(report, "_save", lambda fig, path, xlabel=None: figs.append(fig))
+    weights = {m.name: m.memory for m in cfg.models}
+    devices = {m.name: m.device for m in cfg.models}
+    report._plot_memory(tmp_path / "m.png", runs, list(weights), weights, reqs[0].t, reqs[-1].t, devices)
+    axes = figs[0].axes
+    assert [ax.get_title() for ax in axes] == [
+        "device gpu0: memory per model — before",
+        "device gpu0: memory per model — after",
+    ]
+    assert axes[0].get_ylim() == axes[1].get_ylim()
+
+
 @pytest.mark.parametrize("policy", ["lru-keepalive", "histogram"])
 def test_tuning_under_a_policy_with_its_own_keep_alive_says_so(policy: str) -> None:
     """`tune` under lru-keepalive ran 53 replays of keep-alives the policy never reads and said only
@@ -393,3 +428,43 @@ def test_tuning_under_a_policy_with_its_own_keep_alive_says_so(policy: str) -> N
     result = tune(config, trace, None, policy=policy)
     assert any(f"policy {policy!r}" in w and "changes nothing" in w for w in result.warnings)
     assert not any("policy " in w for w in tune(config, trace, None).warnings)  # residency reads them
+
+
+def test_the_services_tuning_checks_reservations_against_measured_sizes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tuning job checked a reservation against the config's estimates: `video` estimated at
+    2 GiB, measured at 2.5 GiB by the running service; a 4 GiB realtime reserve leaves 2 GiB on its
+    card, enough by the estimate, and the live engine then refused every request for it."""
+    from manager import tuning_job
+    from manager.replay.synth import synth
+    from manager.replay.tune import MIN_MODEL_REQUESTS, never_fit, split_holdout, tune
+
+    config = _two_card_home(tmp_path, video="2GiB")
+    live = {"video": (int(2.5 * 2**30), False)}
+    search, holdout = split_holdout(synth("home", days=2, seed=1))
+    by_estimate = tune(config, search, holdout, min_requests=MIN_MODEL_REQUESTS)
+    assert never_fit(by_estimate.config, live) == {"video"}  # (what the estimates let through)
+    measured = tune(config, search, holdout, min_requests=MIN_MODEL_REQUESTS, live=live)
+    assert never_fit(measured.config, live) == set(), measured.changes
+
+    # and the service's tuning step hands the search its engine's sizes and pins
+    from manager.policy.engine import Engine
+    from manager.policy.factory import create_policy
+
+    engine = Engine(config, create_policy("residency"))
+    engine.models["video"].weights = live["video"][0]
+    seen: list[Any] = []
+
+    class Enough(Exception):
+        pass
+
+    def run_tuning(*args: Any) -> Any:
+        seen.append(args[-1])
+        raise Enough
+
+    monkeypatch.setattr(tuning_job, "run_tuning", run_tuning)
+    manager = SimpleNamespace(config=config, engine=engine, tuning_overrides=None)
+    with pytest.raises(Enough):
+        tuning_job.tuning_step(manager, tmp_path / "c.yaml", None, 0.0)
+    assert seen[0]["video"] == live["video"] and seen[0]["sd"] == (10 * 2**30, True)
