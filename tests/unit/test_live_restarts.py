@@ -56,7 +56,7 @@ def test_a_restarted_manager_adopts_what_is_held_and_loads_back_what_was_intende
             voice, dev = second.engine.models["voice"], second.engine.state.devices["cpu0"]
             assert second.live["voice"].ready.is_set() and voice.tier == Tier.GPU  # adopted, confirmed
             served = await second.infer("voice", AUDIO)
-            assert not served.cold and served.wait_s < 0.05  # no load, no wait for a confirmation
+            assert not served.cold and served.result.ok  # no load (and, confirmed above, no wait for one)
             await _until(lambda: second.live["embed"].ready.is_set(), "embed loaded back")
             await _until(lambda: second.live["world"].tier == "host", "world back in host RAM")
             held = pool.status("cpu0").models

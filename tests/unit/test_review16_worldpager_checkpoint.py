@@ -8,8 +8,6 @@ import pytest
 
 from worldpager.model import TINY, TinyCausalWan, load_mg2_checkpoint
 
-pytest.importorskip("safetensors")
-
 
 @pytest.mark.parametrize("data", [b"garbage" * 10, b"", b"\x08\x00\x00\x00\x00\x00\x00\x00{}"])
 def test_a_damaged_checkpoint_is_a_value_error_naming_the_file(tmp_path: Path, data: bytes) -> None:

@@ -181,7 +181,6 @@ def _save(path: Path, state: dict[str, torch.Tensor]) -> None:
 def test_a_checkpoint_with_a_non_finite_weight_is_refused_naming_file_and_tensor(
     tmp_path: Path, bad: float
 ) -> None:
-    pytest.importorskip("safetensors")
     model = TinyCausalWan(TINY)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     name = "blocks.0.self_attn.q.weight"
@@ -197,7 +196,6 @@ def test_a_checkpoint_with_a_non_finite_weight_is_refused_naming_file_and_tensor
 
 
 def test_a_checkpoint_with_an_integer_tensor_where_a_float_is_expected_is_refused(tmp_path: Path) -> None:
-    pytest.importorskip("safetensors")
     model = TinyCausalWan(TINY)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     name = "time_embedding.0.bias"
@@ -213,7 +211,6 @@ def test_a_checkpoint_with_an_integer_tensor_where_a_float_is_expected_is_refuse
 
 
 def test_a_good_checkpoint_in_another_float_precision_still_loads(tmp_path: Path) -> None:
-    pytest.importorskip("safetensors")
     src, dst = TinyCausalWan(TINY), TinyCausalWan(TINY)
     path = tmp_path / "mg2.safetensors"
     _save(path, {k: v.to(torch.bfloat16) for k, v in src.state_dict().items()})
@@ -223,7 +220,6 @@ def test_a_good_checkpoint_in_another_float_precision_still_loads(tmp_path: Path
 
 
 def test_a_float8_checkpoint_with_a_nan_is_refused_too(tmp_path: Path) -> None:
-    pytest.importorskip("safetensors")
     model = TinyCausalWan(TINY)
     state = {k: v.to(torch.float8_e4m3fn) for k, v in model.state_dict().items()}
     name = "time_embedding.0.weight"

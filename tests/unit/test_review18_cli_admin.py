@@ -63,7 +63,7 @@ def test_help_lists_the_admin_commands(capsys: pytest.CaptureFixture[str]) -> No
 def test_each_admin_command_has_the_connection_options_of_ps_and_help_for_every_option(cmd: str) -> None:
     commands = _subcommands(build_parser())
     p = commands[cmd]
-    assert p.description or commands[cmd].format_usage()
+    assert p.description, f"{cmd}: no description in its --help"
     flags = {s for a in p._actions for s in a.option_strings}
     assert {"--config", "--target", "--token-env", "--tls-cert"} <= flags
     for action in p._actions:

@@ -13,7 +13,30 @@ from manager.replay.sim import replay
 LLM = {"name": "llm", "memory": "8GiB", "keep_alive": "1m", "load_seconds": {"disk": 6.0, "host": 1.0}}
 
 
-@pytest.mark.parametrize("policy", POLICY_NAMES)
+EVICTING = [p for p in POLICY_NAMES if p not in ("gdsf", "oracle")]
+"""The policies that take the idle LLM off the GPU within the session (its keep-alive is explicit)."""
+
+
+_LEASE_TRACE = [  # the LLM asked for just before a 90-minute session, then after it
+    Request(t=T0 - 30, model="llm", busy_s=2.0),
+    Request(t=T0, model="world", busy_s=5400.0, kind="session"),
+    Request(t=T0 + 7200, model="llm", busy_s=1.0),
+]
+
+
+@pytest.mark.parametrize("policy", ["gdsf", "oracle"])
+def test_a_lazy_policy_keeps_the_idle_llm_through_the_session(policy: str) -> None:
+    """(The next test's scenario.) `gdsf` evicts only for a request, and the oracle knows the LLM's
+    next request comes after the session: nothing wants the LLM's room, so it stays."""
+    r = replay(config([WORLD, LLM]), _LEASE_TRACE, policy, record=True)
+    left = [
+        t for t, a in r.actions or [] if a.model == "llm" and a.kind in (ActionKind.DEMOTE, ActionKind.DROP)
+    ]
+    assert not [t for t in left if T0 < t < T0 + 5400]
+    assert r.budget_violations == 0
+
+
+@pytest.mark.parametrize("policy", EVICTING)
 def test_a_session_lease_grows_into_room_freed_mid_session_at_the_next_tick(policy: str) -> None:
     """The LLM (8 GiB) is asked for just before a 90-minute world session starts, so the session's
     lease grows only to 3 GiB (15 GiB usable, 4 GiB of world weights, 8 of LLM). When the LLM's
@@ -21,19 +44,11 @@ def test_a_session_lease_grows_into_room_freed_mid_session_at_the_next_tick(poli
     grows the lease into the freed room. The replay grew it only at the next wake-up some policy
     asked for, here never in the session: the world model is ticked before the LLM in each tick, so
     the tick that evicted the LLM had already passed the lease."""
-    cfg = config([WORLD, LLM])
-    reqs = [
-        Request(t=T0 - 30, model="llm", busy_s=2.0),
-        Request(t=T0, model="world", busy_s=5400.0, kind="session"),
-        Request(t=T0 + 7200, model="llm", busy_s=1.0),
-    ]
-    r = replay(cfg, reqs, policy, record=True)
+    r = replay(config([WORLD, LLM]), _LEASE_TRACE, policy, record=True)
     acts = r.actions or []
     left = [t for t, a in acts if a.model == "llm" and a.kind in (ActionKind.DEMOTE, ActionKind.DROP)]
     left = [t for t in left if T0 < t < T0 + 5400]
-    if not left:  # a lazy policy keeps the idle LLM while nothing wants its room: nothing to grow into
-        assert policy not in ("lru-keepalive", "residency"), f"{policy}: the LLM never left the GPU"
-        return
+    assert left, f"{policy}: the LLM never left the GPU"
     te = left[0]
     grows = [
         (t, a.bytes) for t, a in acts if a.model == "world" and a.kind is ActionKind.GROW_LEASE and t >= te
