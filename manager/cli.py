@@ -13,6 +13,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import signal
 import sys
 from collections import Counter
@@ -305,10 +306,20 @@ def _load_trace(
     return res.requests, len(res.bad_lines)
 
 
+_OUT_OF_ORDER = re.compile(r"out of time order: t=\S+ after (t=\S+ \(line \d+\))")
+
+
+def _reason_kind(reason: str) -> str:
+    """A bad line's reason as the summary counts it: lines out of time order behind one line (far in
+    the future, or the first of a file in reverse) are one reason naming that line, not one each by
+    their own times ("44 for 44 other reasons" hid it)."""
+    return _OUT_OF_ORDER.sub(r"out of time order: earlier than \1", reason)
+
+
 def _print_reasons(bad_lines: list[tuple[int, str]]) -> None:
     """The bad lines' reasons with how many lines each, the commonest MAX_REASONS_SHOWN first (a
     trace for another home: every model the config lacks is named, not only the first one's)."""
-    counts = Counter(reason for _line, reason in bad_lines).most_common()
+    counts = Counter(_reason_kind(reason) for _line, reason in bad_lines).most_common()
     err.print("by reason:", highlight=False, markup=False)
     for reason, n in counts[:MAX_REASONS_SHOWN]:
         err.print(f"{n:6d}  {reason}", highlight=False, markup=False)

@@ -468,3 +468,28 @@ def test_the_services_tuning_checks_reservations_against_measured_sizes(
     with pytest.raises(Enough):
         tuning_job.tuning_step(manager, tmp_path / "c.yaml", None, 0.0)
     assert seen[0]["video"] == live["video"] and seen[0]["sd"] == (10 * 2**30, True)
+
+
+# ---- a trace out of time order ----------------------------------------------------------------------
+
+
+def test_lines_out_of_order_behind_one_line_are_one_reason_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A trace in reverse (or one line far in the future): every later line is out of order behind
+    the first, and the summary counted each by its own times ("44 for 44 other reasons"), never
+    naming the line they all follow."""
+    from manager.cli import main
+
+    t0 = 1.8e9
+    lines = [f'{{"t": {t0 + 100 - i}, "model": "voice", "busy_s": 0.1}}' for i in range(30)]
+    trace = tmp_path / "rev.jsonl"
+    trace.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    root = Path(__file__).resolve().parents[2]
+    assert (
+        main(["replay", "--config", str(root / "configs" / "home.yaml"), "--trace", str(trace), "--json"])
+        == 0
+    )
+    err = capsys.readouterr().err
+    assert f"    29  out of time order: earlier than t={t0 + 100} (line 1)" in err.splitlines()
+    assert "other reasons" not in err
