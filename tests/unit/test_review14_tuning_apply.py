@@ -74,7 +74,13 @@ def _tuned(class_updates: dict[str, dict[str, Any]]) -> Callable[..., TuningOutc
     as the job writes it."""
 
     def run(
-        config: Config, config_path: Path, store: Any, now: float, stop: Any = None, held: Any = None
+        config: Config,
+        config_path: Path,
+        store: Any,
+        now: float,
+        stop: Any = None,
+        held: Any = None,
+        live: Any = None,
     ) -> TuningOutcome:
         out_dir = Path(config.tuning.out_dir) / "20260101-000000"
         out_dir.mkdir(parents=True)

@@ -263,9 +263,12 @@ def test_cli_resume_error_names_the_resume_at_step_and_the_flag_resumes_there(
     _damage(d, 8, "corrupt")
     assert main(["session", "--resume", "--segments", "1", "--log-dir", str(d), "--json"]) == 2
     out, err = capsys.readouterr()
-    assert out == "" and "Traceback" not in err and len(err.strip().splitlines()) == 1
-    assert err.startswith(f"worldpager: {d}: cannot rebuild the rolling window: segment 8")
-    assert "--resume-at 8" in err and "resume_at=" not in err
+    # the corrupt slot it found (and retired) first, one warning line, then the error's one line
+    warned, said = err.strip().splitlines()
+    assert out == "" and "Traceback" not in err
+    assert warned.startswith(f"worldpager: warning: {d / LOG_NAME}: slot ") and "(never used)" in warned
+    assert said.startswith(f"worldpager: {d}: cannot rebuild the rolling window: segment 8")
+    assert "--resume-at 8" in said and "resume_at=" not in said
     argv = ["session", "--resume", "--resume-at", "8", "--segments", "1", "--log-dir", str(d), "--json"]
     assert main(argv) == 0
     res = json.loads(capsys.readouterr().out)
