@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 from live_helpers import drain, until
 from prometheus_client import generate_latest
+from test_review14_tuning_apply import _tuned
 
 import manager.tuning_job as job
 from manager.api.server import _ReloadOnLoop
@@ -71,31 +72,6 @@ def _with(config_path: Path, class_updates: dict[str, dict[str, Any]]) -> Config
     new = write_config_with_updates(config_path, out, {}, class_updates, note_changes=True)
     out.unlink()
     return new
-
-
-def _tuned(class_updates: dict[str, dict[str, Any]]) -> Callable[..., TuningOutcome]:
-    """In place of `run_tuning`: a better run whose outcome is `class_updates`."""
-
-    def run(
-        config: Config,
-        config_path: Path,
-        store: Any,
-        now: float,
-        stop: Any = None,
-        held: Any = None,
-        live: Any = None,
-    ) -> TuningOutcome:
-        out_dir = Path(config.tuning.out_dir) / "20260101-000000"
-        out_dir.mkdir(parents=True)
-        proposal = out_dir / "proposed.yaml"
-        write_config_with_updates(config_path, proposal, {}, class_updates, "Proposed", note_changes=True)
-        changes = [f"classes.{c}.{f}" for c, d in class_updates.items() for f in d]
-        return TuningOutcome(
-            proposal, None, 100, changes, True, reason="beats the running config on the held-out days",
-            class_updates=class_updates,
-        )  # fmt: skip
-
-    return run
 
 
 class _Recording:
