@@ -28,6 +28,7 @@ from manager.adapter_specs import BUILTIN, WORLD_ADAPTERS, adapter_problem, chec
 from manager.store.redis_url import redact, redis_url_problem
 from manager.units import (
     DURATION_PATTERN,
+    MAX_DURATION_S,
     MAX_SIZE,
     SIZE_PATTERN,
     format_duration,
@@ -57,10 +58,6 @@ class _FieldErrors(ValueError):
         self.errors = errors
         super().__init__("; ".join(f"{_fmt_loc(loc)}: {msg}" for loc, msg in errors))
 
-
-MAX_DURATION_S = 10 * 365 * 86400
-"""The longest duration a config takes (ten years; keep_alive: forever is the way to say "never"):
-times near float's limits would turn the replay's sums into infinity."""
 
 # What the JSON Schema says of sizes and durations: the spellings parse_size / parse_duration read
 # (not any letters after any digits and dots), up to the largest value load_config takes.

@@ -9,10 +9,11 @@ from __future__ import annotations
 import datetime
 import math
 import re
-from decimal import ROUND_CEILING, Decimal, InvalidOperation
+from decimal import ROUND_CEILING, Decimal, InvalidOperation, localcontext
 
 __all__ = [
     "DURATION_PATTERN",
+    "MAX_DURATION_S",
     "SIZE_PATTERN",
     "ZERO_DURATION_PATTERN",
     "ZERO_SIZE_PATTERN",
@@ -28,6 +29,10 @@ _SIZE_EXPECTED = "expected a size like '24GiB', '512MiB' or a number of bytes"
 MAX_SIZE = 2**60
 """The largest size accepted (1024 PiB): every size must fit the int64 fields of the store and the protos."""
 _DURATION_EXPECTED = "expected a duration like '30m', '2h', '45s' or seconds"
+MAX_DURATION_S = 10 * 365 * 86400
+"""The longest duration a config or a request's keep-alive takes (ten years; `forever` is the way to
+say "never"): times near float's limits would turn the replay's sums into infinity, and a keep-alive
+of 1e40 s printed as a duration took more digits than `format_duration`'s arithmetic holds."""
 
 # Binary (IEC) and decimal (SI) units, lower-cased. Bare "k/m/g/t" are rejected as ambiguous.
 _SIZE_UNITS: dict[str, int] = {
@@ -224,7 +229,14 @@ def parse_keep_alive(v: int | float | str) -> float:
         seconds = parse_duration(v)
     except ValueError:
         raise ValueError(f"{KEEP_ALIVE_EXPECTED}, got {shown(v if not negative else f'-{v}')}") from None
-    return math.inf if negative and seconds > 0 else seconds
+    if negative:  # (however large: forever)
+        return math.inf if seconds > 0 else seconds
+    if seconds > MAX_DURATION_S:  # as the config's keep_alive: a value that large means forever, say so
+        raise ValueError(
+            f"expected a keep-alive of at most 3650d (ten years), or 'forever' (or a negative number) "
+            f"for no expiry, got {shown(v, 40)}"
+        )
+    return seconds
 
 
 def _finite(seconds: float, v: int | float | str) -> float:
@@ -269,13 +281,15 @@ def format_duration(s: float) -> str:
         raise ValueError(f"expected a non-negative number of seconds, got {s!r}")
     if math.isinf(s):
         return "forever"
-    rest = Decimal(s) if isinstance(s, int) else Decimal(repr(s + 0.0))  # -0.0 is "0s", not "-0s"
-    parts: list[str] = []
-    for name, unit in _FORMAT_DURATION_UNITS:
-        count = int(rest // unit)
-        if count:
-            parts.append(f"{count}{name}")
-            rest -= count * unit
-    if rest or not parts:
-        parts.append(f"{_decimal_str(rest)}s")
+    with localcontext() as exact:  # (28 digits by default: 1e40 s failed, DivisionImpossible)
+        exact.prec = 400  # more than a float's 309 integer digits and 17 significant ones
+        rest = Decimal(s) if isinstance(s, int) else Decimal(repr(s + 0.0))  # -0.0 is "0s", not "-0s"
+        parts: list[str] = []
+        for name, unit in _FORMAT_DURATION_UNITS:
+            count = int(rest // unit)
+            if count:
+                parts.append(f"{count}{name}")
+                rest -= count * unit
+        if rest or not parts:
+            parts.append(f"{_decimal_str(rest)}s")
     return "".join(parts)

@@ -518,7 +518,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             )
         out = {}
         for i, t in enumerate(request.inputs):
-            out[t.name] = decode_input(t.name, t.datatype, list(t.shape), raw[i] if raw else None, t.contents)
+            try:
+                out[t.name] = decode_input(
+                    t.name, t.datatype, list(t.shape), raw[i] if raw else None, t.contents
+                )
+            except InvalidRequest as e:  # (as the checks before it do: on a stream, whose request it was)
+                raise InvalidRequest(f"model {request.model_name!r} {e}") from None
         return out
 
     async def _decoded(self, request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
@@ -741,7 +746,5 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.RepositoryModelUnloadRequest, context: Any
     ) -> pb.RepositoryModelUnloadResponse:
         _one_repository(request.repository_name)
-        if request.model_name not in self.manager.live:
-            raise ModelNotFound(f"unknown model {request.model_name!r}")
-        self.manager.evict(request.model_name, "disk")
+        self.manager.evict(request.model_name, "disk")  # (an unknown one: NOT_FOUND naming the models)
         return pb.RepositoryModelUnloadResponse()

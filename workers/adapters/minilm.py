@@ -32,6 +32,12 @@ from workers.st_io import CheckpointError, open_regular
 MAX_TEXTS = 256
 DEFAULT_MAX_SEQ_LENGTH = 256
 """Tokens a text is cut to when `sentence_bert_config.json` does not say (at most the model's positions)."""
+CHARS_PER_TOKEN = 100
+"""A text is cut to `CHARS_PER_TOKEN` characters per token the model reads before it is tokenized.
+The tokenizer takes the whole text before cutting its tokens, and holds over a hundred bytes per
+character meanwhile: one 30 MB text under the message limit took 5 GB and half a minute, to be cut to
+256 tokens. A BERT word piece spans at most 100 characters (a longer word is one unknown token), so a
+text whose words are not padded by long runs of spaces gives the model the same tokens."""
 
 
 class SentenceEmbeddingAdapter(ModuleAdapter):
@@ -43,6 +49,8 @@ class SentenceEmbeddingAdapter(ModuleAdapter):
     def __init__(self, spec: P.ModelSpec, device: torch.device) -> None:
         super().__init__(spec, device)
         self._tokenizer: Any = None
+        self._longest_text = 0
+        """The characters a text is cut to before it is tokenized (set with the tokenizer)."""
         self._pooling: str | None = None
         self._dim: int | None = None
 
@@ -182,7 +190,9 @@ class SentenceEmbeddingAdapter(ModuleAdapter):
                 raise AdapterError(
                     P.BAD_CHECKPOINT, f"model {self.spec.name!r}: {p}: not a tokenizer file ({e})"
                 ) from None
-            tok.enable_truncation(max_length=self.max_seq_length())
+            longest = self.max_seq_length()
+            tok.enable_truncation(max_length=longest)
+            self._longest_text = longest * CHARS_PER_TOKEN  # (read once: the files may go, see infer)
             tok.enable_padding()
             self._tokenizer = tok
         return self._tokenizer
@@ -234,7 +244,8 @@ class SentenceEmbeddingAdapter(ModuleAdapter):
                 raise AdapterError(
                     P.BAD_INPUT, f"model {self.spec.name!r}: input 'text'[{i}] is not UTF-8"
                 ) from None
-        enc = self.tokenizer().encode_batch(texts)
+        tok = self.tokenizer()
+        enc = tok.encode_batch([t[: self._longest_text] for t in texts])
         ids = torch.tensor([e.ids for e in enc], device=self.device)
         mask = torch.tensor([e.attention_mask for e in enc], device=self.device)
         types = torch.tensor([e.type_ids for e in enc], device=self.device)

