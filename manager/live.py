@@ -412,6 +412,20 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         if self.journal is not None:
             self.journal.close()
 
+    async def pins_saved(self, timeout_s: float) -> bool:
+        """Wait, `timeout_s` at most, for the pins' last write to the store (an admin's Pin or Unpin
+        is answered once it is saved, so a kill right after the answer does not lose it). True when
+        it is saved (or there is no store); False when the write failed or is still waiting (a store
+        down or hanging): the pin holds, and is saved once the store answers."""
+        task = self._pins_write
+        if self.store is None:
+            return True
+        if task is not None and not task.done():
+            await asyncio.wait({task}, timeout=max(timeout_s, 0.0))
+            if not task.done():
+                return False
+        return not self._pins_dirty
+
     async def _save_pins_at_stop(self) -> None:
         """The admin pins whose last write failed (or that waited for the store's saved pins to be
         read) are written once more at the stop, STOP_WAIT_S at most: the reconciler's retry, at its

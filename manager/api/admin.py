@@ -24,6 +24,11 @@ from residency_proto.v1 import residency_pb2 as pb
 from residency_proto.v1 import residency_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
+PIN_SAVE_WAIT_S = 5.0
+"""How long a Pin or Unpin waits for the pin to be saved in the store before it answers (a kill
+right after the answer lost it about half the time): within the call's deadline, and at most this
+when it has none. A store that does not answer by then holds up no admin: the pin holds at once,
+and is saved once the store answers (a kill before that loses it, as the log says)."""
 
 
 def loading_to_host(manager: LiveManager, name: str) -> bool:
@@ -251,11 +256,13 @@ class AdminServicer(pb_grpc.ResidencyServicer):
     @mapped
     async def Pin(self, request: pb.ModelRequest, context: Any) -> pb.ModelStatus:
         self.manager.set_pin(request.name, True)
+        await self.manager.pins_saved(call_wait_s(context.time_remaining(), PIN_SAVE_WAIT_S))
         return model_status(self.manager, request.name)
 
     @mapped
     async def Unpin(self, request: pb.ModelRequest, context: Any) -> pb.ModelStatus:
         self.manager.set_pin(request.name, False)
+        await self.manager.pins_saved(call_wait_s(context.time_remaining(), PIN_SAVE_WAIT_S))
         return model_status(self.manager, request.name)
 
     @mapped

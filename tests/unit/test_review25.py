@@ -157,3 +157,71 @@ class TestNamedByModel:
             asyncio.run(servicer.RepositoryModelUnload(req, Context()))
         code, details = e.value.args
         assert code.name == "NOT_FOUND" and details == "unknown model 'nope'; this server has: voice"
+
+
+class TestPinAnsweredOnceSaved:
+    """Review 25 (kill -9 drills): an admin's Pin or Unpin answered, then the service killed at once,
+    lost the pin about half the time: the answer came before the store's write (made on a thread).
+    Now the call answers once the pin is saved (within its deadline; 5 s at most without one)."""
+
+    class Context:
+        def __init__(self, left: float | None) -> None:
+            self.left = left
+
+        def time_remaining(self) -> float | None:
+            return self.left
+
+    def test_the_answer_waits_for_the_write(self, tmp_path: Any) -> None:
+        from live_helpers import run
+        from test_review18_live import _Store, _three_models
+
+        from manager.api.admin import AdminServicer
+        from manager.live import LiveManager
+        from manager.store import open_store
+        from residency_proto.v1 import residency_pb2 as rpb
+
+        config = _three_models(tmp_path, holds=4.5)
+        store = _Store(open_store(f"sqlite:///{tmp_path / 'state.db'}"))
+        store.slow_first = 0.5
+
+        async def body(lm: LiveManager) -> None:
+            admin = AdminServicer(lm, None)
+            await admin.Pin(rpb.ModelRequest(name="hi"), self.Context(None))
+            assert store.inner.get_doc("pins") == {"hi": True}  # saved before the answer
+            await admin.Unpin(rpb.ModelRequest(name="hi"), self.Context(30.0))
+            assert store.inner.get_doc("pins") == {}
+
+        try:
+            run(config, body, store=store)
+        finally:
+            store.inner.close()
+
+    def test_a_store_that_does_not_answer_holds_the_call_no_longer_than_its_deadline(
+        self, tmp_path: Any
+    ) -> None:
+        import time
+
+        from live_helpers import run
+        from test_review18_live import _Store, _three_models
+
+        from manager.api.admin import AdminServicer
+        from manager.live import LiveManager
+        from manager.store import open_store
+        from residency_proto.v1 import residency_pb2 as rpb
+
+        config = _three_models(tmp_path, holds=4.5)
+        store = _Store(open_store(f"sqlite:///{tmp_path / 'state.db'}"))
+        store.slow_first = 3.0
+
+        async def body(lm: LiveManager) -> None:
+            admin = AdminServicer(lm, None)
+            status = await admin.Pin(rpb.ModelRequest(name="hi"), self.Context(0.5))
+            assert not await lm.pins_saved(0.0)  # answered at its deadline, the write on its way
+            assert status.pinned and lm.engine.models["hi"].pinned  # the pin holds at once
+            assert await lm.pins_saved(10.0)
+            assert store.inner.get_doc("pins") == {"hi": True}
+
+        try:
+            run(config, body, store=store)
+        finally:
+            store.inner.close()
