@@ -158,15 +158,37 @@ def _not_a_folder_name(value: str, flag: str) -> None:
         raise UsageError(f"{flag} {value}: names a folder (it ends in / or .): give a file")
 
 
-def _prepare_out_file(value: str, flag: str, *, create: bool = True) -> Path:
+def _prepare_out_file(value: str, flag: str, *, create: bool = True, replaced: bool = False) -> Path:
     """The file `flag` names, checked before any work is done: not empty, not a directory, its
     folder made (as `trace synth` does; with `create` False only checked) and writable, an existing
-    file writable. UsageError naming `flag`."""
+    file writable. With `replaced` (a config, written whole into a new file renamed over the one a
+    link leads to), the folder checked is the link's target's, and a FIFO or a device there is
+    refused: the rename would replace it (a `tune --out /dev/null` run as root, the system's).
+    UsageError naming `flag`."""
+    from manager.config import _not_regular
+
     path = Path(_not_empty(value, flag, "a file to write"))
     _not_a_folder_name(value, flag)
     if path.is_dir() or not path.name:
         raise UsageError(f"{flag} {value}: is a directory; give the path of a file to write")
     _prepare_dir(path.parent, flag, create=create, for_file=value)
+    if replaced:
+        real = Path(os.path.realpath(path))
+        if real.parent != path.parent.resolve():  # (a link: the file written is its target)
+            if not real.parent.is_dir():
+                raise UsageError(
+                    f"{flag} {value}: is a link to {real}, whose folder {real.parent} does not exist"
+                )
+            _prepare_dir(real.parent, flag, create=False, for_file=f"{value} (a link to {real})")
+        try:
+            kind = _not_regular(os.stat(real).st_mode)
+        except FileNotFoundError:
+            kind = ""
+        if kind:
+            raise UsageError(
+                f"{flag} {value}: is {kind}, not a regular file; a config is written whole into a "
+                "new file renamed over it, which would replace it: give the path of a file"
+            )
     if path.exists() and not os.access(path, os.W_OK):
         raise UsageError(f"{flag} {value}: the file is not writable")
     if path.is_file() and not path.stat().st_mode & 0o222:  # (root may write it: its owner said no)
@@ -179,7 +201,12 @@ def _check_tune_outputs(a: argparse.Namespace) -> None:
     now, and an --out that is one of the traces (the week of requests written over) is refused."""
     if a.report is not None:
         _not_empty(a.report, "--report", "a folder for the report")
-    _prepare_out_file(a.out, "--out", create=False)
+    _prepare_out_file(a.out, "--out", create=False, replaced=True)
+    if _is_stdout(a.out):  # (`--out /dev/stdout > file`: the table printed, then the file replaced)
+        raise UsageError(
+            f"--out {a.out}: is where standard output goes (the before/after table is printed there); "
+            "give another file"
+        )
     for flag, value in (("--trace", a.trace), ("--holdout", a.holdout)):
         if value and value != STDIN and _same_file(a.out, value):
             raise UsageError(f"--out {a.out} is the {flag} file; give another path for the tuned config")
@@ -228,6 +255,15 @@ def _not_the_services_file(config: Config, out: Path) -> None:
             raise UsageError(
                 f"--out {out}: is {what} ({path}); the export would replace it: give another file"
             )
+
+
+def _is_stdout(path: str) -> bool:
+    """Whether `path` names the file standard output goes to (through /dev/stdout or a link)."""
+    try:
+        here, there = os.fstat(sys.stdout.fileno()), os.stat(path)
+    except (OSError, ValueError, AttributeError):  # (no such file; stdout closed or not a file)
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -797,10 +833,19 @@ def cmd_measure(a: argparse.Namespace) -> int:
         raise UsageError(f"--model {unknown[0]}: not in {a.config} (models: {', '.join(sorted(names))})")
     if a.repeats < 1:
         raise UsageError("--repeats must be at least 1")
-    if a.write_config:  # checked (and its folder made) before measuring, not after
-        _prepare_out_file(a.write_config, "--write-config")
+    if a.write_config is not None:  # checked (and its folder made) before measuring, not after
+        _prepare_out_file(a.write_config, "--write-config", replaced=True)
     results = measure.measure_all(config, a.model or None, a.repeats)
-    if a.write_config:
+    failed = [r.name for r in results if not r.ok]
+    unwritten = ""
+    if a.write_config is not None and failed and not a.allow_missing:
+        # (a file that held an earlier run's measurements would get the config's estimates back for
+        # the models that failed: written only when --allow-missing says the others are wanted)
+        unwritten = (
+            f"--write-config {a.write_config}: not written: {_count(len(failed), 'model')} could not be "
+            f"measured ({', '.join(failed)}); --allow-missing writes the others' measurements"
+        )
+    elif a.write_config is not None:
         measure.write_measured_config(Path(a.config), Path(a.write_config), results)
     if a.json:
         _print_json(measure.as_json(results), indent=2)
@@ -818,6 +863,8 @@ def cmd_measure(a: argparse.Namespace) -> int:
                     markup=False,
                     soft_wrap=True,
                 )
+    if unwritten:
+        err.print(f"residency: {unwritten}", highlight=False, markup=False, soft_wrap=True)
     return 0 if all(r.ok for r in results) or a.allow_missing else 1
 
 

