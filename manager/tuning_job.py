@@ -22,8 +22,8 @@ import contextlib
 import logging
 import math
 import os
-import stat
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Callable
@@ -264,6 +264,27 @@ class NotWritable(OSError):
         self.path, self.why = path, why
 
 
+def _replaceable(dst: Path, target: Path) -> os.stat_result | None:
+    """`target`'s stat (None: not there yet) when a new file may be renamed over it; NotWritable
+    naming `dst` when not: not a regular file (the rename would replace a FIFO, a device), read-only,
+    or its folder missing (a dangling link's) or not writable."""
+    try:
+        st: os.stat_result | None = os.stat(target)
+    except FileNotFoundError:
+        st = None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise NotWritable(dst, f"{target} is not a regular file (a FIFO, a device, a folder)")
+    if st is not None and (not st.st_mode & 0o222 or not os.access(target, os.W_OK)):
+        raise NotWritable(dst, "the file is read-only")
+    try:
+        fst = os.stat(target.parent)
+    except FileNotFoundError:
+        raise NotWritable(dst, f"its folder {target.parent} does not exist") from None
+    if not fst.st_mode & 0o222 or not os.access(target.parent, os.W_OK | os.X_OK):
+        raise NotWritable(dst, f"its folder {target.parent} is not writable")
+    return st
+
+
 def write_config_atomically(
     dst: Path,
     write: Callable[[Path], T],
@@ -283,20 +304,7 @@ def write_config_atomically(
     not what the file holds, before or after the write."""
     target = Path(os.path.realpath(dst))
     folder = target.parent
-    try:
-        st: os.stat_result | None = os.stat(target)
-    except FileNotFoundError:
-        st = None
-    if st is not None and not stat.S_ISREG(st.st_mode):  # (the rename would replace a FIFO, a device)
-        raise NotWritable(dst, f"{target} is not a regular file (a FIFO, a device, a folder)")
-    if st is not None and (not st.st_mode & 0o222 or not os.access(target, os.W_OK)):
-        raise NotWritable(dst, "the file is read-only")
-    try:
-        fst = os.stat(folder)
-    except FileNotFoundError:  # (a dangling link's target folder)
-        raise NotWritable(dst, f"its folder {folder} does not exist") from None
-    if not fst.st_mode & 0o222 or not os.access(folder, os.W_OK | os.X_OK):
-        raise NotWritable(dst, f"its folder {folder} is not writable")
+    st = _replaceable(dst, target)
 
     def unchanged() -> None:
         if expected is None:

@@ -22,6 +22,7 @@ import dataclasses
 import itertools
 import json
 import math
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -247,9 +248,16 @@ def _check_plot_path(path: str) -> None:
     except OSError as e:  # (a name too long for the file system)
         raise UsageError(f"--plot {path}: {e.strerror or e}") from None
     try:
-        import matplotlib  # noqa: F401
+        from matplotlib.backend_bases import FigureCanvasBase
     except ImportError as e:
         raise UsageError(f"--plot {path}: needs matplotlib ({e})") from None
+    kinds = FigureCanvasBase.get_supported_filetypes()  # (what savefig takes from a name's suffix)
+    suffix = Path(path).suffix[1:].lower()
+    if suffix and suffix not in kinds:  # (refused now: after the run, its results were lost with it)
+        raise UsageError(
+            f"--plot {path}: matplotlib cannot write .{suffix} files; give a name ending in one of "
+            f"{', '.join('.' + k for k in sorted(kinds))} (none: .png)"
+        )
 
 
 def _size_arg(text: str | None, opts: dict[str, Any]) -> str:
@@ -399,11 +407,12 @@ def _add_bench_stall(sub: argparse._SubParsersAction[_Parser]) -> None:
 def _why_unsaved(log_dir: str) -> str:
     """Why `read_saved_state` found no saved session in `log_dir`: its session.json is missing, cannot
     be read, is not JSON, or is not a saved session of this version."""
+    from worldpager.segment_log import read_small_text
     from worldpager.session import SESSION_FILE
 
     path = Path(log_dir) / SESSION_FILE
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_small_text(path)
     except FileNotFoundError:
         return f"no {SESSION_FILE}"
     except (OSError, ValueError) as e:  # (a folder of that name, no permission, not UTF-8)
@@ -849,6 +858,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else 0
+    except BrokenPipeError:  # its reader stopped reading (`| head`): quietly, as `residency` does
+        with contextlib.suppress(OSError):  # (and no second error when Python flushes at exit)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     finally:
         if held is not None:
             signal.signal(signal.SIGTERM, held)

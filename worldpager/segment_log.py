@@ -72,6 +72,7 @@ import errno
 import json
 import os
 import secrets
+import stat
 import sys
 import threading
 import zlib
@@ -268,6 +269,34 @@ def _pwrite_all(fd: int, parts: Iterable[bytes | memoryview], offset: int) -> No
             views[0] = views[0][n:]
 
 
+MAX_JSON_BYTES = 256 << 20
+"""The largest ``meta.json``, ``index.json`` or ``session.json`` read (a log of a million segments'
+index is about 300 MB... far past any session here: 3,000 segments' is under 1 MB)."""
+
+
+def read_small_text(path: Path, limit: int = MAX_JSON_BYTES) -> str:
+    """The UTF-8 text of the regular file ``path``, read only when it is at most ``limit`` bytes. A
+    FIFO there held a resume until something wrote into it, and a huge (or sparse) file was read
+    whole into memory. OSError: FileNotFoundError when missing; one whose strerror says "not a
+    regular file (a FIFO...)" or the size otherwise. ValueError (UnicodeDecodeError): not UTF-8."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # (a FIFO does not hold the open)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file (a FIFO, a device or a folder)", str(path))
+        if st.st_size > limit:
+            raise OSError(errno.EFBIG, f"{st.st_size} bytes, more than the {limit} read", str(path))
+        chunks, got = [], 0
+        while got <= limit and (chunk := os.read(fd, min(1 << 20, limit + 1 - got))):
+            chunks.append(chunk)
+            got += len(chunk)
+    finally:
+        os.close(fd)
+    if got > limit:  # (it grew while read)
+        raise OSError(errno.EFBIG, f"more than the {limit} bytes read", str(path))
+    return b"".join(chunks).decode("utf-8")
+
+
 def whole(value: object, low: int | None = 0) -> TypeGuard[int]:
     """A JSON whole number (not a bool, a float or a string), at least `low` unless that is None."""
     return isinstance(value, int) and not isinstance(value, bool) and (low is None or value >= low)
@@ -284,7 +313,7 @@ def _read_meta(d: Path, fd: int) -> tuple[int, int | None, int]:
     path = d / META_NAME
     meta: object = None
     with contextlib.suppress(OSError, ValueError, RecursionError):
-        meta = json.loads(path.read_text(encoding="utf-8"))
+        meta = json.loads(read_small_text(path))
     first: tuple[SegmentHeader | None, int] | CorruptSlotError | None = None
     first_id = 0
     if os.fstat(fd).st_size:
@@ -830,7 +859,7 @@ class SegmentLog:
     def _load_index(self, size: int) -> int | None:
         """Install a trustworthy index.json and return how many slots it covers, or None if stale."""
         try:
-            idx = json.loads((self.directory / INDEX_NAME).read_text(encoding="utf-8"))
+            idx = json.loads(read_small_text(self.directory / INDEX_NAME))
             if idx["version"] != FORMAT_VERSION or idx["slot_size"] != self.slot_size:
                 return None
             if idx.get("log_id", 0) != self.log_id:  # (an index of another log, or from before ids)

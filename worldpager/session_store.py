@@ -65,6 +65,7 @@ from worldpager.segment_log import (
     SegmentLog,
     SegmentLogError,
     open_fresh,
+    read_small_text,
     slot_size_for,
     whole,
 )
@@ -135,7 +136,7 @@ def read_saved_state(log_dir: str | Path) -> dict[str, Any] | None:
     writes (a hand-edited or damaged file): resuming on it would fail later, or continue wrongly."""
     path = Path(log_dir) / SESSION_FILE
     try:
-        state = json.loads(path.read_text(encoding="utf-8"))
+        state = json.loads(read_small_text(path))
     except (OSError, ValueError, RecursionError):
         return None
     if not isinstance(state, dict) or state.get("format") != _FORMAT or state.get("version") != _VERSION:
@@ -257,7 +258,7 @@ def save_state(
     (`abandoned`)."""
     log_id = 0
     with contextlib.suppress(OSError, ValueError, RecursionError, AttributeError):
-        log_id = json.loads((log_dir / META_NAME).read_text(encoding="utf-8")).get("log_id", 0)
+        log_id = json.loads(read_small_text(log_dir / META_NAME)).get("log_id", 0)
     state = {
         "format": _FORMAT,
         "version": _VERSION,

@@ -357,7 +357,8 @@ class TestRelayedCallsAnswerAsDirectly:
             md: list[tuple[str, Any]] = [("authorization", f"{scheme} {TOKEN}"), ("x-custom", "1")]
             md.append(("x-trace-bin", b"\x00\x01"))
             code, details, _ = service.both("RepositoryModelUnload", unload, metadata=md)
-            assert (code, details) == ("NOT_FOUND", "unknown model 'nope'; this server has: echo, embed, voice")
+            known = "echo, embed, voice"
+            assert (code, details) == ("NOT_FOUND", f"unknown model 'nope'; this server has: {known}")
         # ModelInfer needs no token, and the front end's fast path takes none
         assert service.both("ModelInfer", ser(voice()), metadata=[("authorization", "Bearer x")])[0] == "OK"
 

@@ -338,3 +338,85 @@ class TestConfigOutputs:
         args = ["measure", "--config", str(CPU_CONFIG), "--model", "voice", "--write-config", ""]
         assert main(args) == 2
         assert "--write-config is empty" in capsys.readouterr().err
+
+
+class TestWorldpagerCli:
+    """Review 25 (command-line bad input): the worldpager CLI printed a traceback when its reader
+    went away (`| true`); `bench-stall --plot x.txt` ran the whole benchmark before matplotlib refused
+    the suffix, losing the results; a resume whose session.json (or index.json, meta.json) was a FIFO
+    waited for ever, and a huge one was read whole into memory."""
+
+    def test_a_closed_pipe_is_quiet(self) -> None:
+        import subprocess
+        import sys
+
+        p = subprocess.Popen(
+            [sys.executable, "-m", "worldpager.cli", "sizing", "--host-memory", "32GiB", "--codec", "int4"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        assert p.stdout is not None and p.stderr is not None
+        p.stdout.close()  # (before it writes: its first write meets no reader)
+        with p.stderr:
+            said = p.stderr.read().decode()
+        assert p.wait(timeout=120) == 141 and "Traceback" not in said, said
+
+    def test_a_plot_suffix_matplotlib_cannot_write_is_refused_first(
+        self, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        import worldpager.stall as stall
+        from worldpager.cli import main
+
+        monkeypatch.setattr(stall, "plot", lambda *a, **k: pytest.fail("the benchmark ran to its plot"))
+        assert main(["bench-stall", "--quick", "--plot", str(tmp_path / "x.txt")]) == 2
+        assert "matplotlib cannot write .txt files" in capsys.readouterr().err
+
+    @pytest.mark.parametrize("fifo", ["session.json", "index.json", "meta.json"])
+    def test_a_fifo_in_a_saved_session_does_not_hold_the_resume(self, tmp_path: Path, fifo: str) -> None:
+        import os
+        import subprocess
+        import sys
+
+        run = [
+            sys.executable,
+            "-m",
+            "worldpager.cli",
+            "session",
+            "--preset",
+            "micro",
+            "--host-memory",
+            "256KiB",
+        ]
+        d = tmp_path / "s"
+        assert (
+            subprocess.run(
+                [*run, "--segments", "3", "--log-dir", str(d)], capture_output=True, timeout=300
+            ).returncode
+            == 0
+        )
+        (d / fifo).unlink()
+        os.mkfifo(d / fifo)
+        r = subprocess.run(
+            [*run, "--segments", "2", "--log-dir", str(d), "--resume"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )  # (it waited for a writer for ever)
+        if fifo == "session.json":
+            assert r.returncode == 2 and "not a regular file" in r.stderr, r.stderr
+        else:  # the log's own files: rebuilt from the slots, as when they are lost
+            assert r.returncode == 0, r.stderr
+
+    def test_a_huge_session_file_is_not_read(self, tmp_path: Path) -> None:
+        import os
+
+        from worldpager.segment_log import MAX_JSON_BYTES, read_small_text
+
+        big = tmp_path / "session.json"
+        with big.open("wb") as f:
+            f.truncate(MAX_JSON_BYTES + 1)  # (sparse: no disk)
+        with pytest.raises(OSError, match="more than the"):
+            read_small_text(big)
+        os.truncate(big, 2)
+        big.write_text("{}")
+        assert read_small_text(big) == "{}"
