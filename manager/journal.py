@@ -23,6 +23,7 @@ import contextlib
 import errno
 import json
 import logging
+import math
 import os
 import stat
 from pathlib import Path
@@ -32,6 +33,11 @@ from manager import pidlock
 from manager.store.base import normalize_record
 
 logger = logging.getLogger(__name__)
+
+CATCH_UP_S = 1.0
+"""How often, at most, a journal that failed appends (a full disk) is written anew with the records
+it missed (`RequestJournal.catch_up`): a rewrite of the whole buffer for each request would cost
+more than the request while the disk stays full."""
 _ENCODE = json.JSONEncoder(separators=(",", ":")).encode
 
 
@@ -75,6 +81,9 @@ class RequestJournal:
         """Records in the file (as far as this process knows: read, appended, rewritten)."""
         self.failed = 0
         """Records that could not be appended (a full disk): they are in memory only."""
+        self.behind = 0
+        """Records in memory only since the journal last held every one (`catch_up` writes them)."""
+        self._caught_up_at = -math.inf
         self._torn = False  # a failed append may have left part of its line: end it first
         self._closed = False
         self._end_line()
@@ -155,15 +164,41 @@ class RequestJournal:
                 data = data[os.write(self._fd, data) :]
         except OSError as e:
             self._torn = True
-            self.failed += 1
-            if self.failed == 1 or self.failed % 1000 == 0:
-                logger.warning(
-                    "%s: cannot append to the request journal (%s); %d record(s) in memory only",
-                    self.path, e, self.failed,
-                )  # fmt: skip
+            self._missed(e)
             return
         self._torn = False
         self.lines += 1
+
+    def _missed(self, e: OSError) -> None:
+        self.failed += 1
+        self.behind += 1
+        if self.failed == 1 or self.failed % 1000 == 0:
+            logger.warning(
+                "%s: cannot append to the request journal (%s); %d record(s) in memory only",
+                self.path, e, self.behind,
+            )  # fmt: skip
+
+    def catch_up(self, pending: list[dict[str, Any]], now: float) -> None:
+        """After appends failed (`behind`), the journal written anew with `pending` (every record the
+        store does not have yet, the newest last), at most once every CATCH_UP_S (`now`: a monotonic
+        clock): the records the journal could not take were in memory only until the store took
+        them, so a kill once the disk had room again still lost them. Only by a temp file renamed
+        over it, never cut in place (on a disk still full that would lose what it holds); until it
+        succeeds, each record is one more in memory only."""
+        if now - self._caught_up_at < CATCH_UP_S:
+            self._missed(OSError(errno.EAGAIN, "not tried again yet: it failed less than a second ago"))
+            return
+        self._caught_up_at = now
+        behind = self.behind + 1  # (the newest, pending's last, is not in the file either)
+        failure = self._replace_with(pending)
+        if failure is not None:
+            self._missed(failure)
+            return
+        self.behind = 0
+        logger.info(
+            "%s: the request journal takes records again; the %d it could not take are in it now",
+            self.path, behind,
+        )  # fmt: skip
 
     def read(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -191,6 +226,18 @@ class RequestJournal:
         it runs after the store took a batch, and a failure taken for the store's would send the batch
         again. Without room for the temp file (a full disk) the journal is cut and `pending` written
         in place, so it does not keep what the store has (sent again at the next start)."""
+        failure = self._replace_with(pending)
+        if failure is not None:
+            logger.warning(
+                "%s: cannot rewrite the request journal (%s); cut and rewritten in place", self.path, failure
+            )
+            self._rewrite_in_place(pending)
+            return
+        self.behind = 0
+
+    def _replace_with(self, pending: list[dict[str, Any]]) -> OSError | None:
+        """The journal replaced by a temp file holding `pending`; the OSError that stopped it (the
+        journal then as it was, the temp file removed), None when done."""
         tmp = self.file.with_name(self.file.name + ".tmp")
         try:
             try:  # the journal's mode (its owner may have made it private)
@@ -208,15 +255,15 @@ class RequestJournal:
             os.replace(tmp, self.file)
             self._fd = self._open()
         except OSError as e:
-            logger.warning(
-                "%s: cannot rewrite the request journal (%s); cut and rewritten in place", self.path, e
-            )
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
-            self._rewrite_in_place(pending)
-            return
+            if self._fd < 0 and not self._closed:  # (closed before a failed rename: open it again)
+                with contextlib.suppress(OSError):
+                    self._fd = self._open()
+            return e
         self._torn = False
         self.lines = len(pending)
+        return None
 
     def _rewrite_in_place(self, pending: list[dict[str, Any]]) -> None:
         try:

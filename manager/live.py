@@ -274,6 +274,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         # The request log is written in batches off the event loop (once a second, or sooner when
         # LOG_BATCH records wait), and at stop: a per-request write would cost more than the request.
         self._log_buf: list[dict[str, Any]] = []
+        self._log_sending: list[dict[str, Any]] = []  # the batch a flush is writing to the store
         if isinstance(journal, (str, Path)):
             journal = RequestJournal(Path(journal)) if store is not None else None
         self.journal = journal if store is not None else None

@@ -296,6 +296,7 @@ class PersistenceMixin:
     metrics: Metrics
     journal: RequestJournal | None
     _log_buf: list[dict[str, Any]]
+    _log_sending: list[dict[str, Any]]
     _log_failing: bool
     _intents_stale: bool
     _intents_damaged: list[object]
@@ -1029,7 +1030,12 @@ class PersistenceMixin:
     # ---- request-log buffering and flushing ---------------------------------------------------
     def _log(self, rec: dict[str, Any]) -> None:
         self._log_buf.append(rec)
-        if self.journal is not None:
+        if self.journal is None:
+            return
+        if self.journal.behind:  # records it could not take (a full disk): all of them, once it can
+            # (with the batch a flush is sending, which the store may yet refuse)
+            self.journal.catch_up(self._log_sending + self._log_buf, time.monotonic())
+        else:
             self.journal.append(rec)
 
     async def flush_log(self) -> None:
@@ -1049,6 +1055,7 @@ class PersistenceMixin:
         # a Redis that hangs may run the first copy once it answers, and the same batch is written once
         retried, n = self._retry_len > 0, self._retry_len or len(self._log_buf)
         batch, self._log_buf = self._log_buf[:n], self._log_buf[n:]
+        self._log_sending = batch
         # shielded: a cancelled caller (the reconciler at stop) must not leave a written batch in the
         # journal, or the next start would log it twice; and the write's outcome is still handled
         # here, under the flush lock (a batch the store fails is kept), before the cancel goes on
@@ -1062,6 +1069,7 @@ class PersistenceMixin:
         except Exception:
             pass  # handled below, from the write itself
         error = asyncio.CancelledError() if write.cancelled() else write.exception()
+        self._log_sending = []
         if error is not None:
             self._write_failed(batch, error)
         else:

@@ -420,3 +420,108 @@ class TestWorldpagerCli:
         os.truncate(big, 2)
         big.write_text("{}")
         assert read_small_text(big) == "{}"
+
+
+def _rec(i: int) -> dict[str, Any]:
+    return {"t": 1000.0 + i, "model": "voice", "busy_s": 0.1}
+
+
+class TestJournalCatchesUp:
+    """Review 25 (kill -9 drills): requests answered while the journal's disk was full were never
+    written to it once the disk had room again (only once the store took them), so a kill then lost
+    them, with the store down too; and the log said nothing once appends worked again."""
+
+    @pytest.fixture
+    def full(self, monkeypatch: pytest.MonkeyPatch) -> Any:
+        import errno
+        import os
+
+        import manager.journal as journal_mod
+
+        real = os.write
+        state = {"full": True}
+
+        def write(fd: int, data: Any) -> int:
+            if state["full"]:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(fd, data)
+
+        monkeypatch.setattr(journal_mod.os, "write", write)
+        return state
+
+    def test_the_records_it_missed_are_written_once_it_can(
+        self, tmp_path: Path, full: dict[str, bool], caplog: pytest.LogCaptureFixture
+    ) -> None:
+        import logging
+
+        from manager.journal import RequestJournal
+
+        j = RequestJournal(tmp_path / "requests.journal")
+        try:
+            full["full"] = False
+            j.append(_rec(0))
+            full["full"] = True
+            for i in (1, 2, 3):
+                j.append(_rec(i))
+            assert j.behind == 3 and [r["t"] for r in j.read()] == [1000.0]
+            full["full"] = False
+            with caplog.at_level(logging.INFO, logger="manager.journal"):
+                j.catch_up([_rec(i) for i in range(5)], now=100.0)  # the buffer, the newest last
+            assert j.behind == 0 and [r["t"] for r in j.read()] == [1000.0 + i for i in range(5)]
+            assert "the 4 it could not take are in it now" in caplog.text
+            j.append(_rec(5))  # and appends go on after them
+            assert [r["t"] for r in j.read()][-2:] == [1004.0, 1005.0]
+        finally:
+            j.close()
+
+    def test_a_catch_up_that_fails_never_cuts_the_journal_and_waits_a_second(
+        self, tmp_path: Path, full: dict[str, bool], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        import errno
+        import os
+
+        import manager.journal as journal_mod
+        from manager.journal import RequestJournal
+
+        j = RequestJournal(tmp_path / "requests.journal")
+        try:
+            full["full"] = False
+            j.append(_rec(0))
+            j.append(_rec(1))
+            full["full"] = True
+            j.append(_rec(2))
+            real_open, tries = os.open, []
+
+            def open_(path: Any, flags: int, *a: Any) -> int:
+                if str(path).endswith(".tmp"):
+                    tries.append(path)
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                return real_open(path, flags, *a)
+
+            monkeypatch.setattr(journal_mod.os, "open", open_)
+            j.catch_up([_rec(i) for i in range(4)], now=100.0)
+            assert len(tries) == 1 and j.behind == 2
+            assert [r["t"] for r in j.read()] == [1000.0, 1001.0]  # as it was: not cut
+            j.catch_up([_rec(i) for i in range(5)], now=100.5)  # within the second: not tried
+            assert len(tries) == 1 and j.behind == 3
+            monkeypatch.setattr(journal_mod.os, "open", real_open)
+            full["full"] = False
+            j.catch_up([_rec(i) for i in range(6)], now=101.5)
+            assert j.behind == 0 and len(j.read()) == 6
+        finally:
+            j.close()
+
+    def test_the_service_sends_its_whole_buffer_and_the_batch_in_flight(self, tmp_path: Path) -> None:
+        from types import SimpleNamespace
+
+        from manager.live_persist import PersistenceMixin
+
+        caught: list[list[float]] = []
+        journal = SimpleNamespace(
+            behind=2,
+            append=lambda rec: pytest.fail("appended alone"),
+            catch_up=lambda pending, now: caught.append([r["t"] for r in pending]),
+        )
+        lm = SimpleNamespace(journal=journal, _log_buf=[_rec(2)], _log_sending=[_rec(0), _rec(1)])
+        PersistenceMixin._log(lm, _rec(3))  # type: ignore[arg-type]
+        assert caught == [[1000.0, 1001.0, 1002.0, 1003.0]]
