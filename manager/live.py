@@ -332,7 +332,13 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             "not tried: the store did not answer its first call at start" if silent else None
         )
         if self.journal is not None:  # requests served before a crash, not yet in the store
-            self._log_buf = self.journal.read() + self._log_buf
+            left = self.journal.read()
+            if left:
+                logger.info(
+                    "%s: %d request(s) an earlier run served are not in the store yet: sent to it now",
+                    self.journal.path, len(left),
+                )  # fmt: skip
+            self._log_buf = left + self._log_buf
             if self._down_at_start is None:
                 await self.flush_log()
         # the store's reads on a thread (a store that hangs held the event loop: health checks, stop
@@ -343,12 +349,14 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         await self._restore_pins_at_start()
         adopted = await self.adopt()
         if adopted:
+            logger.info("the device hosts still hold (kept as they are): %s", ", ".join(adopted))
             self._publish("reattached", "", f"adopted {', '.join(adopted)}", "", self.clock())
         intents = await asyncio.to_thread(self._read_intents) if self.store is not None else {}
         now = self.clock()
         self.engine.load_pinned(now)  # pinned models first: intents take what room is left
         restored = self.restore_intent(now, intents)
         if restored:
+            logger.info("loading back what the last run had resident: %s", ", ".join(restored))
             self._publish("intent_restored", "", f"loading {', '.join(restored)}", "", now)
         self.engine.start(now)
         self._flush()
@@ -2077,6 +2085,9 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self._apply_pins()
         if late:
             logger.info("admin pins read from the store: %s", dict(self.pin_overrides) or "none")
+        elif self.pin_overrides:  # (the restart's log says what it took back)
+            logger.info("admin pins restored from the store: %s", dict(self.pin_overrides))
+        if late:
             self.engine.load_pinned(self.clock())
             self._flush()
 

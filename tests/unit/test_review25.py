@@ -525,3 +525,44 @@ class TestJournalCatchesUp:
         lm = SimpleNamespace(journal=journal, _log_buf=[_rec(2)], _log_sending=[_rec(0), _rec(1)])
         PersistenceMixin._log(lm, _rec(3))  # type: ignore[arg-type]
         assert caught == [[1000.0, 1001.0, 1002.0, 1003.0]]
+
+
+def test_the_restart_says_what_it_took_back(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Review 25 (kill -9 drills): after a kill, the restart's log said nothing of the journal's
+    requests it sent to the store, the models it loaded back, or the admin pins it restored."""
+    import asyncio
+    import logging
+    import math
+
+    from live_helpers import kill, started
+
+    from manager.config import load_config
+    from manager.store import open_store
+
+    config = load_config(CPU_CONFIG)
+    url, journal = f"sqlite:///{tmp_path / 'state.db'}", tmp_path / "requests.journal"
+    audio = {"audio": np.zeros(512, np.float32)}
+
+    async def killed() -> None:
+        store = open_store(url)
+        lm, pool = await started(config, store, journal)
+        lm._next_flush = math.inf  # the log waits in the journal
+        lm.set_pin("embed", True)
+        assert await lm.pins_saved(30.0)
+        await lm.infer("voice", audio)
+        await lm.infer("voice", audio)
+        kill(lm, pool)
+        store.close()
+
+    async def restarted() -> None:
+        store = open_store(url)
+        lm, pool = await started(config, store, journal)
+        await lm.stop()
+        pool.close()
+        store.close()
+
+    asyncio.run(killed())
+    with caplog.at_level(logging.INFO, logger="manager.live"):
+        asyncio.run(restarted())
+    assert "2 request(s) an earlier run served are not in the store yet: sent to it now" in caplog.text
+    assert "admin pins restored from the store: {'embed': True}" in caplog.text
