@@ -438,7 +438,13 @@ def checkpoint_window(
     if w.get("nbytes") != 2 * cfg.layers * per:
         return None
     data = _read_window(log_dir / WINDOW_FILE, 2 * cfg.layers * per, tokens)
-    if data is None or zlib.crc32(data) != w.get("crc32"):
+    if data is None:
+        return None
+    if zlib.crc32(data) != w.get("crc32"):  # (damaged on disk: said, as a file of the wrong size is)
+        logger.warning(
+            "%s: its checksum does not match the one %s records: the window is rebuilt from the log",
+            log_dir / WINDOW_FILE, SESSION_FILE,
+        )  # fmt: skip
         return None
     flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
     shape = (1, tokens, cfg.heads, cfg.head_dim)

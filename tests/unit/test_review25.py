@@ -566,3 +566,23 @@ def test_the_restart_says_what_it_took_back(tmp_path: Path, caplog: pytest.LogCa
         asyncio.run(restarted())
     assert "2 request(s) an earlier run served are not in the store yet: sent to it now" in caplog.text
     assert "admin pins restored from the store: {'embed': True}" in caplog.text
+
+
+def test_a_damaged_window_file_is_said_before_it_is_rebuilt(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review 25 (command-line bad input): a `window.bin` of the wrong size was named in a warning, one
+    whose checksum did not match was rebuilt from the log without a word."""
+    import logging
+
+    from worldpager.cli import main
+
+    run = ["session", "--preset", "micro", "--host-memory", "256KiB", "--log-dir", str(tmp_path / "s")]
+    assert main([*run, "--segments", "3"]) == 0
+    window = tmp_path / "s" / "window.bin"
+    data = bytearray(window.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    window.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="worldpager.session_store"):
+        assert main([*run, "--segments", "2", "--resume"]) == 0
+    assert "window.bin: its checksum does not match the one session.json records" in caplog.text
