@@ -180,14 +180,19 @@ def _prepare_out_file(value: str, flag: str, *, create: bool = True, replaced: b
                     f"{flag} {value}: is a link to {real}, whose folder {real.parent} does not exist"
                 )
             _prepare_dir(real.parent, flag, create=False, for_file=f"{value} (a link to {real})")
-        try:
-            kind = _not_regular(os.stat(real).st_mode)
+        try:  # (the path itself, followed: /dev/stdout to a pipe is a FIFO, its realpath unreadable)
+            kind = _not_regular(os.stat(path).st_mode)
         except FileNotFoundError:
             kind = ""
         if kind:
             raise UsageError(
                 f"{flag} {value}: is {kind}, not a regular file; a config is written whole into a "
                 "new file renamed over it, which would replace it: give the path of a file"
+            )
+        if _is_stdout(value):  # (`--out /dev/stdout > file`: what it prints, then the file replaced)
+            raise UsageError(
+                f"{flag} {value}: is where standard output goes (what this command prints goes there "
+                "too); give another file"
             )
     if path.exists() and not os.access(path, os.W_OK):
         raise UsageError(f"{flag} {value}: the file is not writable")
@@ -202,11 +207,6 @@ def _check_tune_outputs(a: argparse.Namespace) -> None:
     if a.report is not None:
         _not_empty(a.report, "--report", "a folder for the report")
     _prepare_out_file(a.out, "--out", create=False, replaced=True)
-    if _is_stdout(a.out):  # (`--out /dev/stdout > file`: the table printed, then the file replaced)
-        raise UsageError(
-            f"--out {a.out}: is where standard output goes (the before/after table is printed there); "
-            "give another file"
-        )
     for flag, value in (("--trace", a.trace), ("--holdout", a.holdout)):
         if value and value != STDIN and _same_file(a.out, value):
             raise UsageError(f"--out {a.out} is the {flag} file; give another path for the tuned config")

@@ -178,27 +178,27 @@ class RequestJournal:
                 self.path, e, self.behind,
             )  # fmt: skip
 
-    def catch_up(self, pending: list[dict[str, Any]], now: float) -> None:
+    def catch_up(self, pending: list[dict[str, Any]], now: float, *, force: bool = False) -> bool:
         """After appends failed (`behind`), the journal written anew with `pending` (every record the
-        store does not have yet, the newest last), at most once every CATCH_UP_S (`now`: a monotonic
-        clock): the records the journal could not take were in memory only until the store took
-        them, so a kill once the disk had room again still lost them. Only by a temp file renamed
-        over it, never cut in place (on a disk still full that would lose what it holds); until it
-        succeeds, each record is one more in memory only."""
-        if now - self._caught_up_at < CATCH_UP_S:
-            self._missed(OSError(errno.EAGAIN, "not tried again yet: it failed less than a second ago"))
-            return
+        store does not have yet, the newest last); True when done. At most once every CATCH_UP_S
+        (`now`: a monotonic clock) unless `force` (the stop): the records the journal could not take
+        were in memory only until the store took them, so a kill once the disk had room again still
+        lost them. Only by a temp file renamed over it, never cut in place (on a disk still full that
+        would lose what it holds). False when not tried or not done: the caller appends its new
+        record as usual (a disk with room for a line, not for a second copy, still takes it)."""
+        if not force and now - self._caught_up_at < CATCH_UP_S:
+            return False
         self._caught_up_at = now
-        behind = self.behind + 1  # (the newest, pending's last, is not in the file either)
+        behind = self.behind
         failure = self._replace_with(pending)
         if failure is not None:
-            self._missed(failure)
-            return
+            return False
         self.behind = 0
         logger.info(
             "%s: the request journal takes records again; the %d it could not take are in it now",
             self.path, behind,
         )  # fmt: skip
+        return True
 
     def read(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -231,6 +231,7 @@ class RequestJournal:
             logger.warning(
                 "%s: cannot rewrite the request journal (%s); cut and rewritten in place", self.path, failure
             )
+            self.behind = 0  # (what the rewrite in place cannot append is counted again)
             self._rewrite_in_place(pending)
             return
         self.behind = 0
@@ -271,7 +272,8 @@ class RequestJournal:
             self._fd = os.open(self.file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError as e:
             logger.error("%s: cannot rewrite the request journal (%s)", self.path, e)
-            return  # (the next append tries to open it again)
+            self.behind += max(len(pending), 1)  # (not cut: whether it holds them is not known)
+            return  # (the next append tries to open it again; a catch-up writes them)
         self._torn = False
         self.lines = 0
         for rec in pending:

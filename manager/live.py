@@ -419,6 +419,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             await self.flush_log()
             await self.save_stats_async()
         if self.journal is not None:
+            self._journal_catch_up(force=True)  # what the store does not have, in it for the next start
             self.journal.close()
 
     async def pins_saved(self, timeout_s: float) -> bool:
@@ -469,6 +470,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                     self._flush()
                     self._resync_unsynced(now)
                     self._check_abandoned(now)
+                    self._journal_catch_up()  # (records a full disk kept from it: once it has room)
                     next_tick = now + 1.0
                 full = len(self._log_buf) >= LOG_BATCH and not self._log_failing
                 flush = bool(self._log_buf) and (now >= self._next_flush or full)

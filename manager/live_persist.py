@@ -1032,11 +1032,18 @@ class PersistenceMixin:
         self._log_buf.append(rec)
         if self.journal is None:
             return
-        if self.journal.behind:  # records it could not take (a full disk): all of them, once it can
-            # (with the batch a flush is sending, which the store may yet refuse)
-            self.journal.catch_up(self._log_sending + self._log_buf, time.monotonic())
-        else:
+        if not self._journal_catch_up():
             self.journal.append(rec)
+
+    def _journal_catch_up(self, *, force: bool = False) -> bool:
+        """When the journal failed appends (a full disk), write it anew with every record the store
+        does not have (the buffer, and the batch a flush is sending, which the store may yet refuse),
+        at most once a second unless `force`; True when done. Asked at each request, at each tick of
+        the reconciler (a quiet hour after a burst must not leave them in memory only) and at the
+        stop."""
+        if self.journal is None or not self.journal.behind:
+            return False
+        return self.journal.catch_up(self._log_sending + self._log_buf, time.monotonic(), force=force)
 
     async def flush_log(self) -> None:
         """Write the buffered request log to the store (kept for the next try if the store fails).

@@ -208,10 +208,12 @@ KEEP_ALIVE_EXPECTED = (
 )
 
 
-def parse_keep_alive(v: int | float | str) -> float:
+def parse_keep_alive(v: int | float | str, *, bounded: bool = True) -> float:
     """A request's own keep-alive (Ollama's `keep_alive`), in seconds: a duration (`10m`, `90`),
     `forever` (infinity), or a negative number or duration (forever, as Ollama reads `-1`, `-1m`).
-    Raises ValueError saying what was expected."""
+    `bounded` (a request's: the gRPC calls): at most MAX_DURATION_S, as the config's; a trace line or
+    a stored record is not bounded (an earlier release logged any value: refused, those requests
+    would be lost from the journal and the log). Raises ValueError saying what was expected."""
     negative = False
     if isinstance(v, str):
         text = v.strip()
@@ -231,7 +233,7 @@ def parse_keep_alive(v: int | float | str) -> float:
         raise ValueError(f"{KEEP_ALIVE_EXPECTED}, got {shown(v if not negative else f'-{v}')}") from None
     if negative:  # (however large: forever)
         return math.inf if seconds > 0 else seconds
-    if seconds > MAX_DURATION_S:  # as the config's keep_alive: a value that large means forever, say so
+    if bounded and seconds > MAX_DURATION_S:  # as the config's keep_alive: that large is forever, say so
         raise ValueError(
             f"expected a keep-alive of at most 3650d (ten years), or 'forever' (or a negative number) "
             f"for no expiry, got {shown(v, 40)}"

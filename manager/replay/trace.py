@@ -268,7 +268,7 @@ def _keep_alive(v: object) -> float | None:
     if not isinstance(v, int | float | str):
         raise ValueError(f"'keep_alive' must be seconds, a duration or 'forever', got {_show(v)}")
     try:
-        return parse_keep_alive(v)
+        return parse_keep_alive(v, bounded=False)  # (logged by any release: read as it was written)
     except ValueError as e:
         raise ValueError(f"'keep_alive': {e}") from None
 

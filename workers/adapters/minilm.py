@@ -36,8 +36,10 @@ CHARS_PER_TOKEN = 100
 """A text is cut to `CHARS_PER_TOKEN` characters per token the model reads before it is tokenized.
 The tokenizer takes the whole text before cutting its tokens, and holds over a hundred bytes per
 character meanwhile: one 30 MB text under the message limit took 5 GB and half a minute, to be cut to
-256 tokens. A BERT word piece spans at most 100 characters (a longer word is one unknown token), so a
-text whose words are not padded by long runs of spaces gives the model the same tokens."""
+256 tokens. A BERT word piece of a word under 100 characters spans at most 100 of them, so ordinary
+text gives the model the same tokens; one whose first 256 tokens reach past the cut does not (long
+runs of spaces, words over 100 characters, each a single unknown token, or characters the
+tokenizer drops, such as runs of combining accents)."""
 
 
 class SentenceEmbeddingAdapter(ModuleAdapter):
