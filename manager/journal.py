@@ -38,6 +38,8 @@ CATCH_UP_S = 1.0
 """How often, at most, a journal that failed appends (a full disk) is written anew with the records
 it missed (`RequestJournal.catch_up`): a rewrite of the whole buffer for each request would cost
 more than the request while the disk stays full."""
+CATCH_UP_MAX_S = 60.0
+"""The longest wait between two catch-ups while they fail (the wait doubles from CATCH_UP_S)."""
 _ENCODE = json.JSONEncoder(separators=(",", ":")).encode
 
 
@@ -84,6 +86,7 @@ class RequestJournal:
         self.behind = 0
         """Records in memory only since the journal last held every one (`catch_up` writes them)."""
         self._caught_up_at = -math.inf
+        self._catch_up_wait = CATCH_UP_S
         self._torn = False  # a failed append may have left part of its line: end it first
         self._closed = False
         self._end_line()
@@ -154,6 +157,9 @@ class RequestJournal:
         """Never raises: the request was served, and a journal that cannot take its record (a full
         disk) must not fail it; the record is still in memory (logged and counted in `failed`)."""
         # one write(2) of the whole line on an O_APPEND descriptor: in the OS at once, no buffer
+        if self._closed:  # (a request that ended after the stop: its lock is given up, never written)
+            self.failed += 1
+            return
         data = (_ENCODE(rec) + "\n").encode()
         if self._torn:  # a line cut short by an earlier failure: this record starts a line of its own
             data = b"\n" + data
@@ -172,7 +178,7 @@ class RequestJournal:
     def _missed(self, e: OSError) -> None:
         self.failed += 1
         self.behind += 1
-        if self.failed == 1 or self.failed % 1000 == 0:
+        if self.behind == 1 or self.behind % 1000 == 0:  # (each time it starts failing again, too)
             logger.warning(
                 "%s: cannot append to the request journal (%s); %d record(s) in memory only",
                 self.path, e, self.behind,
@@ -186,14 +192,16 @@ class RequestJournal:
         lost them. Only by a temp file renamed over it, never cut in place (on a disk still full that
         would lose what it holds). False when not tried or not done: the caller appends its new
         record as usual (a disk with room for a line, not for a second copy, still takes it)."""
-        if not force and now - self._caught_up_at < CATCH_UP_S:
+        if self._closed or (not force and now - self._caught_up_at < self._catch_up_wait):
             return False
         self._caught_up_at = now
         behind = self.behind
         failure = self._replace_with(pending)
-        if failure is not None:
+        if failure is not None:  # (a disk with room for lines, not for a copy: each try writes up to
+            # the whole buffer, on the event loop; tried less often while it fails, a minute at most)
+            self._catch_up_wait = min(2 * self._catch_up_wait, CATCH_UP_MAX_S)
             return False
-        self.behind = 0
+        self.behind, self._catch_up_wait = 0, CATCH_UP_S
         logger.info(
             "%s: the request journal takes records again; the %d it could not take are in it now",
             self.path, behind,
@@ -226,6 +234,8 @@ class RequestJournal:
         it runs after the store took a batch, and a failure taken for the store's would send the batch
         again. Without room for the temp file (a full disk) the journal is cut and `pending` written
         in place, so it does not keep what the store has (sent again at the next start)."""
+        if self._closed:
+            return
         failure = self._replace_with(pending)
         if failure is not None:
             logger.warning(
@@ -234,11 +244,13 @@ class RequestJournal:
             self.behind = 0  # (what the rewrite in place cannot append is counted again)
             self._rewrite_in_place(pending)
             return
-        self.behind = 0
+        self.behind, self._catch_up_wait = 0, CATCH_UP_S
 
     def _replace_with(self, pending: list[dict[str, Any]]) -> OSError | None:
         """The journal replaced by a temp file holding `pending`; the OSError that stopped it (the
         journal then as it was, the temp file removed), None when done."""
+        if self._closed:  # (its lock given up: another service may hold the file now)
+            return OSError(errno.EBADF, "the journal is closed")
         tmp = self.file.with_name(self.file.name + ".tmp")
         try:
             try:  # the journal's mode (its owner may have made it private)
@@ -254,7 +266,8 @@ class RequestJournal:
                     f.write(_ENCODE(rec) + "\n")
             self._close_fd()
             os.replace(tmp, self.file)
-            self._fd = self._open()
+            with contextlib.suppress(OSError):  # (replaced: done; the next append opens it again)
+                self._fd = self._open()
         except OSError as e:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
@@ -267,6 +280,8 @@ class RequestJournal:
         return None
 
     def _rewrite_in_place(self, pending: list[dict[str, Any]]) -> None:
+        if self._closed:
+            return
         try:
             self._close_fd()
             self._fd = os.open(self.file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_TRUNC, 0o644)

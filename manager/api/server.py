@@ -487,6 +487,8 @@ async def _stop_manager_bounded(manager: LiveManager, executor: StopBoundedExecu
         e = stopping.exception()
         logger.warning("stopping: the manager's stop did not finish: %s", e, exc_info=None if cut else e)
     if manager.journal is not None:
+        # (a stop cut short, or failed, never came to its own catch-up: records a full disk kept out)
+        manager._journal_catch_up(force=True)
         manager.journal.close()  # (idempotent)
     return not cut
 

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 from typing import Any
@@ -449,7 +450,7 @@ class TestJournalCatchesUp:
             assert len(no_copy) == 1
             no_copy.insert(0, "off")
             full["full"] = False
-            assert j.catch_up([_rec(i) for i in range(6)], now=101.5)
+            assert j.catch_up([_rec(i) for i in range(6)], now=102.5)  # (2 s after a failure)
             assert j.behind == 0 and len(j.read()) == 6
         finally:
             j.close()
@@ -494,6 +495,80 @@ class TestJournalCatchesUp:
             full["full"] = False
             j.rewrite([_rec(0), _rec(1), _rec(2)])  # no room for the temp file: cut and rewritten
             assert len(no_copy) == 1 and j.behind == 0 and len(j.read()) == 3
+        finally:
+            j.close()
+
+    def test_a_closed_journal_is_never_written_again(self, tmp_path: Path, full: dict[str, bool]) -> None:
+        # (a request that ended after the stop: the journal's lock is given up, another service
+        # may hold the file; a catch-up replaced it under that one)
+        from manager.journal import RequestJournal
+
+        path = tmp_path / "requests.journal"
+        j = RequestJournal(path)
+        full["full"] = False
+        j.append(_rec(0))
+        j.close()
+        j.append(_rec(1))
+        assert j.behind == 0 and not j.catch_up([_rec(0), _rec(1)], now=0.0, force=True)
+        j.rewrite([_rec(0), _rec(1)])
+        after = RequestJournal(path)
+        try:
+            assert [r["t"] for r in after.read()] == [1000.0]
+        finally:
+            after.close()
+
+    def test_a_replace_whose_reopen_fails_is_done_not_appended_twice(
+        self, tmp_path: Path, full: dict[str, bool], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        import errno
+
+        from manager.journal import RequestJournal
+
+        j = RequestJournal(tmp_path / "requests.journal")
+        try:
+            full["full"] = True
+            j.append(_rec(0))
+            full["full"] = False
+            real = j._open
+
+            def no_fd() -> int:
+                raise OSError(errno.EMFILE, "Too many open files")
+
+            monkeypatch.setattr(j, "_open", no_fd)
+            assert j.catch_up([_rec(0), _rec(1)], now=0.0)  # replaced: done, though not open again
+            monkeypatch.setattr(j, "_open", real)
+            j.append(_rec(2))  # (opened again by the append)
+            assert [r["t"] for r in j.read()] == [1000.0, 1001.0, 1002.0]
+        finally:
+            j.close()
+
+    def test_failing_catch_ups_back_off_and_a_new_outage_is_said_again(
+        self, tmp_path: Path, full: dict[str, bool], no_copy: list[Any], caplog: pytest.LogCaptureFixture
+    ) -> None:
+        import logging
+
+        from manager.journal import CATCH_UP_MAX_S, RequestJournal
+
+        j = RequestJournal(tmp_path / "requests.journal")
+        try:
+            with caplog.at_level(logging.WARNING, logger="manager.journal"):
+                full["full"] = True
+                j.append(_rec(0))
+                full["full"] = False
+                tried = []
+                for now in range(0, 200):
+                    before = len(no_copy)
+                    j.catch_up([_rec(0)], now=float(now))
+                    if len(no_copy) > before:
+                        tried.append(now)
+                assert tried[:6] == [0, 2, 6, 14, 30, 62]  # (the wait doubles after each failure)
+                assert all(b - a <= CATCH_UP_MAX_S for a, b in itertools.pairwise(tried))
+                no_copy.insert(0, "off")
+                assert j.catch_up([_rec(0)], now=1000.0) and j.behind == 0
+                full["full"] = True
+                j.append(_rec(1))  # a second outage
+            said = [r.getMessage() for r in caplog.records if "cannot append" in r.getMessage()]
+            assert len(said) == 2
         finally:
             j.close()
 
@@ -576,3 +651,31 @@ def test_a_damaged_window_file_is_said_before_it_is_rebuilt(
     with caplog.at_level(logging.WARNING, logger="worldpager.session_store"):
         assert main([*run, "--segments", "2", "--resume"]) == 0
     assert "window.bin: its checksum does not match the one session.json records" in caplog.text
+
+
+def test_a_stop_cut_short_still_catches_the_journal_up() -> None:
+    """Review 25 (the journal's catch-up): a stop cut at its bound never came to its own catch-up, at
+    its end; the journal was closed with the records a full disk had kept out of it."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from manager.api.server import StopBoundedExecutor, _stop_manager_bounded
+
+    calls: list[str] = []
+
+    async def stop() -> None:
+        await asyncio.sleep(30)  # (a store write that hangs)
+
+    journal = SimpleNamespace(close=lambda: calls.append("close"))
+    manager = SimpleNamespace(
+        started=True,
+        stop=stop,
+        journal=journal,
+        _journal_catch_up=lambda force=False: calls.append(f"catch_up force={force}"),
+    )
+    executor = StopBoundedExecutor(shutdown_grace_s=1)
+    try:
+        ended = asyncio.run(_stop_manager_bounded(manager, executor, 0.2))  # type: ignore[arg-type]
+    finally:
+        executor.shutdown(wait=False)
+    assert not ended and calls == ["catch_up force=True", "close"]
