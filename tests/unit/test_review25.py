@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -370,6 +371,14 @@ class TestJournalCatchesUp:
     them, with the store down too; and the log said nothing once appends worked again."""
 
     @pytest.fixture
+    def journal(self, tmp_path: Path) -> Iterator[Any]:
+        from manager.journal import RequestJournal
+
+        j = RequestJournal(tmp_path / "requests.journal")
+        yield j
+        j.close()  # (idempotent: a test may close it first)
+
+    @pytest.fixture
     def full(self, monkeypatch: pytest.MonkeyPatch) -> Any:
         import errno
         import os
@@ -388,29 +397,23 @@ class TestJournalCatchesUp:
         return state
 
     def test_the_records_it_missed_are_written_once_it_can(
-        self, tmp_path: Path, full: dict[str, bool], caplog: pytest.LogCaptureFixture
+        self, journal: Any, full: dict[str, bool], caplog: pytest.LogCaptureFixture
     ) -> None:
         import logging
 
-        from manager.journal import RequestJournal
-
-        j = RequestJournal(tmp_path / "requests.journal")
-        try:
-            full["full"] = False
-            j.append(_rec(0))
-            full["full"] = True
-            for i in (1, 2, 3):
-                j.append(_rec(i))
-            assert j.behind == 3 and [r["t"] for r in j.read()] == [1000.0]
-            full["full"] = False
-            with caplog.at_level(logging.INFO, logger="manager.journal"):
-                assert j.catch_up([_rec(i) for i in range(5)], now=100.0)  # the buffer, newest last
-            assert j.behind == 0 and [r["t"] for r in j.read()] == [1000.0 + i for i in range(5)]
-            assert "the 3 it could not take are in it now" in caplog.text
-            j.append(_rec(5))  # and appends go on after them
-            assert [r["t"] for r in j.read()][-2:] == [1004.0, 1005.0]
-        finally:
-            j.close()
+        full["full"] = False
+        journal.append(_rec(0))
+        full["full"] = True
+        for i in (1, 2, 3):
+            journal.append(_rec(i))
+        assert journal.behind == 3 and [r["t"] for r in journal.read()] == [1000.0]
+        full["full"] = False
+        with caplog.at_level(logging.INFO, logger="manager.journal"):
+            assert journal.catch_up([_rec(i) for i in range(5)], now=100.0)  # the buffer, newest last
+        assert journal.behind == 0 and [r["t"] for r in journal.read()] == [1000.0 + i for i in range(5)]
+        assert "the 3 it could not take are in it now" in caplog.text
+        journal.append(_rec(5))  # and appends go on after them
+        assert [r["t"] for r in journal.read()][-2:] == [1004.0, 1005.0]
 
     @pytest.fixture
     def no_copy(self, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
@@ -432,31 +435,26 @@ class TestJournalCatchesUp:
         return tries
 
     def test_a_catch_up_that_fails_never_cuts_the_journal_and_waits_a_second(
-        self, tmp_path: Path, full: dict[str, bool], no_copy: list[Any]
+        self, journal: Any, full: dict[str, bool], no_copy: list[Any]
     ) -> None:
-        from manager.journal import RequestJournal
 
-        j = RequestJournal(tmp_path / "requests.journal")
-        try:
-            full["full"] = False
-            j.append(_rec(0))
-            j.append(_rec(1))
-            full["full"] = True
-            j.append(_rec(2))
-            assert not j.catch_up([_rec(i) for i in range(4)], now=100.0)
-            assert len(no_copy) == 1 and j.behind == 1
-            assert [r["t"] for r in j.read()] == [1000.0, 1001.0]  # as it was: not cut
-            assert not j.catch_up([_rec(i) for i in range(5)], now=100.5)  # within the second
-            assert len(no_copy) == 1
-            no_copy.insert(0, "off")
-            full["full"] = False
-            assert j.catch_up([_rec(i) for i in range(6)], now=102.5)  # (2 s after a failure)
-            assert j.behind == 0 and len(j.read()) == 6
-        finally:
-            j.close()
+        full["full"] = False
+        journal.append(_rec(0))
+        journal.append(_rec(1))
+        full["full"] = True
+        journal.append(_rec(2))
+        assert not journal.catch_up([_rec(i) for i in range(4)], now=100.0)
+        assert len(no_copy) == 1 and journal.behind == 1
+        assert [r["t"] for r in journal.read()] == [1000.0, 1001.0]  # as it was: not cut
+        assert not journal.catch_up([_rec(i) for i in range(5)], now=100.5)  # within the second
+        assert len(no_copy) == 1
+        no_copy.insert(0, "off")
+        full["full"] = False
+        assert journal.catch_up([_rec(i) for i in range(6)], now=102.5)  # (2 s after a failure)
+        assert journal.behind == 0 and len(journal.read()) == 6
 
     def test_a_disk_with_room_for_a_line_still_takes_each_new_one(
-        self, tmp_path: Path, full: dict[str, bool], no_copy: list[Any]
+        self, journal: Any, full: dict[str, bool], no_copy: list[Any]
     ) -> None:
         from manager.journal import RequestJournal
         from manager.live_persist import PersistenceMixin
@@ -465,38 +463,29 @@ class TestJournalCatchesUp:
             def __init__(self, journal: RequestJournal) -> None:
                 self.journal, self._log_buf, self._log_sending = journal, [], []
 
-        j = RequestJournal(tmp_path / "requests.journal")
-        svc = Service(j)
-        try:
-            full["full"] = False
-            svc._log(_rec(0))
-            full["full"] = True
-            svc._log(_rec(1))  # missed: the disk was full
-            full["full"] = False
-            for i in (2, 3, 4):  # room for lines, none for a copy: appended all the same
-                svc._log(_rec(i))
-            assert [r["t"] for r in j.read()] == [1000.0, 1002.0, 1003.0, 1004.0] and j.behind == 1
-            no_copy.insert(0, "off")
-            assert svc._journal_catch_up(force=True)  # (the stop's: not held by the second)
-            assert [r["t"] for r in j.read()] == [1000.0 + i for i in range(5)] and j.behind == 0
-        finally:
-            j.close()
+        svc = Service(journal)
+        full["full"] = False
+        svc._log(_rec(0))
+        full["full"] = True
+        svc._log(_rec(1))  # missed: the disk was full
+        full["full"] = False
+        for i in (2, 3, 4):  # room for lines, none for a copy: appended all the same
+            svc._log(_rec(i))
+        assert [r["t"] for r in journal.read()] == [1000.0, 1002.0, 1003.0, 1004.0] and journal.behind == 1
+        no_copy.insert(0, "off")
+        assert svc._journal_catch_up(force=True)  # (the stop's: not held by the second)
+        assert [r["t"] for r in journal.read()] == [1000.0 + i for i in range(5)] and journal.behind == 0
 
     def test_a_rewrite_in_place_that_holds_them_all_is_caught_up(
-        self, tmp_path: Path, full: dict[str, bool], no_copy: list[Any]
+        self, journal: Any, full: dict[str, bool], no_copy: list[Any]
     ) -> None:
-        from manager.journal import RequestJournal
 
-        j = RequestJournal(tmp_path / "requests.journal")
-        try:
-            full["full"] = True
-            j.append(_rec(0))
-            j.append(_rec(1))
-            full["full"] = False
-            j.rewrite([_rec(0), _rec(1), _rec(2)])  # no room for the temp file: cut and rewritten
-            assert len(no_copy) == 1 and j.behind == 0 and len(j.read()) == 3
-        finally:
-            j.close()
+        full["full"] = True
+        journal.append(_rec(0))
+        journal.append(_rec(1))
+        full["full"] = False
+        journal.rewrite([_rec(0), _rec(1), _rec(2)])  # no room for the temp file: cut and rewritten
+        assert len(no_copy) == 1 and journal.behind == 0 and len(journal.read()) == 3
 
     def test_a_closed_journal_is_never_written_again(self, tmp_path: Path, full: dict[str, bool]) -> None:
         # (a request that ended after the stop: the journal's lock is given up, another service
@@ -518,59 +507,53 @@ class TestJournalCatchesUp:
             after.close()
 
     def test_a_replace_whose_reopen_fails_is_done_not_appended_twice(
-        self, tmp_path: Path, full: dict[str, bool], monkeypatch: pytest.MonkeyPatch
+        self, journal: Any, full: dict[str, bool], monkeypatch: pytest.MonkeyPatch
     ) -> None:
         import errno
 
-        from manager.journal import RequestJournal
+        full["full"] = True
+        journal.append(_rec(0))
+        full["full"] = False
+        real = journal._open
 
-        j = RequestJournal(tmp_path / "requests.journal")
-        try:
-            full["full"] = True
-            j.append(_rec(0))
-            full["full"] = False
-            real = j._open
+        def no_fd() -> int:
+            raise OSError(errno.EMFILE, "Too many open files")
 
-            def no_fd() -> int:
-                raise OSError(errno.EMFILE, "Too many open files")
-
-            monkeypatch.setattr(j, "_open", no_fd)
-            assert j.catch_up([_rec(0), _rec(1)], now=0.0)  # replaced: done, though not open again
-            monkeypatch.setattr(j, "_open", real)
-            j.append(_rec(2))  # (opened again by the append)
-            assert [r["t"] for r in j.read()] == [1000.0, 1001.0, 1002.0]
-        finally:
-            j.close()
+        monkeypatch.setattr(journal, "_open", no_fd)
+        assert journal.catch_up([_rec(0), _rec(1)], now=0.0)  # replaced: done, though not open again
+        monkeypatch.setattr(journal, "_open", real)
+        journal.append(_rec(2))  # (opened again by the append)
+        assert [r["t"] for r in journal.read()] == [1000.0, 1001.0, 1002.0]
 
     def test_failing_catch_ups_back_off_and_a_new_outage_is_said_again(
-        self, tmp_path: Path, full: dict[str, bool], no_copy: list[Any], caplog: pytest.LogCaptureFixture
+        self,
+        journal: Any,
+        full: dict[str, bool],
+        no_copy: list[Any],
+        caplog: pytest.LogCaptureFixture,
     ) -> None:
         import logging
 
-        from manager.journal import CATCH_UP_MAX_S, RequestJournal
+        from manager.journal import CATCH_UP_MAX_S
 
-        j = RequestJournal(tmp_path / "requests.journal")
-        try:
-            with caplog.at_level(logging.WARNING, logger="manager.journal"):
-                full["full"] = True
-                j.append(_rec(0))
-                full["full"] = False
-                tried = []
-                for now in range(0, 200):
-                    before = len(no_copy)
-                    j.catch_up([_rec(0)], now=float(now))
-                    if len(no_copy) > before:
-                        tried.append(now)
-                assert tried[:6] == [0, 2, 6, 14, 30, 62]  # (the wait doubles after each failure)
-                assert all(b - a <= CATCH_UP_MAX_S for a, b in itertools.pairwise(tried))
-                no_copy.insert(0, "off")
-                assert j.catch_up([_rec(0)], now=1000.0) and j.behind == 0
-                full["full"] = True
-                j.append(_rec(1))  # a second outage
-            said = [r.getMessage() for r in caplog.records if "cannot append" in r.getMessage()]
-            assert len(said) == 2
-        finally:
-            j.close()
+        with caplog.at_level(logging.WARNING, logger="manager.journal"):
+            full["full"] = True
+            journal.append(_rec(0))
+            full["full"] = False
+            tried = []
+            for now in range(0, 200):
+                before = len(no_copy)
+                journal.catch_up([_rec(0)], now=float(now))
+                if len(no_copy) > before:
+                    tried.append(now)
+            assert tried[:6] == [0, 2, 6, 14, 30, 62]  # (the wait doubles after each failure)
+            assert all(b - a <= CATCH_UP_MAX_S for a, b in itertools.pairwise(tried))
+            no_copy.insert(0, "off")
+            assert journal.catch_up([_rec(0)], now=1000.0) and journal.behind == 0
+            full["full"] = True
+            journal.append(_rec(1))  # a second outage
+        said = [r.getMessage() for r in caplog.records if "cannot append" in r.getMessage()]
+        assert len(said) == 2
 
     def test_the_service_sends_its_whole_buffer_and_the_batch_in_flight(self) -> None:
         from types import SimpleNamespace
