@@ -2087,11 +2087,10 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self._apply_pins()
         if late:
             logger.info("admin pins read from the store: %s", dict(self.pin_overrides) or "none")
-        elif self.pin_overrides:  # (the restart's log says what it took back)
-            logger.info("admin pins restored from the store: %s", dict(self.pin_overrides))
-        if late:
             self.engine.load_pinned(self.clock())
             self._flush()
+        elif self.pin_overrides:  # (the restart's log says what it took back)
+            logger.info("admin pins restored from the store: %s", dict(self.pin_overrides))
 
     # ---- events -------------------------------------------------------------------------------
     def subscribe(self) -> EventQueue:

@@ -102,6 +102,8 @@ class TestLongText:
         seen: list[int] = []
 
         class Spy:
+            truncation = tok.truncation
+
             def encode_batch(self, texts: list[str]) -> Any:
                 seen.extend(len(t) for t in texts)
                 return tok.encode_batch(texts)

@@ -51,8 +51,6 @@ class SentenceEmbeddingAdapter(ModuleAdapter):
     def __init__(self, spec: P.ModelSpec, device: torch.device) -> None:
         super().__init__(spec, device)
         self._tokenizer: Any = None
-        self._longest_text = 0
-        """The characters a text is cut to before it is tokenized (set with the tokenizer)."""
         self._pooling: str | None = None
         self._dim: int | None = None
 
@@ -192,9 +190,7 @@ class SentenceEmbeddingAdapter(ModuleAdapter):
                 raise AdapterError(
                     P.BAD_CHECKPOINT, f"model {self.spec.name!r}: {p}: not a tokenizer file ({e})"
                 ) from None
-            longest = self.max_seq_length()
-            tok.enable_truncation(max_length=longest)
-            self._longest_text = longest * CHARS_PER_TOKEN  # (read once: the files may go, see infer)
+            tok.enable_truncation(max_length=self.max_seq_length())
             tok.enable_padding()
             self._tokenizer = tok
         return self._tokenizer
@@ -246,8 +242,9 @@ class SentenceEmbeddingAdapter(ModuleAdapter):
                 raise AdapterError(
                     P.BAD_INPUT, f"model {self.spec.name!r}: input 'text'[{i}] is not UTF-8"
                 ) from None
-        tok = self.tokenizer()
-        enc = tok.encode_batch([t[: self._longest_text] for t in texts])
+        tok = self.tokenizer()  # (its own cut, not max_seq_length(): the files may be gone by now)
+        longest = tok.truncation["max_length"] * CHARS_PER_TOKEN
+        enc = tok.encode_batch([t[:longest] for t in texts])
         ids = torch.tensor([e.ids for e in enc], device=self.device)
         mask = torch.tensor([e.attention_mask for e in enc], device=self.device)
         types = torch.tensor([e.type_ids for e in enc], device=self.device)
