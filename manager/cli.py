@@ -806,6 +806,7 @@ def _write_tune_files(
 
 
 def _report(a: argparse.Namespace, config: Config, res: Any, reqs: list[Request]) -> None:
+    from manager.policy.stats import home_hours
     from manager.replay.report import report_period, write_report
 
     before = replay(config, reqs, a.policy, record=True)
@@ -819,7 +820,7 @@ def _report(a: argparse.Namespace, config: Config, res: Any, reqs: list[Request]
     notes += [f"warning: {w}" for w in res.warnings]
     write_report(
         Path(a.report), before=before, after=after, t_start=t0, t_end=t1, model_weights=weights, notes=notes,
-        model_devices={m.name: m.device for m in config.models},
+        model_devices={m.name: m.device for m in config.models}, hours=home_hours(config.policy.timezone),
     )  # fmt: skip
 
 

@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from manager.adapter_specs import BUILTIN, WORLD_ADAPTERS, adapter_problem, check_source
+from manager.policy.stats import home_hours
 from manager.store.redis_url import redact, redis_url_problem
 from manager.units import (
     DURATION_PATTERN,
@@ -614,6 +615,19 @@ class PolicyConfig(_Model):
     Once it has served, a request of its class may take its room (as `configs/home.yaml` says)."""
     default_keep_alive: Duration = 300
     """Keep-alive used by `lru-keepalive` and where nothing else decides."""
+    timezone: str | None = Field(default=None, min_length=1, max_length=255)
+    """The home's time zone, as an IANA name ("Europe/Berlin", "America/New_York", "UTC"): the
+    statistics by hour of week (and the tuning report's hours) follow its wall clock, summer time
+    included, so a habit at 07:00 stays at 07:00 when the clocks change. Null: this machine's own
+    zone (the TZ environment variable's, else /etc/localtime's; UTC where neither names one). The
+    synthetic weeks of `residency trace synth` are on UTC's wall clock."""
+
+    @field_validator("timezone")
+    @classmethod
+    def _timezone(cls, v: str | None) -> str | None:
+        if v is not None:
+            home_hours(v)  # ValueError naming it when no zone has the name
+        return v
 
 
 class TuningConfig(_Model):

@@ -325,6 +325,11 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
     async def start(self) -> None:
         self._stopping.clear()
         self._stop_answer = None
+        hours = self.engine.hours
+        logger.info(
+            "statistics by hour of week on the %s wall clock (policy.timezone: %s)",
+            hours.name, self.engine.config.policy.timezone or "null, this machine's zone",
+        )  # fmt: skip
         # the store did not answer a first probe (`serve`'s `refused`, within 2 s): the start tries
         # none of its store reads or writes, each of which would wait for its own timeout
         silent = self.store is not None and getattr(self.store, "answered", None) is False

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from manager.journal import RequestJournal
 from manager.metrics import Metrics
 from manager.policy.engine import Engine
-from manager.policy.stats import EDGES, HOW_EDGES, LoadCost, ReuseHistogram, hour_of_week
+from manager.policy.stats import EDGES, HOW_EDGES, LoadCost, ReuseHistogram
 from manager.policy.types import Action, ActionKind, Tier
 from manager.store.base import CorruptDocument, CorruptRow, StoreError, normalize_record
 from manager.units import format_duration
@@ -59,16 +59,16 @@ def _join_hist(a: ReuseHistogram, b: ReuseHistogram) -> ReuseHistogram:
         return [add(p, q) if isinstance(p, list) else int(p) + int(q) for p, q in zip(x, y, strict=True)]
 
     if not b.count or not a.count:
-        return _read_hist((b if b.count else a).capture())
+        return _read_hist((b if b.count else a).capture(), b.hours)
     x: dict[str, Any] = a.capture()
     y: dict[str, Any] = b.capture()
     out: dict[str, Any] = {k: add(x[k], y[k]) for k in ("bins", "how_bins", "arrivals_how", "arrivals_hod")}
     gap = b.first_t - a.last_t
     if gap >= 0.0:  # the interval between the two runs of arrivals (hour of week of the first one)
         out["bins"][bisect_right(EDGES, gap)] += 1
-        out["how_bins"][hour_of_week(a.last_t)][bisect_right(HOW_EDGES, gap)] += 1
+        out["how_bins"][b.hours(a.last_t)][bisect_right(HOW_EDGES, gap)] += 1
     out.update(count=a.count + b.count, first_t=min(a.first_t, b.first_t), last_t=max(a.last_t, b.last_t))
-    return _read_hist(out)
+    return _read_hist(out, b.hours)
 
 
 T = TypeVar("T")
@@ -153,9 +153,10 @@ def _time_or_none(x: Any) -> bool:
     return x is None or _finite(x)
 
 
-def _read_hist(doc: Any) -> ReuseHistogram:
-    """A saved `ReuseHistogram.capture()` as a new histogram (ValueError unless it has its shape:
-    a restored list of the wrong length would fail every later request's `observe`)."""
+def _read_hist(doc: Any, hours: Callable[[float], int]) -> ReuseHistogram:
+    """A saved `ReuseHistogram.capture()` as a new histogram on the home's clock `hours` (ValueError
+    unless it has its shape: a restored list of the wrong length would fail every later request's
+    `observe`)."""
     if not isinstance(doc, dict):
         raise ValueError("reuse histogram: not an object")
     fresh = ReuseHistogram().capture()
@@ -169,7 +170,7 @@ def _read_hist(doc: Any) -> ReuseHistogram:
         raise ValueError(f"reuse histogram: more intervals in its bins than its {doc['count']} arrivals make")
     if not (_time_or_none(doc.get("first_t")) and _time_or_none(doc.get("last_t"))):
         raise ValueError("reuse histogram: first_t/last_t not a time")
-    h = ReuseHistogram()
+    h = ReuseHistogram(hours)
     h.restore(doc)
     return h
 
@@ -581,7 +582,7 @@ class PersistenceMixin:
             try:  # all of a model's entry is read before any of it is taken (none, if unreadable)
                 if not isinstance(d, dict):
                     raise ValueError(f"an entry that is not an object but {type(d).__name__}")
-                hist, cost = _read_hist(d["hist"]), _read_cost(m.cost, d["cost"])
+                hist, cost = _read_hist(d["hist"], self.engine.hours), _read_cost(m.cost, d["cost"])
                 requests, last_used = _count(d.get("requests", 0)), _when(d.get("last_used", 0.0))
                 measured = d.get("measured", True)  # (older documents do not say)
                 if not self._same_spec(name, d):  # another model under this name: its use, not its size
@@ -629,7 +630,7 @@ class PersistenceMixin:
             try:  # all of a model's entry is read before any of it is merged (none, if unreadable)
                 if not isinstance(d, dict):
                     raise ValueError(f"an entry that is not an object but {type(d).__name__}")
-                hist, cost = _read_hist(d["hist"]), d["cost"]
+                hist, cost = _read_hist(d["hist"], self.engine.hours), d["cost"]
                 _read_cost(m.cost, cost)  # (read: all of the entry or none; joined at the apply)
                 requests, last_used = _count(d.get("requests", 0)), _when(d.get("last_used", 0.0))
                 if not self._same_spec(name, d):
@@ -644,7 +645,8 @@ class PersistenceMixin:
                 continue
             saved[name] = (hist, cost, requests, last_used)
             since[name] = _complete_until(d, hist)
-        before = {n: saved[n][0] if n in saved else ReuseHistogram() for n in self.engine.models}
+        hours = self.engine.hours
+        before = {n: saved[n][0] if n in saved else ReuseHistogram(hours) for n in self.engine.models}
         # this run's first arrival of each model bounds what is an earlier run's (a clock step aside)
         until = {n: min(self._stats_until, m.hist.first_t) for n, m in self.engine.models.items()}
         return _MergePlan(saved, before, since, until)

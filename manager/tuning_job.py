@@ -182,6 +182,7 @@ def _report(
     """The held-out days' report, over the period until the last request ends (as `residency tune
     --report`); None when that period is empty (every request at one instant, none busy). `stop` is
     looked at before each replay."""
+    from manager.policy.stats import home_hours
     from manager.replay.report import report_period, write_report
 
     t0, t1 = report_period(reqs)
@@ -198,7 +199,7 @@ def _report(
         out, before=before, after=after, t_start=t0, t_end=t1,
         model_weights={m.name: m.memory for m in config.models}, notes=notes,
         title="Residency tuning report (held-out days)",
-        model_devices={m.name: m.device for m in config.models},
+        model_devices={m.name: m.device for m in config.models}, hours=home_hours(config.policy.timezone),
     )  # fmt: skip
 
 

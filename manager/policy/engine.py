@@ -52,6 +52,8 @@ class Engine(TierMoves):
         self.state = ClusterState(config)
         self.models = self.state.models
         self.host = self.state.host
+        self.hours = self.state.hours
+        """The home's wall clock (`policy.timezone`): hour of week of a time, for the statistics."""
         self.thrash_window = config.policy.thrash_window
         self.min_residency = config.policy.min_residency
         self.load_time: LoadTimeFn = load_time or (lambda m, src: m.cost.get(src))

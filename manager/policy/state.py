@@ -10,7 +10,7 @@ import math
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-from manager.policy.stats import LoadCost, ReuseHistogram
+from manager.policy.stats import HomeHours, LoadCost, ReuseHistogram, home_hours
 from manager.policy.types import Tier
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ class ModelState:
         "weights",
     )
 
-    def __init__(self, cfg: ModelConfig, rank: int) -> None:
+    def __init__(self, cfg: ModelConfig, rank: int, hours: HomeHours | None = None) -> None:
         self.cfg = cfg
         self.name = cfg.name
         self.device = cfg.device
@@ -84,7 +84,7 @@ class ModelState:
         self.waiting = 0
         ls = cfg.load_seconds
         self.cost = LoadCost(ls.disk, ls.cached_s, ls.host)
-        self.hist = ReuseHistogram()
+        self.hist = ReuseHistogram(hours or HomeHours())
 
     @property
     def gpu_bytes(self) -> int:
@@ -176,8 +176,10 @@ class ClusterState:
         self.class_names = [c.name for c in config.classes]
         self.class_may_evict = [c.may_evict for c in config.classes]
         self.class_max_wait = [c.max_wait if c.max_wait is not None else math.inf for c in config.classes]
+        self.hours = home_hours(config.policy.timezone)
+        """The home's wall clock, which the statistics by hour of week follow."""
         self.models: dict[str, ModelState] = {}
         for mc in config.models:
-            m = ModelState(mc, self.class_names.index(mc.class_))
+            m = ModelState(mc, self.class_names.index(mc.class_), self.hours)
             self.models[m.name] = m
             self.devices[m.device].models.append(m)

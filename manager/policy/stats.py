@@ -11,9 +11,13 @@ Thread safety: none; the engine owns these objects and calls them from one threa
 from __future__ import annotations
 
 import math
+import os
 from bisect import bisect_left, bisect_right
 from collections import deque
+from collections.abc import Callable
+from datetime import datetime, tzinfo
 from itertools import accumulate
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 WEEK_S = 7 * 24 * 3600.0
 # Log-spaced bin edges from 1 s to 8 days (ratio 1.25, ~60 bins). Bin i holds [edge[i-1], edge[i]).
@@ -25,24 +29,115 @@ N_HOW_BINS = len(HOW_EDGES) + 1
 
 
 def hour_of_week(t: float) -> int:
-    """Hour of week (0 = Monday 00:00) of Unix time `t`, treating `t` as the home's wall clock."""
+    """Hour of week (0 = Monday 00:00) of Unix time `t` on UTC's wall clock (`HomeHours` gives it on
+    a home's own)."""
     # 1970-01-01 was a Thursday: shift by 3 days so Monday is 0.
     return int(((t + 3 * 86400.0) % WEEK_S) // 3600.0)
+
+
+OFFSET_BLOCK_S = 900.0
+"""A zone's UTC offset is looked up once per this many seconds of Unix time. Every zone's offsets in
+use since 1970 are whole quarters of an hour, so its changes (at a whole local hour, or half or
+quarter hour) fall on a quarter-hour boundary of UTC: within one such block the offset is one."""
+
+
+class HomeHours:
+    """Hour of week (0 = Monday 00:00) of a Unix time on the home's wall clock: in time zone `zone`,
+    its summer time included, for homes live by it (the 07:00 voice burst stays at 07:00 after the
+    clocks change). Call it with the time. `zone` None: UTC. `name`: the zone's name, for messages."""
+
+    __slots__ = ("_last", "name", "zone")
+
+    def __init__(self, zone: tzinfo | None = None, name: str = "UTC") -> None:
+        self.zone = zone
+        self.name = name
+        # (block, offset): the block of Unix time last looked up and its offset, in one attribute so
+        # that threads sharing this clock never read one block's offset with another's block
+        self._last = (math.nan, 0.0)  # (NaN equals no block)
+
+    def offset(self, t: float) -> float:
+        """The zone's UTC offset in seconds at Unix time `t` (0 where `t` is out of the calendar's range)."""
+        if self.zone is None:
+            return 0.0
+        block = t // OFFSET_BLOCK_S
+        last = self._last
+        if block == last[0]:
+            return last[1]
+        try:
+            off = datetime.fromtimestamp(t, self.zone).utcoffset()
+        except (OverflowError, ValueError, OSError):  # beyond year 1..9999, or NaN
+            off = None
+        seconds = off.total_seconds() if off is not None else 0.0
+        self._last = (block, seconds)
+        return seconds
+
+    def __deepcopy__(self, memo: dict[int, object]) -> HomeHours:
+        return self  # a clock, the same for every copy of the statistics that read it (and a zone
+        # read from /etc/localtime cannot be copied)
+
+    def __call__(self, t: float) -> int:
+        return hour_of_week(t + self.offset(t))
+
+    def __repr__(self) -> str:
+        return f"HomeHours({self.name})"
+
+
+def home_hours(name: str | None) -> HomeHours:
+    """The home's clock for the config's `policy.timezone`: an IANA zone name ("Europe/Berlin"),
+    or None for this machine's own zone (the TZ environment variable's, else /etc/localtime's; UTC
+    where neither names one). ValueError for a name no zone has."""
+    if name is not None:
+        return HomeHours(_zone(name), name)
+    tz = os.environ.get("TZ", "").removeprefix(":")
+    if tz:
+        try:
+            return HomeHours(_zone(tz), tz)
+        except ValueError:
+            pass  # a POSIX rule ("CET-1CEST,M3.5.0,M10.5.0/3") and no zone of that name: the system's
+    try:
+        link = os.readlink("/etc/localtime")
+    except OSError:
+        link = ""
+    if "zoneinfo/" in link:
+        key = link.rsplit("zoneinfo/", 1)[1]
+        try:
+            return HomeHours(_zone(key), key)
+        except ValueError:
+            pass
+    try:
+        with open("/etc/localtime", "rb") as f:
+            return HomeHours(ZoneInfo.from_file(f, key="localtime"), "localtime")
+    except (OSError, ValueError):
+        return HomeHours()
+
+
+def _zone(name: str) -> tzinfo | None:
+    """The zone called `name` (None for UTC itself, the fast path); ValueError naming it if none is."""
+    if name in ("UTC", "Etc/UTC", "Etc/Universal", "Etc/Zulu", "Universal", "Zulu"):
+        return None
+    try:
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError, OSError) as e:
+        raise ValueError(f"no time zone is called {name!r} (an IANA name: 'Europe/Berlin', 'UTC')") from e
 
 
 class ReuseHistogram:
     """Reuse intervals and arrival counts for one model."""
 
-    __slots__ = ("arrivals_hod", "arrivals_how", "bins", "count", "first_t", "how_bins", "last_how", "last_t")
+    __slots__ = (
+        "arrivals_hod", "arrivals_how", "bins", "count", "first_t", "hours", "how_bins", "last_how", "last_t",
+    )  # fmt: skip
 
-    def __init__(self) -> None:
+    def __init__(self, hours: Callable[[float], int] = hour_of_week) -> None:
+        self.hours = hours
+        """Hour of week of a time on the home's wall clock (a `HomeHours`; UTC's by default)."""
         self.bins = [0] * N_BINS
         self.how_bins = [[0] * N_HOW_BINS for _ in range(168)]
         self.arrivals_how = [0] * 168
         self.arrivals_hod = [0] * 24
         self.count = 0
         self.last_t = -math.inf
-        self.last_how = 0  # hour_of_week(last_t), kept to spare its recomputation per arrival
+        self.last_how = 0  # hours(last_t), kept to spare its recomputation per arrival
         self.first_t = math.inf
 
     def capture(self) -> dict[str, object]:
@@ -66,12 +161,12 @@ class ReuseHistogram:
         self.count = int(doc["count"])  # type: ignore[call-overload]
         last, first = doc.get("last_t"), doc.get("first_t")
         self.last_t = float(last) if isinstance(last, int | float) else -math.inf
-        self.last_how = hour_of_week(self.last_t) if self.last_t > -math.inf else 0
+        self.last_how = self.hours(self.last_t) if self.last_t > -math.inf else 0
         self.first_t = float(first) if isinstance(first, int | float) else math.inf
 
     def observe(self, t: float) -> None:
         """Record an arrival at `t` (arrivals must come in time order)."""
-        h = hour_of_week(t)
+        h = self.hours(t)
         self.arrivals_how[h] += 1
         self.arrivals_hod[h % 24] += 1
         if self.count:
@@ -129,7 +224,7 @@ class ReuseHistogram:
 
     def rate_per_hour(self, t: float, weeks_seen: float) -> float:
         """Expected arrivals per hour at `t`'s hour, from this hour of week (or of day) so far."""
-        h = hour_of_week(t)
+        h = self.hours(t)
         if weeks_seen >= 1.0:
             return self.arrivals_how[h] / weeks_seen
         days = max(1.0, weeks_seen * 7.0)

@@ -20,7 +20,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
-from manager.policy.stats import hour_of_week
+from manager.policy.stats import HomeHours
 from manager.policy.types import Action, ActionKind, Request
 from manager.replay.sim import ReplayResult
 
@@ -108,12 +108,16 @@ def gpu_bytes(
     return times, values
 
 
-def cold_by_hour(served_log: Sequence[tuple[float, str, bool, float]]) -> list[int]:
-    """Count of cold requests per hour of week (168 entries, 0 = Monday 00:00)."""
+def cold_by_hour(
+    served_log: Sequence[tuple[float, str, bool, float]], hours: HomeHours | None = None
+) -> list[int]:
+    """Count of cold requests per hour of week (168 entries, 0 = Monday 00:00) on the home's wall
+    clock `hours` (UTC's when None)."""
+    hours = hours or HomeHours()
     counts = [0] * 168
     for t, _model, cold, _wait in served_log:
         if cold:
-            counts[hour_of_week(t)] += 1
+            counts[hours(t)] += 1
     return counts
 
 
@@ -276,16 +280,16 @@ def _plot_memory(
     _save(fig, path, _xlabel(t0, t1))
 
 
-def _plot_cold(path: Path, runs: Runs) -> None:
+def _plot_cold(path: Path, runs: Runs, hours: HomeHours) -> None:
     fig, axes = plt.subplots(len(runs), 1, figsize=(12, 2.8 * len(runs)), squeeze=False, sharey=True)
     for ax, (label, res), color in zip(axes[:, 0], runs, ("#d62728", "#1f77b4"), strict=False):
-        counts = cold_by_hour(res.served_log or [])
+        counts = cold_by_hour(res.served_log or [], hours)
         ax.bar(range(168), counts, width=0.9, color=color)
         ax.set_title(f"Cold starts by hour of week — {label} (total {sum(counts)})")
         ax.set_ylabel("cold requests")
-        hours = [24.0 * d for d in range(8)]
-        _mark_days(ax, [h - 0.5 for h in hours], [h + 11.5 for h in hours[:7]], DAY_NAMES, (-0.5, 167.5))
-    _save(fig, path, "hour of week (UTC wall clock)")
+        days = [24.0 * d for d in range(8)]
+        _mark_days(ax, [h - 0.5 for h in days], [h + 11.5 for h in days[:7]], DAY_NAMES, (-0.5, 167.5))
+    _save(fig, path, f"hour of week ({hours.name} wall clock)")
 
 
 def _fmt(v: Any) -> str:
@@ -342,9 +346,11 @@ def write_report(
     title: str = "Residency tuning report",
     notes: list[str] | None = None,
     model_devices: dict[str, str] | None = None,
+    hours: HomeHours | None = None,
 ) -> Path:
     """Write `index.html` and its PNGs (timeline, memory, cold starts) into `out_dir`; return the page.
-    `model_devices` (model -> device) has the memory plot stack each device's models apart.
+    `model_devices` (model -> device) has the memory plot stack each device's models apart; `hours`
+    (the config's `policy.timezone`; UTC when None) is the clock of the cold starts by hour of week.
 
     Both results must come from `replay(..., record=True)` (their actions and served logs).
 
@@ -371,7 +377,7 @@ def write_report(
     try:
         _plot_timeline(staged[images[0][0]], runs, models, t_start, t_end)
         _plot_memory(staged[images[1][0]], runs, models, model_weights, t_start, t_end, model_devices)
-        _plot_cold(staged[images[2][0]], runs)
+        _plot_cold(staged[images[2][0]], runs, hours or HomeHours())
         page = _page(before, after, t_start, t_end, title, notes, images)
         staged["index.html"].write_text(page, encoding="utf-8")
         for name, tmp in staged.items():
