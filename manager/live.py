@@ -1847,6 +1847,11 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             self.engine.drop_host(m, self.clock(), "admin evict")
         self._flush()
 
+    def live_sizes(self) -> dict[str, tuple[int, bool]]:
+        """Each model's weights as measured (the config's estimate until a load measured them) and
+        whether it is pinned, admin pins included: what the tuning checks its candidates' fit with."""
+        return {n: (m.weights, m.pinned) for n, m in self.engine.models.items()}
+
     def check_reload(self, new: Config) -> list[str]:
         """What `reload(new)` would apply (its list of changes), or the error it would raise
         (RestartNeeded, PinsDoNotFit), changing nothing: every check the reload makes, the pinned

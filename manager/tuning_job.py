@@ -469,8 +469,14 @@ def tuning_step(
         began = None
     if began is not None:  # the proposal is written from the file: one that does not load (an edit
         load_config(config_path)  # the reload refused) fails the run now, not after a whole search
-    engine = getattr(manager, "engine", None)  # (its measured sizes and pins: `tune`'s `live`)
-    live = {n: (m.weights, m.pinned) for n, m in engine.models.items()} if engine is not None else None
+    # its measured sizes and pins (`tune`'s `live`), read where the manager's thread reads them: the
+    # service hands a proxy that reads them on its event loop (`_ReloadOnLoop`), which has no engine
+    sizes = getattr(manager, "live_sizes", None)
+    engine = getattr(manager, "engine", None)
+    if callable(sizes):
+        live: dict[str, tuple[int, bool]] | None = sizes()
+    else:
+        live = {n: (m.weights, m.pinned) for n, m in engine.models.items()} if engine is not None else None
     held = getattr(manager, "tuning_overrides", None)
     outcome = run_tuning(config, config_path, store, now, stop, held, live)
     _stopped(stop)  # the service is stopping: nothing is written or reloaded now

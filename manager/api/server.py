@@ -1178,6 +1178,23 @@ class _ReloadOnLoop:
                 f"the service did not answer the check of the tuned config in {self.CHECK_S:g} s"
             ) from None
 
+    def live_sizes(self) -> dict[str, tuple[int, bool]]:
+        """`LiveManager.live_sizes()` read on the event loop: each model's measured weights and
+        whether it is pinned (admin pins included). CheckNotAnswered: no answer in CHECK_S."""
+        from manager.reload import CheckNotAnswered
+
+        async def on_loop() -> dict[str, tuple[int, bool]]:
+            return self.manager.live_sizes()
+
+        answer = asyncio.run_coroutine_threadsafe(on_loop(), self.loop)
+        try:
+            return answer.result(timeout=self.CHECK_S)
+        except TimeoutError:
+            answer.cancel()
+            raise CheckNotAnswered(
+                f"the service did not say its models' measured sizes and pins in {self.CHECK_S:g} s"
+            ) from None
+
     @property
     def config(self) -> Config:
         return self.manager.config
