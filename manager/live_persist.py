@@ -31,8 +31,9 @@ from manager.metrics import Metrics
 from manager.policy.engine import Engine
 from manager.policy.stats import EDGES, HOW_EDGES, LoadCost, ReuseHistogram
 from manager.policy.types import Action, ActionKind, Tier
-from manager.store.base import CorruptDocument, CorruptRow, StoreError, normalize_record
-from manager.units import format_duration
+from manager.replay.trace import keep_alive_json
+from manager.store.base import CorruptDocument, CorruptRow, StoreError, normalize_record, record_keep_alive
+from manager.units import format_duration, parse_keep_alive
 from workers import protocol as P
 
 if TYPE_CHECKING:
@@ -226,6 +227,16 @@ def _count(x: Any) -> int:
     raise ValueError(f"{x!r} is not a count")
 
 
+def _keep_alive_req(x: Any) -> float | None:
+    """A saved request's keep-alive (`keep_alive_json`'s form; None: the config's holds). ValueError
+    if it is not one."""
+    if x is None:
+        return None
+    if isinstance(x, bool) or not isinstance(x, int | float | str):
+        raise ValueError(f"keep_alive_req is not a keep-alive but {type(x).__name__}")
+    return parse_keep_alive(x, bounded=False)
+
+
 def _when(x: Any) -> float:
     if x is not None and _time_or_none(x):
         return float(x)
@@ -251,9 +262,9 @@ def _saved_until(doc: dict[str, Any]) -> float | None:
     return max((float(t) for t in seen if t is not None and _time_or_none(t)), default=None)
 
 
-_Taken = tuple[dict[str, ReuseHistogram], dict[str, tuple[int, float]]]
+_Taken = tuple[dict[str, ReuseHistogram], dict[str, tuple[int, float, float | None]]]
 """What `_take_missed` read of the request log: each model's histogram that took its records, and per
-model how many and when its last one ended."""
+model how many, when its last one ended and the last one's own keep-alive (None: it had none)."""
 
 
 @dataclass(frozen=True)
@@ -262,9 +273,10 @@ class _MergePlan:
     saved histogram or a fresh one, up to when it is complete, and from when the log's records are
     this run's."""
 
-    saved: dict[str, tuple[ReuseHistogram, Any, int, float]]
+    saved: dict[str, tuple[ReuseHistogram, Any, int, float, float | None]]
     """Per model: its saved histogram, load costs (as saved: joined with the measured ones at the
-    apply; None when another model was saved under its name), request count and last use."""
+    apply; None when another model was saved under its name), request count, last use and the last
+    request's own keep-alive (None: it had none)."""
     before: dict[str, ReuseHistogram]
     since: dict[str, float | None]
     until: dict[str, float]
@@ -481,6 +493,7 @@ class PersistenceMixin:
             name: {"hist": m.hist.capture(), "cost": m.cost.capture(), "weights": m.weights,
                    "measured": name in self._measured, "spec": self._spec_of(name),
                    "requests": self.live[name].requests, "last_used": self.live[name].last_used,
+                   "keep_alive_req": None if m.keep_alive_req is None else keep_alive_json(m.keep_alive_req),
                    "seen_until": now}
             for name, m in self.engine.models.items()
         })  # fmt: skip
@@ -584,6 +597,7 @@ class PersistenceMixin:
                     raise ValueError(f"an entry that is not an object but {type(d).__name__}")
                 hist, cost = _read_hist(d["hist"], self.engine.hours), _read_cost(m.cost, d["cost"])
                 requests, last_used = _count(d.get("requests", 0)), _when(d.get("last_used", 0.0))
+                keep_alive = _keep_alive_req(d.get("keep_alive_req"))  # (older documents: none)
                 measured = d.get("measured", True)  # (older documents do not say)
                 if not self._same_spec(name, d):  # another model under this name: its use, not its size
                     cost, measured = m.cost, False
@@ -607,6 +621,8 @@ class PersistenceMixin:
                 self._measured.add(name)
             self.live[name].requests = requests
             self.live[name].last_used = last_used
+            if keep_alive is not None:  # the last request's own keep-alive holds across the restart
+                self.engine.request_keep_alive(m, keep_alive)
             restored += 1
         self.engine.recheck_fit()  # restored footprints change what can ever fit
         # the request log's catch-up, also with no snapshot (a run killed before its first save)
@@ -620,7 +636,7 @@ class PersistenceMixin:
         and `_merge_apply` adds what this run has seen after them, in time order: reuse histograms
         and request counts add up, saved load times join the measured ones. Footprints stay as this
         run has them (the engine's books count them)."""
-        saved: dict[str, tuple[ReuseHistogram, Any, int, float]] = {}
+        saved: dict[str, tuple[ReuseHistogram, Any, int, float, float | None]] = {}
         self._stats_others = {n: d for n, d in doc.items() if n not in self.engine.models}
         since: dict[str, float | None] = dict.fromkeys(self.engine.models, _saved_until(doc))
         for name, d in doc.items():
@@ -633,6 +649,7 @@ class PersistenceMixin:
                 hist, cost = _read_hist(d["hist"], self.engine.hours), d["cost"]
                 _read_cost(m.cost, cost)  # (read: all of the entry or none; joined at the apply)
                 requests, last_used = _count(d.get("requests", 0)), _when(d.get("last_used", 0.0))
+                keep_alive = _keep_alive_req(d.get("keep_alive_req"))
                 if not self._same_spec(name, d):
                     cost = None
             except (KeyError, TypeError, ValueError) as e:
@@ -643,7 +660,7 @@ class PersistenceMixin:
                 )
                 since[name] = None  # (as restore_stats does)
                 continue
-            saved[name] = (hist, cost, requests, last_used)
+            saved[name] = (hist, cost, requests, last_used, keep_alive)
             since[name] = _complete_until(d, hist)
         hours = self.engine.hours
         before = {n: saved[n][0] if n in saved else ReuseHistogram(hours) for n in self.engine.models}
@@ -655,25 +672,31 @@ class PersistenceMixin:
         """`plan`'s saved statistics, the request log's records after them (`taken`; None: unread)
         and what this run has seen (on the books now), joined in time order."""
         before = dict(plan.before)
-        caught: dict[str, tuple[int, float]] = {}
+        caught: dict[str, tuple[int, float, float | None]] = {}
         if taken is not None:
             work, caught = taken
             before.update(work)
         for name, m in self.engine.models.items():
             live = self.live[name]
+            # the earlier run's last request's own keep-alive, where this run has seen none of its own
+            earlier: float | None = None
             if name in plan.saved:
-                _, cost, requests, last_used = plan.saved[name]
+                _, cost, requests, last_used, earlier = plan.saved[name]
                 if cost is not None:  # the saved samples, then this run's (the newest are kept)
                     mine = m.cost.capture()  # (taken now: a load measured while the log was read too)
                     m.cost = _read_cost(m.cost.fresh(), cost)
                     m.cost.restore(mine)
                 live.requests += requests
                 live.last_used = max(live.last_used, last_used)
+            own = m.hist.count  # this run's requests of it
             m.hist = _join_hist(before[name], m.hist)
             m.last_arrival = max(m.last_arrival, m.hist.last_t)
             if name in caught:
                 live.requests += caught[name][0]
                 live.last_used = max(live.last_used, caught[name][1])
+                earlier = caught[name][2]  # (the log's last record says it, or that it had none)
+            if not own and earlier is not None:
+                self.engine.request_keep_alive(m, earlier)
 
     def _missed_args(
         self, hists: dict[str, ReuseHistogram], since: dict[str, float | None], until: dict[str, float]
@@ -704,22 +727,23 @@ class PersistenceMixin:
     ) -> _Taken | None:
         """Each of `hists` (a model's statistics, complete up to its `since`: copies, `_missed_args`)
         observes the requests the log has after that, before its `until` (`_missed_requests`), in
-        time order. Returns them and, per model, how many it took and when its last one ended; None
-        when the log is unreadable (said). Any thread."""
-        out: dict[str, tuple[int, float]] = {}
+        time order. Returns them and, per model, how many it took, when its last one ended and that
+        one's own keep-alive; None when the log is unreadable (said). Any thread."""
+        out: dict[str, tuple[int, float, float | None]] = {}
         try:
             for rec in self._missed_requests(since, until, waiting):
                 name, t = rec["model"], rec["t"]
                 hists[name].observe(t)
-                n, end = out.get(name, (0, 0.0))
-                out[name] = (n + 1, max(end, t + rec.get("wait_s", 0.0) + rec["busy_s"]))
+                n, end, _ = out.get(name, (0, 0.0, None))
+                end = max(end, t + rec.get("wait_s", 0.0) + rec["busy_s"])
+                out[name] = (n + 1, end, record_keep_alive(rec))
         except Exception as e:  # the store failed between the two reads: the snapshot alone
             if isinstance(e, StoreError):  # (said in one line: the store names what failed)
                 logger.error("could not read the request log to bring the statistics up to date: %s", e)
             else:
                 logger.exception("could not read the request log to bring the statistics up to date")
             return None
-        taken = sum(n for n, _ in out.values())
+        taken = sum(n for n, _, _ in out.values())
         if taken:
             logger.info("statistics brought up to date with %d requests from the request log", taken)
         return hists, out
@@ -792,12 +816,17 @@ class PersistenceMixin:
         hists, caught = taken
         for name, m in self.engine.models.items():
             m.hist = hists[name]
-        for name, (n, end) in caught.items():
+        for name, (n, end, keep_alive) in caught.items():
             m, live = self.engine.models[name], self.live[name]
+            # the log's last record is the latest request (none of this run's came after it): its own
+            # keep-alive holds, or, if it had none, the config's
+            latest = m.last_arrival <= m.hist.last_t
+            if latest and (keep_alive is not None or m.keep_alive_req is not None):
+                self.engine.request_keep_alive(m, keep_alive)
             m.last_arrival = max(m.last_arrival, m.hist.last_t)  # as `restore_stats` has it: idle since
             live.requests += n
             live.last_used = max(live.last_used, end)
-        return sum(n for n, _ in caught.values())
+        return sum(n for n, _, _ in caught.values())
 
     # ---- intents ----------------------------------------------------------------------------
     async def adopt(self) -> list[str]:
