@@ -41,7 +41,7 @@ from manager.policy.types import Request
 from manager.replay.sim import ReplayResult, replay
 from manager.replay.synth import MAX_DAYS, PROFILES, synth
 from manager.replay.trace import STDIN, TraceError, read_trace, request_to_json
-from manager.units import format_duration
+from manager.units import format_duration, format_size
 
 err = Console(stderr=True, soft_wrap=True)
 MAX_BAD_LINES_SHOWN = 10
@@ -548,6 +548,17 @@ def cmd_check(a: argparse.Namespace) -> int:
             err.print(
                 f"{a.config}: warning: models[{i}] ({m.name}): {never[m.name]}: every request for it "
                 "will be refused while these pins and reservations stand",
+                highlight=False,
+                markup=False,
+            )
+    for i, cls in enumerate(c.classes):
+        runs = {m.device for m in c.models if m.class_ == cls.name}
+        idle = [repr(d.name) for d in c.devices if d.kind == "cuda" and cls.reserve and d.name not in runs]
+        if idle:
+            err.print(
+                f"{a.config}: warning: classes[{i}] ({cls.name}): its reserve of {format_size(cls.reserve)} "
+                f"is held on {', '.join(idle)} too, where no {cls.name} model runs: the lower classes' "
+                f"models there may not use it (only a request that asks for class {cls.name} can)",
                 highlight=False,
                 markup=False,
             )
