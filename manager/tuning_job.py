@@ -74,16 +74,18 @@ def run_tuning(
 ) -> TuningOutcome:
     """One run, its files under `tuning.out_dir`. `stop` ends it (TuningStopped) at its next replay
     or before its next file. A stopped or failed run leaves nothing: the folder it made is removed
-    (a failed run is tried again each `RETRY_S`, and each left its exported request log behind).
+    (a failed run is tried again each `RETRY_S`, and each left its exported request log behind);
+    a config file edited while the search went on fails it (ConfigChanged), no proposal written.
     `held`: the tuned settings the running `config` holds that its file could not take: the
     proposal (the file with the run's updates) has them too, so that it is the running config."""
     now = time.time() if now is None else now
+    began = _bytes(config_path)  # the file the run tunes (its proposal is written from it)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now))
     out_dir = Path(config.tuning.out_dir) / stamp
     made = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return _run(config, config_path, store, now, stamp, out_dir, stop, held or {}, live)
+        return _run(config, config_path, store, now, stamp, out_dir, stop, held or {}, live, began)
     except BaseException:
         if made:
             shutil.rmtree(out_dir, ignore_errors=True)
@@ -105,6 +107,7 @@ def _run(
     stop: Callable[[], bool] | None,
     held: TunedHold,
     live: LiveSizes | None = None,
+    began: bytes | None = None,
 ) -> TuningOutcome:
     trace = out_dir / "requests.jsonl"
     damaged: list[Any] = []  # (StoreError: a damaged stored row, left out of the export)
@@ -113,7 +116,10 @@ def _run(
     except ExportStopped as e:  # the run's stop, met in its export: the run is stopped
         raise TuningStopped(str(e)) from e
     names = {m.name for m in config.models}
-    read = read_trace(trace, strict=False, known_classes=[c.name for c in config.classes])
+    try:
+        read = read_trace(trace, strict=False, known_classes=[c.name for c in config.classes])
+    finally:  # read, it goes: a copy of the request log per run, kept, grew without bound and outlived
+        trace.unlink(missing_ok=True)  # the store's `request_log_retention`
     reqs = [r for r in read.requests if r.model in names]
     skipped: list[str] = []
     if damaged:  # the rest is tuned on (a damaged row failed every run, retried each hour for good)
@@ -151,6 +157,14 @@ def _run(
     mode = config_path.stat().st_mode & 0o7777  # a private config's proposal is as private
 
     def write(tmp: Path) -> Config:
+        # from the file the run tuned: an edit saved while it searched was measured by no replay (it
+        # went into the proposal, which said "better" of a config it had never seen): the run fails,
+        # and is tried again after RETRY_S on the file as it is then
+        if began is not None and _bytes(config_path) != began:
+            raise ConfigChanged(
+                f"{config_path} changed while the run went on: no proposal is written (the run tuned "
+                "the file as it was); the next run tunes the file as it is"
+            )
         return write_config_with_updates(
             config_path, tmp, model_updates, class_updates, header, note_changes=True
         )
@@ -236,6 +250,13 @@ def _seconds(doc: dict[str, Any], key: str) -> float | None:
     if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
         return float(v)
     return None
+
+
+def _bytes(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
 
 
 def _keep_copy(src: Path, dst: Path) -> bytes:
@@ -520,9 +541,10 @@ def _apply(manager: Any, config_path: Path, outcome: TuningOutcome, began: bytes
         logger.warning("scheduled tuning: %s", outcome.reason)
         return False
     except _Refused as e:
-        why = "could not check it" if isinstance(e.__cause__, CheckNotAnswered) else "would refuse it"
+        if isinstance(e.__cause__, CheckNotAnswered):  # the service was busy, not against it: a failed
+            raise e.__cause__ from None  # run, tried again after RETRY_S (not a period later)
         outcome.reason += (
-            f"; not applied: the service {why} ({e}); {config_path} left as it was "
+            f"; not applied: the service would refuse it ({e}); {config_path} left as it was "
             f"(the proposal: {outcome.proposal})"
         )
         logger.warning("scheduled tuning: %s", outcome.reason)
@@ -538,7 +560,15 @@ def _apply(manager: Any, config_path: Path, outcome: TuningOutcome, began: bytes
             new = with_settings(manager.config, outcome.model_updates, outcome.class_updates)
             _reload_holding(manager, running, new, outcome)
     except TimeoutError:  # the reload did not answer: it may still be applied, so the file stays
-        raise
+        where = (
+            f"written into {config_path}" if isinstance(written, _Written) else "not written into the file"
+        )
+        outcome.reason += (
+            f"; {where}, but the service did not answer its reload in time: it may still take it (the log "
+            f"says how its reload ends; the proposal: {outcome.proposal})"
+        )
+        logger.warning("scheduled tuning: %s", outcome.reason)
+        return False
     except Exception as e:
         refused = isinstance(e, ConfigError | RestartNeeded | ValidationError)  # else a bug: raised
         if isinstance(written, _Written) and manager.config is running:  # not taken: the file follows
@@ -599,13 +629,30 @@ def _reload_holding(manager: Any, running: Config, new: Config, outcome: TuningO
     manager.reload(new, hold=hold)
 
 
+@dataclass
+class ScheduleMemo:
+    """What the schedule's loop remembers between its checks beside the store's record: when it last
+    tried a run that the store could not record (a store that reads and does not write - a Redis at
+    maxmemory, a full disk - or is down), so that it is tried again after RETRY_S, not at each check."""
+
+    unrecorded_at: float | None = None
+
+
 def scheduled_tuning(
-    manager: Any, config_path: Path, store: Any, now: float, stop: Callable[[], bool] | None = None
+    manager: Any,
+    config_path: Path,
+    store: Any,
+    now: float,
+    stop: Callable[[], bool] | None = None,
+    memo: ScheduleMemo | None = None,
 ) -> str | None:
     """What the service's schedule runs at each check: a tuning run when one is due (None when none
     is). Never raises: a failure (the store down, the output folder not writable, a bug) is recorded,
-    when the store allows, and tried again after `RETRY_S`. `stop` (the service stopping) ends a run
-    at its next replay, recording nothing. Returns what to say of the run."""
+    when the store allows, and tried again after `RETRY_S`; when the store cannot record it, `memo`
+    (the loop's, kept between checks) holds the time instead. `stop` (the service stopping) ends a
+    run at its next replay, recording nothing. Returns what to say of the run."""
+    if memo is not None and memo.unrecorded_at is not None and abs(now - memo.unrecorded_at) < RETRY_S:
+        return None
     try:
         if not due(manager.config, store, now):
             return None
@@ -618,7 +665,13 @@ def scheduled_tuning(
             doc = _record(store)
             store.put_doc("tuning", {**doc, "failed_at": now, "error": why})
         except Exception:
-            return f"failed ({why}); the store could not record it: retried at the next check"
+            if memo is not None:
+                memo.unrecorded_at = now
+            return f"failed ({why}); the store could not record it: retried in {RETRY_S / 3600:g} h"
+        if memo is not None:
+            memo.unrecorded_at = None
         return f"failed ({why}); retried in {RETRY_S / 3600:g} h"
+    if memo is not None:
+        memo.unrecorded_at = None
     said = f"{out.reason}; changes: {', '.join(out.changes) or 'none'}; proposal: {out.proposal}"
     return said + "".join(f"; warning: {w}" for w in out.warnings)

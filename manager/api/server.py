@@ -1203,11 +1203,33 @@ class _ReloadOnLoop:
     def tuning_overrides(self) -> TunedHold:
         return self.manager.tuning_overrides
 
+    RELOAD_S = 60.0
+    """How long `reload` waits for the event loop (it then goes on there, and says how it ended)."""
+
     def reload(self, new: Config, hold: TunedHold | None = None) -> list[str]:
         async def on_loop() -> list[str]:
             return self.manager.reload(new) if hold is None else self.manager.reload(new, hold)
 
-        return asyncio.run_coroutine_threadsafe(on_loop(), self.loop).result(timeout=60.0)  # never hangs
+        answer = asyncio.run_coroutine_threadsafe(on_loop(), self.loop)
+        try:
+            return answer.result(timeout=self.RELOAD_S)  # never hangs
+        except TimeoutError:
+            answer.add_done_callback(_late_reload)
+            raise
+
+
+def _late_reload(answer: Any) -> None:
+    """How the tuned config's reload, answered after the tuning stopped waiting, ended: logged."""
+    if answer.cancelled():
+        logger.warning("scheduled tuning: the late reload of the tuned config was cancelled")
+    elif answer.exception() is not None:
+        logger.warning(
+            "scheduled tuning: the late reload of the tuned config was refused: %s (the config file "
+            "holds the tuned values: edit them back, or restart to take them)",
+            answer.exception(),
+        )
+    else:
+        logger.info("scheduled tuning: the late reload of the tuned config took it: %s", answer.result())
 
 
 async def tuning_loop(manager: LiveManager, path: str, store: Any, check_s: float = 60.0) -> None:
@@ -1216,14 +1238,15 @@ async def tuning_loop(manager: LiveManager, path: str, store: Any, check_s: floa
     Cancelled (the service stopping), a run under way ends at its next replay, writing nothing, and
     the cancellation waits for that (at most STOP_TUNING_S), so the store it uses is still open."""
 
-    from manager.tuning_job import scheduled_tuning
+    from manager.tuning_job import ScheduleMemo, scheduled_tuning
 
     on_loop = _ReloadOnLoop(manager, asyncio.get_running_loop())
     stopping = threading.Event()
+    memo = ScheduleMemo()  # (a run the store could not record is tried again an hour on, not each check)
     while True:
         now = manager.clock()
         run = asyncio.ensure_future(
-            asyncio.to_thread(scheduled_tuning, on_loop, Path(path), store, now, stopping.is_set)
+            asyncio.to_thread(scheduled_tuning, on_loop, Path(path), store, now, stopping.is_set, memo)
         )
         run.add_done_callback(read_outcome)  # (a stop waits STOP_TUNING_S at most, then leaves it)
         try:

@@ -137,10 +137,8 @@ LiveSizes = dict[str, tuple[int, bool]]
 or unpin included)."""
 
 
-def never_fit(config: Config, live: LiveSizes | None = None) -> set[str]:
-    """The models `config` leaves room for on no device, its pins and reservations standing (the
-    engine's own rule, which `config check` warns of): every request for them is refused. `live`:
-    the sizes and pins a running service has (its measured footprints, not the config's estimates)."""
+def _running(config: Config, live: LiveSizes | None) -> Any:
+    """An engine of `config` holding the running service's sizes and pins (`live`)."""
     from manager.policy.engine import Engine
     from manager.policy.factory import create_policy
 
@@ -150,7 +148,51 @@ def never_fit(config: Config, live: LiveSizes | None = None) -> set[str]:
             if m.name in live:
                 m.weights, m.pinned = live[m.name]
         eng.recheck_fit()
-    return {name for name, why in eng.never_fits.items() if why}
+    return eng
+
+
+def reload_takes(running: Any, candidate: Config, live: LiveSizes | None) -> bool:
+    """Whether the running service's reload would take `candidate`'s reservations beside its pinned
+    models at their measured sizes (`manager.reload.check_measured_fit`, the reload's own rule:
+    per class, its reservation or its pinned models, whichever is more, on each device). `running`:
+    `_running(config, live)`. Without `live` (no service: the config's estimates), the config's
+    own check has said it."""
+    from manager.reload import PinsDoNotFit, check_measured_fit
+
+    if not live:
+        return True
+    try:
+        check_measured_fit(running, candidate, {n: p for n, (_, p) in live.items()}, set(live))
+    except PinsDoNotFit:
+        return False
+    return True
+
+
+def _reservable(
+    config: Config,
+    models: dict[str, dict[str, Any]],
+    classes: dict[str, dict[str, Any]],
+    live: LiveSizes | None,
+    unservable: set[str],
+    running: Any,
+) -> bool:
+    """Whether reservations `classes` are a candidate: not one that leaves some model no room anywhere
+    (a model the search days never asked for costs nothing in their replay, and would be refused
+    after), nor one the service's reload would refuse beside its pins at their measured sizes (the
+    first rule counts higher classes' reservations only: one of the lowest class passed it, and the
+    refused apply lost the run's keep-alives with it, week after week)."""
+    try:
+        candidate = with_settings(config, models, classes)
+    except ValidationError:
+        return False
+    return never_fit(candidate, live) <= unservable and reload_takes(running, candidate, live)
+
+
+def never_fit(config: Config, live: LiveSizes | None = None) -> set[str]:
+    """The models `config` leaves room for on no device, its pins and reservations standing (the
+    engine's own rule, which `config check` warns of): every request for them is refused. `live`:
+    the sizes and pins a running service has (its measured footprints, not the config's estimates)."""
+    return {name for name, why in _running(config, live).never_fits.items() if why}
 
 
 def with_settings(
@@ -237,17 +279,14 @@ def tune(
             if progress is not None:
                 progress(f"{m.name}: objective {best:.1f}")
     unservable = never_fit(config, live)
+    running = _running(config, live)
     for c in config.classes:
         floor = reserve_floor(config, c.name)
         for gib in RESERVE_CHOICES_GIB:
             if int(gib * 2**30) < floor:
                 continue
             trial_c = {**classes, c.name: {"reserve": int(gib * 2**30)}}
-            try:  # a reservation that leaves some model no room anywhere is no candidate: a model the
-                # search days never asked for costs nothing in their replay, and would be refused after
-                if not never_fit(with_settings(config, models, trial_c), live) <= unservable:
-                    continue
-            except ValidationError:
+            if not _reservable(config, models, trial_c, live, unservable, running):
                 continue
             s = score(models, trial_c)
             if s is not None and s[0] < best * (1.0 - MIN_GAIN):

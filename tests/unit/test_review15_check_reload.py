@@ -29,7 +29,7 @@ import manager.tuning_job as job
 from manager.api.server import _ReloadOnLoop
 from manager.config import Config, load_config, write_config_with_updates
 from manager.live import LiveManager
-from manager.reload import PinsDoNotFit
+from manager.reload import CheckNotAnswered, PinsDoNotFit
 from manager.store import open_store
 from manager.tuning_job import TuningOutcome, tuning_step
 from manager.units import format_size
@@ -355,14 +355,19 @@ def test_a_check_the_service_does_not_answer_leaves_the_file_unwritten(
     loop.call_soon_threadsafe(held.wait)  # the loop is busy until the test lets it go
 
     class Bridge(_ReloadOnLoop):  # the service's own view; its reload is recorded, never made
-        def reload(self, new: Config) -> list[str]:
+        def reload(self, new: Config) -> list[str]:  # type: ignore[override]
             reloaded.append(new)
             return []
 
+        def live_sizes(self) -> dict[str, tuple[int, bool]]:  # (read before the loop was held up)
+            return {}
+
     bridge = Bridge(Live(), loop)  # type: ignore[arg-type]
     try:
-        with caplog.at_level(logging.WARNING, logger="manager.tuning_job"):
-            out = tuning_step(bridge, path, store, 1e9)
+        # (review 26: a failed run, tried again after RETRY_S; it was recorded as the period's run,
+        # and the better config waited a week for a moment's stall of the event loop)
+        with pytest.raises(CheckNotAnswered) as e:
+            tuning_step(bridge, path, store, 1e9)
     finally:
         held.set()
 
@@ -377,7 +382,4 @@ def test_a_check_the_service_does_not_answer_leaves_the_file_unwritten(
         store.close()
     assert path.read_bytes() == before and reloaded == []
     assert checked == []  # the check given up on does not run later either
-    assert "not applied: the service could not check it" in out.reason, out.reason
-    assert "did not answer the check of the tuned config in 0.05 s" in out.reason, out.reason
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "could not check it" in warnings[0], warnings
+    assert "did not answer the check of the tuned config in 0.05 s" in str(e.value)
