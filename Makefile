@@ -33,12 +33,14 @@ install: $(STAMP)
 # SQLite store and the example home, configs/home.yaml (without CUDA its GPU's models run on the CPU;
 # silero-vad, all-MiniLM-L6-v2 and WorldPager's MG2-shaped stand-in load offline, the others need
 # their checkpoint files). Ctrl-C stops it.
+# LISTEN=HOST:PORT serves on another address than the config's (give it to `residency ps --target` too).
+LISTEN ?=
 run: $(STAMP)
-	$(BIN)/residency serve --config configs/home.yaml
+	$(BIN)/residency serve --config configs/home.yaml $(if $(LISTEN),--listen $(LISTEN))
 
 # The CPU-only home: only the models that load offline, with load times measured on this machine.
 run-cpu: $(STAMP)
-	$(BIN)/residency serve --config configs/local-cpu.yaml
+	$(BIN)/residency serve --config configs/local-cpu.yaml $(if $(LISTEN),--listen $(LISTEN))
 
 # The replay of a shipped synthetic home week through configs/home.yaml, every policy side by side.
 replay: $(STAMP)

@@ -859,6 +859,13 @@ def cmd_measure(a: argparse.Namespace) -> int:
         )
     elif a.write_config is not None:
         measure.write_measured_config(Path(a.config), Path(a.write_config), results)
+        for note in measure.reordered(results, config):  # (a load time written other than measured)
+            err.print(
+                f"residency: --write-config {a.write_config}: {note}",
+                highlight=False,
+                markup=False,
+                soft_wrap=True,
+            )
     if a.json:
         _print_json(measure.as_json(results), indent=2)
     else:

@@ -130,6 +130,27 @@ def measure_all(config: Config, models: list[str] | None = None, repeats: int = 
     return [measure_model(config, m, repeats) for m in chosen]
 
 
+def _load_seconds(mm: ModelMeasure, estimates: dict[str, float]) -> tuple[float, float, float] | None:
+    """(disk, cached, host) as measured (a cold load from the page cache: the config's disk
+    estimate), or None where one is missing."""
+    disk, cached, host = (mm.seconds(t) for t in ("disk->gpu(cold)", "disk->gpu(cached)", "host->gpu"))
+    if mm.cold_was_cached:
+        disk = estimates.get(mm.name)
+    if not mm.ok or disk is None or cached is None or host is None:
+        return None
+    return disk, cached, host
+
+
+def _in_order(disk: float, cached: float, host: float) -> tuple[float, float, float]:
+    """The config keeps host <= cached <= disk. On small files the measured medians can come out in
+    another order (noise of milliseconds; where a model's start-up outweighs its read, more): keep
+    the order, moving the noisy value the least."""
+    host = max(host, MIN_SECONDS)
+    disk = max(disk, cached, host)
+    cached = min(max(cached, host), disk)
+    return disk, cached, host
+
+
 def config_updates(measures: list[ModelMeasure], config: Config | None = None) -> dict[str, dict[str, Any]]:
     """`load_seconds` and `memory` from the measurements, for `write_config_with_updates`. A model
     whose cold load came from the page cache (`cold_was_cached`) keeps `config`'s `disk` estimate,
@@ -138,21 +159,43 @@ def config_updates(measures: list[ModelMeasure], config: Config | None = None) -
     updates: dict[str, dict[str, Any]] = {}
     estimates = {m.name: m.load_seconds.disk for m in config.models} if config is not None else {}
     for mm in measures:
-        disk, cached, host = (mm.seconds(t) for t in ("disk->gpu(cold)", "disk->gpu(cached)", "host->gpu"))
-        if mm.cold_was_cached:
-            disk = estimates.get(mm.name)
-        if not mm.ok or disk is None or cached is None or host is None:
+        measured = _load_seconds(mm, estimates)
+        if measured is None:
             continue
-        # The config keeps host <= cached <= disk. On small files the measured medians can come out
-        # in another order (noise of milliseconds): keep the order, moving the noisy value the least.
-        host = max(host, MIN_SECONDS)
-        disk = max(disk, cached, host)
-        cached = min(max(cached, host), disk)
+        disk, cached, host = _in_order(*measured)
         updates[mm.name] = {
             "load_seconds": {"disk": round(disk, 4), "cached": round(cached, 4), "host": round(host, 4)},
             "memory": max(mm.footprint_bytes, 1),
         }
     return updates
+
+
+REORDER_NOTE_S = 0.05
+"""A written load time this far (and 10 %) from its measurement is said (`reordered`)."""
+
+
+def reordered(measures: list[ModelMeasure], config: Config | None = None) -> list[str]:
+    """What `config_updates` wrote other than measured, beyond noise: for each such model, its
+    measured and written load seconds (the config keeps host <= cached <= disk)."""
+    notes = []
+    estimates = {m.name: m.load_seconds.disk for m in config.models} if config is not None else {}
+    for mm in measures:
+        measured = _load_seconds(mm, estimates)
+        if measured is None:
+            continue
+        written = _in_order(*measured)
+        moved = [
+            (name, a, b)
+            for name, a, b in zip(("disk", "cached", "host"), measured, written, strict=True)
+            if abs(b - a) > max(REORDER_NOTE_S, 0.1 * a)
+        ]
+        if moved:
+            said = ", ".join(f"{name} {a:.3f} s as {b:.3f} s" for name, a, b in moved)
+            notes.append(
+                f"{mm.name}: measured {said} (the config keeps host <= cached <= disk: its start-up, "
+                "not its read, decides these loads; measure again with more --repeats to see the spread)"
+            )
+    return notes
 
 
 def as_json(measures: list[ModelMeasure]) -> dict[str, Any]:

@@ -71,13 +71,23 @@ def watch_events(
     (ClientError, as `admin_call`'s)."""
     meta = _metadata(token, root_cert)
     with _channel(target, root_cert) as ch:
+        ready: list[bool] = []  # the connection was made (then lost: not a TLS mismatch)
+
+        def note(state: Any) -> None:
+            if state == grpc.ChannelConnectivity.READY:
+                ready.append(True)
+
+        ch.subscribe(note)
         stream = residency_pb2_grpc.ResidencyStub(ch).Events(residency_pb2.EventsRequest(), metadata=meta)
         try:
-            yield from stream
+            for event in stream:
+                ready.append(True)
+                yield event
         except grpc.RpcError as e:
-            raise _error(e, ch, target, root_cert is not None) from None
+            raise _error(e, ch, target, root_cert is not None, lost=bool(ready)) from None
         finally:
             stream.cancel()
+            ch.unsubscribe(note)
 
 
 def _metadata(token: str | None, root_cert: bytes | None) -> list[tuple[str, str]] | None:
@@ -108,11 +118,12 @@ read, so the words, not the channel's state, say that the service answered (gRPC
 says "failed to connect", "Socket closed" and the like)."""
 
 
-def _error(e: grpc.RpcError, ch: Any, target: str, tls: bool) -> ClientError:
+def _error(e: grpc.RpcError, ch: Any, target: str, tls: bool, *, lost: bool = False) -> ClientError:
     """The failed call `e` as a ClientError naming `target`, the code and the server's words; it was
     answered by the service when its channel is connected: gRPC's own UNAVAILABLE (nothing listens,
     the connection was closed) and DEADLINE_EXCEEDED (still connecting) leave it unconnected, while
-    the service's UNAVAILABLE (a load that failed) comes over a connected one."""
+    the service's UNAVAILABLE (a load that failed) comes over a connected one. `lost`: the call's
+    connection had been made (a stream that ended when the server went away): no TLS hint then."""
     code = e.code()
     details = str(e.details())
     answered = (
@@ -120,8 +131,9 @@ def _error(e: grpc.RpcError, ch: Any, target: str, tls: bool) -> ClientError:
         or STOPPING_WORDS.search(details) is not None  # (its channel closing meanwhile: its words)
         or _connected(ch)
     )
+    hint = " (the connection to the service was lost)" if lost and "Socket closed" in details else ""
     return ClientError(
-        f"{target}: {code.name}: {details}{_tls_hint(details, tls)}", code.name, answered=answered
+        f"{target}: {code.name}: {details}{hint or _tls_hint(details, tls)}", code.name, answered=answered
     )
 
 

@@ -259,8 +259,7 @@ async def run_front(a: argparse.Namespace) -> int:
     print(READY, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)  # (the manager's stop; SIGINT, SIGHUP: `main`)
 
     async def orphaned() -> None:  # the manager's process died without stopping us
         while os.getppid() == a.parent:
@@ -277,6 +276,12 @@ async def run_front(a: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # The manager stops its front ends (SIGTERM), and they end when it dies (`orphaned`): a signal to
+    # the process group is the manager's to take. A SIGHUP (the terminal closed) killed them, and a
+    # SIGINT stopped them, while a manager started with both ignored (`nohup`, a shell's `&`) served
+    # on: each was restarted, the calls and streams open through it broken.
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     ap = argparse.ArgumentParser(prog="python -m manager.api.front", description=__doc__.split("\n")[0])
     ap.add_argument("--listen", required=True)
     ap.add_argument("--backend", required=True, help="the manager's gRPC Unix socket")

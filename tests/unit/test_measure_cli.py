@@ -59,7 +59,7 @@ def test_a_model_that_cannot_load_here_is_reported_not_raised(
 
 
 def test_noisy_medians_keep_the_cost_table_ordered() -> None:
-    from manager.measure import ModelMeasure, config_updates
+    from manager.measure import ModelMeasure, config_updates, reordered
 
     def t(x: float) -> dict[str, float]:
         return {"total_s": x}
@@ -69,6 +69,23 @@ def test_noisy_medians_keep_the_cost_table_ordered() -> None:
     ls = config_updates([mm])["voice"]["load_seconds"]
     assert ls["host"] <= ls["cached"] <= ls["disk"]
     assert ls == {"disk": 0.0668, "cached": 0.0668, "host": 0.0569}
+    assert reordered([mm]) == []  # milliseconds of noise: not said
+
+
+def test_a_load_time_written_far_from_its_measurement_is_said() -> None:
+    """Review 26 (README walk-through): embed measured cold 0.29 s, cached 0.42 s, host 0.49 s
+    (its start-up outweighs its read) and was written 0.49 s for all three, unsaid."""
+    from manager.measure import ModelMeasure, config_updates, reordered
+
+    mm = ModelMeasure("embed", "sentence-transformers", "cpu0", "cpu0", footprint_bytes=90_000_000)
+    mm.transitions = {
+        "disk->gpu(cold)": {"total_s": 0.2906}, "disk->gpu(cached)": {"total_s": 0.4194},
+        "host->gpu": {"total_s": 0.4872},
+    }  # fmt: skip
+    assert config_updates([mm])["embed"]["load_seconds"] == {"disk": 0.4872, "cached": 0.4872, "host": 0.4872}
+    (note,) = reordered([mm])
+    assert note.startswith("embed: measured disk 0.291 s as 0.487 s, cached 0.419 s as 0.487 s (")
+    assert "host <= cached <= disk" in note
 
 
 def test_a_failed_models_error_is_printed_whole_under_the_table(
