@@ -25,7 +25,7 @@ from pydantic import (
 )
 
 from manager.adapter_specs import BUILTIN, WORLD_ADAPTERS, adapter_problem, check_source
-from manager.policy.stats import home_hours
+from manager.policy.stats import home_hours, zone_names
 from manager.store.redis_url import redact, redis_url_problem
 from manager.units import (
     DURATION_PATTERN,
@@ -604,6 +604,11 @@ class ModelConfig(_Model):
         return self.memory + (self.elastic.min if self.elastic else 0)
 
 
+def _zones(schema: dict[str, Any]) -> None:
+    """`policy.timezone`'s values in its JSON Schema (editors offer them): this machine's zones."""
+    schema["enum"] = [None, *sorted(zone_names())]
+
+
 class PolicyConfig(_Model):
     name: Literal["residency", "lru-keepalive", "histogram", "gdsf", "oracle"] = "residency"
     """The eviction/prewarm policy."""
@@ -615,7 +620,7 @@ class PolicyConfig(_Model):
     Once it has served, a request of its class may take its room (as `configs/home.yaml` says)."""
     default_keep_alive: Duration = 300
     """Keep-alive used by `lru-keepalive` and where nothing else decides."""
-    timezone: str | None = Field(default=None, min_length=1, max_length=255)
+    timezone: str | None = Field(default=None, json_schema_extra=_zones)
     """The home's time zone, as an IANA name ("Europe/Berlin", "America/New_York", "UTC"): the
     statistics by hour of week (and the tuning report's hours) follow its wall clock, summer time
     included, so a habit at 07:00 stays at 07:00 when the clocks change. Null: this machine's own

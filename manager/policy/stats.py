@@ -16,8 +16,9 @@ from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Callable
 from datetime import datetime, tzinfo
+from functools import cache
 from itertools import accumulate
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError, available_timezones
 
 WEEK_S = 7 * 24 * 3600.0
 # Log-spaced bin edges from 1 s to 8 days (ratio 1.25, ~60 bins). Bin i holds [edge[i-1], edge[i]).
@@ -111,10 +112,19 @@ def home_hours(name: str | None) -> HomeHours:
         return HomeHours()
 
 
+@cache
+def zone_names() -> frozenset[str]:
+    """The IANA zone names this machine knows (its zoneinfo files and the tzdata package's): what
+    `policy.timezone` takes, and what the config's JSON Schema lists."""
+    return frozenset(available_timezones()) | {"UTC"}
+
+
 def _zone(name: str) -> tzinfo | None:
     """The zone called `name` (None for UTC itself, the fast path); ValueError naming it if none is."""
     if name in ("UTC", "Etc/UTC", "Etc/Universal", "Etc/Zulu", "Universal", "Zulu"):
         return None
+    if name not in zone_names():  # (ZoneInfo also opens any file under the zoneinfo folders)
+        raise ValueError(f"no time zone is called {name!r} (an IANA name: 'Europe/Berlin', 'UTC')")
     try:
         return ZoneInfo(name)
     except (ZoneInfoNotFoundError, ValueError, OSError) as e:
