@@ -15,12 +15,17 @@ its mode). A journal that is not a regular file (a FIFO, a device such as /dev/n
 refused at the start, naming it: `store.journal: null` keeps no journal.
 A line that cannot be read (a torn write at a crash, a damaged byte, a record the store would refuse)
 is skipped, counted and logged with its line number: one bad line must not hold up the others.
+A journal knows the store it serves (`owner`, kept in a file beside it, `<journal>.store`): the
+records a service on another store left in it (one home's config switched to its own store, the
+journal left as it was) are not sent to this store but set aside (`<journal>.<tag>.aside`), and a
+later service on that store with this journal takes them back when it starts.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import logging
 import math
@@ -47,11 +52,18 @@ class JournalInUse(OSError):
     """Another process (or another open in this one) holds the request journal."""
 
 
+def _tag(owner: str) -> str:
+    """A file-name-safe tag of a store's identity (`<journal>.<tag>.aside`)."""
+    return hashlib.sha256(owner.encode()).hexdigest()[:12]
+
+
 class RequestJournal:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, owner: str | None = None) -> None:
         """OSError naming the file (and the `store.journal` setting) when it cannot be opened;
-        `JournalInUse` (an OSError) when another service holds it."""
+        `JournalInUse` (an OSError) when another service holds it. `owner`: the identity of the store
+        its records go to (`manager.store.store_identity`); None: whatever store (as before)."""
         self.path = path
+        self.owner = owner
         """As configured (what messages name); `file` is where it is written."""
         self.file = self.lock_path = path
         self._lock_fd = self._fd = -1
@@ -64,6 +76,14 @@ class RequestJournal:
             self._check_file()
             self.lock_path = self.file.with_name(self.file.name + ".lock")
             self._lock_fd = self._lock()
+            if owner is not None:
+                try:
+                    self._own(owner)
+                except OSError as e:  # (a full disk: the start goes on, as with a journal before this)
+                    logger.warning(
+                        "%s: cannot keep the store the journal serves beside it (%s): its records "
+                        "are sent to this store", self.path, e,
+                    )  # fmt: skip
             self._fd = self._open()
         except OSError as e:
             self._close_lock()
@@ -90,6 +110,57 @@ class RequestJournal:
         self._torn = False  # a failed append may have left part of its line: end it first
         self._closed = False
         self._end_line()
+
+    def _own(self, owner: str) -> None:
+        """The journal as `owner`'s (its lock held): records another store's service left are set
+        aside, records set aside for `owner` are taken back, and the owner is written beside it."""
+        owner_file = self.file.with_name(self.file.name + ".store")
+        try:
+            said: str | None = owner_file.read_text(encoding="utf-8").strip() or None
+        except FileNotFoundError:
+            said = None  # (a journal of an earlier release: its records are this store's, as they were)
+        except (OSError, UnicodeDecodeError) as e:
+            logger.warning("%s: cannot read the journal's store (%s); taken as this one's", owner_file, e)
+            said = None
+        held = self._records_held()
+        if said is not None and said != owner and held:
+            aside = self.file.with_name(f"{self.file.name}.{_tag(said)}.aside")
+            if aside.exists():  # (two outages of that store: both kept, in order; whole or not at all)
+                tmp = aside.with_name(aside.name + ".tmp")
+                try:
+                    kept = aside.read_bytes()
+                    tmp.write_bytes(
+                        kept + (b"\n" if kept and not kept.endswith(b"\n") else b"") + self.file.read_bytes()
+                    )
+                    os.replace(tmp, aside)
+                finally:
+                    tmp.unlink(missing_ok=True)
+                self.file.unlink()
+            else:
+                os.replace(self.file, aside)
+            logger.warning(
+                "%s: %d request(s) were served by a service on another store (%s), not this one (%s): "
+                "set aside in %s, not sent here (a service on that store with this journal takes "
+                "them back at its start)",
+                self.path, held, said, owner, aside,
+            )  # fmt: skip
+            held = 0
+        if said != owner:  # written before a set-aside journal is taken back: a crash between the two
+            tmp = owner_file.with_name(owner_file.name + ".tmp")  # leaves the records set aside
+            tmp.write_text(owner + "\n", encoding="utf-8")
+            os.replace(tmp, owner_file)
+        mine = self.file.with_name(f"{self.file.name}.{_tag(owner)}.aside")
+        if not held and mine.exists():
+            os.replace(mine, self.file)
+            logger.info("%s: the request(s) set aside for this store (%s) are taken back", self.path, owner)
+
+    def _records_held(self) -> int:
+        """How many lines the journal file holds (0 when there is none)."""
+        try:
+            data = self.file.read_bytes()
+        except FileNotFoundError:
+            return 0
+        return sum(1 for line in data.split(b"\n") if line.strip())
 
     def _check_file(self) -> None:
         """OSError naming the file unless it is a regular file or missing: a FIFO would hold the start

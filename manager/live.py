@@ -54,6 +54,7 @@ from manager.policy.outcomes import Admission
 from manager.policy.types import TIER_NAMES, Action, ActionKind, Tier
 from manager.reload import TunedHold
 from manager.replay.trace import keep_alive_json
+from manager.store import store_identity
 from manager.store.base import CorruptDocument
 from manager.units import format_size as fmt_bytes
 from manager.workers_bridge import model_specs
@@ -275,8 +276,10 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         # LOG_BATCH records wait), and at stop: a per-request write would cost more than the request.
         self._log_buf: list[dict[str, Any]] = []
         self._log_sending: list[dict[str, Any]] = []  # the batch a flush is writing to the store
-        if isinstance(journal, (str, Path)):
-            journal = RequestJournal(Path(journal)) if store is not None else None
+        if isinstance(journal, (str, Path)):  # (its records go to this store only)
+            url = getattr(store, "url", None)
+            owner = store_identity(url) if isinstance(url, str) else None
+            journal = RequestJournal(Path(journal), owner) if store is not None else None
         self.journal = journal if store is not None else None
         """Served requests not yet in the store (given open, `serve` opened it before Ray's start: a
         second service on the same file is refused before it starts anything)."""
