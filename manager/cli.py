@@ -551,14 +551,14 @@ def cmd_check(a: argparse.Namespace) -> int:
                 highlight=False,
                 markup=False,
             )
-    for i, cls in enumerate(c.classes):
+    for i, cls in enumerate(c.classes[:-1]):  # (the lowest class's reserve holds nothing back: none is below)
         runs = {m.device for m in c.models if m.class_ == cls.name}
         idle = [repr(d.name) for d in c.devices if d.kind == "cuda" and cls.reserve and d.name not in runs]
         if idle:
             err.print(
                 f"{a.config}: warning: classes[{i}] ({cls.name}): its reserve of {format_size(cls.reserve)} "
                 f"is held on {', '.join(idle)} too, where no {cls.name} model runs: the lower classes' "
-                f"models there may not use it (only a request that asks for class {cls.name} can)",
+                f"models there may not use it (only requests of class {cls.name} or higher can)",
                 highlight=False,
                 markup=False,
             )

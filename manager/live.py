@@ -275,6 +275,9 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         # The request log is written in batches off the event loop (once a second, or sooner when
         # LOG_BATCH records wait), and at stop: a per-request write would cost more than the request.
         self._log_buf: list[dict[str, Any]] = []
+        self.keep_alive_said: set[str] = set()
+        """Models an admitted request of this run gave its word on the keep-alive (its own, or none:
+        the config's): an earlier run's, read late (the store down at start), does not override it."""
         self._log_sending: list[dict[str, Any]] = []  # the batch a flush is writing to the store
         if isinstance(journal, (str, Path)):  # (its records go to this store only)
             url = getattr(store, "url", None)
@@ -1400,6 +1403,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         live = self.live[model]
         cls_name = self.config.classes[rank].name
         arrival, cold = await self._queue_for(m, rank, cls_name, deadline)
+        self.keep_alive_said.add(model)  # (admitted: its word on the keep-alive is this run's)
         if keep_alive is not None or m.keep_alive_req is not None:
             self.engine.request_keep_alive(m, keep_alive)
         try:

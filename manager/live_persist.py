@@ -305,6 +305,7 @@ class PersistenceMixin:
     clock: Callable[[], float]
     engine: Engine
     live: dict[str, _Live]
+    keep_alive_said: set[str]
     specs: dict[str, Any]
     metrics: Metrics
     journal: RequestJournal | None
@@ -688,15 +689,14 @@ class PersistenceMixin:
                     m.cost.restore(mine)
                 live.requests += requests
                 live.last_used = max(live.last_used, last_used)
-            own = m.hist.count  # this run's requests of it
             m.hist = _join_hist(before[name], m.hist)
             m.last_arrival = max(m.last_arrival, m.hist.last_t)
             if name in caught:
                 live.requests += caught[name][0]
                 live.last_used = max(live.last_used, caught[name][1])
                 earlier = caught[name][2]  # (the log's last record says it, or that it had none)
-            if not own and earlier is not None:
-                self.engine.request_keep_alive(m, earlier)
+            if name not in self.keep_alive_said and earlier is not None:  # (a request of this run
+                self.engine.request_keep_alive(m, earlier)  # refused before admission said nothing)
 
     def _missed_args(
         self, hists: dict[str, ReuseHistogram], since: dict[str, float | None], until: dict[str, float]

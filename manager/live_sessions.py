@@ -252,6 +252,7 @@ class WorldSessionsMixin:
     started: bool
     engine: Engine
     live: dict[str, _Live]
+    keep_alive_said: set[str]
     served: int
     cold_starts: int
     metrics: Metrics
@@ -422,6 +423,7 @@ class WorldSessionsMixin:
             # under its class's queue limit
             arrival, cold = await self._queue_for(m, rank, self.config.classes[rank].name, deadline)
             ready = self.clock()  # its wait (admission, a cold start) ends here, as a request's does
+            self.keep_alive_said.add(model)
             if keep_alive is not None or m.keep_alive_req is not None:
                 self.engine.request_keep_alive(m, keep_alive)
             self._not_open(resume_id)  # (again: another world model may have opened it meanwhile)

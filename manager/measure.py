@@ -190,10 +190,15 @@ def reordered(measures: list[ModelMeasure], config: Config | None = None) -> lis
             if abs(b - a) > max(REORDER_NOTE_S, 0.1 * a)
         ]
         if moved:
-            said = ", ".join(f"{name} {a:.3f} s as {b:.3f} s" for name, a, b in moved)
+            said = ", ".join(
+                f"the config's disk estimate {a:.3f} s written as {b:.3f} s"
+                if name == "disk" and mm.cold_was_cached  # (its cold load was a page-cache one)
+                else f"measured {name} {a:.3f} s written as {b:.3f} s"
+                for name, a, b in moved
+            )
             notes.append(
-                f"{mm.name}: measured {said} (the config keeps host <= cached <= disk: its start-up, "
-                "not its read, decides these loads; measure again with more --repeats to see the spread)"
+                f"{mm.name}: {said} (the config keeps host <= cached <= disk: where a model's start-up, "
+                "not its read, decides these loads, their order is noise; more --repeats show the spread)"
             )
     return notes
 

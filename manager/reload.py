@@ -24,6 +24,7 @@ from pydantic import ValidationError
 
 from manager.config import Config, ConfigError
 from manager.policy.engine import Engine
+from manager.policy.stats import home_hours
 from manager.units import format_size
 
 
@@ -189,7 +190,7 @@ def plan_reload(old: Config, new: Config, started: Config | None = None) -> list
         for f in ("reserve", "may_evict", "max_wait", "max_queue"):
             if getattr(oc, f) != getattr(nc, f):
                 changes.append(f"classes.{nc.name}.{f}")
-    for f in ("thrash_window", "min_residency", "default_keep_alive"):
+    for f in ("thrash_window", "min_residency", "default_keep_alive", "timezone"):
         if getattr(old.policy, f) != getattr(new.policy, f):
             changes.append(f"policy.{f}")
     return changes + _service_changes(old, new, started)
@@ -324,6 +325,14 @@ def apply_reload(engine: Engine, new: Config) -> None:
     engine.thrash_window = new.policy.thrash_window
     engine.min_residency = new.policy.min_residency
     engine.policy.default_keep_alive = new.policy.default_keep_alive
+    if new.policy.timezone != engine.config.policy.timezone:  # the home's clock, from now on: what
+        # the statistics counted stays in the hours it was counted in
+        hours = home_hours(new.policy.timezone)
+        engine.hours = state.hours = hours
+        for m in engine.models.values():
+            m.hist.hours = hours
+            if m.hist.count:
+                m.hist.last_how = hours(m.hist.last_t)
     engine.config = new
     engine.policy.reloaded()  # what it computed from the old timers
     engine.recheck_fit()  # pins and reservations may have changed

@@ -1226,8 +1226,9 @@ def _late_reload(answer: Any) -> None:
         logger.warning("scheduled tuning: the late reload of the tuned config was cancelled")
     elif answer.exception() is not None:
         logger.warning(
-            "scheduled tuning: the late reload of the tuned config was refused: %s (the config file "
-            "holds the tuned values: edit them back, or restart to take them)",
+            "scheduled tuning: the late reload of the tuned config was refused: %s; the running config "
+            "stays (where the tuning wrote the tuned values into the config file, as its line before "
+            "says, the file holds them still: edit them back)",
             answer.exception(),
         )
     else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Callable
@@ -37,44 +38,53 @@ def hour_of_week(t: float) -> int:
 
 
 OFFSET_BLOCK_S = 900.0
-"""A zone's UTC offset is looked up once per this many seconds of Unix time. Every zone's offsets in
-use since 1970 are whole quarters of an hour, so its changes (at a whole local hour, or half or
-quarter hour) fall on a quarter-hour boundary of UTC: within one such block the offset is one."""
+"""A zone's UTC offset is looked up once per this many seconds of Unix time, when it is the same at
+both ends of the block (today's rules change at a whole local hour, half or quarter hour: on the
+blocks' boundaries); in a block where it changes (some zones' changes before 2011 fell at a minute
+past, Monrovia's offset until 1972 was -0:44:30) it is looked up for each time."""
 
 
 class HomeHours:
     """Hour of week (0 = Monday 00:00) of a Unix time on the home's wall clock: in time zone `zone`,
     its summer time included, for homes live by it (the 07:00 voice burst stays at 07:00 after the
-    clocks change). Call it with the time. `zone` None: UTC. `name`: the zone's name, for messages."""
+    clocks change). Call it with the time. `zone` None: UTC, or with `local`, this process's local
+    time (the C library's: the TZ variable's rule, or /etc/localtime). `name`: for messages."""
 
-    __slots__ = ("_last", "name", "zone")
+    __slots__ = ("_last", "local", "name", "zone")
 
-    def __init__(self, zone: tzinfo | None = None, name: str = "UTC") -> None:
+    def __init__(self, zone: tzinfo | None = None, name: str = "UTC", *, local: bool = False) -> None:
         self.zone = zone
         self.name = name
-        # (block, offset): the block of Unix time last looked up and its offset, in one attribute so
-        # that threads sharing this clock never read one block's offset with another's block
-        self._last = (math.nan, 0.0)  # (NaN equals no block)
+        self.local = local
+        # (block, offset or None where it changes within the block): one attribute, so that threads
+        # sharing this clock never read one block's offset with another's block
+        self._last: tuple[float, float | None] = (math.nan, 0.0)  # (NaN equals no block)
+
+    def _lookup(self, t: float) -> float:
+        try:
+            if self.local:
+                return float(time.localtime(t).tm_gmtoff)
+            off = datetime.fromtimestamp(t, self.zone).utcoffset()
+        except (OverflowError, ValueError, OSError):  # beyond the calendar's years, or NaN
+            return 0.0
+        return off.total_seconds() if off is not None else 0.0
 
     def offset(self, t: float) -> float:
         """The zone's UTC offset in seconds at Unix time `t` (0 where `t` is out of the calendar's range)."""
-        if self.zone is None:
+        if self.zone is None and not self.local:
             return 0.0
         block = t // OFFSET_BLOCK_S
         last = self._last
         if block == last[0]:
-            return last[1]
-        try:
-            off = datetime.fromtimestamp(t, self.zone).utcoffset()
-        except (OverflowError, ValueError, OSError):  # beyond year 1..9999, or NaN
-            off = None
-        seconds = off.total_seconds() if off is not None else 0.0
-        self._last = (block, seconds)
-        return seconds
+            return last[1] if last[1] is not None else self._lookup(t)
+        start = block * OFFSET_BLOCK_S
+        lo, hi = self._lookup(start), self._lookup(start + OFFSET_BLOCK_S - 1.0)  # (changes: whole seconds)
+        self._last = (block, lo if lo == hi else None)
+        return lo if lo == hi else self._lookup(t)
 
     def __deepcopy__(self, memo: dict[int, object]) -> HomeHours:
         return self  # a clock, the same for every copy of the statistics that read it (and a zone
-        # read from /etc/localtime cannot be copied)
+        # read from a file cannot be copied)
 
     def __call__(self, t: float) -> int:
         return hour_of_week(t + self.offset(t))
@@ -83,33 +93,36 @@ class HomeHours:
         return f"HomeHours({self.name})"
 
 
+_UTC_NAMES = frozenset({"UTC", "Etc/UTC", "Etc/Universal", "Etc/Zulu", "Universal", "Zulu"})
+
+
 def home_hours(name: str | None) -> HomeHours:
     """The home's clock for the config's `policy.timezone`: an IANA zone name ("Europe/Berlin"),
-    or None for this machine's own zone (the TZ environment variable's, else /etc/localtime's; UTC
-    where neither names one). ValueError for a name no zone has."""
+    or None for this machine's own local time: the TZ environment variable's (a zone's name, a file,
+    or a POSIX rule such as "CET-1CEST,M3.5.0,M10.5.0/3"), else /etc/localtime's; UTC where neither
+    says one. ValueError for a name no zone has."""
     if name is not None:
         return HomeHours(_zone(name), name)
-    tz = os.environ.get("TZ", "").removeprefix(":")
-    if tz:
-        try:
-            return HomeHours(_zone(tz), tz)
-        except ValueError:
-            pass  # a POSIX rule ("CET-1CEST,M3.5.0,M10.5.0/3") and no zone of that name: the system's
-    try:
-        link = os.readlink("/etc/localtime")
-    except OSError:
-        link = ""
-    if "zoneinfo/" in link:
-        key = link.rsplit("zoneinfo/", 1)[1]
-        try:
+    tz = os.environ.get("TZ")
+    if tz is not None:  # (set: the C library's local time follows it; empty is UTC)
+        key = tz.removeprefix(":")
+        if not key or key in _UTC_NAMES:
+            return HomeHours(None, key or "UTC")
+        if key in zone_names():
             return HomeHours(_zone(key), key)
-        except ValueError:
-            pass
-    try:
-        with open("/etc/localtime", "rb") as f:
-            return HomeHours(ZoneInfo.from_file(f, key="localtime"), "localtime")
-    except (OSError, ValueError):
-        return HomeHours()
+    else:
+        try:
+            link = os.readlink("/etc/localtime")
+        except OSError:
+            link = ""
+        key = link.rsplit("zoneinfo/", 1)[1] if "zoneinfo/" in link else ""
+        if key in _UTC_NAMES:
+            return HomeHours(None, key)
+        if key in zone_names():
+            return HomeHours(_zone(key), key)
+        tz = "localtime"
+    time.tzset()  # (the variable as it is now, as the C library reads it)
+    return HomeHours(None, tz, local=True)
 
 
 @cache
@@ -121,7 +134,7 @@ def zone_names() -> frozenset[str]:
 
 def _zone(name: str) -> tzinfo | None:
     """The zone called `name` (None for UTC itself, the fast path); ValueError naming it if none is."""
-    if name in ("UTC", "Etc/UTC", "Etc/Universal", "Etc/Zulu", "Universal", "Zulu"):
+    if name in _UTC_NAMES:
         return None
     if name not in zone_names():  # (ZoneInfo also opens any file under the zoneinfo folders)
         raise ValueError(f"no time zone is called {name!r} (an IANA name: 'Europe/Berlin', 'UTC')")

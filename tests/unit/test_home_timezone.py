@@ -7,7 +7,9 @@ import copy
 import json
 import subprocess
 import sys
+import time
 import zoneinfo
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from zoneinfo import ZoneInfo
@@ -28,6 +30,14 @@ from manager.store import open_store
 
 ROOT = Path(__file__).resolve().parents[2]
 BERLIN = ZoneInfo("Europe/Berlin")
+
+
+@pytest.fixture(autouse=True)
+def _local_time_as_it_was() -> Iterator[None]:
+    """`home_hours(None)` sets the C library's local time from TZ (tzset): back to the variable as
+    it is after each test (monkeypatch has put it back by then)."""
+    yield
+    time.tzset()
 
 
 def local(zone: ZoneInfo, *args: int) -> float:
@@ -68,8 +78,9 @@ class TestHomeHours:
         assert home_hours(None).name == "America/New_York"
         monkeypatch.setenv("TZ", ":Europe/Berlin")  # (the glibc form)
         assert home_hours(None).name == "Europe/Berlin"
-        monkeypatch.setenv("TZ", "CET-1CEST,M3.5.0,M10.5.0/3")  # a POSIX rule: the system's zone then
-        assert isinstance(home_hours(None), HomeHours)
+        monkeypatch.setenv("TZ", "CET-1CEST,M3.5.0,M10.5.0/3")  # a POSIX rule: the C library's local time
+        hours = home_hours(None)
+        assert hours.local and hours.zone is None and hours.name == "CET-1CEST,M3.5.0,M10.5.0/3"
 
     def test_a_copy_of_the_statistics_shares_the_clock_of_a_zone_read_from_a_file(self) -> None:
         """The service deep-copies the statistics to bring them up to date on a thread; a zone read
@@ -85,6 +96,25 @@ class TestHomeHours:
         hist.observe(local(BERLIN, 2026, 3, 30, 7, 0))
         twin = copy.deepcopy(hist)
         assert twin.hours is hours and twin.how_bins is not hist.how_bins and twin.last_how == 7
+
+    def test_a_posix_rule_in_tz_is_the_machines_local_time(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Review 26: a TZ that names no zone (a POSIX rule, a file's path) fell back to
+        /etc/localtime, unsaid, while the machine's local time followed the rule."""
+        t = local(BERLIN, 2026, 7, 6, 7, 30)  # Monday 07:30 in Berlin's summer time (UTC+2)
+        for rule in ("CET-1CEST,M3.5.0,M10.5.0/3", "/usr/share/zoneinfo/Europe/Berlin", "JST-9"):
+            monkeypatch.setenv("TZ", rule)
+            hours = home_hours(None)
+            assert hours.name == rule and hours(t) == (7 if rule != "JST-9" else 14), rule
+
+    def test_a_change_of_the_clocks_off_the_quarter_hours_is_found(self) -> None:
+        """Review 26: the offset was looked up once per quarter hour of UTC, which some changes before
+        2011 do not fall on (St. John's changed at 00:01 local, 02:31 UTC)."""
+        zone = ZoneInfo("America/St_Johns")
+        hours = home_hours("America/St_Johns")
+        change = datetime(2010, 11, 7, 2, 31, tzinfo=ZoneInfo("UTC")).timestamp()
+        for t in [change + 10.0 * i for i in range(-90, 90)]:
+            d = datetime.fromtimestamp(t, zone)
+            assert hours(t) == d.weekday() * 24 + d.hour, t
 
     def test_times_beyond_the_calendar_count_on_utc(self) -> None:
         hours = home_hours("Europe/Berlin")
@@ -159,6 +189,26 @@ class TestStatistics:
         store = open_store(url)
         assert run(config, look, store) == (1, True)
         store.close()
+
+
+class TestReload:
+    def test_a_reload_takes_the_new_zone_and_says_so(self) -> None:
+        """Review 26: a reload that changed only `policy.timezone` said no change, and the statistics
+        went on counting on the old clock until a restart."""
+        from manager.reload import apply_reload, plan_reload
+
+        base = load_config(ROOT / "configs" / "home.yaml")
+        old, new = with_zone(base, "UTC"), with_zone(base, "Europe/Berlin")
+        engine = Engine(old, create_policy("residency"))
+        hist = engine.models["llm"].hist
+        hist.observe(local(BERLIN, 2026, 3, 30, 7, 10))
+        assert hist.last_how == 5  # (UTC's Monday 05:10)
+        assert plan_reload(old, new) == ["policy.timezone"]
+        apply_reload(engine, new)
+        assert engine.hours.name == "Europe/Berlin" and hist.hours is engine.hours
+        assert hist.last_how == 7 and hist.arrivals_how[5] == 1  # counted as it was; the clock now Berlin's
+        hist.observe(local(BERLIN, 2026, 3, 31, 7, 10))
+        assert hist.arrivals_how[24 + 7] == 1
 
 
 class TestReplay:

@@ -100,7 +100,7 @@ def test_read_late_the_earlier_runs_keep_alive_holds_unless_this_run_said_otherw
         kill(lm, pool)
         store.close()
 
-    async def restarted(ask: bool) -> tuple[float | None, float | None]:
+    async def restarted(ask: bool, refused: bool = False) -> tuple[float | None, float | None]:
         real = open_store(url)
         store = _FlakyStore(real)
         lm, pool = await started(config, store, journal)  # the store is down at start
@@ -109,6 +109,9 @@ def test_read_late_the_earlier_runs_keep_alive_holds_unless_this_run_said_otherw
             assert _own(lm)[0] is None  # nothing read yet
             if ask:
                 await lm.infer("voice", AUDIO, keep_alive=120.0)
+            if refused:  # a request refused before admission (a full queue): counted by the
+                voice = lm.engine.models["voice"]  # statistics, silent on the keep-alive
+                lm.engine.observe(voice, lm.clock())
             store.down = False
             await lm.flush_log()  # the store answers: the log, then the statistics merged
             lm.save_stats()
@@ -122,3 +125,5 @@ def test_read_late_the_earlier_runs_keep_alive_holds_unless_this_run_said_otherw
     assert asyncio.run(restarted(ask=False)) == (600.0, 600.0)
     asyncio.run(killed())
     assert asyncio.run(restarted(ask=True)) == (120.0, 120.0)
+    asyncio.run(killed())
+    assert asyncio.run(restarted(ask=False, refused=True)) == (600.0, 600.0)

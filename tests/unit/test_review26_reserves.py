@@ -19,6 +19,7 @@ host: {memory: 32GiB, reserve: 4GiB}
 classes:
   - {name: realtime, reserve: 3GiB}
   - {name: interactive, reserve: 1GiB}
+  - {name: background, reserve: 2GiB}
 models:
   - {name: voice, class: realtime, adapter: silero-vad, device: gpu0, memory: 1GiB}
   - {name: llm, class: interactive, adapter: torchscript, device: gpu1, memory: 6GiB, source: {path: llm.pt}}
@@ -34,7 +35,9 @@ def test_config_check_names_a_reservation_held_where_its_class_never_runs(
     assert main(["config", "check", str(f)]) == 0
     err = capsys.readouterr().err
     said = [line for line in err.splitlines() if "reserve of" in line]
-    assert len(said) == 1, err  # realtime on gpu1; interactive runs on both GPUs; a cpu device holds none
+    # realtime on gpu1; interactive runs on both GPUs; a cpu device holds none; background is the
+    # lowest class: its reserve holds nothing back from anyone, where no background model runs too
+    assert len(said) == 1, err
     assert (
         "classes[0] (realtime): its reserve of 3GiB is held on 'gpu1' too, where no realtime model runs"
         in said[0]
@@ -44,3 +47,5 @@ def test_config_check_names_a_reservation_held_where_its_class_never_runs(
     err = capsys.readouterr().err
     assert "classes[0] (realtime): its reserve of 3GiB is held on 'gpu1' too" in err
     assert "classes[1] (interactive): its reserve of 1GiB is held on 'gpu1' too" in err
+    assert "only requests of class interactive or higher can" in err
+    assert "classes[2]" not in err
