@@ -15,10 +15,12 @@ its mode). A journal that is not a regular file (a FIFO, a device such as /dev/n
 refused at the start, naming it: `store.journal: null` keeps no journal.
 A line that cannot be read (a torn write at a crash, a damaged byte, a record the store would refuse)
 is skipped, counted and logged with its line number: one bad line must not hold up the others.
-A journal knows the store it serves (`owner`, kept in a file beside it, `<journal>.store`): the
-records a service on another store left in it (one home's config switched to its own store, the
-journal left as it was) are not sent to this store but set aside (`<journal>.<tag>.aside`), and a
-later service on that store with this journal takes them back when it starts.
+A journal knows the store it serves (`claim`: the store's own id, `Store.store_id`, kept in a file
+beside it, `<journal>.store`): the records a service on another store left in it (one home's config
+switched to its own store, the journal left as it was) are not sent to this store but set aside
+(`<journal>.<tag>.aside`), and a later service on that store with this journal takes them back when
+it starts. The id is the store's own (kept in it), so a url spelled another way or a folder moved
+is the same store.
 """
 
 from __future__ import annotations
@@ -58,12 +60,10 @@ def _tag(owner: str) -> str:
 
 
 class RequestJournal:
-    def __init__(self, path: Path, owner: str | None = None) -> None:
+    def __init__(self, path: Path) -> None:
         """OSError naming the file (and the `store.journal` setting) when it cannot be opened;
-        `JournalInUse` (an OSError) when another service holds it. `owner`: the identity of the store
-        its records go to (`manager.store.store_identity`); None: whatever store (as before)."""
+        `JournalInUse` (an OSError) when another service holds it."""
         self.path = path
-        self.owner = owner
         """As configured (what messages name); `file` is where it is written."""
         self.file = self.lock_path = path
         self._lock_fd = self._fd = -1
@@ -76,14 +76,6 @@ class RequestJournal:
             self._check_file()
             self.lock_path = self.file.with_name(self.file.name + ".lock")
             self._lock_fd = self._lock()
-            if owner is not None:
-                try:
-                    self._own(owner)
-                except OSError as e:  # (a full disk: the start goes on, as with a journal before this)
-                    logger.warning(
-                        "%s: cannot keep the store the journal serves beside it (%s): its records "
-                        "are sent to this store", self.path, e,
-                    )  # fmt: skip
             self._fd = self._open()
         except OSError as e:
             self._close_lock()
@@ -110,6 +102,33 @@ class RequestJournal:
         self._torn = False  # a failed append may have left part of its line: end it first
         self._closed = False
         self._end_line()
+
+    def claim(self, owner: str) -> None:
+        """The journal as the store `owner`'s (its id), before `read`: another store's records are
+        set aside, those set aside for `owner` taken back (`_own`). Never raises: a failure (a full
+        disk) is said, and the records are then sent to this store, as before journals knew theirs."""
+        if self._closed:
+            return
+        try:
+            self._close_fd()  # (the file may be renamed: appends go to the journal as it is after)
+            self._own(owner)
+        except OSError as e:
+            logger.warning(
+                "%s: cannot keep the store the journal serves beside it (%s): its records are sent to "
+                "this store", self.path, e,
+            )  # fmt: skip
+        finally:
+            with contextlib.suppress(OSError):  # (failing, the next append tries again)
+                self._fd = self._open()
+            self._torn = False
+            self._end_line()  # (a journal taken back may end in a torn line)
+
+    def disown(self) -> None:
+        """The store's id could not be read (it is down at start): the journal's records go to it
+        all the same, as before journals knew theirs, and the journal is no other store's any more
+        (a start that can read the id then takes them all as its own)."""
+        with contextlib.suppress(OSError):
+            self.file.with_name(self.file.name + ".store").unlink(missing_ok=True)
 
     def _own(self, owner: str) -> None:
         """The journal as `owner`'s (its lock held): records another store's service left are set

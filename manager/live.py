@@ -54,7 +54,6 @@ from manager.policy.outcomes import Admission
 from manager.policy.types import TIER_NAMES, Action, ActionKind, Tier
 from manager.reload import TunedHold
 from manager.replay.trace import keep_alive_json
-from manager.store import store_identity
 from manager.store.base import CorruptDocument
 from manager.units import format_size as fmt_bytes
 from manager.workers_bridge import model_specs
@@ -279,10 +278,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         """Models an admitted request of this run gave its word on the keep-alive (its own, or none:
         the config's): an earlier run's, read late (the store down at start), does not override it."""
         self._log_sending: list[dict[str, Any]] = []  # the batch a flush is writing to the store
-        if isinstance(journal, (str, Path)):  # (its records go to this store only)
-            url = getattr(store, "url", None)
-            owner = store_identity(url) if isinstance(url, str) else None
-            journal = RequestJournal(Path(journal), owner) if store is not None else None
+        if isinstance(journal, (str, Path)):
+            journal = RequestJournal(Path(journal)) if store is not None else None
         self.journal = journal if store is not None else None
         """Served requests not yet in the store (given open, `serve` opened it before Ray's start: a
         second service on the same file is refused before it starts anything)."""
@@ -328,6 +325,25 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self._pins_dirty = False  # the pins changed since the store last took them (it failed)
 
     # ---- lifecycle ----------------------------------------------------------------------------
+    async def _claim_journal(self) -> None:
+        """The journal as this store's (its records go to their own store only: `RequestJournal.claim`),
+        by the store's own id; a store that does not say it (down at start) takes them as before."""
+        assert self.journal is not None
+        get_id = getattr(self.store, "store_id", None)
+        if self._down_at_start is not None or not callable(get_id):
+            self.journal.disown()
+            return
+        try:
+            sid = await asyncio.to_thread(get_id)
+        except Exception as e:  # (StoreError: down, or its id document damaged)
+            logger.warning(
+                "%s: cannot read the store's id (%s): the journal's records are taken as this store's",
+                self.journal.path, e,
+            )  # fmt: skip
+            self.journal.disown()
+            return
+        await asyncio.to_thread(self.journal.claim, sid)
+
     async def start(self) -> None:
         self._stopping.clear()
         self._stop_answer = None
@@ -343,6 +359,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             "not tried: the store did not answer its first call at start" if silent else None
         )
         if self.journal is not None:  # requests served before a crash, not yet in the store
+            await self._claim_journal()
             left = self.journal.read()
             if left:
                 logger.info(

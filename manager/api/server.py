@@ -402,11 +402,9 @@ def _pool_or_stop(
 def _journal_and_store(config: Config) -> tuple[RequestJournal | None, Any]:
     """The request journal, then the store. The journal first: a second service on the same file is
     refused (`JournalInUse`) before it starts anything."""
-    from manager.store import StoreError, open_store, store_identity
+    from manager.store import StoreError, open_store
 
-    journal = None
-    if config.store.journal is not None:  # (its records go to this store only)
-        journal = RequestJournal(Path(config.store.journal), owner=store_identity(config.store.url))
+    journal = RequestJournal(Path(config.store.journal)) if config.store.journal is not None else None
     store = None
     try:
         store = open_store(config.store.url, hold=True)

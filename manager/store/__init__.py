@@ -20,25 +20,9 @@ from __future__ import annotations
 
 from manager.store.base import CorruptDocument, Store, StoreError, redact, store_location
 
-__all__ = ["CorruptDocument", "Store", "StoreError", "open_store", "store_identity", "store_location"]
+__all__ = ["CorruptDocument", "Store", "StoreError", "open_store", "store_location"]
 
 _EXPECTED = "expected sqlite:///PATH or redis://HOST:PORT/DB"
-
-
-def store_identity(url: str) -> str:
-    """Which store `url` names, as a request journal keeps it (`RequestJournal.owner`): a SQLite
-    file by its real path (`sqlite:///a.db` from two folders is two stores), a Redis one by its url
-    with the password hidden. A url that is not a store's is itself."""
-    import os
-
-    if url.lower().startswith("sqlite:"):
-        from manager.store.sqlite import parse_sqlite_url
-
-        try:
-            return "sqlite:" + os.path.realpath(parse_sqlite_url(url))
-        except StoreError:
-            return url
-    return redact(url)
 
 
 def open_store(url: str, *, create: bool = True, hold: bool = False) -> Store:

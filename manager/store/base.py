@@ -54,6 +54,7 @@ __all__ = [
     "EXTRA_FIELDS",
     "OUTCOMES",
     "RECORD_FIELDS",
+    "STORE_ID_DOC",
     "TIERS",
     "CorruptDocument",
     "OnCorrupt",
@@ -63,6 +64,7 @@ __all__ = [
     "decode_doc",
     "encode_doc",
     "normalize_record",
+    "read_store_id",
     "record_keep_alive",
     "redact",
     "store_location",
@@ -168,6 +170,13 @@ class Store(Protocol):
         """Document `key`, or None when there is none. StoreError if it is not a JSON object."""
         ...
 
+    def store_id(self) -> str:
+        """This store's own identity: a random id made at the first ask and kept in it (document
+        STORE_ID_DOC), so that it is the same store however its url is spelled or wherever its file
+        is moved (the request journal sends its records to their own store only). StoreError when
+        the backend fails or the document is not one."""
+        ...
+
     def set_aside_doc(self, key: str) -> str | None:
         """Move document `key` as stored (read or not) to ``<key>.corrupt-<UTC time>`` and return that
         key; None when there is no document `key`. For a `CorruptDocument` about to be replaced: its
@@ -238,6 +247,18 @@ def _extras(record: Mapping[str, Any]) -> dict[str, Any]:
         _text("request field 'source'", source)
         out["source"] = source
     return out
+
+
+STORE_ID_DOC = "store_id"
+"""The document holding the store's own identity (`Store.store_id`)."""
+
+
+def read_store_id(url: str, doc: dict[str, Any] | None) -> str:
+    """The id in a STORE_ID_DOC document; CorruptDocument when there is none that is one."""
+    sid = doc.get("id") if doc is not None else None
+    if not isinstance(sid, str) or not sid or not sid.isascii() or not sid.isalnum():
+        raise CorruptDocument(url, f"document {STORE_ID_DOC!r} holds no store id")
+    return sid
 
 
 def record_keep_alive(record: Mapping[str, Any]) -> float | None:

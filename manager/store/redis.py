@@ -66,6 +66,7 @@ from redis.retry import Retry
 
 from manager.replay.trace import MAX_T
 from manager.store.base import (
+    STORE_ID_DOC,
     CorruptRow,
     OnCorrupt,
     StoreError,
@@ -74,6 +75,7 @@ from manager.store.base import (
     decode_doc,
     encode_doc,
     normalize_record,
+    read_store_id,
 )
 from manager.store.redis_url import DEFAULT_PREFIX, TLS_FILES, hide_userinfo, shown_redis_url, split_redis_url
 
@@ -718,6 +720,14 @@ class RedisStore:
         with self._errors(f"get document {key!r}") as r:
             text = r.hget(self._docs_key, key)
         return None if text is None else decode_doc(self.url, key, text)
+
+    def store_id(self) -> str:
+        import uuid
+
+        made = encode_doc(STORE_ID_DOC, {"id": uuid.uuid4().hex})
+        with self._errors("read the store's id") as r:  # (HSETNX: the first ask's is kept)
+            r.hsetnx(self._docs_key, STORE_ID_DOC, made)
+        return read_store_id(self.url, self.get_doc(STORE_ID_DOC))
 
     def set_aside_doc(self, key: str) -> str | None:
         aside = aside_key(key)

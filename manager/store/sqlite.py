@@ -59,6 +59,7 @@ from urllib.parse import quote, urlsplit
 from manager import pidlock
 from manager.store.base import (
     RECORD_FIELDS,
+    STORE_ID_DOC,
     CorruptDocument,
     CorruptRow,
     OnCorrupt,
@@ -68,6 +69,7 @@ from manager.store.base import (
     decode_doc,
     encode_doc,
     normalize_record,
+    read_store_id,
 )
 
 __all__ = [
@@ -565,6 +567,16 @@ class SQLiteStore:
         if row[0] not in ("text", "blob"):
             raise CorruptDocument(self.url, f"document {key!r} is corrupt: stored as {row[0]}")
         return decode_doc(self.url, key, row[1])
+
+    def store_id(self) -> str:
+        import uuid
+
+        with self._db("read the store's id") as db, db:  # (made once: the first ask's is kept)
+            db.execute(
+                "INSERT OR IGNORE INTO docs (key, value) VALUES (?, ?)",
+                (STORE_ID_DOC, encode_doc(STORE_ID_DOC, {"id": uuid.uuid4().hex})),
+            )
+        return read_store_id(self.url, self.get_doc(STORE_ID_DOC))
 
     def set_aside_doc(self, key: str) -> str | None:
         aside = aside_key(key)
