@@ -1915,7 +1915,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
 
         new, changes, kept = self._checked(new, hold)
         kept = kept if hold is None else hold  # (`new` holds the tuned values already, not the file's)
-        apply_reload(self.engine, new)
+        apply_reload(self.engine, new, self.clock())
         self.config = new
         gone = sorted(".".join(k) for k in self.tuning_overrides if k not in kept)
         if gone and hold is None:  # a person's edit of the field (or the tuning's own write) won

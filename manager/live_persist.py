@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from manager.journal import RequestJournal
 from manager.metrics import Metrics
 from manager.policy.engine import Engine
-from manager.policy.stats import EDGES, HOW_EDGES, LoadCost, ReuseHistogram
+from manager.policy.stats import EDGES, HOW_EDGES, LoadCost, ReuseHistogram, hours_between
 from manager.policy.types import Action, ActionKind, Tier
 from manager.replay.trace import keep_alive_json
 from manager.store.base import CorruptDocument, CorruptRow, StoreError, normalize_record, record_keep_alive
@@ -490,12 +490,14 @@ class PersistenceMixin:
         configured now (kept as they were). On the event loop: it reads the engine's books."""
         doc = dict(self._stats_others or {})
         now = self.clock()  # every arrival before it is in the histograms (`_complete_until`)
+        hours = self.engine.hours  # (the clock the counts by hour of week are on: turned if it changes)
+        clock, offset = hours.name, hours.offset(now)
         doc.update({
             name: {"hist": m.hist.capture(), "cost": m.cost.capture(), "weights": m.weights,
                    "measured": name in self._measured, "spec": self._spec_of(name),
                    "requests": self.live[name].requests, "last_used": self.live[name].last_used,
                    "keep_alive_req": None if m.keep_alive_req is None else keep_alive_json(m.keep_alive_req),
-                   "seen_until": now}
+                   "clock": clock, "clock_offset_s": offset, "seen_until": now}
             for name, m in self.engine.models.items()
         })  # fmt: skip
         return doc
@@ -596,7 +598,7 @@ class PersistenceMixin:
             try:  # all of a model's entry is read before any of it is taken (none, if unreadable)
                 if not isinstance(d, dict):
                     raise ValueError(f"an entry that is not an object but {type(d).__name__}")
-                hist, cost = _read_hist(d["hist"], self.engine.hours), _read_cost(m.cost, d["cost"])
+                hist, cost = self._saved_hist(d), _read_cost(m.cost, d["cost"])
                 requests, last_used = _count(d.get("requests", 0)), _when(d.get("last_used", 0.0))
                 keep_alive = _keep_alive_req(d.get("keep_alive_req"))  # (older documents: none)
                 measured = d.get("measured", True)  # (older documents do not say)
@@ -622,6 +624,8 @@ class PersistenceMixin:
                 self._measured.add(name)
             self.live[name].requests = requests
             self.live[name].last_used = last_used
+            if "keep_alive_req" not in d and hist.count:  # an earlier release's: its last record says it
+                keep_alive = yield self._logged_keep_alive, (name, hist.last_t)
             if keep_alive is not None:  # the last request's own keep-alive holds across the restart
                 self.engine.request_keep_alive(m, keep_alive)
             restored += 1
@@ -629,6 +633,38 @@ class PersistenceMixin:
         # the request log's catch-up, also with no snapshot (a run killed before its first save)
         yield from self._catch_up_steps(since, until)
         return restored
+
+    def _logged_keep_alive(self, name: str, t: float) -> float | None:
+        """The own keep-alive of `name`'s request logged at `t` (its last arrival), None when it had
+        none or the log cannot say (any thread): statistics an earlier release saved do not keep it."""
+        try:
+            found = [
+                r
+                for r in self.store.requests(t, math.nextafter(t, math.inf), on_corrupt=lambda e: None)
+                if r["model"] == name
+            ]
+        except Exception as e:  # (the store failed between two reads: the config's keep-alive holds)
+            logger.warning("could not read %s's last request's keep-alive from the request log: %s", name, e)
+            return None
+        return record_keep_alive(found[-1]) if found else None
+
+    def _saved_hist(self, d: dict[str, Any]) -> ReuseHistogram:
+        """A saved entry's histogram on the home's clock: counted on another (the zone changed since,
+        or an older release counted on UTC's, saying none), its counts by hour of week are turned by
+        the clocks' difference, so a habit keeps its hour (ValueError: not one)."""
+        hours = self.engine.hours
+        hist = _read_hist(d["hist"], hours)
+        clock, offset = d.get("clock"), d.get("clock_offset_s", 0.0)
+        if not isinstance(clock, str) or not isinstance(offset, int | float) or not math.isfinite(offset):
+            clock, offset = None, 0.0
+        turn = hours_between(clock, float(offset), hours, self.clock())
+        if turn:
+            hist.turn(turn)
+            logger.info(
+                "statistics counted on %s's clock turned %+d h to the home's, %s's",
+                clock or "UTC (an earlier release)", turn, hours.name,
+            )  # fmt: skip
+        return hist
 
     def _merge_plan(self, doc: dict[str, Any]) -> _MergePlan:
         """Statistics saved by an earlier run, read late (the store was down at start): each model's
@@ -647,7 +683,7 @@ class PersistenceMixin:
             try:  # all of a model's entry is read before any of it is merged (none, if unreadable)
                 if not isinstance(d, dict):
                     raise ValueError(f"an entry that is not an object but {type(d).__name__}")
-                hist, cost = _read_hist(d["hist"], self.engine.hours), d["cost"]
+                hist, cost = self._saved_hist(d), d["cost"]
                 _read_cost(m.cost, cost)  # (read: all of the entry or none; joined at the apply)
                 requests, last_used = _count(d.get("requests", 0)), _when(d.get("last_used", 0.0))
                 keep_alive = _keep_alive_req(d.get("keep_alive_req"))

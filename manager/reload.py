@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from manager.config import Config, ConfigError
 from manager.policy.engine import Engine
-from manager.policy.stats import home_hours
+from manager.policy.stats import home_hours, hours_between
 from manager.units import format_size
 
 
@@ -306,7 +306,7 @@ def _pinned_need(
     return total, parts
 
 
-def apply_reload(engine: Engine, new: Config) -> None:
+def apply_reload(engine: Engine, new: Config, now: float | None = None) -> None:
     state = engine.state
     for mc in new.models:
         m = engine.models[mc.name]
@@ -326,13 +326,17 @@ def apply_reload(engine: Engine, new: Config) -> None:
     engine.min_residency = new.policy.min_residency
     engine.policy.default_keep_alive = new.policy.default_keep_alive
     if new.policy.timezone != engine.config.policy.timezone:  # the home's clock, from now on: what
-        # the statistics counted stays in the hours it was counted in
-        hours = home_hours(new.policy.timezone)
+        # the statistics counted is turned by the two clocks' difference (`now`: the clock's time;
+        # by default the latest arrival), so each habit keeps its hour
+        old, hours = engine.hours, home_hours(new.policy.timezone)
+        if now is None:
+            now = max((m.hist.last_t for m in engine.models.values() if m.hist.count), default=0.0)
+        turn = hours_between(old.name, old.offset(now), hours, now)
         engine.hours = state.hours = hours
         for m in engine.models.values():
             m.hist.hours = hours
-            if m.hist.count:
-                m.hist.last_how = hours(m.hist.last_t)
+            m.hist.turn(turn)
+            m.hist.last_how = hours(m.hist.last_t) if m.hist.count else 0
     engine.config = new
     engine.policy.reloaded()  # what it computed from the old timers
     engine.recheck_fit()  # pins and reservations may have changed

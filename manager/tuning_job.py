@@ -120,6 +120,10 @@ def _run(
         read = read_trace(trace, strict=False, known_classes=[c.name for c in config.classes])
     finally:  # read, it goes: a copy of the request log per run, kept, grew without bound and outlived
         trace.unlink(missing_ok=True)  # the store's `request_log_retention`
+        for older in out_dir.parent.glob("*/requests.jsonl"):  # (the copies earlier releases kept)
+            with contextlib.suppress(OSError):
+                older.unlink()
+        logger.info("%s: read and removed (a run keeps its proposal and report only)", trace)
     reqs = [r for r in read.requests if r.model in names]
     skipped: list[str] = []
     if damaged:  # the rest is tuned on (a damaged row failed every run, retried each hour for good)

@@ -125,6 +125,22 @@ def home_hours(name: str | None) -> HomeHours:
     return HomeHours(None, tz, local=True)
 
 
+def hours_between(saved: str | None, saved_offset_s: float, hours: HomeHours, now: float) -> int:
+    """How many hours later than the clock called `saved` (None: UTC, as releases before the zone
+    counted) the home's clock `hours` reads at `now`: what the statistics counted on that clock are
+    turned by (`ReuseHistogram.turn`). The same clock: 0 (its summer time is its own). A clock no
+    zone name says (a POSIX rule, "localtime") is taken at `saved_offset_s`, its offset when saved."""
+    if saved == hours.name:
+        return 0
+    if saved is None or saved in _UTC_NAMES:
+        before = 0.0
+    elif saved in zone_names():
+        before = HomeHours(_zone(saved), saved).offset(now)
+    else:
+        before = saved_offset_s
+    return round((hours.offset(now) - before) / 3600.0)
+
+
 @cache
 def zone_names() -> frozenset[str]:
     """The IANA zone names this machine knows (its zoneinfo files and the tzdata package's): what
@@ -186,6 +202,19 @@ class ReuseHistogram:
         self.last_t = float(last) if isinstance(last, int | float) else -math.inf
         self.last_how = self.hours(self.last_t) if self.last_t > -math.inf else 0
         self.first_t = float(first) if isinstance(first, int | float) else math.inf
+
+    def turn(self, hours: int) -> None:
+        """The counts by hour of week moved `hours` later (counted on a clock that many hours behind
+        the home's: a zone changed, or an older release's UTC counts), so each habit keeps its hour."""
+        k = hours % 168
+        if not k:
+            return
+        self.arrivals_how = self.arrivals_how[-k:] + self.arrivals_how[:-k]
+        self.how_bins = self.how_bins[-k:] + self.how_bins[:-k]
+        d = hours % 24
+        if d:
+            self.arrivals_hod = self.arrivals_hod[-d:] + self.arrivals_hod[:-d]
+        self.last_how = self.hours(self.last_t) if self.count else 0
 
     def observe(self, t: float) -> None:
         """Record an arrival at `t` (arrivals must come in time order)."""

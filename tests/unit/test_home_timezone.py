@@ -191,6 +191,38 @@ class TestStatistics:
         store.close()
 
 
+class TestRestart:
+    def test_counts_of_another_clock_are_turned_to_the_homes(self, tmp_path: Path) -> None:
+        """Review 26 (upgrade): an older release counted on UTC's clock, and saved no clock; restored
+        on a home in Tokyo, a 07:00 UTC habit was counted at 07:00 Tokyo time and the next arrivals
+        at 16:00: one habit split over two hours. Saved counts are now turned by the clocks'
+        difference (none for the same clock)."""
+        url = f"sqlite:///{tmp_path / 'state.db'}"
+
+        async def serve(lm: LiveManager) -> int:
+            await lm.infer("voice", AUDIO)
+            return lm.engine.hours(lm.engine.models["voice"].hist.last_t)
+
+        async def where(lm: LiveManager) -> list[int]:
+            h = lm.engine.models["voice"].hist
+            return [i for i, n in enumerate(h.arrivals_how) if n]
+
+        base = load_config(CONFIG)
+        store = open_store(url)
+        utc_hour = run(with_zone(base, "UTC"), serve, store)
+        doc = store.get_doc("stats")
+        assert doc is not None and doc["voice"]["clock"] == "UTC"
+        for entry in doc.values():  # as an older release wrote it: no clock
+            if isinstance(entry, dict):
+                entry.pop("clock", None)
+                entry.pop("clock_offset_s", None)
+        store.put_doc("stats", doc)
+        tokyo = with_zone(base, "Asia/Tokyo")
+        assert run(tokyo, where, store) == [(utc_hour + 9) % 168]
+        assert run(tokyo, where, store) == [(utc_hour + 9) % 168]  # saved on Tokyo's clock: as it was
+        store.close()
+
+
 class TestReload:
     def test_a_reload_takes_the_new_zone_and_says_so(self) -> None:
         """Review 26: a reload that changed only `policy.timezone` said no change, and the statistics
@@ -206,7 +238,7 @@ class TestReload:
         assert plan_reload(old, new) == ["policy.timezone"]
         apply_reload(engine, new)
         assert engine.hours.name == "Europe/Berlin" and hist.hours is engine.hours
-        assert hist.last_how == 7 and hist.arrivals_how[5] == 1  # counted as it was; the clock now Berlin's
+        assert hist.last_how == 7 and hist.arrivals_how[7] == 1 and hist.arrivals_how[5] == 0  # turned
         hist.observe(local(BERLIN, 2026, 3, 31, 7, 10))
         assert hist.arrivals_how[24 + 7] == 1
 

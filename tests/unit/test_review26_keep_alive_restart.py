@@ -127,3 +127,28 @@ def test_read_late_the_earlier_runs_keep_alive_holds_unless_this_run_said_otherw
     assert asyncio.run(restarted(ask=True)) == (120.0, 120.0)
     asyncio.run(killed())
     assert asyncio.run(restarted(ask=False, refused=True)) == (600.0, 600.0)
+
+
+def test_statistics_an_earlier_release_saved_take_the_keep_alive_from_the_request_log(tmp_path: Path) -> None:
+    """Review 26 (upgrade): an earlier release's statistics keep no request keep-alive; the request
+    log's record of the model's last request says it."""
+    config = load_config(CONFIG)
+    url = f"sqlite:///{tmp_path / 'state.db'}"
+
+    async def serve(lm: LiveManager) -> None:
+        await lm.infer("voice", AUDIO)
+        await lm.infer("voice", AUDIO, keep_alive=10800.0)
+
+    async def look(lm: LiveManager) -> tuple[float | None, float | None]:
+        return _own(lm)
+
+    store = open_store(url)
+    run(config, serve, store)
+    doc = store.get_doc("stats")
+    assert doc is not None
+    for entry in doc.values():  # as the earlier release wrote it
+        if isinstance(entry, dict):
+            entry.pop("keep_alive_req", None)
+    store.put_doc("stats", doc)
+    assert run(config, look, store) == (10800.0, 10800.0)
+    store.close()

@@ -227,9 +227,13 @@ def test_a_run_keeps_no_copy_of_the_request_log(home: Any, monkeypatch: pytest.M
     past the store's `request_log_retention`."""
     cfg, store, now = home(apply="propose")
     _favour(monkeypatch)
+    earlier = cfg.parent / "tuning" / "20261130-000000" / "requests.jsonl"  # an earlier release's copy
+    earlier.parent.mkdir(parents=True)
+    earlier.write_text('{"t": 1, "model": "chat", "busy_s": 1}\n')
     out = job.tuning_step(_Manager(load_config(cfg)), cfg, store, now)
     assert out.proposal is not None and out.proposal.is_file()
     assert sorted(p.name for p in out.proposal.parent.iterdir()) == ["proposed.yaml"]
+    assert not earlier.exists()
     store.close()
 
 
