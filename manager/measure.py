@@ -130,6 +130,11 @@ def measure_all(config: Config, models: list[str] | None = None, repeats: int = 
     return [measure_model(config, m, repeats) for m in chosen]
 
 
+def _estimates(config: Config | None) -> dict[str, float]:
+    """Each model's configured disk load seconds (what a cold load from the page cache keeps)."""
+    return {m.name: m.load_seconds.disk for m in config.models} if config is not None else {}
+
+
 def _load_seconds(mm: ModelMeasure, estimates: dict[str, float]) -> tuple[float, float, float] | None:
     """(disk, cached, host) as measured (a cold load from the page cache: the config's disk
     estimate), or None where one is missing."""
@@ -157,7 +162,7 @@ def config_updates(measures: list[ModelMeasure], config: Config | None = None) -
     raised to the measured cached time if below it (no `load_seconds` is written for it without
     `config`)."""
     updates: dict[str, dict[str, Any]] = {}
-    estimates = {m.name: m.load_seconds.disk for m in config.models} if config is not None else {}
+    estimates = _estimates(config)
     for mm in measures:
         measured = _load_seconds(mm, estimates)
         if measured is None:
@@ -178,7 +183,7 @@ def reordered(measures: list[ModelMeasure], config: Config | None = None) -> lis
     """What `config_updates` wrote other than measured, beyond noise: for each such model, its
     measured and written load seconds (the config keeps host <= cached <= disk)."""
     notes = []
-    estimates = {m.name: m.load_seconds.disk for m in config.models} if config is not None else {}
+    estimates = _estimates(config)
     for mm in measures:
         measured = _load_seconds(mm, estimates)
         if measured is None:

@@ -335,8 +335,7 @@ def apply_reload(engine: Engine, new: Config, now: float | None = None) -> None:
         engine.hours = state.hours = hours
         for m in engine.models.values():
             m.hist.hours = hours
-            m.hist.turn(turn)
-            m.hist.last_how = hours(m.hist.last_t) if m.hist.count else 0
+            m.hist.turn(turn)  # (its last arrival's hour read again on the new clock, too)
     engine.config = new
     engine.policy.reloaded()  # what it computed from the old timers
     engine.recheck_fit()  # pins and reservations may have changed

@@ -132,11 +132,9 @@ def hours_between(saved: str | None, saved_offset_s: float, hours: HomeHours, no
     zone name says (a POSIX rule, "localtime") is taken at `saved_offset_s`, its offset when saved."""
     if saved == hours.name:
         return 0
-    if saved is None or saved in _UTC_NAMES:
-        before = 0.0
-    elif saved in zone_names():
-        before = HomeHours(_zone(saved), saved).offset(now)
-    else:
+    try:
+        before = home_hours(saved).offset(now) if saved is not None else 0.0
+    except ValueError:
         before = saved_offset_s
     return round((hours.offset(now) - before) / 3600.0)
 
@@ -152,12 +150,13 @@ def _zone(name: str) -> tzinfo | None:
     """The zone called `name` (None for UTC itself, the fast path); ValueError naming it if none is."""
     if name in _UTC_NAMES:
         return None
+    unknown = ValueError(f"no time zone is called {name!r} (an IANA name: 'Europe/Berlin', 'UTC')")
     if name not in zone_names():  # (ZoneInfo also opens any file under the zoneinfo folders)
-        raise ValueError(f"no time zone is called {name!r} (an IANA name: 'Europe/Berlin', 'UTC')")
+        raise unknown
     try:
         return ZoneInfo(name)
     except (ZoneInfoNotFoundError, ValueError, OSError) as e:
-        raise ValueError(f"no time zone is called {name!r} (an IANA name: 'Europe/Berlin', 'UTC')") from e
+        raise unknown from e
 
 
 class ReuseHistogram:
@@ -206,15 +205,13 @@ class ReuseHistogram:
     def turn(self, hours: int) -> None:
         """The counts by hour of week moved `hours` later (counted on a clock that many hours behind
         the home's: a zone changed, or an older release's UTC counts), so each habit keeps its hour."""
-        k = hours % 168
-        if not k:
-            return
-        self.arrivals_how = self.arrivals_how[-k:] + self.arrivals_how[:-k]
-        self.how_bins = self.how_bins[-k:] + self.how_bins[:-k]
-        d = hours % 24
+        k, d = hours % 168, hours % 24
+        if k:
+            self.arrivals_how = self.arrivals_how[-k:] + self.arrivals_how[:-k]
+            self.how_bins = self.how_bins[-k:] + self.how_bins[:-k]
         if d:
             self.arrivals_hod = self.arrivals_hod[-d:] + self.arrivals_hod[:-d]
-        self.last_how = self.hours(self.last_t) if self.count else 0
+        self.last_how = self.hours(self.last_t) if self.count else 0  # (on `hours`, however turned)
 
     def observe(self, t: float) -> None:
         """Record an arrival at `t` (arrivals must come in time order)."""

@@ -278,8 +278,8 @@ def tune(
                     changed += [("models", m.name, k) for k in cand]
             if progress is not None:
                 progress(f"{m.name}: objective {best:.1f}")
-    unservable = never_fit(config, live)
     running = _running(config, live)
+    unservable = {name for name, why in running.never_fits.items() if why}  # (`never_fit`'s)
     for c in config.classes:
         floor = reserve_floor(config, c.name)
         for gib in RESERVE_CHOICES_GIB:
