@@ -13,7 +13,7 @@ from pathlib import Path
 
 from live_helpers import AUDIO, CONFIG, kill, run, started
 
-from manager.config import load_config
+from manager.config import Config, load_config
 from manager.live import LiveManager
 from manager.store import open_store
 
@@ -43,17 +43,14 @@ def test_a_clean_restart_keeps_the_last_requests_keep_alive(tmp_path: Path) -> N
     store.close()
 
 
-def test_after_a_kill_the_logs_last_record_says_it(tmp_path: Path) -> None:
-    """Saved statistics say `forever`; the journal's newer records say 10 min, then none (the
-    config's again); each restart takes the last one it has."""
-    config = load_config(CONFIG)
-    configured = config.model("voice").keep_alive
-    url, journal = f"sqlite:///{tmp_path / 'state.db'}", tmp_path / "requests.journal"
+def _kill_after_forever(config: Config, url: str, journal: Path, *keep_alives: float | None) -> None:
+    """A run on `url` whose last statistics save says `forever`, then requests with `keep_alives` in
+    the journal only, killed."""
 
-    async def killed(*keep_alives: float | None) -> None:
+    async def killed() -> None:
         store = open_store(url)
         lm, pool = await started(config, store, journal)
-        lm._next_flush = lm._next_save = math.inf  # only what this test does
+        lm._next_flush = lm._next_save = math.inf  # only what the test does
         await lm.infer("voice", AUDIO, keep_alive=math.inf)
         lm.save_stats()  # the last save before the kill: forever
         await lm.flush_log()
@@ -61,6 +58,19 @@ def test_after_a_kill_the_logs_last_record_says_it(tmp_path: Path) -> None:
             await lm.infer("voice", AUDIO, keep_alive=keep_alive)  # in the journal only
         kill(lm, pool)
         store.close()
+
+    asyncio.run(killed())
+
+
+def test_after_a_kill_the_logs_last_record_says_it(tmp_path: Path) -> None:
+    """Saved statistics say `forever`; the journal's newer records say 10 min, then none (the
+    config's again); each restart takes the last one it has."""
+    config = load_config(CONFIG)
+    configured = config.model("voice").keep_alive
+    url, journal = f"sqlite:///{tmp_path / 'state.db'}", tmp_path / "requests.journal"
+
+    def killed(*keep_alives: float | None) -> None:
+        _kill_after_forever(config, url, journal, *keep_alives)
 
     async def restarted() -> tuple[float | None, float | None]:
         store = open_store(url)
@@ -72,11 +82,11 @@ def test_after_a_kill_the_logs_last_record_says_it(tmp_path: Path) -> None:
             pool.close()
             store.close()
 
-    asyncio.run(killed(600.0))
+    killed(600.0)
     assert asyncio.run(restarted()) == (600.0, 600.0)
-    asyncio.run(killed(600.0, None))
+    killed(600.0, None)
     assert asyncio.run(restarted()) == (None, configured)
-    asyncio.run(killed())
+    killed()
     assert asyncio.run(restarted()) == (math.inf, math.inf)
 
 
@@ -88,17 +98,6 @@ def test_read_late_the_earlier_runs_keep_alive_holds_unless_this_run_said_otherw
 
     config = load_config(CONFIG)
     url, journal = f"sqlite:///{tmp_path / 'state.db'}", tmp_path / "requests.journal"
-
-    async def killed() -> None:
-        store = open_store(url)
-        lm, pool = await started(config, store, journal)
-        lm._next_flush = lm._next_save = math.inf
-        await lm.infer("voice", AUDIO, keep_alive=math.inf)
-        lm.save_stats()
-        await lm.flush_log()
-        await lm.infer("voice", AUDIO, keep_alive=600.0)  # in the journal only
-        kill(lm, pool)
-        store.close()
 
     async def restarted(ask: bool, refused: bool = False) -> tuple[float | None, float | None]:
         real = open_store(url)
@@ -121,11 +120,11 @@ def test_read_late_the_earlier_runs_keep_alive_holds_unless_this_run_said_otherw
             pool.close()
             real.close()
 
-    asyncio.run(killed())
+    _kill_after_forever(config, url, journal, 600.0)
     assert asyncio.run(restarted(ask=False)) == (600.0, 600.0)
-    asyncio.run(killed())
+    _kill_after_forever(config, url, journal, 600.0)
     assert asyncio.run(restarted(ask=True)) == (120.0, 120.0)
-    asyncio.run(killed())
+    _kill_after_forever(config, url, journal, 600.0)
     assert asyncio.run(restarted(ask=False, refused=True)) == (600.0, 600.0)
 
 
