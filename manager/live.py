@@ -1424,7 +1424,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         if keep_alive is not None or m.keep_alive_req is not None:
             self.engine.request_keep_alive(m, keep_alive)
         try:
-            result, start, end, cold, retry_failed = await self._attempts(
+            result, start, end, cold, unavailable = await self._attempts(
                 m, rank, cls_name, inputs, deadline, cold
             )
         finally:
@@ -1436,8 +1436,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self.served += 1
         self.cold_starts += cold
         self._log_request(arrival, model, _busy(result, end - start), cls, wait, result, keep_alive)
-        if retry_failed:
-            raise WorkerUnavailable(f"{result.error}; retried once: {retry_failed}")
+        if unavailable:
+            raise WorkerUnavailable(unavailable)
         if not result.ok:
             self._raise_infer_error(result)
         return Served(result, wait, cold)
@@ -1446,9 +1446,10 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self, m: Any, rank: int, cls_name: str, inputs: dict[str, np.ndarray], deadline: float, cold: bool
     ) -> tuple[P.InferResult, float, float, bool, str]:
         """Run an admitted request on its device host, once more if the host lost the model under it
-        (result, start and end of the last attempt, cold, why the retry failed)."""
+        (result, start and end of the last attempt, cold, and where the retry failed or was lost too,
+        the request's UNAVAILABLE message)."""
         live = self.live[m.name]
-        retry_failed = ""
+        unavailable = first_error = ""
         for attempt in range(2):
             start = self.clock()
             seen = self._results.get(m.name, 0)
@@ -1480,8 +1481,15 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                 self._resync_soon(
                     m.device, f"{result.error_code} under a request of {m.name}: {result.error}"
                 )
+            if attempt == 1 and (lost or result.error_code == P.DEADLINE):
+                # the retry, too, was lost or ran out of time (the reload took most of it): the
+                # request ends as its device host's death left it, UNAVAILABLE (a client may try
+                # again), not as a deadline it had no fair chance to meet
+                unavailable = f"{first_error}; retried once: {result.error or result.error_code}"
+                break
             if not lost or attempt == 1 or self.clock() > deadline - 0.1:
                 break
+            first_error = result.error or str(result.error_code)
             if self._results.get(m.name, 0) == seen and not live.loads_pending:
                 self._lost(m, result.error or "the device host lost the model")
             # else the books moved meanwhile (another request that lost it loads it again, or has
@@ -1489,10 +1497,17 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             try:
                 _, again = await self._queue_for(m, rank, cls_name, deadline, retry=True)
             except (DeadlineExceeded, InsufficientCapacity, WorkerUnavailable) as e:
-                retry_failed = str(e)  # the request ends with its first attempt's error, logged
+                # the request ends with its first attempt's error, logged
+                unavailable = f"{first_error}; retried once: {e}"
                 break
             cold = cold or again
-        return result, start, end, cold, retry_failed
+            if self.clock() > deadline - 0.1:  # reloaded, with no time left to run it: not sent
+                unavailable = (
+                    f"{first_error}; retried once: model {m.name!r} was loaded again on "
+                    f"{m.device!r} too late to run before the deadline"
+                )
+                break
+        return result, start, end, cold, unavailable
 
     def _ended_when_done(
         self, m: Any, start: float, call: asyncio.Future[Any], late: list[asyncio.Future[Any]]

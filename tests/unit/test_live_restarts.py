@@ -152,12 +152,14 @@ DIED = "device host 'cpu0' died"
 class _DyingPool:
     """Fault injector (unit tests only) around the in-process pool: the device host "dies" under the
     next load or inference of a model (the result says worker_died and the host no longer holds the
-    model, as a host Ray restarted would); `hold_loads` withholds load results (a slow reload)."""
+    model, as a host Ray restarted would); `hold_loads` withholds load results (a slow reload);
+    `silent_on_infer`: the next inference of a model answers as one with no answer by its deadline."""
 
     def __init__(self, real: Any) -> None:
         self.real = real
         self.die_on_load: set[str] = set()
         self.die_on_infer: set[str] = set()
+        self.silent_on_infer: set[str] = set()
         self.hold_loads = False
         self._held: list[Any] = []
 
@@ -193,6 +195,10 @@ class _DyingPool:
             self.die_on_infer.discard(model)
             self._forget(model)
             return P.InferResult(model, False, error_code=P.WORKER_DIED, error=DIED)
+        if model in self.silent_on_infer:
+            self.silent_on_infer.discard(model)
+            said = f"model {model!r}: no answer from device {device!r} within {timeout_s:.1f} s"
+            return P.InferResult(model, False, error_code=P.DEADLINE, error=said)
         return self.real.infer(device, model, inputs, timeout_s)
 
 
@@ -289,6 +295,26 @@ def test_a_reload_past_the_deadline_is_unavailable_in_time_and_logged(tmp_path: 
     store = open_store(f"sqlite:///{tmp_path / 'state.db'}")
     # the request the host died under reached its model: logged, as an error; the embed request
     # never reached its model (its load never finished): not logged, like any refusal
+    outcomes = [(r["model"], r["outcome"]) for r in store.requests(0)]
+    assert outcomes == [("voice", "ok"), ("voice", "error"), ("voice", "ok")]
+    store.close()
+
+
+def test_a_retry_that_runs_out_of_time_is_unavailable_not_a_deadline(tmp_path: Path) -> None:
+    """The reload after a device host's death took most of the deadline, and the retry ran out of
+    what was left: the request ends UNAVAILABLE (a client may try again, as it would have had the
+    reload taken longer), saying both what killed it and that the retry got no answer in time."""
+
+    async def body(lm: LiveManager, pool: _DyingPool) -> None:
+        await lm.infer("voice", AUDIO)
+        pool.die_on_infer.add("voice")
+        pool.silent_on_infer.add("voice")
+        with pytest.raises(WorkerUnavailable, match=r"died; retried once: .*no answer from device"):
+            await lm.infer("voice", AUDIO, timeout_s=5.0)
+        assert (await lm.infer("voice", AUDIO, timeout_s=30)).result.ok  # and serving goes on
+
+    _run_dying(tmp_path, body)
+    store = open_store(f"sqlite:///{tmp_path / 'state.db'}")
     outcomes = [(r["model"], r["outcome"]) for r in store.requests(0)]
     assert outcomes == [("voice", "ok"), ("voice", "error"), ("voice", "ok")]
     store.close()
