@@ -10,6 +10,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -39,31 +40,66 @@ def _pids_under(temp: Path) -> list[int]:
     return out
 
 
+READY_S = 120.0
+"""How long the head may take to listen on its port (a loaded 2-core machine starts Ray slowly)."""
+
+
+def _listening(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1.0):
+        return True
+    return False
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def _end_all(temp: Path) -> None:
+    """End what is left of a head whose temp dir is `temp`, and remove that dir: actor workers run in
+    process groups of their own, so they are found by pid."""
+    deadline = time.monotonic() + 10
+    while (left := _pids_under(temp)) and time.monotonic() < deadline:
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.1)
+    shutil.rmtree(temp, ignore_errors=True)
+
+
 @pytest.fixture
 def head_node() -> Iterator[str]:
-    port = free_port()
     # a short temp dir: Ray's unix sockets live under it, and socket paths are limited to 107 bytes
     temp = Path(tempfile.mkdtemp(prefix="rayh-", dir="/tmp"))
     env = {**os.environ, **PRIVATE_RAY}
-    proc = subprocess.Popen(
-        [str(VENV_BIN / "ray"), "start", "--head", "--block", f"--port={port}", "--num-cpus=1",
-         "--num-gpus=1", "--include-dashboard=false", f"--temp-dir={temp}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True,
-    )  # fmt: skip
+    said = temp.parent / f"{temp.name}.log"
+    for _ in range(3):  # a port taken between free_port() and the head's bind: another port
+        port = free_port()
+        with said.open("wb") as log:
+            proc = subprocess.Popen(
+                [str(VENV_BIN / "ray"), "start", "--head", "--block", f"--port={port}", "--num-cpus=1",
+                 "--num-gpus=1", "--include-dashboard=false", f"--temp-dir={temp}"],
+                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            )  # fmt: skip
+        # ready once its GCS listens: a process that joins it earlier may give up on it
+        deadline = time.monotonic() + READY_S
+        while proc.poll() is None and not _listening(port) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if proc.poll() is None:
+            break
+    text = said.read_text(errors="replace")[-3000:]
+    said.unlink(missing_ok=True)
+    if proc.poll() is not None or not _listening(port):
+        if proc.poll() is None:
+            _stop(proc)
+        _end_all(temp)
+        pytest.fail(f"the private Ray head did not start listening on {port} within {READY_S:.0f} s:\n{text}")
     try:
         yield f"127.0.0.1:{port}"
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-        # actor workers run in process groups of their own: end those of this head, by pid
-        deadline = time.monotonic() + 10
-        while (left := _pids_under(temp)) and time.monotonic() < deadline:
-            for pid in left:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.1)
-        shutil.rmtree(temp, ignore_errors=True)
+        _stop(proc)
+        _end_all(temp)

@@ -40,7 +40,7 @@ models:
      source: {{preset: micro}}}}
 """
 POSES = [(p.x, p.y, p.z, p.pitch, p.yaw) for p in yaw_sweep_trajectory(16)]
-FIRST_KILL, SECOND_KILL = 6, 10  # before step 6; under step 10
+FIRST_KILL, SECOND_KILL = 6, 10  # before step 6 (the host restarted before it); under step 10
 
 
 async def until(cond: Callable[[], bool], what: str, timeout_s: float = 90.0) -> None:
@@ -85,11 +85,12 @@ def test_a_world_session_continues_from_its_saved_index_after_its_host_is_killed
             sid, opened = await lm.open_session("world", timeout_s=90)
             out = [await lm.step_session(sid, p) for p in POSES[:FIRST_KILL]]
 
-            pool.kill(DEVICE)  # between two steps: the next step finds the host dead or restarted empty
-            out.append(await lm.step_session(sid, POSES[FIRST_KILL]))
+            pool.kill(DEVICE)  # between two steps: the next step finds the host restarted empty
+            # (waited for: `ray.kill` returns before the old process is gone, and a step sent at once
+            # could still run on it; the second kill, under a step, is the one that finds it dead)
             await until(restarted, "the killed device host restarted")
             pids.append(pool.status(DEVICE, timeout_s=60).pid)
-            out += [await lm.step_session(sid, p) for p in POSES[FIRST_KILL + 1 : SECOND_KILL]]
+            out += [await lm.step_session(sid, p) for p in POSES[FIRST_KILL:SECOND_KILL]]
 
             step = asyncio.create_task(lm.step_session(sid, POSES[SECOND_KILL]))
             pool.kill(DEVICE)  # under a step (or just after it: either way nothing is lost)

@@ -328,13 +328,20 @@ def test_an_admin_evict_waits_for_the_requests_in_flight(tmp_path: Path) -> None
 
 class SlowSessions(Recording):
     """A pool whose device host takes `delays[method]` seconds to open or close a world session (a
-    cold codec, a slow disk)."""
+    cold codec, a slow disk); a method in `gate` instead waits, once `entered` says it is on the host,
+    until the test sets `go` (so that a test acts while it runs, however slow the machine)."""
 
-    def __init__(self, inner: Any, **delays: float) -> None:
+    def __init__(self, inner: Any, gate: tuple[str, ...] = (), **delays: float) -> None:
         super().__init__(inner)
         self.delays = delays
+        self.gate = gate
+        self.entered = threading.Event()
+        self.go = threading.Event()
 
     def session(self, device: str, method: str, *args: Any, timeout_s: float = 120.0) -> P.SessionReply:
+        if method in self.gate:
+            self.entered.set()
+            assert self.go.wait(60), f"the test never let the held {method} go"
         time.sleep(self.delays.get(method, 0.0))
         reply = super().session(device, method, *args, timeout_s=timeout_s)
         self._note("session", method, str(args[1] if method == "open" else args[0]))
@@ -350,13 +357,13 @@ def test_a_session_open_cancelled_by_its_client_leaves_nothing_open_or_busy(tmp_
     async def body(lm: LiveManager) -> None:
         pool, world = lm.pool, lm.engine.models["world"]
         opening = asyncio.create_task(lm.open_session("world"))
-        await until(lambda: lm.live["world"].inflight == 1)
-        await asyncio.sleep(0.2)  # the host is opening it
+        await until(pool.entered.is_set)  # the host is opening it
         opening.cancel()
         with pytest.raises(asyncio.CancelledError):
             await opening
         with pytest.raises(InsufficientCapacity, match=r"runs a session \(opening\)"):
             await lm.open_session("world")  # the abandoned open still runs on the host
+        pool.go.set()  # and then ends
         await until(lambda: lm.live["world"].inflight == 0)
         opened = [e[2] for e in pool.log if e[:2] == ("session", "open")]
         assert len(opened) == 1 and ("session", "close", opened[0]) in pool.log  # closed once opened
@@ -366,7 +373,7 @@ def test_a_session_open_cancelled_by_its_client_leaves_nothing_open_or_busy(tmp_
         sid, _ = await lm.open_session("world")  # and the next session opens as usual
         await lm.close_session(sid)
 
-    run(config, body, wrap=lambda p: SlowSessions(p, open=0.6))
+    run(config, body, wrap=lambda p: SlowSessions(p, gate=("open",)))
 
 
 def test_a_session_close_cancelled_midway_still_frees_the_model(tmp_path: Path) -> None:
@@ -378,15 +385,16 @@ def test_a_session_close_cancelled_midway_still_frees_the_model(tmp_path: Path) 
         pool, world = lm.pool, lm.engine.models["world"]
         sid, _ = await lm.open_session("world")
         closing = asyncio.create_task(lm.close_session(sid))
-        await asyncio.sleep(0.2)  # the host is closing it
+        await until(pool.entered.is_set)  # the host is closing it
         closing.cancel()
         with pytest.raises(asyncio.CancelledError):
             await closing
         assert lm.live["world"].inflight == 0 and world.busy_until < float("inf") and lm.sessions == {}
         assert lm.served == 1  # the session counts as served, and is logged as one
+        pool.go.set()
         await until(lambda: ("session", "close", sid) in pool.log)  # the host still closes it
 
-    run(config, body, wrap=lambda p: SlowSessions(p, close=0.6))
+    run(config, body, wrap=lambda p: SlowSessions(p, gate=("close",)))
 
 
 def test_a_session_close_cancelled_while_it_waits_for_a_thread_still_reaches_the_host(tmp_path: Path) -> None:

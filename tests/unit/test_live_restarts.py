@@ -282,12 +282,12 @@ def test_a_reload_past_the_deadline_is_unavailable_in_time_and_logged(tmp_path: 
         t0 = time.monotonic()
         with pytest.raises(WorkerUnavailable, match=r"died; retried once: .*did not finish loading") as e:
             await lm.infer("voice", AUDIO, timeout_s=1.0)
-        assert time.monotonic() - t0 < 1.5, e.value  # within its deadline, never a hang
+        assert time.monotonic() - t0 < 1.0 + 2.0, e.value  # its deadline, never a hang (the load never ends)
         pool.die_on_load.add("embed")
         t0 = time.monotonic()
         with pytest.raises(WorkerUnavailable, match=r"died during the load .*before the deadline"):
             await lm.infer("embed", TEXT, timeout_s=1.0)
-        assert time.monotonic() - t0 < 1.5
+        assert time.monotonic() - t0 < 1.0 + 2.0
         pool.hold_loads = False
         assert (await lm.infer("voice", AUDIO, timeout_s=30)).result.ok  # and it comes back
 

@@ -298,13 +298,14 @@ def test_two_signals_that_come_together_are_one_stop(served: Any) -> None:
     s = served("infer")
     s.ask()
     s.until(lambda: (s.work / "inferring").exists(), "the inference to start")
+    # two different signals, back to back: the kernel would merge a second SIGTERM still pending into
+    # the first, and a pause between them could, on a loaded machine, outlast SAME_STOP_S
     os.kill(s.proc.pid, signal.SIGTERM)
-    time.sleep(0.03)  # (two sent at the same moment are one: the kernel merges a pending signal)
-    os.kill(s.proc.pid, signal.SIGTERM)
+    os.kill(s.proc.pid, signal.SIGINT)
     rc = s.wait()
     text = s.text()
     assert rc == 0, text
-    assert "residency: SIGTERM came with the first stop signal: the same stop" in text
+    assert re.search(r"residency: SIG(TERM|INT) came with the first stop signal: the same stop", text)
     assert "exiting now" not in text
     assert (s.work / "atexit").exists()  # the stop's own steps ran (the log flushed)
 

@@ -132,10 +132,10 @@ def test_one_slow_inline_call_sends_the_models_calls_to_a_thread(
         ticker = asyncio.ensure_future(tick())
         began = time.monotonic()
         with pytest.raises(DeadlineExceeded):
-            await lm.infer("quick", _x(-1.0), timeout_s=0.3)
+            await lm.infer("quick", _x(-3.0), timeout_s=0.3)
         took = time.monotonic() - began
         ticker.cancel()
-        assert took < 0.9, took
+        assert took < 2.0, took  # at its deadline, not after the 3 s call (slack: a loaded machine)
         assert ticks >= 5, ticks
 
     _run(tmp_path, monkeypatch, body)
