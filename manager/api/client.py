@@ -118,6 +118,12 @@ read, so the words, not the channel's state, say that the service answered (gRPC
 says "failed to connect", "Socket closed" and the like)."""
 
 
+CONNECTION_LOST = re.compile(r"Socket closed|Connection reset by peer|Broken pipe|recvmsg|sendmsg")
+"""gRPC's words for a connection that went away under a call: "Socket closed" where its server's
+kernel closed it (FIN), a reset (RST) where the server died with data unread (SIGKILL while a
+keepalive ping or a window update was in flight)."""
+
+
 def _error(e: grpc.RpcError, ch: Any, target: str, tls: bool, *, lost: bool = False) -> ClientError:
     """The failed call `e` as a ClientError naming `target`, the code and the server's words; it was
     answered by the service when its channel is connected: gRPC's own UNAVAILABLE (nothing listens,
@@ -131,7 +137,7 @@ def _error(e: grpc.RpcError, ch: Any, target: str, tls: bool, *, lost: bool = Fa
         or STOPPING_WORDS.search(details) is not None  # (its channel closing meanwhile: its words)
         or _connected(ch)
     )
-    hint = " (the connection to the service was lost)" if lost and "Socket closed" in details else ""
+    hint = " (the connection to the service was lost)" if lost and CONNECTION_LOST.search(details) else ""
     return ClientError(
         f"{target}: {code.name}: {details}{hint or _tls_hint(details, tls)}", code.name, answered=answered
     )

@@ -6,6 +6,7 @@ stock client's generated `inference` protos and the server's cannot live in one 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -42,16 +43,32 @@ class Server:
         return int(self.proc.returncode)
 
 
+def _died(server: Server) -> None:
+    if server.proc.poll() is not None:
+        pytest.fail(
+            f"residency serve exited with {server.proc.returncode}:\n{server.log.read_text()[-3000:]}"
+        )
+
+
 def wait_serving(server: Server, timeout_s: float = 180.0) -> None:
-    """Poll grpc.health.v1 until SERVING (never a fixed sleep); fail with the server's log if it dies."""
+    """Poll grpc.health.v1 until SERVING (never a fixed sleep); fail with the server's log if it dies.
+    A server told to listen on port 0 is found at the port its "serving on" line names."""
     deadline = time.monotonic() + timeout_s
+    while server.target.endswith(":0"):
+        _died(server)
+        said = re.search(r"serving on (\S+:\d+) ", server.log.read_text(errors="replace"))
+        if said:
+            server.target = said[1]
+        elif time.monotonic() > deadline:
+            pytest.fail(
+                f"residency serve said no address within {timeout_s} s:\n{server.log.read_text()[-3000:]}"
+            )
+        else:
+            time.sleep(0.1)
     with grpc.insecure_channel(server.target) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
-            if server.proc.poll() is not None:
-                pytest.fail(
-                    f"residency serve exited with {server.proc.returncode}:\n{server.log.read_text()[-3000:]}"
-                )
+            _died(server)
             try:
                 resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
                 if resp.status == health_pb2.HealthCheckResponse.SERVING:
@@ -76,7 +93,8 @@ def start_server(tmp_path: Path) -> Iterator[Callable[..., Server]]:
         cfg = tmp_path / f"config-{len(servers)}.yaml"
         text = config_text if config_text is not None else CONFIG.read_text()
         cfg.write_text(f'store: {{url: "{store_url}"}}\n' + text)
-        target = listen or f"127.0.0.1:{free_port()}"
+        # (port 0 by default: a port picked here could be taken by the local Ray serve starts first)
+        target = listen or "127.0.0.1:0"
         log = tmp_path / f"server-{len(servers)}.log"
         with log.open("wb") as out:
             proc = subprocess.Popen(

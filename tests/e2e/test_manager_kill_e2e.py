@@ -127,7 +127,8 @@ def test_a_killed_manager_reattaches_its_device_hosts_and_loses_no_request(
     for t in threads:
         t.start()
     deadline = time.monotonic() + 60
-    while sum(ok) < 60 and all(t.is_alive() for t in threads):
+    # (each thread served a few: one slow to connect on a loaded machine would still be at 0)
+    while (sum(ok) < 60 or min(ok) < 5) and all(t.is_alive() for t in threads):
         assert time.monotonic() < deadline, f"the load did not get going: {ok}"
         time.sleep(0.01)
     server.proc.kill()  # SIGKILL, the manager's process only

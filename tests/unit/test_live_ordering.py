@@ -735,12 +735,14 @@ def test_a_request_whose_client_hung_up_keeps_its_model_busy_until_the_call_ends
     under a running inference (found in review, 2026-12-01)."""
     config = one_of_two(tmp_path, chat_pinned=False)
 
+    go = threading.Event()
+
     class SlowInfer(Recording):
-        """Inferences take 0.8 s on the host (a big model)."""
+        """Inferences run on the host until the test lets them end (a big model)."""
 
         def infer(self, device: str, model: str, inputs: Any, timeout_s: float = 60.0) -> P.InferResult:
             self._note("infer-start", model)
-            time.sleep(0.8)
+            assert go.wait(60), "the test never let the inference end"
             result: P.InferResult = self.inner.infer(device, model, inputs, timeout_s)
             self._note("infer-end", model)
             return result
@@ -759,6 +761,7 @@ def test_a_request_whose_client_hung_up_keeps_its_model_busy_until_the_call_ends
             assert lm.live["chat"].inflight == 1  # still running on the host
             lm.evict("chat", "disk")  # deferred: the call is still running
             assert lm.engine.models["chat"].tier == Tier.GPU
+            go.set()  # the call ends on the host
             await until(lambda: ("infer-end", "chat") in pool.log)
             await until(lambda: lm.engine.models["chat"].tier == Tier.DISK)  # the evict, once it ended
             ended = pool.log.index(("infer-end", "chat"))

@@ -236,7 +236,8 @@ class TestAWorldStreamEndsAtOnceWhenTheServerStops:
                 t0 = time.monotonic()
                 server.world_stopping.set()  # as `serve` does when it stops
                 e = await rpc_error(call.read())
-                assert time.monotonic() - t0 < 2.0
+                # at once, not after the stop's 5 s grace (its session's save, fsyncs included, first)
+                assert time.monotonic() - t0 < 4.5
                 assert e.code() == grpc.StatusCode.UNAVAILABLE
                 assert "the server is stopping" in (e.details() or "")
                 assert f"resume_session_id={opened.session_id!r}) at segment 1" in (e.details() or "")

@@ -258,6 +258,7 @@ class TestAnAbandonedLoadStillRunning:
         assert not again.ok and again.error_code == P.LOAD_TIMEOUT
         assert "still running" in (again.error or "") and "'stuck'" in (again.error or "")
         assert gate.calls == 1, "a second build of the model started beside the hung one"
+        host.load_timeout_s = 60.0  # (the loads that must succeed from now on: never timed out by a stall)
         # another model loads meanwhile: the refusal is the hung model's only
         assert host.apply(P.Load(_spec("other", _checkpoint(tmp_path, "o"), "torch.nn:Linear")), "3").ok
         with caplog.at_level(logging.INFO, logger="workers.host"):
@@ -272,9 +273,10 @@ class TestAnAbandonedLoadStillRunning:
         assert host.infer("stuck", {"input": np.ones((1, 4), np.float32)}).ok
 
     def test_a_new_promote_waits_for_the_abandoned_one(self, gate: _Gate, tmp_path: Path) -> None:
-        host = DeviceHost("cpu0", "cpu", node="t", load_timeout_s=0.5)
+        host = DeviceHost("cpu0", "cpu", node="t", load_timeout_s=60.0)
         assert host.apply(P.Load(_spec("m", _checkpoint(tmp_path)), "host"), "1").ok
         built = gate.calls  # (a read into host RAM checks the checkpoint against the module on meta)
+        host.load_timeout_s = 0.5  # the promote that hangs is abandoned
         gate.open.clear()
         assert host.apply(P.Promote("m"), "2").error_code == P.LOAD_TIMEOUT
         again = host.apply(P.Promote("m"), "3")
