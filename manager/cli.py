@@ -37,6 +37,7 @@ from manager.config import (
     write_config_with_updates,
 )
 from manager.policy.factory import POLICY_NAMES
+from manager.policy.stats import zone_named
 from manager.policy.types import Request
 from manager.replay.sim import ReplayResult, replay
 from manager.replay.synth import MAX_DAYS, PROFILES, synth
@@ -429,11 +430,15 @@ def cmd_synth(a: argparse.Namespace) -> int:
         raise UsageError(f"--seed must be 0 or more, got {a.seed}")
     if a.profile not in PROFILES:  # before --out's folder is made
         raise UsageError(f"unknown profile {a.profile!r} (known: {', '.join(sorted(PROFILES))})")
+    try:  # (before --out's folder is made, as the profile)
+        zone = zone_named(a.timezone) if a.timezone is not None else None
+    except ValueError as e:
+        raise UsageError(f"--timezone: {e}") from None
     to_stdout = a.out == "-"  # as the shell's tools take it (a file named "-" is ./-)
     if not to_stdout:
         _prepare_out_file(a.out, "--out")  # a bad --out is said plainly, before the (long) generation
     try:
-        reqs = synth(a.profile, a.days, a.seed)
+        reqs = synth(a.profile, a.days, a.seed, zone=zone)
     except ValueError as e:
         raise UsageError(str(e)) from None
     if to_stdout:
@@ -451,7 +456,8 @@ def cmd_synth(a: argparse.Namespace) -> int:
             kept = "; the file is unchanged" if Path(a.out).is_file() else "; nothing was written"
             raise UsageError(f"--out {a.out}: {e.strerror or e}{kept}") from None
     err.print(
-        f"wrote {_count(n, 'request')} ({_count(a.days, 'day')}, profile {a.profile}, seed {a.seed}) to "
+        f"wrote {_count(n, 'request')} ({_count(a.days, 'day')}, profile {a.profile}, seed {a.seed}"
+        f"{'' if a.timezone is None else f', time zone {a.timezone}'}) to "
         f"{'standard output' if to_stdout else a.out}",
         highlight=False,
         markup=False,
@@ -1533,6 +1539,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--days", type=int, default=7, help="how many days (default 7)")
     s.add_argument(
         "--seed", type=int, default=0, help="random seed: the same seed, the same trace (default 0)"
+    )
+    s.add_argument(
+        "--timezone",
+        metavar="ZONE",
+        help="the home's time zone, an IANA name (Europe/Berlin): its habits keep to that wall clock, "
+        "summer time included (default: UTC's; replay it with the same policy.timezone)",
     )
     s.add_argument("--out", required=True, help="trace file to write (JSON Lines); - writes standard output")
     s.set_defaults(fn=cmd_synth)

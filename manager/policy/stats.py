@@ -102,14 +102,14 @@ def home_hours(name: str | None) -> HomeHours:
     or a POSIX rule such as "CET-1CEST,M3.5.0,M10.5.0/3"), else /etc/localtime's; UTC where neither
     says one. ValueError for a name no zone has."""
     if name is not None:
-        return HomeHours(_zone(name), name)
+        return HomeHours(zone_named(name), name)
     tz = os.environ.get("TZ")
     if tz is not None:  # (set: the C library's local time follows it; empty is UTC)
         key = tz.removeprefix(":")
         if not key or key in _UTC_NAMES:
             return HomeHours(None, key or "UTC")
         if key in zone_names():
-            return HomeHours(_zone(key), key)
+            return HomeHours(zone_named(key), key)
     else:
         try:
             link = os.readlink("/etc/localtime")
@@ -119,7 +119,7 @@ def home_hours(name: str | None) -> HomeHours:
         if key in _UTC_NAMES:
             return HomeHours(None, key)
         if key in zone_names():
-            return HomeHours(_zone(key), key)
+            return HomeHours(zone_named(key), key)
         tz = "localtime"
     time.tzset()  # (the variable as it is now, as the C library reads it)
     return HomeHours(None, tz, local=True)
@@ -146,7 +146,7 @@ def zone_names() -> frozenset[str]:
     return frozenset(available_timezones()) | {"UTC"}
 
 
-def _zone(name: str) -> tzinfo | None:
+def zone_named(name: str) -> tzinfo | None:
     """The zone called `name` (None for UTC itself, the fast path); ValueError naming it if none is."""
     if name in _UTC_NAMES:
         return None

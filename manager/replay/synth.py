@@ -10,8 +10,9 @@ which evenings have a party spike, ...) and then calls one small generator per a
 day. Every generator has the shape `(rng, day_start, weekday, out)` and appends to `out`.
 
 Notes:
-  Times are the home's local wall clock written as Unix seconds: the day starting at `day_start`
-  is a calendar day in UTC and 07:00 means `day_start + 7 h`. Weekdays are Monday=0 ... Sunday=6.
+  The generators write the home's local wall clock as Unix seconds: the day starting at `day_start`
+  is a calendar day in UTC and 07:00 means `day_start + 7 h`; `synth`'s `zone` then turns each into
+  the Unix time that zone's clocks read it at (none: they stay UTC's). Weekdays are Monday=0 ... Sunday=6.
   Times and busy times are rounded to milliseconds, the trace format's resolution, so a trace
   written and read back equals the list returned here. Model names match configs/home.yaml:
   voice, tts, llm, world, image, embed, photos. `class` is never set (each model's class applies).
@@ -19,10 +20,11 @@ Notes:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta, tzinfo
 
 from manager.policy.types import Request
 
@@ -341,7 +343,9 @@ MAX_DAYS = 3660
 """The longest synthetic trace: ten years is plenty, and the trace is built in memory."""
 
 
-def synth(profile: str, days: int = 7, seed: int = 0, start: float | None = None) -> list[Request]:
+def synth(
+    profile: str, days: int = 7, seed: int = 0, start: float | None = None, zone: tzinfo | None = None
+) -> list[Request]:
     """A synthetic trace of `days` days for `profile`, sorted by time.
 
     Args:
@@ -349,6 +353,10 @@ def synth(profile: str, days: int = 7, seed: int = 0, start: float | None = None
         days: how many days (week-level choices are made per block of 7 days).
         seed: the only source of randomness; equal arguments give equal lists.
         start: Unix time of the first day's midnight (local wall clock); default DEFAULT_START.
+        zone: the home's time zone (None: UTC). Its wall clock is what the habits keep to: 07:00 is
+            07:00 there, summer time included, and the times written are true Unix times for it. A
+            wall time the clocks skip (the hour summer time begins) is taken an hour later; one they
+            repeat, at its first pass.
 
     Raises:
         ValueError: unknown profile, or days < 0 or > MAX_DAYS.
@@ -364,5 +372,14 @@ def synth(profile: str, days: int = 7, seed: int = 0, start: float | None = None
     for first in range(0, days, 7):
         week = [(t0 + d * DAY, (wd0 + d) % 7) for d in range(first, min(days, first + 7))]
         _WEEK_PLANNERS[profile](rng, week, out)
+    if zone is not None:
+        out = [dataclasses.replace(r, t=_on_clock(r.t, zone)) for r in out]
     out.sort(key=lambda r: r.t)  # stable: a chain keeps its order at equal timestamps
     return out
+
+
+def _on_clock(wall: float, zone: tzinfo) -> float:
+    """The Unix time at which `zone`'s clocks read `wall` (a wall time written as Unix seconds, as
+    the generators make them), at millisecond resolution."""
+    local = datetime.fromtimestamp(wall, UTC).replace(tzinfo=zone)
+    return _ms(wall - (local.utcoffset() or timedelta(0)).total_seconds())

@@ -72,7 +72,7 @@ def test_a_synth_whose_write_fails_leaves_the_earlier_file_as_it_was(
     assert _synth(str(out)) == 0
     before = out.read_bytes()
     real = cli.synth
-    monkeypatch.setattr(cli, "synth", lambda *a: _FullDiskAfter(real(*a)))
+    monkeypatch.setattr(cli, "synth", lambda *a, **k: _FullDiskAfter(real(*a, **k)))
     assert _synth(str(out), days=2) == 2
     err = capsys.readouterr().err
     assert "No space left on device; the file is unchanged" in err, err
