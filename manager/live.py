@@ -27,7 +27,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -1446,8 +1446,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self, m: Any, rank: int, cls_name: str, inputs: dict[str, np.ndarray], deadline: float, cold: bool
     ) -> tuple[P.InferResult, float, float, bool, str]:
         """Run an admitted request on its device host, once more if the host lost the model under it
-        (result, start and end of the last attempt, cold, and where the retry failed or was lost too,
-        the request's UNAVAILABLE message)."""
+        (result, start and end of the last attempt, cold, and where the retry could not be sent, the
+        request's UNAVAILABLE message)."""
         live = self.live[m.name]
         unavailable = first_error = ""
         for attempt in range(2):
@@ -1481,11 +1481,11 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                 self._resync_soon(
                     m.device, f"{result.error_code} under a request of {m.name}: {result.error}"
                 )
-            if attempt == 1 and (lost or result.error_code == P.DEADLINE):
-                # the retry, too, was lost or ran out of time (the reload took most of it): the
-                # request ends as its device host's death left it, UNAVAILABLE (a client may try
-                # again), not as a deadline it had no fair chance to meet
-                unavailable = f"{first_error}; retried once: {result.error or result.error_code}"
+            if attempt == 1 and not result.ok:  # the retry failed too: its error (its status: a
+                # retry that was sent and got no answer in time may still run, so DEADLINE_EXCEEDED,
+                # never UNAVAILABLE, which clients retry), saying what the first attempt met
+                said = f"{first_error}; retried once: {result.error or result.error_code}"
+                result = replace(result, error=said)
                 break
             if not lost or attempt == 1 or self.clock() > deadline - 0.1:
                 break

@@ -355,8 +355,7 @@ def synth(
         start: Unix time of the first day's midnight (local wall clock); default DEFAULT_START.
         zone: the home's time zone (None: UTC). Its wall clock is what the habits keep to: 07:00 is
             07:00 there, summer time included, and the times written are true Unix times for it. A
-            wall time the clocks skip (the hour summer time begins) is taken an hour later; one they
-            repeat, at its first pass.
+            job (one client's run of requests) keeps the clock it started on (`_on_clock`).
 
     Raises:
         ValueError: unknown profile, or days < 0 or > MAX_DAYS.
@@ -372,14 +371,34 @@ def synth(
     for first in range(0, days, 7):
         week = [(t0 + d * DAY, (wd0 + d) % 7) for d in range(first, min(days, first + 7))]
         _WEEK_PLANNERS[profile](rng, week, out)
-    if zone is not None:
-        out = [dataclasses.replace(r, t=_on_clock(r.t, zone)) for r in out]
     out.sort(key=lambda r: r.t)  # stable: a chain keeps its order at equal timestamps
+    if zone is not None:
+        out = _on_clock(out, zone)
+        out.sort(key=lambda r: r.t)
     return out
 
 
-def _on_clock(wall: float, zone: tzinfo) -> float:
-    """The Unix time at which `zone`'s clocks read `wall` (a wall time written as Unix seconds, as
-    the generators make them), at millisecond resolution."""
-    local = datetime.fromtimestamp(wall, UTC).replace(tzinfo=zone)
-    return _ms(wall - (local.utcoffset() or timedelta(0)).total_seconds())
+JOB_GAP_S = 600.0
+"""One client's requests are one job (a batch, a chain, a session's steps) while each starts within
+this long of the end of the one before it (`_on_clock`)."""
+JOB_MAX_S = 2 * H
+"""A job longer than this (a continuous stream) is cut there: what follows takes the clock anew."""
+
+
+def _on_clock(out: Out, zone: tzinfo) -> Out:
+    """`out` (sorted, on a wall clock written as Unix seconds, as the generators make them) at the
+    Unix times `zone`'s clocks read them. Each job of a client (JOB_GAP_S, JOB_MAX_S) takes the
+    offset from UTC of its first request's wall time, so a change of the clocks never cuts into one
+    (an indexing batch across 03:00 keeps its spacing and order, not half of it an hour later): a
+    job that starts in the hour the clocks skip is taken that much later, one that starts in the
+    hour they repeat at its first pass. Millisecond resolution, as the trace format's."""
+    done: dict[str | None, tuple[float, float, float]] = {}  # client -> (its job's start, end, offset)
+    moved: Out = []
+    for r in out:
+        start, end, offset = done.get(r.client, (-math.inf, -math.inf, 0.0))
+        if r.t - end > JOB_GAP_S or r.t - start > JOB_MAX_S:  # a new job: the clock as it reads now
+            local = datetime.fromtimestamp(r.t, UTC).replace(tzinfo=zone)
+            start, end, offset = r.t, r.t, (local.utcoffset() or timedelta(0)).total_seconds()
+        done[r.client] = (start, max(end, r.t + r.busy_s), offset)
+        moved.append(dataclasses.replace(r, t=_ms(r.t - offset)))
+    return moved

@@ -50,6 +50,17 @@ def _listening(port: int) -> bool:
     return False
 
 
+def _ready(said: Path, port: int, text: str | None = None) -> bool:
+    """Whether the head started (its own words, in `said`) and its GCS listens on `port` (not only
+    some other process that took the port)."""
+    if text is None:
+        try:
+            text = said.read_text(errors="replace")
+        except OSError:
+            return False
+    return "Ray runtime started" in text and _listening(port)
+
+
 def _stop(proc: subprocess.Popen[bytes]) -> None:
     os.killpg(proc.pid, signal.SIGTERM)
     try:
@@ -73,11 +84,11 @@ def _end_all(temp: Path) -> None:
 
 @pytest.fixture
 def head_node() -> Iterator[str]:
-    # a short temp dir: Ray's unix sockets live under it, and socket paths are limited to 107 bytes
-    temp = Path(tempfile.mkdtemp(prefix="rayh-", dir="/tmp"))
-    env = {**os.environ, **PRIVATE_RAY}
-    said = temp.parent / f"{temp.name}.log"
+    env = {**os.environ, **PRIVATE_RAY, "PYTHONUNBUFFERED": "1"}  # (its words reach its log at once)
     for _ in range(3):  # a port taken between free_port() and the head's bind: another port
+        # a short temp dir: Ray's unix sockets live under it, and socket paths are limited to 107 bytes
+        temp = Path(tempfile.mkdtemp(prefix="rayh-", dir="/tmp"))
+        said = temp.parent / f"{temp.name}.log"
         port = free_port()
         with said.open("wb") as log:
             proc = subprocess.Popen(
@@ -85,19 +96,26 @@ def head_node() -> Iterator[str]:
                  "--num-gpus=1", "--include-dashboard=false", f"--temp-dir={temp}"],
                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
             )  # fmt: skip
-        # ready once its GCS listens: a process that joins it earlier may give up on it
+        # ready once it says it started and its GCS listens (a process that joins it earlier may
+        # give up on it); a port another process took meanwhile: it exits, and another is tried
         deadline = time.monotonic() + READY_S
-        while proc.poll() is None and not _listening(port) and time.monotonic() < deadline:
+        while proc.poll() is None and not _ready(said, port) and time.monotonic() < deadline:
             time.sleep(0.2)
-        if proc.poll() is None:
+        text = said.read_text(errors="replace")
+        said.unlink(missing_ok=True)
+        if proc.poll() is None and _ready(said, port, text):
             break
-    text = said.read_text(errors="replace")[-3000:]
-    said.unlink(missing_ok=True)
-    if proc.poll() is not None or not _listening(port):
-        if proc.poll() is None:
+        if proc.poll() is None:  # (neither ready nor ended in READY_S: not tried again)
             _stop(proc)
+            _end_all(temp)
+            pytest.fail(
+                f"the private Ray head did not start on {port} within {READY_S:.0f} s:\n{text[-3000:]}"
+            )
         _end_all(temp)
-        pytest.fail(f"the private Ray head did not start listening on {port} within {READY_S:.0f} s:\n{text}")
+    else:
+        pytest.fail(
+            f"the private Ray head could not start (three ports tried); the last said:\n{text[-2000:]}"
+        )
     try:
         yield f"127.0.0.1:{port}"
     finally:

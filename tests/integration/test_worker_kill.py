@@ -1,5 +1,5 @@
 """A device host (a real Ray actor) killed under a load and under a request, through the live manager:
-the request is served after one reload, or fails UNAVAILABLE within its deadline (never a hang); a
+the request is served after one reload, or fails within its deadline (never a hang); a
 residency event says what happened; the request log keeps every request that reached its model.
 
 The model is `workers.demo:slow_mlp` (it takes 1.5 s to load and 1.5 s per inference), so the kill
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from manager.config import load_config
-from manager.errors import WorkerUnavailable
+from manager.errors import DeadlineExceeded, WorkerUnavailable
 from manager.live import LiveManager
 from manager.store import open_store
 from workers.demo import write_tiny_mlp
@@ -105,11 +105,14 @@ def test_a_device_host_killed_under_a_load_and_under_a_request(
             assert served.result.ok and served.cold
             await wait_restarted()
 
-            # 3. the same with a deadline the reload cannot meet: UNAVAILABLE, within the deadline
+            # 3. the same with a deadline the reload and the second run cannot meet (1.5 s each):
+            # UNAVAILABLE where the reload ended too late to send it, DEADLINE_EXCEEDED where it was
+            # sent and got no answer in time (which of the two depends on how soon Ray restarted
+            # the host), within the deadline either way, naming the dead host
             t0 = time.monotonic()
             request = asyncio.create_task(lm.infer("slow", X, timeout_s=3.0))
             await kill_when(lambda: live.inflight == 1, "the request in flight")
-            with pytest.raises(WorkerUnavailable, match=f"'{DEVICE}'"):
+            with pytest.raises((WorkerUnavailable, DeadlineExceeded), match=f"'{DEVICE}'"):
                 await request
             assert time.monotonic() - t0 < 3.0 + 1.0  # its deadline, and a little: never a hang
             await wait_restarted()

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -348,6 +349,19 @@ class SlowSessions(Recording):
         return reply
 
 
+def _releasing(body: Callable[[LiveManager], Awaitable[None]]) -> Callable[[LiveManager], Awaitable[None]]:
+    """`body`, after which its SlowSessions' gated call is let go whatever happened (a failed
+    assertion is then said at once, not after the stop waited for the held call)."""
+
+    async def released(lm: LiveManager) -> None:
+        try:
+            await body(lm)
+        finally:
+            lm.pool.go.set()  # type: ignore[attr-defined]
+
+    return released
+
+
 def test_a_session_open_cancelled_by_its_client_leaves_nothing_open_or_busy(tmp_path: Path) -> None:
     # A client that hung up while the device host opened its world session (the RPC's task is
     # cancelled) left the world model busy for good (never evicted, its evicts deferred forever),
@@ -373,7 +387,7 @@ def test_a_session_open_cancelled_by_its_client_leaves_nothing_open_or_busy(tmp_
         sid, _ = await lm.open_session("world")  # and the next session opens as usual
         await lm.close_session(sid)
 
-    run(config, body, wrap=lambda p: SlowSessions(p, gate=("open",)))
+    run(config, _releasing(body), wrap=lambda p: SlowSessions(p, gate=("open",)))
 
 
 def test_a_session_close_cancelled_midway_still_frees_the_model(tmp_path: Path) -> None:
@@ -394,7 +408,7 @@ def test_a_session_close_cancelled_midway_still_frees_the_model(tmp_path: Path) 
         pool.go.set()
         await until(lambda: ("session", "close", sid) in pool.log)  # the host still closes it
 
-    run(config, body, wrap=lambda p: SlowSessions(p, gate=("close",)))
+    run(config, _releasing(body), wrap=lambda p: SlowSessions(p, gate=("close",)))
 
 
 def test_a_session_close_cancelled_while_it_waits_for_a_thread_still_reaches_the_host(tmp_path: Path) -> None:
@@ -768,6 +782,7 @@ def test_a_request_whose_client_hung_up_keeps_its_model_busy_until_the_call_ends
             assert all(e != ("submit", "Drop", "chat") for e in pool.log[:ended])
             assert lm.live["chat"].inflight == 0
         finally:
+            go.set()  # (whatever happened: the stop does not wait for a held call)
             await lm.stop()
             pool.close()
 

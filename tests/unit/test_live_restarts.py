@@ -14,7 +14,7 @@ from live_helpers import drain as _drain
 from live_helpers import until as _until
 
 from manager.config import load_config
-from manager.errors import WorkerUnavailable
+from manager.errors import DeadlineExceeded, WorkerUnavailable
 from manager.live import LiveManager
 from manager.policy.types import Tier
 from manager.store import open_store
@@ -300,16 +300,16 @@ def test_a_reload_past_the_deadline_is_unavailable_in_time_and_logged(tmp_path: 
     store.close()
 
 
-def test_a_retry_that_runs_out_of_time_is_unavailable_not_a_deadline(tmp_path: Path) -> None:
-    """The reload after a device host's death took most of the deadline, and the retry ran out of
-    what was left: the request ends UNAVAILABLE (a client may try again, as it would have had the
-    reload taken longer), saying both what killed it and that the retry got no answer in time."""
+def test_a_retry_that_runs_out_of_time_is_a_deadline_that_names_the_death(tmp_path: Path) -> None:
+    """The reload after a device host's death took most of the deadline, and the retry, sent, got no
+    answer in what was left: DEADLINE_EXCEEDED (it may still run: never UNAVAILABLE, which clients
+    retry), saying both what the first attempt met and that the retry got no answer in time."""
 
     async def body(lm: LiveManager, pool: _DyingPool) -> None:
         await lm.infer("voice", AUDIO)
         pool.die_on_infer.add("voice")
         pool.silent_on_infer.add("voice")
-        with pytest.raises(WorkerUnavailable, match=r"died; retried once: .*no answer from device"):
+        with pytest.raises(DeadlineExceeded, match=r"died; retried once: .*no answer from device"):
             await lm.infer("voice", AUDIO, timeout_s=5.0)
         assert (await lm.infer("voice", AUDIO, timeout_s=30)).result.ok  # and serving goes on
 

@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections import Counter
+from collections import Counter, defaultdict
 from datetime import UTC, datetime
+from itertools import pairwise
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
+import pytest
+
 from manager.policy.stats import home_hours, zone_named
 from manager.policy.types import Request
-from manager.replay.synth import synth
+from manager.replay.synth import JOB_GAP_S, synth
 from manager.replay.trace import read_trace
 
 BERLIN = ZoneInfo("Europe/Berlin")
@@ -26,52 +29,79 @@ def _wall(t: float, zone: ZoneInfo | None) -> datetime:
     return datetime.fromtimestamp(t, zone or UTC).replace(tzinfo=None)
 
 
-def _skipped_or_repeated(wall: datetime) -> bool:
-    """Whether Berlin's clocks skip or repeat `wall` (02:00-03:00 on the two Sundays), or it is the
-    hour a skipped wall time is taken at (03:00-04:00 in spring)."""
-    return (wall.month, wall.day, wall.hour) in ((10, 25, 2), (3, 28, 2), (3, 28, 3))
+def _near_a_change(wall: datetime) -> bool:
+    """Whether `wall` is in the small hours of a Sunday Berlin's clocks change (00:00-06:00), where a
+    job that started before the change keeps the clock it started on."""
+    return (wall.month, wall.day) in ((10, 25), (3, 28)) and wall.hour < 6
 
 
-def _as_read(reqs: list[Request], zone: ZoneInfo | None) -> Counter[tuple[str, str, float, str]]:
+def _as_read(reqs: list[Request], zone: ZoneInfo | None) -> Counter[tuple[str, str, float, str | None]]:
     return Counter(
         (_wall(r.t, zone).isoformat(timespec="milliseconds"), r.model, r.busy_s, r.client)
         for r in reqs
-        if not _skipped_or_repeated(_wall(r.t, zone))
+        if not _near_a_change(_wall(r.t, zone))
     )
 
 
-def test_the_habits_keep_to_the_zones_wall_clock_across_both_changes() -> None:
-    for start in (AUTUMN, SPRING):
-        on_utc = synth("home", 14, seed=3, start=start)
-        on_berlin = synth("home", 14, seed=3, start=start, zone=BERLIN)
-        assert len(on_berlin) == len(on_utc)
-        assert [r.t for r in on_berlin] == sorted(r.t for r in on_berlin)
-        # every request is where its wall time says, on Berlin's clock: the same as on UTC's
-        assert _as_read(on_berlin, BERLIN) == _as_read(on_utc, None)
-        # so the offset from UTC is an hour before the change and two after it, or the other way
-        offsets = {round(home_hours("Europe/Berlin").offset(r.t)) for r in on_berlin}
-        assert offsets == {3600, 7200}
-        # and the statistics' hours of week (the service's, on the same zone) are the generator's
-        hours, utc = home_hours("Europe/Berlin"), home_hours("UTC")
-        by_hour = Counter(hours(r.t) for r in on_berlin if not _skipped_or_repeated(_wall(r.t, BERLIN)))
-        assert by_hour == Counter(utc(r.t) for r in on_utc if not _skipped_or_repeated(_wall(r.t, None)))
+def _by_client(reqs: list[Request]) -> dict[str | None, list[Request]]:
+    out: dict[str | None, list[Request]] = defaultdict(list)
+    for r in reqs:
+        out[r.client].append(r)
+    return out
 
 
-def test_a_wall_time_the_clocks_skip_is_taken_an_hour_later() -> None:
-    on_utc = synth("home", 14, seed=3, start=SPRING)
-    on_berlin = synth("home", 14, seed=3, start=SPRING, zone=BERLIN)
-    skipped = sorted(
-        _wall(r.t, None)
-        for r in on_utc
-        if (_wall(r.t, None).month, _wall(r.t, None).day, _wall(r.t, None).hour) == (3, 28, 2)
+@pytest.mark.parametrize("start", [AUTUMN, SPRING], ids=["autumn", "spring"])
+@pytest.mark.parametrize("seed", [0, 2, 3])
+def test_the_habits_keep_to_the_zones_wall_clock_across_a_change(start: float, seed: int) -> None:
+    on_utc = synth("home", 14, seed=seed, start=start)
+    on_berlin = synth("home", 14, seed=seed, start=start, zone=BERLIN)
+    assert [r.t for r in on_berlin] == sorted(r.t for r in on_berlin)
+    # every request away from the change is where its wall time says, on Berlin's clock
+    assert _as_read(on_berlin, BERLIN) == _as_read(on_utc, None)
+    # so the offset from UTC is an hour before the change and two after it, or the other way
+    berlin = home_hours("Europe/Berlin")
+    assert {round(berlin.offset(r.t)) for r in on_berlin} == {3600, 7200}
+    # and the statistics' hours of week (the service's, on the same zone) are the generator's
+    utc = home_hours("UTC")
+    by_hour = Counter(berlin(r.t) for r in on_berlin if not _near_a_change(_wall(r.t, BERLIN)))
+    assert by_hour == Counter(utc(r.t) for r in on_utc if not _near_a_change(_wall(r.t, None)))
+
+
+@pytest.mark.parametrize("start", [AUTUMN, SPRING], ids=["autumn", "spring"])
+@pytest.mark.parametrize("seed", [0, 2, 3])
+def test_a_change_of_the_clocks_never_cuts_into_a_job(start: float, seed: int) -> None:
+    """Review 27 (read-through): each request was moved on its own, so the nightly indexing batch
+    across 03:00 on the spring Sunday had its first part (02:xx, a time the clocks skip) moved an
+    hour later, past its second part: the batch's order broken, two hours' work in one. Now each
+    client's requests keep their order, and their spacing but at the one place its clock changed."""
+    on_utc, on_berlin = (
+        _by_client(synth("home", 14, seed=seed, start=start)),
+        _by_client(synth("home", 14, seed=seed, start=start, zone=BERLIN)),
     )
-    assert skipped, "the nightly indexing runs at 02:00-03:00"
-    moved = sorted(
-        _wall(r.t, BERLIN)
-        for r in on_berlin
-        if (_wall(r.t, BERLIN).month, _wall(r.t, BERLIN).day, _wall(r.t, BERLIN).hour) == (3, 28, 3)
-    )
-    assert all(w.replace(hour=3) in moved for w in skipped)
+    assert on_berlin.keys() == on_utc.keys()
+    for client, reqs in on_utc.items():
+        moved = on_berlin[client]
+        assert [(r.model, r.busy_s) for r in moved] == [(r.model, r.busy_s) for r in reqs], client
+        spacing = [round(b.t - a.t, 3) for a, b in pairwise(reqs)]
+        kept = [round(b.t - a.t, 3) for a, b in pairwise(moved)]
+        changed = [i for i, (x, y) in enumerate(zip(spacing, kept, strict=True)) if abs(x - y) > 0.002]
+        assert len(changed) == 1, (client, changed)  # where the job after the change took its clock
+        assert abs(abs(spacing[changed[0]] - kept[changed[0]]) - 3600) < 0.01
+
+
+def test_a_job_that_starts_in_the_hour_the_clocks_skip_is_taken_an_hour_later() -> None:
+    found = 0
+    for seed in range(6):
+        on_utc = _by_client(synth("home", 14, seed=seed, start=SPRING))
+        on_berlin = _by_client(synth("home", 14, seed=seed, start=SPRING, zone=BERLIN))
+        for client, reqs in on_utc.items():
+            for i, r in enumerate(reqs):
+                wall = _wall(r.t, None)
+                after_a_pause = i == 0 or r.t - (reqs[i - 1].t + reqs[i - 1].busy_s) > JOB_GAP_S
+                if (wall.month, wall.day, wall.hour) == (3, 28, 2) and after_a_pause:  # a new job
+                    assert _wall(on_berlin[client][i].t, BERLIN) == wall.replace(hour=3), (seed, client)
+                    found += 1
+    assert found, "no job starts at 02:00-03:00 on the spring Sunday in these weeks"
 
 
 def test_utc_and_no_zone_are_the_trace_as_it_was() -> None:
