@@ -44,7 +44,7 @@ from manager.replay.synth import MAX_DAYS, PROFILES, synth
 from manager.replay.trace import STDIN, TraceError, read_trace, request_to_json
 from manager.units import format_duration, format_size
 
-err = Console(stderr=True, soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True, emoji=False)
 MAX_BAD_LINES_SHOWN = 10
 MAX_REASONS_SHOWN = 5
 DEFAULT_SINCE = "7d"
@@ -61,10 +61,10 @@ def _out() -> Console:
     """A console on stdout. On a terminal, its width; piped or written to a file, as wide as the
     lines are (rich would otherwise cut every table to 80 columns, and a model's name with it)
     unless COLUMNS sets a width."""
-    out = Console()
+    out = Console(emoji=False)
     if out.is_terminal or os.environ.get("COLUMNS", "").strip():
         return out
-    return Console(width=UNLIMITED_WIDTH)
+    return Console(width=UNLIMITED_WIDTH, emoji=False)
 
 
 class UsageError(Exception):

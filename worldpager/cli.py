@@ -51,6 +51,10 @@ MIN_COMPUTE_S = 0.001
 """The shortest (a millisecond): below it a sleep cannot calibrate the compute, the step's own work
 (decode, re-rotation) outlasts it, and L grows without bound (1e-300 s gave L = 1e302 B/s, so every
 "throttled" read ran unthrottled and no multiple of L showed a stall)."""
+MIN_MULTIPLIER = 0.05
+"""The smallest bandwidth `--multipliers` sweeps, as a multiple of L: each step's reads then take 20
+compute times (under two minutes a sweep row at the defaults). Below it a sweep ran for hours
+(1e-4), or failed with a traceback (1e-300: a sleep past the platform's time_t)."""
 
 
 def _shown(text: object) -> str:
@@ -234,9 +238,16 @@ def _positive(
     return value
 
 
+def _plot_file(path: str) -> str:
+    """The file a plot asked for as ``path`` is written to: matplotlib adds ".png" to a name without
+    a suffix (the name said, before, was not the file written)."""
+    return path if Path(path).suffix else f"{path}.png"
+
+
 def _check_plot_path(path: str) -> None:
-    """UsageError unless a plot can be written to ``path`` (its folder exists and matplotlib is there);
-    an empty one (an unset shell variable) is refused, not taken for no plot."""
+    """UsageError unless a plot can be written to ``path`` (its folder exists, the file can be
+    written there, and matplotlib is there); an empty one (an unset shell variable) is refused, not
+    taken for no plot. Checked before the benchmark runs: after it, its results went with it."""
     if not path:
         raise UsageError("--plot is empty: give the file to draw the plot in")
     parent = Path(path).parent
@@ -245,7 +256,15 @@ def _check_plot_path(path: str) -> None:
             raise UsageError(f"--plot {path}: no folder {str(parent)!r}")
         if Path(path).is_dir():
             raise UsageError(f"--plot {path}: a folder, expected a file name")
-    except OSError as e:  # (a name too long for the file system)
+        target = Path(_plot_file(path))
+        if target.is_dir():
+            raise UsageError(f"--plot {path}: {target} is a folder")
+        there = target.exists()
+        with open(target, "ab"):  # (writable: a read-only folder or file is said now)
+            pass
+        if not there:
+            target.unlink()
+    except OSError as e:  # (a name too long for the file system, a read-only folder)
         raise UsageError(f"--plot {path}: {e.strerror or e}") from None
     try:
         from matplotlib.backend_bases import FigureCanvasBase
@@ -337,7 +356,9 @@ def cmd_bench_stall(args: argparse.Namespace) -> int:
     if args.k is not None:
         opts["k"] = int(_positive("--k", args.k, int))
     if args.multipliers is not None:
-        opts["multipliers"] = [_positive("--multipliers", m, float) for m in args.multipliers.split(",")]
+        opts["multipliers"] = [
+            _positive("--multipliers", m, float, minimum=MIN_MULTIPLIER) for m in args.multipliers.split(",")
+        ]
     if opts["segments"] < 4 * opts["k"]:
         why = "so that every retrieved segment misses host"
         if args.segments is None:  # the user gave --k only: name it, not a flag they never typed
@@ -366,14 +387,24 @@ def cmd_bench_stall(args: argparse.Namespace) -> int:
         ) from None
     except (SegmentLogError, OSError) as e:  # a full or unwritable temporary folder
         raise UsageError(f"bench-stall: cannot write the benchmark's segment log: {e}") from None
-    if args.plot:
-        try:
-            stall.plot(result, args.plot)
-        except (OSError, ImportError, ValueError) as e:
-            raise UsageError(f"--plot {args.plot}: {e}") from None
-        result["plot"] = str(args.plot)
-    print(json.dumps(result) if args.json else stall.text_table(result))
+    failed = _write_plot(result, args.plot) if args.plot else None
+    print(json.dumps(result) if args.json else stall.text_table(result))  # (never lost with a plot)
+    if failed is not None:
+        raise RunError(failed)
     return 0
+
+
+def _write_plot(result: dict[str, Any], path: str) -> str | None:
+    """The plot of `result` written (its file in `result["plot"]`); what went wrong, if it failed."""
+    from worldpager import stall
+
+    target = _plot_file(path)
+    try:
+        stall.plot(result, target)
+    except (OSError, ImportError, ValueError) as e:  # (the disk filled up meanwhile, say)
+        return f"--plot {path}: {e}; the results are above"
+    result["plot"] = target
+    return None
 
 
 def _add_bench_stall(sub: argparse._SubParsersAction[_Parser]) -> None:
@@ -862,6 +893,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(OSError):  # (and no second error when Python flushes at exit)
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
+    except OSError as e:  # standard output full (> /dev/full, a full disk) or gone: one line, as `residency`
+        print(f"worldpager: {e}", file=sys.stderr)
+        with contextlib.suppress(OSError):  # (no second error when Python flushes what it holds at exit)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 2
     finally:
         if held is not None:
             signal.signal(signal.SIGTERM, held)

@@ -142,8 +142,10 @@ def hours_between(saved: str | None, saved_offset_s: float, hours: HomeHours, no
 @cache
 def zone_names() -> frozenset[str]:
     """The IANA zone names this machine knows (its zoneinfo files and the tzdata package's): what
-    `policy.timezone` takes, and what the config's JSON Schema lists."""
-    return frozenset(available_timezones()) | {"UTC"}
+    `policy.timezone` takes, and what the config's JSON Schema lists. Not "localtime", which some
+    systems' zoneinfo folders hold as a link to /etc/localtime: no zone's name, it is whatever the
+    machine reading it says (a config or a synthetic trace that meant another machine's time)."""
+    return frozenset(available_timezones()) - {"localtime"} | {"UTC"}
 
 
 def zone_named(name: str) -> tzinfo | None:

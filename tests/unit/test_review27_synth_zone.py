@@ -15,7 +15,7 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from manager.policy.stats import home_hours, zone_named
+from manager.policy.stats import home_hours, zone_named, zone_names
 from manager.policy.types import Request
 from manager.replay.synth import JOB_GAP_S, synth
 from manager.replay.trace import read_trace
@@ -127,3 +127,11 @@ def test_the_command_writes_it_and_names_a_bad_zone(tmp_path: Path) -> None:
     )  # fmt: skip
     assert bad.returncode == 2 and "--timezone" in bad.stderr and "Europe/Berlinn" in bad.stderr
     assert "Traceback" not in bad.stderr and not (tmp_path / "new").exists()  # said before --out's folder
+
+
+def test_localtime_is_no_zones_name() -> None:
+    """Review 27: Debian's zoneinfo folder holds `localtime`, a link to /etc/localtime, and it was
+    taken as a zone's name: a trace (or a config) that then meant whichever machine read it."""
+    with pytest.raises(ValueError, match="no time zone is called 'localtime'"):
+        zone_named("localtime")
+    assert "localtime" not in zone_names()
