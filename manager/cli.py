@@ -42,7 +42,7 @@ from manager.policy.types import Request
 from manager.replay.sim import ReplayResult, replay
 from manager.replay.synth import MAX_DAYS, PROFILES, synth
 from manager.replay.trace import STDIN, TraceError, read_trace, request_to_json
-from manager.units import format_duration, format_size
+from manager.units import format_duration, format_size, parse_duration
 
 err = Console(stderr=True, soft_wrap=True, emoji=False)
 MAX_BAD_LINES_SHOWN = 10
@@ -1266,11 +1266,23 @@ def cmd_unpin(a: argparse.Namespace) -> int:
     return _model_result(a, status, "unpinned")
 
 
+def _preload_wait(text: str) -> float:
+    """`preload --timeout`: a duration (`90`, `10m`, `1h`), more than 0 and at most a day."""
+    try:
+        seconds = parse_duration(text)
+    except ValueError as e:
+        raise UsageError(f"--timeout {text!r}: {e}") from None
+    if not 0 < seconds <= 86_400:
+        raise UsageError(f"--timeout {text!r}: expected more than 0 s and at most a day (1d)")
+    return seconds
+
+
 def cmd_preload(a: argparse.Namespace) -> int:
     from manager.api.client import PRELOAD_TIMEOUT_S
     from residency_proto.v1 import residency_pb2 as pb
 
-    status = _admin(a, "Preload", pb.PreloadRequest(name=_model_arg(a), tier=a.tier), PRELOAD_TIMEOUT_S)
+    wait = PRELOAD_TIMEOUT_S if a.timeout is None else _preload_wait(a.timeout)
+    status = _admin(a, "Preload", pb.PreloadRequest(name=_model_arg(a), tier=a.tier), wait)
     # a model already on the GPU asked into host RAM stays (a preload never moves one down)
     done = (
         "already on the gpu, kept there"
@@ -1465,6 +1477,13 @@ def _admin_parsers(sub: Any) -> None:
         choices=("gpu", "host"),
         default="gpu",
         help="gpu: ready to run (default); host: held in host RAM, a fast promote away",
+    )
+    pre.add_argument(
+        "--timeout",
+        metavar="DURATION",
+        default=None,
+        help="how long to wait for the confirmed load (default 150s; e.g. 10m for a big model's cold "
+        "load from disk): past it, exit 1 with DEADLINE_EXCEEDED and the load goes on",
     )
     ev = admin(
         "evict", "demote a model to host RAM or drop it to disk", cmd_evict, model="the model to evict"

@@ -29,7 +29,8 @@ class ClientError(Exception):
 ADMIN_TIMEOUT_S = 30.0
 """How long an admin call waits for its answer (the service answers these at once)."""
 PRELOAD_TIMEOUT_S = 150.0
-"""How long a Preload waits: the service waits up to 120 s for the model's confirmed load."""
+"""How long `residency preload` waits for the model's confirmed load unless `--timeout` says (the
+service waits as long as the call's deadline lets it; past it, the load goes on)."""
 CONNECTED_WAIT_S = 1.0
 """How long a failed call waits to learn whether its channel was connected (gRPC says at once)."""
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -107,6 +108,17 @@ class _Oversized:
         self.size = size
 
 
+class _Undecodable:
+    """A request whose bytes are no message of its method's type, in place of its message
+    (`RequestLimit`: the services grpc registers itself, Health and Reflection, parse in grpc, where
+    a DecodeError was answered UNKNOWN and logged with a traceback)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: DecodeError) -> None:
+        self.error = error
+
+
 class RequestLimit(grpc.aio.ServerInterceptor):
     """A request (or a stream's message) larger than `max_request_bytes` (`server.max_request_bytes`)
     is answered RESOURCE_EXHAUSTED naming that setting and both sizes (`front.too_large`), not
@@ -148,12 +160,21 @@ class RequestLimit(grpc.aio.ServerInterceptor):
         def deserialize(raw: bytes) -> Any:
             if len(raw) > limit:
                 return _Oversized(len(raw))
-            return raw if parse is None else parse(raw)
+            try:
+                return raw if parse is None else parse(raw)
+            except DecodeError as e:
+                return _Undecodable(e)
 
         async def refuse(request: Any, context: Any) -> Any:
             if isinstance(request, _Oversized):
                 why = too_large(method, request.size, limit)
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+            if isinstance(request, _Undecodable):
+                why = (
+                    f"{method}: the request is not a valid protobuf message of its type "
+                    f"({request.error}); send it with a client generated from its .proto file"
+                )
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
             return request
 
         async def checked(requests: Any, context: Any) -> Any:

@@ -22,6 +22,8 @@ import numpy as np
 import pytest
 from google.protobuf.message import DecodeError
 from google.protobuf.message_factory import GetMessageClass
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection_pb2
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -329,6 +331,11 @@ SERVICES = [
     oip.DESCRIPTOR.services_by_name["GRPCInferenceService"],
     adm.DESCRIPTOR.services_by_name["Residency"],
     adm.DESCRIPTOR.services_by_name["WorldSession"],
+]
+# and the services grpc registers itself (parsed in grpc: garbage was UNKNOWN, a traceback in the log)
+SERVICES += [
+    health_pb2.DESCRIPTOR.services_by_name["Health"],
+    reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"],
 ]
 METHODS = [(f"/{s.full_name}/{m.name}", m) for s in SERVICES for m in s.methods]
 

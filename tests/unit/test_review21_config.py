@@ -113,7 +113,7 @@ def test_a_host_preload_of_a_model_on_the_gpu_says_it_stayed(
 
     answer = types.SimpleNamespace(name="embed", tier="gpu", device="cpu0", last_error="")
     monkeypatch.setattr(cli, "_admin", lambda *a, **k: answer)
-    args = types.SimpleNamespace(name="embed", tier="host", json=False)
+    args = types.SimpleNamespace(name="embed", tier="host", json=False, timeout=None)
     monkeypatch.setattr(cli, "_model_arg", lambda a: a.name)
     assert cli.cmd_preload(args) == 0  # type: ignore[arg-type]
     assert capsys.readouterr().out.strip() == "embed: already on the gpu, kept there (now gpu on cpu0)"
