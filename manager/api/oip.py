@@ -592,6 +592,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                         request = following.result()
                     except StopAsyncIteration:
                         return False
+                    except grpc.aio.AbortError:  # the call already ended with its status (a message
+                        # over server.max_request_bytes, refused as it was read): nobody reads the
+                        # answers of those in flight, which held their queue places until they ran
+                        for task in serving:
+                            task.cancel()
+                        raise
                     task = asyncio.ensure_future(serve(request))
                     serving.add(task)
                     task.add_done_callback(serving.discard)
