@@ -568,8 +568,19 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             except Exception:
                 logger.exception("ModelStreamInfer: a request failed")
                 answer = _stream_error(request, "ModelStreamInfer: internal error (see the server log)")
-            if _final_flag_asked(request):  # Triton's: each answer of a non-decoupled model is final
+            limit = self.max_response_bytes
+            final = _final_flag_asked(request)  # Triton's: each answer of a non-decoupled model is final
+            if final:
                 answer.infer_response.parameters["triton_final_response"].bool_param = True
+            if limit is not None and (size := answer.ByteSize()) > limit:  # (the response fitted, the
+                # stream's wrapping and the flag did not: gRPC refused to send it, ending the stream)
+                answer = _stream_error(
+                    request,
+                    f"model {request.model_name!r}: the answer is {size} bytes, more than this server "
+                    f"sends in one message (server.max_request_bytes: {limit}); send fewer items per request",
+                )
+                if final:
+                    answer.infer_response.parameters["triton_final_response"].bool_param = True
             answers.put_nowait(answer)
 
         async def read() -> bool:
