@@ -292,12 +292,18 @@ def test_a_reload_past_the_deadline_is_unavailable_in_time_and_logged(tmp_path: 
         assert (await lm.infer("voice", AUDIO, timeout_s=30)).result.ok  # and it comes back
 
     _run_dying(tmp_path, body)
-    store = open_store(f"sqlite:///{tmp_path / 'state.db'}")
     # the request the host died under reached its model: logged, as an error; the embed request
     # never reached its model (its load never finished): not logged, like any refusal
-    outcomes = [(r["model"], r["outcome"]) for r in store.requests(0)]
-    assert outcomes == [("voice", "ok"), ("voice", "error"), ("voice", "ok")]
-    store.close()
+    assert _logged(tmp_path) == [("voice", "ok"), ("voice", "error"), ("voice", "ok")]
+
+
+def _logged(tmp_path: Path) -> list[tuple[str, str]]:
+    """The request log's (model, outcome) pairs, in order, as `_run_dying`'s store holds them."""
+    store = open_store(f"sqlite:///{tmp_path / 'state.db'}")
+    try:
+        return [(r["model"], r["outcome"]) for r in store.requests(0)]
+    finally:
+        store.close()
 
 
 def test_a_retry_that_runs_out_of_time_is_a_deadline_that_names_the_death(tmp_path: Path) -> None:
@@ -314,10 +320,7 @@ def test_a_retry_that_runs_out_of_time_is_a_deadline_that_names_the_death(tmp_pa
         assert (await lm.infer("voice", AUDIO, timeout_s=30)).result.ok  # and serving goes on
 
     _run_dying(tmp_path, body)
-    store = open_store(f"sqlite:///{tmp_path / 'state.db'}")
-    outcomes = [(r["model"], r["outcome"]) for r in store.requests(0)]
-    assert outcomes == [("voice", "ok"), ("voice", "error"), ("voice", "ok")]
-    store.close()
+    assert _logged(tmp_path) == [("voice", "ok"), ("voice", "error"), ("voice", "ok")]
 
 
 def test_admin_pins_outlive_a_hot_reload_and_a_restart(tmp_path: Path) -> None:
