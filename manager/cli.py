@@ -1673,6 +1673,7 @@ def _exit_past_abandoned(rc: int) -> None:
 def _run(args: argparse.Namespace) -> int:
     try:
         rc: int = args.fn(args)
+        sys.stdout.flush()  # (what a block-buffered stdout holds fails here, said, not at the exit)
         return rc
     except KeyboardInterrupt:  # Ctrl-C in a replay or a tune: one line, not a traceback (serve has its own)
         err.print("residency: interrupted", highlight=False, markup=False)
@@ -1697,6 +1698,8 @@ def _run(args: argparse.Namespace) -> int:
         return 128 + signal.SIGPIPE
     except OSError as e:
         err.print(f"residency: {e}", highlight=False, markup=False)
+        with contextlib.suppress(OSError):  # (a full stdout: no second error when Python flushes at exit)
+            sys.stdout.flush()
     return 2
 
 

@@ -259,12 +259,17 @@ def _check_plot_path(path: str) -> None:
         target = Path(_plot_file(path))
         if target.is_dir():
             raise UsageError(f"--plot {path}: {target} is a folder")
-        there = target.exists()
-        with open(target, "ab"):  # (writable: a read-only folder or file is said now)
-            pass
-        if not there:
-            target.unlink()
-    except OSError as e:  # (a name too long for the file system, a read-only folder)
+        # writable, asked without touching it (no file made or opened: a link, a FIFO, a file another
+        # process writes are left as they are): a read-only file or folder is said now, not after
+        # the sweep
+        if os.path.lexists(target):
+            if target.is_file() and not os.access(target, os.W_OK):
+                raise UsageError(f"--plot {path}: {target} cannot be written (permission denied)")
+        elif not os.access(target.parent, os.W_OK | os.X_OK):
+            raise UsageError(
+                f"--plot {path}: no file can be made in {str(target.parent)!r} (permission denied)"
+            )
+    except OSError as e:  # (a name too long for the file system)
         raise UsageError(f"--plot {path}: {e.strerror or e}") from None
     try:
         from matplotlib.backend_bases import FigureCanvasBase
@@ -864,9 +869,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         held = signal.signal(signal.SIGTERM, _raise_stopped)
     args: argparse.Namespace | None = None
+    real_stdout = sys.stdout
+    sys.stdout = _Stdout(real_stdout)
     try:
         args = build_parser().parse_args(argv)
         rc: int = args.fn(args)
+        sys.stdout.flush()  # (what a block-buffered stdout holds fails here, not at the exit)
         return rc
     except KeyboardInterrupt as e:
         # not imported here: an interrupt while torch is still being imported (the first seconds)
@@ -893,14 +901,51 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(OSError):  # (and no second error when Python flushes at exit)
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
-    except OSError as e:  # standard output full (> /dev/full, a full disk) or gone: one line, as `residency`
-        print(f"worldpager: {e}", file=sys.stderr)
+    except _StdoutFailed as e:  # standard output full (> /dev/full, a full disk): one line, as `residency`
+        print(f"worldpager: cannot write standard output: {e.error}", file=sys.stderr)
         with contextlib.suppress(OSError):  # (no second error when Python flushes what it holds at exit)
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            os.dup2(os.open(os.devnull, os.O_WRONLY), real_stdout.fileno())
         return 2
     finally:
+        sys.stdout = real_stdout
         if held is not None:
             signal.signal(signal.SIGTERM, held)
+
+
+class _StdoutFailed(Exception):
+    """Writing standard output failed (`_Stdout`): not a machine failure of the command itself."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class _Stdout:
+    """`sys.stdout` while `main` runs: a write or flush that fails (a full disk, `> /dev/full`) is
+    `_StdoutFailed`, told apart from another OSError of the command (exit 1); a closed pipe stays
+    BrokenPipeError (exit 141, quietly)."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def write(self, text: str) -> int:
+        try:
+            return int(self._real.write(text))
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise _StdoutFailed(e) from None
+
+    def flush(self) -> None:
+        try:
+            self._real.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise _StdoutFailed(e) from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
 
 
 if __name__ == "__main__":

@@ -238,6 +238,12 @@ def _spec_str(t: Any) -> str:
     return f"{t.name} ({t.datatype} {list(t.shape)})"
 
 
+STREAM_WRAP_BYTES = 64
+"""What a ModelStreamInfer message adds to the response it carries, at most: its field's tag and
+length (6 bytes) and Triton's `triton_final_response` flag (29): a response this much under
+`server.max_request_bytes` still goes out in one message."""
+
+
 def _final_flag_asked(request: pb.ModelInferRequest) -> bool:
     """tritonclient's `enable_empty_final_response`: the client waits for an answer flagged
     `triton_final_response` (Triton flags every answer of a model that is not decoupled)."""
@@ -561,26 +567,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         async def serve(request: pb.ModelInferRequest) -> None:
             try:
                 answer = pb.ModelStreamInferResponse(
-                    infer_response=await self.infer(request, context.time_remaining())
+                    infer_response=await self.infer(request, context.time_remaining(), stream=True)
                 )
             except ResidencyError as e:
                 answer = _stream_error(request, details_of(e))
             except Exception:
                 logger.exception("ModelStreamInfer: a request failed")
                 answer = _stream_error(request, "ModelStreamInfer: internal error (see the server log)")
-            limit = self.max_response_bytes
-            final = _final_flag_asked(request)  # Triton's: each answer of a non-decoupled model is final
-            if final:
+            if _final_flag_asked(request):  # Triton's: each answer of a non-decoupled model is final
                 answer.infer_response.parameters["triton_final_response"].bool_param = True
-            if limit is not None and (size := answer.ByteSize()) > limit:  # (the response fitted, the
-                # stream's wrapping and the flag did not: gRPC refused to send it, ending the stream)
-                answer = _stream_error(
-                    request,
-                    f"model {request.model_name!r}: the answer is {size} bytes, more than this server "
-                    f"sends in one message (server.max_request_bytes: {limit}); send fewer items per request",
-                )
-                if final:
-                    answer.infer_response.parameters["triton_final_response"].bool_param = True
             answers.put_nowait(answer)
 
         async def read() -> bool:
@@ -646,14 +641,20 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return 0, "", resp.SerializeToString()
 
     async def infer(
-        self, request: pb.ModelInferRequest, seconds_left: float | None, *, arrived: float | None = None
+        self,
+        request: pb.ModelInferRequest,
+        seconds_left: float | None,
+        *,
+        arrived: float | None = None,
+        stream: bool = False,
     ) -> pb.ModelInferResponse:
         """Serve one request. `seconds_left`: the call's deadline, as it stood at `arrived` (this
-        servicer's clock; now when None); the request's timeout counts from then."""
+        servicer's clock; now when None); the request's timeout counts from then. `stream`: its
+        answer goes out in a ModelStreamInfer message (STREAM_WRAP_BYTES more)."""
         arrived = self.clock() if arrived is None else arrived
         m = self.manager._model(request.model_name)
         try:
-            resp, served = await self._serve(m, request, seconds_left, arrived)
+            resp, served = await self._serve(m, request, seconds_left, arrived, stream)
         except BaseException:  # its failures counted (ModelStatistics), whatever ended it
             self.stats.failed(request.model_name, self.clock() - arrived, self.manager.clock())
             raise
@@ -667,7 +668,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return resp
 
     async def _serve(
-        self, m: Any, request: pb.ModelInferRequest, seconds_left: float | None, arrived: float
+        self, m: Any, request: pb.ModelInferRequest, seconds_left: float | None, arrived: float, stream: bool
     ) -> tuple[pb.ModelInferResponse, Served]:
         check_version(request.model_name, request.model_version)
         if is_world(m):  # refused before admission: it would be loaded (evicting others)
@@ -702,10 +703,17 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         resp.parameters["residency_wait_s"].double_param = served.wait_s
         resp.parameters["residency_cold"].bool_param = served.cold
         limit = self.max_response_bytes
+        if limit is not None and stream:  # (the stream's message holds it: gRPC refused one that
+            limit -= STREAM_WRAP_BYTES  # fitted on its own, ending the whole stream)
         if limit is not None and (size := resp.ByteSize()) > limit:
+            where = (
+                f"in a stream's answer ({limit} bytes: server.max_request_bytes less its wrapping)"
+                if stream
+                else f"in one message (server.max_request_bytes: {limit})"
+            )
             raise InsufficientCapacity(
                 f"model {request.model_name!r}: the response is {size} bytes, more than this server sends "
-                f"in one message (server.max_request_bytes: {limit}); send fewer items per request"
+                f"{where}; send fewer items per request"
                 + (", or ask only for the outputs you need" if not wanted and len(resp.outputs) > 1 else "")
             )
         return resp, served

@@ -402,6 +402,36 @@ class TestRelayedCallsAnswerAsDirectly:
         code, details, _ = service.both("ModelInfer", ser(request))
         assert code == "RESOURCE_EXHAUSTED" and "model 'echo': the response is" in details
 
+    def test_a_stream_answer_whose_wrapping_passes_the_limit_is_that_requests_error(
+        self, service: Service
+    ) -> None:
+        """Review 27: the response's own size was checked against server.max_request_bytes; the
+        stream's message (and Triton's final-response flag) around it came after the check, so a
+        response just under the limit could not be sent, and gRPC ended the whole stream."""
+        from residency_proto.inference import grpc_service_pb2_grpc as pb_grpc
+
+        def echo(n: int) -> pb.ModelInferRequest:
+            request = pb.ModelInferRequest(model_name="echo", id=f"n{n}")
+            for d in NUMERIC:  # (echo takes one of each; in_UINT8 carries the size)
+                size = n if d == "UINT8" else 1
+                request.inputs.add(name=f"in_{d}", datatype=d, shape=[size])
+                request.raw_input_contents.append(np.ones(size, NUMPY[d]).tobytes())
+            request.parameters["triton_enable_empty_final_response"].bool_param = True
+            return request
+
+        with grpc.insecure_channel(f"127.0.0.1:{service.direct}") as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
+            small = stub.ModelInfer(echo(10), timeout=60)
+            # a response a few bytes under the limit (its lengths' varints grow with it: ~24 bytes)
+            n = MAX_REQUEST_BYTES - (small.ByteSize() - 10) - 24
+            alone = stub.ModelInfer(echo(n), timeout=60)
+            assert MAX_REQUEST_BYTES - 32 < alone.ByteSize() <= MAX_REQUEST_BYTES  # sent on its own
+            answers = list(stub.ModelStreamInfer(iter([echo(n), echo(10)]), timeout=60))
+        by_id = {a.infer_response.id: a for a in answers}
+        assert set(by_id) == {f"n{n}", "n10"}  # the stream went on after it
+        assert "in a stream's answer" in by_id[f"n{n}"].error_message, by_id[f"n{n}"].error_message
+        assert by_id["n10"].error_message == ""
+
     def test_a_deadline_too_short_is_deadline_exceeded(self, service: Service) -> None:
         assert service.both("ModelInfer", ser(voice()), timeout=0.0001)[:2] == (
             "DEADLINE_EXCEEDED",

@@ -6,6 +6,7 @@ matplotlib wrote NAME.png, and a plot that failed after the run took the results
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,11 +29,36 @@ WP = [sys.executable, "-m", "worldpager.cli"]
     ids=["text", "json"],
 )
 def test_standard_output_that_cannot_be_written_is_one_line_not_a_traceback(argv: list[str]) -> None:
-    with open("/dev/full", "w") as full:
-        done = subprocess.run([*WP, *argv], stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
-    assert done.returncode == 2, done.stderr
-    assert "Traceback" not in done.stderr
-    assert done.stderr.strip().splitlines() == ["worldpager: [Errno 28] No space left on device"], done.stderr
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout block-buffered, as
+    # a user's is: what it holds failed at the interpreter's exit, after main (exit 120)
+    for unbuffered in ({}, {"PYTHONUNBUFFERED": "1"}):
+        with open("/dev/full", "w") as full:
+            done = subprocess.run(
+                [*WP, *argv],
+                stdout=full,
+                stderr=subprocess.PIPE,
+                text=True,
+                timeout=120,
+                env=env | unbuffered,
+            )
+        assert done.returncode == 2, done.stderr
+        assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
+        said = done.stderr.strip().splitlines()
+        assert said == ["worldpager: cannot write standard output: [Errno 28] No space left on device"], said
+
+
+def test_another_os_error_of_a_command_is_not_taken_for_standard_outputs(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import worldpager.cli as cli
+
+    def broken(args: Any) -> int:
+        raise OSError("libcudnn.so.9: cannot open shared object file")
+
+    monkeypatch.setattr(cli, "cmd_sizing", broken)
+    with pytest.raises(OSError, match="libcudnn"):  # a failure of the machine: not exit 2 as bad input
+        main(["sizing", "--host-memory", "1GiB", "--codec", "int4"])
+    assert "standard output" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("m", ["1e-300", "1e-4", "0.049"])
@@ -76,3 +102,21 @@ def test_a_plot_file_that_cannot_be_written_is_said_before_the_run(
     (tmp_path / "p.png").mkdir()  # the file a name without a suffix is written to is a folder
     assert main(["bench-stall", "--quick", "--plot", str(tmp_path / "p")]) == 2
     assert "is a folder" in capsys.readouterr().err and ran == []
+
+
+def test_the_plots_check_touches_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(Read-through: the first check opened the file to see it could be written, and removed it when
+    it had made it: a link to a file not there yet was replaced by nothing, its target made.)"""
+    link = tmp_path / "p.png"
+    link.symlink_to(tmp_path / "elsewhere" / "real.png")
+    seen: list[bool] = []
+
+    def no_run(**k: Any) -> Any:
+        seen.append(link.is_symlink() and not (tmp_path / "elsewhere").exists())
+        raise ValueError("stopped here: the check is what is looked at")
+
+    monkeypatch.setattr(stall, "run_bench", no_run)
+    assert main(["bench-stall", "--quick", "--plot", str(link)]) == 2
+    assert seen == [True] and link.is_symlink()
