@@ -33,6 +33,14 @@ CONTENTS_FIELD = {
     "BYTES": "bytes_contents",
 }  # fmt: skip
 TYPED_FIELDS = tuple(dict.fromkeys(CONTENTS_FIELD.values()))
+_WIRE_INTS = {
+    "int_contents": np.int32,
+    "uint_contents": np.uint32,
+    "int64_contents": np.int64,
+    "uint64_contents": np.uint64,
+}
+"""The integer contents fields' own wire types: what their values are read as before the range check
+(as int64, an INT8 request's values took 8 bytes each, 10x the request's size in memory)."""
 MAX_ELEMENTS = 1 << 28
 _LEN = struct.Struct("<I")
 
@@ -93,10 +101,7 @@ def _typed(name: str, datatype: str, values: Any) -> np.ndarray:
         return np.fromiter(values, dtype=as_type, count=len(values))
 
     if dt.kind in "iu":
-        # the wire field's own type (int32 for INT8..INT32: read as int64, an INT8 request's values
-        # took 8 bytes each before the range check, 10x the request's size in memory)
-        wire = {"int_contents": np.int32, "uint_contents": np.uint32, "uint64_contents": np.uint64}
-        wide = read(wire.get(CONTENTS_FIELD[datatype], np.int64))
+        wide = read(_WIRE_INTS[CONTENTS_FIELD[datatype]])
         info = np.iinfo(dt)
         out = (wide < info.min) | (wide > info.max)
         if out.any():
