@@ -333,11 +333,72 @@ class TensorSpec:
     shape: tuple[int, ...]
     """-1 marks a variable dimension."""
 
+    items: tuple[int, int] | None = None
+    """The least and the most items (the first dimension's size) the model takes; None: any. Like
+    the fields below, a limit of the model's own (its adapter's), checked by the manager before the
+    request is admitted (a request the model refuses never loads it, nor counts as its demand) and by
+    the adapter again. Not part of OIP's metadata."""
+    multiple_of: int = 1
+    """The first dimension's size is a multiple of this (silero-vad: chunks of 512 samples)."""
+    finite: bool = False
+    """Every value is a finite number: no NaN, no infinity (a number input)."""
+    utf8: bool = False
+    """Every item is UTF-8 text (a BYTES input)."""
+    unit: str = "items"
+    """What the first dimension counts, as the error messages say it ("samples")."""
+    about: str = ""
+    """What the values should be, added to an error about them ("PCM samples in [-1, 1]")."""
+
     def fits(self, shape: Sequence[int]) -> bool:
         """Whether a tensor of `shape` is one this spec declares: the same rank, and each fixed
         dimension (not -1) equal."""
         rank = len(shape) == len(self.shape)
         return rank and all(d in (-1, n) for d, n in zip(self.shape, shape, strict=True))
+
+    def count_problem(self, shape: Sequence[int]) -> str | None:
+        """What is wrong with the first dimension's size of a tensor of `shape` (one that `fits`), by
+        `items` and `multiple_of`; None when nothing is. The message begins "input NAME"."""
+        if not shape or (self.items is None and self.multiple_of <= 1):
+            return None
+        n = int(shape[0])
+        low, high = self.items if self.items is not None else (0, None)
+        if low <= n and (high is None or n <= high) and n % max(1, self.multiple_of) == 0:
+            return None
+        if self.multiple_of > 1:
+            expected = f"{'a positive' if low > 0 else 'a'} multiple of {self.multiple_of}"
+            expected += f", at most {high}" if high is not None else ""
+        else:
+            expected = f"{low}..{high}" if high is not None else f"at least {low}"
+        return f"input {self.name!r} has {n} {self.unit}; expected {expected}"
+
+    def value_problem(self, a: np.ndarray) -> str | None:
+        """What is wrong with the values of `a` (this input's decoded array), by `finite` and `utf8`;
+        None when nothing is. The message begins "input NAME"."""
+        if self.finite and a.dtype.kind in "fc":
+            bad = np.flatnonzero(~np.isfinite(a.reshape(-1)))
+            if bad.size:
+                what = self.unit if a.ndim == 1 else "values"
+                first = int(bad[0])
+                at = (
+                    f"index {first}"
+                    if a.ndim == 1
+                    else f"index {[int(i) for i in np.unravel_index(first, a.shape)]}"
+                )
+                return (
+                    f"input {self.name!r} has {bad.size} {what} that are not finite (NaN or inf), the first "
+                    f"at {at}" + (f"; expected {self.about}" if self.about else "")
+                )
+        if self.utf8 and a.dtype.kind == "O":
+            for i, item in enumerate(a.reshape(-1).tolist()):
+                if isinstance(item, bytes | bytearray | memoryview):
+                    try:
+                        bytes(item).decode("utf-8")
+                    except UnicodeDecodeError as e:
+                        return (
+                            f"input {self.name!r}[{i}] is not UTF-8 text (byte {e.start}: "
+                            f"0x{bytes(item)[e.start]:02x})"
+                        )
+        return None
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,10 @@ with INVALID_ARGUMENT, once the requests before it are answered. The call's dead
 A slot is given back when its answer is sent, so a client that does not read its answers stops the
 stream taking requests (at most STREAM_IN_FLIGHT answers wait for it): a client reads its answers
 while it writes (tritonclient does, on a thread of its own); one that writes all its requests before
-reading any stalls once gRPC's flow-control windows are full (large messages: about 64 of them).
+reading any stalls once gRPC's flow-control windows are full (large messages: about 64 of them). An
+answer that cannot be sent within STREAM_SEND_LIMIT_S (10 minutes) ends the stream
+DEADLINE_EXCEEDED, its requests in flight cancelled and the answers not sent dropped: a client that
+reads nothing no longer holds them in the server's memory for as long as its connection lives.
 When the service stops, an open stream takes no more requests and ends UNAVAILABLE once those taken
 are answered.
 
@@ -47,6 +50,7 @@ figures, batch_stats, memory_usage and response_stats are not measured: 0 or emp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import weakref
@@ -73,7 +77,7 @@ from manager.errors import (
 )
 from manager.live import LiveManager, Served
 from manager.live_persist import read_outcome
-from manager.units import parse_keep_alive, shown
+from manager.units import format_duration, parse_keep_alive, shown
 from residency_proto.inference import grpc_service_pb2 as pb
 from residency_proto.inference import grpc_service_pb2_grpc as pb_grpc
 
@@ -96,6 +100,12 @@ logger = logging.getLogger(__name__)
 
 STREAM_IN_FLIGHT = 64
 """The requests of one ModelStreamInfer stream served at once; the next ones are read as these end."""
+STREAM_SEND_LIMIT_S = 600.0
+"""How long one ModelStreamInfer answer may wait to be sent (the client reads nothing: its receive
+window is full) before the stream is ended DEADLINE_EXCEEDED, its requests in flight cancelled and its
+answers not yet sent dropped. Without it such a client held up to STREAM_IN_FLIGHT answers (each up
+to `server.max_request_bytes`) in the server's memory for as long as its connection lived. The world
+stream's own limit is `server.world_idle_timeout` (10 minutes by default, as this one)."""
 MAX_TIMEOUT_S = 86400.0
 """The longest a request's own `timeout` parameter may ask to wait (a day)."""
 DEFAULT_TIMEOUT_S = MAX_TIMEOUT_S
@@ -262,6 +272,14 @@ def _stream_error(request: pb.ModelInferRequest, details: str) -> pb.ModelStream
     )
 
 
+class _NotReading(Exception):
+    """A ModelStreamInfer answer could not be sent within `waited_s` seconds: the client reads none."""
+
+    def __init__(self, waited_s: float) -> None:
+        super().__init__(waited_s)
+        self.waited_s = waited_s
+
+
 async def _stream_ended(reader: asyncio.Future[bool], context: Any) -> None:
     """The request stream ended: OK when the client closed it; UNAVAILABLE when the service stops
     (the requests taken before are answered); a message that was not a request (or the stream
@@ -378,6 +396,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.max_response_bytes = max_response_bytes  # gRPC's send limit (server.max_request_bytes)
         self.clock = clock  # a call's time spent here (decoding its inputs) before its admission
         self.stats = stats_of(manager)
+        self.stream_send_limit_s = STREAM_SEND_LIMIT_S
+        """How long a ModelStreamInfer answer may wait to be sent (STREAM_SEND_LIMIT_S)."""
 
     @mapped
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
@@ -504,7 +524,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         own = min(us / 1e6, MAX_TIMEOUT_S)
         return own if left is None else min(own, by_call)
 
-    def _inputs(self, request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
+    def _inputs(self, request: pb.ModelInferRequest, declared: Sequence[Any] = ()) -> dict[str, np.ndarray]:
+        """The inputs decoded, and checked against the `declared` TensorSpecs' limits (the model's own:
+        how many items, finite numbers, UTF-8 text), so a request its model refuses is refused before its
+        admission: it neither loads the model nor counts as its demand."""
         raw = list(request.raw_input_contents)
         if raw and len(raw) != len(request.inputs):
             # Triton's rule: raw data for every input or for none (it cannot say whose entry is missing)
@@ -530,16 +553,23 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 )
             except InvalidRequest as e:  # (as the checks before it do: on a stream, whose request it was)
                 raise InvalidRequest(f"model {request.model_name!r} {e}") from None
+        for spec in declared:  # (after decoding: a shape its data does not fill is said as that first)
+            a = out.get(spec.name)
+            if a is not None and (problem := spec.count_problem(a.shape) or spec.value_problem(a)):
+                raise InvalidRequest(f"model {request.model_name!r}: {problem}")
         return out
 
-    async def _decoded(self, request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
-        """The inputs as arrays; a large request's off the event loop, which would stall every other
-        call meanwhile (the thread still shares the GIL, but the loop gets its turns)."""
+    async def _decoded(
+        self, request: pb.ModelInferRequest, declared: Sequence[Any] = ()
+    ) -> dict[str, np.ndarray]:
+        """The inputs as arrays, their values checked (`_inputs`); a large request's off the event loop,
+        which would stall every other call meanwhile (the thread still shares the GIL, but the loop
+        gets its turns)."""
         size = sum(len(r) for r in request.raw_input_contents)
         size += 8 * sum(typed_count(t.contents) for t in request.inputs)
         if size > INLINE_DECODE_BYTES:
-            return await asyncio.to_thread(self._inputs, request)
-        return self._inputs(request)
+            return await asyncio.to_thread(self._inputs, request, declared)
+        return self._inputs(request, declared)
 
     def _left(self, model: str, timeout_s: float, arrived: float) -> float:
         """What is left of the call's `timeout_s` (from its arrival) now that its inputs are decoded;
@@ -560,6 +590,17 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelStreamInfer(
         self, requests: AsyncIterator[pb.ModelInferRequest], context: Any
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """An async generator (as `add_servicer` registers stream handlers) that yields nothing: its
+        answers are written with `context.write`, each send bounded by `stream_send_limit_s` (an async
+        generator's `yield` cannot be given a time limit)."""
+        await self._stream(requests, context)
+        return
+        yield  # (never reached: it makes this an async generator)
+
+    async def _stream(self, requests: AsyncIterator[pb.ModelInferRequest], context: Any) -> None:
+        # the headers first, on their own: with the first answer they were one batch, held with it by a
+        # client that reads nothing, and the status that ends its stream could not be sent after it
+        await context.send_initial_metadata(())
         answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
         room = asyncio.Semaphore(STREAM_IN_FLIGHT)
         serving: set[asyncio.Task[None]] = set()
@@ -618,13 +659,48 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         reader = asyncio.ensure_future(read())
         try:
             while (answer := await answers.get()) is not None:
-                yield answer
+                await self._send(context, answer)
                 room.release()
             await _stream_ended(reader, context)
+        except _NotReading as e:
+            reader.cancel()
+            cancelled = sum(not t.done() for t in serving)
+            for task in serving:  # (a cancelled one puts no answer)
+                task.cancel()
+            dropped = 0
+            while not answers.empty():
+                dropped += answers.get_nowait() is not None  # (None: the end of the requests)
+            took = format_duration(e.waited_s)
+            logger.info("ModelStreamInfer: the client read no answer for %s: its stream ended", took)
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"ModelStreamInfer: the client read no answer for {took} (an answer could not be sent "
+                f"within that time): the stream is ended, {cancelled} requests in flight cancelled and "
+                f"{dropped} answers not sent dropped",
+            )
         finally:
             reader.cancel()
             for task in serving:  # the client went away: its requests are not waited for
                 task.cancel()
+
+    async def _send(self, context: Any, answer: pb.ModelStreamInferResponse) -> None:
+        """Write `answer` to the stream; _NotReading when gRPC's flow control held it past
+        `stream_send_limit_s` (the write is then cancelled: it stays queued in gRPC, and reaches a
+        client that reads again, as the status after it does)."""
+        write = asyncio.ensure_future(context.write(answer))
+        write.add_done_callback(read_outcome)  # (its error read whatever becomes of it)
+        try:
+            await asyncio.wait((write,), timeout=self.stream_send_limit_s)
+        finally:
+            sent = write.done()
+            if not sent:  # (also when this task is cancelled: the client cancelled its call)
+                write.cancel()
+        if sent:
+            write.result()  # sent (or gRPC's own error, a grpc.aio.BaseError: the stream is gone)
+            return
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await write  # (let its cancel end)
+        raise _NotReading(self.stream_send_limit_s)
 
     async def infer_raw(self, raw: bytes, seconds_left: float | None) -> tuple[int, str, bytes]:
         """ModelInfer for a gRPC front end (`manager.api.fastpath`): request bytes in, (status code,
@@ -681,7 +757,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         timeout_s = self._timeout(request, seconds_left)
         cls = self._class_of(request)
         keep_alive = _keep_alive(request)
-        inputs = await self._decoded(request)
+        inputs = await self._decoded(request, declared_in)
         timeout_s = self._left(request.model_name, timeout_s, arrived)
         served = await self.manager.infer(
             request.model_name, inputs, cls=cls, timeout_s=timeout_s, keep_alive=keep_alive

@@ -41,7 +41,8 @@ def text_input(*texts: bytes) -> tc.InferInput:
 
 def drive(target: str, admin: dict[str, str] | None = None) -> int:
     """The stock client's whole surface; returns how many requests the request log must hold (the
-    three served ones and the one the model refused as bad input; an unknown model is never logged).
+    three served ones; neither an unknown model's nor one past its model's input limits, refused
+    before admission, is logged).
     `admin`: headers for the admin calls (repository load/unload), e.g. the bearer token."""
     c = tc.InferenceServerClient(target)
     assert c.is_server_live() and c.is_server_ready()
@@ -78,13 +79,14 @@ def drive(target: str, admin: dict[str, str] | None = None) -> int:
         c.infer("voice", [short])
     assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
     c.close()
-    return 4
+    return 3
 
 
 def stream(target: str) -> int:
     """tritonclient's stream (start_stream / async_stream_infer): answers by id, a failure as an error
     with the stream going on, the `keep_alive` parameter taken. Returns how many requests the request
-    log must hold (the embed, the voice the model refused, the voice; the unknown model is not)."""
+    log must hold (the embed and the voice served; the voice past the model's input limits, refused
+    before admission, and the unknown model are not)."""
     c = tc.InferenceServerClient(target)
     got: queue.Queue[tuple[Any, Any]] = queue.Queue()
     c.start_stream(callback=lambda result, error: got.put((result, error)))
@@ -106,7 +108,7 @@ def stream(target: str) -> int:
     assert ok["4"].as_numpy("speech_prob").shape == (2,)
     assert len(errors) == 2 and "multiple of 512" in errors[0] + errors[1]
     assert "unknown model 'nope'" in errors[0] + errors[1]
-    return 3
+    return 2
 
 
 def ps(target: str) -> dict[str, dict[str, object]]:
@@ -152,8 +154,8 @@ def test_sqlite_store_and_ray_workers(start_server: Callable[..., Server], tmp_p
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     lines = [json.loads(x) for x in trace.read_text().splitlines()]
-    assert [x["model"] for x in lines[:served]] == ["voice", "embed", "embed", "voice"]
-    assert sorted(x["model"] for x in lines[served:]) == ["embed", "voice", "voice"]  # streamed
+    assert [x["model"] for x in lines[:served]] == ["voice", "embed", "embed"]
+    assert sorted(x["model"] for x in lines[served:]) == ["embed", "voice"]  # streamed
     assert all(set(x) <= {"t", "model", "busy_s", "class", "kind", "client", "keep_alive"} for x in lines)
     assert [x.get("keep_alive") for x in lines if x["model"] == "embed"] == [None, None, "forever"]
     replayed = subprocess.run(

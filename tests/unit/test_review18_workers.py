@@ -142,7 +142,7 @@ def test_a_request_of_more_than_256_texts_is_refused_alone() -> None:
         [("embed", _texts(10, "a")), ("embed", _texts(300, "b")), ("embed", _texts(10, "c"))]
     )
     assert [r.ok for r in results] == [True, False, True], [r.error for r in results]
-    assert results[1].error_code == P.BAD_INPUT and "300 items; 1..256" in (results[1].error or "")
+    assert results[1].error_code == P.BAD_INPUT and "300 texts; expected 1..256" in (results[1].error or "")
     assert sorted(adapter.calls) == [20, 300]
     assert adapter.encoder.forwards == [20]
 

@@ -172,6 +172,9 @@ class Adapter(ABC):
                 f"model {self.spec.name!r}: input {spec.name!r} has shape {list(a.shape)}, "
                 f"expected {list(spec.shape)} (-1: any)",
             )
+        problem = spec.count_problem(a.shape) or spec.value_problem(a)
+        if problem is not None:  # (the manager checked them before admission; a direct call may not)
+            raise AdapterError(P.BAD_INPUT, f"model {self.spec.name!r}: {problem}")
         if a.dtype.kind == "b":
             _check_bool(self.spec.name, spec.name, a)
         if not a.flags.writeable and a.dtype.kind != "O":

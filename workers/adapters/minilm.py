@@ -110,7 +110,7 @@ class SentenceEmbeddingAdapter(ModuleAdapter):
         return self._dim
 
     def inputs(self) -> list[P.TensorSpec]:
-        return [P.TensorSpec("text", "BYTES", (-1,))]
+        return [P.TensorSpec("text", "BYTES", (-1,), items=(1, MAX_TEXTS), utf8=True, unit="texts")]
 
     def outputs(self) -> list[P.TensorSpec]:
         return [P.TensorSpec("embedding", "FP32", (-1, self.dim()))]
@@ -229,19 +229,8 @@ class SentenceEmbeddingAdapter(ModuleAdapter):
         self.infer(runnable, {"text": np.array([b"warm up"], dtype=object)})
 
     def infer(self, runnable: Any, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        a = self.input_array(inputs, self.inputs()[0])
-        if not 0 < a.shape[0] <= MAX_TEXTS:
-            raise AdapterError(
-                P.BAD_INPUT, f"model {self.spec.name!r}: input 'text' has {a.shape[0]} items; 1..{MAX_TEXTS}"
-            )
-        texts = []
-        for i, item in enumerate(a.tolist()):
-            try:
-                texts.append(item.decode("utf-8") if isinstance(item, bytes) else str(item))
-            except UnicodeDecodeError:
-                raise AdapterError(
-                    P.BAD_INPUT, f"model {self.spec.name!r}: input 'text'[{i}] is not UTF-8"
-                ) from None
+        a = self.input_array(inputs, self.inputs()[0])  # 1..MAX_TEXTS texts, each UTF-8
+        texts = [item.decode("utf-8") if isinstance(item, bytes) else str(item) for item in a.tolist()]
         tok = self.tokenizer()  # (its own cut, not max_seq_length(): the files may be gone by now)
         longest = tok.truncation["max_length"] * CHARS_PER_TOKEN
         enc = tok.encode_batch([t[:longest] for t in texts])
