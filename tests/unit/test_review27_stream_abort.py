@@ -26,6 +26,12 @@ class _Context:
     async def abort(self, code: grpc.StatusCode, details: str) -> None:
         raise grpc.aio.AbortError()
 
+    async def send_initial_metadata(self, metadata: Any) -> None:
+        pass
+
+    async def write(self, answer: Any) -> None:
+        raise AssertionError(f"no request is answered here: {answer}")
+
 
 def test_an_oversized_message_mid_stream_cancels_the_requests_in_flight() -> None:
     async def main() -> tuple[list[str], float]:

@@ -6,6 +6,7 @@ message that is not a request ending it with INVALID_ARGUMENT after those before
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -157,7 +158,13 @@ class _Aborted(Exception):
 
 
 class _Call:
-    """A stand-in servicer context: no deadline; `abort` raises with its status."""
+    """A stand-in servicer context: no deadline; `abort` raises with its status; `write` is held until
+    the client reads the answer (`read`), as a full flow-control window holds it. `start` runs the
+    handler (an async generator that yields nothing: it writes) as the call's task."""
+
+    def __init__(self) -> None:
+        self.sent: asyncio.Queue[tuple[pb.ModelStreamInferResponse, asyncio.Future[None]]] = asyncio.Queue()
+        self.task: asyncio.Future[None] | None = None
 
     def time_remaining(self) -> None:
         return None
@@ -165,12 +172,56 @@ class _Call:
     async def abort(self, code: grpc.StatusCode, details: str) -> None:
         raise _Aborted(code, details)
 
+    async def send_initial_metadata(self, metadata: Any) -> None:
+        pass
+
+    async def write(self, answer: pb.ModelStreamInferResponse) -> None:
+        read = asyncio.get_running_loop().create_future()
+        self.sent.put_nowait((answer, read))
+        await read
+
+    def start(self, servicer: oip.InferenceServicer, requests: AsyncIterator[pb.ModelInferRequest]) -> _Call:
+        async def handler() -> None:
+            async for _ in servicer.ModelStreamInfer(requests, self):
+                raise AssertionError("ModelStreamInfer writes its answers: it yields none")
+
+        self.task = asyncio.ensure_future(handler())
+        return self
+
+    async def read(self) -> pb.ModelStreamInferResponse | None:
+        """The next answer; None once the call ended OK; its status as _Aborted when it ended so."""
+        assert self.task is not None
+        get = asyncio.ensure_future(self.sent.get())
+        await asyncio.wait((get, self.task), return_when=asyncio.FIRST_COMPLETED)
+        if get.done():
+            answer, read = get.result()
+            if not read.done():
+                read.set_result(None)
+            return answer
+        get.cancel()
+        self.task.result()
+        return None
+
+    async def answers(self) -> list[pb.ModelStreamInferResponse]:
+        out = []
+        while (answer := await self.read()) is not None:
+            out.append(answer)
+        return out
+
+    async def end(self) -> None:
+        """The call ends under the handler (the client cancelled it): gRPC cancels the handler's task."""
+        assert self.task is not None
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+
 
 class _Servicer(oip.InferenceServicer):
     """The stream's own logic over a stand-in `infer` that counts the requests it was given."""
 
     def __init__(self, stopping: asyncio.Event | None = None) -> None:
         self.stopping = stopping if stopping is not None else asyncio.Event()
+        self.stream_send_limit_s = oip.STREAM_SEND_LIMIT_S
         self.started: list[str] = []
 
     async def infer(self, request: pb.ModelInferRequest, seconds_left: float | None, **_: Any) -> Any:
@@ -192,12 +243,12 @@ def test_a_client_that_reads_no_answer_stops_the_stream_taking_requests(
             for i in range(8):
                 yield pb.ModelInferRequest(model_name="voice", id=str(i))
 
-        stream = servicer.ModelStreamInfer(requests(), _Call())
-        first = await anext(stream)
+        call = _Call().start(servicer, requests())
+        first = await call.read()
         await asyncio.sleep(0.2)  # the client reads nothing more
-        assert first.infer_response.id == "0"
-        assert servicer.started == ["0", "1"]
-        rest = [a.infer_response.id async for a in stream]  # it reads: the others are taken
+        assert first is not None and first.infer_response.id == "0"
+        assert servicer.started == ["0", "1", "2"]  # two answers held, one slot given back by the read
+        rest = [a.infer_response.id for a in await call.answers()]  # it reads: the others are taken
         assert sorted(rest) == [str(i) for i in range(1, 8)] and len(servicer.started) == 8
 
     asyncio.run(main())
@@ -217,11 +268,12 @@ def test_a_stop_ends_an_open_stream_once_its_requests_are_answered() -> None:
             await never.wait()  # an open stream with nothing more to send
             yield pb.ModelInferRequest(model_name="voice", id="b")
 
-        stream = servicer.ModelStreamInfer(requests(), _Call())
-        assert (await anext(stream)).infer_response.id == "a"
+        call = _Call().start(servicer, requests())
+        first = await call.read()
+        assert first is not None and first.infer_response.id == "a"
         stopping.set()
         with pytest.raises(_Aborted) as e:
-            await asyncio.wait_for(anext(stream), 5)
+            await asyncio.wait_for(call.read(), 5)
         assert e.value.args[0] == grpc.StatusCode.UNAVAILABLE and "stopping" in e.value.args[1]
         assert servicer.started == ["a"]
 
@@ -241,10 +293,11 @@ def test_a_stream_closed_under_its_read_leaves_no_task_behind() -> None:
             await ended.wait()  # the transport's read, pending until the call is torn down
 
         before = set(asyncio.all_tasks())
-        stream = _Servicer().ModelStreamInfer(requests(), _Call())
-        assert (await anext(stream)).infer_response.id == "a"
+        call = _Call().start(_Servicer(), requests())
+        first = await call.read()
+        assert first is not None and first.infer_response.id == "a"
         await asyncio.sleep(0.05)
-        await stream.aclose()  # the call ends: the stream's finally runs
+        await call.end()  # the call ends: the stream's finally runs
         await asyncio.sleep(0.05)
         left = [t for t in asyncio.all_tasks() - before if t is not asyncio.current_task()]
         assert left == []
@@ -269,10 +322,11 @@ def test_a_read_that_ends_when_cancelled_is_not_logged_as_an_error() -> None:
             except asyncio.CancelledError:
                 return  # as gRPC's read ends: the stream is over, no exception of its own
 
-        stream = _Servicer().ModelStreamInfer(requests(), _Call())
-        assert (await anext(stream)).infer_response.id == "a"
+        call = _Call().start(_Servicer(), requests())
+        first = await call.read()
+        assert first is not None and first.infer_response.id == "a"
         await asyncio.sleep(0.05)
-        await stream.aclose()
+        await call.end()
         await asyncio.sleep(0.05)
         gc.collect()
         await asyncio.sleep(0.05)
@@ -293,7 +347,7 @@ def test_an_answer_is_flagged_final_when_the_client_asks_as_triton_flags_it() ->
                 r.parameters["triton_enable_empty_final_response"].bool_param = rid == "a"
                 yield r
 
-        return [a async for a in _Servicer().ModelStreamInfer(requests(), _Call())]
+        return await _Call().start(_Servicer(), requests()).answers()
 
     answers = {a.infer_response.id: a.infer_response.parameters for a in asyncio.run(main())}
     assert answers["a"]["triton_final_response"].bool_param is True
