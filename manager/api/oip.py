@@ -11,7 +11,8 @@ served as ModelInfer serves it, up to STREAM_IN_FLIGHT at once, and answered on 
 ends (so answers may come in another order than their requests: a client matches them by `id`, as
 with Triton); a request that fails is answered with its `error_message` (the details ModelInfer's
 status would carry) and the stream goes on. A message that is not a ModelInferRequest ends the stream
-with INVALID_ARGUMENT, once the requests before it are answered. The call's deadline is each request's.
+with INVALID_ARGUMENT, once the requests before it are answered (one over `server.max_request_bytes`:
+RESOURCE_EXHAUSTED, the same way). The call's deadline is each request's.
 A slot is given back when its answer is sent, so a client that does not read its answers stops the
 stream taking requests (at most STREAM_IN_FLIGHT answers wait for it): a client reads its answers
 while it writes (tritonclient does, on a thread of its own); one that writes all its requests before
@@ -639,16 +640,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                         request = following.result()
                     except StopAsyncIteration:
                         return False
-                    except grpc.aio.AbortError:  # the call already ended with its status (a message
-                        # over server.max_request_bytes, refused as it was read): nobody reads the
-                        # answers of those in flight, which held their queue places until they ran
-                        for task in serving:
-                            task.cancel()
-                        raise
                     task = asyncio.ensure_future(serve(request))
                     serving.add(task)
                     task.add_done_callback(serving.discard)
-            finally:  # (a message that was not a request, too: those before it are answered first)
+            finally:  # (a message that was not a request, or one over server.max_request_bytes, too:
+                # the read raises its refusal, and those before it are answered first)
                 stop.cancel()
                 if following is not None and not following.done():  # the call ended under it
                     following.cancel()

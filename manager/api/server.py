@@ -39,12 +39,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from manager.api.admin import AdminServicer, file_identity
+from manager.api.errors import details_of, status_of
 from manager.api.front import receive_options, too_large
 from manager.api.handlers import add_servicer
 from manager.api.oip import InferenceServicer
 from manager.api.runtime import ServeError, add_port, keepalive_options
 from manager.api.world import WorldSessionServicer
 from manager.config import Config
+from manager.errors import InsufficientCapacity, InvalidRequest, ResidencyError
 from manager.journal import RequestJournal
 from manager.live import LiveManager
 from manager.live_persist import read_outcome
@@ -166,36 +168,59 @@ class RequestLimit(grpc.aio.ServerInterceptor):
                 return _Undecodable(e)
 
         async def refuse(request: Any, context: Any) -> Any:
-            if isinstance(request, _Oversized):
-                why = too_large(method, request.size, limit)
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
-            if isinstance(request, _Undecodable):
-                why = (
-                    f"{method}: the request is not a valid protobuf message of its type "
-                    f"({request.error}); send it with a client generated from its .proto file"
-                )
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+            if (e := _refusal(method, limit, request)) is not None:
+                await context.abort(status_of(e), details_of(e))
             return request
 
-        async def checked(requests: Any, context: Any) -> Any:
-            async for request in requests:
-                yield await refuse(request, context)
-
         async def first(request: Any, context: Any) -> Any:
-            return checked(request, context) if kind.startswith("stream") else await refuse(request, context)
+            if kind.startswith("stream"):
+                return _checked(method, limit, request)
+            return await refuse(request, context)
 
         async def as_coroutine(request: Any, context: Any) -> Any:
-            return await call(await first(request, context), context)
+            try:
+                return await call(await first(request, context), context)
+            except _REFUSALS as e:  # (a handler that let its read's refusal through: grpc's own)
+                await context.abort(status_of(e), details_of(e))
 
         async def as_generator(request: Any, context: Any) -> Any:
-            async for out in call(await first(request, context), context):
-                yield out
+            try:
+                async for out in call(await first(request, context), context):
+                    yield out
+            except _REFUSALS as e:
+                await context.abort(status_of(e), details_of(e))
 
         wrapped = as_coroutine if inspect.iscoroutinefunction(call) else as_generator
         return handler._replace(request_deserializer=deserialize, **{kind: wrapped})
 
 
+def _refusal(method: str, limit: int, request: Any) -> ResidencyError | None:
+    """What `RequestLimit` tells the client of a message too large or that does not parse; None for
+    a message that is neither."""
+    if isinstance(request, _Oversized):
+        return InsufficientCapacity(too_large(method, request.size, limit))
+    if isinstance(request, _Undecodable):
+        return InvalidRequest(
+            f"{method}: the request is not a valid protobuf message of its type "
+            f"({request.error}); send it with a client generated from its .proto file"
+        )
+    return None
+
+
+async def _checked(method: str, limit: int, requests: Any) -> Any:
+    """A stream's messages; one refused is raised to the handler as its read's error, as a message
+    that does not parse is (`handlers.add_servicer`), so a handler that holds something says what
+    became of it (a world session: saved, the id to resume it with) and the requests before it are
+    answered. One the handler lets through is the call's status (`RequestLimit`'s wrappers)."""
+    async for request in requests:
+        if (e := _refusal(method, limit, request)) is not None:
+            raise e
+        yield request
+
+
 _HANDLER_KINDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
+_REFUSALS = (InsufficientCapacity, InvalidRequest)
+"""What `RequestLimit` raises to a stream's handler; passed through a handler, the call's status."""
 
 
 def _deny() -> grpc.RpcMethodHandler:
