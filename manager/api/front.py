@@ -41,7 +41,7 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
 from manager.api.fastpath import FastPathClient
-from manager.api.runtime import add_port, event_loop_factory, keepalive_options, message_options
+from manager.api.runtime import add_port, event_loop_factory, keepalive_options
 from residency_proto.inference import grpc_service_pb2
 from residency_proto.v1 import residency_pb2
 
@@ -150,13 +150,6 @@ class Front(grpc.GenericRpcHandler):
         if why is not None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
 
-    async def _checked(
-        self, method: str, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
-    ) -> AsyncIterator[bytes]:
-        async for raw in requests:
-            await self._check(method, raw, context)
-            yield raw
-
     def service(self, handler_call_details: Any) -> grpc.RpcMethodHandler | None:
         method = handler_call_details.method
         if method == MODEL_INFER:
@@ -224,9 +217,11 @@ class Front(grpc.GenericRpcHandler):
     async def _relay(
         self, method: str, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[bytes]:
-        call = self.backend.stream_stream(method)(
-            self._checked(method, requests, context), **self._options(context)
-        )
+        # a stream's messages go as they came, one too large included: the manager refuses it as its
+        # handler reads it (`server.RequestLimit`), so the handler says what became of what it holds
+        # (a world session saved, the id to resume it with); its channel sends up to what this front
+        # end takes in (`receive_limit`), as the manager's own server takes in
+        call = self.backend.stream_stream(method)(requests, **self._options(context))
         try:
             async for msg in call:
                 yield msg
@@ -241,7 +236,12 @@ async def run_front(a: argparse.Namespace) -> int:
     fast = FastPathClient()
     await fast.connect(a.fast)
     backend = grpc.aio.insecure_channel(
-        f"unix:{a.backend}", options=[*message_options(a.max_message_bytes), *BACKEND_WINDOW]
+        f"unix:{a.backend}",
+        options=[
+            ("grpc.max_receive_message_length", a.max_message_bytes),
+            ("grpc.max_send_message_length", receive_limit(a.max_message_bytes)),
+            *BACKEND_WINDOW,
+        ],
     )
     server = grpc.aio.server(
         options=[

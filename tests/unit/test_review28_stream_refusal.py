@@ -11,7 +11,11 @@ world model's micro stand-in)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import os
+import queue
+import signal
+import threading
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
@@ -19,6 +23,7 @@ import numpy as np
 import pytest
 from live_helpers import grpc_service, local_config, served_world_config
 
+from manager.api.server import serve
 from residency_proto.inference import grpc_service_pb2 as pb
 from residency_proto.inference import grpc_service_pb2_grpc as pb_grpc
 from residency_proto.v1 import residency_pb2 as rpb
@@ -103,3 +108,53 @@ def test_a_world_session_refused_a_message_names_the_id_to_resume(tmp_path: Path
 async def _inputs(sid: str) -> AsyncIterator[rpb.WorldInput]:
     yield rpb.WorldInput(start=rpb.WorldStart(model="world", resume_session_id=sid))
     yield rpb.WorldInput(action=rpb.WorldAction(x=2.0))
+
+
+def test_through_a_front_end_too(tmp_path: Path) -> None:
+    """With `server.frontends`, the front end relays a stream's messages as they came, the one too
+    large included (it refused it itself before, aborting the call), so the manager's handler says
+    what became of the session."""
+    base = served_world_config(tmp_path)
+    config = base.model_copy(
+        update={"server": base.server.model_copy(update={"max_request_bytes": LIMIT, "frontends": 1})}
+    )
+    big = rpb.WorldInput(start=rpb.WorldStart(model="x" * LIMIT))
+    out: list[object] = []
+
+    def client(port: int) -> None:
+        sent: queue.Queue[rpb.WorldInput] = queue.Queue()
+
+        def inputs() -> Iterator[rpb.WorldInput]:
+            while True:
+                yield sent.get()
+
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = rpb_grpc.WorldSessionStub(channel)  # type: ignore[no-untyped-call]
+                sent.put(rpb.WorldInput(start=rpb.WorldStart(model="world")))
+                outputs = stub.Run(inputs(), timeout=120)
+                sid = next(outputs).session_id
+                sent.put(rpb.WorldInput(action=rpb.WorldAction(x=1.0)))
+                assert next(outputs).segment == 0
+                sent.put(big)
+                try:
+                    next(outputs)
+                    out.append("no error")
+                except grpc.RpcError as e:
+                    out.append((sid, e.code(), e.details() or ""))
+        except BaseException as e:
+            out.append(e)
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)  # caught by serve's handler: a clean stop
+
+    def ready(port: int) -> None:
+        threading.Thread(target=client, args=(port,), daemon=True).start()
+
+    asyncio.run(serve(config, in_process=True, ready=ready))
+    (got,) = out
+    assert isinstance(got, tuple), got
+    sid, code, details = got
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+    assert details.startswith(f"Run: the request is {big.ByteSize()} bytes, larger than max {LIMIT}"), details
+    assert f"start.resume_session_id={sid!r}) at segment 1" in details, details
+    assert (tmp_path / "sessions" / str(sid) / "session.json").is_file()
