@@ -20,7 +20,10 @@ beside it, `<journal>.store`): the records a service on another store left in it
 switched to its own store, the journal left as it was) are not sent to this store but set aside
 (`<journal>.<tag>.aside`), and a later service on that store with this journal takes them back when
 it starts. The id is the store's own (kept in it), so a url spelled another way or a folder moved
-is the same store.
+is the same store. Where the journal's store is reached is kept too (`<journal>.store-at`): a store
+whose id this start made where that store was is the same store come back empty (a Redis restarted
+without its data, a database file made anew), and takes the records kept for its earlier id as its
+own (that id is gone for good: records set aside for it would never be taken back).
 """
 
 from __future__ import annotations
@@ -57,6 +60,17 @@ class JournalInUse(OSError):
 def _tag(owner: str) -> str:
     """A file-name-safe tag of a store's identity (`<journal>.<tag>.aside`)."""
     return hashlib.sha256(owner.encode()).hexdigest()[:12]
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """`path` holding the line `text`, whole or as it was (through a temp file beside it)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
 
 class RequestJournal:
@@ -104,9 +118,10 @@ class RequestJournal:
         self._end_line()
 
     def claim(self, owner: str) -> None:
-        """The journal as the store `owner`'s (its id), before `read`: another store's records are
-        set aside, those set aside for `owner` taken back (`_own`). Never raises: a failure (a full
-        disk) is said, and the records are then sent to this store, as before journals knew theirs."""
+        """The journal as the store `owner`'s (its id, `Store.store_id`), before `read`: another
+        store's records are set aside, those set aside for `owner` taken back (`_own`). Never raises:
+        a failure (a full disk) is said, and the records are then sent to this store, as before
+        journals knew theirs."""
         if self._closed:
             return
         try:
@@ -127,13 +142,21 @@ class RequestJournal:
         """The store's id could not be read (it is down at start): the journal's records go to it
         all the same, as before journals knew theirs, and the journal is no other store's any more
         (a start that can read the id then takes them all as its own)."""
-        with contextlib.suppress(OSError):
-            self.file.with_name(self.file.name + ".store").unlink(missing_ok=True)
+        for name in (".store", ".store-at"):
+            with contextlib.suppress(OSError):
+                self.file.with_name(self.file.name + name).unlink(missing_ok=True)
 
     def _own(self, owner: str) -> None:
         """The journal as `owner`'s (its lock held): records another store's service left are set
-        aside, records set aside for `owner` are taken back, and the owner is written beside it."""
+        aside, records set aside for `owner` are taken back, and the owner is written beside it
+        (`<journal>.store`), with where that store is reached (`<journal>.store-at`, a tag of
+        `StoreId.where`). A store whose id this start made (`StoreId.made`) where the journal's store
+        was is that store come back empty (a Redis restarted without its data, a database file made
+        anew): the records kept for its earlier id are its own, and sent to it (set aside, no service
+        would ever take them back: that id is gone). A new store elsewhere (a config switched to a
+        store of its own) has another store's records set aside, as one whose id existed before."""
         owner_file = self.file.with_name(self.file.name + ".store")
+        at_file = self.file.with_name(self.file.name + ".store-at")
         try:
             said: str | None = owner_file.read_text(encoding="utf-8").strip() or None
         except FileNotFoundError:
@@ -141,8 +164,22 @@ class RequestJournal:
         except (OSError, UnicodeDecodeError) as e:
             logger.warning("%s: cannot read the journal's store (%s); taken as this one's", owner_file, e)
             said = None
+        try:  # (none: written by a release that did not keep it, or the place not known)
+            said_at: str | None = at_file.read_text(encoding="utf-8").strip() or None
+        except (OSError, UnicodeDecodeError):
+            said_at = None
+        where = getattr(owner, "where", None)
+        here = _tag(where) if isinstance(where, str) else None
+        emptied = getattr(owner, "made", False) is True and here is not None and said_at == here
         held = self._records_held()
-        if said is not None and said != owner and held:
+        if said is not None and said != owner and held and emptied:
+            logger.warning(
+                "%s: %d request(s) were kept for the store %s, which is this one (%s) come back empty "
+                "(its id made anew at this start where that store was: a Redis restarted without its "
+                "data, a database file made anew): taken as this store's and sent to it",
+                self.path, held, said, owner,
+            )  # fmt: skip
+        elif said is not None and said != owner and held:
             aside = self.file.with_name(f"{self.file.name}.{_tag(said)}.aside")
             if aside.exists():  # (two outages of that store: both kept, in order; whole or not at all)
                 tmp = aside.with_name(aside.name + ".tmp")
@@ -165,9 +202,21 @@ class RequestJournal:
             )  # fmt: skip
             held = 0
         if said != owner:  # written before a set-aside journal is taken back: a crash between the two
-            tmp = owner_file.with_name(owner_file.name + ".tmp")  # leaves the records set aside
-            tmp.write_text(owner + "\n", encoding="utf-8")
-            os.replace(tmp, owner_file)
+            try:  # leaves the records set aside
+                if here is None:
+                    at_file.unlink(missing_ok=True)  # (the other store's place)
+                else:
+                    _replace_text(at_file, here)
+                _replace_text(owner_file, owner)
+            except OSError:
+                # (a full disk) the file must not go on naming the other store: this run's records
+                # would be set aside as that store's at the next start. Without it, the journal is no
+                # store's (as `disown` leaves it), and the next start takes its records as its own.
+                self.disown()
+                raise
+        elif here is not None and said_at != here:  # (kept by an earlier release, or a home moved)
+            with contextlib.suppress(OSError):  # (only a hint: without it, as before it was kept)
+                _replace_text(at_file, here)
         mine = self.file.with_name(f"{self.file.name}.{_tag(owner)}.aside")
         if not held and mine.exists():
             os.replace(mine, self.file)

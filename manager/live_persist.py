@@ -171,6 +171,11 @@ def _read_hist(doc: Any, hours: Callable[[float], int]) -> ReuseHistogram:
         raise ValueError(f"reuse histogram: more intervals in its bins than its {doc['count']} arrivals make")
     if not (_time_or_none(doc.get("first_t")) and _time_or_none(doc.get("last_t"))):
         raise ValueError("reuse histogram: first_t/last_t not a time")
+    if doc["count"] and not (_finite(doc.get("first_t")) and _finite(doc.get("last_t"))):
+        # (restored as -inf/inf: a later merge, `_join_hist`, took the hour of week of -inf, a
+        # ValueError out of every save and flush of the run; a first_t after last_t is not refused:
+        # a wall clock stepped back between two arrivals leaves one, and every use takes it as is)
+        raise ValueError(f"reuse histogram: {doc['count']} arrivals, but no first_t/last_t time")
     h = ReuseHistogram(hours)
     h.restore(doc)
     return h

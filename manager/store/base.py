@@ -60,6 +60,7 @@ __all__ = [
     "OnCorrupt",
     "Store",
     "StoreError",
+    "StoreId",
     "check_intent",
     "decode_doc",
     "encode_doc",
@@ -174,7 +175,9 @@ class Store(Protocol):
         """This store's own identity: a random id made at the first ask and kept in it (document
         STORE_ID_DOC), so that it is the same store however its url is spelled or wherever its file
         is moved (the request journal sends its records to their own store only). StoreError when
-        the backend fails or the document is not one."""
+        the backend fails or the document is not one. The backends give a `StoreId`, which also says
+        whether this very ask made the id, and where the store is (a plain str: neither known, taken
+        as not made)."""
         ...
 
     def set_aside_doc(self, key: str) -> str | None:
@@ -251,6 +254,26 @@ def _extras(record: Mapping[str, Any]) -> dict[str, Any]:
 
 STORE_ID_DOC = "store_id"
 """The document holding the store's own identity (`Store.store_id`)."""
+
+
+class StoreId(str):
+    """A store's id as `Store.store_id` gives it, with `made`, whether that ask made it, and `where`,
+    where the store is reached (its file's real path; the Redis server, db and prefix: never a
+    password). A store whose id was only just made where another id was before is the same store
+    come back empty (a Redis restarted without its data, as a Redis kept without persistence is; a
+    database file moved aside and made anew): the records a request journal kept for it under its
+    earlier id (the store down at a stop) are its own, not another store's to set aside
+    (`RequestJournal.claim`); a new store elsewhere (a config switched to a store of its own) is
+    not. A str, so a caller that only wants the id needs nothing more."""
+
+    made: bool
+    where: str | None
+
+    def __new__(cls, sid: str, *, made: bool = False, where: str | None = None) -> StoreId:
+        self = super().__new__(cls, sid)
+        self.made = made
+        self.where = where
+        return self
 
 
 def read_store_id(url: str, doc: dict[str, Any] | None) -> str:

@@ -70,6 +70,7 @@ from manager.store.base import (
     CorruptRow,
     OnCorrupt,
     StoreError,
+    StoreId,
     aside_key,
     check_intent,
     decode_doc,
@@ -573,7 +574,7 @@ class RedisStore:
             ("tracked_from", 2**64, "a stream id's ms"),
         ):
             v = scores.get(name)
-            if v is not None and not v <= top:  # (NaN and infinity too)
+            if v is not None and not 0 <= v <= top:  # (NaN, either infinity and negatives too)
                 raise self._corrupt(self._lag_key, f"its {name} score {v!r} is not {what} (0 to {top})")
         hours = []
         for raw in members:
@@ -726,8 +727,11 @@ class RedisStore:
 
         made = encode_doc(STORE_ID_DOC, {"id": uuid.uuid4().hex})
         with self._errors("read the store's id") as r:  # (HSETNX: the first ask's is kept)
-            r.hsetnx(self._docs_key, STORE_ID_DOC, made)
-        return read_store_id(self.url, self.get_doc(STORE_ID_DOC))
+            new = r.hsetnx(self._docs_key, STORE_ID_DOC, made)
+        # (made now: a new store, or one that came back empty, as a Redis without persistence does)
+        kw = self._client.connection_pool.connection_kwargs  # (where: no password in it)
+        where = f"redis {kw.get('host') or kw.get('path')}:{kw.get('port')}/{kw.get('db')} {self.prefix}"
+        return StoreId(read_store_id(self.url, self.get_doc(STORE_ID_DOC)), made=bool(new), where=where)
 
     def set_aside_doc(self, key: str) -> str | None:
         aside = aside_key(key)

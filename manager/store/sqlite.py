@@ -64,6 +64,7 @@ from manager.store.base import (
     CorruptRow,
     OnCorrupt,
     StoreError,
+    StoreId,
     aside_key,
     check_intent,
     decode_doc,
@@ -253,6 +254,28 @@ def open_sqlite(url: str, *, create: bool = True, hold: bool = False) -> SQLiteS
     StoreError when it cannot be opened, when `create` is False and there is no file yet, or when
     `hold` and another service holds it."""
     return SQLiteStore(parse_sqlite_url(url), url=url, create=create, hold=hold)
+
+
+def _text_or_bytes(raw: bytes) -> str | bytes:
+    """A TEXT value as str, or as its bytes where they are not UTF-8 (`_rows`)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return raw
+
+
+def _rows(db: sqlite3.Connection, sql: str, params: Sequence[Any]) -> list[Any]:
+    """`sql`'s rows, a TEXT value that is not UTF-8 (a damaged page, another program's write) given as
+    its bytes: sqlite3's own decoding raised for the whole read, which was taken as the store being
+    down (the journal's replay retried for ever, the statistics' catch-up lost every request, the
+    intents were never restored). Read so, the damaged row is that row's corrupt case, left out and
+    said as others are. The caller holds the store's lock (`SQLiteStore._db`): no other read meets
+    the connection's text factory while it is set."""
+    db.text_factory = _text_or_bytes
+    try:
+        return db.execute(sql, params).fetchall()
+    finally:
+        db.text_factory = str
 
 
 class SQLiteStore:
@@ -507,7 +530,7 @@ class SQLiteStore:
             with self._db("read requests") as db:
                 if self._select_page is _SELECT_PAGE_V1 and _version(db) > 1:  # the service migrated it
                     self._select_page = _SELECT_PAGE
-                page = db.execute(self._select_page, (*key, hi, PAGE)).fetchall()
+                page = _rows(db, self._select_page, (*key, hi, PAGE))
             for row in page:
                 try:
                     rec = self._record(row)
@@ -523,6 +546,9 @@ class SQLiteStore:
 
     def _record(self, row: tuple[Any, ...]) -> dict[str, Any]:
         rec = {c: v for c, v in zip(RECORD_FIELDS, row[1:], strict=True) if v is not None}
+        for c, v in rec.items():  # (`_rows`: text that is not UTF-8, or a BLOB)
+            if isinstance(v, bytes):
+                raise StoreError(self.url, f"requests row id={row[0]} is corrupt: {c!r} is {v!r}, not text")
         try:
             return normalize_record(rec)
         except ValueError as e:
@@ -572,11 +598,13 @@ class SQLiteStore:
         import uuid
 
         with self._db("read the store's id") as db, db:  # (made once: the first ask's is kept)
-            db.execute(
+            made = db.execute(
                 "INSERT OR IGNORE INTO docs (key, value) VALUES (?, ?)",
                 (STORE_ID_DOC, encode_doc(STORE_ID_DOC, {"id": uuid.uuid4().hex})),
-            )
-        return read_store_id(self.url, self.get_doc(STORE_ID_DOC))
+            ).rowcount
+        # (made now: a new file, or one made anew where an earlier one was moved aside)
+        where = f"sqlite {os.path.realpath(self.path)}"
+        return StoreId(read_store_id(self.url, self.get_doc(STORE_ID_DOC)), made=made == 1, where=where)
 
     def set_aside_doc(self, key: str) -> str | None:
         aside = aside_key(key)
@@ -594,15 +622,21 @@ class SQLiteStore:
             )
 
     def drop_intent(self, key: object) -> None:
+        # (bytes: a damaged row's name as `intents` read it, text that is not UTF-8 or a BLOB; a
+        # TEXT value is never equal to a BLOB in SQLite, so the name is compared as bytes)
+        where = "CAST(model AS BLOB) = ?" if isinstance(key, bytes) else "model = ?"
         with self._db(f"drop intent for {key!r}") as db, db:
-            db.execute("DELETE FROM intents WHERE model = ?", (key,))
+            db.execute(f"DELETE FROM intents WHERE {where}", (key,))
 
     def intents(self, *, on_corrupt: OnCorrupt | None = None) -> dict[str, str]:
         with self._db("read intents") as db:
-            rows = db.execute("SELECT model, tier FROM intents ORDER BY model").fetchall()
+            rows = _rows(db, "SELECT model, tier FROM intents ORDER BY model", ())
         out: dict[str, str] = {}
         for model, tier in rows:
             try:
+                for what, v in (("model", model), ("tier", tier)):  # (`_rows`: not UTF-8, or a BLOB)
+                    if isinstance(v, bytes):
+                        raise ValueError(f"its {what} is {v!r}, not text")
                 check_intent(model, tier)
             except ValueError as e:
                 error = CorruptRow(self.url, f"intent for {model!r} is corrupt: {e}", model)
