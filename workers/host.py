@@ -43,7 +43,7 @@ from workers.bounded import SingleFlight, TimedOut, start_on_thread
 from workers.measure import CpuProbe, CudaProbe, MemoryProbe, Phases, nvml_power_w, rss_bytes, wait_released
 from workers.st_io import cached_fraction
 from workers.world import NotResident, SessionNotOpen, WorldSessions
-from worldpager.segment_log import LogFullError
+from worldpager.segment_log import LogFullError, LogInUse
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -806,7 +806,8 @@ class DeviceHost:
             return P.SessionReply(False, error_code=P.BAD_TRANSITION, error=str(e))
         except (KeyError, ValueError) as e:
             return P.SessionReply(False, error_code=P.BAD_INPUT, error=str(e.args[0] if e.args else e))
-        except LogFullError as e:  # a full disk: the server's state, not the request's (UNAVAILABLE)
+        except (LogFullError, LogInUse) as e:  # a full disk, a log another process has open: the
+            # server's state, not the request's (UNAVAILABLE: it may pass)
             logger.warning("device %s: world session call refused: %s", self.name, e)
             return P.SessionReply(False, error_code=P.NOT_AVAILABLE, error=f"world session: {e}")
         except Exception as e:  # a failed session call never kills the host

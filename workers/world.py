@@ -270,7 +270,7 @@ class WorldSessions:
     def _resumed(session_id: str, log_dir: Path, resume: Callable[[], Any]) -> Any:
         """``resume()``, a saved state it finds damaged (a log it cannot reopen, a file gone meanwhile)
         said as `SavedStateDamaged`, and its other refusals without the server's paths."""
-        from worldpager.segment_log import DiskFullError, LogFullError, SegmentLogError
+        from worldpager.segment_log import DiskFullError, LogFullError, LogInUse, SegmentLogError
 
         try:
             return resume()
@@ -283,6 +283,12 @@ class WorldSessions:
                 if isinstance(e, DiskFullError):
                     raise DiskFullError(said, e.errno) from None
                 raise LogFullError(said) from None
+            if isinstance(e, LogInUse):  # (whole, not damaged: another process has it open)
+                logger.warning("world session %r: its resume was refused: %s", session_id, e)
+                raise LogInUse(
+                    f"world session {session_id!r} is open in another process (its log is locked): "
+                    "resume it once that one has closed it"
+                ) from None
             raise _damaged(session_id, log_dir, str(e)) from None
         except ValueError as e:  # the session's own (another model config, codec or log than saved)
             raise ValueError(_unpathed(str(e), log_dir)) from None

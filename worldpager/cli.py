@@ -729,10 +729,15 @@ def cmd_session(args: argparse.Namespace) -> int:
                 session = Session.resume(log_dir, model, resume_at=resume_at, **opts)
             else:
                 session = Session(model, log_dir=log_dir, metadata={"preset": preset}, **opts)
-        except FileExistsError as e:  # a new session over a saved one: never written over
+        except FileExistsError as e:  # a new session over a saved one, or someone's files: never written over
+            if e.filename is not None and Path(e.filename).name == LOG_NAME:
+                raise UsageError(
+                    f"--log-dir {log_dir}: holds a saved session ({e.filename} exists); continue it "
+                    "with --resume, or give an empty or new folder"
+                ) from None
             raise UsageError(
-                f"--log-dir {log_dir}: holds a saved session ({e.filename} exists); continue it with "
-                "--resume, or give an empty or new folder"
+                f"--log-dir {log_dir}: already holds {e.filename}, which a new session would write "
+                "over; give an empty or new folder (or --resume the session saved there)"
             ) from None
         except WindowLostError as e:  # the step it can continue at, said as this command's flag
             from worldpager.segment_log import LOG_NAME

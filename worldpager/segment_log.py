@@ -19,7 +19,8 @@ One directory per session holds three files:
   a log needs no space). open() trusts a flushed index (data was fsynced before it) once
   the file is no shorter than it says and the last indexed header on disk matches; slots past the index
   (appended after the last flush) are verified in full (header and payload). A missing or stale index
-  (or one whose slots are not exactly ``0 .. n_slots-1``) is rebuilt by scanning every slot. Corrupt
+  (or one whose slots are not exactly ``0 .. n_slots-1``, or with an entry no slot header could
+  hold: a non-finite pose, reversed frames) is rebuilt by scanning every slot. Corrupt
   or truncated slots are reported (corrupt_slots()), never indexed; their slot numbers are not reused.
   A scan skips holes unread: never-written slots (a hole, an all-zero header) after the last written
   one are the end of the log (cut off), between written ones corrupt; with a ``max_bytes`` budget it
@@ -58,6 +59,11 @@ checksum), then extends the file to the slot boundary; no fsync per append (flus
 verify the header against the on-disk block and the payload/page crc32s; corrupt bytes are never returned:
 a `CorruptSlotError` names the log file and the slot (``<dir>/segments.wplog: slot N: <reason>``).
 
+Processes: one at a time. create() and open() take an exclusive lock of ``segments.wplog`` (a POSIX
+record lock: the process's, see `_lock`), held until close(): another process opening the log (a
+second resume of the same folder) gets a `SegmentLogError` naming the file ("in use by another
+process") instead of handing out the same slots and overwriting the first one's segments.
+
 Threads: writers (append/flush, serialised by a write lock: a `TransferHandler`'s I/O thread and a
 write-through from the runtime's thread) and any number of reader threads (read/read_page/header/
 slots/find) may share a log: I/O is pread/pwrite on one fd and the index sits behind a lock. close()
@@ -69,6 +75,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import json
 import os
 import secrets
@@ -152,6 +159,11 @@ class LogFullError(SegmentLogError):
     names the log file (or, raised by a session, its folder)."""
 
 
+class LogInUse(SegmentLogError):
+    """Another process holds the log open (its lock, `_lock`): one writer at a time. Not damage: the
+    log is whole, and opens once that process closes it or ends."""
+
+
 class DiskFullError(LogFullError, OSError):
     """A write the full disk refused (a session's save, its index) said as `LogFullError`, naming the
     folder, and still the OSError it is (``errno`` ENOSPC or EDQUOT): callers that catch either see it."""
@@ -217,6 +229,25 @@ def open_fresh(path: Path) -> BinaryIO:
         os.unlink(path)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     return os.fdopen(os.open(path, flags, PRIVATE_FILE), "wb")
+
+
+def _lock(fd: int, path: Path) -> None:
+    """Take this process's exclusive lock of the log file ``fd`` (``path``), held until the fd is
+    closed: two writers of one log (two processes resuming one folder) hand out the same slots and
+    overwrite each other's segments. SegmentLogError naming the file when another process holds it
+    (`LogInUse`, never a wait).
+
+    A POSIX record lock (``lockf``), the process's: a second open in the same process is not
+    refused. A world worker that takes over a session whose device host it thinks lost reopens the
+    folder in the same process (the lost host's objects, still alive, hold the first open; a host
+    that died released its lock with its process); closing any open of the file in the process
+    releases it. (The record lock is also the one NFS carries.)"""
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EAGAIN):
+            raise
+        raise LogInUse(f"{path}: in use by another process: one writer at a time") from None
 
 
 def make_private_dirs(directory: str | os.PathLike[str]) -> Path:
@@ -373,21 +404,38 @@ class SegmentLog:
     def create(
         cls, directory: str | os.PathLike[str], slot_size: int, *, max_bytes: int | None = None
     ) -> SegmentLog:
-        """A new, empty log; FileExistsError if ``directory`` already holds one. ``max_bytes`` caps the
-        log file's size (appends past it raise LogFullError) and is kept in meta.json."""
+        """A new, empty log; FileExistsError if ``directory`` already holds one, or any file named as
+        the log's (``index.json``, ``meta.json`` or their ``.tmp``: never written over). ``max_bytes``
+        caps the log file's size (appends past it raise LogFullError) and is kept in meta.json. A
+        create that fails part-way removes what it wrote (the folder is left as a new one)."""
         if slot_size < HEADER_SIZE or slot_size % SLOT_ALIGN:
             raise ValueError(f"slot_size must be a multiple of {SLOT_ALIGN} and >= {HEADER_SIZE}")
         if max_bytes is not None and max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         d = make_private_dirs(directory)
+        for name in (INDEX_NAME, META_NAME, *(n + ".tmp" for n in (INDEX_NAME, META_NAME))):
+            if os.path.lexists(d / name):  # (someone's own file of that name: never written over)
+                raise FileExistsError(errno.EEXIST, "exists: a new log would write over it", str(d / name))
         fd = os.open(d / LOG_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, PRIVATE_FILE)
-        log = cls(d, fd, slot_size, max_bytes, secrets.randbits(64) or 1)
         try:
-            meta = {"format": "worldpager-segment-log", "version": FORMAT_VERSION, "slot_size": slot_size}
-            _atomic_write_json(d / META_NAME, {**meta, "max_bytes": max_bytes, "log_id": log.log_id})
-            log._write_index()
+            _lock(fd, d / LOG_NAME)  # (opened meanwhile by another process: the file is that one's now)
         except BaseException:
             os.close(fd)
+            raise
+        made = [d / LOG_NAME]  # what this create wrote: removed again when it fails
+        try:
+            log = cls(d, fd, slot_size, max_bytes, secrets.randbits(64) or 1)
+            meta = {"format": "worldpager-segment-log", "version": FORMAT_VERSION, "slot_size": slot_size}
+            _atomic_write_json(d / META_NAME, {**meta, "max_bytes": max_bytes, "log_id": log.log_id})
+            made.append(d / META_NAME)
+            log._write_index()
+        except BaseException:
+            # A half-made log (a full disk refused meta.json, say) is neither a new folder nor a
+            # saved session: a new run and --resume would both refuse it. Gone, the folder is new again.
+            for path in reversed(made):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            os.close(fd)  # (after the unlinks: the lock keeps another create out meanwhile)
             raise
         log.index_state = "loaded"
         return log
@@ -401,6 +449,7 @@ class SegmentLog:
         d = Path(directory)
         fd = os.open(d / LOG_NAME, os.O_RDWR | os.O_CLOEXEC)
         try:
+            _lock(fd, d / LOG_NAME)
             slot_size, budget, log_id = _read_meta(d, fd)
             log = cls(d, fd, slot_size, budget if max_bytes is None else max_bytes, log_id)
             log._recover()
@@ -881,6 +930,11 @@ class SegmentLog:
             return None
         if any(s * self.slot_size + HEADER_SIZE + h.payload_len > size for s, h in headers.items()):
             return None  # an indexed slot no longer fits in the file
+        try:  # each entry as a header on disk must be (a non-finite pose, reversed frames: damaged)
+            for slot, h in headers.items():
+                encode_header(h, slot, self.slot_size, self.log_id)
+        except ValueError:
+            return None
         if headers:
             last = max(headers)
             try:

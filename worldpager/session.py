@@ -190,7 +190,13 @@ class Session:
         # a new session that runs no step leaves nothing behind (`close`): the folder too, if it made it
         self._fresh = not resume
         self._made_dir = not resume and not self.log_dir.exists() and not self.log_dir.is_symlink()
-        self.log = store.open_log(self.log_dir, self.segment_bytes, log_max_bytes, resume=resume)
+        try:  # a new session is refused a folder holding a file of its names (nothing of it is made)
+            self.log = store.open_log(self.log_dir, self.segment_bytes, log_max_bytes, resume=resume)
+        except BaseException:
+            if self._made_dir:  # (a create that fails removes what it wrote: the folder is empty)
+                with contextlib.suppress(OSError):
+                    self.log_dir.rmdir()
+            raise
         model.reset_cache()
         self._first = self._next = 0
         try:  # from here on a failure closes the log (and stops the transfer threads, if started)
@@ -276,8 +282,8 @@ class Session:
 
     @property
     def events(self) -> list[SessionEvent]:
-        """Notable events (all of them, but only the last ``max_events`` `LeaseResized`) and the last
-        ``max_events`` routine ones."""
+        """Notable events (all of them, but only the last ``max_events`` `LeaseResized`, and the first
+        and the last ``max_events`` `Dropped`) and the last ``max_events`` routine ones."""
         self._drain_events()
         return self._events.events()
 
@@ -471,6 +477,9 @@ class Session:
         session that ran no step (its first pose refused, say) saves nothing: what it wrote at
         creation is removed instead (`discarded`), and its folder when the session made it.
 
+        A transfer thread's failure (`TransferError`: EIO, EFBIG...) raised while waiting for the
+        transfers is raised after the session is saved, so a resume continues from the steps run.
+
         On a full disk: an index the log cannot save is logged (its data is fsynced; the next resume
         scans for it) and the session is still saved; a save the disk refuses raises `LogFullError`
         naming the folder (a `DiskFullError`: an OSError too), with nothing half-written: a resume
@@ -479,28 +488,36 @@ class Session:
         if self._closed:
             return
         self._closed = True
+        pending: Exception | None = None  # a transfer thread's failure: raised once the session is saved
         try:
             try:
-                nxt = self._next
-                if nxt in self._prepared:
-                    self.handler.wait_ready(nxt)
-                    self.handler.release(nxt)
-                    self._prepared.discard(nxt)
-            finally:  # also after a transfer thread failed: stop the threads that are left
-                self.handler.close()
-        finally:
-            try:
-                self.log.close()
-            except OSError as e:  # (the file is closed all the same)
-                if not is_disk_full(e):
-                    raise
-                logger.warning(
-                    "%s: the log's index was not saved (%s): the next resume rebuilds it", self.log_dir, e
-                )
+                try:
+                    nxt = self._next
+                    if nxt in self._prepared:
+                        self.handler.wait_ready(nxt)
+                        self.handler.release(nxt)
+                        self._prepared.discard(nxt)
+                finally:  # also after a transfer thread failed: stop the threads that are left
+                    self.handler.close()
             finally:
-                self._drain_events()
+                try:
+                    self.log.close()
+                except OSError as e:  # (the file is closed all the same)
+                    if not is_disk_full(e):
+                        raise
+                    logger.warning(
+                        "%s: the log's index was not saved (%s): the next resume rebuilds it",
+                        self.log_dir,
+                        e,
+                    )
+                finally:
+                    self._drain_events()
+        except Exception as e:  # (EIO, EFBIG...) the steps run so far are saved all the same
+            pending = e
         if self._fresh and self._next == 0 and self.log.n_slots == 0:
             self._discard()  # refused at its first pose, or never stepped: nothing to resume
+            if pending is not None:
+                raise pending
             return
         try:
             # a failed step may have changed the model's rolling window part-way (shifted one layer's
@@ -508,11 +525,16 @@ class Session:
             # window from the log
             self._save_state(window=None if self._failed is not None else self._save_window())
         except OSError as e:
+            if pending is not None:  # (the first failure is the one to report)
+                logger.warning("%s: the session was not saved either: %s", self.log_dir, e)
+                raise pending from pending.__cause__  # (its own cause kept: the OSError)
             if is_disk_full(e):
                 raise self._disk_full(
                     e, "the session", "a resume continues from what the folder holds"
                 ) from e
             raise
+        if pending is not None:
+            raise pending
 
     @property
     def discarded(self) -> bool:
@@ -522,10 +544,14 @@ class Session:
     def _discard(self) -> None:
         """Remove what this new session wrote in ``log_dir`` (its log, the log's index and meta file,
         ``session.json``, ``window.bin``, and their temporary files), ``session.json`` first, and the
-        folder itself when this session made it and it is empty now. Other files are left as they are;
-        a file that cannot be removed is logged (a resume of what is left is refused as damaged)."""
+        folder itself when this session made it and it is empty now. They are this session's own: a
+        new session is refused a folder holding any file of those names (`store.open_log`), and its
+        log is created exclusively (O_EXCL, then locked), so only after that is this called. Other
+        files are left as they are; a file that cannot be removed is logged (a resume of what is
+        left is refused as damaged)."""
         names = (SESSION_FILE, WINDOW_FILE, LOG_NAME, INDEX_NAME, META_NAME)
-        for name in (*names, *(n + ".tmp" for n in names)):
+        temps = (SESSION_FILE, WINDOW_FILE, INDEX_NAME, META_NAME)  # (the log is written in place)
+        for name in (*names, *(n + ".tmp" for n in temps)):
             try:
                 (self.log_dir / name).unlink(missing_ok=True)
             except OSError as e:

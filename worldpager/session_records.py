@@ -3,9 +3,9 @@
 a series of seconds).
 
 Events are drained from the transfer handler every step into counts, the rare notable ones (`Corrupt`,
-`DiskFull`, `Dropped`, `CorruptSlot`, `MissingSegment`), the last ``max_events`` `LeaseResized` ones
-(a lease can be resized any number of times in a long session) and the last ``max_events`` routine
-ones.
+`DiskFull`, `CorruptSlot`, `MissingSegment`), the first `Dropped` and the last ``max_events`` others
+(host-only mode drops one every step), the last ``max_events`` `LeaseResized` ones (a lease can be
+resized any number of times in a long session) and the last ``max_events`` routine ones.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ class MissingSegment:
 
 
 SessionEvent = RuntimeEvent | CorruptSlot | MissingSegment
-_NOTABLE = (Corrupt, DiskFull, Dropped, CorruptSlot, MissingSegment)  # kept, all of them
-# (`LeaseResized` is notable too, but only the last ``max_events`` are kept: see `EventLog`)
+_NOTABLE = (Corrupt, DiskFull, CorruptSlot, MissingSegment)  # kept, all of them
+# (`LeaseResized` and `Dropped` are notable too, but only some are kept: see `EventLog`)
 
 
 def stall_stats(values: Sequence[float]) -> dict[str, float]:
@@ -71,8 +71,10 @@ def stall_stats(values: Sequence[float]) -> dict[str, float]:
 
 
 class EventLog:
-    """Counts of every event by type name (all of them, kept or not), every notable event, the last
-    ``max_events`` `LeaseResized` events and the last ``max_events`` others."""
+    """Counts of every event by type name (all of them, kept or not), every notable event, the first
+    `Dropped` event and the last ``max_events`` others (a session in host-only mode drops a segment
+    every step: kept all, they grew without bound), the last ``max_events`` `LeaseResized` events and
+    the last ``max_events`` others."""
 
     def __init__(self, max_events: int) -> None:
         if max_events < 0:
@@ -81,6 +83,8 @@ class EventLog:
         self._seq = 0  # events recorded so far: keeps the notable ones and the resizes in their order
         self._notable: list[tuple[int, SessionEvent]] = []
         self._resized: deque[tuple[int, SessionEvent]] = deque(maxlen=max_events)
+        self._first_dropped: list[tuple[int, SessionEvent]] = []  # (when host-only mode began)
+        self._dropped: deque[tuple[int, SessionEvent]] = deque(maxlen=max_events)
         self._recent: deque[SessionEvent] = deque(maxlen=max_events)
 
     def record(self, e: SessionEvent) -> None:
@@ -89,6 +93,8 @@ class EventLog:
         self._seq += 1
         if isinstance(e, LeaseResized):
             self._resized.append((self._seq, e))
+        elif isinstance(e, Dropped):
+            (self._dropped if self._first_dropped else self._first_dropped).append((self._seq, e))
         elif isinstance(e, _NOTABLE):
             self._notable.append((self._seq, e))
         else:
@@ -99,9 +105,12 @@ class EventLog:
             self.record(e)
 
     def events(self) -> list[SessionEvent]:
-        """Notable events (all of them, with the last ``max_events`` `LeaseResized` ones among them,
-        in the order they came) and then the last ``max_events`` routine ones."""
-        kept = merge(self._notable, self._resized, key=lambda item: item[0])
+        """Notable events (all of them, with the first and the last ``max_events`` `Dropped` ones
+        and the last ``max_events`` `LeaseResized` ones among them, in the order they came) and then
+        the last ``max_events`` routine ones."""
+        kept = merge(
+            self._notable, self._first_dropped, self._dropped, self._resized, key=lambda item: item[0]
+        )
         return [*(e for _, e in kept), *self._recent]
 
     def counts(self) -> dict[str, int]:

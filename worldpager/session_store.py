@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -58,6 +59,7 @@ from worldpager.page_types import SegState
 from worldpager.pages import PageManager
 from worldpager.retrieval import Pose, SegmentInfo, check_pose
 from worldpager.segment_log import (
+    LOG_NAME,
     META_NAME,
     CorruptSlotError,
     RetiredSlotError,
@@ -279,11 +281,20 @@ def save_state(
 
 
 def open_log(log_dir: Path, segment_bytes: int, max_bytes: int | None, *, resume: bool) -> SegmentLog:
-    """The session's `SegmentLog`: created, or reopened (``resume``; its slots must fit the segments,
-    and it must be the log ``session.json`` was written with, when that names one). On a resume the
+    """The session's `SegmentLog`: created (FileExistsError naming the file when ``log_dir`` holds
+    any file a new session writes, or its ``.tmp``: someone's own ``session.json`` is never written
+    over, nor deleted by `Session.close` as the session's), or reopened (``resume``; its slots must
+    fit the segments, and it must be the log ``session.json`` was written with, when that names
+    one). On a resume the
     slots the reopen found corrupt are retired (`SegmentLog.retire_corrupt`): its corrupt_slots()
     still lists them, for this resume to report, and a later reopen does not."""
     if not resume:
+        names = (LOG_NAME, SESSION_FILE, WINDOW_FILE, *(n + ".tmp" for n in (SESSION_FILE, WINDOW_FILE)))
+        for name in names:  # (the log first: a saved session is named by it)
+            if os.path.lexists(log_dir / name):  # (a user's own file of that name: never written over)
+                raise FileExistsError(
+                    errno.EEXIST, "exists: a new session would write over it", str(log_dir / name)
+                )
         return SegmentLog.create(log_dir, slot_size_for(segment_bytes), max_bytes=max_bytes)
     log = SegmentLog.open(log_dir, max_bytes=max_bytes)
     if log.slot_size != slot_size_for(segment_bytes):

@@ -70,15 +70,36 @@ from worldpager.page_types import (
 from worldpager.pages import PageManager
 from worldpager.retrieval import SegmentInfo
 from worldpager.segment_header import SegmentHeader
-from worldpager.segment_log import HEADER_SIZE, CorruptSlotError, LogFullError, SegmentLog
+from worldpager.segment_log import (
+    HEADER_SIZE,
+    CorruptSlotError,
+    LogFullError,
+    SegmentLog,
+    SegmentLogError,
+)
 
-__all__ = ["Dropped", "RuntimeEvent", "Throttle", "TransferHandler", "WrittenThrough", "sleep_until"]
+__all__ = [
+    "Dropped",
+    "RuntimeEvent",
+    "Throttle",
+    "TransferError",
+    "TransferHandler",
+    "WrittenThrough",
+    "sleep_until",
+]
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 
 # ---- throttle -------------------------------------------------------------------------------------
+
+
+class TransferError(SegmentLogError, RuntimeError):
+    """A transfer thread failed on an error of the system's (EIO, EFBIG over a file-size limit, EROFS):
+    named with the log file, one line (``__cause__``: the OSError). A SegmentLogError, so callers
+    that report the log's failures (the CLI's one-line error) report it; a RuntimeError, as every
+    transfer thread failure was before."""
 
 
 class Throttle:
@@ -500,8 +521,14 @@ class TransferHandler:
             raise RuntimeError(f"transfer handler is closed: cannot {what}")
 
     def _raise_error(self) -> None:
-        if self.error is not None:
-            raise RuntimeError(f"transfer thread failed: {self.error!r}") from self.error
+        """Raise what failed a transfer thread: a `TransferError` naming the log file when the system
+        refused the I/O (EIO, EFBIG, EROFS...: a full disk is no failure, see `Failure`), else a
+        RuntimeError (a bug)."""
+        e = self.error
+        if isinstance(e, OSError):
+            raise TransferError(f"transfer thread failed: {self.log.path}: {e.strerror or e}") from e
+        if e is not None:
+            raise RuntimeError(f"transfer thread failed: {e!r}") from e
 
     def _guard(self, fn: Callable[[], None]) -> Callable[[], None]:
         def run() -> None:
