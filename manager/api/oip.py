@@ -653,6 +653,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 answers.put_nowait(None)
 
         reader = asyncio.ensure_future(read())
+        reader.add_done_callback(read_outcome)  # (its error is the status's; unread when the stream ends
+        # otherwise, e.g. a refused message that a client reading nothing sent: asyncio would log it)
         try:
             while (answer := await answers.get()) is not None:
                 await self._send(context, answer)
