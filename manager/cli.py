@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import math
 import os
@@ -732,6 +733,7 @@ def cmd_tune(a: argparse.Namespace) -> int:
     holdout_bad = bad  # (split from the same trace: its lines skipped)
     if a.holdout:
         search, (holdout, holdout_bad) = reqs, _load_trace(a.holdout, config, a.strict, "--holdout")
+        search = _outside_holdout(a, search, holdout)
     else:
         search, holdout = split_holdout(reqs)
     if not search and reqs:
@@ -794,6 +796,41 @@ def cmd_tune(a: argparse.Namespace) -> int:
     return 0
 
 
+def _outside_holdout(a: argparse.Namespace, search: list[Request], holdout: list[Request]) -> list[Request]:
+    """`tune`'s search requests less those within the --holdout's span (its first to its last
+    arrival): days the result is judged on are not searched on (a holdout cut from the same week
+    was searched and then judged, its before/after figures no test of the tuning). Said on stderr;
+    UsageError when nothing is left to search."""
+    if not search or not holdout:
+        return search
+    first, last = holdout[0].t, holdout[-1].t
+    kept = [r for r in search if not first <= r.t <= last]
+    if len(kept) == len(search):
+        return search
+    span = f"{_utc(first)} to {_utc(last)}"
+    if not kept:
+        raise UsageError(
+            f"--holdout {a.holdout} spans {span}, which holds every request of --trace "
+            f"{_trace_name(a.trace)}: nothing is left to search; give a holdout of other days (or no "
+            "--holdout: the trace's last days are held out)"
+        )
+    err.print(
+        f"[yellow]--holdout {escape(_printable(a.holdout))}: warning:[/] it spans {span}, and "
+        f"{len(search) - len(kept)} of the {len(search)} requests of --trace fall in it: the search "
+        "leaves them out (the result is judged on days it was not tuned on)",
+        highlight=False,
+    )
+    return kept
+
+
+def _utc(t: float) -> str:
+    """A Unix time as a UTC date and time to the minute (a trace's times are true Unix times)."""
+    try:
+        return datetime.datetime.fromtimestamp(t, tz=datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    except (OverflowError, OSError, ValueError):  # (a time past the calendar's years: said as it is)
+        return f"t={t:g}"
+
+
 def _count_bad_lines(res: Any, bad: int, holdout_bad: int) -> None:
     """`tune`'s replay figures carry the lines of their trace that were skipped (`bad`: --trace's,
     `holdout_bad`: --holdout's), as `replay --json` counts them."""
@@ -818,6 +855,11 @@ def _write_tune_files(
             raise UsageError(
                 f"--report {a.report}: {e.strerror or e}{where}; the report was not written (its files "
                 f"there are as they were), nor --out {a.out}"
+            ) from None
+        except (ValueError, RuntimeError) as e:  # matplotlib's own refusal of a text or a figure
+            raise UsageError(
+                f"--report {a.report}: a plot could not be drawn ({' '.join(str(e).split())[:300]}); the "
+                f"report was not written (its files there are as they were), nor --out {a.out}"
             ) from None
     _write_tuned(a.config, a.out, res, header, read)
 

@@ -1164,6 +1164,7 @@ def write_config_with_updates(
         )
     if note_measured:
         text = _measure_noted(text, before, model_updates, expected)
+    text = _lost_comments_restored(raw.replace("\r\n", "\n").replace("\r", "\n"), text, str(src))
     if header_comment:
         # a config tuned (or measured) again gets the new line in place of that tool's last one (not a
         # stack of one more line a week); the other tool's line and the user's own comments stay
@@ -1181,6 +1182,74 @@ def write_config_with_updates(
     with Path(dst).open("w", encoding="utf-8", newline=newline) as f:  # `\n` written as `newline`
         f.write(text)
     return config
+
+
+def _content(line: str) -> str:
+    """A YAML line without its comment at the end (a ` #` outside quotes) and surrounding blanks."""
+    quote = ""
+    for i, ch in enumerate(line):
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1] in " \t"):
+            return line[:i].strip()
+    return line.strip()
+
+
+def _loose_key(content: str) -> str:
+    """What a line is about, whatever value it holds: a flow entry's `- {name: X`, else its text up
+    to its first `:` (a line a tool changed still has it)."""
+    m = re.match(r"(-\s*\{\s*name:\s*[^,}]+)", content)
+    if m:
+        return m.group(1).strip()
+    return content.split(":", 1)[0] if ":" in content else content
+
+
+def _lost_comments_restored(src: str, text: str, file: str) -> str:
+    """`text` (`src` dumped again) with the comment lines of `src` that ruamel's round trip lost put
+    back, each run before the line that followed it in `src`. ruamel drops a comment line between two
+    entries of a list of flow mappings when the first has no comment at its end and the second has
+    one (`- {name: a}` / `# about b` / `- {name: b}  # b`): at its load already, so a tuned config
+    lost the user's own words at each write, even with no change. Left as it is when the lines put
+    back would change what the file says (never seen: comment lines hold no data)."""
+    out = text.split("\n")
+    have: dict[str, int] = {}
+    for line in out:
+        if line.strip().startswith("#"):
+            have[line.strip()] = have.get(line.strip(), 0) + 1
+    inserts: dict[int, list[str]] = {}  # output line index -> comment lines to put before it
+    pending: list[str] = []
+    j = 0
+    for line in src.split("\n"):
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            if have.get(stripped, 0) > 0:
+                have[stripped] -= 1
+            else:
+                pending.append(line)
+            continue
+        if not stripped:
+            continue
+        content = _content(line)
+        k = next((i for i in range(j, len(out)) if _content(out[i]) == content), None)
+        if k is None:
+            key = _loose_key(content)
+            k = next((i for i in range(j, len(out)) if _loose_key(_content(out[i])) == key), None)
+        if k is None:
+            continue  # (not found: the comments wait for the next line that is)
+        if pending:
+            inserts.setdefault(k, []).extend(pending)
+            pending = []
+        j = k + 1
+    if not inserts:
+        return text
+    restored = "\n".join(line for i, kept in enumerate(out) for line in (*inserts.get(i, ()), kept))
+    try:
+        same = _plain(_parse_yaml(restored, file)) == _plain(_parse_yaml(text, file))
+    except (ConfigError, _TooManyNodes, RecursionError):
+        same = False
+    return restored if same else text
 
 
 def _newline_of(text: str) -> str:

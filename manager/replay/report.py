@@ -207,6 +207,12 @@ def _day_axis(ax: Any, t_start: float, t_end: float) -> None:
     _mark_days(ax, edges, [(n - t_start) / DAY for n in noons], labels, (0.0, (t_end - t_start) / DAY))
 
 
+def _shown(name: str) -> str:
+    """A name of the config's (a device's, a model's) as plot text: its `$` escaped, which matplotlib
+    reads as math (`gpu$_$0` failed the whole report, after the search, with a traceback)."""
+    return name.replace("$", r"\$")
+
+
 def _save(fig: Any, path: Path, xlabel: str | None = None) -> None:
     if xlabel:
         fig.supxlabel(xlabel)
@@ -224,7 +230,7 @@ def _plot_timeline(path: Path, runs: Runs, models: list[str], t0: float, t1: flo
                 xr = [((a - t0) / DAY, (b - a) / DAY) for a, b, k in spans[m] if k == tier]
                 if xr:
                     ax.broken_barh(xr, (i - 0.4, 0.8), facecolors=color)
-        ax.set_yticks(range(len(models)), models)
+        ax.set_yticks(range(len(models)), [_shown(m) for m in models])
         ax.set_ylim(len(models) - 0.5, -0.5)
         ax.set_title(f"Residency per model — {label}")
         _day_axis(ax, t0, t1)
@@ -270,9 +276,11 @@ def _plot_memory(
         times, values = gpu_bytes(res.actions or [], names, weights, t0, t1)
         x = [(t - t0) / DAY for t in times]
         ys = [[v / GIB for v in values[m]] for m in names]
-        ax.stackplot(x, *ys, labels=names, colors=[colors[m] for m in names], step="post")
+        ax.stackplot(
+            x, *ys, labels=[_shown(m) for m in names], colors=[colors[m] for m in names], step="post"
+        )
         ax.set_ylabel("GiB")
-        where = f"device {device}" if device is not None else "GPU"
+        where = f"device {_shown(device)}" if device is not None else "GPU"
         ax.set_title(f"{where}: memory per model — {label}")
         _day_axis(ax, t0, t1)
         if first[device] is ax:

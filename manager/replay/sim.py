@@ -45,6 +45,8 @@ WARMUP_S = 600.0
 @dataclass
 class ModelFigures:
     requests: int = 0
+    """Its requests, counted at arrival as the top level's `requests` (served and rejected)."""
+    rejected: int = 0
     cold_starts: int = 0
     load_wait_s: float = 0.0
     resident_fraction: float = 0.0
@@ -94,6 +96,7 @@ class ReplayResult:
             "models": {
                 k: {
                     "requests": v.requests,
+                    "rejected": v.rejected,
                     "cold_starts": v.cold_starts,
                     "load_wait_s": round(v.load_wait_s, 3),
                     "resident_fraction": round(v.resident_fraction, 4),
@@ -201,10 +204,11 @@ class Simulator:
                 self._reject(what)
                 continue
             eng.observe(m, now)
+            self.figs[m.name].requests += 1  # (at arrival, as the top level's: served or rejected)
             limit = limits[rank]
             if limit is not None and self._queued(rank, now) >= limit and not self._ready(m, now):
                 # The live manager's words (manager/live.py `_queue_for`), checked at arrival.
-                self._reject(f"class '{self.class_names[rank]}': queue full ({limit} requests waiting)")
+                self._reject(f"class '{self.class_names[rank]}': queue full ({limit} requests waiting)", m)
                 self._push_wakeups()  # (those its arrival asked for: the oracle's, say)
                 continue
             # Behind an earlier request for its model of its class or a higher one, or no room yet.
@@ -229,8 +233,8 @@ class Simulator:
         last = t_end
         while self.heap or self.waiting:
             if not self.heap or self.heap[0] > horizon:
-                for _ in self.waiting:
-                    self._reject("no room became free before the end of the trace")
+                for w in self.waiting:
+                    self._reject("no room became free before the end of the trace", w.m)
                 self.waiting.clear()
                 self.waiting_n = [0] * len(self.class_names)
                 break
@@ -266,7 +270,7 @@ class Simulator:
         eng = self.engine
         adm = eng.admit(m, rank, now)
         if adm.status == "reject":
-            self._reject(adm.reason)
+            self._reject(adm.reason, m)
             return True
         if adm.status == "wait":
             return False
@@ -278,7 +282,6 @@ class Simulator:
         lw = ready - arrival if cold else 0.0
         res, fig = self.res, self.figs[m.name]
         res.served += 1
-        fig.requests += 1
         if cold:
             res.cold_starts += 1
             res.load_wait_s += lw
@@ -330,7 +333,7 @@ class Simulator:
         if now >= w.deadline:
             # The live manager's words (manager/live.py `_admit`).
             max_wait = self.engine.state.class_max_wait[w.rank]
-            self._reject(f"model '{w.m.name}': no room within its class's max_wait ({max_wait} s)")
+            self._reject(f"model '{w.m.name}': no room within its class's max_wait ({max_wait} s)", w.m)
             return
         self.waiting.append(w)
         w.m.waiting += 1
@@ -367,8 +370,10 @@ class Simulator:
                     self._wait(w, now)  # still no room
                     blocked[w.m.name] = w.rank
 
-    def _reject(self, reason: str) -> None:
+    def _reject(self, reason: str, m: ModelState | None = None) -> None:
         self.res.rejected += 1
+        if m is not None:  # (None: a request for a model or class the config does not have)
+            self.figs[m.name].rejected += 1
         self.res.reject_reasons[reason] = self.res.reject_reasons.get(reason, 0) + 1
 
     def _finish(self, t_start: float, t_end: float, gpu_time: dict[str, float]) -> ReplayResult:
