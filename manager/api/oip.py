@@ -51,7 +51,6 @@ figures, batch_stats, memory_usage and response_stats are not measured: 0 or emp
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import weakref
@@ -67,7 +66,7 @@ from manager.api.convert import decode_input, typed_count
 from manager.api.errors import details_of, mapped, status_of
 from manager.api.fastpath import waited_s
 from manager.api.handlers import not_a_message
-from manager.api.runtime import call_wait_s
+from manager.api.runtime import call_wait_s, write_within
 from manager.errors import (
     DeadlineExceeded,
     InsufficientCapacity,
@@ -685,20 +684,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         """Write `answer` to the stream; _NotReading when gRPC's flow control held it past
         `stream_send_limit_s` (the write is then cancelled: it stays queued in gRPC, and reaches a
         client that reads again, as the status after it does)."""
-        write = asyncio.ensure_future(context.write(answer))
-        write.add_done_callback(read_outcome)  # (its error read whatever becomes of it)
-        try:
-            await asyncio.wait((write,), timeout=self.stream_send_limit_s)
-        finally:
-            sent = write.done()
-            if not sent:  # (also when this task is cancelled: the client cancelled its call)
-                write.cancel()
-        if sent:
-            write.result()  # sent (or gRPC's own error, a grpc.aio.BaseError: the stream is gone)
-            return
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await write  # (let its cancel end)
-        raise _NotReading(self.stream_send_limit_s)
+        if not await write_within(context, answer, self.stream_send_limit_s):
+            raise _NotReading(self.stream_send_limit_s)
 
     async def infer_raw(self, raw: bytes, seconds_left: float | None) -> tuple[int, str, bytes]:
         """ModelInfer for a gRPC front end (`manager.api.fastpath`): request bytes in, (status code,

@@ -1,10 +1,12 @@
 """What the server and its gRPC front-end processes set up alike: the event loop, gRPC's message
-limits and keepalive, and binding the listening port. Light on purpose (asyncio and the stdlib; grpc
-only where a port is bound): a front end imports it without the manager."""
+limits and keepalive, binding the listening port, and a stream's write bounded in time. Light on
+purpose (asyncio and the stdlib; grpc only where a port is bound): a front end imports it without
+the manager."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -122,3 +124,35 @@ def keepalive_options(every_s: float) -> list[tuple[str, Any]]:
 def message_options(max_bytes: int) -> list[tuple[str, Any]]:
     """gRPC options: messages up to `max_bytes` either way (`server.max_request_bytes`)."""
     return [("grpc.max_receive_message_length", max_bytes), ("grpc.max_send_message_length", max_bytes)]
+
+
+async def write_within(
+    context: Any, message: Any, limit_s: float | None, stop: asyncio.Event | None = None
+) -> bool:
+    """Write `message` to a call's stream (`context.write`): True once sent (gRPC's own error raised,
+    a grpc.aio.BaseError: the stream is gone); False when it was not sent within `limit_s` seconds
+    (None: no limit) or `stop` was set first. A send that gRPC's flow control holds (the client reads
+    nothing, its window is full) would otherwise wait for ever. The write given up is cancelled and
+    let end; it stays queued in gRPC (its callback finds its waiter cancelled, as when a client
+    cancels mid-send), so the client gets it, and the status after it, if it ever reads again. The
+    write is cancelled too when this task is (the client cancelled its call)."""
+    write = asyncio.ensure_future(context.write(message))
+    # its error read whatever becomes of it (a client's cancel fails the write and cancels the
+    # handler in one turn: asyncio logged "Task exception was never retrieved" at each)
+    write.add_done_callback(lambda t: t.cancelled() or t.exception())
+    stopped = asyncio.ensure_future(stop.wait()) if stop is not None else None
+    try:
+        waits = (write,) if stopped is None else (write, stopped)
+        await asyncio.wait(waits, timeout=limit_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if stopped is not None:
+            stopped.cancel()
+        sent = write.done()
+        if not sent:
+            write.cancel()
+    if sent:
+        write.result()
+        return True
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await write
+    return False

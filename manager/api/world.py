@@ -41,10 +41,9 @@ from typing import Any, NoReturn
 import grpc
 
 from manager.api.errors import details_of, status_of
-from manager.api.runtime import call_wait_s
+from manager.api.runtime import call_wait_s, write_within
 from manager.errors import DeadlineExceeded, InvalidRequest, ResidencyError
 from manager.live import LiveManager
-from manager.live_persist import read_outcome
 from manager.live_sessions import SessionResumable
 from manager.units import format_duration, parse_keep_alive
 from residency_proto.v1 import residency_pb2 as pb
@@ -182,22 +181,12 @@ class WorldSessionServicer(pb_grpc.WorldSessionServicer):
         full) would otherwise wait for ever. The write given up stays queued in gRPC (its callback
         finds its waiter cancelled, as when a client cancels mid-send): the client gets it, and the
         status after it, if it ever reads again."""
-        write = asyncio.ensure_future(context.write(out))
-        # its error read whatever becomes of this task (a client's cancel fails the write and cancels
-        # the handler in one turn: asyncio logged "Task exception was never retrieved" at each)
-        write.add_done_callback(read_outcome)
-        stop = asyncio.ensure_future(self.stopping.wait())
-        try:
-            await asyncio.wait((write, stop), timeout=limit_s, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
-            sent = write.done()
-            if not sent:  # (also when this task is cancelled: the client cancelled its call)
-                write.cancel()
-        if sent:
-            write.result()  # sent (or gRPC's own error, a grpc.aio.BaseError: the stream is gone)
+        if await write_within(context, out, limit_s, self.stopping):
             return
-        await self._given_up(write, limit_s, ClientNotReading)
+        if self.stopping.is_set():
+            raise ServerStopping
+        assert limit_s is not None  # (without a limit, the wait ends only with the write or the stop)
+        raise ClientNotReading(limit_s)
 
     async def _given_up(
         self, task: asyncio.Future[Any], limit_s: float | None, timed_out: Callable[[float], Exception]

@@ -12,7 +12,6 @@ lag set, told to `on_corrupt` (or raised as a StoreError) like an infinite one."
 
 from __future__ import annotations
 
-import asyncio
 import io
 import logging
 import math
@@ -22,6 +21,7 @@ from typing import Any
 import pytest
 from integration.redis_server import client, redis_clean, redis_url, rstore  # noqa: F401
 from live_helpers import CONFIG
+from test_review28_store_journal import _start_claim_read
 
 from manager.config import load_config
 from manager.live import LiveManager
@@ -30,17 +30,6 @@ from manager.store.base import StoreId
 from manager.store.export import export_trace
 
 T0 = 1_790_000_000.0
-
-
-def _start_claim_read(lm: LiveManager) -> list[dict[str, Any]]:
-    """What `LiveManager.start` does first with the journal: claim it by the store's id, then read."""
-
-    async def go() -> list[dict[str, Any]]:
-        await lm._claim_journal()
-        assert lm.journal is not None
-        return lm.journal.read()
-
-    return asyncio.run(go())
 
 
 def test_a_redis_store_says_whether_this_ask_made_its_id_and_where_it_is(
