@@ -49,6 +49,22 @@ def _start_claim_read(lm: LiveManager) -> list[dict[str, Any]]:
     return asyncio.run(go())
 
 
+def _takes_its_records_as_come_back_empty(
+    lm: LiveManager, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`lm` started on a store come back empty: the journal's three records (T0..T0+2) are sent to it,
+    none set aside, the journal now this store's; `lm` closed after."""
+    with caplog.at_level(logging.WARNING, logger="manager.journal"):
+        left = _start_claim_read(lm)
+    assert [r["t"] for r in left] == [T0, T0 + 1, T0 + 2]  # sent to the store, not set aside
+    assert not list(tmp_path.glob("*.aside"))
+    assert "come back empty" in caplog.text
+    assert lm.journal is not None and lm.store is not None
+    assert (tmp_path / "requests.journal.store").read_text().strip() == lm.store.store_id()
+    lm.journal.close()
+    lm.store.close()
+
+
 def test_a_sqlite_store_says_whether_this_ask_made_its_id(tmp_path: Path) -> None:
     s = open_store(f"sqlite:///{tmp_path}/state.db")
     try:
@@ -74,15 +90,7 @@ def test_a_sqlite_file_made_anew_takes_the_records_kept_for_it(
     lm.store.close()
     (tmp_path / "state.db").rename(tmp_path / "state.db.damaged")  # moved aside; made anew below
     lm = LiveManager(load_config(CONFIG), None, store=open_store(url), clock=lambda: T0 + 60, journal=jp)
-    with caplog.at_level(logging.WARNING, logger="manager.journal"):
-        left = _start_claim_read(lm)
-    assert [r["t"] for r in left] == [T0, T0 + 1, T0 + 2]  # sent to the store, not set aside
-    assert not list(tmp_path.glob("*.aside"))
-    assert "come back empty" in caplog.text
-    assert lm.journal is not None and lm.store is not None
-    assert (tmp_path / "requests.journal.store").read_text().strip() == lm.store.store_id()
-    lm.journal.close()
-    lm.store.close()
+    _takes_its_records_as_come_back_empty(lm, tmp_path, caplog)
 
 
 def test_a_store_whose_id_existed_before_still_has_another_stores_records_set_aside(

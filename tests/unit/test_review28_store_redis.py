@@ -13,7 +13,6 @@ lag set, told to `on_corrupt` (or raised as a StoreError) like an infinite one."
 from __future__ import annotations
 
 import io
-import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 import pytest
 from integration.redis_server import client, redis_clean, redis_url, rstore  # noqa: F401
 from live_helpers import CONFIG
-from test_review28_store_journal import _start_claim_read
+from test_review28_store_journal import _start_claim_read, _takes_its_records_as_come_back_empty
 
 from manager.config import load_config
 from manager.live import LiveManager
@@ -62,15 +61,7 @@ def test_a_redis_that_came_back_empty_takes_the_records_kept_for_it(
     lm = LiveManager(
         load_config(CONFIG), None, store=open_store(redis_clean), clock=lambda: T0 + 60, journal=jp
     )
-    with caplog.at_level(logging.WARNING, logger="manager.journal"):
-        left = _start_claim_read(lm)
-    assert [r["t"] for r in left] == [T0, T0 + 1, T0 + 2]  # sent to the store, not set aside
-    assert not list(tmp_path.glob("*.aside"))
-    assert "come back empty" in caplog.text
-    assert lm.journal is not None and lm.store is not None
-    assert (tmp_path / "requests.journal.store").read_text().strip() == lm.store.store_id()
-    lm.journal.close()
-    lm.store.close()
+    _takes_its_records_as_come_back_empty(lm, tmp_path, caplog)
 
 
 @pytest.mark.parametrize("score", [-math.inf, -5.0])
