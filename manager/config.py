@@ -1208,40 +1208,55 @@ def _loose_key(content: str) -> str:
 
 def _lost_comments_restored(src: str, text: str, file: str) -> str:
     """`text` (`src` dumped again) with the comment lines of `src` that ruamel's round trip lost put
-    back, each run before the line that followed it in `src`. ruamel drops a comment line between two
-    entries of a list of flow mappings when the first has no comment at its end and the second has
-    one (`- {name: a}` / `# about b` / `- {name: b}  # b`): at its load already, so a tuned config
-    lost the user's own words at each write, even with no change. Left as it is when the lines put
-    back would change what the file says (never seen: comment lines hold no data)."""
+    back, each run before the flow-list entry that followed it in `src`. ruamel drops a comment line
+    between two entries of a list of flow mappings when the first has no comment at its end and the
+    second has one (`- {name: a}` / `# about b` / `- {name: b}  # b`): at its load already, so a tuned
+    config lost the user's own words at each write, even with no change. Only such runs are mended:
+    those above a flow entry (`- {`) found in `text` (as it is, or by its `- {name: X`), missing from
+    the comment lines just above it there. Left as it is when the lines put back would change what
+    the file says (never seen: comment lines hold no data)."""
     out = text.split("\n")
-    have: dict[str, int] = {}
-    for line in out:
-        if line.strip().startswith("#"):
-            have[line.strip()] = have.get(line.strip(), 0) + 1
     inserts: dict[int, list[str]] = {}  # output line index -> comment lines to put before it
-    pending: list[str] = []
+    run: list[str] = []  # the comment lines since the last line of data
     j = 0
     for line in src.split("\n"):
         stripped = line.strip()
         if stripped.startswith("#"):
-            if have.get(stripped, 0) > 0:
-                have[stripped] -= 1
-            else:
-                pending.append(line)
+            run.append(line)
             continue
         if not stripped:
             continue
-        content = _content(line)
+        content, comments, run = _content(line), run, []
+        flow = content.startswith("- {")
         k = next((i for i in range(j, len(out)) if _content(out[i]) == content), None)
-        if k is None:
+        if k is None and flow:  # (a value a tool changed on it: found by its name)
             key = _loose_key(content)
-            k = next((i for i in range(j, len(out)) if _loose_key(_content(out[i])) == key), None)
+            k = next(
+                (
+                    i
+                    for i in range(j, len(out))
+                    if _content(out[i]).startswith("- {") and _loose_key(_content(out[i])) == key
+                ),
+                None,
+            )
         if k is None:
-            continue  # (not found: the comments wait for the next line that is)
-        if pending:
-            inserts.setdefault(k, []).extend(pending)
-            pending = []
+            continue  # (not in `text` as it was: joined to the line before, say)
         j = k + 1
+        if not (flow and comments):
+            continue
+        above: list[str] = []  # the comment lines just above it in `text`
+        i = k - 1
+        while i >= 0 and (not out[i].strip() or out[i].strip().startswith("#")):
+            above.append(out[i].strip())
+            i -= 1
+        missing = []
+        for c in comments:
+            if c.strip() in above:
+                above.remove(c.strip())
+            else:
+                missing.append(c)
+        if missing:
+            inserts.setdefault(k, []).extend(missing)
     if not inserts:
         return text
     restored = "\n".join(line for i, kept in enumerate(out) for line in (*inserts.get(i, ()), kept))

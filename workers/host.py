@@ -44,6 +44,7 @@ from workers.measure import CpuProbe, CudaProbe, MemoryProbe, Phases, nvml_power
 from workers.st_io import cached_fraction
 from workers.world import NotResident, SessionNotOpen, WorldSessions
 from worldpager.segment_log import LogFullError, LogInUse
+from worldpager.transfer import TransferError
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -810,6 +811,15 @@ class DeviceHost:
             # server's state, not the request's (UNAVAILABLE: it may pass)
             logger.warning("device %s: world session call refused: %s", self.name, e)
             return P.SessionReply(False, error_code=P.NOT_AVAILABLE, error=f"world session: {e}")
+        except TransferError as e:  # the disk failed under the session (EIO, EFBIG): the path is logged,
+            # not told to the client (where the server keeps its sessions)
+            logger.error("device %s: world session call failed: %s", self.name, e)
+            why = getattr(e.__cause__, "strerror", None) or str(e.__cause__ or e)
+            return P.SessionReply(
+                False,
+                error_code=P.INTERNAL,
+                error=f"world session: its log could not be written or read ({why})",
+            )
         except Exception as e:  # a failed session call never kills the host
             logger.exception("device %s: world session call failed", self.name)
             return P.SessionReply(False, error_code=P.INTERNAL, error=f"world session: {e!r}")

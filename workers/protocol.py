@@ -388,7 +388,7 @@ class TensorSpec:
                     f"input {self.name!r} has {bad.size} {what} that are not finite (NaN or inf), the first "
                     f"at {at}" + (f"; expected {self.about}" if self.about else "")
                 )
-        if self.utf8 and a.dtype.kind == "O":
+        if self.utf8 and a.dtype.kind in "OS":  # (objects, as decoded; fixed-width bytes, as given)
             for i, item in enumerate(a.reshape(-1).tolist()):
                 if isinstance(item, bytes | bytearray | memoryview):
                     try:

@@ -42,7 +42,7 @@ from worldpager.retrieval import (
     outside_window,
     predict_pose,
 )
-from worldpager.segment_log import INDEX_NAME, LOG_NAME, META_NAME, DiskFullError, is_disk_full
+from worldpager.segment_log import INDEX_NAME, LOG_NAME, META_NAME, DiskFullError, LogInUse, is_disk_full
 from worldpager.session_records import (
     CorruptSlot,
     EventLog,
@@ -200,6 +200,13 @@ class Session:
         model.reset_cache()
         self._first = self._next = 0
         try:  # from here on a failure closes the log (and stops the transfer threads, if started)
+            if resume and read_saved_state(self.log_dir) != saved:
+                # read before the log's lock was taken: another process saved it meanwhile (it closed
+                # the session as this one opened it), so what was read is not what is saved
+                raise LogInUse(
+                    f"{self.log_dir}: its session was saved by another process while this one opened "
+                    "it: resume it again"
+                )
             self.handler = TransferHandler(
                 self.pm, self.log, self.layout, throttle=Throttle(throttle_bps), device=device
             )
@@ -490,49 +497,54 @@ class Session:
         self._closed = True
         pending: Exception | None = None  # a transfer thread's failure: raised once the session is saved
         try:
-            try:
-                try:
-                    nxt = self._next
-                    if nxt in self._prepared:
-                        self.handler.wait_ready(nxt)
-                        self.handler.release(nxt)
-                        self._prepared.discard(nxt)
-                finally:  # also after a transfer thread failed: stop the threads that are left
-                    self.handler.close()
-            finally:
-                try:
-                    self.log.close()
-                except OSError as e:  # (the file is closed all the same)
-                    if not is_disk_full(e):
-                        raise
-                    logger.warning(
-                        "%s: the log's index was not saved (%s): the next resume rebuilds it",
-                        self.log_dir,
-                        e,
-                    )
-                finally:
-                    self._drain_events()
+            nxt = self._next
+            if nxt in self._prepared:
+                self.handler.wait_ready(nxt)
+                self.handler.release(nxt)
+                self._prepared.discard(nxt)
         except Exception as e:  # (EIO, EFBIG...) the steps run so far are saved all the same
             pending = e
-        if self._fresh and self._next == 0 and self.log.n_slots == 0:
+        finally:  # also after a transfer thread failed: stop the threads that are left
+            try:
+                self.handler.close()
+            except Exception as e:
+                pending = pending or e
+        discard = self._fresh and self._next == 0 and self.log.n_slots == 0
+        unsaved: OSError | None = None
+        if not discard:  # saved while the log is open: its lock held until the session is saved (a
+            # process waiting for it would read a session.json from before this run's steps)
+            try:
+                # a failed step may have changed the model's rolling window part-way (shifted one
+                # layer's K but not its V, or not its end index): no checkpoint of it, the resume
+                # rebuilds the window from the log
+                self._save_state(window=None if self._failed is not None else self._save_window())
+            except OSError as e:
+                unsaved = e
+        try:
+            self.log.close()
+        except OSError as e:  # (the file is closed all the same)
+            if is_disk_full(e):
+                logger.warning(
+                    "%s: the log's index was not saved (%s): the next resume rebuilds it", self.log_dir, e
+                )
+            else:
+                pending = pending or e
+        finally:
+            self._drain_events()
+        if discard:
             self._discard()  # refused at its first pose, or never stepped: nothing to resume
             if pending is not None:
                 raise pending
             return
-        try:
-            # a failed step may have changed the model's rolling window part-way (shifted one layer's
-            # K but not its V, or not its end index): no checkpoint of it, the resume rebuilds the
-            # window from the log
-            self._save_state(window=None if self._failed is not None else self._save_window())
-        except OSError as e:
+        if unsaved is not None:
             if pending is not None:  # (the first failure is the one to report)
-                logger.warning("%s: the session was not saved either: %s", self.log_dir, e)
+                logger.warning("%s: the session was not saved either: %s", self.log_dir, unsaved)
                 raise pending from pending.__cause__  # (its own cause kept: the OSError)
-            if is_disk_full(e):
+            if is_disk_full(unsaved):
                 raise self._disk_full(
-                    e, "the session", "a resume continues from what the folder holds"
-                ) from e
-            raise
+                    unsaved, "the session", "a resume continues from what the folder holds"
+                ) from unsaved
+            raise unsaved
         if pending is not None:
             raise pending
 

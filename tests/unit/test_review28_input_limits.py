@@ -126,6 +126,9 @@ class TestTheLimitsTravelWithTheDeclaredInputs:
             texts.value_problem(np.array([b"\xff"], dtype=object))
             == "input 't'[0] is not UTF-8 text (byte 0: 0xff)"
         )
+        # fixed-width bytes too (an adapter called directly: numpy's kind S), as objects are
+        fixed = np.array([b"ok", b"\xff"])
+        assert texts.value_problem(fixed) == "input 't'[1] is not UTF-8 text (byte 0: 0xff)"
 
     def test_the_adapters_declare_them(self) -> None:
         import torch

@@ -96,6 +96,53 @@ class TestATunedConfigKeepsTheUsersCommentLines:
         assert set(_comments(home)) <= set(_comments(twice.read_text()))
 
 
+HEAD = """\
+devices:
+  - {name: gpu0, kind: cuda, index: 0, memory: 8GiB}
+host: {memory: 4GiB}
+classes:
+  - {name: realtime, reserve: 1GiB}
+  - {name: interactive, reserve: 4GiB}   # chat
+policy: {name: residency, timezone: UTC}
+models:
+"""
+
+
+class TestTheCommentsPutBackAreInTheirPlaces:
+    """Found by the review of the fix above: comments put back by their text alone."""
+
+    def test_two_comment_lines_of_the_same_text(self, tmp_path: Path) -> None:
+        # the first was lost, the second kept: the second was taken for the first, and put back twice
+        models = (
+            "  - {name: voice, class: realtime, adapter: silero-vad, device: gpu0, memory: 1GiB}\n"
+            "  # keep warm all day\n"
+            "  - {name: chat, class: interactive, adapter: silero-vad, device: gpu0, memory: 2GiB}"
+            "   # the LLM\n"
+            "  # keep warm all day\n"
+            "  - {name: tag, class: interactive, adapter: silero-vad, device: gpu0, memory: 2GiB}\n"
+        )
+        (tmp_path / "c.yaml").write_text(HEAD + models)
+        write_config_with_updates(tmp_path / "c.yaml", tmp_path / "t.yaml", {})
+        assert (tmp_path / "t.yaml").read_text().endswith(models)
+
+    def test_a_line_joined_by_the_dump_moves_no_comment_into_another_entry(self, tmp_path: Path) -> None:
+        # its second line gone, a later `device:` line was taken for it: the comment went there
+        (tmp_path / "c.yaml").write_text(
+            HEAD + "  - {name: voice, class: realtime, adapter: silero-vad,\n"
+            "     device: gpu0, memory: 1GiB}\n"
+            "  # about chat\n"
+            "  - {name: chat, class: interactive, adapter: silero-vad, device: gpu0, memory: 2GiB}"
+            "   # the LLM\n"
+            "  - name: tag\n    class: interactive\n    adapter: silero-vad\n    # about tag's device\n"
+            "    device: gpu0\n    memory: 2GiB\n"
+        )
+        write_config_with_updates(tmp_path / "c.yaml", tmp_path / "t.yaml", {})
+        out = (tmp_path / "t.yaml").read_text().splitlines()
+        assert out.count("  # about chat") == 1
+        assert out[out.index("  # about chat") + 1].startswith("  - {name: chat")
+        assert out[out.index("    # about tag's device") + 1] == "    device: gpu0"
+
+
 def _trace(path: Path, lines: list[dict[str, object]]) -> Path:
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     return path

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import worldpager.segment_log as segment_log
+import worldpager.session_store as session_store
 from worldpager.cli import main
 from worldpager.layout import SegmentLayout
 from worldpager.model import TinyCausalWan
@@ -31,6 +32,7 @@ from worldpager.segment_log import (
     INDEX_NAME,
     LOG_NAME,
     META_NAME,
+    LogInUse,
     SegmentLog,
     SegmentLogError,
     slot_size_for,
@@ -241,6 +243,49 @@ def test_a_resume_of_a_folder_in_use_is_one_line(tmp_path: Path) -> None:
     assert said == [f"worldpager: {tmp_path / LOG_NAME}: in use by another process: one writer at a time"]
 
 
+def test_close_saves_the_session_before_it_lets_the_log_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by the review of these fixes: close gave up the log's lock, then saved session.json and
+    window.bin; a process let in meanwhile read the state from before this run's steps (and this one
+    then wrote over the state of a session the other had open). The save now comes first."""
+    seen: list[str] = []
+    save = Session._save_state
+
+    def spy(self: Session, window: Any) -> None:
+        seen.append(_open_elsewhere(tmp_path))  # (each save: at the start, then at close)
+        save(self, window)
+
+    monkeypatch.setattr(Session, "_save_state", spy)
+    with Session(TinyCausalWan(CFG), host_budget_bytes=8 * SEG, log_dir=tmp_path) as s:
+        s.run(POSES[:3])
+    assert len(seen) == 2 and all(x.startswith("refused ") for x in seen), seen
+    assert json.loads((tmp_path / "session.json").read_text())["next_step"] == 3
+
+
+def test_a_resume_whose_session_was_saved_as_it_opened_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resume reads session.json before it takes the log's lock: one saved meanwhile (by the
+    process that held it, closing) is not the one it read, and the resume says to try again."""
+    with Session(TinyCausalWan(CFG), host_budget_bytes=8 * SEG, log_dir=tmp_path) as s:
+        s.run(POSES[:2])
+    real_open = session_store.open_log
+
+    def open_after_a_save(*args: Any, **kwargs: Any) -> Any:
+        state = json.loads((tmp_path / "session.json").read_text())
+        state["next_step"] = 1  # (another process's close, saving as this one opens)
+        (tmp_path / "session.json").write_text(json.dumps(state))
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(session_store, "open_log", open_after_a_save)
+    with pytest.raises(LogInUse, match="saved by another process while this one opened it: resume it again"):
+        Session.resume(tmp_path, TinyCausalWan(CFG), host_budget_bytes=8 * SEG)
+    monkeypatch.undo()
+    with Session.resume(tmp_path, TinyCausalWan(CFG), host_budget_bytes=8 * SEG) as s:  # (let go: opens)
+        assert s._next in (1, 2)  # (as the saved state and the log agree)
+
+
 # ---- 5: index entries are checked as the headers on disk are ------------------------------------------
 
 
@@ -332,3 +377,28 @@ def test_the_world_worker_says_a_log_in_use_is_busy_not_damaged(tmp_path: Path) 
     reply = DeviceHost._session_call(types.SimpleNamespace(name="cpu0"), call)  # type: ignore[arg-type]
     assert (reply.ok, reply.error_code) == (False, P.NOT_AVAILABLE)
     assert "open in another process" in (reply.error or "")
+
+
+def test_a_world_sessions_disk_failure_is_told_without_the_servers_path() -> None:
+    """Found by the review of these fixes: a TransferError names the log file, and the world worker
+    passed it to the client (the status details), where the server keeps its sessions."""
+    import logging
+    import types
+
+    from workers import protocol as P
+    from workers.host import DeviceHost
+
+    path = "/var/lib/residency/worlds/3f2a/segments.wplog"
+
+    def step() -> dict[str, object]:
+        raise TransferError(f"transfer thread failed: {path}: Input/output error") from OSError(
+            errno.EIO, "Input/output error"
+        )
+
+    logging.disable(logging.CRITICAL)
+    try:
+        reply = DeviceHost._session_call(types.SimpleNamespace(name="cuda:0"), step)  # type: ignore[arg-type]
+    finally:
+        logging.disable(logging.NOTSET)
+    assert (reply.ok, reply.error_code) == (False, P.INTERNAL)
+    assert reply.error == "world session: its log could not be written or read (Input/output error)"
