@@ -156,8 +156,12 @@ def test_tune_json_counts_the_lines_it_skipped(tmp_path: Path, capsys: pytest.Ca
     fig = json.loads(capsys.readouterr().out)
     assert fig["search"]["before"]["bad_lines"] == 2 and fig["search"]["after"]["bad_lines"] == 2
     assert fig["holdout"]["before"]["bad_lines"] == 2  # (split from the same trace)
+    # the holdout: the next two days (one of the same days would be left out of the search)
+    held = [json.loads(x) for x in Path(_short_trace(tmp_path / "h")).read_text().splitlines()]
+    holdout = tmp_path / "h" / "next.jsonl"
+    holdout.write_text("".join(json.dumps({**x, "t": x["t"] + 2 * 86400}) + "\n" for x in held))
     code = main([
-        "tune", "--config", HANDWRITTEN, "--trace", trace, "--holdout", _short_trace(tmp_path / "h"),
+        "tune", "--config", HANDWRITTEN, "--trace", trace, "--holdout", str(holdout),
         "--out", str(tmp_path / "o2.yaml"), "--json",
     ])  # fmt: skip
     assert code == 0
