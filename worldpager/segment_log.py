@@ -231,6 +231,15 @@ def open_fresh(path: Path) -> BinaryIO:
     return os.fdopen(os.open(path, flags, PRIVATE_FILE), "wb")
 
 
+def refuse_existing(directory: Path, names: Iterable[str], what: str) -> None:
+    """FileExistsError naming the first of ``names`` that ``directory`` holds: someone's own file of
+    that name, which ``what`` would write over (and a session that runs no step would then delete as
+    its own)."""
+    for name in names:
+        if os.path.lexists(directory / name):
+            raise FileExistsError(errno.EEXIST, f"exists: {what} would write over it", str(directory / name))
+
+
 def _lock(fd: int, path: Path) -> None:
     """Take this process's exclusive lock of the log file ``fd`` (``path``), held until the fd is
     closed: two writers of one log (two processes resuming one folder) hand out the same slots and
@@ -413,9 +422,7 @@ class SegmentLog:
         if max_bytes is not None and max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         d = make_private_dirs(directory)
-        for name in (INDEX_NAME, META_NAME, *(n + ".tmp" for n in (INDEX_NAME, META_NAME))):
-            if os.path.lexists(d / name):  # (someone's own file of that name: never written over)
-                raise FileExistsError(errno.EEXIST, "exists: a new log would write over it", str(d / name))
+        refuse_existing(d, (INDEX_NAME, META_NAME, INDEX_NAME + ".tmp", META_NAME + ".tmp"), "a new log")
         fd = os.open(d / LOG_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, PRIVATE_FILE)
         try:
             _lock(fd, d / LOG_NAME)  # (opened meanwhile by another process: the file is that one's now)

@@ -40,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import errno
 import json
 import logging
 import os
@@ -68,6 +67,7 @@ from worldpager.segment_log import (
     SegmentLogError,
     open_fresh,
     read_small_text,
+    refuse_existing,
     slot_size_for,
     whole,
 )
@@ -289,12 +289,8 @@ def open_log(log_dir: Path, segment_bytes: int, max_bytes: int | None, *, resume
     slots the reopen found corrupt are retired (`SegmentLog.retire_corrupt`): its corrupt_slots()
     still lists them, for this resume to report, and a later reopen does not."""
     if not resume:
-        names = (LOG_NAME, SESSION_FILE, WINDOW_FILE, *(n + ".tmp" for n in (SESSION_FILE, WINDOW_FILE)))
-        for name in names:  # (the log first: a saved session is named by it)
-            if os.path.lexists(log_dir / name):  # (a user's own file of that name: never written over)
-                raise FileExistsError(
-                    errno.EEXIST, "exists: a new session would write over it", str(log_dir / name)
-                )
+        names = (LOG_NAME, SESSION_FILE, WINDOW_FILE, SESSION_FILE + ".tmp", WINDOW_FILE + ".tmp")
+        refuse_existing(log_dir, names, "a new session")  # (the log first: it names a saved session)
         return SegmentLog.create(log_dir, slot_size_for(segment_bytes), max_bytes=max_bytes)
     log = SegmentLog.open(log_dir, max_bytes=max_bytes)
     if log.slot_size != slot_size_for(segment_bytes):

@@ -121,11 +121,6 @@ def keepalive_options(every_s: float) -> list[tuple[str, Any]]:
     ]
 
 
-def message_options(max_bytes: int) -> list[tuple[str, Any]]:
-    """gRPC options: messages up to `max_bytes` either way (`server.max_request_bytes`)."""
-    return [("grpc.max_receive_message_length", max_bytes), ("grpc.max_send_message_length", max_bytes)]
-
-
 async def write_within(
     context: Any, message: Any, limit_s: float | None, stop: asyncio.Event | None = None
 ) -> bool:

@@ -441,10 +441,12 @@ def test_the_largest_server_values_accepted_start_a_grpc_server(tmp_path: Path) 
 
     import grpc
 
-    from manager.api.runtime import keepalive_options, message_options
+    from manager.api.front import receive_options
+    from manager.api.runtime import keepalive_options
 
     cfg = load_config(write(tmp_path, BASE + "server: {keepalive: 1d, max_request_bytes: 2147483647}\n"))
-    opts = [*message_options(cfg.server.max_request_bytes), *keepalive_options(cfg.server.keepalive)]
+    # (the server's own options, `build_server`'s)
+    opts = [*receive_options(cfg.server.max_request_bytes), *keepalive_options(cfg.server.keepalive)]
     with ThreadPoolExecutor(1) as pool:
         server = grpc.server(pool, options=opts)
         server.add_insecure_port("127.0.0.1:0")
