@@ -260,6 +260,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self.wait_total_s = 0.0  # every served request's wait, summed since start
         self.rejected = 0  # requests admission refused (no room, a full queue): never run
         self.failed = 0  # requests that failed before they ran (their model's load failed, ...)
+        self.cancelled = 0  # requests whose client went away (hung up) before they were answered
         self.served = 0
         self.cold_starts = 0  # served requests and session opens that found their model off the GPU
         self._next_save = 0.0
@@ -1423,10 +1424,14 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self.keep_alive_said.add(model)  # (admitted: its word on the keep-alive is this run's)
         if keep_alive is not None or m.keep_alive_req is not None:
             self.engine.request_keep_alive(m, keep_alive)
+        ran = functools.partial(self._ran_for_nobody, model, cls, cls_name, arrival, cold, keep_alive)
         try:
             result, start, end, cold, unavailable = await self._attempts(
-                m, rank, cls_name, inputs, deadline, cold
+                m, rank, cls_name, inputs, deadline, cold, ran
             )
+        except asyncio.CancelledError:  # the client hung up after admission (counted once: its
+            self._count_cancelled(m, cls_name)  # retry's wait for a reload counts nothing itself)
+            raise
         finally:
             self._deferred_evict(m)  # an admin's evict waits for the request's end, its retry included
         wait = self._count_wait(cls_name, arrival, start)
@@ -1443,11 +1448,19 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         return Served(result, wait, cold)
 
     async def _attempts(
-        self, m: Any, rank: int, cls_name: str, inputs: dict[str, np.ndarray], deadline: float, cold: bool
+        self,
+        m: Any,
+        rank: int,
+        cls_name: str,
+        inputs: dict[str, np.ndarray],
+        deadline: float,
+        cold: bool,
+        ran: Callable[[float, float], None] | None = None,
     ) -> tuple[P.InferResult, float, float, bool, str]:
         """Run an admitted request on its device host, once more if the host lost the model under it
         (result, start and end of the last attempt, cold, and where the retry could not be sent, the
-        request's UNAVAILABLE message)."""
+        request's UNAVAILABLE message). `ran(start, end)`: told when an attempt whose caller gave up
+        while it ran really ends on its device host."""
         live = self.live[m.name]
         unavailable = first_error = ""
         for attempt in range(2):
@@ -1464,7 +1477,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             except asyncio.CancelledError:
                 # the caller gave up (a client that hung up) but the device host still runs it: the
                 # model stays busy, never evicted under it, until the call really ends
-                self._ended_when_done(m, start, call, late)
+                self._ended_when_done(m, start, call, late, ran)
                 raise
             except BaseException:
                 self._call_ended(m, start)
@@ -1510,17 +1523,46 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         return result, start, end, cold, unavailable
 
     def _ended_when_done(
-        self, m: Any, start: float, call: asyncio.Future[Any], late: list[asyncio.Future[Any]]
+        self,
+        m: Any,
+        start: float,
+        call: asyncio.Future[Any],
+        late: list[asyncio.Future[Any]],
+        then: Callable[[float, float], None] | None = None,
     ) -> None:
         """`_call_ended` for a request nobody waits for any more (`call`, its `_run_infer`, done or
-        not), once its forward really ends: `late`'s thread when it outlived its deadline."""
+        not), once its forward really ends: `late`'s thread when it outlived its deadline. `then(start,
+        end)` after it."""
         if not call.done():
-            call.add_done_callback(lambda c: self._ended_when_done(m, start, c, late))
+            call.add_done_callback(lambda c: self._ended_when_done(m, start, c, late, then))
         elif late:
             read_outcome(call)  # (its DEADLINE answer was given)
-            late[0].add_done_callback(functools.partial(self._call_ended, m, start))
+            late[0].add_done_callback(lambda _: self._then(then, start, self._call_ended(m, start)))
         else:
-            self._call_ended(m, start, call)
+            self._then(then, start, self._call_ended(m, start, call))
+
+    @staticmethod
+    def _then(then: Callable[[float, float], None] | None, start: float, end: float) -> None:
+        if then is not None:
+            then(start, end)
+
+    def _ran_for_nobody(
+        self,
+        model: str,
+        cls: str | None,
+        cls_name: str,
+        arrival: float,
+        cold: bool,
+        keep_alive: float | None,
+        start: float,
+        end: float,
+    ) -> None:
+        """A request whose client hung up while it ran, now ended on its device host: it ran, so its
+        wait and cold start are counted as a served request's, and it goes to the request log (its
+        demand and its busy time are the replay's, whoever read the answer), `outcome` `cancelled`."""
+        wait = self._count_wait(cls_name, arrival, start)
+        self.cold_starts += cold
+        self._log_request(arrival, model, end - start, cls, wait, None, keep_alive)
 
     def _call_ended(self, m: Any, start: float, abandoned: asyncio.Future[Any] | None = None) -> float:
         """A request's call on its device host ended (started at `start`): the model is idle again when
@@ -1576,6 +1618,10 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             if not retry:
                 self._count_unserved(m, cls_name, _outcome_of(e))
             raise
+        except asyncio.CancelledError:  # its client hung up while it waited (a retry's: in `infer`)
+            if not retry:
+                self._count_cancelled(m, cls_name)
+            raise
         finally:
             m.waiting -= 1
             queue.dec()
@@ -1604,6 +1650,12 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         else:
             self.failed += 1
         self.metrics.child("requests", m.name, cls_name, outcome).inc()
+
+    def _count_cancelled(self, m: Any, cls_name: str) -> None:
+        """A request whose client went away (hung up, or its RPC was cancelled) before it was answered,
+        waiting or running, in Stats (`cancelled`) and the requests metric (outcome `cancelled`)."""
+        self.cancelled += 1
+        self.metrics.child("requests", m.name, cls_name, "cancelled").inc()
 
     def _lost(self, m: Any, why: str) -> None:
         """The device host no longer holds `m` (it died, or restarted empty): off the books, so the
@@ -1753,13 +1805,14 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         busy: float,
         cls: str | None,
         wait: float,
-        r: P.InferResult,
+        r: P.InferResult | None,
         keep_alive: float | None = None,
     ) -> None:
+        """`r` None: its client hung up while it ran (outcome `cancelled`)."""
         if self.store is None:
             return
         rec: dict[str, Any] = {"t": t, "model": model, "busy_s": round(busy, 6), "wait_s": round(wait, 6)}
-        rec["outcome"] = "ok" if r.ok else "error"
+        rec["outcome"] = "cancelled" if r is None else "ok" if r.ok else "error"
         if cls is not None:
             rec["class"] = cls
         if keep_alive is not None:  # (a trace line's form: JSON has no infinity)

@@ -6,7 +6,8 @@ model and tier, load durations per transition, cold-start wait per class, reside
 and tier, queue depth per model, thrash, elastic lease size, failed worker commands per model and
 error code, and requests by outcome: `ok` and `error` (it ran and failed, or it failed before it ran:
 its model's load failed or did not finish in time) for requests admitted, `rejected` for those
-admission refused (it can never fit, a full queue, no room within its class's max_wait). A world
+admission refused (it can never fit, a full queue, no room within its class's max_wait), `cancelled`
+for those whose client went away (hung up) before they were answered, waiting or running. A world
 session counts as a request as `residency stats` counts it: when it ends (`error` when a step of it
 failed), its wait for its model observed when it opens. (WorldPager stall figures join with world
 sessions.)
@@ -17,6 +18,7 @@ does: scrapers send the admin bearer token); plain HTTP is then answered 400, na
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import errno
 import logging
@@ -108,7 +110,7 @@ class Metrics:
         self.requests = Counter(
             "residency_requests",
             "Requests by outcome: ok, error (it failed, its model's load included), rejected (refused "
-            "by admission: no room, a full queue)",
+            "by admission: no room, a full queue), cancelled (its client went away before the answer)",
             ["model", "cls", "outcome"],
             registry=r,
         )
@@ -144,6 +146,41 @@ HTTP_TIMEOUT_S = 10.0
 """A metrics client that sends nothing for this long is cut off (it held a thread for ever)."""
 HTTP_MAX_CONNECTIONS = 32
 """Connections served at once; more are closed at once (each one is a thread)."""
+HTTP_PER_CLIENT = 8
+"""Connections of one client address served at once; more of its are closed at once, so one client
+cannot take every slot and shut the scrapers out."""
+HTTP_CONNECTION_S = 30.0
+"""A connection is cut off this long after it was accepted, whatever it still sends: the read timeout
+is each read's, so a client that sent a byte now and then held its slot for good."""
+
+
+class _Slots:
+    """The connections served at once: at most `total`, at most `per_client` of one address (shared by
+    the endpoint's servers on each of its addresses)."""
+
+    def __init__(self, total: int, per_client: int) -> None:
+        self.total, self.per_client = total, per_client
+        self._lock = threading.Lock()
+        self._held: dict[str, int] = {}
+
+    def take(self, client: str) -> bool:
+        with self._lock:
+            if sum(self._held.values()) >= self.total or self._held.get(client, 0) >= self.per_client:
+                return False
+            self._held[client] = self._held.get(client, 0) + 1
+            return True
+
+    def give(self, client: str) -> None:
+        with self._lock:
+            left = self._held.get(client, 0) - 1
+            if left > 0:
+                self._held[client] = left
+            else:
+                self._held.pop(client, None)
+
+
+def _client(client_address: Any) -> str:
+    return str(client_address[0]) if isinstance(client_address, tuple) and client_address else ""
 
 
 class _Handler(WSGIRequestHandler):
@@ -227,7 +264,7 @@ class _Server(ThreadingWSGIServer):
         self,
         family: socket.AddressFamily,
         sockaddr: tuple[Any, ...],
-        slots: threading.BoundedSemaphore,
+        slots: _Slots,
         v6only: bool,
         tls: ssl.SSLContext | None = None,
     ) -> None:
@@ -246,13 +283,13 @@ class _Server(ThreadingWSGIServer):
             raise
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.slots.acquire(blocking=False):  # too many at once: this one is closed unanswered
-            self.shutdown_request(request)
+        if not self.slots.take(_client(client_address)):  # too many at once (in all, or of this
+            self.shutdown_request(request)  # client): this one is closed unanswered
             return
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self.slots.release()
+            self.slots.give(_client(client_address))
             raise
 
     def setup_environ(self) -> None:
@@ -261,6 +298,10 @@ class _Server(ThreadingWSGIServer):
             self.base_environ["HTTPS"] = "on"
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
+        limit = float(self.RequestHandlerClass.timeout or HTTP_TIMEOUT_S)  # type: ignore[attr-defined]
+        cut = threading.Timer(max(HTTP_CONNECTION_S, limit), _cut_off, (request,))
+        cut.daemon = True
+        cut.start()
         try:
             if self.tls is not None:  # the handshake is this connection's thread's, not the accept loop's
                 try:
@@ -271,7 +312,8 @@ class _Server(ThreadingWSGIServer):
                     return
             super().process_request_thread(request, client_address)
         finally:
-            self.slots.release()
+            cut.cancel()
+            self.slots.give(_client(client_address))
 
     def _tls_accept(self, request: socket.socket, tls: ssl.SSLContext) -> ssl.SSLSocket:
         """`request` after its TLS handshake, which must end within the read timeout as a whole (a client
@@ -335,14 +377,18 @@ class _Server(ThreadingWSGIServer):
             p.server_close()
 
 
+def _cut_off(request: socket.socket) -> None:
+    """End a connection past HTTP_CONNECTION_S: its thread's read or write fails, and it ends."""
+    with contextlib.suppress(OSError):
+        request.shutdown(socket.SHUT_RDWR)
+
+
 def _shown(sockaddr: tuple[Any, ...]) -> str:
     host, port = sockaddr[0], sockaddr[1]
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _bind_all(
-    host: str, port: int, slots: threading.BoundedSemaphore, tls: ssl.SSLContext | None = None
-) -> list[_Server]:
+def _bind_all(host: str, port: int, slots: _Slots, tls: ssl.SSLContext | None = None) -> list[_Server]:
     """A listening server on each address of `host` that this host has, all on one port (port 0:
     the first one's); OSError when one cannot be had for another reason, or none can."""
     addresses = _addresses(host, port)
@@ -380,8 +426,9 @@ def serve_metrics(
     tls: ssl.SSLContext | None = None,
 ) -> tuple[WSGIServer, threading.Thread]:
     """Prometheus' exposition over HTTP on host:port in a daemon thread, as prometheus_client's
-    `start_http_server`, but with a bearer token when `allows` is given, a read timeout and a bound
-    on the connections served at once (an idle or slow client held a thread each, without end).
+    `start_http_server`, but with a bearer token when `allows` is given, a read timeout, a time limit
+    on each connection and a bound on the connections served at once, in all and per client address
+    (an idle or slow client held a thread each, without end).
     Every address `host` stands for is bound (`localhost`: 127.0.0.1 and ::1), on one port: only the
     first one was, so a scraper of the other loopback address found nothing there.
     Returns (server, thread): `server.shutdown()` and `server_close()` stop it on every address, and
@@ -389,7 +436,8 @@ def serve_metrics(
     each connection's handshake done on its own thread within the read timeout."""
     app = make_wsgi_app(registry)
     app = app if allows is None else _authorized(app, allows)
-    first, *others = _bind_all(host, port, threading.BoundedSemaphore(HTTP_MAX_CONNECTIONS), tls)
+    slots = _Slots(HTTP_MAX_CONNECTIONS, min(HTTP_PER_CLIENT, HTTP_MAX_CONNECTIONS))
+    first, *others = _bind_all(host, port, slots, tls)
     first.peers = others
     threads = [
         threading.Thread(target=s.serve_forever, name="residency-metrics", daemon=True) for s in others

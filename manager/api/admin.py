@@ -213,7 +213,8 @@ async def _until_in_host(
 
 EVICT_WAIT_S = 20.0
 """How long an Evict(to=host) waits for the demote it starts to be confirmed (under the client's
-admin timeout, 30 s); past it, it answers `loading` (the demote goes on)."""
+admin timeout, 30 s), at most until just before the call's own deadline; past it, it answers
+`loading` (the demote goes on)."""
 
 
 async def evict(manager: LiveManager, name: str, to: str, wait_s: float = EVICT_WAIT_S) -> None:
@@ -277,7 +278,9 @@ class AdminServicer(pb_grpc.ResidencyServicer):
 
     @mapped
     async def Evict(self, request: pb.EvictRequest, context: Any) -> pb.ModelStatus:
-        await evict(self.manager, request.name, request.to or "disk")
+        # within the caller's deadline too: past it, its answer (`loading`) would never reach it
+        wait_s = min(call_wait_s(context.time_remaining(), EVICT_WAIT_S), EVICT_WAIT_S)
+        await evict(self.manager, request.name, request.to or "disk", wait_s)
         return model_status(self.manager, request.name)
 
     @mapped
@@ -306,7 +309,7 @@ class AdminServicer(pb_grpc.ResidencyServicer):
         return pb.StatsResponse(
             requests=m.served, evictions=c.evictions, thrash=c.thrash, rejected=m.rejected,
             budget_violations=c.budget_violations, cold_starts=m.cold_starts,
-            load_wait_s=m.wait_total_s, errors=m.failed,
+            load_wait_s=m.wait_total_s, errors=m.failed, cancelled=m.cancelled,
             wait_p99_s={k: p99(list(v)) for k, v in m.waits.items()}, resident_bytes=resident,
         )  # fmt: skip
 

@@ -18,7 +18,7 @@ Request records (the request log) are the ▶ request-trace form of docs/ARCHITE
 service extras, and nothing else, so the log can never hold payloads:
   trace keys: "t" (float Unix seconds, required), "model" (str, required), "busy_s" (float >= 0,
               required), "class" (str), "kind" ("infer" | "session"), "client" (str)
-  extras:     "wait_s" (float >= 0), "outcome" ("ok" | "rejected" | "error"), "source" (str)
+  extras:     "wait_s" (float >= 0), "outcome" ("ok" | "rejected" | "error" | "cancelled"), "source" (str)
 The trace keys are checked by `manager.replay.trace.parse_line`, the very validator `read_trace` uses,
 so whatever the store accepts exports to a valid trace (and its line is no longer than `read_trace`
 reads). Strings must be text a store can keep (UTF-8: no lone surrogate, which `json.loads` makes of
@@ -72,7 +72,7 @@ __all__ = [
 ]
 
 TIERS: tuple[str, ...] = ("gpu", "host", "disk")
-OUTCOMES: tuple[str, ...] = ("ok", "rejected", "error")
+OUTCOMES: tuple[str, ...] = ("ok", "rejected", "error", "cancelled")
 EXTRA_FIELDS: tuple[str, ...] = ("wait_s", "outcome", "source")
 RECORD_FIELDS: tuple[str, ...] = ALLOWED_FIELDS + EXTRA_FIELDS
 _TRACE_SET = frozenset(ALLOWED_FIELDS)
