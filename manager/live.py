@@ -1535,9 +1535,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         end)` after it."""
         if not call.done():
             call.add_done_callback(lambda c: self._ended_when_done(m, start, c, late, then))
-        elif late:
-            read_outcome(call)  # (its DEADLINE answer was given)
-            late[0].add_done_callback(lambda _: self._then(then, start, self._call_ended(m, start)))
+        elif late:  # (its DEADLINE answer was given; an admin's evict deferred behind it goes then)
+            late[0].add_done_callback(lambda _: self._then(then, start, self._call_ended(m, start, call)))
         else:
             self._then(then, start, self._call_ended(m, start, call))
 
@@ -1745,7 +1744,9 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         retry, and no record in the request log). The call itself goes on, in `late`."""
         if self._stop_answer is None or self._stop_answer.get_loop() is not asyncio.get_running_loop():
             self._stop_answer = asyncio.get_running_loop().create_future()
-        work: asyncio.Future[Any] = asyncio.ensure_future(infer_async(device, model, inputs, timeout_s))
+        work: asyncio.Future[Any] = asyncio.ensure_future(
+            infer_async(device, model, inputs, timeout_s, late=late)
+        )
         try:
             await asyncio.wait({work, self._stop_answer}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:  # (as when the call was awaited directly: it is cancelled too)

@@ -311,7 +311,8 @@ class DeviceHost:
         after a failed load or promote, the memory it took (freed with what it built: CUDA's caching
         allocator kept it, so every later measurement of a footprint against the device's memory in
         use, and its free memory in `status`, would have been off by it); after a CUDA promote, the
-        pinned host copy it let go of (torch's pinned host cache kept it page-locked in the process
+        pinned host copy it let go of, and after a CUDA load from disk the pinned buffer its
+        checkpoint was read into (torch's pinned host cache kept them page-locked in the process
         until some later drop or demote). A failure is logged, not raised: the command's result holds
         (a CUDA that is gone is said by the next command's own error)."""
         try:
@@ -469,7 +470,12 @@ class DeviceHost:
         self.models[r.spec.name] = r
         # its own build now says what it declares (a kept answer may be stale)
         self._describing.forget(r.spec.name)
-        return self._result(r, op_id, "load", "disk", ph, t0, used0, rss0, moved=r.read_bytes, source=source)
+        result = self._result(
+            r, op_id, "load", "disk", ph, t0, used0, rss0, moved=r.read_bytes, source=source
+        )
+        if self.kind == "cuda" and r.tier == "gpu":  # the pinned host buffer its checkpoint was read
+            self._release(f"the load of {r.spec.name}")  # into, let go of (as after a promote)
+        return result
 
     def _build(self, cmd: P.Load) -> tuple[_Resident, str, Phases, float, int, int]:
         """A load's work, apart from the host's books: the model in its tier, with how it was measured."""
@@ -605,7 +611,12 @@ class DeviceHost:
     ) -> P.CommandResult:  # fmt: skip
         timing = self._timing(ph, t0)
         if r.tier == "gpu":
-            r.device_bytes = max(self.probe.used() - used0, 0) if self.kind == "cuda" else r.tensor_bytes
+            # on CUDA, what the device's memory in use grew by, and never less than its tensors: memory
+            # freed meanwhile (another process's, a session's cache emptied on another thread) would
+            # have it booked smaller than it is
+            r.device_bytes = (
+                max(self.probe.used() - used0, r.tensor_bytes) if self.kind == "cuda" else r.tensor_bytes
+            )
         else:
             r.device_bytes = 0
         return P.CommandResult(

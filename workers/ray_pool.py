@@ -828,11 +828,20 @@ class RayWorkerPool:
         return P.SessionReply(False, error_code=code, error=why) if why else reply
 
     async def infer_async(
-        self, device: str, model: str, inputs: dict[str, np.ndarray], timeout_s: float = 30.0
+        self,
+        device: str,
+        model: str,
+        inputs: dict[str, np.ndarray],
+        timeout_s: float = 30.0,
+        late: list[Any] | None = None,
     ) -> P.InferResult:
         """`infer` for an asyncio caller: requests queued for a model while its calls are in flight go
         together in one actor call (`infer_many`), so a burst pays one Ray round trip, not one each;
-        a model whose calls take long holds only its own requests, not its device's other models'."""
+        a model whose calls take long holds only its own requests, not its device's other models'.
+        A request answered DEADLINE after its batch was sent: that batch's call (an asyncio task,
+        done when its host answers) is put in `late`, as the in-process host's thread is: the forward
+        goes on there, and the model is busy (never dropped under it: the drop would wait for it,
+        holding every later command of its device) until it ends."""
         import asyncio
 
         refused = self._refusal(device)
@@ -843,9 +852,12 @@ class RayWorkerPool:
         batcher = self._batchers.get(device)
         if batcher is None:
             batcher = self._batchers[device] = _Batcher(self._handle(device), device, self._deaths)
+        sent: list[Any] = []
         try:
-            return await asyncio.wait_for(batcher.submit(model, inputs), timeout=timeout_s)
+            return await asyncio.wait_for(batcher.submit(model, inputs, sent), timeout=timeout_s)
         except TimeoutError:
+            if late is not None and sent and not sent[0].done():
+                late.append(sent[0])
             why = _silent(f"model {model!r}", device, timeout_s)
             return P.InferResult(model, False, error_code=P.DEADLINE, error=why)
 
@@ -1034,15 +1046,23 @@ class _Batcher:
         self._looked_at = -math.inf
         self.channel_batches = 0
         self._tasks: set[Any] = set()
+        self._sent: dict[Any, list[Any]] = {}  # a queued request's future -> where its batch's call goes
         self.loop: Any = None
 
-    async def submit(self, model: str, inputs: dict[str, np.ndarray]) -> P.InferResult:
+    async def submit(
+        self, model: str, inputs: dict[str, np.ndarray], sent: list[Any] | None = None
+    ) -> P.InferResult:
+        """The request's result; `sent` gets the call (an asyncio task) of the batch it goes in, once
+        that is sent, so a caller that stops waiting can still tell when the host is done with it."""
         import asyncio
 
         loop = asyncio.get_running_loop()
         if loop is not self.loop:  # a new event loop (tests run several): its futures and tasks are gone
             self.loop, self.queue, self.inflight, self._inflight_of = loop, [], 0, {}
+            self._sent = {}
         fut = loop.create_future()
+        if sent is not None:
+            self._sent[fut] = sent
         self.queue.append((model, inputs, fut))
         self._kick()
         result: P.InferResult = await fut
@@ -1058,6 +1078,9 @@ class _Batcher:
         # a request whose caller gave up while it queued (its wait timed out, its call was cancelled)
         # is not sent: it would run for no one, ahead of every newer request
         queued = [q for q in self.queue if not q[2].done()]
+        for q in self.queue:
+            if q[2].done():
+                self._sent.pop(q[2], None)
         self.queue = []
         batches: list[list[tuple[str, dict[str, np.ndarray], Any]]] = []
         filling: dict[str, list[tuple[str, dict[str, np.ndarray], Any]]] = {}
@@ -1074,7 +1097,12 @@ class _Batcher:
             else:
                 self.queue.append(q)
         for batch in batches:
-            self._spawn(loop.create_task(self._run(batch)))
+            task = loop.create_task(self._run(batch))
+            self._spawn(task)
+            for _, _, fut in batch:
+                sent = self._sent.pop(fut, None)
+                if sent is not None:
+                    sent.append(task)
 
     def _spawn(self, task: Any) -> None:
         self._tasks.add(task)  # held until done (the loop keeps only weak references)

@@ -41,7 +41,7 @@ def test_a_ray_get_that_times_out_is_a_deadline_not_a_death(monkeypatch: pytest.
 
 def test_a_batch_that_never_answers_is_a_deadline() -> None:
     class Hung:
-        async def submit(self, model: str, inputs: Any) -> P.InferResult:
+        async def submit(self, model: str, inputs: Any, sent: Any = None) -> P.InferResult:
             await asyncio.Event().wait()
             raise AssertionError("unreachable")
 
@@ -61,7 +61,12 @@ class _SilentPool:
         return getattr(self.pool, k)
 
     async def infer_async(
-        self, device: str, model: str, inputs: dict[str, np.ndarray], timeout_s: float = 30.0
+        self,
+        device: str,
+        model: str,
+        inputs: dict[str, np.ndarray],
+        timeout_s: float = 30.0,
+        late: Any = None,
     ) -> P.InferResult:
         return P.InferResult(
             model, False, error_code=P.DEADLINE, error=f"model {model!r}: no answer from device {device!r}"

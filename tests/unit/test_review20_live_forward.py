@@ -164,7 +164,9 @@ class _HostOfItsOwn:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pool, name)
 
-    async def infer_async(self, device: str, model: str, inputs: Any, timeout_s: float) -> Any:
+    async def infer_async(
+        self, device: str, model: str, inputs: Any, timeout_s: float, late: Any = None
+    ) -> Any:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[Any] = loop.create_future()
 

@@ -4,7 +4,8 @@ Stats, and one that was already running was missing from the request log the wee
 tuning read, though the load it caused was counted. An Evict(to=host) ignored the call's deadline,
 and slow clients of the metrics endpoint could hold its every slot. Each test failed before its
 fix. Real components: the live manager over in-process device hosts, a real TorchScript
-checkpoint, the SQLite store, prometheus_client's registry, the service's gRPC server, the metrics HTTP server."""
+checkpoint, the SQLite store, prometheus_client's registry, the service's gRPC server and the
+metrics HTTP server."""
 
 from __future__ import annotations
 
