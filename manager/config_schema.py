@@ -278,7 +278,8 @@ class StoreConfig(_Model):
     url: str = Field(
         default="sqlite:///.residency/state.db", json_schema_extra={"pattern": "^(?:sqlite:///|rediss?://)"}
     )
-    """Where state, events and the request log are kept: sqlite:///PATH or redis(s)://HOST:PORT/DB.
+    """Where state (statistics, intents, pins, tuning records) and the request log are kept:
+    sqlite:///PATH or redis(s)://HOST:PORT/DB.
     sqlite:///PATH (three slashes) is relative to the working folder the service is started from
     (sqlite:///tmp/x.db is ./tmp/x.db); an absolute path takes four slashes: sqlite:////tmp/x.db.
     rediss:// (TLS) takes `?ssl_ca_certs=CA.pem&ssl_certfile=CLIENT.pem&ssl_keyfile=CLIENT.key` (files
@@ -426,7 +427,8 @@ class ClassConfig(_Model):
     reserve: ByteSize = 0
     """Bytes on each GPU (cuda) device that lower classes may not use."""
     may_evict: Flag = True
-    """False: requests of this class never cause an eviction; they wait or run where room exists."""
+    """False: requests of this class take only free room and the room of models whose keep-alive has
+    expired; they never evict a model within its keep-alive (they wait, or run where room exists)."""
     max_wait: Duration | None = None
     """A request of this class that waits longer than this for room is rejected; null: wait."""
     # (the bound before the validator: outside the union it would be left in the schema as `ge`)
@@ -642,10 +644,15 @@ class TuningConfig(_Model):
     """propose: write the tuned config and its report only; auto: also, when it beats the running
     config on the most recent days (held out from the search), write the tuned fields into the config
     file (comments kept; the replaced file is kept beside the proposal as previous.yaml) and hot-reload it."""
-    since: Duration = 7 * 86400
-    """How much of the request log to tune on."""
+    since: Duration = Field(default=7 * 86400, gt=0)
+    """How much of the request log to tune on (more than zero)."""
     out_dir: str = ".residency/tuning"
     """Where proposed configs and their HTML reports are written."""
+
+    @field_validator("since", mode="before")
+    @classmethod
+    def _some_window(cls, v: Any) -> Any:  # (zero: every scheduled run would tune on nothing)
+        return _not_zero(v, "like '7d'")
 
 
 class Config(_Model):

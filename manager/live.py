@@ -92,6 +92,13 @@ RESYNC_LATER_S = 5.0
 """A device whose resync found no status after those tries is resynced again this often, by the
 reconciler, until its host reports one (what it holds meanwhile is unknown to the books)."""
 UNREAD = " (its status was unread)"
+HOST_CHECK_S = 10.0
+"""Each device host's status is read this often, to see whether it restarted (a new boot id) while no
+command or request of it said so: a host that died idle and came back empty (Ray restarts it) left
+the books counting models it no longer holds (pinned ones too) until their next request paid a load."""
+HOST_CHECK_TIMEOUT_S = 2.0
+"""How long that read waits for a host's answer (one that does not answer is left to its next command
+or request, which tell)."""
 """Added to the reason of a resync tried again because the last one could not read a status."""
 HELD_CHECK_S = 2.0
 """While a device host runs a load it abandoned (LOAD_TIMEOUT) whose room the books keep held, its
@@ -313,6 +320,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self._resyncing: dict[str, asyncio.Task[None]] = {}  # device -> its resync under way
         self._resync_again: dict[str, str] = {}  # device -> why another resync follows the one under way
         self._unsynced: dict[str, tuple[float, str]] = {}  # device -> (next resync at, why): status unread
+        self._next_host_check = time.monotonic() + HOST_CHECK_S
+        self._host_check: asyncio.Task[Any] | None = None  # the hosts' status read under way
         self._results: dict[str, int] = {}  # model -> how many command results were taken for it
         self._held_loads: dict[str, str] = {}
         """Models whose load or promote their device host abandoned (LOAD_TIMEOUT) but still runs, with
@@ -498,6 +507,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                     self._load_pins(now)
                     self._flush()
                     self._resync_unsynced(now)
+                    self._check_hosts()
                     self._check_abandoned(now)
                     self._journal_catch_up()  # (records a full disk kept from it: once it has room)
                     next_tick = now + 1.0
@@ -1083,6 +1093,38 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                 del self._unsynced[device]
                 # (said once: the reason of each later try is the same, not one note longer each time)
                 self._resync_soon(device, why if why.endswith(UNREAD) else f"{why}{UNREAD}")
+
+    def _check_hosts(self) -> None:
+        """Every HOST_CHECK_S (the monotonic clock's), read each device host's status in the background
+        (`_look_at_hosts`), one read at a time."""
+        now = time.monotonic()
+        if now < self._next_host_check or self._stopping.is_set():
+            return
+        if self._host_check is not None and not self._host_check.done():
+            return
+        self._next_host_check = now + HOST_CHECK_S
+        self._host_check = self._in_background(self._look_at_hosts())
+
+    async def _look_at_hosts(self) -> None:
+        """A device whose host answers with another boot id than the books last saw is resynced (it
+        restarted: what it held is gone, and the books follow). A device being resynced, or whose
+        status could not be read for its last resync (retried by `_resync_unsynced`), is left alone."""
+        for device in list(self.engine.state.devices):
+            task = self._resyncing.get(device)
+            if device in self._unsynced or (task is not None and not task.done()):
+                continue
+            if self._stopping.is_set() or not self.started:
+                return
+            try:
+                st = await asyncio.to_thread(self.pool.status, device, HOST_CHECK_TIMEOUT_S)
+            except Exception as e:  # (its next command or request tells what happened to it)
+                logger.debug("device %s: no status for the periodic check (%s)", device, e)
+                continue
+            if not st.boot_id:  # (an older host: its commands' results tell)
+                continue
+            known = self._boots.setdefault(device, st.boot_id)
+            if known != st.boot_id:
+                self._resync_soon(device, "the device host restarted (its status names a new host process)")
 
     def _held_elsewhere(self, m: Any, held: P.ModelStatus, why: str) -> str:
         """A resync found `m`'s device host holding it in `held.tier` (the GPU or host RAM) while the

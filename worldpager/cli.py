@@ -394,6 +394,8 @@ def cmd_bench_stall(args: argparse.Namespace) -> int:
         raise UsageError(f"bench-stall: cannot write the benchmark's segment log: {e}") from None
     failed = _write_plot(result, args.plot) if args.plot else None
     print(json.dumps(result) if args.json else stall.text_table(result))  # (never lost with a plot)
+    if not args.json and "plot" in result:  # (said as the README says; in --json, its "plot" key)
+        print(f"plot: {result['plot']}")
     if failed is not None:
         raise RunError(failed)
     return 0
