@@ -711,6 +711,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                 self._measured.add(model)
                 self._flush()  # measured larger: what made room for it leaves now
                 self._gauge_resident()  # the books count the measured bytes now (no action said so)
+        if r.to_tier == "host" and r.from_tier == "disk" and not r.noop:  # (timed by its host)
+            m.cost.measure("disk_host", max(r.timing.total_s, 1e-4))
         if (
             r.to_tier == "host"
             and not r.noop
@@ -1466,6 +1468,13 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self.keep_alive_said.add(model)  # (admitted: its word on the keep-alive is this run's)
         if keep_alive is not None or m.keep_alive_req is not None:
             self.engine.request_keep_alive(m, keep_alive)
+        # what the policy expects right after it (a voice chain's next model), as it starts: where the
+        # replay has it (at its admission, its load included there too) and a session has it (at its
+        # open), so the weekly tuning replays the prewarms this service makes. At its end, a prewarm
+        # came a request's run later than the replay's, and a successor with a keep-alive shorter
+        # than that run was prewarmed in the replay for nothing, and warm here
+        self.engine.after_request(m, self.clock())
+        self._flush()
         ran = functools.partial(self._ran_for_nobody, model, cls, cls_name, arrival, cold, keep_alive)
         try:
             result, start, end, cold, unavailable = await self._attempts(
@@ -1616,7 +1625,6 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         end = self.clock()
         m.busy_until = end if live.inflight == 0 else m.busy_until
         self.engine.finish(m, start, end - start)
-        self.engine.after_request(m, end)
         self._flush()
         if abandoned is not None:
             self._deferred_evict(m)

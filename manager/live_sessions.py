@@ -163,6 +163,7 @@ class _World:
     resumed: bool = False  # opened as a resume of a saved session (never discarded by its close)
     failed: bool = False  # a step failed: the session ends as an `error` in the requests metric
     keep_alive: float | None = None  # the session's own keep-alive (WorldStart.keep_alive), logged at its end
+    ready: float | None = None  # when it began to run (its model admitted and loaded): its wait ended
 
 
 _SESSION_ID = re.compile(r"[0-9a-f]{12}")
@@ -516,6 +517,7 @@ class WorldSessionsMixin:
             int(data.get("next_segment", 0)),
             resumed=resume_id is not None,
             keep_alive=keep_alive,
+            ready=ready,
         )
         shrunk = await self._lease_caught_up(m, sid, sent)
         if shrunk is not None:  # the lease the session holds now, not the one it opened with
@@ -800,10 +802,13 @@ class WorldSessionsMixin:
         host_close = self._in_background(close_on_host())
         host_close.set_name(_CLOSING + sid)  # (an open waits for it, a prune keeps its directory)
         host_close.add_done_callback(read_outcome)  # (if nobody waits)
+        # it ran from its `ready` (its wait, from `opened`, was counted at its open): as a request's,
+        # its busy time in the engine and the request log is its run, not its wait too
+        ran = opened if w is None or w.ready is None else max(opened, w.ready)
         try:  # the books are closed even when this is cancelled (or the host fails) midway
             reply = await asyncio.shield(host_close)
         finally:
-            self._end_busy(m, opened)
+            self._end_busy(m, ran)
             live = self.live[model]
             live.requests += 1
             live.last_used = self.clock()  # in use until now (as the request log's record says)
@@ -811,8 +816,9 @@ class WorldSessionsMixin:
             outcome = "error" if w is not None and w.failed else "ok"
             self.metrics.child("requests", model, self.config.classes[rank].name, outcome).inc()
             if self.store is not None:
-                rec = {"t": opened, "model": model, "busy_s": round(max(0.0, self.clock() - opened), 6),
-                       "kind": "session", "class": self.config.classes[rank].name}  # fmt: skip
+                rec = {"t": opened, "model": model, "busy_s": round(max(0.0, self.clock() - ran), 6),
+                       "wait_s": round(ran - opened, 6), "kind": "session",
+                       "class": self.config.classes[rank].name}  # fmt: skip
                 if w is not None and w.keep_alive is not None:  # (a trace line's form, as a request's)
                     rec["keep_alive"] = keep_alive_json(w.keep_alive)
                 self._log(rec)

@@ -57,6 +57,11 @@ class Engine(TierMoves):
         self.thrash_window = config.policy.thrash_window
         self.min_residency = config.policy.min_residency
         self.load_time: LoadTimeFn = load_time or (lambda m, src: m.cost.get(src))
+        self.measures_loads = load_time is not None
+        """Whether a load's time is learned where the engine decides it (the replay: `load_time` is
+        its truth). Without one (the live manager) the estimate it decided by is no measurement: the
+        load's result, which its device host timed, is measured (`LiveManager._on_result`); fed back,
+        the estimate made half the samples and the estimate learned a real time slowly."""
         self.counters = Counters()
         self.wakeups: list[float] = []
         self.actions: list[tuple[float, Action]] | None = None

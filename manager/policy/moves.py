@@ -33,6 +33,7 @@ class TierMoves:
     actions: list[tuple[float, Action]] | None
     thrash_window: float
     load_time: Callable[[ModelState, str], float]
+    measures_loads: bool
     gpu_time: dict[str, float]
     wakeups: list[float]
     _on_gpu_at: dict[str, float]
@@ -142,7 +143,8 @@ class TierMoves:
         dev.add(m, m.gpu_bytes)
         if source != "host":
             host.cache_touch(m.name, m.weights)
-        m.cost.measure(source, dur)
+        if self.measures_loads:  # (the replay's: its load times are the truth it was given)
+            m.cost.measure(source, dur)
         c = self.counters
         c.loads += 1
         c.loads_by_source[source] += 1
@@ -174,7 +176,8 @@ class TierMoves:
             return False
         # A disk -> host read costs what a disk -> GPU load costs less the host -> GPU copy.
         dur = max(0.0, self.load_time(m, self.load_source(m)) - self.load_time(m, "host"))
-        m.cost.measure("disk_host", dur)
+        if self.measures_loads:
+            m.cost.measure("disk_host", dur)
         m.tier = HOST
         m.ready_at = now + dur
         host.used += m.weights
