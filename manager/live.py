@@ -1995,6 +1995,11 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         whether it is pinned, admin pins included: what the tuning checks its candidates' fit with."""
         return {n: (m.weights, m.pinned) for n, m in self.engine.models.items()}
 
+    def measured(self) -> dict[str, tuple[int, dict[str, float]]]:
+        """Each model's weights and load seconds by source as the engine decides by them (measured,
+        or the config's estimates until a load measured them): what the tuning's replays take."""
+        return {n: (m.weights, m.cost.as_dict()) for n, m in self.engine.models.items()}
+
     def check_reload(self, new: Config) -> list[str]:
         """What `reload(new)` would apply (its list of changes), or the error it would raise
         (RestartNeeded, PinsDoNotFit), changing nothing: every check the reload makes, the pinned

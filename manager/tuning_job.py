@@ -35,7 +35,15 @@ from manager.config import Config, ConfigError, load_config, write_config_with_u
 from manager.reload import TunedHold, entry_values, held_updates
 from manager.replay.sim import replay
 from manager.replay.trace import ExportStopped, read_trace
-from manager.replay.tune import MIN_MODEL_REQUESTS, LiveSizes, TuningStopped, objective, split_holdout, tune
+from manager.replay.tune import (
+    MIN_MODEL_REQUESTS,
+    LiveSizes,
+    Measured,
+    TuningStopped,
+    objective,
+    split_holdout,
+    tune,
+)
 from manager.store.base import CorruptDocument
 from manager.store.export import export_trace
 
@@ -71,13 +79,16 @@ def run_tuning(
     stop: Callable[[], bool] | None = None,
     held: TunedHold | None = None,
     live: LiveSizes | None = None,
+    *,
+    measured: Measured | None = None,
 ) -> TuningOutcome:
     """One run, its files under `tuning.out_dir`. `stop` ends it (TuningStopped) at its next replay
     or before its next file. A stopped or failed run leaves nothing: the folder it made is removed
     (a failed run is tried again each `RETRY_S`, and each left its exported request log behind);
     a config file edited while the search went on fails it (ConfigChanged), no proposal written.
     `held`: the tuned settings the running `config` holds that its file could not take: the
-    proposal (the file with the run's updates) has them too, so that it is the running config."""
+    proposal (the file with the run's updates) has them too, so that it is the running config.
+    `live` and `measured`: the service's measured sizes and pins, and sizes and load times (`tune`'s)."""
     now = time.time() if now is None else now
     began = _bytes(config_path)  # the file the run tunes (its proposal is written from it)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now))
@@ -85,7 +96,7 @@ def run_tuning(
     made = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return _run(config, config_path, store, now, stamp, out_dir, stop, held or {}, live, began)
+        return _run(config, config_path, store, now, stamp, out_dir, stop, held or {}, live, began, measured)
     except BaseException:
         if made:
             shutil.rmtree(out_dir, ignore_errors=True)
@@ -108,6 +119,7 @@ def _run(
     held: TunedHold,
     live: LiveSizes | None = None,
     began: bytes | None = None,
+    measured: Measured | None = None,
 ) -> TuningOutcome:
     trace = out_dir / "requests.jsonl"
     damaged: list[Any] = []  # (StoreError: a damaged stored row, left out of the export)
@@ -142,7 +154,7 @@ def _run(
         return TuningOutcome(None, None, n, reason=reason, warnings=skipped)
     res = tune(
         config, search, holdout, policy=config.policy.name, stop=stop, min_requests=MIN_MODEL_REQUESTS,
-        live=live,
+        live=live, measured=measured,
     )  # fmt: skip
     _stopped(stop)  # (the held-out replays, after the search, do not look)
     warnings = [*skipped, *res.warnings]
@@ -502,8 +514,16 @@ def tuning_step(
         live: dict[str, tuple[int, bool]] | None = sizes()
     else:
         live = {n: (m.weights, m.pinned) for n, m in engine.models.items()} if engine is not None else None
+    # and what it measured of its models' sizes and load times, which the run's replays take
+    read_measured = getattr(manager, "measured", None)
+    if callable(read_measured):
+        measured: Measured | None = read_measured()
+    elif engine is not None:
+        measured = {n: (m.weights, m.cost.as_dict()) for n, m in engine.models.items()}
+    else:
+        measured = None
     held = getattr(manager, "tuning_overrides", None)
-    outcome = run_tuning(config, config_path, store, now, stop, held, live)
+    outcome = run_tuning(config, config_path, store, now, stop, held, live, measured=measured)
     _stopped(stop)  # the service is stopping: nothing is written or reloaded now
     applied = False
     if outcome.better and config.tuning.apply == "auto" and outcome.proposal is not None:

@@ -1241,6 +1241,23 @@ class _ReloadOnLoop:
                 f"the service did not say its models' measured sizes and pins in {self.CHECK_S:g} s"
             ) from None
 
+    def measured(self) -> dict[str, tuple[int, dict[str, float]]]:
+        """`LiveManager.measured()` read on the event loop: each model's weights and load seconds
+        as measured. CheckNotAnswered: no answer in CHECK_S."""
+        from manager.reload import CheckNotAnswered
+
+        async def on_loop() -> dict[str, tuple[int, dict[str, float]]]:
+            return self.manager.measured()
+
+        answer = asyncio.run_coroutine_threadsafe(on_loop(), self.loop)
+        try:
+            return answer.result(timeout=self.CHECK_S)
+        except TimeoutError:
+            answer.cancel()
+            raise CheckNotAnswered(
+                f"the service did not say its models' measured load times in {self.CHECK_S:g} s"
+            ) from None
+
     @property
     def config(self) -> Config:
         return self.manager.config

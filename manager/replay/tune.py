@@ -137,6 +137,36 @@ LiveSizes = dict[str, tuple[int, bool]]
 or unpin included)."""
 
 
+Measured = dict[str, tuple[int, dict[str, float]]]
+"""A running service's measurements of its models: name -> (bytes on its device, load seconds by
+source: "disk", "cached", "host"), as its engine decides by (the config's estimates until a load of
+the model measured them)."""
+
+
+def as_measured(config: Config, measured: Measured | None) -> Config:
+    """`config` with its models' `memory` and `load_seconds` as the running service measured them
+    (`measured`), for the replays of its tuning: the machine that runs, not the config's estimates
+    (an LLM measured at 12 GiB and 20 s where the config says 9 GiB and 8 s is swapped very
+    differently). Unvalidated (a copy of a valid config, two fields of its models replaced); the
+    tuned settings go into `config` itself, never these sizes."""
+    if not measured:
+        return config
+    models = []
+    for m in config.models:
+        got = measured.get(m.name)
+        if got is None:
+            models.append(m)
+            continue
+        nbytes, secs = got
+        ls = m.load_seconds
+        disk = float(secs.get("disk", ls.disk))
+        host = min(float(secs.get("host", ls.host)), disk)  # (RAM beats disk, as the config's rule)
+        cached = min(max(float(secs.get("cached", ls.cached_s)), host), disk)
+        times = ls.model_copy(update={"disk": disk, "host": host, "cached": cached})
+        models.append(m.model_copy(update={"memory": max(int(nbytes), 1), "load_seconds": times}))
+    return config.model_copy(update={"models": models})
+
+
 def _running(config: Config, live: LiveSizes | None) -> Any:
     """An engine of `config` holding the running service's sizes and pins (`live`)."""
     from manager.policy.engine import Engine
@@ -226,13 +256,15 @@ def tune(
     stop: Callable[[], bool] | None = None,
     min_requests: int = 0,
     live: LiveSizes | None = None,
+    measured: Measured | None = None,
 ) -> TuneResult:
     """The search; `stop` (checked before each replay) ends it early with TuningStopped. A model
     with fewer than `min_requests` requests in `search` is not tuned (`thin_data`): `residency
     tune` and the service's tuning job give `MIN_MODEL_REQUESTS`; 0 (the search alone, as the
     benchmarks and the search's own tests run it) tunes every model that is not pinned. `live` (the
     service's tuning job): its measured sizes and pins, which a class reservation tried is checked
-    against (`never_fit`)."""
+    against (`never_fit`). `measured` (the service's tuning job): its models' measured sizes and
+    load times, which every replay of the search and of the holdout takes (`as_measured`)."""
     thin, warnings = thin_data(config, search, min_requests)
     if policy in OWN_KEEP_ALIVE:
         warnings.append(
@@ -257,7 +289,7 @@ def tune(
         except ValidationError:
             return None
         evals += 1
-        r = replay(cfg, search, policy)
+        r = replay(as_measured(cfg, measured), search, policy)
         return objective(r), r
 
     first = score(models, classes)
@@ -297,9 +329,9 @@ def tune(
     hb = ha = None
     if holdout:  # (a stop is looked at before each of these replays too: each is a week's)
         stopped()
-        hb = replay(config, holdout, policy)
+        hb = replay(as_measured(config, measured), holdout, policy)
         stopped()
-        ha = replay(tuned, holdout, policy)
+        ha = replay(as_measured(tuned, measured), holdout, policy)
     return TuneResult(
         config=tuned,
         model_updates=model_updates,

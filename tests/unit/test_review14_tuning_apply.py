@@ -81,6 +81,7 @@ def _tuned(class_updates: dict[str, dict[str, Any]]) -> Callable[..., TuningOutc
         stop: Any = None,
         held: Any = None,
         live: Any = None,
+        measured: Any = None,
     ) -> TuningOutcome:
         out_dir = Path(config.tuning.out_dir) / "20260101-000000"
         out_dir.mkdir(parents=True)

@@ -459,7 +459,7 @@ def test_the_services_tuning_checks_reservations_against_measured_sizes(
     class Enough(Exception):
         pass
 
-    def run_tuning(*args: Any) -> Any:
+    def run_tuning(*args: Any, **kwargs: Any) -> Any:
         seen.append(args[-1])
         raise Enough
 

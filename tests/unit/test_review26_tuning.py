@@ -112,7 +112,9 @@ def test_a_store_that_reads_but_does_not_write_is_not_tuned_again_at_every_check
     cfg, real, now = home(apply="propose")
     runs: list[float] = []
 
-    def run(config: Config, path: Path, store: Any, at: float, *args: Any) -> job.TuningOutcome:
+    def run(
+        config: Config, path: Path, store: Any, at: float, *args: Any, **kwargs: Any
+    ) -> job.TuningOutcome:
         runs.append(at)
         return job.TuningOutcome(None, None, 300, reason="no improvement on the held-out days")
 

@@ -32,7 +32,7 @@ def test_the_scheduled_run_gets_the_measured_sizes_and_the_admin_pins(
     store = open_store(f"sqlite:///{tmp_path / 'state.db'}")
     given: list[Any] = []
 
-    def search(*args: Any) -> Any:
+    def search(*args: Any, **kwargs: Any) -> Any:
         given.append(args[-1])  # `live`
         raise _Given
 
