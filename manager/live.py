@@ -1468,14 +1468,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self.keep_alive_said.add(model)  # (admitted: its word on the keep-alive is this run's)
         if keep_alive is not None or m.keep_alive_req is not None:
             self.engine.request_keep_alive(m, keep_alive)
-        # what the policy expects right after it (a voice chain's next model), as it starts: where the
-        # replay has it (at its admission, its load included there too) and a session has it (at its
-        # open), so the weekly tuning replays the prewarms this service makes. At its end, a prewarm
-        # came a request's run later than the replay's, and a successor with a keep-alive shorter
-        # than that run was prewarmed in the replay for nothing, and warm here
-        self.engine.after_request(m, self.clock())
-        self._flush()
-        ran = functools.partial(self._ran_for_nobody, model, cls, cls_name, arrival, cold, keep_alive)
+        ran = functools.partial(self._ran_for_nobody, model, cls, arrival, keep_alive)
         try:
             result, start, end, cold, unavailable = await self._attempts(
                 m, rank, cls_name, inputs, deadline, cold, ran
@@ -1519,6 +1512,14 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             seen = self._results.get(m.name, 0)
             m.busy_until = math.inf  # busy while it runs: never evicted under a request
             live.inflight += 1
+            if attempt == 0:
+                # what the policy expects right after it (a voice chain's next model), as it starts,
+                # busy (the replay has it there, its run booked first; a session at its open), so
+                # the weekly tuning replays the prewarms this service makes. At its end, a prewarm
+                # came a request's run later than the replay's; before it was busy, a review could
+                # take its own room for a model it valued more, just before its forward
+                self.engine.after_request(m, start)
+                self._flush()
             late: list[asyncio.Future[Any]] = []  # its forward, when it outlives the request
             call = asyncio.ensure_future(
                 self._run_infer(m.device, m.name, inputs, max(deadline - start, 0.1), late)
@@ -1597,21 +1598,13 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             then(start, end)
 
     def _ran_for_nobody(
-        self,
-        model: str,
-        cls: str | None,
-        cls_name: str,
-        arrival: float,
-        cold: bool,
-        keep_alive: float | None,
-        start: float,
-        end: float,
+        self, model: str, cls: str | None, arrival: float, keep_alive: float | None, start: float, end: float
     ) -> None:
-        """A request whose client hung up while it ran, now ended on its device host: it ran, so its
-        wait and cold start are counted as a served request's, and it goes to the request log (its
-        demand and its busy time are the replay's, whoever read the answer), `outcome` `cancelled`."""
-        wait = self._count_wait(cls_name, arrival, start)
-        self.cold_starts += cold
+        """A request whose client hung up while it ran, now ended on its device host: it goes to the
+        request log (it ran: its demand and its busy time are the replay's, whoever read the answer),
+        `outcome` `cancelled`. Stats' waits and cold starts stay those of the requests it served (it
+        is counted `cancelled` there)."""
+        wait = max(0.0, start - arrival)  # (the wall clock may step back between the two)
         self._log_request(arrival, model, end - start, cls, wait, None, keep_alive)
 
     def _call_ended(self, m: Any, start: float, abandoned: asyncio.Future[Any] | None = None) -> float:
@@ -1639,7 +1632,12 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         more that would wait is refused, one whose model is loaded and ready is not (a `retry` of an
         accepted request skips the limit, is not observed again nor counted rejected)."""
         if not self.started:
-            await self._until_started(m, deadline)
+            try:
+                await self._until_started(m, deadline)
+            except asyncio.CancelledError:  # its client hung up while the service started
+                if not retry:
+                    self._count_cancelled(m, cls_name)
+                raise
         limit = None if retry else self.config.classes[rank].max_queue
         # A request for a model loaded and ready waits for no load and no room: never "queue full".
         # (`ready` alone is not enough: a failed load sets it to wake its waiters, the model on disk.)

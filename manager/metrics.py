@@ -299,13 +299,14 @@ class _Server(ThreadingWSGIServer):
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         limit = float(self.RequestHandlerClass.timeout or HTTP_TIMEOUT_S)  # type: ignore[attr-defined]
-        cut = threading.Timer(max(HTTP_CONNECTION_S, limit), _cut_off, (request,))
+        current = [request]  # the connection's socket: its TLS socket once wrapped (it detaches this)
+        cut = threading.Timer(max(HTTP_CONNECTION_S, limit), _cut_off, (current,))
         cut.daemon = True
         cut.start()
         try:
             if self.tls is not None:  # the handshake is this connection's thread's, not the accept loop's
                 try:
-                    request = self._tls_accept(request, self.tls)
+                    request = current[0] = self._tls_accept(request, self.tls)
                 except Exception:
                     self.handle_error(request, client_address)
                     self.shutdown_request(request)
@@ -377,10 +378,13 @@ class _Server(ThreadingWSGIServer):
             p.server_close()
 
 
-def _cut_off(request: socket.socket) -> None:
-    """End a connection past HTTP_CONNECTION_S: its thread's read or write fails, and it ends."""
+def _cut_off(current: list[socket.socket]) -> None:
+    """End a connection past HTTP_CONNECTION_S (`current[0]`: its socket, or its TLS socket once the
+    handshake wrapped it): its thread's read or write fails, and it ends. The OS socket is shut down
+    under TLS too (socket's own shutdown, not the TLS socket's, which would drop its TLS state under
+    the thread that reads it)."""
     with contextlib.suppress(OSError):
-        request.shutdown(socket.SHUT_RDWR)
+        socket.socket.shutdown(current[0], socket.SHUT_RDWR)
 
 
 def _shown(sockaddr: tuple[Any, ...]) -> str:

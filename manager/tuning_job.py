@@ -40,6 +40,7 @@ from manager.replay.tune import (
     LiveSizes,
     Measured,
     TuningStopped,
+    as_measured,
     objective,
     split_holdout,
     tune,
@@ -186,7 +187,7 @@ def _run(
         )
 
     write_config_atomically(proposal, write, mode=mode)
-    report = _report(out_dir / "report", config, res, holdout, stop)
+    report = _report(out_dir / "report", config, res, holdout, stop, measured)
     _stopped(stop)
     before, after = res.holdout_before, res.holdout_after
     assert before is not None and after is not None
@@ -207,11 +208,17 @@ def _under(held: TunedHold, section: str, updates: dict[str, dict[str, Any]]) ->
 
 
 def _report(
-    out: Path, config: Config, res: Any, reqs: list[Any], stop: Callable[[], bool] | None = None
+    out: Path,
+    config: Config,
+    res: Any,
+    reqs: list[Any],
+    stop: Callable[[], bool] | None = None,
+    measured: Measured | None = None,
 ) -> Path | None:
     """The held-out days' report, over the period until the last request ends (as `residency tune
     --report`); None when that period is empty (every request at one instant, none busy). `stop` is
-    looked at before each replay."""
+    looked at before each replay. `measured`: the machine the run's verdict replayed (`as_measured`),
+    which the report's replays and sizes are of too."""
     from manager.policy.stats import home_hours
     from manager.replay.report import report_period, write_report
 
@@ -219,15 +226,16 @@ def _report(
     if t1 <= t0:
         return None
     _stopped(stop)
-    before = replay(config, reqs, config.policy.name, record=True)
+    ran = as_measured(config, measured)
+    before = replay(ran, reqs, config.policy.name, record=True)
     _stopped(stop)
-    after = replay(res.config, reqs, config.policy.name, record=True)
+    after = replay(as_measured(res.config, measured), reqs, config.policy.name, record=True)
     _stopped(stop)
     notes = [f"change: {c}" for c in res.changes] or ["no change beat the running config"]
     notes += [f"warning: {w}" for w in res.warnings]
     return write_report(
         out, before=before, after=after, t_start=t0, t_end=t1,
-        model_weights={m.name: m.memory for m in config.models}, notes=notes,
+        model_weights={m.name: m.memory for m in ran.models}, notes=notes,
         title="Residency tuning report (held-out days)",
         model_devices={m.name: m.device for m in config.models}, hours=home_hours(config.policy.timezone),
     )  # fmt: skip

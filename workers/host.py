@@ -311,8 +311,7 @@ class DeviceHost:
         after a failed load or promote, the memory it took (freed with what it built: CUDA's caching
         allocator kept it, so every later measurement of a footprint against the device's memory in
         use, and its free memory in `status`, would have been off by it); after a CUDA promote, the
-        pinned host copy it let go of, and after a CUDA load from disk the pinned buffer its
-        checkpoint was read into (torch's pinned host cache kept them page-locked in the process
+        pinned host copy it let go of (torch's pinned host cache kept it page-locked in the process
         until some later drop or demote). A failure is logged, not raised: the command's result holds
         (a CUDA that is gone is said by the next command's own error)."""
         try:
@@ -474,8 +473,20 @@ class DeviceHost:
             r, op_id, "load", "disk", ph, t0, used0, rss0, moved=r.read_bytes, source=source
         )
         if self.kind == "cuda" and r.tier == "gpu":  # the pinned host buffer its checkpoint was read
-            self._release(f"the load of {r.spec.name}")  # into, let go of (as after a promote)
+            self._release_host(f"the load of {r.spec.name}")  # into, let go of: handed back
         return result
+
+    def _release_host(self, after: str) -> None:
+        """The probe's pinned host cache handed back (`CudaProbe.release_host`), alone: not a whole
+        `release`, which would wait for every stream of the device (other models' forwards) and empty
+        its memory cache after the load was measured by it. Logged, not raised, as `_release`."""
+        release_host = getattr(self.probe, "release_host", None)
+        if release_host is None:
+            return
+        try:
+            release_host()
+        except Exception as e:
+            logger.debug("device %s: after %s, no release of pinned host memory: %r", self.name, after, e)
 
     def _build(self, cmd: P.Load) -> tuple[_Resident, str, Phases, float, int, int]:
         """A load's work, apart from the host's books: the model in its tier, with how it was measured."""

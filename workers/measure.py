@@ -105,9 +105,14 @@ class CudaProbe:
         gc.collect()
         torch.cuda.synchronize(self.index)
         torch.cuda.empty_cache()
-        # pinned host memory freed (a host-tier model dropped, a host copy promoted) stays in torch's
-        # pinned host cache, page-locked in this process, until that cache is emptied (blocks whose
-        # copies still run are kept); a CUDA build's binding, as `torch.cuda.graphs` calls it
+        self.release_host()
+
+    def release_host(self) -> None:
+        """Pinned host memory freed (a host-tier model dropped, a host copy promoted, the buffer a
+        checkpoint was read into) stays in torch's pinned host cache, page-locked in this process,
+        until that cache is emptied (blocks whose copies still run are kept); a CUDA build's binding,
+        as `torch.cuda.graphs` calls it. Alone, it neither waits for the device's streams nor empties
+        its memory cache (a load measured by that memory keeps its figure)."""
         host_empty_cache = getattr(torch._C, "_host_emptyCache", None)
         if host_empty_cache is not None:
             host_empty_cache()

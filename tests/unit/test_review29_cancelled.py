@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import ssl
 import threading
 import time
 import urllib.request
@@ -141,13 +142,12 @@ def test_a_request_cancelled_while_it_runs_is_counted_and_logged_when_it_ends(tm
             call.cancel()
             await asyncio.gather(call, return_exceptions=True)
             assert requests_by_outcome(manager) == {"ok": 1.0, "cancelled": 1.0}
-            assert wait_count(manager) == 1  # counted when its forward ends, not before
             assert manager.live["tiny"].inflight == 1  # it still runs on the device host
             slow.go.set()
             await until(lambda: manager.live["tiny"].inflight == 0, "the forward to end")
-            assert wait_count(manager) == 2
+            assert wait_count(manager) == 1  # Stats' and the metric's waits are served requests'
             stats = await stub.Stats(pb.StatsRequest())
-            assert (stats.cancelled, stats.requests) == (1, 1)
+            assert (stats.cancelled, stats.requests, stats.cold_starts) == (1, 1, 1)
             manager.pool = pool
         assert logged(tmp_path) == [("tiny", "ok"), ("tiny", "cancelled")]
 
@@ -171,37 +171,51 @@ def test_an_evict_to_host_answers_within_the_callers_deadline(tmp_path: Path) ->
     asyncio.run(body())
 
 
-def _trickle(port: int, stop: threading.Event, cut: list[bool]) -> None:
-    """A client (at 127.0.0.2) that sends its request a byte at a time, each within the read timeout."""
-    with socket.create_connection(("127.0.0.1", port), source_address=("127.0.0.2", 0)) as s:
+def _trickle(port: int, stop: threading.Event, cut: list[bool], tls: ssl.SSLContext | None = None) -> None:
+    """A client (at 127.0.0.2) that sends its request a byte at a time, each within the read timeout
+    (`tls`: over TLS, its handshake done first)."""
+    raw = socket.create_connection(("127.0.0.1", port), source_address=("127.0.0.2", 0))
+    s = raw
+    try:
+        if tls is not None:
+            s = tls.wrap_socket(raw, server_hostname="localhost")
         s.sendall(b"GET /metrics HTTP/1.1\r\n")
         while not stop.is_set():
-            try:
-                s.sendall(b"X")
-            except OSError:
-                cut.append(True)
-                return
+            s.sendall(b"X")
             time.sleep(0.1)
+    except OSError:  # cut off, or refused (ssl.SSLError too)
+        cut.append(True)
+    finally:
+        with contextlib.suppress(OSError):
+            s.close()
+        raw.close()
 
 
-def test_a_client_sending_a_byte_at_a_time_holds_no_slot_for_good(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("https", [False, True])
+def test_a_client_sending_a_byte_at_a_time_holds_no_slot_for_good(
+    https: bool, monkeypatch: pytest.MonkeyPatch, tls_pair: tuple[Path, Path]
+) -> None:
     """The metrics endpoint's read timeout is each read's: clients that sent a byte now and then held
     every slot for as long as they liked, and every scrape was closed unanswered. Now one client
     address holds at most HTTP_PER_CLIENT slots, and each connection is cut HTTP_CONNECTION_S after
-    it was accepted."""
+    it was accepted, over HTTPS too (the cut first reached only the socket TLS had detached)."""
     monkeypatch.setattr(metrics_mod._Handler, "timeout", 0.5)
     monkeypatch.setattr(metrics_mod, "HTTP_MAX_CONNECTIONS", 4)
     monkeypatch.setattr(metrics_mod, "HTTP_PER_CLIENT", 3)
     monkeypatch.setattr(metrics_mod, "HTTP_CONNECTION_S", 1.5)
-    httpd, thread = metrics_mod.serve_metrics("127.0.0.1", 0, metrics_mod.Metrics().registry)
+    cert, key = tls_pair
+    served_tls = metrics_mod.metrics_tls(str(cert), str(key)) if https else None
+    client_tls = ssl.create_default_context(cafile=str(cert)) if https else None
+    httpd, thread = metrics_mod.serve_metrics("127.0.0.1", 0, metrics_mod.Metrics().registry, tls=served_tls)
     port = int(httpd.server_address[1])
     stop, cut = threading.Event(), list[bool]()
-    tricklers = [threading.Thread(target=_trickle, args=(port, stop, cut)) for _ in range(4)]
+    tricklers = [threading.Thread(target=_trickle, args=(port, stop, cut, client_tls)) for _ in range(4)]
     try:
         for t in tricklers:
             t.start()
         time.sleep(0.5)  # 3 of them hold slots (the fourth, over its address's share, was closed)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        scheme = "https://127.0.0.1" if https else "http://127.0.0.1"
+        with urllib.request.urlopen(f"{scheme}:{port}/metrics", timeout=10, context=client_tls) as r:
             assert r.status == 200  # the slot left beside one client's share
         deadline = time.monotonic() + 20
         while len(cut) < 4 and time.monotonic() < deadline:

@@ -15,12 +15,17 @@ c. The policy's look at what comes right after a request (a voice chain's next m
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
-from live_helpers import TEXT, lru_config, world_config
+import numpy as np
+import torch
+from live_helpers import TEXT, lru_config, until, world_config
 
+from manager.config import load_config
 from manager.live import LiveManager
 from manager.store import open_store
 from manager.workers_bridge import create_pool
@@ -111,6 +116,79 @@ def test_what_comes_after_a_request_is_looked_at_as_it_starts(tmp_path: Path) ->
             assert seen == [("embed", "not yet")]  # once, before its call answered (none after)
         finally:
             await lm.stop()
+            pool.close()
+
+    asyncio.run(main())
+
+
+def test_the_look_after_a_request_never_takes_the_requests_own_model(tmp_path: Path) -> None:
+    """(A follow-up of c: looked at before the request's model was counted busy, the hourly review
+    demoted that very model to promote a host resident it valued more, and the request failed,
+    "left the gpu tier before it could infer". The replay books the run first; so does this now.)"""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit is deprecated in this torch
+        for name in ("a", "b"):
+            torch.jit.script(torch.nn.Linear(4096, 4096)).save(str(tmp_path / f"{name}.pt"))  # type: ignore[no-untyped-call]
+    (tmp_path / "c.yaml").write_text(f"""
+devices: [{{name: cpu0, kind: cpu, memory: 176MiB, reserve: 48MiB}}]
+host: {{memory: 8GiB, reserve: 1GiB}}
+classes: [{{name: hi}}, {{name: lo, may_evict: false}}]
+policy: {{name: residency, min_residency: 0}}
+models:
+  - {{name: b, class: hi, adapter: torchscript, device: cpu0, memory: 70MiB,
+     load_seconds: {{disk: 2, host: 1}}, source: {{path: {tmp_path}/b.pt}}}}
+  - {{name: a, class: lo, adapter: torchscript, device: cpu0, memory: 70MiB,
+     load_seconds: {{disk: 0.2, host: 0.05}}, source: {{path: {tmp_path}/a.pt}}}}
+""")
+    config = load_config(tmp_path / "c.yaml")
+    x = {"input": np.zeros((1, 4096), np.float32)}
+
+    async def main() -> None:
+        pool = create_pool(config, in_process=True)
+        sent: list[tuple[str, str]] = []
+        real_submit = pool.submit
+
+        def submit(device: str, cmd: Any, op_id: str | None = None) -> str:
+            sent.append((type(cmd).__name__, str(getattr(cmd, "model", ""))))
+            return str(real_submit(device, cmd, op_id))
+
+        pool.submit = submit  # type: ignore[method-assign]
+        lm = LiveManager(config, pool)
+        await lm.start()
+        try:
+            await lm.infer("b", x, timeout_s=30)
+            lm.evict("b", "host")  # the more valuable model waits in host RAM
+            await until(lambda: lm.live["b"].tier == "host", "b demoted")
+            await lm.infer("a", x, timeout_s=30)
+            await until(lambda: lm.live["a"].tier == "gpu", "a on the gpu")
+            # (past the time the books have it on the GPU from: estimated, behind b's demote)
+            await asyncio.sleep(max(0.3, lm.engine.models["a"].gpu_since - lm.clock() + 0.3))
+            lm.engine.policy._next_review = -math.inf  # type: ignore[attr-defined]  # an hour boundary passed
+            sent.clear()
+            served = await lm.infer("a", x, timeout_s=10)
+            assert served.result.ok
+            assert ("Demote", "a") not in sent and ("Drop", "a") not in sent, sent
+        finally:
+            await lm.stop()
+            pool.close()
+
+    asyncio.run(main())
+
+
+def test_a_request_whose_client_hangs_up_while_the_service_starts_is_counted(tmp_path: Path) -> None:
+    config = lru_config(tmp_path)
+
+    async def main() -> None:
+        pool = create_pool(config, in_process=True)
+        lm = LiveManager(config, pool)  # not started (the gRPC server takes calls before it is)
+        try:
+            call = asyncio.ensure_future(lm.infer("embed", TEXT, timeout_s=20))
+            await asyncio.sleep(0.2)
+            call.cancel()
+            await asyncio.gather(call, return_exceptions=True)
+            assert call.cancelled()
+            assert (lm.cancelled, lm.rejected, lm.failed, lm.served) == (1, 0, 0, 0)
+        finally:
             pool.close()
 
     asyncio.run(main())
