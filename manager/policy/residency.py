@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 
 from manager.policy.base import Enough, Policy, host_models
 from manager.policy.state import ModelState
-from manager.policy.stats import WEEK_S
+from manager.policy.stats import EDGES, WEEK_S
 from manager.policy.types import DISK, GPU
 
 if TYPE_CHECKING:
@@ -129,7 +129,11 @@ class ResidencyPolicy(Policy):
             return self.default_keep_alive
         cached = self._ka_cache.get(m.name)
         if cached is None or n - cached[0] > cached[0] // 16:  # recompute as the histogram grows
-            cached = (n, max(self.engine.min_residency, m.hist.quantile(0.95)))
+            # past the histogram's top edge (about 7.5 days) its quantile is inf: a learned
+            # keep-alive is never `forever` (a model asked for every 9 days held its room for good,
+            # and a class that may not evict never got it), but at most that top edge
+            q = min(m.hist.quantile(0.95), EDGES[-1])
+            cached = (n, max(self.engine.min_residency, q))
             self._ka_cache[m.name] = cached
         return cached[1]
 
