@@ -1227,36 +1227,27 @@ class _ReloadOnLoop:
     def live_sizes(self) -> dict[str, tuple[int, bool]]:
         """`LiveManager.live_sizes()` read on the event loop: each model's measured weights and
         whether it is pinned (admin pins included). CheckNotAnswered: no answer in CHECK_S."""
-        from manager.reload import CheckNotAnswered
-
-        async def on_loop() -> dict[str, tuple[int, bool]]:
-            return self.manager.live_sizes()
-
-        answer = asyncio.run_coroutine_threadsafe(on_loop(), self.loop)
-        try:
-            return answer.result(timeout=self.CHECK_S)
-        except TimeoutError:
-            answer.cancel()
-            raise CheckNotAnswered(
-                f"the service did not say its models' measured sizes and pins in {self.CHECK_S:g} s"
-            ) from None
+        return self._read(self.manager.live_sizes, "its models' measured sizes and pins")
 
     def measured(self) -> dict[str, tuple[int, dict[str, float]]]:
         """`LiveManager.measured()` read on the event loop: each model's weights and load seconds
         as measured. CheckNotAnswered: no answer in CHECK_S."""
+        return self._read(self.manager.measured, "its models' measured load times")
+
+    def _read(self, read: Callable[[], T], what: str) -> T:
+        """`read()` run on the event loop, its answer waited for CHECK_S at most (CheckNotAnswered,
+        saying the service did not say `what`)."""
         from manager.reload import CheckNotAnswered
 
-        async def on_loop() -> dict[str, tuple[int, dict[str, float]]]:
-            return self.manager.measured()
+        async def on_loop() -> T:
+            return read()
 
         answer = asyncio.run_coroutine_threadsafe(on_loop(), self.loop)
         try:
             return answer.result(timeout=self.CHECK_S)
         except TimeoutError:
             answer.cancel()
-            raise CheckNotAnswered(
-                f"the service did not say its models' measured load times in {self.CHECK_S:g} s"
-            ) from None
+            raise CheckNotAnswered(f"the service did not say {what} in {self.CHECK_S:g} s") from None
 
     @property
     def config(self) -> Config:

@@ -80,13 +80,14 @@ class _HoldingPool:
 
 @contextlib.asynccontextmanager
 async def serving(
-    cfg: Config, hold: tuple[str, ...] = ()
+    cfg: Config, hold: tuple[str, ...] = (), store: Any = None
 ) -> AsyncIterator[tuple[pb_grpc.ResidencyStub, LiveManager, _HoldingPool]]:
     """The service's gRPC server on a free port over in-process hosts: a Residency stub, the manager
-    and the (holding) pool, holding back the results of the models in `hold` from the start."""
+    and the (holding) pool, holding back the results of the models in `hold` from the start; the
+    manager with `store` (None: none)."""
     pool = _HoldingPool(create_pool(cfg, in_process=True))
     pool.hold.update(hold)
-    manager = LiveManager(cfg, pool)
+    manager = LiveManager(cfg, pool, store=store)
     server, port, _ = await build_server(cfg, manager)
     await server.start()
     await manager.start()

@@ -20,20 +20,18 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 import pytest
 from live_helpers import until
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from test_review13_admin import _HoldingPool, config
+from test_review13_admin import serving as admin_serving
 
 import manager.metrics as metrics_mod
-from manager.api.server import build_server
 from manager.config import Config
 from manager.live import LiveManager
 from manager.store import open_store
-from manager.workers_bridge import create_pool
 from residency_proto.v1 import residency_pb2 as pb
 from residency_proto.v1 import residency_pb2_grpc as pb_grpc
 
@@ -73,22 +71,13 @@ def logged(tmp_path: Path) -> list[tuple[str, str]]:
 async def serving(
     cfg: Config, tmp_path: Path, hold: tuple[str, ...] = ()
 ) -> AsyncIterator[tuple[pb_grpc.ResidencyStub, LiveManager, _HoldingPool]]:
-    """The service's gRPC server on a free port over in-process hosts (the results of the models in
-    `hold` kept back), with the SQLite store: the request log is read once the manager has stopped."""
-    pool = _HoldingPool(create_pool(cfg, in_process=True))
-    pool.hold.update(hold)
+    """Review 13's service (its gRPC server over in-process hosts, the results of the models in `hold`
+    kept back) with the SQLite store: the request log is read once the manager has stopped."""
     store = open_store(f"sqlite:///{tmp_path / 'state.db'}")
-    manager = LiveManager(cfg, pool, store=store)
-    server, port, _ = await build_server(cfg, manager)
-    await server.start()
-    await manager.start()
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield pb_grpc.ResidencyStub(channel), manager, pool
+        async with admin_serving(cfg, hold, store) as served:
+            yield served
     finally:
-        await server.stop(None)
-        await manager.stop()
-        pool.real.close()
         store.close()
 
 

@@ -18,6 +18,7 @@ import asyncio
 import math
 import threading
 import warnings
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,22 @@ from manager.config import load_config
 from manager.live import LiveManager
 from manager.store import open_store
 from manager.workers_bridge import create_pool
+
+
+def _served(config: Any, body: Callable[[LiveManager], Awaitable[None]]) -> None:
+    """`body` run on a started manager over in-process device hosts, stopped after."""
+
+    async def main() -> None:
+        pool = create_pool(config, in_process=True)
+        lm = LiveManager(config, pool)
+        await lm.start()
+        try:
+            await body(lm)
+        finally:
+            await lm.stop()
+            pool.close()
+
+    asyncio.run(main())
 
 
 def _logged(tmp_path: Path) -> list[dict[str, Any]]:
@@ -75,50 +92,32 @@ def test_a_sessions_logged_busy_time_is_its_run_and_its_wait_is_its_own(tmp_path
 
 
 def test_a_load_time_is_learned_from_the_hosts_measurement_alone(tmp_path: Path) -> None:
-    config = lru_config(tmp_path)
+    async def body(lm: LiveManager) -> None:
+        m = lm.engine.models["embed"]
+        estimate = m.cost.get("disk")
+        await lm.infer("embed", TEXT)
+        samples = m.cost.capture()
+        assert len(samples["disk"]) + len(samples["cached"]) == 1, samples  # the host's, alone
+        (measured,) = samples["disk"] + samples["cached"]
+        assert measured != estimate
 
-    async def main() -> None:
-        pool = create_pool(config, in_process=True)
-        lm = LiveManager(config, pool)
-        await lm.start()
-        try:
-            m = lm.engine.models["embed"]
-            estimate = m.cost.get("disk")
-            await lm.infer("embed", TEXT)
-            samples = m.cost.capture()
-            assert len(samples["disk"]) + len(samples["cached"]) == 1, samples  # the host's, alone
-            (measured,) = samples["disk"] + samples["cached"]
-            assert measured != estimate
-        finally:
-            await lm.stop()
-            pool.close()
-
-    asyncio.run(main())
+    _served(lru_config(tmp_path), body)
 
 
 def test_what_comes_after_a_request_is_looked_at_as_it_starts(tmp_path: Path) -> None:
-    config = lru_config(tmp_path)
+    async def body(lm: LiveManager) -> None:
+        seen: list[tuple[str, str]] = []
+        real = lm.engine.policy.after_request
 
-    async def main() -> None:
-        pool = create_pool(config, in_process=True)
-        lm = LiveManager(config, pool)
-        await lm.start()
-        try:
-            seen: list[tuple[str, int]] = []
-            real = lm.engine.policy.after_request
+        def spy(m: Any, now: float) -> Any:  # (whether its call has answered yet)
+            seen.append((m.name, "answered" if m.name in lm._infer_s else "not yet"))
+            return real(m, now)
 
-            def spy(m: Any, now: float) -> Any:  # (whether its call has answered yet)
-                seen.append((m.name, "answered" if m.name in lm._infer_s else "not yet"))
-                return real(m, now)
+        lm.engine.policy.after_request = spy  # type: ignore[method-assign]
+        await lm.infer("embed", TEXT)
+        assert seen == [("embed", "not yet")]  # once, before its call answered (none after)
 
-            lm.engine.policy.after_request = spy  # type: ignore[method-assign]
-            await lm.infer("embed", TEXT)
-            assert seen == [("embed", "not yet")]  # once, before its call answered (none after)
-        finally:
-            await lm.stop()
-            pool.close()
-
-    asyncio.run(main())
+    _served(lru_config(tmp_path), body)
 
 
 def test_the_look_after_a_request_never_takes_the_requests_own_model(tmp_path: Path) -> None:
@@ -140,39 +139,31 @@ models:
   - {{name: a, class: lo, adapter: torchscript, device: cpu0, memory: 70MiB,
      load_seconds: {{disk: 0.2, host: 0.05}}, source: {{path: {tmp_path}/a.pt}}}}
 """)
-    config = load_config(tmp_path / "c.yaml")
     x = {"input": np.zeros((1, 4096), np.float32)}
 
-    async def main() -> None:
-        pool = create_pool(config, in_process=True)
+    async def body(lm: LiveManager) -> None:
         sent: list[tuple[str, str]] = []
-        real_submit = pool.submit
+        real_submit = lm.pool.submit
 
         def submit(device: str, cmd: Any, op_id: str | None = None) -> str:
             sent.append((type(cmd).__name__, str(getattr(cmd, "model", ""))))
             return str(real_submit(device, cmd, op_id))
 
-        pool.submit = submit  # type: ignore[method-assign]
-        lm = LiveManager(config, pool)
-        await lm.start()
-        try:
-            await lm.infer("b", x, timeout_s=30)
-            lm.evict("b", "host")  # the more valuable model waits in host RAM
-            await until(lambda: lm.live["b"].tier == "host", "b demoted")
-            await lm.infer("a", x, timeout_s=30)
-            await until(lambda: lm.live["a"].tier == "gpu", "a on the gpu")
-            # (past the time the books have it on the GPU from: estimated, behind b's demote)
-            await asyncio.sleep(max(0.3, lm.engine.models["a"].gpu_since - lm.clock() + 0.3))
-            lm.engine.policy._next_review = -math.inf  # type: ignore[attr-defined]  # an hour boundary passed
-            sent.clear()
-            served = await lm.infer("a", x, timeout_s=10)
-            assert served.result.ok
-            assert ("Demote", "a") not in sent and ("Drop", "a") not in sent, sent
-        finally:
-            await lm.stop()
-            pool.close()
+        lm.pool.submit = submit
+        await lm.infer("b", x, timeout_s=30)
+        lm.evict("b", "host")  # the more valuable model waits in host RAM
+        await until(lambda: lm.live["b"].tier == "host", "b demoted")
+        await lm.infer("a", x, timeout_s=30)
+        await until(lambda: lm.live["a"].tier == "gpu", "a on the gpu")
+        # (past the time the books have it on the GPU from: estimated, behind b's demote)
+        await asyncio.sleep(max(0.3, lm.engine.models["a"].gpu_since - lm.clock() + 0.3))
+        lm.engine.policy._next_review = -math.inf  # type: ignore[attr-defined]  # an hour boundary passed
+        sent.clear()
+        served = await lm.infer("a", x, timeout_s=10)
+        assert served.result.ok
+        assert ("Demote", "a") not in sent and ("Drop", "a") not in sent, sent
 
-    asyncio.run(main())
+    _served(load_config(tmp_path / "c.yaml"), body)
 
 
 def test_a_request_whose_client_hangs_up_while_the_service_starts_is_counted(tmp_path: Path) -> None:
