@@ -18,34 +18,17 @@ import asyncio
 import math
 import threading
 import warnings
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from live_helpers import TEXT, lru_config, until, world_config
+from live_helpers import TEXT, lru_config, run, until, world_config
 
 from manager.config import load_config
 from manager.live import LiveManager
 from manager.store import open_store
 from manager.workers_bridge import create_pool
-
-
-def _served(config: Any, body: Callable[[LiveManager], Awaitable[None]]) -> None:
-    """`body` run on a started manager over in-process device hosts, stopped after."""
-
-    async def main() -> None:
-        pool = create_pool(config, in_process=True)
-        lm = LiveManager(config, pool)
-        await lm.start()
-        try:
-            await body(lm)
-        finally:
-            await lm.stop()
-            pool.close()
-
-    asyncio.run(main())
 
 
 def _logged(tmp_path: Path) -> list[dict[str, Any]]:
@@ -101,7 +84,7 @@ def test_a_load_time_is_learned_from_the_hosts_measurement_alone(tmp_path: Path)
         (measured,) = samples["disk"] + samples["cached"]
         assert measured != estimate
 
-    _served(lru_config(tmp_path), body)
+    run(lru_config(tmp_path), body)
 
 
 def test_what_comes_after_a_request_is_looked_at_as_it_starts(tmp_path: Path) -> None:
@@ -117,7 +100,7 @@ def test_what_comes_after_a_request_is_looked_at_as_it_starts(tmp_path: Path) ->
         await lm.infer("embed", TEXT)
         assert seen == [("embed", "not yet")]  # once, before its call answered (none after)
 
-    _served(lru_config(tmp_path), body)
+    run(lru_config(tmp_path), body)
 
 
 def test_the_look_after_a_request_never_takes_the_requests_own_model(tmp_path: Path) -> None:
@@ -163,7 +146,7 @@ models:
         assert served.result.ok
         assert ("Demote", "a") not in sent and ("Drop", "a") not in sent, sent
 
-    _served(load_config(tmp_path / "c.yaml"), body)
+    run(load_config(tmp_path / "c.yaml"), body)
 
 
 def test_a_request_whose_client_hangs_up_while_the_service_starts_is_counted(tmp_path: Path) -> None:
