@@ -758,8 +758,38 @@ class Soak:
 
 
 def run_soak(opts: Options) -> dict[str, Any]:
+    """The soak's result; Terminated when a SIGTERM ended it (its manager stopped, its folders gone)."""
     with tempfile.TemporaryDirectory(prefix="soak-") as d:
-        return asyncio.run(Soak(opts, Path(d)).run())
+        result = asyncio.run(_until_terminated(Soak(opts, Path(d))))
+    if result is None:
+        raise Terminated(128 + signal.SIGTERM)
+    return result
+
+
+async def _until_terminated(soak: Soak) -> dict[str, Any] | None:
+    """`soak.run()`, which a SIGTERM cancels (None then): on the event loop, at an await, so its
+    `finally` (the manager's stop) runs whole. (Raised by a plain signal handler wherever the main
+    thread was, a SIGTERM could land inside asyncio's own teardown, and its stop ran half.)"""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    terminated: list[bool] = []
+
+    def on_sigterm() -> None:
+        if not terminated:  # (a second one while it stops: the stop goes on)
+            terminated.append(True)
+            task.cancel()
+
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    try:
+        return await soak.run()
+    except asyncio.CancelledError:
+        if terminated:
+            return None
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, _on_sigterm)  # (the loop's removal left the default: a kill)
 
 
 def parse(argv: list[str] | None = None) -> Options:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import re
 import ssl
 import threading
-from collections.abc import Generator
+import time
+from collections.abc import Callable, Generator
 from typing import Any
 
 import grpc
@@ -88,7 +89,7 @@ def watch_events(
             raise _error(e, ch, target, root_cert is not None, lost=bool(ready)) from None
         finally:
             stream.cancel()
-            ch.unsubscribe(note)
+            _unsubscribe(ch, note)
 
 
 def _metadata(token: str | None, root_cert: bytes | None) -> list[tuple[str, str]] | None:
@@ -157,8 +158,24 @@ def _connected(ch: Any) -> bool:
     try:
         told.wait(CONNECTED_WAIT_S)
     finally:
-        ch.unsubscribe(note)
+        _unsubscribe(ch, note)
     return bool(seen) and seen[0] == grpc.ChannelConnectivity.READY
+
+
+POLL_END_WAIT_S = 1.0
+"""How long an unsubscribe waits for gRPC's connectivity poller to stop (it looks every 0.2 s)."""
+
+
+def _unsubscribe(ch: Any, note: Callable[[Any], None]) -> None:
+    """`ch.unsubscribe(note)`, then a moment for gRPC's connectivity-polling thread to see that nobody
+    subscribes and stop, before the caller closes the channel: a poller still watching a closed
+    channel died with "ValueError: Cannot monitor channel state: Channel closed!", a traceback on
+    the admin command's stderr. (Reads gRPC's own `polling` flag; without it, no wait.)"""
+    ch.unsubscribe(note)
+    state = getattr(ch, "_connectivity_state", None)
+    deadline = time.monotonic() + POLL_END_WAIT_S
+    while getattr(state, "polling", False) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def check_root_cert(root_cert: bytes) -> None:

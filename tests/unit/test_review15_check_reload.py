@@ -362,6 +362,9 @@ def test_a_check_the_service_does_not_answer_leaves_the_file_unwritten(
         def live_sizes(self) -> dict[str, tuple[int, bool]]:  # (read before the loop was held up)
             return {}
 
+        def measured(self) -> dict[str, tuple[int, dict[str, float]]]:  # (the same)
+            return {}
+
     bridge = Bridge(Live(), loop)  # type: ignore[arg-type]
     try:
         # (review 26: a failed run, tried again after RETRY_S; it was recorded as the period's run,
