@@ -329,16 +329,21 @@ class Simulator:
             heapq.heappush(self.heap, w.deadline)  # wake up then: served by then, or rejected
         self._wait(w, now)
 
-    def _wait(self, w: _Waiting, now: float) -> None:
+    def _wait(self, w: _Waiting, now: float, *, schedule: bool = True) -> bool:
+        """`w` waits (True), or is rejected past its class's max_wait (False); `schedule`: once it
+        waits, the retry is scheduled (`_retry` leaves it out while nothing changed since the last
+        one: the same time again)."""
         if now >= w.deadline:
             # The live manager's words (manager/live.py `_admit`).
             max_wait = self.engine.state.class_max_wait[w.rank]
             self._reject(f"model '{w.m.name}': no room within its class's max_wait ({max_wait} s)", w.m)
-            return
+            return False
         self.waiting.append(w)
         w.m.waiting += 1
         self.waiting_n[w.rank] += 1
-        self._schedule_retry(now)
+        if schedule:
+            self._schedule_retry(now)
+        return True
 
     def _schedule_retry(self, now: float) -> None:
         t = self.engine.next_change(now)
@@ -358,16 +363,23 @@ class Simulator:
             progress = False
             pending, self.waiting = self.waiting, deque()
             blocked: dict[str, int] = {}  # model -> the highest class (lowest rank) left waiting
+            # A request put back schedules the retry (`Engine.next_change`, a look at every model)
+            # only when the engine may have changed since the last one did: the same time again is
+            # no new retry, and thousands of requests waiting made each pass cost thousands of looks.
+            # (Their own count, `m.waiting`, is not in `next_change`.)
+            changed = True
             # (`waiting` is in arrival order within each class, and a stable sort keeps it so)
             for w in sorted(pending, key=_rank_of):
                 w.m.waiting -= 1
                 self.waiting_n[w.rank] -= 1
                 if w.rank >= blocked.get(w.m.name, len(self.class_names)):
-                    self._wait(w, now)  # behind an earlier request for its model
+                    # behind an earlier request for its model
+                    if self._wait(w, now, schedule=changed):
+                        changed = False
                 elif self._handle(w.req, w.m, w.rank, w.arrival, now):
-                    progress = True
-                else:
-                    self._wait(w, now)  # still no room
+                    progress = changed = True
+                else:  # still no room (its admission may have moved something: scheduled)
+                    changed = not self._wait(w, now)
                     blocked[w.m.name] = w.rank
 
     def _reject(self, reason: str, m: ModelState | None = None) -> None:
