@@ -92,6 +92,7 @@ RESYNC_LATER_S = 5.0
 """A device whose resync found no status after those tries is resynced again this often, by the
 reconciler, until its host reports one (what it holds meanwhile is unknown to the books)."""
 UNREAD = " (its status was unread)"
+"""Added to the reason of a resync tried again because the last one could not read a status."""
 HOST_CHECK_S = 10.0
 """Each device host's status is read this often, to see whether it restarted (a new boot id) while no
 command or request of it said so: a host that died idle and came back empty (Ray restarts it) left
@@ -99,7 +100,6 @@ the books counting models it no longer holds (pinned ones too) until their next 
 HOST_CHECK_TIMEOUT_S = 2.0
 """How long that read waits for a host's answer (one that does not answer is left to its next command
 or request, which tell)."""
-"""Added to the reason of a resync tried again because the last one could not read a status."""
 HELD_CHECK_S = 2.0
 """While a device host runs a load it abandoned (LOAD_TIMEOUT) whose room the books keep held, its
 status is read again (a resync) this often, until it no longer lists that load."""
