@@ -83,6 +83,7 @@ def measure_model(config: Config, m: ModelConfig, repeats: int = 3) -> ModelMeas
 def _measure_model(config: Config, m: ModelConfig, repeats: int) -> ModelMeasure:
     import torch
 
+    from manager.workers_bridge import model_specs
     from workers import protocol as P
     from workers.adapters import AdapterError, make_adapter
     from workers.host import DeviceHost
@@ -93,7 +94,7 @@ def _measure_model(config: Config, m: ModelConfig, repeats: int) -> ModelMeasure
     on = dev.name if kind == dev.kind else f"{dev.name} (CPU stand-in: no CUDA here)"
     out = ModelMeasure(m.name, m.adapter, dev.name, on)
     host = DeviceHost(dev.name, kind, index=dev.index)
-    spec = P.ModelSpec(m.name, m.adapter, dict(m.source), budget_bytes=dev.usable, max_batch=m.max_batch)
+    spec = model_specs(config)[m.name]
     try:
         paths = make_adapter(spec, host.torch_device).disk_paths()
     except AdapterError as e:

@@ -43,6 +43,12 @@ def device_specs(config: Config, cpu_fallback: frozenset[str] = frozenset()) -> 
     ]
 
 
+LOAD_TIMEOUT_FACTOR = 4.0
+"""A model's load or promote is abandoned (LOAD_TIMEOUT) after this many times its configured disk load
+time, where that is longer than its device host's own limit (`workers.host.LOAD_TIMEOUT_S`, 15 min): a
+config that says a load takes 20 minutes (a large checkpoint on a slow disk) is not cut at 15."""
+
+
 def model_specs(config: Config) -> dict[str, Any]:
     """Per model: what its device host needs; its budget is its device's memory minus the reserve."""
     from workers.protocol import ModelSpec
@@ -50,7 +56,12 @@ def model_specs(config: Config) -> dict[str, Any]:
     usable = {d.name: d.usable for d in config.devices}
     return {
         m.name: ModelSpec(
-            m.name, m.adapter, dict(m.source), budget_bytes=usable[m.device], max_batch=m.max_batch
+            m.name,
+            m.adapter,
+            dict(m.source),
+            budget_bytes=usable[m.device],
+            max_batch=m.max_batch,
+            load_timeout_s=LOAD_TIMEOUT_FACTOR * m.load_seconds.disk,
         )
         for m in config.models
     }

@@ -51,7 +51,8 @@ T = TypeVar("T")
 
 OP_CACHE = 4096
 LOAD_TIMEOUT_S = 900.0
-"""How long a load or promote may take before it is abandoned (`DeviceHost.load_timeout_s`)."""
+"""How long a load or promote may take before it is abandoned (`DeviceHost.load_timeout_s`), unless its
+model's spec allows longer (`ModelSpec.load_timeout_s`)."""
 DESCRIBE_TIMEOUT_S = 60.0
 """How long a describe (a model's declared inputs and outputs, read by building its module on the meta
 device: its factory runs) may take before it is answered LOAD_TIMEOUT (`DeviceHost.describe_timeout_s`)."""
@@ -348,13 +349,15 @@ class DeviceHost:
             return "disk"
         return "cached" if min(f for f in fracs if f is not None) >= CACHED_AT else "disk"
 
-    def _bounded(self, what: str, model: str, fn: Callable[[], T]) -> T:
+    def _bounded(self, what: str, spec: P.ModelSpec, fn: Callable[[], T]) -> T:
         """`fn()` (a load's or promote's work, which runs the model's own code: its factory, its
-        reads) on a thread of its own, waited for at most `load_timeout_s`, or until the host stops.
+        reads) on a thread of its own, waited for at most `load_timeout_s` (or the longer time the
+        model's spec allows), or until the host stops.
         One that hangs fails its command (LOAD_TIMEOUT; NOT_AVAILABLE at a stop) instead of holding
         the device's commands, or the process's stop, for good; what it makes, if it ever ends, is
         thrown away (until then, what it holds stays held, so no other load or promote of that model
         starts meanwhile: it is refused at once, naming the one still running)."""
+        model = spec.name
         with self._work_lock:
             if self._stopping:
                 raise AdapterError(
@@ -388,7 +391,8 @@ class DeviceHost:
                 )  # fmt: skip
 
         start_on_thread(fn, f"residency-{what}-{self.name}-{model}", done)
-        work.wake.wait(self.load_timeout_s)
+        limit = max(self.load_timeout_s, spec.load_timeout_s or 0.0)
+        work.wake.wait(limit)
         with self._work_lock:  # under the lock: it either ended in time, or its end finds it abandoned
             work.abandoned = gave_up = not box
             stopping = self._stopping
@@ -399,10 +403,10 @@ class DeviceHost:
                     f"model {model!r}: {what} abandoned on {self.name}: the device host is stopping",
                 )
             logger.error("device %s: %s of %s did not finish within %g s; abandoned", self.name, what,
-                         model, self.load_timeout_s)  # fmt: skip
+                         model, limit)  # fmt: skip
             raise AdapterError(
                 P.LOAD_TIMEOUT,
-                f"model {model!r}: {what} did not finish within {self.load_timeout_s:g} s on {self.name} "
+                f"model {model!r}: {what} did not finish within {limit:g} s on {self.name} "
                 "(a factory or a read that hangs?); abandoned, the device's other commands go on",
             )
         ok, value = box.pop()
@@ -465,7 +469,7 @@ class DeviceHost:
             w.wake.set()
 
     def _load(self, cmd: P.Load, op_id: str) -> P.CommandResult:
-        r, source, ph, t0, used0, rss0 = self._bounded("load", cmd.model.name, lambda: self._build(cmd))
+        r, source, ph, t0, used0, rss0 = self._bounded("load", cmd.model, lambda: self._build(cmd))
         self.models[r.spec.name] = r
         # its own build now says what it declares (a kept answer may be stale)
         self._describing.forget(r.spec.name)
@@ -543,7 +547,7 @@ class DeviceHost:
         ph, t0, used0, rss0 = Phases(), time.perf_counter(), self.probe.used(), rss_bytes()
         moved, held = r.host_bytes, r.host
         # built on a thread of its own (bounded): a promote abandoned there never changes the model
-        self._place(r, self._bounded("promote", r.spec.name, lambda: self._materialize(r, ph)))
+        self._place(r, self._bounded("promote", r.spec, lambda: self._materialize(r, ph)))
         try:
             self._check_budget(r, used0)
         except AdapterError:

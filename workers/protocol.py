@@ -60,6 +60,10 @@ class ModelSpec:
     """Largest footprint the model may take on its device (device memory minus its reserve)."""
     max_batch: int = 1
     """Rows one call may take when concurrent requests are stacked (dynamic batching); 1: off."""
+    load_timeout_s: float | None = field(default=None, compare=False)
+    """How long its load or promote may run before its device host abandons it, where that is longer
+    than the host's own `load_timeout_s` (a model whose configured disk load takes minutes: a large
+    checkpoint on a slow disk); None: the host's. Not compared: a new estimate does not reload it."""
 
 
 @dataclass(frozen=True)
