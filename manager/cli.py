@@ -668,6 +668,39 @@ def _load_store_trace(config: Config, since: str, strict: bool) -> list[Request]
     return reqs
 
 
+def _store_measured(config: Config) -> dict[str, tuple[int, dict[str, float]]] | None:
+    """The footprints and load seconds the service measured, from the statistics it saved in its store
+    (`saved_measurements`), which `tune --from-store`'s replays take as the service's own tuning does;
+    None when there are none to read (the store holds no statistics yet, or cannot give them: said,
+    and the config's estimates are used)."""
+    from manager.live_persist import saved_measurements
+    from manager.store import StoreError, open_store
+
+    try:
+        store = open_store(config.store.url, create=False)
+        try:
+            doc = store.get_doc("stats")
+        finally:
+            store.close()
+    except StoreError as e:  # (CorruptDocument too: an unreadable snapshot is the service's to set aside)
+        err.print(
+            f"the statistics saved in the store could not be read ({e}); tuning with the config's "
+            "sizes and load times",
+            highlight=False,
+            markup=False,
+        )
+        return None
+    measured = saved_measurements(config, doc)
+    if measured:
+        err.print(
+            f"tuning with the sizes and load times the service measured ({', '.join(sorted(measured))}), "
+            "as its scheduled tuning does",
+            highlight=False,
+            markup=False,
+        )
+    return measured or None
+
+
 def _write_tuned(config: str, out: str, res: Any, header: str, read: bytes) -> None:
     """The tuned config at `out`, whole or not at all (`out` may be the config itself, which a
     running service watches), with the config's mode; UsageError naming --out when it is not, and
@@ -727,10 +760,13 @@ def cmd_tune(a: argparse.Namespace) -> int:
         from manager.store.base import store_location
 
         reqs = _load_store_trace(config, a.since, a.strict)
+        measured = _store_measured(config)
         a.trace = f"the store's last {a.since} ({store_location(config.store.url)})"
     else:
         reqs, bad = _load_trace(a.trace, config, a.strict, "--trace")
     holdout_bad = bad  # (split from the same trace: its lines skipped)
+    if not a.from_store:
+        measured = None  # a trace file: the config's estimates (its machine is the config's)
     if a.holdout:
         search, (holdout, holdout_bad) = reqs, _load_trace(a.holdout, config, a.strict, "--holdout")
         search = _outside_holdout(a, search, holdout)
@@ -760,6 +796,7 @@ def cmd_tune(a: argparse.Namespace) -> int:
             policy=a.policy,
             progress=lambda s: prog.update(task, description=s),
             min_requests=MIN_MODEL_REQUESTS,  # a model with fewer is left as configured, and named
+            measured=measured,
         )
     for w in res.warnings:  # thin data: said whatever the output's form, on stderr (the file's name
         # printable: a byte that is not UTF-8, or a control character, as its escape, as in the header)
@@ -770,7 +807,7 @@ def cmd_tune(a: argparse.Namespace) -> int:
         f"{len(res.changes)} change(s): {'; '.join(res.changes) or 'none'}"
     )
     _count_bad_lines(res, bad, holdout_bad)
-    _write_tune_files(a, config, res, shown, header, read)
+    _write_tune_files(a, config, res, shown, header, read, measured)
     fig: dict[str, Any] = {
         "out": a.out,
         "evaluations": res.evaluations,
@@ -842,14 +879,20 @@ def _count_bad_lines(res: Any, bad: int, holdout_bad: int) -> None:
 
 
 def _write_tune_files(
-    a: argparse.Namespace, config: Config, res: Any, shown: list[Request], header: str, read: bytes
+    a: argparse.Namespace,
+    config: Config,
+    res: Any,
+    shown: list[Request],
+    header: str,
+    read: bytes,
+    measured: dict[str, tuple[int, dict[str, float]]] | None = None,
 ) -> None:
     """`tune`'s report (--report) and then its tuned config (--out): a report that cannot be written
     (a full disk) leaves --out as it was, and says so naming --report and the file. `read`: the
     config file's bytes the search measured (`_write_tuned`)."""
     if a.report:
         try:
-            _report(a, config, res, shown)
+            _report(a, config, res, shown, measured)
         except OSError as e:
             where = f" ({e.filename})" if e.filename else ""
             raise UsageError(
@@ -864,13 +907,23 @@ def _write_tune_files(
     _write_tuned(a.config, a.out, res, header, read)
 
 
-def _report(a: argparse.Namespace, config: Config, res: Any, reqs: list[Request]) -> None:
+def _report(
+    a: argparse.Namespace,
+    config: Config,
+    res: Any,
+    reqs: list[Request],
+    measured: dict[str, tuple[int, dict[str, float]]] | None = None,
+) -> None:
+    """`tune --report`: `measured` (with --from-store), the machine the verdict replayed (`as_measured`),
+    which the report's replays and sizes are of too."""
     from manager.policy.stats import home_hours
     from manager.replay.report import report_period, write_report
+    from manager.replay.tune import as_measured
 
-    before = replay(config, reqs, a.policy, record=True)
-    after = replay(res.config, reqs, a.policy, record=True)
-    weights = {m.name: m.memory for m in config.models}
+    ran = as_measured(config, measured)
+    before = replay(ran, reqs, a.policy, record=True)
+    after = replay(as_measured(res.config, measured), reqs, a.policy, record=True)
+    weights = {m.name: m.memory for m in ran.models}
     t0, t1 = report_period(reqs) if reqs else (0.0, 1.0)
     # a holdout of a moment (one request; requests of busy_s 0 at one instant span no time at all)
     # is shown over at least a minute from its first arrival: the loads it started, not nothing

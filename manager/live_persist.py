@@ -39,7 +39,7 @@ from workers import protocol as P
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from manager.config_schema import Config
+    from manager.config_schema import Config, ModelConfig
     from manager.live import _Live
 
 logger = logging.getLogger("manager.live")  # the live manager's one logger (operators' log config)
@@ -179,6 +179,37 @@ def _read_hist(doc: Any, hours: Callable[[float], int]) -> ReuseHistogram:
     h = ReuseHistogram(hours)
     h.restore(doc)
     return h
+
+
+def spec_key(config: Config, cfg: ModelConfig) -> str:
+    """What a model's measured footprint and load times belong to: its adapter, source and device
+    (and the device's kind). Another checkpoint under the same name is measured afresh."""
+    kind = {d.name: d.kind for d in config.devices}.get(cfg.device)
+    return json.dumps([cfg.adapter, cfg.source, cfg.device, kind], sort_keys=True, default=str)
+
+
+def saved_measurements(config: Config, doc: Any) -> dict[str, tuple[int, dict[str, float]]]:
+    """From the store's saved "stats" document `doc`: each configured model's footprint and load
+    seconds by source as the service decides by them (`LiveManager.measured`: measured, or the
+    config's estimates where nothing was measured), for `residency tune --from-store`'s replays, as
+    the service's own tuning takes them. A model with no entry, one saved for another adapter, source
+    or device, or one unreadable, is left out (its config's estimates stand)."""
+    out: dict[str, tuple[int, dict[str, float]]] = {}
+    if not isinstance(doc, dict):
+        return out
+    for m in config.models:
+        d = doc.get(m.name)
+        if not isinstance(d, dict) or d.get("spec", spec_key(config, m)) != spec_key(config, m):
+            continue
+        ls = m.load_seconds
+        try:
+            cost = _read_cost(LoadCost(ls.disk, ls.cached_s, ls.host), d["cost"])
+            weights = _count(d.get("weights", m.memory)) if d.get("measured", True) is True else m.memory
+        except (KeyError, TypeError, ValueError):
+            continue
+        if weights > 0:
+            out[m.name] = (weights, cost.as_dict())
+    return out
 
 
 def _read_cost(cost: LoadCost, doc: Any) -> LoadCost:
@@ -517,11 +548,8 @@ class PersistenceMixin:
             logger.exception("could not save statistics to the store")
 
     def _spec_of(self, name: str) -> str:
-        """What a model's measured footprint and load times belong to: its adapter, source and device
-        (and the device's kind). Another checkpoint under the same name is measured afresh."""
-        cfg = self.engine.models[name].cfg
-        kind = {d.name: d.kind for d in self.engine.config.devices}.get(cfg.device)
-        return json.dumps([cfg.adapter, cfg.source, cfg.device, kind], sort_keys=True, default=str)
+        """What a model's measured footprint and load times belong to (`spec_key`)."""
+        return spec_key(self.engine.config, self.engine.models[name].cfg)
 
     def _same_spec(self, name: str, d: dict[str, Any]) -> bool:
         """Whether the saved entry `d` was measured with `name`'s configured spec (an older document,
