@@ -26,7 +26,9 @@ What it decides, and from what:
   model during a world session), then as soon as X's request ends, Y is swapped in for X if the
   learned odds that Y is asked for next outweigh, in reload seconds, the odds that it is not.
   A prewarmed model that has not served yet gives way to a request of its class (a guess never
-  makes a request wait), see `Policy.prewarm_yields`.
+  makes a request wait), see `Policy.prewarm_yields`. No prewarm takes the room of a model whose
+  class may not evict (a background batch's) within its keep-alive: its next request could not
+  take the room back, and would wait for room, not for its reload.
 - **Lease headroom**: in a world session the KV lease grows into free room, but not into the room a
   model taking turns needs to come back (a host resident it would share the room with, with
   P(request within the horizon) >= `FILL_MIN_P`): shrinking a lease first spills KV pages to host
@@ -214,6 +216,11 @@ class ResidencyPolicy(Policy):
     def may_displace(self, c: ModelState, m: ModelState, now: float) -> bool:
         if self._swap_out is not None:
             return c is self._swap_out  # a turn-taking swap moves out the model whose turn ended
+        if not self.engine.state.class_may_evict[c.rank] and not self.expired(c, now):
+            # A model of a class that may not evict (a background batch's) would not come back by
+            # its own next request: it waits for room, minutes or hours, not its reload time. A
+            # guess does not take its room within its keep-alive (a request of a higher class may).
+            return False
         return self.value(c, now) * DISPLACE_MARGIN < self.value(m, now)
 
     # ---- turn taking ------------------------------------------------------------------------------

