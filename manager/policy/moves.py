@@ -220,6 +220,7 @@ class TierMoves:
         if c.prewarmed:
             cnt.wasted_loads += 1
             c.prewarmed = False
+            c.wasted_at = now
         wanted = self.policy.uses_host_tier if to_host is None else to_host
         to_host = wanted and self._host_make_room(c, now)
         if to_host:

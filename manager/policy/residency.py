@@ -278,8 +278,16 @@ class ResidencyPolicy(Policy):
     def _restorable(self, now: float) -> list[ModelState]:
         """Host residents likely to be asked for, most valuable first; the engine promotes each only
         where it displaces models worth `DISPLACE_MARGIN` times less (`may_displace`). Not one
-        whose explicit keep-alive expired since its last request (`held_off`: the user's word)."""
-        hosted = [h for h in host_models(self.engine) if h.prewarm_ok and not h.held_off]
+        whose explicit keep-alive expired since its last request (`held_off`: the user's word), nor
+        one whose last prewarm was wasted (pushed out before it served) within the thrash window:
+        restored into room a model freed for a moment (one with `keep_alive: 0` in a batch, unloaded
+        after each request), it was pushed out again at that model's next request, all night."""
+        window = self.engine.thrash_window
+        hosted = [
+            h
+            for h in host_models(self.engine)
+            if h.prewarm_ok and not h.held_off and not now - h.wasted_at < window
+        ]
         scored = sorted(((self.value(h, now), h) for h in hosted), key=lambda x: -x[0])
         return [h for v, h in scored if self.p_request(h, now) >= FILL_MIN_P]
 

@@ -48,6 +48,7 @@ class ModelState:
         "ready_at",
         "tier",
         "waiting",
+        "wasted_at",
         "weights",
     )
 
@@ -78,6 +79,8 @@ class ModelState:
         self.last_arrival = NEVER
         self.left_gpu_at = NEVER
         self.prewarmed = False
+        self.wasted_at = NEVER
+        """When a prewarm of it was last wasted (it left the GPU before it served)."""
         self.held_off = False
         """Its explicit keep-alive (the user's word) expired and it left the GPU: no prewarm brings
         it back before its next request."""

