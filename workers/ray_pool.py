@@ -59,6 +59,7 @@ import operator
 import os
 import signal
 import socket
+import stat
 import subprocess
 import threading
 import time
@@ -66,6 +67,7 @@ import urllib.parse
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -204,6 +206,29 @@ class _QuietTokenAuthOn(logging.Filter):
 _QUIET_TOKEN_AUTH_ON = _QuietTokenAuthOn()
 
 
+def keep_ray_token_private(home: Path | None = None) -> None:
+    """A local Ray start turns Ray's token authentication on and keeps the cluster's token in
+    ~/.ray/auth_token, written with the umask's mode (0644 under 022) in a folder of 0755: any user of
+    the machine could read it, and with it run code as this user through Ray's ports, which listen on
+    every interface. The folder is made (or kept) 0700 and the token 0600, where they are this user's
+    (a symlink is left as it is: said). A failure is logged, never raised (Ray starts anyway)."""
+    folder = (Path.home() if home is None else home) / ".ray"
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        for path, mode in ((folder, 0o700), (folder / "auth_token", 0o600)):
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                logger.warning("%s is a symbolic link: left as it is (Ray's token is there)", path)
+                continue
+            if st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) & 0o077:
+                os.chmod(path, mode)
+    except OSError as e:
+        logger.warning("could not make Ray's token folder %s private: %s", folder, e)
+
+
 def start_local_ray(tries: int = LOCAL_START_TRIES, **init_kwargs: Any) -> None:
     """`ray.init` of a new local instance, started again (up to `tries` times in all) when Ray gives
     up waiting for its own node to come up; any other failure, and the last timeout, are raised.
@@ -215,7 +240,9 @@ def start_local_ray(tries: int = LOCAL_START_TRIES, **init_kwargs: Any) -> None:
         before = _children()
         failed: Exception | None = None
         try:
+            keep_ray_token_private()  # (its folder first: the token is written into it by the start)
             ray.init(**init_kwargs)
+            keep_ray_token_private()
             return
         except Exception as e:
             if LOCAL_START_TIMEOUT not in str(e) or attempt == tries:

@@ -276,6 +276,30 @@ def auth_token(config: Config) -> str | None:
     return token or None
 
 
+def plaintext_warnings(config: Config) -> list[str]:
+    """What `serve` warns of at its start: listening beyond loopback without TLS, where the admin
+    bearer token (and every request and answer) would cross the home's network in plain text, for
+    any device on it to read (and replay: the token is all an admin call needs). Allowed (a home
+    network may be trusted, a proxy may terminate TLS in front), said."""
+    if config.server.tls_cert:
+        return []
+    out = []
+    server = config.server
+    for field, where in (("server.listen", server.listen), ("server.metrics_listen", server.metrics_listen)):
+        if where and not is_loopback(where):
+            out.append(
+                f"{field} {where!r} is beyond loopback without TLS: the admin bearer token, which "
+                "clients (and scrapers) send with each call, and the requests cross the network in plain "
+                "text, readable by any device on it; set server.tls_cert and server.tls_key"
+            )
+    return out
+
+
+def _warn_plaintext(config: Config) -> None:
+    for warning in plaintext_warnings(config):
+        logger.warning("%s", warning)
+
+
 def _token_fix(env: str | None) -> str:
     """What to do when no bearer token is there: name a variable, or set the one named (which is
     unset: as `residency config check` says it)."""
@@ -1415,6 +1439,7 @@ async def _serve(
         check_servable_policy(config)  # (before anything starts)
         probe_listen(config.server.listen)  # a port in use is said now, not after Ray has started
         token = auth_token(config)  # so is a missing or unusable token
+        _warn_plaintext(config)
         if config.server.tls_cert and config.server.tls_key:
             from manager.api.runtime import read_tls
 

@@ -334,7 +334,9 @@ class Engine(TierMoves):
         # Why each goes is decided before any goes: an eviction changes host room, and with it
         # what a policy thinks the next victim would cost to bring back (so whether it "expired").
         expired = [self.policy.expired(c, now) for c in victims]
-        gave_way = [not may_evict and not prewarm and self.policy.gives_way_at(c, now) <= now for c in victims]
+        gave_way = [
+            not may_evict and not prewarm and self.policy.gives_way_at(c, now) <= now for c in victims
+        ]
         self.incoming = m
         try:
             for c, gone, gave in zip(victims, expired, gave_way, strict=True):

@@ -1,0 +1,94 @@
+"""Found in the thirtieth session's security review, from a home whose LAN has other, possibly
+compromised, devices (each test names what was wrong):
+
+- a local Ray start (`residency serve` with `ray.address: null`) turns Ray's token authentication on
+  and writes the cluster token to ~/.ray/auth_token with the umask's mode (0644) in a 0755 folder:
+  any user of the machine could read it, and run code as the service's user through Ray's ports,
+  which listen on every interface. The folder is now 0700 and the token 0600;
+- `serve` listening beyond loopback without TLS said nothing, though the admin bearer token (which a
+  metrics scraper sends too) then crosses the network in plain text: it is now warned of at start.
+
+Real files and modes on disk; Ray's own start is replaced by a stand-in that writes its token as Ray
+2.60 does (the real start is driven by the integration tests)."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import workers.ray_pool as rp
+from manager.api.server import plaintext_warnings
+from manager.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _mode(p: Path) -> int:
+    return stat.S_IMODE(os.lstat(p).st_mode)
+
+
+def test_the_token_folder_and_file_are_made_private(tmp_path: Path) -> None:
+    folder = tmp_path / ".ray"
+    folder.mkdir(mode=0o755)
+    folder.chmod(0o755)
+    token = folder / "auth_token"
+    token.write_text("secret")
+    token.chmod(0o644)
+    rp.keep_ray_token_private(tmp_path)
+    assert (_mode(folder), _mode(token)) == (0o700, 0o600)
+
+
+def test_a_missing_folder_is_made_private_before_ray_writes_into_it(tmp_path: Path) -> None:
+    rp.keep_ray_token_private(tmp_path)
+    assert _mode(tmp_path / ".ray") == 0o700
+    assert not (tmp_path / ".ray" / "auth_token").exists()
+
+
+def test_a_symlinked_folder_is_left_as_it_is(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    elsewhere.chmod(0o755)
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / ".ray").symlink_to(elsewhere)
+    rp.keep_ray_token_private(tmp_path / "home")
+    assert _mode(elsewhere) == 0o755
+    assert "symbolic link" in caplog.text
+
+
+def test_a_local_start_keeps_the_token_private(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    seen: list[int] = []
+
+    def ray_init(**kw: Any) -> None:  # as Ray 2.60's local start writes its token (umask 022)
+        folder = tmp_path / ".ray"
+        seen.append(_mode(folder))
+        token = folder / "auth_token"
+        token.write_text("secret")
+        token.chmod(0o644)
+
+    monkeypatch.setattr(rp.ray, "init", ray_init)
+    rp.start_local_ray(address="local")
+    assert seen == [0o700]  # private before Ray wrote into it
+    assert _mode(tmp_path / ".ray" / "auth_token") == 0o600
+
+
+def _server(tmp_path: Path, **server: Any) -> Any:
+    config = load_config(ROOT / "configs" / "home.yaml")
+    return config.model_copy(update={"server": config.server.model_copy(update=server)})
+
+
+def test_plain_text_beyond_loopback_is_warned_of(tmp_path: Path) -> None:
+    got = plaintext_warnings(_server(tmp_path, listen="0.0.0.0:50051", metrics_listen="192.168.1.5:9100"))
+    assert len(got) == 2
+    assert "server.listen '0.0.0.0:50051' is beyond loopback without TLS" in got[0]
+    assert "server.metrics_listen '192.168.1.5:9100'" in got[1] and "server.tls_cert" in got[1]
+
+
+def test_loopback_or_tls_is_not_warned_of(tmp_path: Path) -> None:
+    assert plaintext_warnings(_server(tmp_path, listen="127.0.0.1:50051", metrics_listen=None)) == []
+    tls = _server(tmp_path, listen="0.0.0.0:50051", tls_cert="c.pem", tls_key="k.pem")
+    assert plaintext_warnings(tls) == []
