@@ -62,11 +62,20 @@ def _tag(owner: str) -> str:
     return hashlib.sha256(owner.encode()).hexdigest()[:12]
 
 
+def _write_new(tmp: Path, data: bytes) -> None:
+    """A new file `tmp` holding `data`: one already there (a link another user left, pointing at a file
+    of this user's) is removed first, never written through (O_EXCL | O_NOFOLLOW)."""
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with open(fd, "wb") as f:
+        f.write(data)
+
+
 def _replace_text(path: Path, text: str) -> None:
     """`path` holding the line `text`, whole or as it was (through a temp file beside it)."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_text(text + "\n", encoding="utf-8")
+        _write_new(tmp, (text + "\n").encode("utf-8"))
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(OSError):
@@ -185,9 +194,8 @@ class RequestJournal:
                 tmp = aside.with_name(aside.name + ".tmp")
                 try:
                     kept = aside.read_bytes()
-                    tmp.write_bytes(
-                        kept + (b"\n" if kept and not kept.endswith(b"\n") else b"") + self.file.read_bytes()
-                    )
+                    sep = b"\n" if kept and not kept.endswith(b"\n") else b""
+                    _write_new(tmp, kept + sep + self.file.read_bytes())
                     os.replace(tmp, aside)
                 finally:
                     tmp.unlink(missing_ok=True)

@@ -336,6 +336,22 @@ def _check_parameters(model: str, where: str, tensor: Any) -> None:
             )
 
 
+def _over_items(request: pb.ModelInferRequest, declared: Sequence[Any]) -> str | None:
+    """An input declaring more items than its model takes (`TensorSpec.items`' upper bound: 256 texts
+    for the embedding model), said before its data is decoded: a request of a few MiB declaring
+    millions of 2-byte texts cost ten times its size in memory, and seconds of CPU, to decode before
+    the count refused it. (Other count problems are said after decoding, as before: a shape its data
+    does not fill is said as that first.)"""
+    specs = {s.name: s for s in declared}
+    for t in request.inputs:
+        spec = specs.get(t.name)
+        if spec is None or spec.items is None or spec.items[1] is None or not len(t.shape):
+            continue
+        if t.shape[0] > spec.items[1]:
+            return str(spec.count_problem(list(t.shape)))
+    return None
+
+
 def check_request(request: pb.ModelInferRequest, inputs: Sequence[Any], outputs: Sequence[Any]) -> None:
     """The request's input names, datatypes and shapes and its requested outputs against the model's
     declared TensorSpecs (shape -1: any size); the element counts are checked as the data decodes."""
@@ -545,6 +561,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     else f": inputs {', '.join(map(repr, typed))} have typed contents beside raw data"
                 )
             )
+        too_many = _over_items(request, declared)  # said before decoding (see there)
+        if too_many:
+            raise InvalidRequest(f"model {request.model_name!r}: {too_many}")
         out = {}
         for i, t in enumerate(request.inputs):
             try:

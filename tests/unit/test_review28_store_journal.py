@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 from live_helpers import CONFIG
 
+import manager.journal as journal_mod
 from manager.config import load_config
 from manager.journal import RequestJournal
 from manager.live import LiveManager
@@ -141,16 +142,16 @@ def test_a_failed_owner_write_after_a_set_aside_leaves_the_journal_no_stores(
     j.claim("aaaa")
     j.append(_rec(1.0, "fromA"))
     j.close()
-    real = Path.write_text
+    real = journal_mod._write_new
 
-    def full(self: Path, *a: Any, **k: Any) -> int:
-        if self.name.endswith(".store.tmp"):
+    def full(tmp: Path, data: bytes) -> None:  # (the owner file's temp write: the disk is full)
+        if tmp.name.endswith(".store.tmp"):
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(self, *a, **k)
+        real(tmp, data)
 
     j = RequestJournal(jp)
     with monkeypatch.context() as m:
-        m.setattr(Path, "write_text", full)
+        m.setattr(journal_mod, "_write_new", full)
         j.claim("bbbb")  # a's record set aside, then the owner file's write fails
     assert not (tmp_path / "requests.journal.store").exists()  # names no other store
     assert not (tmp_path / "requests.journal.store-at").exists()

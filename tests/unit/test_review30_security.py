@@ -92,3 +92,59 @@ def test_loopback_or_tls_is_not_warned_of(tmp_path: Path) -> None:
     assert plaintext_warnings(_server(tmp_path, listen="127.0.0.1:50051", metrics_listen=None)) == []
     tls = _server(tmp_path, listen="0.0.0.0:50051", tls_cert="c.pem", tls_key="k.pem")
     assert plaintext_warnings(tls) == []
+
+
+def _texts_declared(n: int) -> Any:
+    import struct
+
+    from residency_proto.inference import grpc_service_pb2 as pb
+
+    req = pb.ModelInferRequest(model_name="embed")
+    req.inputs.add(name="text", datatype="BYTES", shape=[n])
+    req.raw_input_contents.append((struct.pack("<I", 2) + b"ab") * n)
+    return req
+
+
+def test_too_many_items_are_refused_before_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request of a few MiB declaring millions of 2-byte texts (the embedding model takes 256) was
+    decoded whole, at ten times its size in memory and seconds of CPU, before its count refused it;
+    ten such calls at once took 2.6 GiB. Its count is now refused before any decoding."""
+    import manager.api.oip as oip
+    from manager.errors import InvalidRequest
+    from workers import protocol as P
+
+    spec = P.TensorSpec("text", "BYTES", (-1,), items=(1, 256), utf8=True, unit="texts")
+    decoded: list[str] = []
+    real = oip.decode_input
+
+    def spy(name: str, *a: Any) -> Any:
+        decoded.append(name)
+        return real(name, *a)
+
+    monkeypatch.setattr(oip, "decode_input", spy)
+    srv = oip.InferenceServicer.__new__(oip.InferenceServicer)
+    with pytest.raises(InvalidRequest, match=r"input 'text' has 300000 texts; expected 1\.\.256"):
+        srv._inputs(_texts_declared(300_000), [spec])
+    assert decoded == []
+    assert srv._inputs(_texts_declared(3), [spec])["text"].shape == (3,)  # within the limit: decoded
+    assert decoded == ["text"]
+
+
+def test_the_journals_store_id_is_not_written_through_a_planted_link(tmp_path: Path) -> None:
+    """`RequestJournal.claim` wrote `<journal>.store` through `<journal>.store.tmp` with a plain write:
+    a link planted there (a journal folder another user may write in) was followed, and its target, a
+    file of the service's user, overwritten with the store id."""
+    from manager.journal import RequestJournal
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("IMPORTANT\n")
+    (tmp_path / "requests.journal.store.tmp").symlink_to(victim)
+    j = RequestJournal(tmp_path / "requests.journal")
+    try:
+        j.append({"t": 1.0e9, "model": "voice", "busy_s": 0.1})
+        j.claim("store-id-0123")
+    finally:
+        j.close()
+    assert victim.read_text() == "IMPORTANT\n"
+    store = tmp_path / "requests.journal.store"
+    assert not store.is_symlink() and store.read_text() == "store-id-0123\n"
