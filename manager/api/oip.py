@@ -261,15 +261,37 @@ def _final_flag_asked(request: pb.ModelInferRequest) -> bool:
     return p is not None and _param(p) is True
 
 
-def _stream_error(request: pb.ModelInferRequest, details: str) -> pb.ModelStreamInferResponse:
+def _stream_error(
+    request: pb.ModelInferRequest, details: str, limit: int | None = None
+) -> pb.ModelStreamInferResponse:
     """A failed request's answer on a ModelStreamInfer stream (Triton's: its `error_message`), naming
-    the request it answers."""
-    return pb.ModelStreamInferResponse(
+    the request it answers. Within `limit` bytes (gRPC's send limit, `server.max_request_bytes`): the
+    answer repeats the request's id and model name, so a request near the limit made an answer past
+    it, and gRPC ended the whole stream (RESOURCE_EXHAUSTED), losing the requests after it. What does
+    not fit is cut: the id first (one that long is no one's key to match by), then the message, then
+    the model name (each said cut by "…")."""
+    answer = pb.ModelStreamInferResponse(
         error_message=details,
         infer_response=pb.ModelInferResponse(
             model_name=request.model_name, model_version=request.model_version, id=request.id
         ),
     )
+    if limit is None:
+        return answer
+    room = limit - STREAM_WRAP_BYTES
+    r = answer.infer_response
+    for get, put in (
+        (lambda: r.id, lambda v: setattr(r, "id", v)),
+        (lambda: answer.error_message, lambda v: setattr(answer, "error_message", v)),
+        (lambda: r.model_name, lambda v: setattr(r, "model_name", v)),
+    ):
+        over = answer.ByteSize() - room
+        if over <= 0:
+            break
+        text = get()
+        keep = max(0, len(text.encode()) - over - 8)  # (8: the "…" and a varint length that shrinks)
+        put(text.encode()[:keep].decode(errors="ignore") + "…")
+    return answer
 
 
 class _NotReading(Exception):
@@ -630,10 +652,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     infer_response=await self.infer(request, context.time_remaining(), stream=True)
                 )
             except ResidencyError as e:
-                answer = _stream_error(request, details_of(e))
+                answer = _stream_error(request, details_of(e), self.max_response_bytes)
             except Exception:
                 logger.exception("ModelStreamInfer: a request failed")
-                answer = _stream_error(request, "ModelStreamInfer: internal error (see the server log)")
+                why = "ModelStreamInfer: internal error (see the server log)"
+                answer = _stream_error(request, why, self.max_response_bytes)
             if _final_flag_asked(request):  # Triton's: each answer of a non-decoupled model is final
                 answer.infer_response.parameters["triton_final_response"].bool_param = True
             answers.put_nowait(answer)

@@ -148,3 +148,23 @@ def test_the_journals_store_id_is_not_written_through_a_planted_link(tmp_path: P
     assert victim.read_text() == "IMPORTANT\n"
     store = tmp_path / "requests.journal.store"
     assert not store.is_symlink() and store.read_text() == "store-id-0123\n"
+
+
+def test_a_streams_error_answer_fits_the_send_limit() -> None:
+    """A ModelStreamInfer error answer repeats the request's id and model name: a request just under
+    `server.max_request_bytes` made an answer over gRPC's send limit, and gRPC ended the whole stream
+    (RESOURCE_EXHAUSTED), losing the answers of the requests after it. The answer is now cut to fit."""
+    from manager.api.oip import STREAM_WRAP_BYTES, _stream_error
+    from residency_proto.inference import grpc_service_pb2 as pb
+
+    limit = 2**20
+    big = pb.ModelInferRequest(model_name="no-such-model", id="i" * (limit - 64))
+    details = "model 'no-such-model' is not served here; its models: voice, embed"
+    answer = _stream_error(big, details, limit)
+    assert answer.ByteSize() + STREAM_WRAP_BYTES <= limit
+    assert answer.infer_response.id.startswith("iiii") and answer.infer_response.id.endswith("…")
+    assert answer.error_message == details and answer.infer_response.model_name == "no-such-model"
+    small = pb.ModelInferRequest(model_name="no-such-model", id="small")
+    whole = _stream_error(small, details, limit)  # one that fits is as it was
+    assert (whole.error_message, whole.infer_response.id) == (details, "small")
+    assert _stream_error(big, details).infer_response.id == big.id  # no limit: nothing cut
