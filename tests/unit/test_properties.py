@@ -57,6 +57,8 @@ def gave_way_rightly(cfg: Config, policy: str, a: Action) -> bool:
         and victim.keep_alive is None
         and not victim.pin
     )
+
+
 LOADS = (ActionKind.LOAD, ActionKind.PROMOTE)
 
 SETTINGS = settings(
