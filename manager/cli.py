@@ -494,6 +494,42 @@ def _warn_relative_store(config_path: str, c: Config) -> None:
         err.print(f"{config_path}: warning: {warning}", highlight=False, markup=False)
 
 
+def _forever_blocks(c: Config, never: dict[str, str]) -> list[str]:
+    """`config check`'s warnings of unpinned models kept `forever` whose room other models' requests can
+    never take (their class may not evict, or is lower): once such a model is loaded, a model that
+    cannot fit beside it never loads there, and its requests wait until their class's max_wait (or for
+    good) and are refused. The engine's own fit rule, with that model counted as pinned."""
+    from manager.policy.engine import Engine
+    from manager.policy.factory import create_policy
+
+    out = []
+    rank = {cls.name: i for i, cls in enumerate(c.classes)}
+    may_evict = [cls.may_evict for cls in c.classes]
+    for i, f in enumerate(c.models):
+        if f.pin or f.keep_alive != math.inf:
+            continue
+        engine = Engine(c, create_policy("residency"))
+        engine.models[f.name].pinned = True  # (held for good: as a pin is, to those who cannot evict it)
+        engine.recheck_fit()
+        blocked = [
+            x.name
+            for x in c.models
+            if x.device == f.device
+            and x.name != f.name
+            and not never[x.name]
+            and engine.never_fits[x.name]
+            and (not may_evict[rank[x.class_]] or rank[x.class_] > rank[f.class_])
+        ]
+        if blocked:
+            out.append(
+                f"models[{i}] ({f.name}): keep_alive: forever without a pin: once it is loaded, "
+                f"{', '.join(blocked)} can never load on {f.device} beside it (their classes may not evict "
+                "it): their requests wait for room that never comes, refused at their class's max_wait or "
+                "their deadline; pin it, give it a finite keep_alive, or make room"
+            )
+    return out
+
+
 def cmd_check(a: argparse.Namespace) -> int:
     from manager.api.server import is_loopback
 
@@ -558,6 +594,8 @@ def cmd_check(a: argparse.Namespace) -> int:
                 highlight=False,
                 markup=False,
             )
+    for warning in _forever_blocks(c, never):
+        err.print(f"{a.config}: warning: {warning}", highlight=False, markup=False)
     for i, cls in enumerate(c.classes[:-1]):  # (the lowest class's reserve holds nothing back: none is below)
         runs = {m.device for m in c.models if m.class_ == cls.name}
         idle = [repr(d.name) for d in c.devices if d.kind == "cuda" and cls.reserve and d.name not in runs]

