@@ -35,6 +35,7 @@ from manager.units import (
     format_duration,
     format_size,
     parse_duration,
+    parse_keep_alive,
     parse_size,
     shown,
 )
@@ -106,6 +107,16 @@ def _parse_keep_alive(v: Any) -> float | None:
         return math.inf
     if isinstance(v, float) and math.isinf(v) and v > 0:
         return math.inf
+    if (isinstance(v, int | float) and not isinstance(v, bool) and v < 0) or (
+        isinstance(v, str) and v.strip().startswith("-")
+    ):  # Ollama's `-1` or `-1m`: forever, as a request's own keep-alive reads it (`-0s` is 0)
+        try:
+            return parse_keep_alive(v)
+        except ValueError:
+            raise ValueError(
+                f"expected 'auto', 'forever', a duration like '30m', '2h', '45s' or seconds (a negative "
+                f"one: forever), got {shown(v)}"
+            ) from None
     try:
         seconds = parse_duration(v)
     except ValueError:
@@ -163,6 +174,10 @@ HOST_PORT_PATTERN = rf"^[\s\S]+:{_PORT}$"
 """What check_host_port takes, as a regular expression JSON Schema can use."""
 
 
+NEGATIVE_DURATION_PATTERN = r"^\s*-" + DURATION_PATTERN[1:]
+"""A duration with a minus before it (`-1`, `-1m`): a keep-alive of forever, as Ollama reads it."""
+
+
 KeepAlive = Annotated[
     float | None,
     BeforeValidator(_parse_keep_alive),
@@ -172,7 +187,9 @@ KeepAlive = Annotated[
             "anyOf": [
                 {"type": "string", "pattern": r"^\s*(?:[aA][uU][tT][oO]|[fF][oO][rR][eE][vV][eE][rR])\s*$"},
                 {"type": "string", "pattern": DURATION_PATTERN},
+                {"type": "string", "pattern": NEGATIVE_DURATION_PATTERN},  # (forever, as Ollama's `-1m`)
                 {"type": "number", "minimum": 0, "maximum": MAX_DURATION_S},
+                {"type": "number", "exclusiveMaximum": 0},  # (forever, as Ollama's `-1`)
                 # YAML's `.inf` (read as forever): the one number above the largest float that
                 # is no integer (a 400-digit integer is too large a duration, not forever)
                 {"type": "number", "exclusiveMinimum": sys.float_info.max, "not": {"type": "integer"}},
@@ -541,7 +558,8 @@ class ModelConfig(_Model):
     pin: Flag = False
     """Always resident on its device; never evicted."""
     keep_alive: KeepAlive = None
-    """Idle time before it may be evicted: 'auto' (policy decides), 'forever', or a duration."""
+    """Idle time before it may be evicted: 'auto' (policy decides), 'forever', or a duration (a
+    negative one, Ollama's `-1`, is forever)."""
     prewarm: Flag = True
     """The policy may load it before a predicted request."""
     elastic: ElasticConfig | None = None

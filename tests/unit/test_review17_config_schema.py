@@ -230,10 +230,21 @@ def _yaml_both(tmp_path: Path, old: str, new: str) -> tuple[Any, bool]:
 
 def test_keep_alive_inf_is_forever_for_both(tmp_path: Path) -> None:
     """YAML's `.inf` as a keep-alive is what `forever` is to load_config (no expiry); the schema
-    refused it. `-.inf` stays refused by both."""
+    refused it. `-.inf` was refused by both; since the thirtieth session a negative keep-alive is
+    forever in the config too (Ollama's `-1`, as a request's own keep-alive reads it), so both take
+    it, as forever."""
     cfg, schema_takes = _yaml_both(tmp_path, "keep_alive: forever", "keep_alive: .inf")
     assert isinstance(cfg, Config) and cfg.model("voice").keep_alive == math.inf and schema_takes
-    said, schema_takes = _yaml_both(tmp_path, "keep_alive: forever", "keep_alive: -.inf")
+    cfg, schema_takes = _yaml_both(tmp_path, "keep_alive: forever", "keep_alive: -.inf")
+    assert isinstance(cfg, Config) and cfg.model("voice").keep_alive == math.inf and schema_takes
+    for negative in ("-1", "'-1m'", "-0.5"):
+        cfg, schema_takes = _yaml_both(tmp_path, "keep_alive: forever", f"keep_alive: {negative}")
+        assert isinstance(cfg, Config) and cfg.model("voice").keep_alive == math.inf and schema_takes, (
+            negative
+        )
+    cfg, schema_takes = _yaml_both(tmp_path, "keep_alive: forever", "keep_alive: '-0s'")
+    assert isinstance(cfg, Config) and cfg.model("voice").keep_alive == 0 and schema_takes  # (as Go reads it)
+    said, schema_takes = _yaml_both(tmp_path, "keep_alive: forever", "keep_alive: '-x'")
     assert isinstance(said, str) and ":45: models[0].keep_alive: expected 'auto', 'forever'" in said
     assert not schema_takes
 
