@@ -596,6 +596,18 @@ def cmd_check(a: argparse.Namespace) -> int:
             )
     for warning in _forever_blocks(c, never):
         err.print(f"{a.config}: warning: {warning}", highlight=False, markup=False)
+    cpus = [d for d in c.devices if d.kind == "cpu"]
+    if cpus and sum(d.memory for d in cpus) + c.host.usable > c.host.memory:
+        on = ", ".join(f"{d.name} {format_size(d.memory)}" for d in cpus)
+        err.print(
+            f"{a.config}: warning: devices ({on}) of kind cpu hold their models in host RAM, and the host "
+            f"tier may use {format_size(c.host.usable)} of it beside them: "
+            f"{format_size(sum(d.memory for d in cpus) + c.host.usable)} of a {format_size(c.host.memory)} "
+            "host.memory, so keeping to the budgets does not keep RAM from running out: split host.memory "
+            "between them (a larger host.reserve, or smaller cpu devices)",
+            highlight=False,
+            markup=False,
+        )
     for i, cls in enumerate(c.classes[:-1]):  # (the lowest class's reserve holds nothing back: none is below)
         runs = {m.device for m in c.models if m.class_ == cls.name}
         idle = [repr(d.name) for d in c.devices if d.kind == "cuda" and cls.reserve and d.name not in runs]

@@ -202,3 +202,33 @@ def test_config_check_warns_of_a_forever_model_no_one_can_evict(
     assert "forever" not in capsys.readouterr().err
     assert main(["config", "check", str(Path(__file__).resolve().parents[2] / "configs" / "home.yaml")]) == 0
     assert "forever without a pin" not in capsys.readouterr().err
+
+
+CPU_ONLY = """
+# No GPU: a mini PC with 32 GiB RAM.
+devices:
+  - {name: cpu0, kind: cpu, memory: 20GiB, reserve: 1GiB}
+host: {memory: 32GiB, reserve: 4GiB}
+classes:
+  - {name: interactive}
+models:
+  - {name: llm, class: interactive, adapter: safetensors-module, device: cpu0, memory: 9GiB,
+     source: {factory: "models.llm:build", path: models/llm.safetensors}}
+"""
+
+
+def test_config_check_warns_of_ram_counted_twice(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """On a CPU-only home the device's 20 GiB and the host tier's 28 GiB are the same 32 GiB of RAM:
+    `config check` said "ok", and every replay "kept to its budgets" on a machine 16 GiB short."""
+    p = tmp_path / "cpu.yaml"
+    p.write_text(CPU_ONLY, encoding="utf-8")
+    assert main(["config", "check", str(p)]) == 0
+    assert "48GiB of a 32GiB host.memory" in capsys.readouterr().err
+    p.write_text(CPU_ONLY.replace("reserve: 4GiB", "reserve: 20GiB"), encoding="utf-8")
+    assert main(["config", "check", str(p)]) == 0
+    assert "host.memory" not in capsys.readouterr().err
+    assert (
+        main(["config", "check", str(Path(__file__).resolve().parents[2] / "configs" / "local-cpu.yaml")])
+        == 0
+    )
+    assert "host.memory" not in capsys.readouterr().err
