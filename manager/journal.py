@@ -66,7 +66,7 @@ def _write_new(tmp: Path, data: bytes) -> None:
     """A new file `tmp` holding `data`: one already there (a link another user left, pointing at a file
     of this user's) is removed first, never written through (O_EXCL | O_NOFOLLOW)."""
     tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with open(fd, "wb") as f:
         f.write(data)
 
@@ -91,7 +91,7 @@ class RequestJournal:
         self.file = self.lock_path = path
         self._lock_fd = self._fd = -1
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             # a journal reached through a symbolic link is the file it points to: its lock is beside
             # that file (a service given the link and one given the file are refused as two on one
             # journal, not both served), and a rewrite replaces that file, not the link
@@ -298,7 +298,7 @@ class RequestJournal:
             logger.warning("%s: cannot end the journal's torn last line now (%s)", self.path, e)
 
     def _open(self) -> int:
-        return os.open(self.file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        return os.open(self.file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)  # (the home's timeline)
 
     def append(self, rec: dict[str, Any]) -> None:
         """Never raises: the request was served, and a journal that cannot take its record (a full
@@ -405,7 +405,7 @@ class RequestJournal:
             except OSError:
                 mode = None
             tmp.unlink(missing_ok=True)  # (O_EXCL: a new file, never one a link left there points to)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode or 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode or 0o600)
             with open(fd, "w", encoding="utf-8") as f:
                 if mode is not None:
                     os.fchmod(fd, mode)  # (as it was, not as the umask leaves it)
@@ -431,7 +431,7 @@ class RequestJournal:
             return
         try:
             self._close_fd()
-            self._fd = os.open(self.file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_TRUNC, 0o644)
+            self._fd = os.open(self.file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_TRUNC, 0o600)
         except OSError as e:
             logger.error("%s: cannot rewrite the request journal (%s)", self.path, e)
             self.behind += max(len(pending), 1)  # (not cut: whether it holds them is not known)

@@ -44,6 +44,7 @@ as immutable; with a -wal file holding data that user cannot open, it is refused
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import math
@@ -305,11 +306,15 @@ class SQLiteStore:
         if self.path != ":memory:":
             parent = Path(self.path).parent
             try:
-                parent.mkdir(parents=True, exist_ok=True)
+                parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # (a new one: private)
             except OSError as e:
                 raise StoreError(
                     self.url, f"cannot create the folder {parent} for the database: {e.strerror or e}"
                 ) from None
+            if create:  # a new database file is private (SQLite's own is 0644): it holds the home's
+                # timeline of use; its -wal and -shm files take its mode
+                with contextlib.suppress(FileExistsError, OSError):
+                    os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
             if hold:
                 self._hold_fd = self._hold()
         try:

@@ -168,3 +168,28 @@ def test_a_streams_error_answer_fits_the_send_limit() -> None:
     whole = _stream_error(small, details, limit)  # one that fits is as it was
     assert (whole.error_message, whole.infer_response.id) == (details, "small")
     assert _stream_error(big, details).infer_response.id == big.id  # no limit: nothing cut
+
+
+def test_a_new_store_and_journal_are_private(tmp_path: Path) -> None:
+    """`.residency/` was made 0755 and `state.db` and `requests.journal` 0644: any user of the machine
+    could read the home's timeline of use (which model, when), the reason the metrics endpoint asks
+    for a token beyond loopback. A new store folder is now 0700, the database and journal 0600."""
+    from contextlib import closing
+
+    from manager.journal import RequestJournal
+    from manager.store import open_store
+
+    folder = tmp_path / ".residency"
+    with closing(open_store(f"sqlite:///{folder / 'state.db'}")) as store:
+        store.append_requests([{"t": 1.0e9, "model": "voice", "busy_s": 0.1}])
+    assert _mode(folder) == 0o700 and _mode(folder / "state.db") == 0o600
+    wal = folder / "state.db-wal"
+    assert not wal.exists() or _mode(wal) == 0o600
+    j = RequestJournal(tmp_path / "j" / "requests.journal")
+    try:
+        j.append({"t": 1.0e9, "model": "voice", "busy_s": 0.1})
+        j.claim("store-id")
+    finally:
+        j.close()
+    assert _mode(tmp_path / "j") == 0o700 and _mode(tmp_path / "j" / "requests.journal") == 0o600
+    assert _mode(tmp_path / "j" / "requests.journal.store") == 0o600
