@@ -62,7 +62,7 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from manager.api.convert import decode_input, typed_count
+from manager.api.convert import MAX_ELEMENTS, decode_input, typed_count
 from manager.api.errors import details_of, mapped, status_of
 from manager.api.fastpath import waited_s
 from manager.api.handlers import not_a_message
@@ -369,6 +369,8 @@ def _over_items(request: pb.ModelInferRequest, declared: Sequence[Any]) -> str |
         spec = specs.get(t.name)
         if spec is None or spec.items is None or spec.items[1] is None or not len(t.shape):
             continue
+        if any(d < 0 or d > MAX_ELEMENTS for d in t.shape):
+            continue  # (a shape no tensor can have: said as that, by its decoding, before any data is read)
         if t.shape[0] > spec.items[1]:
             return str(spec.count_problem(list(t.shape)))
     return None
