@@ -15,7 +15,8 @@ Admission rules (for every policy): a request never evicts a pinned model, a bus
 or one of a higher class within its keep-alive (a model past its keep-alive has no claim on its
 room: eager policies unload it then, lazy ones when the room is wanted); a class with
 `may_evict: false` only takes free room and room held by models whose keep-alive has expired, or
-that the policy says give way to it (`Policy.gives_way_at`: `residency`'s learned keep-alives);
+that the policy says give way to it (`Policy.gives_way_at`: `residency`'s learned keep-alives, which
+give way to lower classes too);
 class reservations and device reserves are never given away; elastic leases shrink before any
 weights are evicted (a lease above its minimum is lent free room that any request may take back);
 a model that can never fit is rejected.
@@ -264,7 +265,9 @@ class Engine(TierMoves):
             else:
                 ok = not (now - c.gpu_since < self.min_residency and self.policy.prewarm_min_residency)
             return ok and self.policy.may_displace(c, m, now)
-        expired = self.policy.expired(c, now) or (not may_evict and self.policy.gives_way_at(c, now) <= now)
+        expired = self.policy.expired(c, now) or (
+            (not may_evict or c.rank < rank) and self.policy.gives_way_at(c, now) <= now
+        )
         if c.rank < rank:
             # A higher class is never evicted; a model past its keep-alive holds no claim to its
             # room any more (an eager policy would have unloaded it already), whoever needs it.
@@ -335,14 +338,15 @@ class Engine(TierMoves):
         # what a policy thinks the next victim would cost to bring back (so whether it "expired").
         expired = [self.policy.expired(c, now) for c in victims]
         gave_way = [
-            not may_evict and not prewarm and self.policy.gives_way_at(c, now) <= now for c in victims
+            (not may_evict or c.rank < rank) and not prewarm and self.policy.gives_way_at(c, now) <= now
+            for c in victims
         ]
         self.incoming = m
         try:
             for c, gone, gave in zip(victims, expired, gave_way, strict=True):
                 if gone:
                     self.evict(c, now, "keep-alive expired", expiry=True)
-                elif gave:  # (its keep-alive's hold on a class that may not evict is over)
+                elif gave:  # (its keep-alive's hold on this request's class is over)
                     self.evict(c, now, f"gave way to '{m.name}'")
                 else:
                     self.evict(c, now, f"room for '{m.name}'")

@@ -13,8 +13,10 @@ What it decides, and from what:
   again, or expected right after a request as a learned successor). `auto` (unset) is lazy: the
   model stays while nobody needs its room, and after the histogram's tail (95th percentile of its
   reuse intervals) it becomes available to classes that may not evict (background batches); such
-  a request, which cannot take the room itself, gets it already once the model has been idle
-  `GIVE_WAY_S` (`gives_way_at`: a batch waited hours behind an LLM idle since the evening).
+  a request, which cannot take the room itself, and a request of a lower class, get it already once
+  the model has been idle `GIVE_WAY_S`, or at once while it is a prewarm that has not served
+  (`gives_way_at`: a batch waited hours behind an LLM idle since the evening, image requests hours
+  behind speech models past their class's reservation).
 - **Prewarm**: (1) at start, models are preloaded into free room by class; within a class in
   the config's order on a first boot, by value after a restart with statistics; (2) after a request
   for A, models that usually follow A within a minute (learned co-occurrence: voice -> LLM ->
@@ -69,8 +71,9 @@ TURN_ACTIVE_S = 45.0
 """A model is "in use" for turn taking when it was asked for within this long."""
 TURN_MARGIN = 2.0
 """Swap Y in for X only when P(Y next) x reload(Y) exceeds this times P(not Y) x reload(X)."""
-GIVE_WAY_S = 900.0
-"""A model kept by a learned keep-alive gives its room to a class that may not evict after this long idle."""
+GIVE_WAY_S = 300.0
+"""A model kept by a learned keep-alive gives its room to a request of a class that may not evict, or
+of a lower class, after this long idle (Ollama's default keep-alive; 15 minutes let batches wait)."""
 REVIEW_S = 3600.0
 """Host residents are weighed against the GPU's idle residents at least this often (see (3) above)."""
 MAX_SUBSET = 10
@@ -121,6 +124,16 @@ class ResidencyPolicy(Policy):
     def value(self, m: ModelState, now: float) -> float:
         return self._weights[m.rank] * self.engine.reload_s(m) * self.p_request(m, now)
 
+    def gpu_value(self, m: ModelState, now: float) -> float:
+        """`value` of keeping `m` on its GPU, weighed against evicting it: for a model whose class may
+        not evict, pushed out, its next request cannot take the room back; it waits for room (up to
+        GIVE_WAY_S behind a learned keep-alive), not for its reload (a photo batch, cheapest to
+        reload, was every interactive load's victim, then waited minutes between its bursts)."""
+        cost = self.engine.reload_s(m)
+        if not self.engine.state.class_may_evict[m.rank]:
+            cost = max(cost, GIVE_WAY_S)
+        return self._weights[m.rank] * cost * self.p_request(m, now)
+
     # ---- hooks ----------------------------------------------------------------------------------
     def is_eager(self, m: ModelState) -> bool:
         return m.keep_alive_cfg is not None and not m.pinned
@@ -145,12 +158,15 @@ class ResidencyPolicy(Policy):
 
     def gives_way_at(self, m: ModelState, now: float) -> float:
         """A learned keep-alive (lazy: `auto`) keeps a model while nobody needs its room; a request
-        of a class that may not evict (a background batch), which cannot take the room itself, gets
-        it once the model has been idle `GIVE_WAY_S`, rather than waiting out the learned keep-alive
-        (its reuse intervals' 95th percentile: hours, or days). An explicit keep-alive is the user's
-        word: it holds."""
+        of a class that may not evict (a background batch), which cannot take the room itself, or
+        of a lower class, gets it once the model has been idle `GIVE_WAY_S`, rather than waiting out
+        the learned keep-alive (its reuse intervals' 95th percentile: hours, or days); at once while
+        the model is a prewarm that has not served (a guess never makes a request wait). An
+        explicit keep-alive is the user's word: it holds."""
         if m.pinned or m.keep_alive_cfg is not None:
             return math.inf
+        if m.prewarmed and m.last_end < m.gpu_since:  # a guess that has not served: a request wins
+            return m.gpu_since
         return self.engine.idle_since(m) + GIVE_WAY_S
 
     def start(self, now: float) -> None:
@@ -202,7 +218,7 @@ class ResidencyPolicy(Policy):
     ) -> list[ModelState] | None:
         if len(cands) > MAX_SUBSET:
             return super().choose_victims(m, cands, enough, now)
-        vals = [self.value(c, now) for c in cands]
+        vals = [self.gpu_value(c, now) for c in cands]
         best: tuple[float, int] | None = None
         best_set: list[ModelState] | None = None
         for mask in range(1, 1 << len(cands)):
@@ -235,7 +251,7 @@ class ResidencyPolicy(Policy):
             # its own next request: it waits for room, minutes or hours, not its reload time. A
             # guess does not take its room within its keep-alive (a request of a higher class may).
             return False
-        return self.value(c, now) * DISPLACE_MARGIN < self.value(m, now)
+        return self.gpu_value(c, now) * DISPLACE_MARGIN < self.value(m, now)
 
     # ---- turn taking ------------------------------------------------------------------------------
     def _swappable(self, m: ModelState) -> bool:

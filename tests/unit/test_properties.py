@@ -44,16 +44,18 @@ GAVE_WAY = re.compile(r"^gave way to '(.+)'$")
 
 
 def gave_way_rightly(cfg: Config, policy: str, a: Action) -> bool:
-    """A "gave way to 'X'" eviction: only under `residency`, only for X of a class that may not evict,
-    and only of an unpinned model without an explicit keep-alive in the config (a learned one)."""
+    """A "gave way to 'X'" eviction: only under `residency`, only for X of a class that may not evict
+    or of a lower class than the model's (one that could not evict it within its keep-alive), and only
+    of an unpinned model without an explicit keep-alive in the config (a learned one)."""
     match = GAVE_WAY.match(a.reason)
     if match is None:
         return False
     spec = {m.name: m for m in cfg.models}
     x, victim = spec[match.group(1)], spec[a.model]
+    x_rank = cfg.class_rank(x.class_)
     return (
         policy == "residency"
-        and not cfg.classes[cfg.class_rank(x.class_)].may_evict
+        and (not cfg.classes[x_rank].may_evict or cfg.class_rank(victim.class_) < x_rank)
         and victim.keep_alive is None
         and not victim.pin
     )

@@ -150,7 +150,8 @@ def test_a_learned_keep_alive_gives_way_to_a_background_batch(tmp_path: Path) ->
     minutes on its GPU, kept there by its learned keep-alive (its reuse intervals' 95th percentile:
     hours). It waited until the LLM had been idle 30 minutes, each of its 92 queued requests ~780 s:
     65,149 s of load wait in two days (gdsf: 8.1 s; on a CPU-only home, 126,347 s). A model kept by
-    a learned keep-alive now gives its room to such a request once idle `GIVE_WAY_S` (15 min)."""
+    a learned keep-alive now gives its room to such a request once idle `GIVE_WAY_S` (15 min when
+    this test was written; 5 min since the review of varied homes, test_review30_policy_homes)."""
     config = _config(tmp_path, TWO_GPUS)
     reqs = synth("home", days=2, seed=5)
     res = replay(config, reqs, "residency", record=True)  # type: ignore[arg-type]
