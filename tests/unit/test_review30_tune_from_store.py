@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_review13_store import config_with_store  # (the shipped home on a store of the test's)
 
 import manager.replay.tune as tune_mod
 from manager.cli import main
@@ -27,17 +28,7 @@ from manager.live_persist import saved_measurements, spec_key
 from manager.store import open_store
 
 ROOT = Path(__file__).resolve().parents[2]
-HOME = ROOT / "configs" / "home.yaml"
-HOME_STORE = 'url: "sqlite:///.residency/state.db"'
 GIB = 2**30
-
-
-def _config_file(tmp_path: Path, db: Path) -> Path:
-    text = HOME.read_text(encoding="utf-8")
-    assert HOME_STORE in text
-    path = tmp_path / "c.yaml"
-    path.write_text(text.replace(HOME_STORE, f'url: "sqlite:///{db}"', 1), encoding="utf-8")
-    return path
 
 
 def _service_measured(cfg_path: Path, db: Path) -> dict[str, tuple[int, dict[str, float]]]:
@@ -68,7 +59,7 @@ def _log(db: Path, n: int = 400) -> None:
 
 def test_the_saved_statistics_give_what_the_service_decided_by(tmp_path: Path) -> None:
     db = tmp_path / "state.db"
-    cfg_path = _config_file(tmp_path, db)
+    cfg_path = config_with_store(tmp_path, db)
     expected = _service_measured(cfg_path, db)
     with closing(open_store(f"sqlite:///{db}", create=False)) as store:
         got = saved_measurements(load_config(cfg_path), store.get_doc("stats"))
@@ -81,7 +72,7 @@ def test_the_saved_statistics_give_what_the_service_decided_by(tmp_path: Path) -
 
 def test_an_entry_saved_for_another_checkpoint_is_left_out(tmp_path: Path) -> None:
     db = tmp_path / "state.db"
-    cfg_path = _config_file(tmp_path, db)
+    cfg_path = config_with_store(tmp_path, db)
     _service_measured(cfg_path, db)
     config = load_config(cfg_path)
     with closing(open_store(f"sqlite:///{db}", create=False)) as store:
@@ -111,7 +102,7 @@ def test_tune_from_store_replays_the_measured_machine(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     db = tmp_path / "state.db"
-    cfg_path = _config_file(tmp_path, db)
+    cfg_path = config_with_store(tmp_path, db)
     expected = _service_measured(cfg_path, db)
     _log(db)
     seen = _spy(monkeypatch)
@@ -142,7 +133,7 @@ def test_without_saved_statistics_the_estimates_are_used(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     db = tmp_path / "state.db"
-    cfg_path = _config_file(tmp_path, db)
+    cfg_path = config_with_store(tmp_path, db)
     _log(db)
     seen = _spy(monkeypatch)
     out = tmp_path / "tuned.yaml"
@@ -156,7 +147,7 @@ def test_a_trace_file_is_tuned_on_the_configs_estimates(
 ) -> None:
     """A trace file may come from another machine: the store's measurements are not this trace's."""
     db = tmp_path / "state.db"
-    cfg_path = _config_file(tmp_path, db)
+    cfg_path = config_with_store(tmp_path, db)
     _service_measured(cfg_path, db)
     trace = tmp_path / "week.jsonl"
     assert main(["trace", "synth", "--days", "2", "--seed", "3", "--out", str(trace)]) == 0
