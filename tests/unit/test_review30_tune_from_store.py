@@ -27,7 +27,6 @@ from manager.live import LiveManager
 from manager.live_persist import saved_measurements, spec_key
 from manager.store import open_store
 
-ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30
 
 
