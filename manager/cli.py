@@ -31,6 +31,7 @@ from rich.table import Table
 from manager.config import (
     Config,
     ConfigError,
+    ModelConfig,
     _printable,
     config_json_schema,
     load_config,
@@ -494,39 +495,57 @@ def _warn_relative_store(config_path: str, c: Config) -> None:
         err.print(f"{config_path}: warning: {warning}", highlight=False, markup=False)
 
 
+def _not_beside(c: Config, never: dict[str, str], held: ModelConfig) -> list[ModelConfig]:
+    """The models on `held`'s device that can never be loaded while `held` stays (at its weights and
+    its minimum lease): the engine's own fit rule with `held` counted as pinned (one that can never
+    fit at all, `never`, is warned of on its own)."""
+    from manager.policy.engine import Engine
+    from manager.policy.factory import create_policy
+
+    engine = Engine(c, create_policy("residency"))
+    engine.models[held.name].pinned = True
+    engine.recheck_fit()
+    return [
+        x
+        for x in c.models
+        if x.device == held.device and x is not held and not never[x.name] and engine.never_fits[x.name]
+    ]
+
+
 def _forever_blocks(c: Config, never: dict[str, str]) -> list[str]:
     """`config check`'s warnings of unpinned models kept `forever` whose room other models' requests can
     never take (their class may not evict, or is lower): once such a model is loaded, a model that
     cannot fit beside it never loads there, and its requests wait until their class's max_wait (or for
-    good) and are refused. The engine's own fit rule, with that model counted as pinned."""
-    from manager.policy.engine import Engine
-    from manager.policy.factory import create_policy
-
+    good) and are refused. And of a world model (elastic) that a model cannot fit beside during a
+    session (busy: no one may evict it), whose requests wait for the session's end."""
     out = []
     rank = {cls.name: i for i, cls in enumerate(c.classes)}
     may_evict = [cls.may_evict for cls in c.classes]
     for i, f in enumerate(c.models):
-        if f.pin or f.keep_alive != math.inf:
+        if f.pin:
             continue
-        engine = Engine(c, create_policy("residency"))
-        engine.models[f.name].pinned = True  # (held for good: as a pin is, to those who cannot evict it)
-        engine.recheck_fit()
-        blocked = [
-            x.name
-            for x in c.models
-            if x.device == f.device
-            and x.name != f.name
-            and not never[x.name]
-            and engine.never_fits[x.name]
-            and (not may_evict[rank[x.class_]] or rank[x.class_] > rank[f.class_])
-        ]
-        if blocked:
-            out.append(
-                f"models[{i}] ({f.name}): keep_alive: forever without a pin: once it is loaded, "
-                f"{', '.join(blocked)} can never load on {f.device} beside it (their classes may not evict "
-                "it): their requests wait for room that never comes, refused at their class's max_wait or "
-                "their deadline; pin it, give it a finite keep_alive, or make room"
-            )
+        if f.keep_alive == math.inf:
+            blocked = [
+                x.name
+                for x in _not_beside(c, never, f)
+                if not may_evict[rank[x.class_]] or rank[x.class_] > rank[f.class_]
+            ]
+            if blocked:
+                out.append(
+                    f"models[{i}] ({f.name}): keep_alive: forever without a pin: once it is loaded, "
+                    f"{', '.join(blocked)} can never load on {f.device} beside it (their classes may not "
+                    "evict it): their requests wait for room that never comes, refused at their class's "
+                    "max_wait or their deadline; pin it, give it a finite keep_alive, or make room"
+                )
+        if f.elastic is not None:
+            blocked = [x.name for x in _not_beside(c, never, f)]
+            if blocked:
+                out.append(
+                    f"models[{i}] ({f.name}): during one of its sessions ({format_size(f.memory)} and a "
+                    f"lease of at least {format_size(f.elastic.min)}, busy: no one may evict it) "
+                    f"{', '.join(blocked)} cannot load on {f.device}: their requests wait for the session's "
+                    "end (give their classes a max_wait, or make room)"
+                )
     return out
 
 

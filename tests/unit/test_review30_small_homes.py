@@ -233,3 +233,36 @@ def test_config_check_warns_of_ram_counted_twice(tmp_path: Path, capsys: pytest.
         == 0
     )
     assert "host.memory" not in capsys.readouterr().err
+
+
+WORLD8 = """
+devices:
+  - {name: gpu0, kind: cuda, memory: 8GiB, reserve: 1GiB}
+host: {memory: 16GiB, reserve: 4GiB}
+classes:
+  - {name: realtime, reserve: 2GiB}
+  - {name: interactive}
+models:
+  - {name: voice, class: realtime, adapter: silero-vad, device: gpu0, memory: 1200MiB, pin: true}
+  - {name: world, class: interactive, adapter: worldpager-mg2, device: gpu0, memory: 3GiB,
+     elastic: {min: 1GiB, max: 4GiB}}
+  - {name: llm, class: interactive, adapter: safetensors-module, device: gpu0, memory: 4GiB,
+     source: {factory: "models.llm:build", path: models/llm.safetensors}}
+"""
+
+
+def test_config_check_warns_of_a_model_that_waits_out_every_world_session(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On an 8 GiB GPU the world model (3 GiB and a 1 GiB minimum lease) and the LLM (4 GiB) never fit
+    together in the interactive class's 5 GiB: during a session (busy: nothing may evict it) every LLM
+    request waits for its end, about 50 minutes under every policy, the oracle's too. `config check`
+    said "ok"."""
+    p = tmp_path / "w.yaml"
+    p.write_text(WORLD8, encoding="utf-8")
+    assert main(["config", "check", str(p)]) == 0
+    err = capsys.readouterr().err
+    assert "models[1] (world): during one of its sessions" in err and "llm cannot load on gpu0" in err
+    p.write_text(WORLD8.replace("memory: 8GiB", "memory: 12GiB"), encoding="utf-8")
+    assert main(["config", "check", str(p)]) == 0
+    assert "sessions" not in capsys.readouterr().err
