@@ -538,6 +538,13 @@ def _forever_blocks(c: Config, never: dict[str, str]) -> list[str]:
                     "max_wait or their deadline; pin it, give it a finite keep_alive, or make room"
                 )
         if f.elastic is not None:
+            usable = next(d.usable for d in c.devices if d.name == f.device)
+            if f.memory + f.elastic.max > usable:
+                out.append(
+                    f"models[{i}] ({f.name}): elastic.max {format_size(f.elastic.max)} and its "
+                    f"{format_size(f.memory)} are more than {f.device} can hold ({format_size(usable)} "
+                    f"usable): its lease never grows past {format_size(max(usable - f.memory, 0))}"
+                )
             blocked = [x.name for x in _not_beside(c, never, f)]
             if blocked:
                 out.append(

@@ -115,7 +115,7 @@ class TierMoves:
         "disk"."""
         if m.tier == HOST:
             return "host"
-        return "cached" if m.name in self.host.cache else "disk"
+        return "cached" if m.file in self.host.cache else "disk"
 
     def reload_s(self, m: ModelState) -> float:
         """Estimated seconds to bring `m` back to the GPU if it left it now: from host RAM when the
@@ -142,7 +142,7 @@ class TierMoves:
         m.lease = m.lease_min
         dev.add(m, m.gpu_bytes)
         if source != "host":
-            host.cache_touch(m.name, m.weights)
+            host.cache_touch(m.file, m.weights)
         if self.measures_loads:  # (the replay's: its load times are the truth it was given)
             m.cost.measure(source, dur)
         c = self.counters

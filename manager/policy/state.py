@@ -28,6 +28,7 @@ class ModelState:
         "cost",
         "device",
         "elastic",
+        "file",
         "gpu_since",
         "held_off",
         "hist",
@@ -59,6 +60,9 @@ class ModelState:
         self.rank = rank
         self.pinned = cfg.pin
         self.weights = cfg.memory
+        path = cfg.source.get("path") if isinstance(cfg.source, dict) else None
+        self.file = f"path:{path}" if isinstance(path, str) and path else f"model:{cfg.name}"
+        """What the page cache holds of it: its checkpoint file (two models of one file share it)."""
         self.lease_min = cfg.elastic.min if cfg.elastic else 0
         self.lease_max = cfg.elastic.max if cfg.elastic else 0
         # Has an elastic KV lease (the range is fixed for the process: changing it needs a restart).

@@ -266,3 +266,41 @@ def test_config_check_warns_of_a_model_that_waits_out_every_world_session(
     p.write_text(WORLD8.replace("memory: 8GiB", "memory: 12GiB"), encoding="utf-8")
     assert main(["config", "check", str(p)]) == 0
     assert "sessions" not in capsys.readouterr().err
+    p.write_text(WORLD8.replace("max: 4GiB", "max: 16GiB"), encoding="utf-8")  # (twice the card)
+    assert main(["config", "check", str(p)]) == 0
+    assert (
+        "elastic.max 16GiB and its 3GiB are more than gpu0 can hold (7GiB usable)" in capsys.readouterr().err
+    )
+
+
+SHARED_FILE = """
+devices:
+  - {name: gpu0, kind: cuda, memory: 6GiB, reserve: 512MiB}
+host: {memory: 16GiB, reserve: 4GiB}
+classes:
+  - {name: main}
+models:
+  - {name: chat, class: main, adapter: torchscript, device: gpu0, memory: 4GiB,
+     source: {path: models/shared.pt}, load_seconds: {disk: 8, cached: 3, host: 1}}
+  - {name: chat-long, class: main, adapter: torchscript, device: gpu0, memory: 4GiB,
+     source: {path: models/shared.pt}, load_seconds: {disk: 8, cached: 3, host: 1}}
+  - {name: other, class: main, adapter: torchscript, device: gpu0, memory: 4GiB,
+     source: {path: models/other.pt}, load_seconds: {disk: 8, cached: 3, host: 1}}
+"""
+
+
+def test_two_models_of_one_checkpoint_share_the_page_cache(tmp_path: Path) -> None:
+    """The replay's page cache was keyed by model name: a model whose checkpoint file another model had
+    just read was loaded as from a cold disk. It is keyed by the checkpoint's path now."""
+    from manager.policy.types import Request
+
+    config = _config(tmp_path, SHARED_FILE)
+    t0 = 1793577600.0
+    reqs = [Request(t=t0, model="chat", busy_s=1.0), Request(t=t0 + 100, model="chat-long", busy_s=1.0)]
+    res = replay(config, reqs, "lru-keepalive")  # type: ignore[arg-type]
+    assert res.loads_by_source.get("disk") == 1 and res.loads_by_source.get("cached") == 1, (
+        res.loads_by_source
+    )
+    reqs = [Request(t=t0, model="chat", busy_s=1.0), Request(t=t0 + 100, model="other", busy_s=1.0)]
+    res = replay(config, reqs, "lru-keepalive")  # type: ignore[arg-type]
+    assert res.loads_by_source.get("disk") == 2, res.loads_by_source  # another file: from disk
