@@ -34,7 +34,7 @@ ROWS = (("x", "realtime", False), ("lo", "background", False), ("guess", "realti
 def _config(tmp_path: Path) -> Config:
     models = "".join(
         f"  - {{name: {name}, class: {cls}, adapter: torchscript, device: gpu0, memory: 100MiB, "
-        f"load_seconds: {{disk: 2.0, host: 0.5}}, prewarm: {str(pw).lower()}, source: {{path: m.pt}}}}\n"
+        f"load_seconds: {{disk: 2.0, host: 0.5}}, prewarm: {str(pw).lower()}, source: {{path: {name}.pt}}}}\n"
         for name, cls, pw in (
             ("x", "realtime", False),
             ("lo", "background", False),

@@ -42,9 +42,9 @@ def _config(tmp_path: Path, gpu_gib: float, models: list[tuple[Any, ...]], class
     ]
     for name, cls, gib, disk, *extra in models:
         lines.append(
-            f"  - {{name: {name}, class: {cls}, adapter: torchscript, source: {{path: m.pt}}, device: gpu0, "
-            f"memory: {int(gib * 1024)}MiB, load_seconds: {{disk: {disk}, cached: {disk * 0.4:.2f}, "
-            f"host: {disk * 0.14:.2f}}}{''.join(', ' + e for e in extra)}}}"
+            f"  - {{name: {name}, class: {cls}, adapter: torchscript, source: {{path: {name}.pt}}, "
+            f"device: gpu0, memory: {int(gib * 1024)}MiB, load_seconds: {{disk: {disk}, "
+            f"cached: {disk * 0.4:.2f}, host: {disk * 0.14:.2f}}}{''.join(', ' + e for e in extra)}}}"
         )
     lines.append("policy: {name: residency, thrash_window: 10m, min_residency: 1m, timezone: UTC}")
     p = tmp_path / "home.yaml"
