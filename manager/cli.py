@@ -522,13 +522,12 @@ def _forever_blocks(c: Config, never: dict[str, str]) -> list[str]:
     rank = {cls.name: i for i, cls in enumerate(c.classes)}
     may_evict = [cls.may_evict for cls in c.classes]
     for i, f in enumerate(c.models):
-        if f.pin:
+        if f.pin or (f.keep_alive != math.inf and f.elastic is None):
             continue
+        beside = _not_beside(c, never, f)  # (one engine's fit rule serves both warnings)
         if f.keep_alive == math.inf:
             blocked = [
-                x.name
-                for x in _not_beside(c, never, f)
-                if not may_evict[rank[x.class_]] or rank[x.class_] > rank[f.class_]
+                x.name for x in beside if not may_evict[rank[x.class_]] or rank[x.class_] > rank[f.class_]
             ]
             if blocked:
                 out.append(
@@ -545,7 +544,7 @@ def _forever_blocks(c: Config, never: dict[str, str]) -> list[str]:
                     f"{format_size(f.memory)} are more than {f.device} can hold ({format_size(usable)} "
                     f"usable): its lease never grows past {format_size(max(usable - f.memory, 0))}"
                 )
-            blocked = [x.name for x in _not_beside(c, never, f)]
+            blocked = [x.name for x in beside]
             if blocked:
                 out.append(
                     f"models[{i}] ({f.name}): during one of its sessions ({format_size(f.memory)} and a "
@@ -623,12 +622,13 @@ def cmd_check(a: argparse.Namespace) -> int:
     for warning in _forever_blocks(c, never):
         err.print(f"{a.config}: warning: {warning}", highlight=False, markup=False)
     cpus = [d for d in c.devices if d.kind == "cpu"]
-    if cpus and sum(d.memory for d in cpus) + c.host.usable > c.host.memory:
+    both = sum(d.memory for d in cpus) + c.host.usable
+    if cpus and both > c.host.memory:
         on = ", ".join(f"{d.name} {format_size(d.memory)}" for d in cpus)
         err.print(
             f"{a.config}: warning: devices ({on}) of kind cpu hold their models in host RAM, and the host "
             f"tier may use {format_size(c.host.usable)} of it beside them: "
-            f"{format_size(sum(d.memory for d in cpus) + c.host.usable)} of a {format_size(c.host.memory)} "
+            f"{format_size(both)} of a {format_size(c.host.memory)} "
             "host.memory, so keeping to the budgets does not keep RAM from running out: split host.memory "
             "between them (a larger host.reserve, or smaller cpu devices)",
             highlight=False,

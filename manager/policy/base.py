@@ -99,8 +99,7 @@ class Policy:
     def gives_way_at(self, m: ModelState, now: float) -> float:
         """When `m`, idle on the GPU and still within its keep-alive, gives its room to a request of a
         class that may not evict, or of a lower class than `m`'s (which otherwise wait until `m`'s
-        keep-alive expires); inf: never
-        (the default: its keep-alive protects it)."""
+        keep-alive expires); inf: never (the default: its keep-alive protects it)."""
         return math.inf
 
     def victim_key(self, c: ModelState, now: float) -> tuple[float, str]:

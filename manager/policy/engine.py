@@ -265,9 +265,7 @@ class Engine(TierMoves):
             else:
                 ok = not (now - c.gpu_since < self.min_residency and self.policy.prewarm_min_residency)
             return ok and self.policy.may_displace(c, m, now)
-        expired = self.policy.expired(c, now) or (
-            (not may_evict or c.rank < rank) and self.policy.gives_way_at(c, now) <= now
-        )
+        expired = self.policy.expired(c, now) or self._gives_way(c, rank, may_evict, now)
         if c.rank < rank:
             # A higher class is never evicted; a model past its keep-alive holds no claim to its
             # room any more (an eager policy would have unloaded it already), whoever needs it.
@@ -278,6 +276,11 @@ class Engine(TierMoves):
             # it was only a guess and the policy lets a real request win over its guesses.
             return False
         return may_evict or expired
+
+    def _gives_way(self, c: ModelState, rank: int, may_evict: bool, now: float) -> bool:
+        """Whether `c` gives its room to a request of class `rank` (one that may not evict, or of a
+        lower class than `c`'s, which its keep-alive would otherwise hold off): `Policy.gives_way_at`."""
+        return (not may_evict or c.rank < rank) and self.policy.gives_way_at(c, now) <= now
 
     @staticmethod
     def _room_after(dev: DeviceState, rank: int, removed: list[ModelState], shrunk: list[ModelState]) -> int:
@@ -337,10 +340,7 @@ class Engine(TierMoves):
         # Why each goes is decided before any goes: an eviction changes host room, and with it
         # what a policy thinks the next victim would cost to bring back (so whether it "expired").
         expired = [self.policy.expired(c, now) for c in victims]
-        gave_way = [
-            (not may_evict or c.rank < rank) and not prewarm and self.policy.gives_way_at(c, now) <= now
-            for c in victims
-        ]
+        gave_way = [not prewarm and self._gives_way(c, rank, may_evict, now) for c in victims]
         self.incoming = m
         try:
             for c, gone, gave in zip(victims, expired, gave_way, strict=True):

@@ -313,7 +313,7 @@ class SQLiteStore:
                 ) from None
             if create:  # a new database file is private (SQLite's own is 0644): it holds the home's
                 # timeline of use; its -wal and -shm files take its mode
-                with contextlib.suppress(FileExistsError, OSError):
+                with contextlib.suppress(OSError):  # (one there already, FileExistsError, is kept)
                     os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
             if hold:
                 self._hold_fd = self._hold()
