@@ -268,6 +268,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self.rejected = 0  # requests admission refused (no room, a full queue): never run
         self.failed = 0  # requests that failed before they ran (their model's load failed, ...)
         self.cancelled = 0  # requests whose client went away (hung up) before they were answered
+        self.reload_warnings: list[str] = []  # the last reload's: models it left unservable
         self.served = 0
         self.cold_starts = 0  # served requests and session opens that found their model off the GPU
         self._next_save = 0.0
@@ -682,7 +683,9 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             self.metrics.load_seconds.labels(model, r.transition).observe(r.timing.total_s)
         if kind in LOAD_KINDS:
             if not r.noop:  # a load that happened (a failed one is counted in the failures metric)
-                source = "host" if r.from_tier == "host" else "disk"
+                # where the bytes came from, as the engine's load costs have it (the OS page cache's
+                # loads were counted `disk`, while the books priced them `cached`)
+                source = "host" if r.from_tier == "host" else (r.source or "disk")
                 self.metrics.loads.labels(model, r.to_tier, source).inc()
             self._load_worked(model, r.device or self.engine.models[model].device)
         live.tier = r.to_tier
@@ -934,6 +937,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             return []
         self._unsynced.pop(device, None)
         if st.boot_id:
+            if self._boots.get(device, st.boot_id) != st.boot_id:  # a new host process, counted once
+                self.metrics.host_restarts.labels(device).inc()
             self._boots[device] = st.boot_id
         busy |= {name for name, _ in self._ops.values()}
         lost = []
@@ -1464,7 +1469,12 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         deadline = self.clock() + timeout_s
         live = self.live[model]
         cls_name = self.config.classes[rank].name
-        arrival, cold = await self._queue_for(m, rank, cls_name, deadline)
+        asked = self.clock()
+        try:
+            arrival, cold = await self._queue_for(m, rank, cls_name, deadline)
+        except BaseException as e:  # never ran: its demand goes to the request log all the same
+            self._log_unserved(asked, model, cls, e, keep_alive)
+            raise
         self.keep_alive_said.add(model)  # (admitted: its word on the keep-alive is this run's)
         if keep_alive is not None or m.keep_alive_req is not None:
             self.engine.request_keep_alive(m, keep_alive)
@@ -1634,6 +1644,11 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         if not self.started:
             try:
                 await self._until_started(m, deadline)
+            except Exception as e:  # still starting at its deadline, or stopped: never admitted
+                setattr(e, REFUSED, True)
+                if not retry:  # (its demand: the request log's record, which the start's catch-up
+                    self._count_unserved(m, cls_name, "rejected")  # of the statistics takes in)
+                raise
             except asyncio.CancelledError:  # its client hung up while the service started
                 if not retry:
                     self._count_cancelled(m, cls_name)
@@ -1689,9 +1704,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
     def _count_unserved(self, m: Any, cls_name: str, outcome: str) -> None:
         """A request that never ran, in Stats and the requests metric: `rejected` (admission refused
         it: no room, a full queue) or `error` (it failed after admission: its model's load failed or
-        did not finish before its deadline; a world session's open failed on its host). Neither goes
-        to the request log, which holds the requests that ran (the replay's input: their demand, and
-        their busy time)."""
+        did not finish before its deadline; a world session's open failed on its host). Its caller
+        puts it in the request log (`_log_unserved`: demand that never ran)."""
         if outcome == "rejected":
             self.rejected += 1
         else:
@@ -1716,6 +1730,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         loads it again. Not an eviction (nothing was decided), and its reload is no thrash."""
         now = self.clock()
         self._publish("lost", m.name, why, m.device, now)
+        self.metrics.lost.labels(m.name).inc()
         live = self.live[m.name]
         live.ready.clear()
         live.tier = "disk"
@@ -1846,6 +1861,33 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
     def _raise_infer_error(self, r: P.InferResult) -> None:
         # INTERNAL: it ran and failed, or may have run: ModelFailed, not UNAVAILABLE (retried)
         raise worker_error(r.error_code, r.error or "inference failed")
+
+    def _log_unserved(
+        self,
+        t: float,
+        model: str,
+        cls: str | None,
+        e: BaseException | str,
+        keep_alive: float | None = None,
+        kind: str | None = None,
+    ) -> None:
+        """A request asked for at `t` that never ran (`e` ended it first, or its outcome) in the
+        request log, `busy_s` 0 and `wait_s` until now: its demand is the replay's (a weekly tuning
+        sees what was refused, not only what was served) and the statistics' catch-up's (the engine
+        observed it at its arrival). `outcome` `rejected` when admission refused it, else `unserved`
+        (`manager.store.base.NEVER_RAN`). Nothing for an error that is no request's (a bug)."""
+        if self.store is None or not isinstance(e, str | Exception | asyncio.CancelledError):
+            return
+        outcome = e if isinstance(e, str) else "rejected" if _outcome_of(e) == "rejected" else "unserved"
+        wait = round(max(0.0, self.clock() - t), 6)
+        rec: dict[str, Any] = {"t": t, "model": model, "busy_s": 0.0, "wait_s": wait, "outcome": outcome}
+        if cls is not None:
+            rec["class"] = cls
+        if kind is not None:
+            rec["kind"] = kind
+        if keep_alive is not None:  # (its demand as it was asked for: a replay may admit it)
+            rec["keep_alive"] = keep_alive_json(keep_alive)
+        self._log(rec)
 
     def _log_request(
         self,
@@ -2037,6 +2079,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
 
         new, changes, kept = self._checked(new, hold)
         kept = kept if hold is None else hold  # (`new` holds the tuned values already, not the file's)
+        servable = {n for n, why in self.engine.never_fits.items() if not why}
         apply_reload(self.engine, new, self.clock())
         self.config = new
         gone = sorted(".".join(k) for k in self.tuning_overrides if k not in kept)
@@ -2056,10 +2099,23 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             if live.load_error is not None:  # (until a load of it works), whatever the file says
                 self.engine.models[name].prewarm_ok = False
         self._apply_pins()  # an admin's pin or unpin outlives a reload of the file
-        self.engine.load_pinned(self.clock())  # a model pinned now is loaded into free room
-        self._flush()
-        self._room_freed()  # (reservations, sizes, keep-alives and pins may have changed)
+        if self.started:  # (while it starts, its own `load_pinned` follows adoption: a load sent now
+            # would find the model adopted on its host, and adoption drop it there)
+            # a reservation raised gets its room back from lower classes' idle models (their
+            # requests could not take it back: a class that may not evict, a keep-alive that holds)
+            self.engine.honour_reservations(self.clock())
+            self.engine.load_pinned(self.clock())  # a model pinned now is loaded into free room
+            self._flush()
+            self._room_freed()  # (reservations, sizes, keep-alives and pins may have changed)
         self._publish("config_reloaded", "", ", ".join(changes) or "no changes", "", self.clock())
+        self.reload_warnings = [
+            f"model {n!r} can never be served now: {self.engine.never_fits[n]}"
+            for n in sorted(servable)
+            if self.engine.never_fits.get(n)
+        ]
+        for warning in self.reload_warnings:  # (the file's pins or reservations took its room for good)
+            logger.warning("config reload: %s", warning)
+            self._publish("config_warning", warning.split("'")[1], warning, "", self.clock())
         return changes
 
     def host_read_pending(self, model: str) -> bool:
@@ -2091,7 +2147,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
                     f"cannot pin {model!r}: the pinned models would no longer fit {m.device!r} together "
                     f"({'; '.join(crowded)})"
                 )
-        if pinned and m.tier != Tier.GPU:
+        if pinned and m.tier != Tier.GPU and self.started:  # (at start: once adoption is done)
             self.engine.load_pinned(self.clock())  # into free room (or room past its keep-alive)
             self._flush()
         if not pinned:

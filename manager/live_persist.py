@@ -32,7 +32,14 @@ from manager.policy.engine import Engine
 from manager.policy.stats import EDGES, HOW_EDGES, LoadCost, ReuseHistogram, hours_between
 from manager.policy.types import Action, ActionKind, Tier
 from manager.replay.trace import keep_alive_json
-from manager.store.base import CorruptDocument, CorruptRow, StoreError, normalize_record, record_keep_alive
+from manager.store.base import (
+    NEVER_RAN,
+    CorruptDocument,
+    CorruptRow,
+    StoreError,
+    normalize_record,
+    record_keep_alive,
+)
 from manager.units import format_duration, parse_keep_alive
 from workers import protocol as P
 
@@ -674,7 +681,7 @@ class PersistenceMixin:
             found = [
                 r
                 for r in self.store.requests(t, math.nextafter(t, math.inf), on_corrupt=lambda e: None)
-                if r["model"] == name
+                if r["model"] == name and r.get("outcome") not in NEVER_RAN
             ]
         except Exception as e:  # (the store failed between two reads: the config's keep-alive holds)
             logger.warning("could not read %s's last request's keep-alive from the request log: %s", name, e)
@@ -802,7 +809,9 @@ class PersistenceMixin:
         try:
             for rec in self._missed_requests(since, until, waiting):
                 name, t = rec["model"], rec["t"]
-                hists[name].observe(t)
+                hists[name].observe(t)  # (asked for: demand, as the engine observed it at arrival)
+                if rec.get("outcome") in NEVER_RAN:  # no use: neither a request served nor a keep-alive
+                    continue
                 n, end, _ = out.get(name, (0, 0.0, None))
                 end = max(end, t + rec.get("wait_s", 0.0) + rec["busy_s"])
                 out[name] = (n + 1, end, record_keep_alive(rec))

@@ -37,6 +37,7 @@ from manager.live_persist import read_outcome
 from manager.policy.engine import Engine
 from manager.policy.types import ActionKind
 from manager.replay.trace import keep_alive_json
+from manager.units import format_size as fmt_bytes
 from workers import protocol as P
 
 if TYPE_CHECKING:
@@ -284,6 +285,15 @@ class WorldSessionsMixin:
         def _count_unserved(self, m: Any, cls_name: str, outcome: str) -> None: ...
         def _deferred_evict(self, m: Any) -> None: ...
         def _log(self, rec: dict[str, Any]) -> None: ...
+        def _log_unserved(
+            self,
+            t: float,
+            model: str,
+            cls: str | None,
+            e: BaseException | str,
+            keep_alive: float | None = None,
+            kind: str | None = None,
+        ) -> None: ...
         def _publish(
             self, kind: str, model: str, detail: str, device: str, t: float, **extra: Any
         ) -> None: ...
@@ -408,21 +418,32 @@ class WorldSessionsMixin:
         if codec and codec not in P.SESSION_CODECS:  # (before admission: nothing loaded for it)
             raise InvalidRequest(f"unknown codec {codec!r}: expected one of {', '.join(P.SESSION_CODECS)}")
         self._not_open(resume_id)
+        rank = self.rank_of(m, cls)
+        cls_name = self.config.classes[rank].name
+        asked = self.clock()
         running = next((sid for sid, (name, _, _) in self.sessions.items() if name == model), None)
         if running is not None or model in self._world_opening:
+            # asked for all the same (the statistics learn the demand, the request log keeps it), as
+            # a request refused at admission is, and counted rejected
+            self.engine.observe(m, asked)
+            self._count_unserved(m, cls_name, "rejected")
+            self._log_unserved(asked, model, cls_name, "rejected", keep_alive, "session")
             # not naming the session: its id is all a resume needs, and this client is another one
             raise InsufficientCapacity(
                 f"world model {model!r} runs a session{'' if running else ' (opening)'}; a world model "
                 "runs one at a time (its rolling KV window is the model's): retry when it ends"
             )
-        rank = self.rank_of(m, cls)
-        deadline = self.clock() + timeout_s
+        deadline = asked + timeout_s
         self._world_opening.add(model)  # until the open below is over, even for a client gone
         opening: asyncio.Future[tuple[str, dict[str, Any]]] | None = None
         try:
             # as a request: waited for (never expired or evicted while its load is unconfirmed), and
             # under its class's queue limit
-            arrival, cold = await self._queue_for(m, rank, self.config.classes[rank].name, deadline)
+            try:
+                arrival, cold = await self._queue_for(m, rank, cls_name, deadline)
+            except BaseException as e:  # never opened: its demand goes to the request log
+                self._log_unserved(asked, model, cls_name, e, keep_alive, "session")
+                raise
             ready = self.clock()  # its wait (admission, a cold start) ends here, as a request's does
             self.keep_alive_said.add(model)
             if keep_alive is not None or m.keep_alive_req is not None:
@@ -442,6 +463,9 @@ class WorldSessionsMixin:
             opening.add_done_callback(lambda _: self._opening_ids.discard(sid))
             try:
                 return await asyncio.shield(opening)
+            except Exception:  # its open failed on the host (counted there): it never ran
+                self._log_unserved(asked, model, cls_name, "unserved", keep_alive, "session")
+                raise
             except asyncio.CancelledError:
                 self._left_ids.add(sid)  # (until it is closed: a retry of its resume is told to wait)
                 opening.add_done_callback(lambda t: self._abandoned(sid, t))
@@ -510,6 +534,7 @@ class WorldSessionsMixin:
                 raise ModelNotFound(f"no saved world session {sid!r} to resume")
             raise worker_error(reply.error_code, f"world session on {m.name!r} could not open: {reply.error}")
         data = dict(reply.data)
+        self._lease_floor(m, data)
         self.sessions[sid] = (m.name, arrival, rank)
         self._count_wait(cls_name, arrival, ready)
         self._world[sid] = _World(
@@ -602,6 +627,24 @@ class WorldSessionsMixin:
         held = hit and (hit.group(1) or hit.group(2))
         return held if held and held not in self.sessions else None
 
+    def _lease_floor(self, m: Any, data: Any) -> None:
+        """The device host keeps at least `lease_floor_bytes` of KV for a session of `m` whatever
+        lease it is given (three segments; on a GPU two decoded slots): a floor above the books'
+        minimum (`elastic.min` set below it) becomes the minimum, and a lease below it grows to it,
+        so the books, `ps` and the metrics count the bytes the device holds (they counted the lease
+        asked for, and gave the difference to other models). Said once per model, with the fix."""
+        floor = data.get("lease_floor_bytes") if isinstance(data, dict) else None
+        if not isinstance(floor, int) or isinstance(floor, bool) or floor <= m.lease_min:
+            return
+        logger.warning(
+            "world model %r: a session on its device host keeps at least %s of KV whatever its lease "
+            "(three segments; on a GPU, two decoded slots), more than its elastic.min %s: %s is its "
+            "minimum lease from now on; set elastic.min to at least that",
+            m.name, fmt_bytes(floor), fmt_bytes(m.lease_min), fmt_bytes(floor),
+        )  # fmt: skip
+        self.engine.measured_lease_floor(m, floor, self.clock())
+        self._flush()
+
     async def _lease_caught_up(self, m: Any, sid: str, sent: int) -> int | None:
         """Session `sid` opened with lease `sent`; a lease change the engine decided meanwhile had no
         session to go to yet: it goes now, a shrink before the open's reply (so before any step
@@ -652,6 +695,7 @@ class WorldSessionsMixin:
         if not reply.ok:
             raise unavailable(reply.error or "the reopen failed")
         reply = _with_replaced(reply, w.next_segment, sid)
+        self._lease_floor(m, reply.data)
         await self._lease_caught_up(m, sid, sent)
         w.resumes += 1
         data = dict(reply.data)
@@ -818,7 +862,7 @@ class WorldSessionsMixin:
             if self.store is not None:
                 rec = {"t": opened, "model": model, "busy_s": round(max(0.0, self.clock() - ran), 6),
                        "wait_s": round(ran - opened, 6), "kind": "session",
-                       "class": self.config.classes[rank].name}  # fmt: skip
+                       "class": self.config.classes[rank].name, "outcome": outcome}  # fmt: skip
                 if w is not None and w.keep_alive is not None:  # (a trace line's form, as a request's)
                     rec["keep_alive"] = keep_alive_json(w.keep_alive)
                 self._log(rec)

@@ -123,8 +123,23 @@ class Metrics:
         self.failures = Counter(
             "residency_load_failures", "Failed worker commands", ["model", "code"], registry=r
         )
+        self.lost = Counter(
+            "residency_models_lost",
+            "Models their device host no longer held (it died or restarted, or lost one): taken off the "
+            "books, reloaded at their next request",
+            ["model"],
+            registry=r,
+        )
+        self.host_restarts = Counter(
+            "residency_host_restarts",
+            "Device hosts found running as a new process (their earlier one died or was restarted)",
+            ["device"],
+            registry=r,
+        )
         self.log_buffered = Gauge(
-            "residency_request_log_buffered", "Served requests waiting to be written to the store", registry=r
+            "residency_request_log_buffered",
+            "Request-log records waiting to be written to the store",
+            registry=r,
         )
         self.log_dropped = Counter(
             "residency_request_log_dropped",

@@ -185,7 +185,9 @@ def plan_reload(old: Config, new: Config, started: Config | None = None) -> list
         first = firsts.get(m.name, o)
         for f in ("memory", "load_seconds"):  # seeds of what the running service measures itself
             if getattr(first, f) != getattr(m, f):
-                changes.append(f"models.{m.name}.{f} (at the next restart)")
+                # a seed: a footprint or load time the service has measured holds over it (saved
+                # with the statistics), the restart included; the new value seeds one not measured
+                changes.append(f"models.{m.name}.{f} (at the next restart, unless measured)")
     for oc, nc in zip(old.classes, new.classes, strict=True):
         for f in ("reserve", "may_evict", "max_wait", "max_queue"):
             if getattr(oc, f) != getattr(nc, f):

@@ -236,7 +236,7 @@ class WorldSessions:
             events = session.events if resume else []
             return {
                 "session_id": session_id, "segment_bytes": seg, "lease_bytes": o.lease, "codec": codec,
-                "resumed": resume, "next_segment": session.step_index,
+                "lease_floor_bytes": self._floor(o, 0), "resumed": resume, "next_segment": session.step_index,
                 "corrupt_slots": {e.slot: e.reason for e in events if isinstance(e, CorruptSlot)},
                 "missing_segments": [e.segment_id for e in events if isinstance(e, MissingSegment)],
             }  # fmt: skip

@@ -121,7 +121,8 @@ async def reload_from_file_on_loop(manager: LiveManager, path: str | None) -> li
 
     for _ in range(RELOAD_READS):
         seen, new = await asyncio.to_thread(_read_identified, path)
-        if path is None or file_identity(path) == seen:
+        # (its stat on a thread too: a config on a mount that hangs must not hold the event loop)
+        if path is None or await asyncio.to_thread(file_identity, path) == seen:
             return _apply_reload(manager, path, new)
     raise InvalidRequest(
         f"config not reloaded: {path}: it changed each time it was read ({RELOAD_READS} times); "
@@ -295,6 +296,8 @@ class AdminServicer(pb_grpc.ResidencyServicer):
                 self.manager._publish("config_rejected", "", str(e), "", self.manager.clock())
             raise
         msg = "changed: " + ", ".join(changes) if changes else "no changes"
+        if self.manager.reload_warnings:  # (models the file's pins or reservations left no room for)
+            msg += "; warning: " + "; ".join(self.manager.reload_warnings)
         path = os.path.abspath(self.config_path) if self.config_path else ""
         digest = await asyncio.to_thread(_sha256_of, path) if path else ""
         return pb.ReloadConfigResponse(changed=bool(changes), message=msg, path=path, sha256=digest)

@@ -742,15 +742,17 @@ async def watch_config(
     from manager.api.admin import reload_from_file_on_loop
     from manager.errors import ResidencyError
 
-    seen = file_identity(path) if seen is None else seen
+    # each look at the file on a thread: a config on a mount that hangs (NFS, a sleeping USB disk)
+    # would hold the event loop, and every request, for as long as its stat does
+    seen = await asyncio.to_thread(file_identity, path) if seen is None else seen
     while True:
         await asyncio.sleep(every_s)
-        now = file_identity(path)
+        now = await asyncio.to_thread(file_identity, path)
         if now == seen:
             continue
         await asyncio.sleep(SETTLE_S)
-        if file_identity(path) != now:  # still being written (in place): looked at again next time
-            continue
+        if await asyncio.to_thread(file_identity, path) != now:
+            continue  # still being written (in place): looked at again next time
         seen = now
         try:
             changes = await reload_from_file_on_loop(manager, path)

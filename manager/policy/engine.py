@@ -374,6 +374,54 @@ class Engine(TierMoves):
             self.host.cache_shrink()
         self.recheck_fit()  # a pinned model's bytes count against every other model's room
 
+    def measured_lease_floor(self, m: ModelState, floor: int, now: float) -> bool:
+        """A device host keeps at least `floor` bytes of KV for a session of elastic `m` whatever lease
+        it is given (the runtime's floor: three segments; on a GPU, two decoded slots): `m`'s minimum
+        lease (and a maximum below it) is raised to it, and a lease below it grows to it (the device
+        holds those bytes), room made as for a footprint measured larger (`_fit_back`). True when
+        the books changed; a floor within `elastic.min` changes nothing."""
+        if not m.elastic or floor <= m.lease_min:
+            return False
+        m.lease_min = floor
+        m.lease_max = max(m.lease_max, floor)
+        if m.tier == GPU and m.lease < floor:
+            dev = self.state.devices[m.device]
+            violations = self.counters.budget_violations
+            why = f"'{m.name}': its device host keeps {floor} bytes of KV at least"
+            self._set_lease(m, floor, now, reason=why)
+            self._fit_back(dev, m, now)
+            self.counters.budget_violations = violations
+            self._check_budget(dev)
+        self.recheck_fit()
+        return True
+
+    def honour_reservations(self, now: float) -> None:
+        """A class reservation added or raised (a config reload) may find lower classes' models in
+        its room, which its requests could not take back (a class that may not evict; a keep-alive
+        that holds): leases there shrink first, then idle, unpinned models of the classes in its
+        room leave, the lowest class and the longest idle first, until each class's room is whole
+        again (at start the reservation keeps them out from the first load). What is busy or
+        pinned stays."""
+        for dev in self.state.devices.values():
+            for k in range(len(dev.reserves) - 1, 0, -1):  # room(k) < 0: classes k.. are in the room
+                if dev.room(k) >= 0:  # of a reservation above them; only their bytes give it back
+                    continue
+                why = f"a higher class's reservation on '{dev.name}' (raised by a reload)"
+                for t in dev.models:
+                    short = -dev.room(k)
+                    if short > 0 and t.rank >= k and t.tier == GPU and t.elastic and t.lease > t.lease_min:
+                        self._set_lease(t, t.lease - min(t.lease - t.lease_min, short), now, reason=why)
+                idle = [
+                    c
+                    for c in dev.models
+                    if c.rank >= k and c.tier == GPU and not c.pinned and c.ready_at <= now and c.idle(now)
+                ]
+                idle.sort(key=lambda c: (-c.rank, self.idle_since(c), c.name))
+                for c in idle:
+                    if dev.room(k) >= 0:
+                        break
+                    self.evict(c, now, why)
+
     def _fit_back_host(self, m: ModelState, now: float) -> None:
         """`m`, in the host tier and measured larger than its estimate, left host RAM over its usable
         bytes: other host residents are dropped to disk - the one the policy values least

@@ -18,7 +18,8 @@ Request records (the request log) are the ▶ request-trace form of docs/ARCHITE
 service extras, and nothing else, so the log can never hold payloads:
   trace keys: "t" (float Unix seconds, required), "model" (str, required), "busy_s" (float >= 0,
               required), "class" (str), "kind" ("infer" | "session"), "client" (str)
-  extras:     "wait_s" (float >= 0), "outcome" ("ok" | "rejected" | "error" | "cancelled"), "source" (str)
+  extras:     "wait_s" (float >= 0), "outcome" ("ok" | "rejected" | "error" | "cancelled" | "unserved"),
+              "source" (str)
 The trace keys are checked by `manager.replay.trace.parse_line`, the very validator `read_trace` uses,
 so whatever the store accepts exports to a valid trace (and its line is no longer than `read_trace`
 reads). Strings must be text a store can keep (UTF-8: no lone surrogate, which `json.loads` makes of
@@ -52,6 +53,7 @@ from manager.store.redis_url import redact
 
 __all__ = [
     "EXTRA_FIELDS",
+    "NEVER_RAN",
     "OUTCOMES",
     "RECORD_FIELDS",
     "STORE_ID_DOC",
@@ -72,7 +74,13 @@ __all__ = [
 ]
 
 TIERS: tuple[str, ...] = ("gpu", "host", "disk")
-OUTCOMES: tuple[str, ...] = ("ok", "rejected", "error", "cancelled")
+OUTCOMES: tuple[str, ...] = ("ok", "rejected", "error", "cancelled", "unserved")
+NEVER_RAN: frozenset[str] = frozenset({"rejected", "unserved"})
+"""The outcomes of requests that never ran (`busy_s` 0): `rejected` (admission refused it: it can
+never fit, a full queue, no room within its class's max_wait, the service still starting at its
+deadline, a world model running a session) and `unserved` (admitted, it never ran: its model's load
+failed or outlasted its deadline, its client left while it waited, a session's open failed). They
+are demand (the replay's, the statistics'), not use: `ok`, `error` and `cancelled` ran."""
 EXTRA_FIELDS: tuple[str, ...] = ("wait_s", "outcome", "source")
 RECORD_FIELDS: tuple[str, ...] = ALLOWED_FIELDS + EXTRA_FIELDS
 _TRACE_SET = frozenset(ALLOWED_FIELDS)

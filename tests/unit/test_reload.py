@@ -44,7 +44,7 @@ def test_changes_that_seed_measurements_are_said_to_wait_for_a_restart() -> None
     base = load_config(HOME)
     llm = next(m for m in base.models if m.name == "llm")
     new = edited(base, "llm", memory=llm.memory + 2**20)
-    assert plan_reload(base, new) == ["models.llm.memory (at the next restart)"]
+    assert plan_reload(base, new) == ["models.llm.memory (at the next restart, unless measured)"]
 
 
 @pytest.mark.parametrize(

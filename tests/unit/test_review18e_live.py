@@ -178,8 +178,12 @@ def test_loads_total_counts_only_loads_their_host_confirmed(tmp_path: Path) -> N
         failures = {"model": "gone", "code": "missing_checkpoint"}
         assert reg.get_sample_value("residency_load_failures_total", failures) == 3
         assert (await lm.infer("ok", X4, timeout_s=10)).result.ok
-        ok = {"model": "ok", "tier": "gpu", "source": "disk"}
-        assert reg.get_sample_value("residency_loads_total", ok) == 1
+        # (from disk, or from the OS page cache as the books price it: review 31)
+        ok = [
+            reg.get_sample_value("residency_loads_total", {"model": "ok", "tier": "gpu", "source": s})
+            for s in ("disk", "cached")
+        ]
+        assert sorted(ok, key=str) == [1, None]
 
     _run(config, body)
 
@@ -211,7 +215,8 @@ def test_a_request_whose_load_failed_is_an_error_not_rejected(tmp_path: Path) ->
         assert (await lm.infer("ok", X4, timeout_s=10)).result.ok
         await lm.flush_log()
         rows = list(store.requests(t0 - 1))
-        assert [(r["model"], r.get("outcome")) for r in rows] == [("ok", "ok")]
+        # the two that never ran are demand in the log, `unserved` (review 31); the one that ran, ok
+        assert [(r["model"], r.get("outcome")) for r in rows] == [("gone", "unserved")] * 2 + [("ok", "ok")]
 
     try:
         _run(config, body, store=store)

@@ -140,7 +140,8 @@ def test_a_session_is_counted_when_it_ends_and_its_wait_when_it_opens(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A session open is counted when it ends, not before (as `stats` has it), its wait when it opens;
-    a second session on the world model is refused (one at a time) before admission: neither counts it."""
+    a second session on the world model is refused (one at a time) before admission: counted rejected
+    (review 31: it was counted nowhere)."""
 
     async def body(lm: LiveManager) -> None:
         sid, _ = await lm.open_session("world")
@@ -150,10 +151,11 @@ def test_a_session_is_counted_when_it_ends_and_its_wait_when_it_opens(
         assert lm.served == 0
         with pytest.raises(InsufficientCapacity, match="runs one at a time"):
             await lm.open_session("world")
-        assert samples(lm, "residency_requests_total") == {} and lm.rejected == 0
+        refused = {(("cls", "interactive"), ("model", "world"), ("outcome", "rejected")): 1.0}
+        assert samples(lm, "residency_requests_total") == refused and lm.rejected == 1
         await lm.close_session(sid)
         after = samples(lm, "residency_requests_total")
-        assert after == {(("cls", "interactive"), ("model", "world"), ("outcome", "ok")): 1.0}
+        assert after == {**refused, (("cls", "interactive"), ("model", "world"), ("outcome", "ok")): 1.0}
         assert lm.served == 1
 
     _run(tmp_path, monkeypatch, body)

@@ -96,7 +96,8 @@ def test_a_request_cancelled_while_its_model_loads_is_counted_cancelled(tmp_path
             assert wait_count(manager) == 0  # it never ran: no wait before a run to observe
             await manager.infer("tiny", X, timeout_s=20)  # the service goes on
             assert requests_by_outcome(manager) == {"cancelled": 1.0, "ok": 1.0}
-        assert logged(tmp_path) == [("tiny", "ok")]  # the log holds the requests that ran
+        # the log holds the requests that ran, and (review 31) the one that never ran, as demand
+        assert logged(tmp_path) == [("tiny", "unserved"), ("tiny", "ok")]
 
     asyncio.run(body())
 
