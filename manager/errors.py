@@ -15,6 +15,12 @@ class InvalidRequest(ResidencyError):
     """Bad tensors, shapes, datatypes or parameters (INVALID_ARGUMENT)."""
 
 
+class FailedPrecondition(InvalidRequest):
+    """A well-formed request that the service's state forbids now, e.g. unloading or evicting a pinned
+    model (FAILED_PRECONDITION, as gRPC names it: a client branching on INVALID_ARGUMENT reads "my
+    request is malformed"). An InvalidRequest for callers that catch those."""
+
+
 class InsufficientCapacity(ResidencyError):
     """The model cannot fit, or a queue is full (RESOURCE_EXHAUSTED)."""
 

@@ -37,6 +37,7 @@ from manager.clock import SteadyWallClock
 from manager.config import Config
 from manager.errors import (
     DeadlineExceeded,
+    FailedPrecondition,
     InsufficientCapacity,
     InvalidRequest,
     ModelNotFound,
@@ -1981,7 +1982,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         if to not in ("disk", "host"):  # (first: unpinning would not make it right)
             raise InvalidRequest(f"evict to must be disk or host, not {to!r}")
         if m.pinned:
-            raise InvalidRequest(f"model {model!r} is pinned; unpin it first")
+            raise FailedPrecondition(f"model {model!r} is pinned; unpin it first")
         live = self.live[model]
         waiting = m.waiting if m.tier == Tier.GPU else 0  # on the GPU (loading) for waiting requests
         loading = self._loading(m)

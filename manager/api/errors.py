@@ -11,6 +11,7 @@ import grpc
 
 from manager.errors import (
     DeadlineExceeded,
+    FailedPrecondition,
     InsufficientCapacity,
     InvalidRequest,
     ModelFailed,
@@ -26,6 +27,7 @@ logger = logging.getLogger(__name__)
 STATUS: dict[type[ResidencyError], grpc.StatusCode] = {
     ModelNotFound: grpc.StatusCode.NOT_FOUND,
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     InsufficientCapacity: grpc.StatusCode.RESOURCE_EXHAUSTED,
     WorkerUnavailable: grpc.StatusCode.UNAVAILABLE,
     ModelFailed: grpc.StatusCode.INTERNAL,

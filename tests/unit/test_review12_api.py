@@ -180,8 +180,9 @@ class TestRepositoryLoadParameters:
         unload = pb.RepositoryModelUnloadRequest(model_name="voice")
         unload.parameters["unload_dependents"].bool_param = False
         e = call(lambda: rpc_error(stub.RepositoryModelUnload(unload, timeout=30)))
-        # voice is pinned in local-cpu.yaml: the unload reaches the manager, which says so
-        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "pinned" in (e.details() or "")
+        # voice is pinned in local-cpu.yaml: the unload reaches the manager, which says so; the
+        # request is well formed, the service's state forbids it (review 31: INVALID_ARGUMENT before)
+        assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and "pinned" in (e.details() or "")
 
 
 class TestResponseOverTheMessageLimit:
