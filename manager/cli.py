@@ -1494,7 +1494,7 @@ def cmd_stats(a: argparse.Namespace) -> int:
     line = (
         f"requests {s.requests}, cold starts {s.cold_starts}, load wait {s.load_wait_s:.3f} s, "
         f"evictions {s.evictions}, thrash {s.thrash}, rejected {s.rejected}, errors {s.errors}, "
-        f"cancelled {s.cancelled}, "
+        f"failed runs {s.failed_runs}, cancelled {s.cancelled}, "
         f"budget violations {s.budget_violations}"
     )
     if s.wait_p99_s:

@@ -270,6 +270,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self.failed = 0  # requests that failed before they ran (their model's load failed, ...)
         self.cancelled = 0  # requests whose client went away (hung up) before they were answered
         self.reload_warnings: list[str] = []  # the last reload's: models it left unservable
+        self.failed_runs = 0  # of `served`, those that ran and failed (the model's code raised)
         self.served = 0
         self.cold_starts = 0  # served requests and session opens that found their model off the GPU
         self._next_save = 0.0
@@ -1494,6 +1495,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         live.requests += 1
         live.last_used = end
         self.served += 1
+        self.failed_runs += not result.ok
         self.cold_starts += cold
         self._log_request(arrival, model, _busy(result, end - start), cls, wait, result, keep_alive)
         if unavailable:

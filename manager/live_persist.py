@@ -1139,6 +1139,7 @@ class PersistenceMixin:
     # ---- request-log buffering and flushing ---------------------------------------------------
     def _log(self, rec: dict[str, Any]) -> None:
         self._log_buf.append(rec)
+        self.metrics.log_buffered.set(len(self._log_buf))  # (between flushes too: it read low)
         if self.journal is None:
             return
         if not self._journal_catch_up():

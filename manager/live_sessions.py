@@ -256,6 +256,7 @@ class WorldSessionsMixin:
     live: dict[str, _Live]
     keep_alive_said: set[str]
     served: int
+    failed_runs: int
     cold_starts: int
     metrics: Metrics
     sessions: dict[str, tuple[str, float, int]]
@@ -858,6 +859,7 @@ class WorldSessionsMixin:
             live.last_used = self.clock()  # in use until now (as the request log's record says)
             self.served += 1  # a request in Stats, and so in the requests metric (its wait: at its open)
             outcome = "error" if w is not None and w.failed else "ok"
+            self.failed_runs += outcome == "error"
             self.metrics.child("requests", model, self.config.classes[rank].name, outcome).inc()
             if self.store is not None:
                 rec = {"t": opened, "model": model, "busy_s": round(max(0.0, self.clock() - ran), 6),

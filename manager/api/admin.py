@@ -312,7 +312,7 @@ class AdminServicer(pb_grpc.ResidencyServicer):
         return pb.StatsResponse(
             requests=m.served, evictions=c.evictions, thrash=c.thrash, rejected=m.rejected,
             budget_violations=c.budget_violations, cold_starts=m.cold_starts,
-            load_wait_s=m.wait_total_s, errors=m.failed, cancelled=m.cancelled,
+            load_wait_s=m.wait_total_s, errors=m.failed, cancelled=m.cancelled, failed_runs=m.failed_runs,
             wait_p99_s={k: p99(list(v)) for k, v in m.waits.items()}, resident_bytes=resident,
         )  # fmt: skip
 

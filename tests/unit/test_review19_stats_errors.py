@@ -61,7 +61,7 @@ def test_stats_response_keeps_its_fields_and_adds_errors() -> None:
     assert fields == {
         "requests": (1, i64), "cold_starts": (2, i64), "load_wait_s": (3, dbl), "evictions": (4, i64),
         "thrash": (5, i64), "rejected": (6, i64), "budget_violations": (7, i64), "wait_p99_s": (8, msg),
-        "resident_bytes": (9, msg), "errors": (10, i64), "cancelled": (11, i64),
+        "resident_bytes": (9, msg), "errors": (10, i64), "cancelled": (11, i64), "failed_runs": (12, i64),
     }  # fmt: skip
     old = pb.StatsResponse(requests=3, rejected=1)
     assert pb.StatsResponse.FromString(old.SerializeToString()).errors == 0  # an older server's reply

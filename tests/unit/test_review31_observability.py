@@ -31,13 +31,14 @@ from typing import Any
 import numpy as np
 from live_helpers import POSES, WORLD_CONFIG, kill, run, started, world_config
 
-from manager.api.admin import model_status
+from manager.api.admin import AdminServicer, model_status
 from manager.config import Config, load_config
-from manager.errors import DeadlineExceeded, InsufficientCapacity
+from manager.errors import DeadlineExceeded, InsufficientCapacity, ResidencyError
 from manager.live import LiveManager
 from manager.store import open_store
 from manager.store.export import export_trace
 from manager.workers_bridge import create_pool
+from residency_proto.v1 import residency_pb2 as rpb
 from workers.demo import write_tiny_mlp
 from workers.host import DeviceHost
 
@@ -139,6 +140,8 @@ class TestRequestsThatNeverRan:
             lm, pool = await started(config, store, tmp_path / "j")
             assert sorted(await _burst(lm)) == ["ok", "refused", "refused", "refused"]
             assert lm.engine.models["m0"].hist.count == 4
+            # what waits for the store, between flushes too (it was set only at a flush)
+            assert sample(lm, "residency_request_log_buffered") == len(lm._log_buf) > 0
             await lm.flush_log()
             kill(lm, pool)
             records = list(store.requests(0))
@@ -270,3 +273,25 @@ class TestLoadsAndLostModelsInTheMetrics:
             assert sum(lost) == 2  # both were on the books there, neither on the new host
 
         run(mlp_config(tmp_path, n=2), body)
+
+
+class TestStatsSaysWhatRanAndFailed:
+    def test_failed_runs_are_the_requests_metrics_errors_that_ran(self, tmp_path: Path) -> None:
+        """`stats`' `errors` counts the requests that failed before they ran; those that ran and
+        failed were only in `requests`, so `stats` showed no failure while the metric counted them.
+        `failed_runs` (StatsResponse field 12) counts them."""
+
+        async def body(lm: LiveManager) -> None:
+            await lm.infer("m0", X, timeout_s=10)
+            for _ in range(3):  # three features short: the module's own code raises
+                try:
+                    await lm.infer("m0", {"input": np.ones((1, WIDTH - 3), dtype=np.float32)}, timeout_s=10)
+                    raise AssertionError("a malformed input ran")
+                except ResidencyError:
+                    pass
+            stats = await AdminServicer(lm).Stats(rpb.StatsRequest(), None)
+            assert (stats.requests, stats.failed_runs, stats.errors) == (4, 3, 0)
+            error = sample(lm, "residency_requests_total", model="m0", cls="interactive", outcome="error")
+            assert error == stats.failed_runs + stats.errors
+
+        run(mlp_config(tmp_path), body)

@@ -258,13 +258,21 @@ class SafetensorsModuleAdapter(ModuleAdapter):
             )
         declared = getattr(self, "_declared", (None, None))[1] is not None
         for s, t in zip(outs, ys, strict=False):
-            if declared and not s.fits(t.shape):
-                # an answer of another shape than the module declares (its ModelMetadata) was sent as
-                # it was; an undeclared `output` keeps answering any shape, as before
+            if not s.fits(t.shape):
+                # an answer of another shape than its ModelMetadata says was sent as it was: the
+                # declared one, and the default `output` [-1, -1] too (rank 2: an undeclared module's
+                # rank-1 answer reached clients that had sized it from the metadata)
+                says = (
+                    f"it declares {list(s.shape)} (-1: any)"
+                    if declared
+                    else f"it declares none, and the default is {list(s.shape)} (rank {len(s.shape)}): "
+                    "declare what it returns with the module's `residency_outputs` "
+                    "[(name, datatype, shape)]"
+                )
                 raise AdapterError(
                     P.INTERNAL,
                     f"model {self.spec.name!r}: its module returned output {s.name!r} of shape "
-                    f"{list(t.shape)}; it declares {list(s.shape)} (-1: any)",
+                    f"{list(t.shape)}; {says}",
                 )
         return {s.name: self._as_declared(s, t) for s, t in zip(outs, ys, strict=False)}
 

@@ -203,11 +203,17 @@ class TorchScriptAdapter(Adapter):
         if first.is_complex():  # `.float()` below kept its real part alone (a warning in the log)
             raise AdapterError(P.INTERNAL, P.complex_output(self.spec.name, "output", first.dtype))
         want = self.outputs()[0]
-        if self.has_source("output_shape") and not want.fits(first.shape):  # (undeclared: any shape)
+        if not want.fits(first.shape):  # (undeclared: the default [-1, -1], as its metadata says)
+            says = (
+                f"source.output_shape declares {list(want.shape)} (-1: any)"
+                if self.has_source("output_shape")
+                else f"source.output_shape is not set, and the default is {list(want.shape)} "
+                f"(rank {len(want.shape)}): set it to the shape the module returns"
+            )
             raise AdapterError(
                 P.INTERNAL,
                 f"model {self.spec.name!r}: the TorchScript module returned output of shape "
-                f"{list(first.shape)}; source.output_shape declares {list(want.shape)} (-1: any)",
+                f"{list(first.shape)}; {says}",
             )
         return {"output": first.detach().float().cpu().numpy()}
 
