@@ -1239,11 +1239,16 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             raise InvalidRequest(f"unknown class {cls!r}; classes: {', '.join(self.class_rank)}")
         return self.class_rank[cls]
 
-    async def _admit(self, m: Any, rank: int, deadline: float, *, observe: bool = True) -> float:
-        """Admit; return when the request may start (waiting for room if its class must)."""
+    async def _admit(
+        self, m: Any, rank: int, deadline: float, *, observe: bool = True, seen: list[float] | None = None
+    ) -> float:
+        """Admit; return when the request may start (waiting for room if its class must). `seen`: gets
+        the time it was observed (`_queue_for`)."""
         arrival = self.clock()
         if observe:  # (not again for a request retried after its device host lost the model)
             self.engine.observe(m, arrival)
+            if seen is not None:
+                seen.append(arrival)
         await self._room_turn(m, rank, arrival, deadline)
         return arrival
 
@@ -1471,11 +1476,12 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         deadline = self.clock() + timeout_s
         live = self.live[model]
         cls_name = self.config.classes[rank].name
-        asked = self.clock()
+        seen: list[float] = []  # when the engine observed it (its demand), if it did
         try:
-            arrival, cold = await self._queue_for(m, rank, cls_name, deadline)
+            arrival, cold = await self._queue_for(m, rank, cls_name, deadline, seen=seen)
         except BaseException as e:  # never ran: its demand goes to the request log all the same
-            self._log_unserved(asked, model, cls, e, keep_alive)
+            if seen:  # (as the statistics took it: one refused while the service started, never)
+                self._log_unserved(seen[0], model, cls, e, keep_alive)
             raise
         self.keep_alive_said.add(model)  # (admitted: its word on the keep-alive is this run's)
         if keep_alive is not None or m.keep_alive_req is not None:
@@ -1638,19 +1644,28 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         return end
 
     async def _queue_for(
-        self, m: Any, rank: int, cls_name: str, deadline: float, *, retry: bool = False
+        self,
+        m: Any,
+        rank: int,
+        cls_name: str,
+        deadline: float,
+        *,
+        retry: bool = False,
+        seen: list[float] | None = None,
     ) -> tuple[float, bool]:
         """Admission and the wait for the model's confirmed load, under the class's queue limit: at
         most `max_queue` requests of the class wait for their model's load (or for room) at once; one
         more that would wait is refused, one whose model is loaded and ready is not (a `retry` of an
-        accepted request skips the limit, is not observed again nor counted rejected)."""
+        accepted request skips the limit, is not observed again nor counted rejected). `seen` gets the
+        time the engine observed the request (its demand), if it did: what its record in the request
+        log says, should it never run."""
         if not self.started:
             try:
                 await self._until_started(m, deadline)
             except Exception as e:  # still starting at its deadline, or stopped: never admitted
                 setattr(e, REFUSED, True)
-                if not retry:  # (its demand: the request log's record, which the start's catch-up
-                    self._count_unserved(m, cls_name, "rejected")  # of the statistics takes in)
+                if not retry:  # (not observed, nor logged: the statistics are not restored yet)
+                    self._count_unserved(m, cls_name, "rejected")
                 raise
             except asyncio.CancelledError:  # its client hung up while the service started
                 if not retry:
@@ -1663,7 +1678,10 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         waits = not (live.ready.is_set() and m.tier == Tier.GPU and live.loads_pending == 0)
         if limit is not None and waits and self.queued.get(cls_name, 0) >= limit:
             # still asked for: the statistics learn the demand (as the replay's do), none is served
-            self.engine.observe(m, self.clock())
+            now = self.clock()
+            self.engine.observe(m, now)
+            if seen is not None:
+                seen.append(now)
             self._count_unserved(m, cls_name, "rejected")
             raise InsufficientCapacity(
                 f"class {cls_name!r}: queue full ({limit} requests waiting); retry later"
@@ -1674,7 +1692,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         m.waiting += 1  # the engine neither expires nor evicts a model that requests wait for
         served = False
         try:
-            arrival = await self._admit(m, rank, deadline, observe=not retry)
+            arrival = await self._admit(m, rank, deadline, observe=not retry, seen=seen)
             cold = not self.live[m.name].ready.is_set()
             await self._ready(m, deadline, rank, arrival=arrival)
             served = True
@@ -2083,6 +2101,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         new, changes, kept = self._checked(new, hold)
         kept = kept if hold is None else hold  # (`new` holds the tuned values already, not the file's)
         servable = {n for n, why in self.engine.never_fits.items() if not why}
+        reserves = {name: list(d.reserves) for name, d in self.engine.state.devices.items()}
         apply_reload(self.engine, new, self.clock())
         self.config = new
         gone = sorted(".".join(k) for k in self.tuning_overrides if k not in kept)
@@ -2106,7 +2125,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
             # would find the model adopted on its host, and adoption drop it there)
             # a reservation raised gets its room back from lower classes' idle models (their
             # requests could not take it back: a class that may not evict, a keep-alive that holds)
-            self.engine.honour_reservations(self.clock())
+            self.engine.honour_reservations(self.clock(), reserves)
             self.engine.load_pinned(self.clock())  # a model pinned now is loaded into free room
             self._flush()
             self._room_freed()  # (reservations, sizes, keep-alives and pins may have changed)

@@ -37,6 +37,7 @@ from manager.live_persist import read_outcome
 from manager.policy.engine import Engine
 from manager.policy.types import ActionKind
 from manager.replay.trace import keep_alive_json
+from manager.units import format_duration
 from manager.units import format_size as fmt_bytes
 from workers import protocol as P
 
@@ -276,10 +277,19 @@ class WorldSessionsMixin:
         def _resync_soon(self, device: str, why: str) -> None: ...
         def _model(self, name: str) -> Any: ...
         def rank_of(self, m: Any, cls: str | None) -> int: ...
-        async def _admit(self, m: Any, rank: int, deadline: float, *, observe: bool = True) -> float: ...
+        async def _admit(
+            self, m: Any, rank: int, deadline: float, *, observe: bool = True, seen: list[float] | None = None
+        ) -> float: ...
         async def _ready(self, m: Any, deadline: float) -> None: ...
         async def _queue_for(
-            self, m: Any, rank: int, cls_name: str, deadline: float, *, retry: bool = False
+            self,
+            m: Any,
+            rank: int,
+            cls_name: str,
+            deadline: float,
+            *,
+            retry: bool = False,
+            seen: list[float] | None = None,
         ) -> tuple[float, bool]: ...
         def _lost(self, m: Any, why: str) -> None: ...
         def _count_wait(self, cls_name: str, arrival: float, start: float) -> float: ...
@@ -403,6 +413,7 @@ class WorldSessionsMixin:
         codec: str = "bf16",
         resume_id: str | None = None,
         keep_alive: float | None = None,
+        resume_at: int | None = None,
     ) -> tuple[str, dict[str, Any]]:
         """Admit a world session like a long request, then open it on the model's device host with the
         model's current lease. The model stays busy (never evicted) until `close_session`.
@@ -410,7 +421,9 @@ class WorldSessionsMixin:
         segment; ``codec`` empty: the saved one); NOT_FOUND when nothing is saved under that id.
         ``keep_alive``: the session's own (seconds, inf: forever), as a request's (`infer`): once the
         session is admitted it holds for the idle time after it ends, until the next admitted request
-        or session of the model says otherwise (None: the config's)."""
+        or session of the model says otherwise (None: the config's). ``resume_at``: with ``resume_id``,
+        the first segment the client has not received: the session continues there when that is
+        before the segments counted sent (outputs gRPC took that the client never read)."""
         m = self._model(model)
         if m.cfg.elastic is None:
             raise InvalidRequest(f"model {model!r} has no elastic KV lease: it is not a world model")
@@ -440,16 +453,23 @@ class WorldSessionsMixin:
         try:
             # as a request: waited for (never expired or evicted while its load is unconfirmed), and
             # under its class's queue limit
+            seen: list[float] = []  # when the engine observed it, if it did (`_queue_for`)
             try:
-                arrival, cold = await self._queue_for(m, rank, cls_name, deadline)
+                arrival, cold = await self._queue_for(m, rank, cls_name, deadline, seen=seen)
             except BaseException as e:  # never opened: its demand goes to the request log
-                self._log_unserved(asked, model, cls_name, e, keep_alive, "session")
+                if seen:
+                    self._log_unserved(seen[0], model, cls_name, e, keep_alive, "session")
                 raise
             ready = self.clock()  # its wait (admission, a cold start) ends here, as a request's does
+            try:  # (again: another world model may have opened it meanwhile)
+                self._not_open(resume_id)
+            except WorkerUnavailable:  # refused after admission: counted and logged as the others
+                self._count_unserved(m, cls_name, "rejected")
+                self._log_unserved(arrival, model, cls_name, "rejected", keep_alive, "session")
+                raise
             self.keep_alive_said.add(model)
             if keep_alive is not None or m.keep_alive_req is not None:
                 self.engine.request_keep_alive(m, keep_alive)
-            self._not_open(resume_id)  # (again: another world model may have opened it meanwhile)
             self.cold_starts += cold
             m.busy_until = math.inf
             self.live[model].inflight += 1
@@ -457,7 +477,9 @@ class WorldSessionsMixin:
             # shielded: a client that hangs up mid-open (its RPC cancelled) must not leave the model
             # busy and the session open on its host with nobody to close it: it is closed once open
             opening = asyncio.ensure_future(
-                self._open_on_host(m, rank, sid, codec, resume_id, arrival, deadline, ready, keep_alive)
+                self._open_on_host(
+                    m, rank, sid, codec, resume_id, arrival, deadline, ready, keep_alive, resume_at
+                )
             )
             self._opening_ids.add(sid)
             opening.add_done_callback(lambda _: self._world_opening.discard(model))
@@ -465,7 +487,8 @@ class WorldSessionsMixin:
             try:
                 return await asyncio.shield(opening)
             except Exception:  # its open failed on the host (counted there): it never ran
-                self._log_unserved(asked, model, cls_name, "unserved", keep_alive, "session")
+                if sid not in self.sessions:  # (one that opened and failed after is closed, and logged)
+                    self._log_unserved(arrival, model, cls_name, "unserved", keep_alive, "session")
                 raise
             except asyncio.CancelledError:
                 self._left_ids.add(sid)  # (until it is closed: a retry of its resume is told to wait)
@@ -476,16 +499,24 @@ class WorldSessionsMixin:
                 self._world_opening.discard(model)
 
     def _not_open(self, resume_id: str | None) -> None:
-        """InvalidRequest when session `resume_id` is open, or being opened (on another world model:
-        its host would refuse the second open, and the manager take the first for an orphan there);
-        WorkerUnavailable (to retry) when the stream that opened it has ended and it is being closed."""
+        """WorkerUnavailable (to retry) when session `resume_id` is open, or being opened (on another
+        world model: its host would refuse the second open, and the manager take the first for an
+        orphan there), or when the stream that opened it has ended and it is being closed. Open, it is
+        most often the app's own earlier stream, gone with a dropped link (a Wi-Fi drop, the app
+        restarted) before the server has found its connection dead: it was INVALID_ARGUMENT, which
+        clients do not retry, with advice ("end its stream first") the app could not follow."""
         if resume_id is not None and resume_id in self._left_ids:
             raise WorkerUnavailable(
                 f"world session {resume_id!r} is still being closed (the stream that opened it ended "
                 "while it opened): retry in a moment"
             )
         if resume_id is not None and (resume_id in self.sessions or resume_id in self._opening_ids):
-            raise InvalidRequest(f"world session {resume_id!r} is open: end its stream first")
+            every = format_duration(self.config.server.keepalive)
+            raise WorkerUnavailable(
+                f"world session {resume_id!r} is open on another stream: retry once it ends (a stream "
+                "ended by its client ends at once; one whose connection dropped, once the server finds "
+                f"it gone: within server.keepalive, {every}, and 20 s more)"
+            )
 
     def _abandoned(self, sid: str, opening: asyncio.Future[Any]) -> None:
         """The client of a session that was opening hung up: close the session if it opened (a
@@ -513,6 +544,7 @@ class WorldSessionsMixin:
         deadline: float,
         ready: float,
         keep_alive: float | None = None,
+        resume_at: int | None = None,
     ) -> tuple[str, dict[str, Any]]:
         """Open (or resume) session `sid` on `m`'s device host, `m` already counted busy for it; it is
         counted idle again on any failure. Once open, its wait (`arrival` to `ready`: its model
@@ -522,7 +554,9 @@ class WorldSessionsMixin:
         inference that fails after admission is."""
         cls_name = self.config.classes[rank].name
         try:
-            reply, sent = await self._open_reply(m, rank, sid, codec, resume_id is not None, deadline)
+            reply, sent = await self._open_reply(
+                m, rank, sid, codec, resume_id is not None, deadline, resume_at
+            )
         except BaseException as e:
             self._end_busy(m, arrival)
             if isinstance(e, Exception):
@@ -557,9 +591,17 @@ class WorldSessionsMixin:
         return sid, data
 
     async def _open_reply(
-        self, m: Any, rank: int, sid: str, codec: str, resume: bool, deadline: float
+        self,
+        m: Any,
+        rank: int,
+        sid: str,
+        codec: str,
+        resume: bool,
+        deadline: float,
+        client_at: int | None = None,
     ) -> tuple[P.SessionReply, int]:
-        """The host's reply to the open, and the lease the open was sent with."""
+        """The host's reply to the open, and the lease the open was sent with. `client_at`: a resume's
+        first segment its client has not received (the earlier of it and the count of those sent)."""
         # a session whose stream ended is closed on its host in the background: that close goes first,
         # or the host would refuse this open for it (taken for an orphan of an earlier run) and the
         # prune below delete its directory while the host still saves its state there
@@ -572,6 +614,8 @@ class WorldSessionsMixin:
         await asyncio.to_thread(self._prune_sessions, keep=keep)
         # resumed: at the segment its client had not been sent when its last stream ended (at the latest)
         resume_at = await asyncio.to_thread(_read_sent, self.session_dir / sid) if resume else None
+        if resume and client_at is not None:  # (segments gRPC took that the client never read)
+            resume_at = client_at if resume_at is None else min(resume_at, client_at)
         orphan_closed = lost_retried = False
         while True:
             sent = session_lease(m)
@@ -748,6 +792,8 @@ class WorldSessionsMixin:
         w = self._world[sid]
         try:
             return await self._step(sid, model, m, w, pose, recover_s)
+        except InvalidRequest:  # the client's mistake (a pose out of range): the session did not fail
+            raise
         except Exception:  # (not a cancel: the client hung up, the step did not fail)
             w.failed = True  # the session ends as an `error` in the requests metric
             raise

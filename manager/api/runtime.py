@@ -108,6 +108,11 @@ def read_tls(cert: str, key: str) -> tuple[bytes, bytes]:
     return pems[0], pems[1]
 
 
+CLIENT_PING_MIN_S = 5.0
+"""The shortest interval between a client's keepalive pings the server takes (a client that pings more
+often, with no data flowing, is told GOAWAY "too_many_pings" after a few, as gRPC does)."""
+
+
 def keepalive_options(every_s: float) -> list[tuple[str, Any]]:
     """Server-side gRPC keepalive (`server.keepalive`): ping each connection every `every_s`, with or
     without data flowing (a paused world session sends none), and drop it if a ping goes unanswered
@@ -118,6 +123,12 @@ def keepalive_options(every_s: float) -> list[tuple[str, Any]]:
         ("grpc.keepalive_timeout_ms", min(ms, 20_000)),
         ("grpc.http2.ping_timeout_ms", min(ms, 20_000)),
         ("grpc.http2.max_pings_without_data", 0),
+        # a client's own keepalive pings (the usual advice for long streams: a paused world session
+        # sends nothing): gRPC's default took any ping within 5 minutes of the last one, while no
+        # data flowed, for abuse, and its third closed the connection (GOAWAY "too_many_pings"),
+        # ending the session; pings every CLIENT_PING_MIN_S or more are welcome, calls or none
+        ("grpc.http2.min_ping_interval_without_data_ms", int(CLIENT_PING_MIN_S * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
     ]
 
 

@@ -1,10 +1,13 @@
 """`residency.v1.WorldSession`: a bidirectional stream driving a WorldPager session on the world model's
 device host. First message: `start` (with `resume_session_id`: reopen a saved session); then one
 `action` (camera pose) per segment; the session closes when the client ends its stream (or the call is
-cancelled), its state kept for a later resume; a segment whose output was still on its way when the
-client hung up is not counted sent: the resume continues at it. A device host that dies under the
-session costs a reopen from the saved state (the output says `resumed`); if that cannot be done in time
-the stream ends UNAVAILABLE with a message naming the session id to resume. Any other error that ends
+cancelled), its state kept for a later resume; a segment whose output could not be written when the
+client hung up is not counted sent: the resume continues at it. One gRPC took is counted sent, though
+the app may never have read it (queued on a connection that then dropped): a resume says where the app
+is with `start.resume_at` (its first segment not received), and continues there when that is earlier.
+A device host that dies under the session costs a reopen from the saved state (the output says
+`resumed`); if that cannot be done in time the stream ends UNAVAILABLE with a message naming the
+session id to resume. Any other error that ends
 the stream once the session is open (a step that failed on the device host) closes the session first,
 and its status says which id to resume it with when its state is saved, or that it was not saved (a
 new session refused at its first action, having run no segment, is not: it leaves nothing on disk). A
@@ -97,6 +100,18 @@ def _output(sid: str, d: dict[str, Any]) -> pb.WorldOutput:
         bytes_read=int(d["bytes_read"]), bytes_written=int(d["bytes_written"]),
         max_position=int(d["max_position"]),
     )  # fmt: skip
+
+
+def _resume_at(start: pb.WorldStart) -> int | None:
+    """`start.resume_at`: the first segment the app has not received (None when not given); only with
+    `resume_session_id`, and never negative (INVALID_ARGUMENT naming the field)."""
+    if not start.HasField("resume_at"):
+        return None
+    if not start.resume_session_id:
+        raise InvalidRequest("start.resume_at goes with start.resume_session_id (the session to resume)")
+    if start.resume_at < 0:
+        raise InvalidRequest(f"start.resume_at must be a segment number >= 0, got {start.resume_at}")
+    return int(start.resume_at)
 
 
 def _keep_alive(start: pb.WorldStart) -> float | None:
@@ -229,12 +244,14 @@ class WorldSessionServicer(pb_grpc.WorldSessionServicer):
                 raise InvalidRequest("the first message of a world session must be `start` (with the model)")
             st = first.start
             resume = st.resume_session_id or None
+            resume_at = _resume_at(st)
             sid, opened = await self.manager.open_session(
                 st.model,
                 cls=st.class_name or None,
                 codec=st.codec or ("" if resume else "bf16"),
                 resume_id=resume,
                 keep_alive=_keep_alive(st),
+                resume_at=resume_at,
                 # its admission and cold load wait as long as the call's deadline lets them (none: a
                 # day at most, as a ModelInfer's); it was 60 s whatever the client set
                 timeout_s=call_wait_s(context.time_remaining()),

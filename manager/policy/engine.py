@@ -395,22 +395,32 @@ class Engine(TierMoves):
         self.recheck_fit()
         return True
 
-    def honour_reservations(self, now: float) -> None:
-        """A class reservation added or raised (a config reload) may find lower classes' models in
-        its room, which its requests could not take back (a class that may not evict; a keep-alive
-        that holds): leases there shrink first, then idle, unpinned models of the classes in its
-        room leave, the lowest class and the longest idle first, until each class's room is whole
-        again (at start the reservation keeps them out from the first load). What is busy or
-        pinned stays."""
+    def honour_reservations(self, now: float, before: dict[str, list[int]]) -> None:
+        """Class reservations raised (a config reload; `before`: each device's reserves until then) may
+        find lower classes' models in the room they add, which the reserving class's requests could
+        not take back (a class that may not evict; a keep-alive that holds): leases there shrink
+        first, then idle, unpinned models of the classes below the raised reservation leave, the
+        lowest class and the longest idle first, until each class's room is whole again, and never
+        more than the reservations grew by (room a higher class took from a middle one before is
+        not this reload's to give back). At start a reservation keeps them out from the first load.
+        What is busy or pinned stays."""
         for dev in self.state.devices.values():
+            old = before.get(dev.name)
+            if old is None or len(old) != len(dev.reserves):
+                continue
+            grew = [max(0, new - was) for new, was in zip(dev.reserves, old, strict=True)]
             for k in range(len(dev.reserves) - 1, 0, -1):  # room(k) < 0: classes k.. are in the room
-                if dev.room(k) >= 0:  # of a reservation above them; only their bytes give it back
+                budget = sum(grew[:k])  # of a reservation above them; only their bytes give it back
+                if budget <= 0 or dev.room(k) >= 0:
                     continue
                 why = f"a higher class's reservation on '{dev.name}' (raised by a reload)"
+                freed = 0
                 for t in dev.models:
-                    short = -dev.room(k)
+                    short = min(-dev.room(k), budget - freed)
                     if short > 0 and t.rank >= k and t.tier == GPU and t.elastic and t.lease > t.lease_min:
-                        self._set_lease(t, t.lease - min(t.lease - t.lease_min, short), now, reason=why)
+                        give = min(t.lease - t.lease_min, short)
+                        self._set_lease(t, t.lease - give, now, reason=why)
+                        freed += give
                 idle = [
                     c
                     for c in dev.models
@@ -418,8 +428,9 @@ class Engine(TierMoves):
                 ]
                 idle.sort(key=lambda c: (-c.rank, self.idle_since(c), c.name))
                 for c in idle:
-                    if dev.room(k) >= 0:
+                    if dev.room(k) >= 0 or freed >= budget:
                         break
+                    freed += c.gpu_bytes
                     self.evict(c, now, why)
 
     def _fit_back_host(self, m: ModelState, now: float) -> None:

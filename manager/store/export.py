@@ -5,7 +5,8 @@ Primitives, in the order the command uses them:
                  the text otherwise); `manager.units.parse_duration` does the parsing.
   export_trace - requests with now - since_s <= t < now -> a JSON Lines trace written with
                `manager.replay.trace.write_trace` (so only t, model, busy_s, class, kind, client,
-               t and busy_s rounded to ms); the service extras (wait_s, outcome, source) are dropped.
+               t and busy_s rounded to ms); the service extras (wait_s, outcome, source) are dropped,
+               and so are the records of requests that never ran (`NEVER_RAN`: refused, unserved).
                `out` may be an open text stream instead of a path (`--out -`: standard output).
 
 A regular file is written to a temporary sibling of its own (a new file, so two exports at once do
@@ -30,7 +31,7 @@ from typing import TextIO
 
 from manager.policy.types import Request
 from manager.replay.trace import ExportStopped, write_requests, write_trace
-from manager.store.base import Store, StoreError, record_keep_alive, store_location
+from manager.store.base import NEVER_RAN, Store, StoreError, record_keep_alive, store_location
 from manager.units import parse_duration
 
 __all__ = ["check_out_path", "export_trace", "names_a_folder", "parse_since", "write_trace_file"]
@@ -67,6 +68,12 @@ def _trace_requests(
     for i, rec in enumerate(store.requests(since, until, on_corrupt=on_corrupt)):
         if stop is not None and i % STOP_EVERY == 0 and stop():
             raise ExportStopped("the export was stopped (the service is stopping)")
+        if rec.get("outcome") in NEVER_RAN:
+            # demand that never ran (refused, unserved) is the statistics' (a kill's catch-up), not a
+            # trace's: replayed, a refusal is a request served (a second world session queued behind
+            # the first for its whole length), each client retry another arrival, and a load that
+            # failed one that works; the tuning would weigh phantom demand
+            continue
         yield Request(
             t=rec["t"],
             model=rec["model"],

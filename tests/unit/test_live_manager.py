@@ -45,10 +45,13 @@ def test_requests_wait_for_the_confirmed_load_then_hit() -> None:
             )
             == 8
         )
-        assert (
-            reg.get_sample_value("residency_loads_total", {"model": "voice", "tier": "gpu", "source": "disk"})
-            == 1
-        )
+        # one load, from disk or from the OS page cache (as the books price it)
+        sources = ("disk", "cached")
+        loads = [
+            reg.get_sample_value("residency_loads_total", {"model": "voice", "tier": "gpu", "source": s})
+            for s in sources
+        ]
+        assert sorted(loads, key=str) == [1, None]
         assert reg.get_sample_value("residency_request_wait_seconds_count", {"cls": "realtime"}) == 3
         assert (
             reg.get_sample_value("residency_resident_bytes", {"device": "cpu0", "tier": "gpu"}) or 0

@@ -298,7 +298,8 @@ def test_the_served_exposition_parses_and_keeps_to_prometheus_conventions(
     loads = {
         (s.labels["model"], s.labels["tier"], s.labels["source"]) for s in fams["residency_loads"].samples
     }
-    assert ("tiny", "gpu", "disk") in loads and ("tiny", "gpu", "host") in loads
+    # (its first load from disk, or from the OS page cache as the books price it)
+    assert loads & {("tiny", "gpu", "disk"), ("tiny", "gpu", "cached")} and ("tiny", "gpu", "host") in loads
     waits = [s for s in fams["residency_request_wait_seconds"].samples if s.name.endswith("_count")]
     assert [(s.labels, s.value) for s in waits] == [({"cls": ODD_CLASS}, 4.0)]
 

@@ -36,8 +36,12 @@ def test_a_file_caught_half_written_is_reloaded_once_it_settles(monkeypatch: pyt
 
     async def main() -> None:
         task = asyncio.ensure_future(server_mod.watch_config(object(), "c.yaml", every_s=0.0))  # type: ignore[arg-type]
-        for _ in range(200):
-            await asyncio.sleep(0)
+        # (each look at the file runs on a thread since review 31: real time, not loop turns alone)
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if reloads:
+                break
+        await asyncio.sleep(0.1)  # (a second reload would come here: the file settled, none does)
         task.cancel()
 
     asyncio.run(main())

@@ -132,7 +132,8 @@ class TestRequestsThatNeverRan:
     def test_refused_requests_are_logged_and_a_kill_keeps_their_demand(self, tmp_path: Path) -> None:
         """max_queue 1 and a slow load: three of a burst of four are refused "queue full". They are
         in the request log, `busy_s` 0, outcome `rejected`; after a kill, the catch-up observes all
-        four (as the live engine did) and counts one request served; the exported trace has four."""
+        four (as the live engine did) and counts one request served; the exported trace has the one
+        that ran."""
         config = mlp_config(tmp_path, classes="  - {name: interactive, max_queue: 1}\n", load_s=0.8)
 
         async def main() -> None:
@@ -161,14 +162,14 @@ class TestRequestsThatNeverRan:
             finally:
                 await second.stop()
                 pool2.close()
-            assert export_trace(store, 3600.0, time.time() + 1, tmp_path / "t.jsonl") == 4  # demand
+            # a trace (the weekly tuning's) holds what ran: replayed, a refusal would be a request
+            # served, and each client retry another arrival
+            assert export_trace(store, 3600.0, time.time() + 1, tmp_path / "t.jsonl") == 1
             store.close()
 
         asyncio.run(main())
 
-    def test_a_request_at_its_deadline_while_the_service_starts_is_counted_and_logged(
-        self, tmp_path: Path
-    ) -> None:
+    def test_a_request_at_its_deadline_while_the_service_starts_is_counted(self, tmp_path: Path) -> None:
         config = mlp_config(tmp_path)
 
         async def main() -> None:
@@ -185,14 +186,13 @@ class TestRequestsThatNeverRan:
                 await lm.start()
                 await lm.infer("m0", X, timeout_s=10)
                 assert (lm.served, lm.rejected, lm.failed) == (1, 2, 0)
-                assert (
-                    sample(lm, "residency_requests_total", model="m0", cls="interactive", outcome="rejected")
-                    == 2
-                )
-                assert lm.engine.models["m0"].hist.count == 3  # asked for three times
+                labels = {"model": "m0", "cls": "interactive", "outcome": "rejected"}
+                assert sample(lm, "residency_requests_total", **labels) == 2
+                # neither observed nor logged: the statistics were not restored yet (an observation
+                # then, and its record read back by the start's catch-up, counted it twice)
+                assert lm.engine.models["m0"].hist.count == 1
                 await lm.flush_log()
-                outcomes = sorted(r.get("outcome", "") for r in store.requests(0))
-                assert outcomes == ["ok", "rejected", "rejected"]
+                assert [r.get("outcome", "") for r in store.requests(0)] == ["ok"]
             finally:
                 await lm.stop()
                 pool.close()

@@ -179,3 +179,34 @@ def test_a_reload_that_leaves_a_model_no_room_says_so(tmp_path: Path) -> None:
             pool.close()
 
     asyncio.run(main())
+
+
+def test_a_reload_that_raises_no_reservation_evicts_nothing(tmp_path: Path) -> None:
+    """Two top-class models take a middle class's reserved room (a higher class may) after two low ones
+    loaded: the low class is then in that room. A reload of the same file (a touch the watcher sees,
+    the tuning's auto-apply) raised no reservation: nothing is evicted (`honour_reservations` gives
+    back only what a raise took)."""
+    models = [
+        (n, c, "prewarm: false, keep_alive: 1h")
+        for n, c in (("t1", "top"), ("t2", "top"), ("x1", "low"), ("x2", "low"))
+    ]
+    classes = f"  - {{name: top}}\n  - {{name: mid, reserve: {2 * MLP}}}\n  - {{name: low}}\n"
+    path = write_config(tmp_path, models, classes, fits=5.0)
+
+    async def main() -> None:
+        lm, pool = await started(load_config(path))
+        try:
+            for name in ("x1", "x2", "t1", "t2"):
+                await lm.infer(name, X, timeout_s=10)
+            dev = lm.engine.state.devices["gpu0"]
+            on_gpu = sorted(n for n, m in lm.engine.models.items() if m.tier == Tier.GPU)
+            assert on_gpu == ["t1", "t2", "x1", "x2"] and dev.room(2) < 0  # (the low class in mid's room)
+            evictions = lm.engine.counters.evictions
+            assert lm.reload(load_config(path)) == []
+            assert lm.engine.counters.evictions == evictions
+            assert sorted(n for n, m in lm.engine.models.items() if m.tier == Tier.GPU) == on_gpu
+        finally:
+            await lm.stop()
+            pool.close()
+
+    asyncio.run(main())

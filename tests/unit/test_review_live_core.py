@@ -25,7 +25,7 @@ from live_helpers import (
 )
 
 from manager.config import load_config
-from manager.errors import DeadlineExceeded, InvalidRequest
+from manager.errors import DeadlineExceeded, WorkerUnavailable
 from manager.live import LiveManager
 from manager.policy.types import Tier
 from manager.store import open_store
@@ -232,7 +232,7 @@ def test_a_resume_of_a_session_another_world_model_is_opening_is_refused(tmp_pat
         events = lm.subscribe()
         first = asyncio.create_task(lm.open_session("world", resume_id=sid))
         await until(lambda: sid in lm._opening_ids, "the resume on world under way", 5)
-        with pytest.raises(InvalidRequest, match="is open: end its stream first"):
+        with pytest.raises(WorkerUnavailable, match="is open on another stream: retry once it ends"):
             await lm.open_session("world2", resume_id=sid)
         assert (await first)[0] == sid
         assert list(lm.sessions) == [sid] and list(lm.pool.hosts["cpu0"].world.open_sessions) == [sid]
