@@ -21,6 +21,11 @@ class FailedPrecondition(InvalidRequest):
     request is malformed"). An InvalidRequest for callers that catch those."""
 
 
+class PermissionDenied(ResidencyError):
+    """A request for what only a holder of the admin token may ask (PERMISSION_DENIED): a class above
+    its model's own while the service has a token. Not UNAUTHENTICATED: the call itself is allowed."""
+
+
 class InsufficientCapacity(ResidencyError):
     """The model cannot fit, or a queue is full (RESOURCE_EXHAUSTED)."""
 

@@ -1261,10 +1261,16 @@ class PersistenceMixin:
 
     def _keep_log(self, batch: list[dict[str, Any]]) -> None:
         """Put an unwritten batch back in front of the buffer, keeping at most LOG_KEEP (the oldest
-        go, counted)."""
+        go, counted): the records of requests that never ran first (`NEVER_RAN`: a client retrying a
+        refusal in a loop must not push out the requests that ran, which the replay needs)."""
         kept = batch + self._log_buf
         if len(kept) > LOG_KEEP:
-            self.metrics.log_dropped.inc(len(kept) - LOG_KEEP)
+            over = len(kept) - LOG_KEEP
+            self.metrics.log_dropped.inc(over)
+            unrun = [i for i, rec in enumerate(kept) if rec.get("outcome") in NEVER_RAN][:over]
+            if unrun:
+                gone = set(unrun)
+                kept = [rec for i, rec in enumerate(kept) if i not in gone]
             kept = kept[-LOG_KEEP:]
         self._log_buf = kept
         self.metrics.log_buffered.set(len(self._log_buf))

@@ -16,6 +16,7 @@ from manager.errors import (
     InvalidRequest,
     ModelFailed,
     ModelNotFound,
+    PermissionDenied,
     ResidencyError,
     Unauthenticated,
     Unsupported,
@@ -33,6 +34,7 @@ STATUS: dict[type[ResidencyError], grpc.StatusCode] = {
     ModelFailed: grpc.StatusCode.INTERNAL,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     Unsupported: grpc.StatusCode.UNIMPLEMENTED,
 }
 

@@ -9,9 +9,11 @@ to the manager's own gRPC server on a private Unix socket (`front.Front`).
 
 Wire format, both ways: frames of a 4-byte big-endian length and a pickle (both ends are this
 program, on one host, through a socket in a private 0700 directory):
-  front -> manager: [(call id, ModelInferRequest bytes, seconds left or None, arrived), ...]: the
-                    seconds left of the call's deadline as it stood when the call reached the front
-                    end, at `arrived` (its time.monotonic(): one clock for every process of a boot);
+  front -> manager: [(call id, ModelInferRequest bytes, seconds left or None, arrived, authorization),
+                    ...]: the seconds left of the call's deadline as it stood when the call reached
+                    the front end, at `arrived` (its time.monotonic(): one clock for every process of
+                    a boot), and the call's `authorization` header or None (the manager checks it:
+                    a class above its model's own needs the admin token, `caller_authorization`);
                     a call whose client went away: (call id, None, None), and the manager cancels it
   manager -> front: [(call id, grpc status code (int), details, ModelInferResponse bytes), ...]
 Calls that arrive in one turn of a loop travel in one frame, and so do their answers, up to
@@ -64,6 +66,11 @@ RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 waited_s: ContextVar[float] = ContextVar("waited_s", default=0.0)
 """In a handler's call: the seconds from the call's arrival at its front end to the handler (0.0
 where unknown, or outside the fast path). Its `seconds left` stood as they were that long ago."""
+
+
+caller_authorization: ContextVar[str | None] = ContextVar("caller_authorization", default=None)
+"""In a ModelInfer handler's call: the call's `authorization` header (None when it sent none), set by
+the fast path for a front end's call and by the gRPC handler for a direct one."""
 
 
 def fits(nbytes: int) -> bool:
@@ -166,9 +173,10 @@ class FastPathServer:
         tasks: dict[int, asyncio.Task[None]] = {}
         self._links.add(writer)
 
-        async def one(cid: int, raw: bytes, left: float | None, arrived: float | None) -> None:
+        async def one(cid: int, raw: bytes, left: float | None, arrived: float | None, auth: Any) -> None:
             if arrived is not None:  # this task's own context: only its handler sees it
                 waited_s.set(max(0.0, time.monotonic() - arrived))
+            caller_authorization.set(auth if isinstance(auth, str) else None)
             try:
                 code, details, body = await self.handler(raw, left)
             except Exception:
@@ -180,14 +188,15 @@ class FastPathServer:
 
         try:
             while (batch := await read_frame(reader)) is not None:
-                for cid, raw, left, *arrived in batch:  # (no arrival: counted from now)
+                for cid, raw, left, *rest in batch:  # (no arrival: counted from now)
                     if raw is None:  # its client went away: the call ends here too
                         gone = tasks.get(cid)
                         if gone is not None:
                             gone.cancel()
                         continue
                     self.calls += 1
-                    t = loop.create_task(one(cid, raw, left, arrived[0] if arrived else None))
+                    arrived = rest[0] if rest else None
+                    t = loop.create_task(one(cid, raw, left, arrived, rest[1] if len(rest) > 1 else None))
                     tasks[cid] = t
                     t.add_done_callback(functools.partial(_forget, tasks, cid))
                 if writer.transport.get_write_buffer_size() > 1 << 24:
@@ -234,7 +243,7 @@ class FastPathClient:
                     fut.set_result((UNAVAILABLE, f"{why}; retry", b""))
             self._pending.clear()
 
-    async def call(self, raw: bytes, seconds_left: float | None) -> Answer:
+    async def call(self, raw: bytes, seconds_left: float | None, authorization: str | None = None) -> Answer:
         if self._out is None or self.closed.is_set():
             return UNAVAILABLE, "the manager's process is not reachable from this front end; retry", b""
         if not fits(len(raw)):
@@ -249,7 +258,7 @@ class FastPathClient:
         cid = next(self._ids)
         fut: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         self._pending[cid] = fut
-        self._out.put((cid, raw, seconds_left, arrived), len(raw))
+        self._out.put((cid, raw, seconds_left, arrived, authorization), len(raw))
         try:
             return await fut
         except asyncio.CancelledError:  # the client went away: so does its call in the manager

@@ -41,7 +41,13 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
 from manager.api.fastpath import FastPathClient
-from manager.api.runtime import add_port, event_loop_factory, keepalive_options
+from manager.api.runtime import (
+    MAX_CONCURRENT_RPCS,
+    add_port,
+    event_loop_factory,
+    keepalive_options,
+    limit_options,
+)
 from residency_proto.inference import grpc_service_pb2
 from residency_proto.v1 import residency_pb2
 
@@ -166,7 +172,10 @@ class Front(grpc.GenericRpcHandler):
 
     async def _infer(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
         await self._check(MODEL_INFER, raw, context)
-        code, details, body = await self.fast.call(raw, context.time_remaining())
+        auth = dict(context.invocation_metadata() or ()).get("authorization")  # (the manager checks it)
+        code, details, body = await self.fast.call(
+            raw, context.time_remaining(), auth if isinstance(auth, str) else None
+        )
         if code:
             await context.abort(_STATUS.get(code, grpc.StatusCode.UNKNOWN), details)
         return body
@@ -244,11 +253,13 @@ async def run_front(a: argparse.Namespace) -> int:
         ],
     )
     server = grpc.aio.server(
+        maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
         options=[
             ("grpc.so_reuseport", 1),
             *receive_options(a.max_message_bytes),
             *keepalive_options(a.keepalive_s),
-        ]
+            *limit_options(public=True),
+        ],
     )
     server.add_generic_rpc_handlers((Front(fast, backend, a.max_message_bytes),))
     port = add_port(server, a.listen, (a.tls_cert, a.tls_key) if a.tls_cert and a.tls_key else None)

@@ -64,7 +64,7 @@ from google.protobuf.message import DecodeError
 
 from manager.api.convert import MAX_ELEMENTS, decode_input, typed_count
 from manager.api.errors import details_of, mapped, status_of
-from manager.api.fastpath import waited_s
+from manager.api.fastpath import caller_authorization, waited_s
 from manager.api.handlers import not_a_message
 from manager.api.runtime import call_wait_s, write_within
 from manager.errors import (
@@ -72,6 +72,7 @@ from manager.errors import (
     InsufficientCapacity,
     InvalidRequest,
     ModelNotFound,
+    PermissionDenied,
     ResidencyError,
     Unsupported,
 )
@@ -317,6 +318,12 @@ async def _stream_ended(reader: asyncio.Future[bool], context: Any) -> None:
         )
 
 
+def _authorization(context: Any) -> str | None:
+    """A call's `authorization` header, None when it sent none."""
+    got = dict(context.invocation_metadata() or ()).get("authorization")
+    return got if isinstance(got, str) else None
+
+
 def _keep_alive(request: pb.ModelInferRequest) -> float | None:
     """The request's own `keep_alive` parameter (Ollama's: how long the model stays loaded after this
     request), in seconds, inf for forever; None when absent. A string_param takes a duration ("10m",
@@ -438,6 +445,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.stats = stats_of(manager)
         self.stream_send_limit_s = STREAM_SEND_LIMIT_S
         """How long a ModelStreamInfer answer may wait to be sent (STREAM_SEND_LIMIT_S)."""
+        self.admin: Callable[[str], bool] | None = None
+        """Whether an `authorization` header holds the admin token (`AuthInterceptor.allows`); None
+        when the service has none (loopback: every request may ask any class)."""
 
     @mapped
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
@@ -518,6 +528,22 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         else:
             names = list(self.manager.engine.models)
         return pb.ModelStatisticsResponse(model_stats=[self.stats.message(n) for n in names])
+
+    def _may_ask(self, m: Any, cls: str | None, authorization: str | None) -> None:
+        """PermissionDenied when a request asks class `cls` above its model `m`'s own while the service
+        has an admin token and the call does not carry it: any app on the network could otherwise
+        evict the voice models by naming the top class (`priority` 1) for its own model. Lowering
+        its class, or asking its own, needs nothing; without a token (loopback) anything goes."""
+        admin = self.admin
+        if admin is None or cls is None:
+            return
+        rank = self.classes.index(cls)
+        if rank < m.rank and not admin(authorization or ""):
+            raise PermissionDenied(
+                f"model {m.name!r}: class {cls!r} is above its own ({self.classes[m.rank]!r}); a request "
+                "asks a higher class only with the admin token (authorization: Bearer <token>): send it, "
+                "or leave `priority`/`residency_class` out"
+            )
 
     def _class_of(self, request: pb.ModelInferRequest) -> str | None:
         params = request.parameters
@@ -628,6 +654,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @mapped
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
+        caller_authorization.set(_authorization(context))
         return await self.infer(request, context.time_remaining())
 
     async def ModelStreamInfer(
@@ -644,6 +671,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         # the headers first, on their own: with the first answer they were one batch, held with it by a
         # client that reads nothing, and the status that ends its stream could not be sent after it
         await context.send_initial_metadata(())
+        caller_authorization.set(_authorization(context))  # (its requests' tasks copy the context)
         answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
         room = asyncio.Semaphore(STREAM_IN_FLIGHT)
         serving: set[asyncio.Task[None]] = set()
@@ -785,6 +813,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         check_request(request, declared_in, declared_out)
         timeout_s = self._timeout(request, seconds_left)
         cls = self._class_of(request)
+        self._may_ask(m, cls, caller_authorization.get())
         keep_alive = _keep_alive(request)
         inputs = await self._decoded(request, declared_in)
         timeout_s = self._left(request.model_name, timeout_s, arrived)

@@ -108,6 +108,21 @@ def read_tls(cert: str, key: str) -> tuple[bytes, bytes]:
     return pems[0], pems[1]
 
 
+MAX_CONCURRENT_RPCS = 4096
+"""The most calls a server (the manager's, each front end's) runs at once; one more is answered
+RESOURCE_EXHAUSTED by gRPC at once. A home runs tens; without a bound one client could open streams
+until the manager's memory ran out (about 33 KiB an idle ModelStreamInfer stream: 3,000 took 96 MiB)."""
+MAX_STREAMS_PER_CONNECTION = 1024
+"""The most calls one client connection (HTTP/2) may have open at once on a public listener; gRPC's
+default let one connection open them all (more wait in the client until one ends)."""
+
+
+def limit_options(public: bool) -> list[tuple[str, Any]]:
+    """The per-connection call limit of a server (`MAX_STREAMS_PER_CONNECTION`), on a public listener
+    only: a front end's relay to the manager's private socket carries its clients' calls together."""
+    return [("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION)] if public else []
+
+
 CLIENT_PING_MIN_S = 5.0
 """The shortest interval between a client's keepalive pings the server takes (a client that pings more
 often, with no data flowing, is told GOAWAY "too_many_pings" after a few, as gRPC does)."""

@@ -43,7 +43,13 @@ from manager.api.errors import details_of, status_of
 from manager.api.front import receive_options, too_large
 from manager.api.handlers import add_servicer
 from manager.api.oip import InferenceServicer
-from manager.api.runtime import ServeError, add_port, keepalive_options
+from manager.api.runtime import (
+    MAX_CONCURRENT_RPCS,
+    ServeError,
+    add_port,
+    keepalive_options,
+    limit_options,
+)
 from manager.api.world import WorldSessionServicer
 from manager.config import Config
 from manager.errors import InsufficientCapacity, InvalidRequest, ResidencyError
@@ -363,9 +369,11 @@ async def build_server(
     server = grpc.aio.server(
         # the token first: a call it refuses is refused whatever its size
         interceptors=[*([AuthInterceptor(token)] if token else []), RequestLimit(limit)],
+        maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
         options=[
             *receive_options(limit),
             *keepalive_options(config.server.keepalive),
+            *limit_options(public=not private),
             # never share the public port (grpc turns SO_REUSEPORT on by default on Linux): a second
             # `serve` on it would start and split the connections with the first, each manager
             # believing it has the whole GPU
@@ -381,6 +389,8 @@ async def build_server(
     oip_servicer = InferenceServicer(
         manager, describer(manager), config.server.max_request_bytes, stopping=world.stopping
     )
+    # a class above a model's own is the admin token's to ask, when the service has one
+    oip_servicer.admin = world.admin = AuthInterceptor(token).allows if token else None
     add_servicer(server, oip_service, oip_servicer)
     # open Events streams end at the same moment (they never end by themselves: each held the stop
     # for its whole grace)
@@ -700,6 +710,8 @@ class Frontends:
         servicer = InferenceServicer(
             self.manager, describer(self.manager), self.config.server.max_request_bytes
         )
+        token = auth_token(self.config)  # (a front end's call carries its header here: the fast path)
+        servicer.admin = AuthInterceptor(token).allows if token else None
         self.fast = FastPathServer(servicer.infer_raw)
         await self.fast.start(self.fast_path)
         srv = self.config.server

@@ -45,7 +45,7 @@ import grpc
 
 from manager.api.errors import details_of, status_of
 from manager.api.runtime import call_wait_s, write_within
-from manager.errors import DeadlineExceeded, InvalidRequest, ResidencyError
+from manager.errors import DeadlineExceeded, InvalidRequest, PermissionDenied, ResidencyError
 from manager.live import LiveManager
 from manager.live_sessions import SessionResumable
 from manager.units import format_duration, parse_keep_alive
@@ -164,10 +164,30 @@ def _idle(sid: str, idle_s: float) -> DeadlineExceeded:
 class WorldSessionServicer(pb_grpc.WorldSessionServicer):
     def __init__(self, manager: LiveManager) -> None:
         self.manager = manager
+        self.admin: Callable[[str], bool] | None = None
+        """Whether an `authorization` header holds the admin token; None without one (`build_server`):
+        a session's class above its model's own is the token's to ask, as a request's is."""
         self.stopping = asyncio.Event()
         """Set when the server stops: open streams end at once, UNAVAILABLE naming the session to
         resume (they held the server's stop for its whole grace, then got gRPC's own cancel); so do
         those whose `start` has not come yet."""
+
+    def _may_ask(self, st: pb.WorldStart, context: Any) -> None:
+        """PermissionDenied for a start whose `class_name` is above its model's own while the service
+        has an admin token the call does not carry (as a ModelInfer request's, `InferenceServicer`)."""
+        admin, classes = self.admin, [c.name for c in self.manager.config.classes]
+        if admin is None or not st.class_name or st.class_name not in classes:
+            return  # (an unknown class or model is refused by the open, naming it)
+        m = self.manager.engine.models.get(st.model)
+        if m is None or classes.index(st.class_name) >= m.rank:
+            return
+        got = dict(context.invocation_metadata() or ()).get("authorization")
+        if not admin(got if isinstance(got, str) else ""):
+            raise PermissionDenied(
+                f"model {m.name!r}: class {st.class_name!r} is above its own ({classes[m.rank]!r}); a "
+                "session asks a higher class only with the admin token (authorization: Bearer <token>): "
+                "send it, or leave start.class_name empty"
+            )
 
     async def _next(
         self, it: AsyncIterator[pb.WorldInput], idle_s: float | None = None
@@ -245,6 +265,7 @@ class WorldSessionServicer(pb_grpc.WorldSessionServicer):
             st = first.start
             resume = st.resume_session_id or None
             resume_at = _resume_at(st)
+            self._may_ask(st, context)
             sid, opened = await self.manager.open_session(
                 st.model,
                 cls=st.class_name or None,

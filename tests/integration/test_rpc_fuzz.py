@@ -40,6 +40,7 @@ ALLOWED = {
     grpc.StatusCode.OK, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,
     grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.UNIMPLEMENTED,  # (a repository_name, as Triton answers it: review 20)
+    grpc.StatusCode.FAILED_PRECONDITION,  # (an evict of the pinned voice: review 31)
 }  # fmt: skip
 DATATYPES = ["FP32", "FP16", "FP64", "INT64", "INT32", "INT8", "UINT8", "BOOL", "BYTES", "BF16", "fp32", ""]
 

@@ -117,6 +117,34 @@ def test_the_store_down_at_start_and_while_serving_loses_nothing_within_the_boun
     store.real.close()
 
 
+def test_past_the_bound_the_records_of_requests_that_never_ran_go_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 31: refusals are logged too (`outcome` rejected), so a client retrying a refusal in a
+    loop while the store is down would push the requests that ran out of the bounded buffer; the
+    records of requests that never ran go first."""
+    import manager.live_persist as persist_mod
+
+    store = _FlakyStore(open_store(f"sqlite:///{tmp_path / 'state.db'}"))
+    monkeypatch.setattr(persist_mod, "LOG_KEEP", 5)
+
+    async def body(lm: LiveManager) -> None:
+        await lm.infer("voice", AUDIO)
+        for _ in range(4):  # (refusals' records, as `_log_unserved` writes them)
+            lm._log({"t": lm.clock(), "model": "voice", "busy_s": 0.0, "wait_s": 0.0, "outcome": "rejected"})
+        for _ in range(2):
+            await lm.infer("voice", AUDIO)
+        await lm.flush_log()  # 7 waiting, bound 5: two of the refusals go, not the oldest request
+        assert lm.metrics.registry.get_sample_value("residency_request_log_dropped_total") == 2
+        store.down = False
+        await lm.flush_log()
+        outcomes = [r.get("outcome") for r in store.real.requests(0)]
+        assert outcomes.count("ok") == 3 and outcomes.count("rejected") == 2
+
+    run(load_config(CONFIG), body, store)
+    store.real.close()
+
+
 def test_a_store_down_costs_a_ping_a_second_not_the_batch_on_every_poll(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1,0 +1,66 @@
+"""Review 31 (what one misbehaving client on the LAN can do): the server ran any number of calls at once,
+and one connection could open them all; an idle ModelStreamInfer stream costs about 33 KiB and is never
+closed, so one client's 3,000 idle streams took 96 MiB, and more would have taken the manager's
+memory. The server now runs at most `MAX_CONCURRENT_RPCS` calls (one more is RESOURCE_EXHAUSTED at
+once, from gRPC) and a public listener takes at most `MAX_STREAMS_PER_CONNECTION` calls per
+connection. The limit is made small here (the test's own value) to see it act.
+
+Real components: the service's gRPC server on a free port over in-process device hosts, a client from
+the generated stubs."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from live_helpers import grpc_service, local_config
+
+import manager.api.server as server_mod
+from manager.api.runtime import MAX_STREAMS_PER_CONNECTION, limit_options
+from residency_proto.inference import grpc_service_pb2 as oip
+from residency_proto.inference import grpc_service_pb2_grpc as oip_grpc
+
+
+async def _nothing() -> AsyncIterator[oip.ModelInferRequest]:
+    await asyncio.Event().wait()  # an idle stream: it sends no request
+    yield oip.ModelInferRequest()  # (never reached)
+
+
+def test_calls_past_the_servers_limit_are_refused_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server_mod, "MAX_CONCURRENT_RPCS", 3)
+
+    async def main() -> None:
+        async with (
+            grpc_service(local_config(tmp_path, ("voice",))) as (port, _, _, _),
+            grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
+        ):
+            stub = oip_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
+            idle = [stub.ModelStreamInfer(_nothing()) for _ in range(3)]
+            for call in idle:  # each one open (its headers sent)
+                await call.initial_metadata()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.ServerLive(oip.ServerLiveRequest(), timeout=10)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            idle[0].cancel()  # one ends: a call fits again
+            for _ in range(100):
+                try:
+                    assert (await stub.ServerLive(oip.ServerLiveRequest(), timeout=10)).live
+                    break
+                except grpc.aio.AioRpcError:
+                    await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("no call was taken once one ended")
+            for call in idle[1:]:
+                call.cancel()
+
+    asyncio.run(main())
+
+
+def test_a_public_listener_limits_the_calls_of_one_connection() -> None:
+    assert limit_options(public=True) == [("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION)]
+    assert limit_options(public=False) == []  # (a front end's relay carries its clients' calls together)
