@@ -19,6 +19,7 @@ model is WorldPager's "micro" stand-in), a client from the generated stubs."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,16 @@ async def collect(
     return outs, None
 
 
+@contextlib.asynccontextmanager
+async def world_stub(tmp_path: Path, options: Any = None) -> AsyncIterator[tuple[Any, Any]]:
+    """A WorldSession stub on the service's gRPC server (free port, in-process hosts), and its manager."""
+    async with (
+        grpc_service(served_world_config(tmp_path)) as (port, manager, _, _),
+        grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel,
+    ):
+        yield pb_grpc.WorldSessionStub(channel), manager  # type: ignore[no-untyped-call]
+
+
 class TestAResumeAfterAHangUp:
     def _hang_up_after_reading_one(
         self, tmp_path: Path, resume: dict[str, Any]
@@ -67,11 +78,7 @@ class TestAResumeAfterAHangUp:
         result: list[Any] = []
 
         async def main() -> None:
-            async with (
-                grpc_service(served_world_config(tmp_path)) as (port, manager, _, _),
-                grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
-            ):
-                stub = pb_grpc.WorldSessionStub(channel)  # type: ignore[no-untyped-call]
+            async with world_stub(tmp_path) as (stub, manager):
                 call = stub.Run()
                 await call.write(start())
                 sid = (await call.read()).session_id
@@ -91,25 +98,22 @@ class TestAResumeAfterAHangUp:
 
     def test_resume_at_brings_back_the_segments_the_app_never_read(self, tmp_path: Path) -> None:
         counted, at, segments = self._hang_up_after_reading_one(tmp_path, {"resume_at": 1})
-        assert counted == 6  # the server took all six for sent
+        # the server took five or six for sent (the sixth's write may fail under the hang-up: `unsent`)
+        assert counted in (5, 6)
         assert at == 1 and segments == [-1, 1]  # continued at the app's first segment not received
 
     def test_without_it_the_servers_count_holds(self, tmp_path: Path) -> None:
         counted, at, segments = self._hang_up_after_reading_one(tmp_path, {})
-        assert (counted, at, segments) == (6, 6, [-1, 6])
+        assert counted in (5, 6) and at == counted and segments == [-1, counted]
 
     def test_resume_at_past_the_servers_count_is_the_servers_count(self, tmp_path: Path) -> None:
         counted, at, segments = self._hang_up_after_reading_one(tmp_path, {"resume_at": 50})
-        assert (counted, at, segments) == (6, 6, [-1, 6])
+        assert counted in (5, 6) and at == counted and segments == [-1, counted]
 
 
 def test_resume_at_is_checked(tmp_path: Path) -> None:
     async def main() -> None:
-        async with (
-            grpc_service(served_world_config(tmp_path)) as (port, _, _, _),
-            grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
-        ):
-            stub = pb_grpc.WorldSessionStub(channel)  # type: ignore[no-untyped-call]
+        async with world_stub(tmp_path) as (stub, _):
             _, e = await collect(stub, start(resume_at=3))
             assert e is not None and e.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert e.details() == "start.resume_at goes with start.resume_session_id (the session to resume)"
@@ -122,11 +126,7 @@ def test_resume_at_is_checked(tmp_path: Path) -> None:
 
 def test_a_resume_while_the_old_stream_is_held_is_to_be_retried(tmp_path: Path) -> None:
     async def main() -> None:
-        async with (
-            grpc_service(served_world_config(tmp_path)) as (port, manager, _, _),
-            grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
-        ):
-            stub = pb_grpc.WorldSessionStub(channel)  # type: ignore[no-untyped-call]
+        async with world_stub(tmp_path) as (stub, manager):
             held = stub.Run()  # the app's first stream, not yet found gone by the server
             await held.write(start())
             sid = (await held.read()).session_id
@@ -157,11 +157,7 @@ def test_a_clients_keepalive_pings_keep_a_paused_session(tmp_path: Path) -> None
     ]
 
     async def main() -> None:
-        async with (
-            grpc_service(served_world_config(tmp_path)) as (port, manager, _, _),
-            grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel,
-        ):
-            stub = pb_grpc.WorldSessionStub(channel)  # type: ignore[no-untyped-call]
+        async with world_stub(tmp_path, options) as (stub, manager):
             call = stub.Run()
             await call.write(start())
             sid = (await call.read()).session_id
@@ -178,11 +174,7 @@ def test_a_clients_keepalive_pings_keep_a_paused_session(tmp_path: Path) -> None
 
 def test_a_pose_out_of_range_is_the_clients_mistake_not_a_failed_session(tmp_path: Path) -> None:
     async def main() -> None:
-        async with (
-            grpc_service(served_world_config(tmp_path)) as (port, manager, _, _),
-            grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
-        ):
-            stub = pb_grpc.WorldSessionStub(channel)  # type: ignore[no-untyped-call]
+        async with world_stub(tmp_path) as (stub, manager):
             outs, e = await collect(stub, start(), pose(0), pose(1, x=float("nan")))
             assert e is not None and e.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert [o.segment for o in outs] == [-1, 0]
