@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import AsyncIterator, Callable
 from typing import Any, NoReturn
 
@@ -55,6 +56,9 @@ from residency_proto.v1 import residency_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 
+IDLE_RECHECK_S = 1.0
+"""How often a session waiting for its client's next action looks at `server.world_idle_timeout` again
+(a reload's new limit reaches the sessions already waiting within this)."""
 MAX_UNUSABLE = 100
 """The most lines of `unusable` one output carries; one more says how many were left out. A resume of
 a long session whose log lost its tail lists every segment missing, at every resume: listed whole, the
@@ -172,11 +176,18 @@ class WorldSessionServicer(pb_grpc.WorldSessionServicer):
         resume (they held the server's stop for its whole grace, then got gRPC's own cancel); so do
         those whose `start` has not come yet."""
 
+    def _idle_limit(self) -> float | None:
+        """`server.world_idle_timeout` as the running config has it now (a reload's from its next look)."""
+        return self.manager.config.server.world_idle_timeout
+
     def _may_ask(self, st: pb.WorldStart, context: Any) -> None:
         """PermissionDenied for a start whose `class_name` is above its model's own while the service
         has an admin token the call does not carry (as a ModelInfer request's, `InferenceServicer`)."""
-        admin, classes = self.admin, [c.name for c in self.manager.config.classes]
-        if admin is None or not st.class_name or st.class_name not in classes:
+        admin = self.admin
+        if admin is None or not st.class_name:
+            return
+        classes = [c.name for c in self.manager.config.classes]
+        if st.class_name not in classes:
             return  # (an unknown class or model is refused by the open, naming it)
         m = self.manager.engine.models.get(st.model)
         if m is None or classes.index(st.class_name) >= m.rank:
@@ -190,19 +201,36 @@ class WorldSessionServicer(pb_grpc.WorldSessionServicer):
             )
 
     async def _next(
-        self, it: AsyncIterator[pb.WorldInput], idle_s: float | None = None
+        self, it: AsyncIterator[pb.WorldInput], idle: Callable[[], float | None] | None = None
     ) -> pb.WorldInput | None:
         """The client's next message, or None when it ended its stream; ServerStopping once the server
-        stops, ClientIdle when none came within `idle_s` seconds (None: no limit); either way the read
-        is given up. A stop wins over a message that is there already: a client that always has its
-        next pose waiting kept the session stepping through the stop's whole grace, and its stream then
-        ended with gRPC's own cancel, not naming the session to resume."""
+        stops, ClientIdle when none came within `idle()` seconds (None: no limit; looked at again
+        every IDLE_RECHECK_S, so a reload's `server.world_idle_timeout` reaches a session already
+        waiting: one waiting under no limit waited on for ever); either way the read is given up. A
+        stop wins over a message that is there already: a client that always has its next pose
+        waiting kept the session stepping through the stop's whole grace, and its stream then ended
+        with gRPC's own cancel, not naming the session to resume."""
         if self.stopping.is_set():
             raise ServerStopping
         read = asyncio.ensure_future(anext(it, None))
         stop = asyncio.ensure_future(self.stopping.wait())
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        idle_s = None if idle is None else idle()
         try:
-            await asyncio.wait((read, stop), timeout=idle_s, return_when=asyncio.FIRST_COMPLETED)
+            while True:
+                left = None if idle_s is None else idle_s - (loop.time() - began)
+                if left is not None and left <= 0:
+                    break
+                slice_s = (
+                    left if idle is None else min(IDLE_RECHECK_S, left if left is not None else math.inf)
+                )
+                done, _ = await asyncio.wait(
+                    (read, stop), timeout=slice_s, return_when=asyncio.FIRST_COMPLETED
+                )
+                if done:
+                    break
+                idle_s = None if idle is None else idle()
         finally:
             stop.cancel()
         if read.done() and not self.stopping.is_set():
@@ -284,7 +312,7 @@ class WorldSessionServicer(pb_grpc.WorldSessionServicer):
             )  # fmt: skip
             # the limit read at each wait (for an action or a send): a reload's value holds from the next
             await self._send(context, opened_out, self.manager.config.server.world_idle_timeout)
-            while (msg := await self._next(it, self.manager.config.server.world_idle_timeout)) is not None:
+            while (msg := await self._next(it, self._idle_limit)) is not None:
                 if msg.WhichOneof("msg") != "action":
                     raise InvalidRequest("after `start`, a world session takes only `action` messages")
                 a = msg.action

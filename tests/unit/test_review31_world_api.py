@@ -28,6 +28,7 @@ import grpc
 from live_helpers import grpc_service, served_world_config, until
 
 from manager.api.runtime import CLIENT_PING_MIN_S
+from manager.api.world import IDLE_RECHECK_S
 from residency_proto.v1 import residency_pb2 as pb
 from residency_proto.v1 import residency_pb2_grpc as pb_grpc
 
@@ -183,5 +184,31 @@ def test_a_pose_out_of_range_is_the_clients_mistake_not_a_failed_session(tmp_pat
             labels = {"model": "world", "cls": "interactive"}
             assert reg.get_sample_value("residency_requests_total", {**labels, "outcome": "ok"}) == 1
             assert reg.get_sample_value("residency_requests_total", {**labels, "outcome": "error"}) is None
+
+    asyncio.run(main())
+
+
+def test_a_reloaded_idle_timeout_reaches_a_session_already_waiting(tmp_path: Path) -> None:
+    """Review 31 (live reload): a session waiting for its client's next action under no limit (or the
+    old one) waited on under it after a reload lowered `server.world_idle_timeout`; the limit is
+    looked at again every IDLE_RECHECK_S now."""
+
+    async def main() -> None:
+        async with world_stub(tmp_path) as (stub, manager):
+            unlimited = manager.config.server.model_copy(update={"world_idle_timeout": None})
+            manager.reload(manager.config.model_copy(update={"server": unlimited}))
+            call = stub.Run()
+            await call.write(start())
+            sid = (await call.read()).session_id
+            await call.write(pose(0))
+            assert (await call.read()).segment == 0  # now waiting for its next action, under no limit
+            await asyncio.sleep(0.5)
+            one_second = manager.config.server.model_copy(update={"world_idle_timeout": 1.0})
+            manager.reload(manager.config.model_copy(update={"server": one_second}))
+            began = asyncio.get_running_loop().time()
+            assert await call.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert asyncio.get_running_loop().time() - began < 1.0 + IDLE_RECHECK_S + 2.0
+            assert f"world session {sid} was idle for 1s" in (await call.details() or "")
+            await until(lambda: not manager.sessions, "the session closed, its state saved")
 
     asyncio.run(main())
