@@ -1893,9 +1893,9 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         kind: str | None = None,
     ) -> None:
         """A request asked for at `t` that never ran (`e` ended it first, or its outcome) in the
-        request log, `busy_s` 0 and `wait_s` until now: its demand is the replay's (a weekly tuning
-        sees what was refused, not only what was served) and the statistics' catch-up's (the engine
-        observed it at its arrival). `outcome` `rejected` when admission refused it, else `unserved`
+        request log, `busy_s` 0 and `wait_s` until now: its demand is the statistics' catch-up's (the
+        engine observed it at `t`: a kill must not lose it); `trace export`, and so the replay and
+        the weekly tuning, leave it out. `outcome` `rejected` when admission refused it, else `unserved`
         (`manager.store.base.NEVER_RAN`). Nothing for an error that is no request's (a bug)."""
         if self.store is None or not isinstance(e, str | Exception | asyncio.CancelledError):
             return

@@ -40,6 +40,7 @@ from manager.replay.trace import keep_alive_json
 from manager.units import format_duration
 from manager.units import format_size as fmt_bytes
 from workers import protocol as P
+from worldpager.retrieval import Pose, check_pose
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine
@@ -613,9 +614,10 @@ class WorldSessionsMixin:
         keep = {*self.sessions, *self._opening_ids, *self._closing(), sid}
         await asyncio.to_thread(self._prune_sessions, keep=keep)
         # resumed: at the segment its client had not been sent when its last stream ended (at the latest)
-        resume_at = await asyncio.to_thread(_read_sent, self.session_dir / sid) if resume else None
+        counted = await asyncio.to_thread(_read_sent, self.session_dir / sid) if resume else None
+        resume_at = counted
         if resume and client_at is not None:  # (segments gRPC took that the client never read)
-            resume_at = client_at if resume_at is None else min(resume_at, client_at)
+            resume_at = client_at if counted is None else min(counted, client_at)
         orphan_closed = lost_retried = False
         while True:
             sent = session_lease(m)
@@ -626,7 +628,9 @@ class WorldSessionsMixin:
             if reply.ok and resume_at is not None:  # rolled back: recorded in the session's own state
                 with contextlib.suppress(OSError):
                     await asyncio.to_thread((self.session_dir / sid / SENT_FILE).unlink, missing_ok=True)
-                reply = _with_replaced(reply, resume_at, sid)
+                if counted is not None:  # (the client's word alone, past what the session has, is no
+                    # segment sent and lost: the host continues at its own, "at the latest")
+                    reply = _with_replaced(reply, resume_at, sid)
             orphan = None if orphan_closed else self._orphan(reply)
             if orphan is not None:  # closed (its state saved, so it can be resumed), then opened again
                 orphan_closed = True
@@ -790,10 +794,12 @@ class WorldSessionsMixin:
         model = self.sessions[sid][0]
         m = self.engine.models[model]
         w = self._world[sid]
+        try:  # the client's mistake (a pose out of range) is refused here: the session did not fail
+            check_pose(Pose(*pose))
+        except (TypeError, ValueError) as e:
+            raise InvalidRequest(f"world session {sid}: {e}") from None
         try:
             return await self._step(sid, model, m, w, pose, recover_s)
-        except InvalidRequest:  # the client's mistake (a pose out of range): the session did not fail
-            raise
         except Exception:  # (not a cancel: the client hung up, the step did not fail)
             w.failed = True  # the session ends as an `error` in the requests metric
             raise

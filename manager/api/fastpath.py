@@ -68,6 +68,8 @@ waited_s: ContextVar[float] = ContextVar("waited_s", default=0.0)
 where unknown, or outside the fast path). Its `seconds left` stood as they were that long ago."""
 
 
+MAX_AUTHORIZATION = 4096
+"""The longest `authorization` header a front end passes on (a longer one is passed as none)."""
 caller_authorization: ContextVar[str | None] = ContextVar("caller_authorization", default=None)
 """In a ModelInfer handler's call: the call's `authorization` header (None when it sent none), set by
 the fast path for a front end's call and by the gRPC handler for a direct one."""
@@ -246,7 +248,10 @@ class FastPathClient:
     async def call(self, raw: bytes, seconds_left: float | None, authorization: str | None = None) -> Answer:
         if self._out is None or self.closed.is_set():
             return UNAVAILABLE, "the manager's process is not reachable from this front end; retry", b""
-        if not fits(len(raw)):
+        if authorization is not None and len(authorization) > MAX_AUTHORIZATION:
+            authorization = None  # (no token is that long: read as none, not a frame over its bound)
+        size = len(raw) + (len(authorization) if authorization is not None else 0)
+        if not fits(size):
             return RESOURCE_EXHAUSTED, too_large("request", len(raw)), b""
         arrived = time.monotonic()  # the manager counts the call's time from here
         try:  # (at once unless WRITE_HIGH bytes wait to be sent: the manager reads them first)
@@ -258,7 +263,7 @@ class FastPathClient:
         cid = next(self._ids)
         fut: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         self._pending[cid] = fut
-        self._out.put((cid, raw, seconds_left, arrived, authorization), len(raw))
+        self._out.put((cid, raw, seconds_left, arrived, authorization), size)
         try:
             return await fut
         except asyncio.CancelledError:  # the client went away: so does its call in the manager

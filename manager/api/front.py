@@ -42,7 +42,6 @@ from grpc_reflection.v1alpha import reflection_pb2
 
 from manager.api.fastpath import FastPathClient
 from manager.api.runtime import (
-    MAX_CONCURRENT_RPCS,
     add_port,
     event_loop_factory,
     keepalive_options,
@@ -253,7 +252,8 @@ async def run_front(a: argparse.Namespace) -> int:
         ],
     )
     server = grpc.aio.server(
-        maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
+        # (no server-wide call limit here: gRPC's would refuse admin calls too; the manager counts
+        # the calls relayed to it, `RequestLimit`, and one connection takes MAX_STREAMS_PER_CONNECTION)
         options=[
             ("grpc.so_reuseport", 1),
             *receive_options(a.max_message_bytes),

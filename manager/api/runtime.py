@@ -109,9 +109,14 @@ def read_tls(cert: str, key: str) -> tuple[bytes, bytes]:
 
 
 MAX_CONCURRENT_RPCS = 4096
-"""The most calls a server (the manager's, each front end's) runs at once; one more is answered
-RESOURCE_EXHAUSTED by gRPC at once. A home runs tens; without a bound one client could open streams
-until the manager's memory ran out (about 33 KiB an idle ModelStreamInfer stream: 3,000 took 96 MiB)."""
+"""The most calls the manager's server runs at once (admin and health calls are counted, never
+refused: `server.RequestLimit`); one more is answered RESOURCE_EXHAUSTED at once. A home runs tens;
+without a bound one client could open streams until the manager's memory ran out (about 33 KiB an
+idle ModelStreamInfer stream: 3,000 took 96 MiB). With front ends, the calls they relay count here
+(ModelInfer's fast path, a call that ends, does not)."""
+MAX_CALLS_PER_CLIENT = 1024
+"""The most of those calls one client host runs at once on a public listener (a quarter of the
+server's: one app cannot take them all)."""
 MAX_STREAMS_PER_CONNECTION = 1024
 """The most calls one client connection (HTTP/2) may have open at once on a public listener; gRPC's
 default let one connection open them all (more wait in the client until one ends)."""

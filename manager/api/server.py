@@ -44,6 +44,7 @@ from manager.api.front import receive_options, too_large
 from manager.api.handlers import add_servicer
 from manager.api.oip import InferenceServicer
 from manager.api.runtime import (
+    MAX_CALLS_PER_CLIENT,
     MAX_CONCURRENT_RPCS,
     ServeError,
     add_port,
@@ -133,9 +134,50 @@ class RequestLimit(grpc.aio.ServerInterceptor):
     handled. gRPC takes in up to `front.receive_limit` (its own refusal past that does not name the
     setting); the size is read in the method's deserializer, which gets the message's bytes."""
 
-    def __init__(self, max_request_bytes: int) -> None:
+    def __init__(
+        self, max_request_bytes: int, *, max_calls: int | None = None, per_peer: int | None = None
+    ) -> None:
         self.limit = max_request_bytes
         self._made: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+        self.max_calls = max_calls
+        """The most calls (but admin and health calls) that run at once; one more is refused
+        RESOURCE_EXHAUSTED. Admin and health calls are counted, never refused: an app that fills
+        the server with idle streams locks out neither the admin (with the token) nor health checks
+        (gRPC's own `maximum_concurrent_rpcs` refused them too)."""
+        self.per_peer = per_peer
+        """The most of those one client host (its address; not a Unix socket's) runs at once."""
+        self.active = 0
+        self.by_peer: dict[str, int] = {}
+
+    def _enter(self, method: str, context: Any) -> tuple[str | None, str | None]:
+        """Count a call in: (why it is refused, or None; its peer's key, to count it out)."""
+        peer = _peer_host(context) if self.per_peer is not None else None
+        if not method.startswith(_NEVER_REFUSED):
+            if self.max_calls is not None and self.active >= self.max_calls:
+                return (
+                    f"the server runs {self.active} calls at once, its most (server-wide): retry once "
+                    "some end",
+                    None,
+                )
+            if peer is not None and self.per_peer is not None and self.by_peer.get(peer, 0) >= self.per_peer:
+                return (
+                    f"this client ({peer}) runs {self.per_peer} calls at once, the most one client may: "
+                    "retry once some end",
+                    None,
+                )
+        self.active += 1
+        if peer is not None:
+            self.by_peer[peer] = self.by_peer.get(peer, 0) + 1
+        return None, peer
+
+    def _leave(self, peer: str | None) -> None:
+        self.active -= 1
+        if peer is not None:
+            left = self.by_peer.get(peer, 1) - 1
+            if left > 0:
+                self.by_peer[peer] = left
+            else:
+                self.by_peer.pop(peer, None)
 
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: Any) -> Any:
         handler = await continuation(details)
@@ -184,20 +226,46 @@ class RequestLimit(grpc.aio.ServerInterceptor):
             return await refuse(request, context)
 
         async def as_coroutine(request: Any, context: Any) -> Any:
+            why, peer = self._enter(method, context)
+            if why is not None:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
             try:
                 return await call(await first(request, context), context)
             except _REFUSALS as e:  # (a handler that let its read's refusal through: grpc's own)
                 await context.abort(status_of(e), details_of(e))
+            finally:
+                self._leave(peer)
 
         async def as_generator(request: Any, context: Any) -> Any:
+            why, peer = self._enter(method, context)
+            if why is not None:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
             try:
                 async for out in call(await first(request, context), context):
                     yield out
             except _REFUSALS as e:
                 await context.abort(status_of(e), details_of(e))
+            finally:
+                self._leave(peer)
 
         wrapped = as_coroutine if inspect.iscoroutinefunction(call) else as_generator
         return handler._replace(request_deserializer=deserialize, **{kind: wrapped})
+
+
+_NEVER_REFUSED = (*ADMIN_PREFIXES, "/grpc.health.v1.Health/")
+"""Calls `RequestLimit`'s call limits count but never refuse (admin calls need the token already)."""
+
+
+def _peer_host(context: Any) -> str | None:
+    """The client host of a call (its address without the port), None on a Unix socket (a front end's
+    relay: its clients' calls together) or when gRPC does not say."""
+    try:
+        peer = str(context.peer() or "")
+    except Exception:  # (a test's stand-in context, say)
+        return None
+    if not peer.startswith(("ipv4:", "ipv6:")):
+        return None
+    return peer.split(":", 1)[1].rsplit(":", 1)[0]
 
 
 def _refusal(method: str, limit: int, request: Any) -> ResidencyError | None:
@@ -368,8 +436,12 @@ async def build_server(
     limit = config.server.max_request_bytes
     server = grpc.aio.server(
         # the token first: a call it refuses is refused whatever its size
-        interceptors=[*([AuthInterceptor(token)] if token else []), RequestLimit(limit)],
-        maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
+        interceptors=[
+            *([AuthInterceptor(token)] if token else []),
+            RequestLimit(
+                limit, max_calls=MAX_CONCURRENT_RPCS, per_peer=None if private else MAX_CALLS_PER_CLIENT
+            ),
+        ],
         options=[
             *receive_options(limit),
             *keepalive_options(config.server.keepalive),

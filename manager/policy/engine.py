@@ -401,26 +401,31 @@ class Engine(TierMoves):
         not take back (a class that may not evict; a keep-alive that holds): leases there shrink
         first, then idle, unpinned models of the classes below the raised reservation leave, the
         lowest class and the longest idle first, until each class's room is whole again, and never
-        more than the reservations grew by (room a higher class took from a middle one before is
-        not this reload's to give back). At start a reservation keeps them out from the first load.
-        What is busy or pinned stays."""
+        more than the raise withholds anew (room the raising class already uses withholds nothing,
+        and room a higher class took from a middle one before is not this reload's to give back).
+        At start a reservation keeps them out from the first load. What is busy or pinned stays."""
+
+        def held(reserves: list[int], dev: DeviceState, k: int) -> int:
+            """The room the classes above `k` withhold from it with `reserves` (unused reservations)."""
+            return sum(max(0, r - u) for r, u in zip(reserves[:k], dev.class_used[:k], strict=True))
+
         for dev in self.state.devices.values():
             old = before.get(dev.name)
-            if old is None or len(old) != len(dev.reserves):
+            if old is None or len(old) != len(dev.reserves) or old == dev.reserves:
                 continue
-            grew = [max(0, new - was) for new, was in zip(dev.reserves, old, strict=True)]
+            why = f"a higher class's reservation on '{dev.name}' (raised by a reload)"
+            freed = 0  # (for the whole device: the classes below share what was given back)
             for k in range(len(dev.reserves) - 1, 0, -1):  # room(k) < 0: classes k.. are in the room
-                budget = sum(grew[:k])  # of a reservation above them; only their bytes give it back
-                if budget <= 0 or dev.room(k) >= 0:
+                owed = held(dev.reserves, dev, k) - held(old, dev, k) - freed  # of a reservation above
+                if owed <= 0 or dev.room(k) >= 0:  # them; only their bytes give it back
                     continue
-                why = f"a higher class's reservation on '{dev.name}' (raised by a reload)"
-                freed = 0
                 for t in dev.models:
-                    short = min(-dev.room(k), budget - freed)
+                    short = min(-dev.room(k), owed)
                     if short > 0 and t.rank >= k and t.tier == GPU and t.elastic and t.lease > t.lease_min:
                         give = min(t.lease - t.lease_min, short)
                         self._set_lease(t, t.lease - give, now, reason=why)
                         freed += give
+                        owed -= give
                 idle = [
                     c
                     for c in dev.models
@@ -428,9 +433,10 @@ class Engine(TierMoves):
                 ]
                 idle.sort(key=lambda c: (-c.rank, self.idle_since(c), c.name))
                 for c in idle:
-                    if dev.room(k) >= 0 or freed >= budget:
+                    if dev.room(k) >= 0 or owed <= 0:
                         break
                     freed += c.gpu_bytes
+                    owed -= c.gpu_bytes
                     self.evict(c, now, why)
 
     def _fit_back_host(self, m: ModelState, now: float) -> None:

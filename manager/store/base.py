@@ -80,7 +80,8 @@ NEVER_RAN: frozenset[str] = frozenset({"rejected", "unserved"})
 never fit, a full queue, no room within its class's max_wait, the service still starting at its
 deadline, a world model running a session) and `unserved` (admitted, it never ran: its model's load
 failed or outlasted its deadline, its client left while it waited, a session's open failed). They
-are demand (the replay's, the statistics'), not use: `ok`, `error` and `cancelled` ran."""
+are demand (the statistics', which a kill's catch-up rebuilds from the log), not use: `ok`, `error`
+and `cancelled` ran; `trace export` leaves them out."""
 EXTRA_FIELDS: tuple[str, ...] = ("wait_s", "outcome", "source")
 RECORD_FIELDS: tuple[str, ...] = ALLOWED_FIELDS + EXTRA_FIELDS
 _TRACE_SET = frozenset(ALLOWED_FIELDS)

@@ -210,3 +210,72 @@ def test_a_reload_that_raises_no_reservation_evicts_nothing(tmp_path: Path) -> N
             pool.close()
 
     asyncio.run(main())
+
+
+GiB = 1 << 30
+
+
+def _engine(models: list[tuple[str, str]]) -> Any:
+    from manager.config import Config as Cfg
+    from manager.policy.engine import Engine
+    from manager.policy.factory import create_policy
+
+    cfg = Cfg.model_validate(
+        {
+            "devices": [{"name": "gpu0", "kind": "cuda", "memory": "10GiB", "reserve": 0}],
+            "host": {"memory": "24GiB", "reserve": "4GiB"},
+            "classes": [{"name": "top"}, {"name": "mid"}, {"name": "low"}],
+            "models": [
+                {
+                    "name": n,
+                    "class": c,
+                    "adapter": "test",
+                    "device": "gpu0",
+                    "prewarm": False,
+                    "memory": "1GiB",
+                    "load_seconds": {"disk": 1.0, "host": 0.5},
+                }
+                for n, c in models
+            ],
+            "policy": {"name": "residency", "min_residency": 0},
+        }
+    )
+    engine = Engine(cfg, create_policy("residency"))
+    engine.start(0.0)
+    return engine
+
+
+def _serve(engine: Any, name: str, now: float) -> None:
+    m = engine.models[name]
+    engine.observe(m, now)
+    admission = engine.admit(m, m.rank, now)
+    assert admission.status in ("hit", "load"), admission
+    engine.finish(m, max(now, admission.ready_at), 0.1)
+
+
+def test_a_raise_gives_back_what_it_withholds_anew_and_no_more() -> None:
+    """(A review of the first fix: it gave back the raise's whole growth, for each class below it.)"""
+    # the top class uses 2 GiB already; its reservation goes 0 -> 3 GiB: 1 GiB more is withheld
+    engine = _engine([("t1", "top"), ("t2", "top")] + [(f"l{i}", "low") for i in range(8)])
+    dev = engine.state.devices["gpu0"]
+    dev.reserves[:] = [0, 2 * GiB, 0]  # (a middle class's reservation the top class took before)
+    for i, name in enumerate([f"l{i}" for i in range(8)] + ["t1", "t2"]):
+        _serve(engine, name, 1.0 + i)
+    before = {"gpu0": list(dev.reserves)}
+    dev.reserves[:] = [3 * GiB, 2 * GiB, 0]
+    evictions = engine.counters.evictions
+    engine.honour_reservations(100.0, before)
+    assert engine.counters.evictions - evictions == 1  # 1 GiB: not 3 (the raise), nor the older 2
+    # a shortfall older than the reload (top's 3 GiB reservation unused, low models in it); the
+    # reservation goes 3 -> 4 GiB: one model's room is owed, once, whatever the classes below it
+    engine = _engine([("t1", "top"), ("m1", "mid")] + [(f"l{i}", "low") for i in range(9)])
+    dev = engine.state.devices["gpu0"]
+    for i in range(9):
+        _serve(engine, f"l{i}", 1.0 + i)
+    _serve(engine, "m1", 20.0)
+    dev.reserves[:] = [3 * GiB, 0, 0]
+    before = {"gpu0": list(dev.reserves)}
+    dev.reserves[:] = [4 * GiB, 0, 0]
+    evictions = engine.counters.evictions
+    engine.honour_reservations(100.0, before)
+    assert engine.counters.evictions - evictions == 1
