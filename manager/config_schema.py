@@ -266,8 +266,8 @@ class ServerConfig(_Model):
     client ends its stream), and the stream ends DEADLINE_EXCEEDED with a message saying how long it
     was idle or did not read its outputs and the session id to resume it with; its world model is free
     for the next session. Null: wait for ever (the session holds its model until its client ends it or
-    vanishes: `keepalive`); 0 is refused (no session could take a step). A change applies from the
-    next wait on (a reload)."""
+    vanishes: `keepalive`); 0 is refused (no session could take a step). A change (a reload) reaches
+    the sessions waiting for an action within a second, and each output's send from the next one."""
     frontends: WholeNumber = Field(default=0, ge=0, le=16, strict=True)
     """Extra gRPC front-end processes on `listen` (they share the address with SO_REUSEPORT; Linux
     spreads connections over them): each does gRPC's per-call work on its own core, sends ModelInfer
@@ -302,7 +302,7 @@ class StoreConfig(_Model):
     rediss:// (TLS) takes `?ssl_ca_certs=CA.pem&ssl_certfile=CLIENT.pem&ssl_keyfile=CLIENT.key` (files
     as paths; `&ssl_cert_reqs=none|optional|required`), beside `prefix=NAME`."""
     journal: str | None = ".residency/requests.journal"
-    """Local append-only file holding served requests until the store has them (a killed service
+    """Local append-only file holding request-log records until the store has them (a killed service
     loses none; they are written to the store at the next start). Null: no journal."""
     sessions: str = ".residency/sessions"
     """Where world sessions keep their saved state, one directory per session (the NVMe segment log,
@@ -312,7 +312,7 @@ class StoreConfig(_Model):
     """Disk kept for saved world sessions: when a session opens, the least recently used sessions
     that are not open are deleted, oldest first, until the rest fit in this (0: keep none)."""
     request_log_retention: Duration | None = Field(default=DEFAULT_REQUEST_LOG_RETENTION_S, gt=0)
-    """How long the request log (the served requests' times, models and durations, which the tuning
+    """How long the request log (the requests' times, models and durations, which the tuning
     reads) is kept: the running service deletes the records older than this from the store about once
     an hour, so its SQLite file or Redis stream stops growing. Default 8w (56 days). At least
     `tuning.since` (the tuning's window; a shorter one is refused), and at least the `--since` you give

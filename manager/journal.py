@@ -1,11 +1,11 @@
-"""A local append-only journal of served requests, so a killed service loses none of its request log.
+"""A local append-only journal of request-log records, so a killed service loses none of its request log.
 
-Each served request is appended as one JSON line (flushed to the OS at once: a process that is killed
-keeps it; a power cut may lose the last moment). When a batch reaches the store, the journal is
-rewritten with what is still waiting. At start, the journal's records go to the store first. A crash
-between the store write and the rewrite leaves a batch the store has in the journal too (at most one
-second of requests): at the next start the records the store already holds are not sent again
-(`replayed`, `manager.live_persist`).
+Each record (a served request, or one that never ran) is appended as one JSON line (flushed to the OS at
+once: a process that is killed keeps it; a power cut may lose the last moment). When a batch reaches the
+store, the journal is rewritten with what is still waiting. At start, the journal's records go to the
+store first. A crash between the store write and the rewrite leaves a batch the store has in the journal
+too (at most one second of requests): at the next start the records the store already holds are not sent
+again (`replayed`, `manager.live_persist`).
 One journal serves one service: it is held (an advisory lock on a file beside it, released by `close`
 and by the OS when the process ends, however it ends) for as long as it is open, and a second service
 on the same file (two started from one folder, or one given a symbolic link to the other's journal) is

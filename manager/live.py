@@ -292,7 +292,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         if isinstance(journal, (str, Path)):
             journal = RequestJournal(Path(journal)) if store is not None else None
         self.journal = journal if store is not None else None
-        """Served requests not yet in the store (given open, `serve` opened it before Ray's start: a
+        """Request-log records not yet in the store (given open, `serve` opened it before Ray's start: a
         second service on the same file is refused before it starts anything)."""
         self._next_flush = 0.0
         self._persisting: asyncio.Task[None] | None = None  # the reconciler's store work under way

@@ -310,7 +310,8 @@ class WorldSessionServicer(pb_grpc.WorldSessionServicer):
                 resumed=bool(opened.get("resumed")), next_segment=int(opened.get("next_segment", 0)),
                 unusable=_unusable(opened),
             )  # fmt: skip
-            # the limit read at each wait (for an action or a send): a reload's value holds from the next
+            # the limit: a send's read at the send; a wait for an action looks at it every second (a
+            # reload's value reaches the sessions already waiting)
             await self._send(context, opened_out, self.manager.config.server.world_idle_timeout)
             while (msg := await self._next(it, self._idle_limit)) is not None:
                 if msg.WhichOneof("msg") != "action":

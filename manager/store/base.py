@@ -144,7 +144,7 @@ class Store(Protocol):
     """Where the data lives: the url given to `open_store` (Redis: normalized, password as ***)."""
 
     def append_requests(self, records: Sequence[Mapping[str, Any]]) -> None:
-        """Append served requests (see the module docstring for the keys).
+        """Append request records, served or never run (see the module docstring for the keys).
 
         All records are checked before any is written. Raises ValueError naming the first bad key
         or value; StoreError when the backend fails.
