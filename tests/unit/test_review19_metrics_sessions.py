@@ -23,7 +23,7 @@ import torch
 
 from manager.api.admin import AdminServicer
 from manager.config import load_config
-from manager.errors import InsufficientCapacity, InvalidRequest
+from manager.errors import InsufficientCapacity, InvalidRequest, ModelFailed
 from manager.live import LiveManager
 from manager.workers_bridge import create_pool
 from residency_proto.v1 import residency_pb2 as rpb
@@ -110,8 +110,20 @@ def test_sessions_are_counted_in_the_metrics_as_stats_counts_them(
             sid, _ = await lm.open_session("world")
             await lm.step_session(sid, POSE)
             await lm.close_session(sid)
-        sid, _ = await lm.open_session("world")  # a session one of whose steps failed
-        with pytest.raises(InvalidRequest, match="pose"):
+        sid, _ = await lm.open_session("world")  # a session one of whose steps failed (on its host;
+        # a pose out of range is the client's mistake, refused before: review 31)
+        world = lm.pool.hosts["cpu0"].world
+
+        def fails(session_id: str, pose: Any) -> Any:
+            raise RuntimeError("the step failed on the device host")
+
+        world.step = fails  # (this instance's, for one step)
+        try:
+            with pytest.raises(ModelFailed, match="the step failed on the device host"):
+                await lm.step_session(sid, POSE)
+        finally:
+            del world.step
+        with pytest.raises(InvalidRequest, match="pose"):  # (the client's: not a second failure)
             await lm.step_session(sid, (math.nan, 0.0, 0.0, 0.0, 0.0))
         await lm.end_session(sid)
         stats = await AdminServicer(lm).Stats(rpb.StatsRequest(), None)

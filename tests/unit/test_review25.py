@@ -460,10 +460,12 @@ class TestJournalCatchesUp:
     ) -> None:
         from manager.journal import RequestJournal
         from manager.live_persist import PersistenceMixin
+        from manager.metrics import Metrics
 
         class Service(PersistenceMixin):
             def __init__(self, journal: RequestJournal) -> None:
                 self.journal, self._log_buf, self._log_sending = journal, [], []
+                self.metrics = Metrics()  # (the log's buffered gauge follows each record: review 31)
 
         svc = Service(journal)
         full["full"] = False
@@ -571,7 +573,11 @@ class TestJournalCatchesUp:
         journal = SimpleNamespace(
             behind=2, append=lambda rec: pytest.fail("appended alone"), catch_up=catch_up
         )
-        lm = SimpleNamespace(journal=journal, _log_buf=[_rec(2)], _log_sending=[_rec(0), _rec(1)])
+        from manager.metrics import Metrics
+
+        lm = SimpleNamespace(
+            journal=journal, _log_buf=[_rec(2)], _log_sending=[_rec(0), _rec(1)], metrics=Metrics()
+        )
         lm._journal_catch_up = lambda force=False: PersistenceMixin._journal_catch_up(lm, force=force)  # type: ignore[arg-type]
         PersistenceMixin._log(lm, _rec(3))  # type: ignore[arg-type]
         assert caught == [([1000.0, 1001.0, 1002.0, 1003.0], False)]

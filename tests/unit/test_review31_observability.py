@@ -33,7 +33,7 @@ from live_helpers import POSES, WORLD_CONFIG, kill, run, started, world_config
 
 from manager.api.admin import AdminServicer, model_status
 from manager.config import Config, load_config
-from manager.errors import DeadlineExceeded, InsufficientCapacity, ResidencyError
+from manager.errors import DeadlineExceeded, InsufficientCapacity, ModelFailed, ResidencyError
 from manager.live import LiveManager
 from manager.store import open_store
 from manager.store.export import export_trace
@@ -213,11 +213,19 @@ class TestWorldSessionsInTheMetricsAndTheLog:
                 raise AssertionError("a second session opened beside the first")
             except InsufficientCapacity as e:
                 assert "runs a session" in str(e)
+            world = lm.pool.hosts["cpu0"].world
+
+            def fails(session_id: str, pose: Any) -> Any:
+                raise RuntimeError("the step failed on the device host")
+
+            world.step = fails  # (this instance's, for one step: a step that fails on its host)
             try:
-                await lm.step_session(sid, (1.0, 2.0))  # type: ignore[arg-type]  # a malformed pose: the step fails on the host
-                raise AssertionError("a malformed pose stepped")
-            except Exception as e:  # (the host's error, whatever its type)
-                assert "Pose" in str(e)
+                await lm.step_session(sid, POSES[1])
+                raise AssertionError("a failing step stepped")
+            except ModelFailed as e:
+                assert "the step failed on the device host" in str(e)
+            finally:
+                del world.step
             await lm.close_session(sid)
             assert (lm.served, lm.rejected) == (1, 1)
             labels = {"model": "world", "cls": "interactive"}

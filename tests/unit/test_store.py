@@ -354,13 +354,14 @@ class TestExport:
                 req(T0 - 1, "old"),  # before the window
                 req(T0, "voice", 0.4, wait_s=0.0, outcome="ok", source="grpc"),
                 req(T0 + 60.0004, "world", 5400.0, kind="session", client="world-app"),
-                req(T0 + 120, "llm", 2.5, **{"class": "background"}, outcome="rejected"),
+                req(T0 + 120, "llm", 2.5, **{"class": "background"}, outcome="error"),
+                req(T0 + 130, "llm", 0.0, **{"class": "background"}, outcome="rejected"),  # never ran
                 req(now, "late"),  # t == now is outside [now - since, now)
             ]
         )
         out = tmp_path / "out" / "week.jsonl"
         n = export_trace(store, parse_since("1d"), now, out)
-        assert n == 3
+        assert n == 3  # (the refused one left out: review 31)
         lines = [json.loads(line) for line in out.read_text().splitlines()]
         assert lines == [
             {"t": T0, "model": "voice", "busy_s": 0.4},

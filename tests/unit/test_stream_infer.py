@@ -169,6 +169,9 @@ class _Call:
     def time_remaining(self) -> None:
         return None
 
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()  # (a client that sent no header)
+
     async def abort(self, code: grpc.StatusCode, details: str) -> None:
         raise _Aborted(code, details)
 
