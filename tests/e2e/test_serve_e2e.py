@@ -43,7 +43,9 @@ def drive(target: str, admin: dict[str, str] | None = None) -> int:
     """The stock client's whole surface; returns how many requests the request log must hold (the
     three served ones; neither an unknown model's nor one past its model's input limits, refused
     before admission, is logged).
-    `admin`: headers for the admin calls (repository load/unload), e.g. the bearer token."""
+    `admin`: headers for the admin calls (repository load/unload), e.g. the bearer token, and for the
+    request that asks a class above its model's own (`priority` 1 for the background `embed`: with
+    a token, only its holder may, review 31)."""
     c = tc.InferenceServerClient(target)
     assert c.is_server_live() and c.is_server_ready()
     assert c.get_server_metadata().name == "residency"
@@ -54,7 +56,7 @@ def drive(target: str, admin: dict[str, str] | None = None) -> int:
 
     probs = c.infer("voice", [voice_input()]).as_numpy("speech_prob")
     assert probs is not None and probs.shape == (2,) and float(probs.max()) < 0.5  # silence is not speech
-    emb = c.infer("embed", [text_input(b"hello", b"hello")], priority=1).as_numpy("embedding")
+    emb = c.infer("embed", [text_input(b"hello", b"hello")], priority=1, headers=admin).as_numpy("embedding")
     assert emb is not None and emb.shape == (2, 384)
     np.testing.assert_allclose(np.linalg.norm(emb, axis=1), 1.0, rtol=1e-5)
     # one text twice in one batch: equal to float32 rounding (a batched matmul's rows may be summed in

@@ -13,6 +13,7 @@ the generated stubs."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,24 @@ async def _nothing() -> AsyncIterator[oip.ModelInferRequest]:
     yield oip.ModelInferRequest()  # (never reached)
 
 
+@contextlib.asynccontextmanager
+async def _oip(tmp_path: Path) -> AsyncIterator[tuple[Any, Any]]:
+    """An OIP stub and its channel on the service's gRPC server (a free port, in-process hosts)."""
+    async with (
+        grpc_service(local_config(tmp_path, ("voice",))) as (port, _, _, _),
+        grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
+    ):
+        yield oip_grpc.GRPCInferenceServiceStub(channel), channel  # type: ignore[no-untyped-call]
+
+
+async def _refused(stub: Any) -> str:
+    """A ServerLive call's refusal (RESOURCE_EXHAUSTED): its details."""
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stub.ServerLive(oip.ServerLiveRequest(), timeout=10)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    return e.value.details() or ""
+
+
 async def _three_idle_streams(stub: Any) -> list[Any]:
     idle = [stub.ModelStreamInfer(_nothing()) for _ in range(3)]
     for call in idle:  # each one open (its headers sent)
@@ -50,16 +69,9 @@ def test_calls_past_the_servers_limit_are_refused_but_admin_and_health(
     monkeypatch.setattr(server_mod, "MAX_CONCURRENT_RPCS", 3)
 
     async def main() -> None:
-        async with (
-            grpc_service(local_config(tmp_path, ("voice",))) as (port, _, _, _),
-            grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
-        ):
-            stub = oip_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
+        async with _oip(tmp_path) as (stub, channel):
             idle = await _three_idle_streams(stub)
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                await stub.ServerLive(oip.ServerLiveRequest(), timeout=10)
-            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "the server runs 3 calls at once, its most" in (e.value.details() or "")
+            assert "the server runs 3 calls at once, its most" in await _refused(stub)
             admin = adm_grpc.ResidencyStub(channel)  # type: ignore[no-untyped-call]
             assert [m.name for m in (await admin.List(adm.ListRequest(), timeout=10)).models] == ["voice"]
             health = health_pb2_grpc.HealthStub(channel)
@@ -84,18 +96,10 @@ def test_one_client_host_may_not_take_them_all(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setattr(server_mod, "MAX_CALLS_PER_CLIENT", 3)
 
     async def main() -> None:
-        async with (
-            grpc_service(local_config(tmp_path, ("voice",))) as (port, _, _, _),
-            grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
-        ):
-            stub = oip_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
+        async with _oip(tmp_path) as (stub, _):
             idle = await _three_idle_streams(stub)
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                await stub.ServerLive(oip.ServerLiveRequest(), timeout=10)
-            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "this client (127.0.0.1) runs 3 calls at once, the most one client may" in (
-                e.value.details() or ""
-            )
+            said = await _refused(stub)
+            assert "this client (127.0.0.1) runs 3 calls at once, the most one client may" in said
             for call in idle:
                 call.cancel()
 
