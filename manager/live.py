@@ -1503,7 +1503,8 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         self.served += 1
         self.failed_runs += not result.ok
         self.cold_starts += cold
-        self._log_request(arrival, model, _busy(result, end - start), cls, wait, result, keep_alive)
+        outcome = "ok" if result.ok else "error"
+        self._log_request(arrival, model, _busy(result, end - start), cls, wait, outcome, keep_alive)
         if unavailable:
             raise WorkerUnavailable(unavailable)
         if not result.ok:
@@ -1624,7 +1625,7 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         `outcome` `cancelled`. Stats' waits and cold starts stay those of the requests it served (it
         is counted `cancelled` there)."""
         wait = max(0.0, start - arrival)  # (the wall clock may step back between the two)
-        self._log_request(arrival, model, end - start, cls, wait, None, keep_alive)
+        self._log_request(arrival, model, end - start, cls, wait, "cancelled", keep_alive)
 
     def _call_ended(self, m: Any, start: float, abandoned: asyncio.Future[Any] | None = None) -> float:
         """A request's call on its device host ended (started at `start`): the model is idle again when
@@ -1897,18 +1898,10 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         engine observed it at `t`: a kill must not lose it); `trace export`, and so the replay and
         the weekly tuning, leave it out. `outcome` `rejected` when admission refused it, else `unserved`
         (`manager.store.base.NEVER_RAN`). Nothing for an error that is no request's (a bug)."""
-        if self.store is None or not isinstance(e, str | Exception | asyncio.CancelledError):
+        if not isinstance(e, str | Exception | asyncio.CancelledError):
             return
         outcome = e if isinstance(e, str) else "rejected" if _outcome_of(e) == "rejected" else "unserved"
-        wait = round(max(0.0, self.clock() - t), 6)
-        rec: dict[str, Any] = {"t": t, "model": model, "busy_s": 0.0, "wait_s": wait, "outcome": outcome}
-        if cls is not None:
-            rec["class"] = cls
-        if kind is not None:
-            rec["kind"] = kind
-        if keep_alive is not None:  # (its demand as it was asked for: a replay may admit it)
-            rec["keep_alive"] = keep_alive_json(keep_alive)
-        self._log(rec)
+        self._log_request(t, model, 0.0, cls, max(0.0, self.clock() - t), outcome, keep_alive, kind)
 
     def _log_request(
         self,
@@ -1917,16 +1910,20 @@ class LiveManager(PersistenceMixin, WorldSessionsMixin):
         busy: float,
         cls: str | None,
         wait: float,
-        r: P.InferResult | None,
+        outcome: str,
         keep_alive: float | None = None,
+        kind: str | None = None,
     ) -> None:
-        """`r` None: its client hung up while it ran (outcome `cancelled`)."""
+        """A request's record in the request log (`outcome`: `manager.store.base.OUTCOMES`; `kind`:
+        None for an inference, `session` for a world session): every record is made here."""
         if self.store is None:
             return
         rec: dict[str, Any] = {"t": t, "model": model, "busy_s": round(busy, 6), "wait_s": round(wait, 6)}
-        rec["outcome"] = "cancelled" if r is None else "ok" if r.ok else "error"
+        rec["outcome"] = outcome
         if cls is not None:
             rec["class"] = cls
+        if kind is not None:
+            rec["kind"] = kind
         if keep_alive is not None:  # (a trace line's form: JSON has no infinity)
             rec["keep_alive"] = keep_alive_json(keep_alive)
         self._log(rec)

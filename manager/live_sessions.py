@@ -36,7 +36,6 @@ from manager.errors import (
 from manager.live_persist import read_outcome
 from manager.policy.engine import Engine
 from manager.policy.types import ActionKind
-from manager.replay.trace import keep_alive_json
 from manager.units import format_duration
 from manager.units import format_size as fmt_bytes
 from workers import protocol as P
@@ -272,16 +271,12 @@ class WorldSessionsMixin:
     _background: set[asyncio.Task[Any]]
     _lease_chain: dict[str, asyncio.Task[Any]]
 
-    if TYPE_CHECKING:  # LiveManager's (and PersistenceMixin's `_log`)
+    if TYPE_CHECKING:  # LiveManager's
 
         def _flush(self) -> None: ...
         def _resync_soon(self, device: str, why: str) -> None: ...
         def _model(self, name: str) -> Any: ...
         def rank_of(self, m: Any, cls: str | None) -> int: ...
-        async def _admit(
-            self, m: Any, rank: int, deadline: float, *, observe: bool = True, seen: list[float] | None = None
-        ) -> float: ...
-        async def _ready(self, m: Any, deadline: float) -> None: ...
         async def _queue_for(
             self,
             m: Any,
@@ -296,7 +291,17 @@ class WorldSessionsMixin:
         def _count_wait(self, cls_name: str, arrival: float, start: float) -> float: ...
         def _count_unserved(self, m: Any, cls_name: str, outcome: str) -> None: ...
         def _deferred_evict(self, m: Any) -> None: ...
-        def _log(self, rec: dict[str, Any]) -> None: ...
+        def _log_request(
+            self,
+            t: float,
+            model: str,
+            busy: float,
+            cls: str | None,
+            wait: float,
+            outcome: str,
+            keep_alive: float | None = None,
+            kind: str | None = None,
+        ) -> None: ...
         def _log_unserved(
             self,
             t: float,
@@ -912,13 +917,9 @@ class WorldSessionsMixin:
             self.served += 1  # a request in Stats, and so in the requests metric (its wait: at its open)
             outcome = "error" if w is not None and w.failed else "ok"
             self.failed_runs += outcome == "error"
-            self.metrics.child("requests", model, self.config.classes[rank].name, outcome).inc()
-            if self.store is not None:
-                rec = {"t": opened, "model": model, "busy_s": round(max(0.0, self.clock() - ran), 6),
-                       "wait_s": round(ran - opened, 6), "kind": "session",
-                       "class": self.config.classes[rank].name, "outcome": outcome}  # fmt: skip
-                if w is not None and w.keep_alive is not None:  # (a trace line's form, as a request's)
-                    rec["keep_alive"] = keep_alive_json(w.keep_alive)
-                self._log(rec)
+            cls_name = self.config.classes[rank].name
+            self.metrics.child("requests", model, cls_name, outcome).inc()
+            busy, keep_alive = max(0.0, self.clock() - ran), w.keep_alive if w is not None else None
+            self._log_request(opened, model, busy, cls_name, ran - opened, outcome, keep_alive, "session")
             self._publish("session_closed", model, f"session {sid}", m.device, self.clock())
         return dict(reply.data)
