@@ -362,12 +362,7 @@ class Engine(TierMoves):
         if m.tier == GPU:
             dev = self.state.devices[m.device]
             dev.add(m, delta)
-            # Each move that fits it back checks the budget while the surplus it removes is still
-            # there: what counts is where the device ends, checked once.
-            violations = self.counters.budget_violations
-            self._fit_back(dev, m, now)
-            self.counters.budget_violations = violations
-            self._check_budget(dev)
+            self._fit_back_measured(dev, m, now)
         elif m.tier == HOST:
             self.host.used += delta
             self._fit_back_host(m, now)
@@ -386,14 +381,23 @@ class Engine(TierMoves):
         m.lease_max = max(m.lease_max, floor)
         if m.tier == GPU and m.lease < floor:
             dev = self.state.devices[m.device]
-            violations = self.counters.budget_violations
-            why = f"'{m.name}': its device host keeps {floor} bytes of KV at least"
-            self._set_lease(m, floor, now, reason=why)
-            self._fit_back(dev, m, now)
+            violations = self.counters.budget_violations  # (the grow's own check: where it ends counts)
+            self._set_lease(
+                m, floor, now, reason=f"'{m.name}': its device host keeps {floor} bytes of KV at least"
+            )
             self.counters.budget_violations = violations
-            self._check_budget(dev)
+            self._fit_back_measured(dev, m, now)
         self.recheck_fit()
         return True
+
+    def _fit_back_measured(self, dev: DeviceState, m: ModelState, now: float) -> None:
+        """`_fit_back` after `m` was found to hold more of `dev` than its books said (a footprint or a
+        lease floor measured larger). Each move that fits it back checks the budget while the surplus
+        it removes is still there: what counts is where the device ends, checked once."""
+        violations = self.counters.budget_violations
+        self._fit_back(dev, m, now)
+        self.counters.budget_violations = violations
+        self._check_budget(dev)
 
     def honour_reservations(self, now: float, before: dict[str, list[int]]) -> None:
         """Class reservations raised (a config reload; `before`: each device's reserves until then) may
