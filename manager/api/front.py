@@ -43,6 +43,7 @@ from grpc_reflection.v1alpha import reflection_pb2
 from manager.api.fastpath import FastPathClient
 from manager.api.runtime import (
     add_port,
+    authorization_of,
     event_loop_factory,
     keepalive_options,
     limit_options,
@@ -171,10 +172,8 @@ class Front(grpc.GenericRpcHandler):
 
     async def _infer(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
         await self._check(MODEL_INFER, raw, context)
-        auth = dict(context.invocation_metadata() or ()).get("authorization")  # (the manager checks it)
-        code, details, body = await self.fast.call(
-            raw, context.time_remaining(), auth if isinstance(auth, str) else None
-        )
+        # (its authorization header: the manager checks it)
+        code, details, body = await self.fast.call(raw, context.time_remaining(), authorization_of(context))
         if code:
             await context.abort(_STATUS.get(code, grpc.StatusCode.UNKNOWN), details)
         return body

@@ -66,7 +66,7 @@ from manager.api.convert import MAX_ELEMENTS, decode_input, typed_count
 from manager.api.errors import details_of, mapped, status_of
 from manager.api.fastpath import caller_authorization, waited_s
 from manager.api.handlers import not_a_message
-from manager.api.runtime import call_wait_s, write_within
+from manager.api.runtime import authorization_of, call_wait_s, write_within
 from manager.errors import (
     DeadlineExceeded,
     InsufficientCapacity,
@@ -318,10 +318,28 @@ async def _stream_ended(reader: asyncio.Future[bool], context: Any) -> None:
         )
 
 
-def _authorization(context: Any) -> str | None:
-    """A call's `authorization` header, None when it sent none."""
-    got = dict(context.invocation_metadata() or ()).get("authorization")
-    return got if isinstance(got, str) else None
+def check_class_claim(
+    admin: Callable[[str], bool] | None,
+    classes: list[str],
+    m: Any,
+    cls: str | None,
+    authorization: str | None,
+    asker: str,
+    instead: str,
+) -> None:
+    """PermissionDenied when `asker` ("a request", "a session") asks class `cls` above its model `m`'s
+    own while the service has an admin token (`admin`: whether a header holds it; None without one)
+    and the call does not carry it: any app on the network could otherwise evict the voice models by
+    naming the top class for its own model. Lowering its class, or asking its own, needs nothing;
+    without a token (loopback) anything goes. `instead`: what to leave out, said in the message."""
+    if admin is None or cls is None or cls not in classes:
+        return  # (an unknown class is refused where it is read, naming it)
+    if classes.index(cls) < m.rank and not admin(authorization or ""):
+        raise PermissionDenied(
+            f"model {m.name!r}: class {cls!r} is above its own ({classes[m.rank]!r}); {asker} asks a "
+            f"higher class only with the admin token (authorization: Bearer <token>): send it, or "
+            f"{instead}"
+        )
 
 
 def _keep_alive(request: pb.ModelInferRequest) -> float | None:
@@ -529,22 +547,6 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             names = list(self.manager.engine.models)
         return pb.ModelStatisticsResponse(model_stats=[self.stats.message(n) for n in names])
 
-    def _may_ask(self, m: Any, cls: str | None, authorization: str | None) -> None:
-        """PermissionDenied when a request asks class `cls` above its model `m`'s own while the service
-        has an admin token and the call does not carry it: any app on the network could otherwise
-        evict the voice models by naming the top class (`priority` 1) for its own model. Lowering
-        its class, or asking its own, needs nothing; without a token (loopback) anything goes."""
-        admin = self.admin
-        if admin is None or cls is None:
-            return
-        rank = self.classes.index(cls)
-        if rank < m.rank and not admin(authorization or ""):
-            raise PermissionDenied(
-                f"model {m.name!r}: class {cls!r} is above its own ({self.classes[m.rank]!r}); a request "
-                "asks a higher class only with the admin token (authorization: Bearer <token>): send it, "
-                "or leave `priority`/`residency_class` out"
-            )
-
     def _class_of(self, request: pb.ModelInferRequest) -> str | None:
         params = request.parameters
         if not params:
@@ -654,7 +656,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @mapped
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
-        caller_authorization.set(_authorization(context))
+        caller_authorization.set(authorization_of(context))
         return await self.infer(request, context.time_remaining())
 
     async def ModelStreamInfer(
@@ -671,7 +673,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         # the headers first, on their own: with the first answer they were one batch, held with it by a
         # client that reads nothing, and the status that ends its stream could not be sent after it
         await context.send_initial_metadata(())
-        caller_authorization.set(_authorization(context))  # (its requests' tasks copy the context)
+        caller_authorization.set(authorization_of(context))  # (its requests' tasks copy the context)
         answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
         room = asyncio.Semaphore(STREAM_IN_FLIGHT)
         serving: set[asyncio.Task[None]] = set()
@@ -813,7 +815,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         check_request(request, declared_in, declared_out)
         timeout_s = self._timeout(request, seconds_left)
         cls = self._class_of(request)
-        self._may_ask(m, cls, caller_authorization.get())
+        check_class_claim(
+            self.admin, self.classes, m, cls, caller_authorization.get(), "a request",
+            "leave `priority`/`residency_class` out",
+        )  # fmt: skip
         keep_alive = _keep_alive(request)
         inputs = await self._decoded(request, declared_in)
         timeout_s = self._left(request.model_name, timeout_s, arrived)

@@ -108,6 +108,12 @@ def read_tls(cert: str, key: str) -> tuple[bytes, bytes]:
     return pems[0], pems[1]
 
 
+def authorization_of(context: Any) -> str | None:
+    """A gRPC call's `authorization` header, None when it sent none."""
+    got = dict(context.invocation_metadata() or ()).get("authorization")
+    return got if isinstance(got, str) else None
+
+
 MAX_CONCURRENT_RPCS = 4096
 """The most calls the manager's server runs at once (admin and health calls are counted, never
 refused: `server.RequestLimit`); one more is answered RESOURCE_EXHAUSTED at once. A home runs tens;

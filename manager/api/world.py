@@ -45,8 +45,9 @@ from typing import Any, NoReturn
 import grpc
 
 from manager.api.errors import details_of, status_of
-from manager.api.runtime import call_wait_s, write_within
-from manager.errors import DeadlineExceeded, InvalidRequest, PermissionDenied, ResidencyError
+from manager.api.oip import check_class_claim
+from manager.api.runtime import authorization_of, call_wait_s, write_within
+from manager.errors import DeadlineExceeded, InvalidRequest, ResidencyError
 from manager.live import LiveManager
 from manager.live_sessions import SessionResumable
 from manager.units import format_duration, parse_keep_alive
@@ -182,23 +183,17 @@ class WorldSessionServicer(pb_grpc.WorldSessionServicer):
 
     def _may_ask(self, st: pb.WorldStart, context: Any) -> None:
         """PermissionDenied for a start whose `class_name` is above its model's own while the service
-        has an admin token the call does not carry (as a ModelInfer request's, `InferenceServicer`)."""
-        admin = self.admin
-        if admin is None or not st.class_name:
+        has an admin token the call does not carry (`check_class_claim`, as a ModelInfer request's)."""
+        if self.admin is None or not st.class_name:
+            return
+        m = self.manager.engine.models.get(st.model)
+        if m is None:  # (an unknown model is refused by the open, naming it)
             return
         classes = [c.name for c in self.manager.config.classes]
-        if st.class_name not in classes:
-            return  # (an unknown class or model is refused by the open, naming it)
-        m = self.manager.engine.models.get(st.model)
-        if m is None or classes.index(st.class_name) >= m.rank:
-            return
-        got = dict(context.invocation_metadata() or ()).get("authorization")
-        if not admin(got if isinstance(got, str) else ""):
-            raise PermissionDenied(
-                f"model {m.name!r}: class {st.class_name!r} is above its own ({classes[m.rank]!r}); a "
-                "session asks a higher class only with the admin token (authorization: Bearer <token>): "
-                "send it, or leave start.class_name empty"
-            )
+        check_class_claim(
+            self.admin, classes, m, st.class_name, authorization_of(context), "a session",
+            "leave start.class_name empty",
+        )  # fmt: skip
 
     async def _next(
         self, it: AsyncIterator[pb.WorldInput], idle: Callable[[], float | None] | None = None
